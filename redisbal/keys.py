@@ -1,0 +1,123 @@
+"""Every Redis key and channel of a deployment, and the name checks that guard them.
+
+All keys of one deployment share the hash tag ``{<deployment>}`` so that they
+live in one Redis Cluster slot: the Lua scripts touch several of them at once,
+and a script may only touch keys of one slot. No key is ever built from a name
+that has not passed :func:`check_name` first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "redisbal"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit"
+
+
+class InvalidName(ValueError):
+    """A deployment or engine name that cannot be used in a Redis key."""
+
+
+def check_name(value: object, what: str) -> str:
+    """Return ``value`` if it is a valid deployment/engine name, else raise InvalidName.
+
+    Braces would break the hash tag, spaces and control characters make keys
+    unreadable in redis-cli, and an unbounded length makes every key unbounded.
+    """
+    if not isinstance(value, str):
+        raise InvalidName(f"{what} must be a string, got {type(value).__name__}: {value!r}")
+    if not NAME_RE.match(value):
+        raise InvalidName(f"invalid {what} {value!r}: use {NAME_RULE}")
+    return value
+
+
+@dataclass(frozen=True)
+class DeploymentKeys:
+    """Names of all keys and the snapshot channel of one deployment."""
+
+    deployment: str
+
+    def __post_init__(self) -> None:
+        check_name(self.deployment, "deployment")
+
+    def key(self, suffix: str) -> str:
+        return f"{PREFIX}:{{{self.deployment}}}:{suffix}"
+
+    @property
+    def config(self) -> str:
+        """HASH: settings written by the coordinator (dead_after_ms, stall_ms, ...)."""
+        return self.key("config")
+
+    @property
+    def epoch(self) -> str:
+        """STRING: id of the current state generation; a new one means state was lost."""
+        return self.key("epoch")
+
+    @property
+    def members(self) -> str:
+        """ZSET engine -> server time (ms) of its last report: liveness."""
+        return self.key("members")
+
+    @property
+    def barrier(self) -> str:
+        """ZSET engine -> (wave, step) score of its latest report: barrier members only."""
+        return self.key("barrier")
+
+    @property
+    def reports(self) -> str:
+        """HASH engine -> its recent accepted reports, newest first (see lua/common.lua)."""
+        return self.key("reports")
+
+    @property
+    def meta(self) -> str:
+        """HASH: published step, version, barrier start, counters."""
+        return self.key("meta")
+
+    @property
+    def snapshot(self) -> str:
+        """STRING: the latest published snapshot (JSON)."""
+        return self.key("snapshot")
+
+    @property
+    def channel(self) -> str:
+        """Pub/sub channel on which every snapshot is published."""
+        return self.key("snapshots")
+
+    @property
+    def lease(self) -> str:
+        """STRING: id of the coordinator holding the lease (with a TTL)."""
+        return self.key("lease")
+
+    @property
+    def fence(self) -> str:
+        """STRING: fencing counter, incremented at every lease takeover."""
+        return self.key("fence")
+
+    @property
+    def compat(self) -> str:
+        """STRING: latest vLLM-compatible view (baseline policies in the benchmark)."""
+        return self.key("compat")
+
+    @property
+    def compat_channel(self) -> str:
+        """Pub/sub channel for the vLLM-compatible view."""
+        return self.key("compat-snapshots")
+
+    def script_keys(self) -> list[str]:
+        """KEYS of the barrier scripts, in the order their headers list them."""
+        return [
+            self.config,
+            self.epoch,
+            self.members,
+            self.barrier,
+            self.reports,
+            self.meta,
+            self.snapshot,
+            self.channel,
+        ]
+
+    def all_keys(self) -> list[str]:
+        """Every key the deployment may own (for cleanup and tests)."""
+        return [*self.script_keys()[:-1], self.lease, self.fence, self.compat]

@@ -1,0 +1,423 @@
+"""Routing state and policies: pure logic, no I/O, so route() costs microseconds.
+
+``RouterCore`` holds what one API server knows: the latest snapshot's counts
+per engine, and its own bookkeeping per engine (routed, in flight, and the
+routes the snapshot does not contain yet: "pending"). A ``Policy`` turns that
+into a choice.
+
+Pending is reconciled with each snapshot, never simply wiped:
+- exactly, when engines report ``admitted`` (cumulative requests received per
+  API-server index): pending = routed - admitted[client_index];
+- otherwise by time: routes made before the report's time (less a transit
+  allowance) are taken to be in it.
+So a snapshot that predates recent routes loses no bookkeeping, and one that
+includes them does not count them twice.
+
+Policies (``POLICIES``): ``redisbal`` (the default), and the baselines that the
+benchmark compares it with: ``random``, ``round-robin``, ``vllm-pre``,
+``vllm-21617``, ``vllm-latest``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from redisbal.snapshot import Snapshot
+
+
+class NoEngines(RuntimeError):
+    """No engine is known yet: nothing to route to."""
+
+
+class UnknownEngine(ValueError):
+    """A pinned engine that is not (or no longer) in the deployment."""
+
+
+@dataclass(slots=True)
+class Decision:
+    """One routing decision; pass it back to ``finished()`` when the request ends."""
+
+    engine_id: str
+    client_index: int
+    seq: int
+    version: int  # snapshot version the decision was made on (0: none yet)
+    degraded: bool  # made without a fresh snapshot (Redis gone or feed stale)
+    pinned: bool = False
+    done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class EngineView:
+    """One engine as this router sees it."""
+
+    engine_id: str
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float | None = None
+    routed: int = 0  # cumulative routes by this router
+    inflight: int = 0  # routed and not finished
+    pending: int = 0  # routed and not yet in the snapshot
+    exact: bool = False  # pending reconciled from admitted counts
+    times: deque[float] = field(default_factory=deque)  # route times (time-based pending)
+    gen: int = 0  # heap entry generation
+    # vLLM baselines keep their own mutable copy of (waiting, running)
+    vw: float = 0.0
+    vr: float = 0.0
+
+
+class Policy:
+    """Chooses an engine from a RouterCore. Subclasses keep any derived state."""
+
+    name = ""
+
+    def reset(self, core: RouterCore) -> None:
+        """Called after the engine set or the snapshot changed."""
+
+    def pick(self, core: RouterCore) -> EngineView:
+        raise NotImplementedError
+
+    def routed(self, core: RouterCore, eng: EngineView) -> None:
+        """Called after a route to eng (pinned or not) was recorded."""
+
+    def finished(self, core: RouterCore, eng: EngineView) -> None:
+        """Called after a request on eng finished."""
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def pick(self, core: RouterCore) -> EngineView:
+        return core.engines[int(core.rng.random() * len(core.engines))]
+
+
+class RoundRobinPolicy(Policy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self.next = -1
+
+    def pick(self, core: RouterCore) -> EngineView:
+        n = len(core.engines)
+        if self.next < 0:  # staggered start so that routers do not move in step
+            self.next = (core.client_index * n) // max(core.client_count, 1)
+        eng = core.engines[self.next % n]
+        self.next = (self.next + 1) % n
+        return eng
+
+
+class VllmPrePolicy(Policy):
+    """vLLM before PR 21617: latest counts replace the view at every push; score
+    waiting*4 + running; lowest index wins ties; +1 waiting locally per route."""
+
+    name = "vllm-pre"
+    bump_by_client_count = False
+    staggered = False
+
+    def reset(self, core: RouterCore) -> None:
+        for e in core.engines:
+            e.vw, e.vr = float(e.waiting), float(e.running)
+
+    def start_index(self, core: RouterCore) -> int:
+        return 0
+
+    def score(self, core: RouterCore, e: EngineView) -> float:
+        return e.vw * 4 + e.vr
+
+    def pick(self, core: RouterCore) -> EngineView:
+        engines = core.engines
+        n = len(engines)
+        start = self.start_index(core)
+        best, best_score = engines[start % n], float("inf")
+        for i in range(n):
+            e = engines[(start + i) % n]
+            s = self.score(core, e)
+            if s < best_score:
+                best, best_score = e, s
+        return best
+
+    def routed(self, core: RouterCore, eng: EngineView) -> None:
+        eng.vw += core.client_count if self.bump_by_client_count else 1
+
+
+class Vllm21617Policy(VllmPrePolicy):
+    """vLLM PR 21617: step-buffered snapshots (the transport's job), +client_count
+    locally per route, scan starting at a per-client staggered index."""
+
+    name = "vllm-21617"
+    bump_by_client_count = True
+
+    def start_index(self, core: RouterCore) -> int:
+        return (len(core.engines) * core.client_index) // max(core.client_count, 1)
+
+
+class VllmLatestPolicy(Vllm21617Policy):
+    """vLLM after PRs 22910, 41626, 47420, 49204, 52936: an in-flight floor
+    max(client_count * inflight, waiting + running) that a snapshot cannot erase,
+    a KV-pressure penalty waiting * 6 * max(0, kv - 0.5), and a tie-break start
+    index that rotates at every call."""
+
+    name = "vllm-latest"
+
+    def __init__(self) -> None:
+        self.rotation = 0
+
+    def start_index(self, core: RouterCore) -> int:
+        self.rotation += 1
+        return super().start_index(core) + self.rotation
+
+    def score(self, core: RouterCore, e: EngineView) -> float:
+        load = e.vw + e.vr
+        floor = core.client_count * e.inflight
+        waiting = e.vw + max(0.0, floor - load)
+        s = waiting * 4 + e.vr
+        if e.kv_usage is not None and e.kv_usage > 0.5:
+            s += e.vw * 6 * (e.kv_usage - 0.5)
+        return s
+
+
+class RedisbalPolicy(Policy):
+    """The default: join-the-shortest-queue on the snapshot's load plus this
+    router's pending routes scaled by its estimated share of all traffic.
+
+    score = waiting + running + pending / share
+
+    share is estimated from the engines' admitted counts (this router's part of
+    all requests admitted lately), falling back to 1 / client_count. Ties are
+    broken uniformly at random. A heap keeps route() O(log N).
+    """
+
+    name = "redisbal"
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, float, int, EngineView]] = []
+
+    def score(self, core: RouterCore, e: EngineView) -> float:
+        return e.waiting + e.running + e.pending * core.pending_weight
+
+    def _push(self, core: RouterCore, e: EngineView) -> None:
+        e.gen += 1
+        heapq.heappush(self.heap, (self.score(core, e), core.rng.random(), e.gen, e))
+
+    def reset(self, core: RouterCore) -> None:
+        rnd = core.rng.random
+        heap = []
+        for e in core.engines:
+            e.gen += 1
+            heap.append((self.score(core, e), rnd(), e.gen, e))
+        heapq.heapify(heap)
+        self.heap = heap
+
+    def pick(self, core: RouterCore) -> EngineView:
+        heap = self.heap
+        while heap:
+            _, _, gen, e = heap[0]
+            if gen == e.gen:
+                return e
+            heapq.heappop(heap)
+        self.reset(core)
+        return self.heap[0][3]
+
+    def routed(self, core: RouterCore, eng: EngineView) -> None:
+        if self.heap and self.heap[0][3] is eng:
+            eng.gen += 1
+            heapq.heapreplace(self.heap, (self.score(core, eng), core.rng.random(), eng.gen, eng))
+        else:
+            self._push(core, eng)
+        if len(self.heap) > 4 * len(core.engines) + 64:
+            self.reset(core)
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "redisbal": RedisbalPolicy,
+    "random": RandomPolicy,
+    "round-robin": RoundRobinPolicy,
+    "vllm-pre": VllmPrePolicy,
+    "vllm-21617": Vllm21617Policy,
+    "vllm-latest": VllmLatestPolicy,
+}
+DEFAULT_POLICY = "redisbal"
+
+
+def make_policy(name: str | Policy) -> Policy:
+    if isinstance(name, Policy):
+        return name
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+
+
+class RouterCore:
+    """One API server's routing state. Thread-safe; no I/O."""
+
+    def __init__(
+        self, client_index: int = 0, client_count: int = 1, policy: str | Policy = DEFAULT_POLICY,
+        *, stale_after_s: float = 5.0, transit_s: float = 0.005, share_halflife: int = 2000,
+        clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+    ) -> None:
+        if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
+            raise ValueError(f"client_count must be a whole number >= 1, got {client_count!r}")
+        if isinstance(client_index, bool) or not isinstance(client_index, int) \
+                or not 0 <= client_index < client_count:
+            raise ValueError(
+                f"client_index must be in 0..{client_count - 1}, got {client_index!r}")
+        self.client_index = client_index
+        self.client_count = client_count
+        self.policy = make_policy(policy)
+        self.stale_after_s = stale_after_s
+        self.transit_s = transit_s
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.lock = threading.Lock()
+        self.engines: list[EngineView] = []
+        self.by_id: dict[str, EngineView] = {}
+        self.snapshot: Snapshot | None = None
+        self.snapshot_at = float("-inf")  # local clock when the snapshot was applied
+        self.connected = False
+        self.seq = itertools.count(1)
+        # share of traffic: EWMA of (mine, all) admitted deltas
+        self.share = 1.0 / client_count
+        self._adm_totals: tuple[int, int] | None = None
+        self._share_halflife = share_halflife
+        self.pending_weight = float(client_count)
+        self.counters = {"routes": 0, "degraded_routes": 0, "pinned": 0, "snapshots": 0,
+                         "ignored_old": 0, "epochs": 0}
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        """True when routing without a fresh snapshot (none yet, stale, or feed down)."""
+        return (not self.connected or self.snapshot is None
+                or self.clock() - self.snapshot_at > self.stale_after_s)
+
+    def set_engines(self, engine_ids: Iterable[str]) -> None:
+        """Known engines before any snapshot (e.g. the members set): start balanced."""
+        with self.lock:
+            if self.snapshot is not None:
+                return
+            self._set_engines(list(engine_ids))
+            self.policy.reset(self)
+
+    def _set_engines(self, ids: list[str]) -> None:
+        old = self.by_id
+        self.by_id = {i: old.get(i) or EngineView(i) for i in ids}
+        self.engines = list(self.by_id.values())
+
+    def accepts(self, snap: Snapshot) -> bool:
+        """Whether snap is newer than ours (or of a new epoch)."""
+        cur = self.snapshot
+        return cur is None or snap.epoch != cur.epoch or snap.version > cur.version
+
+    def apply_snapshot(self, snap: Snapshot) -> bool:
+        """Adopt snap unless it is older than ours within the same epoch (invariant 4)."""
+        with self.lock:
+            cur = self.snapshot
+            if not self.accepts(snap):
+                self.counters["ignored_old"] += 1
+                return False
+            if cur is not None and snap.epoch != cur.epoch:
+                self.counters["epochs"] += 1
+            now = self.clock()
+            self.snapshot, self.snapshot_at = snap, now
+            self.counters["snapshots"] += 1
+            self._set_engines(list(snap.engines))
+            ci = self.client_index
+            mine = total = 0
+            exact = False
+            for e in self.engines:
+                c = snap.engines[e.engine_id]
+                e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
+                adm = c.admitted
+                if adm is not None:
+                    got = adm[ci] if ci < len(adm) else 0
+                    e.pending = max(0, e.routed - got)
+                    e.exact = exact = True
+                    e.times.clear()
+                    mine += got
+                    total += sum(adm)
+                else:
+                    cutoff = now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s
+                    times = e.times
+                    while times and times[0] <= cutoff:
+                        times.popleft()
+                    e.pending = len(times)
+                    e.exact = False
+            if exact:
+                self._update_share(mine, total)
+            self.policy.reset(self)
+            return True
+
+    def _update_share(self, mine: int, total: int) -> None:
+        prev = self._adm_totals
+        self._adm_totals = (mine, total)
+        if prev is None or total < prev[1] or mine < prev[0]:
+            return
+        d_mine, d_total = mine - prev[0], total - prev[1]
+        if d_total <= 0:
+            return
+        alpha = min(1.0, d_total / self._share_halflife)
+        self.share += alpha * (d_mine / d_total - self.share)
+        # never trust a share below a tenth of an equal one: bounds the estimate's error
+        self.share = min(1.0, max(self.share, 0.1 / self.client_count))
+        self.pending_weight = 1.0 / self.share
+
+    # -- hot path --------------------------------------------------------------------------------
+
+    def route(self, engine_id: str | None = None) -> Decision:
+        """Pick an engine (or take the pinned one) and record the route. No I/O."""
+        with self.lock:
+            if not self.engines:
+                raise NoEngines(
+                    "no engine known yet: wait for the first snapshot (router.start(wait=...)) "
+                    "or check that engines report to this deployment")
+            if engine_id is None:
+                eng = self.policy.pick(self)
+                pinned = False
+            else:
+                eng = self.by_id.get(engine_id)  # type: ignore[assignment]
+                if eng is None:
+                    snap = self.snapshot
+                    why = (f"it {snap.gone[engine_id]}" if snap and engine_id in snap.gone
+                           else "it is not in the current snapshot")
+                    raise UnknownEngine(f"cannot pin to engine {engine_id!r}: {why}; "
+                                        f"live engines: {', '.join(self.by_id) or 'none'}")
+                pinned = True
+                self.counters["pinned"] += 1
+            eng.routed += 1
+            eng.inflight += 1
+            eng.pending += 1
+            if not eng.exact:
+                eng.times.append(self.clock())
+            self.policy.routed(self, eng)
+            degraded = self.degraded
+            self.counters["routes"] += 1
+            if degraded:
+                self.counters["degraded_routes"] += 1
+            snap = self.snapshot
+            return Decision(eng.engine_id, self.client_index, next(self.seq),
+                            snap.version if snap else 0, degraded, pinned)
+
+    def finished(self, decision: Decision) -> None:
+        """The request of ``decision`` ended (idempotent)."""
+        with self.lock:
+            if decision.done:
+                return
+            decision.done = True
+            eng = self.by_id.get(decision.engine_id)
+            if eng is not None and eng.inflight > 0:
+                eng.inflight -= 1
+                self.policy.finished(self, eng)
+
+    def loads(self) -> dict[str, float]:
+        """Each engine's estimated load as this router sees it (for status/debug)."""
+        with self.lock:
+            w = self.pending_weight
+            return {e.engine_id: e.waiting + e.running + e.pending * w for e in self.engines}

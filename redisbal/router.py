@@ -1,0 +1,274 @@
+"""API-server side: keep the latest snapshot and route every request locally.
+
+The feed subscribes to the deployment's snapshot channel and GETs the stored
+snapshot after every (re)subscribe and every ``poll_s`` (pub/sub drops
+messages across disconnects). Older versions within an epoch are ignored; a
+new epoch is adopted whatever its version. ``route()`` only touches local
+state (``RouterCore``): it never waits on Redis, and with Redis gone it keeps
+routing and flags its decisions ``degraded``.
+
+``AsyncRouter`` runs the feed as an asyncio task. ``Router`` is its blocking
+twin: the same feed, on an event loop in a background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+from typing import Any
+
+import redis.exceptions
+
+from redisbal.connection import is_cluster, make_client, redact
+from redisbal.keys import DeploymentKeys, check_name
+from redisbal.policies import DEFAULT_POLICY, Decision, Policy, RouterCore
+from redisbal.snapshot import Snapshot
+
+log = logging.getLogger("redisbal.router")
+FEED_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+               redis.exceptions.ResponseError)
+
+
+class AsyncRouter:
+    """Routes requests for one API server of a deployment (asyncio).
+
+    ``client_index`` / ``client_count`` say which of how many API servers this
+    is. ``policy`` is a name from ``redisbal.policies.POLICIES`` or a Policy.
+    ``channel`` / ``snapshot_key`` override where snapshots come from (the
+    benchmark feeds baseline policies from a vLLM-timed channel).
+    """
+
+    def __init__(
+        self, redis_url: str | None = None, deployment: str = "default", client_index: int = 0,
+        client_count: int = 1, *, policy: str | Policy = DEFAULT_POLICY, client: Any = None,
+        stale_after_s: float = 5.0, poll_s: float = 1.0, engines: list[str] | None = None,
+        channel: str | None = None, snapshot_key: str | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.keys = DeploymentKeys(check_name(deployment, "deployment"))
+        self.core = RouterCore(client_index, client_count, policy,
+                               stale_after_s=stale_after_s, rng=rng)
+        if engines:
+            self.core.set_engines([check_name(e, "engine_id") for e in engines])
+        if client is None and not redis_url:
+            raise ValueError("give a redis_url (or client=)")
+        self._url = redis_url
+        self._client = client
+        self._owns_client = client is None
+        self.url = redact(redis_url or "")
+        self.poll_s = poll_s
+        self.channel = channel or self.keys.channel
+        self.snapshot_key = snapshot_key or self.keys.snapshot
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._first = asyncio.Event()
+        self._attempted = asyncio.Event()  # the feed's first connection attempt ended
+        self.last_error: str | None = None
+
+    # -- public surface ---------------------------------------------------------------------------
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The latest adopted snapshot, or None before the first."""
+        return self.core.snapshot
+
+    @property
+    def degraded(self) -> bool:
+        return self.core.degraded
+
+    @property
+    def client_index(self) -> int:
+        return self.core.client_index
+
+    def route(self, engine_id: str | None = None) -> Decision:
+        """Choose an engine (or pin ``engine_id``) for one request. Never does I/O."""
+        return self.core.route(engine_id)
+
+    def finished(self, decision: Decision) -> None:
+        """Tell the router the request of ``decision`` ended."""
+        self.core.finished(decision)
+
+    async def start(self, wait: float = 0.0) -> None:
+        """Start the feed; with ``wait`` > 0, wait up to that long for a first snapshot.
+
+        With Redis unreachable this still returns (routing is degraded until the
+        feed connects; it keeps retrying).
+        """
+        if self._task is not None:
+            return
+        if self._client is None:
+            self._client = make_client(self._url or "", asyncio=True, socket_connect_timeout=1.0,
+                                       socket_timeout=5.0, health_check_interval=10)
+        self._task = asyncio.get_running_loop().create_task(self._feed())
+        # learn the engines (members, stored snapshot) before the first route if Redis is up
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._attempted.wait(), 2.0)
+        if wait > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._first.wait(), wait)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._owns_client and self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncRouter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- feed -------------------------------------------------------------------------------------
+
+    def _apply(self, data: bytes | str | None) -> None:
+        if not data:
+            return
+        try:
+            snap = Snapshot.from_json(data)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("router: ignoring malformed snapshot: %s", exc)
+            return
+        cur = self.core.snapshot
+        if self.core.apply_snapshot(snap):
+            if cur is not None and cur.epoch != snap.epoch:
+                log.warning("router %d: new epoch %s (was %s): Redis state was reset; resynced",
+                            self.core.client_index, snap.epoch, cur.epoch)
+            self._first.set()
+
+    async def _fetch(self) -> None:
+        self._apply(await self._client.get(self.snapshot_key))
+
+    async def _known_engines(self) -> None:
+        if self.core.snapshot is None and not self.core.engines:
+            ids = await self._client.zrange(self.keys.members, 0, -1)
+            if ids:
+                self.core.set_engines(sorted(i.decode() if isinstance(i, bytes) else i
+                                             for i in ids))
+
+    async def _feed(self) -> None:
+        backoff = 0.05
+        sharded = False
+        while not self._closed:
+            pubsub = None
+            try:
+                if is_cluster(self._client):
+                    sharded = await self._cluster_sharded()
+                pubsub = self._client.pubsub()
+                if sharded:
+                    await pubsub.ssubscribe(self.channel)
+                else:
+                    await pubsub.subscribe(self.channel)
+                # wait for the subscription to be confirmed before the GET, so that
+                # nothing published in between is lost
+                while await pubsub.get_message(timeout=1.0) is None:
+                    pass
+                await self._known_engines()
+                await self._fetch()
+                self.core.connected = True
+                self._attempted.set()
+                self.last_error = None
+                backoff = 0.05
+                loop = asyncio.get_running_loop()
+                next_poll = loop.time() + self.poll_s
+                while not self._closed:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                   timeout=min(self.poll_s, 0.5))
+                    if msg is not None and msg.get("type") in ("message", "smessage"):
+                        self._apply(msg["data"])
+                    if loop.time() >= next_poll:
+                        await self._fetch()
+                        next_poll = loop.time() + self.poll_s
+            except asyncio.CancelledError:
+                raise
+            except FEED_ERRORS as exc:
+                self.core.connected = False
+                if self.last_error is None:
+                    log.warning("router %d: snapshot feed lost (%s: %s); routing on local state",
+                                self.core.client_index, type(exc).__name__, redact(str(exc)))
+                self.last_error = f"{type(exc).__name__}: {redact(str(exc))}"
+                self._attempted.set()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+        self.core.connected = False
+
+    async def _cluster_sharded(self) -> bool:
+        info = await self._client.info("server", target_nodes=self._client.get_random_node())
+        major = int(str(info.get("redis_version", "6")).split(".")[0])
+        return major >= 7
+
+
+class Router:
+    """Blocking twin of AsyncRouter: the feed runs on a background thread.
+
+    ``route()`` / ``finished()`` are plain calls on local state and thread-safe.
+    """
+
+    def __init__(self, redis_url: str | None = None, deployment: str = "default",
+                 client_index: int = 0, client_count: int = 1, **kwargs: Any) -> None:
+        if kwargs.get("client") is not None:
+            raise ValueError("Router makes its own asyncio client on its thread; pass redis_url")
+        self._args = (redis_url, deployment, client_index, client_count)
+        self._kwargs = kwargs
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        # built on the caller's thread so that bad arguments raise here
+        self._inner = AsyncRouter(*self._args, **self._kwargs)
+
+    @property
+    def core(self) -> RouterCore:
+        return self._inner.core
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        return self._inner.snapshot
+
+    @property
+    def degraded(self) -> bool:
+        return self._inner.degraded
+
+    def route(self, engine_id: str | None = None) -> Decision:
+        return self._inner.route(engine_id)
+
+    def finished(self, decision: Decision) -> None:
+        self._inner.finished(decision)
+
+    def start(self, wait: float = 0.0) -> None:
+        """Start the feed thread; with ``wait`` > 0, wait that long for a first snapshot."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="redisbal-router-feed")
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self._inner.start(wait), self._loop)
+        fut.result(timeout=wait + 10)
+
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._inner.aclose(), self._loop)
+        with contextlib.suppress(Exception):
+            fut.result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+        self._thread = None
+
+    def __enter__(self) -> Router:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,72 @@
+"""The snapshot: a consistent cut of every engine's counts at one (wave, step).
+
+Published by the Lua barrier as JSON (built in Lua, parsed here with orjson).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounts:
+    """One engine's counts in a snapshot: its newest report at or before the cut."""
+
+    waiting: int
+    running: int
+    kv_usage: float | None
+    wave: int
+    step: int
+    reported_ms: int
+    # cumulative requests received from each API-server index (None: not reported)
+    admitted: tuple[int, ...] | None = None
+
+    @property
+    def load(self) -> int:
+        return self.waiting + self.running
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    deployment: str
+    epoch: str
+    version: int
+    wave: int
+    step: int
+    forced: bool
+    laggards: dict[str, int]  # engine -> age (ms) of its last report, forced only
+    gone: dict[str, str]  # engines removed since the previous snapshot -> "expired"/"left"
+    joining: tuple[str, ...]  # joined ahead of this cut: in the next snapshot
+    time_ms: int  # Redis server time at publication
+    engines: dict[str, EngineCounts] = field(default_factory=dict)
+    raw: bytes = b""
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Snapshot:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        d: dict[str, Any] = orjson.loads(raw)
+        engines = {
+            e: EngineCounts(
+                waiting=c["waiting"], running=c["running"], kv_usage=c["kv"],
+                wave=c["wave"], step=c["step"], reported_ms=c["t"],
+                admitted=tuple(c["adm"]) if "adm" in c else None,
+            )
+            for e, c in d["engines"].items()
+        }
+        return cls(
+            deployment=d["deployment"], epoch=d["epoch"], version=d["version"],
+            wave=d["wave"], step=d["step"], forced=d["forced"], laggards=d["laggards"],
+            gone=d["gone"], joining=tuple(d["joining"]), time_ms=d["time_ms"],
+            engines=engines, raw=raw,
+        )
+
+    @property
+    def cut(self) -> tuple[int, int]:
+        return (self.wave, self.step)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = orjson.loads(self.raw) if self.raw else {}
+        return out
