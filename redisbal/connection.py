@@ -17,8 +17,15 @@ from typing import Any
 from urllib.parse import parse_qs, unquote
 
 DEFAULT_URL_ENV = "REDISBAL_REDIS_URL"
-_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel",
-            "redis+cluster", "rediss+cluster")
+_SCHEMES = (
+    "redis",
+    "rediss",
+    "unix",
+    "redis+sentinel",
+    "rediss+sentinel",
+    "redis+cluster",
+    "rediss+cluster",
+)
 
 
 class BadRedisURL(ValueError):
@@ -81,9 +88,17 @@ def parse_url(url: str) -> RedisTarget:
     service = path.strip("/")
     if kind == "sentinel" and not service:
         raise BadRedisURL(f"{redact(url)!r} names no service: add /<service_name>")
-    return RedisTarget(url=url, kind=kind, hosts=tuple(hosts), service=service,
-                       username=username, password=password, db=db, tls=base == "rediss",
-                       options=opts)
+    return RedisTarget(
+        url=url,
+        kind=kind,
+        hosts=tuple(hosts),
+        service=service,
+        username=username,
+        password=password,
+        db=db,
+        tls=base == "rediss",
+        options=opts,
+    )
 
 
 def default_url() -> str | None:
@@ -116,20 +131,29 @@ def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
     auth = {"username": t.username, "password": t.password}
     if t.kind == "cluster":
         from redis.cluster import ClusterNode
+
         if asyncio:
             from redis.asyncio.cluster import ClusterNode as AClusterNode
+
             nodes = [AClusterNode(h, p) for h, p in t.hosts]
         else:
             nodes = [ClusterNode(h, p) for h, p in t.hosts]
         return RedisCluster(startup_nodes=nodes, **auth, **_tls_kwargs(t), **kw)
-    sentinel_kw = {k[len("sentinel_"):]: v for k, v in t.options.items()
-                   if k in ("sentinel_username", "sentinel_password")}
-    sentinel = Sentinel(list(t.hosts), sentinel_kwargs=sentinel_kw or None,
-                        socket_timeout=kw.get("socket_timeout", 2.0))
+    sentinel_kw = {
+        k[len("sentinel_") :]: v
+        for k, v in t.options.items()
+        if k in ("sentinel_username", "sentinel_password")
+    }
+    sentinel = Sentinel(
+        list(t.hosts),
+        sentinel_kwargs=sentinel_kw or None,
+        socket_timeout=kw.get("socket_timeout", 2.0),
+    )
     return sentinel.master_for(t.service, db=t.db, **auth, **_tls_kwargs(t), **kw)
 
 
 def is_cluster(client: Any) -> bool:
     from redis.asyncio.cluster import RedisCluster as ARC
     from redis.cluster import RedisCluster as SRC
+
     return isinstance(client, SRC | ARC)

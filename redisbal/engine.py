@@ -68,8 +68,14 @@ def _count(name: str, value: object, hi: int = MAX_COUNT) -> int:
 
 
 def validate_report(
-    *, mode: str, step: int | None, waiting: int, running: int, wave: int,
-    kv_usage: float | None, admitted: Sequence[int] | None,
+    *,
+    mode: str,
+    step: int | None,
+    waiting: int,
+    running: int,
+    wave: int,
+    kv_usage: float | None,
+    admitted: Sequence[int] | None,
 ) -> list[str]:
     """Check one report and return ARGV[5..10] for report_8.lua."""
     if mode == "lockstep":
@@ -105,9 +111,16 @@ class _ReporterBase:
     """What both reporters share: names, validation, arguments, back-off, heartbeat state."""
 
     def __init__(
-        self, redis_url: str | None, deployment: str, engine_id: str, *,
-        mode: str = "lockstep", client: Any = None, heartbeat_s: float | None = None,
-        backoff_s: float = 0.2, asyncio: bool,
+        self,
+        redis_url: str | None,
+        deployment: str,
+        engine_id: str,
+        *,
+        mode: str = "lockstep",
+        client: Any = None,
+        heartbeat_s: float | None = None,
+        backoff_s: float = 0.2,
+        asyncio: bool,
     ) -> None:
         self.engine_id = check_name(engine_id, "engine_id")
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
@@ -116,8 +129,9 @@ class _ReporterBase:
         if client is None:
             if not redis_url:
                 raise ValueError("give a redis_url (or client=)")
-            client = make_client(redis_url, asyncio=asyncio, socket_connect_timeout=0.25,
-                                 socket_timeout=1.0)
+            client = make_client(
+                redis_url, asyncio=asyncio, socket_connect_timeout=0.25, socket_timeout=1.0
+            )
             self._owns_client = True
         else:
             self._owns_client = False
@@ -125,8 +139,9 @@ class _ReporterBase:
         self.client = client
         self.url = redact(redis_url or "")
         self.scripts = Scripts(client, self.keys, "SPUBLISH" if is_cluster(client) else "PUBLISH")
-        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else (
-            0.02 if mode == "tick" else 0.25)
+        self.heartbeat_s = (
+            heartbeat_s if heartbeat_s is not None else (0.02 if mode == "tick" else 0.25)
+        )
         self.backoff_s = backoff_s
         self._down_until = 0.0
         self._last_args: list[str] | None = None
@@ -145,16 +160,34 @@ class _ReporterBase:
 
     def _outage(self, exc: BaseException) -> ReportResult:
         if self.unavailable_count == 0 or time.monotonic() >= self._down_until:
-            log.warning("engine %s: Redis unavailable (%s): %s; will retry", self.engine_id,
-                        self.url, type(exc).__name__)
+            log.warning(
+                "engine %s: Redis unavailable (%s): %s; will retry",
+                self.engine_id,
+                self.url,
+                type(exc).__name__,
+            )
         self.unavailable_count += 1
         self._down_until = time.monotonic() + self.backoff_s
         return ReportResult("unavailable")
 
-    def _prepare(self, step: int | None, waiting: int, running: int, wave: int,
-                 kv_usage: float | None, admitted: Sequence[int] | None) -> list[str]:
-        args = validate_report(mode=self.mode, step=step, waiting=waiting, running=running,
-                               wave=wave, kv_usage=kv_usage, admitted=admitted)
+    def _prepare(
+        self,
+        step: int | None,
+        waiting: int,
+        running: int,
+        wave: int,
+        kv_usage: float | None,
+        admitted: Sequence[int] | None,
+    ) -> list[str]:
+        args = validate_report(
+            mode=self.mode,
+            step=step,
+            waiting=waiting,
+            running=running,
+            wave=wave,
+            kv_usage=kv_usage,
+            admitted=admitted,
+        )
         self._last_args = args
         return args
 
@@ -167,18 +200,35 @@ class EngineReporter(_ReporterBase):
     tick in tick mode), so an idle engine stays alive and never holds the barrier.
     """
 
-    def __init__(self, redis_url: str | None = None, deployment: str = "default",
-                 engine_id: str = "0", *, mode: str = "lockstep", client: Any = None,
-                 heartbeat: bool = True, heartbeat_s: float | None = None,
-                 backoff_s: float = 0.2) -> None:
-        super().__init__(redis_url, deployment, engine_id, mode=mode, client=client,
-                         heartbeat_s=heartbeat_s, backoff_s=backoff_s, asyncio=False)
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        deployment: str = "default",
+        engine_id: str = "0",
+        *,
+        mode: str = "lockstep",
+        client: Any = None,
+        heartbeat: bool = True,
+        heartbeat_s: float | None = None,
+        backoff_s: float = 0.2,
+    ) -> None:
+        super().__init__(
+            redis_url,
+            deployment,
+            engine_id,
+            mode=mode,
+            client=client,
+            heartbeat_s=heartbeat_s,
+            backoff_s=backoff_s,
+            asyncio=False,
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if heartbeat:
-            self._thread = threading.Thread(target=self._heartbeat, daemon=True,
-                                            name=f"redisbal-heartbeat-{engine_id}")
+            self._thread = threading.Thread(
+                target=self._heartbeat, daemon=True, name=f"redisbal-heartbeat-{engine_id}"
+            )
             self._thread.start()
 
     def register(self) -> bool:
@@ -189,9 +239,16 @@ class EngineReporter(_ReporterBase):
             self._outage(exc)
             return False
 
-    def report(self, step: int | None = None, waiting: int = 0, running: int = 0, wave: int = 0,
-               *, kv_usage: float | None = None,
-               admitted: Sequence[int] | None = None) -> ReportResult:
+    def report(
+        self,
+        step: int | None = None,
+        waiting: int = 0,
+        running: int = 0,
+        wave: int = 0,
+        *,
+        kv_usage: float | None = None,
+        admitted: Sequence[int] | None = None,
+    ) -> ReportResult:
         """Record counts for (wave, step); returns whether it was accepted or stale."""
         args = self._prepare(step, waiting, running, wave, kv_usage, admitted)
         return self._send(args)
@@ -243,12 +300,28 @@ class AsyncEngineReporter(_ReporterBase):
     counts win), which is what an engine loop that must not wait wants.
     """
 
-    def __init__(self, redis_url: str | None = None, deployment: str = "default",
-                 engine_id: str = "0", *, mode: str = "lockstep", client: Any = None,
-                 heartbeat: bool = True, heartbeat_s: float | None = None,
-                 backoff_s: float = 0.2) -> None:
-        super().__init__(redis_url, deployment, engine_id, mode=mode, client=client,
-                         heartbeat_s=heartbeat_s, backoff_s=backoff_s, asyncio=True)
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        deployment: str = "default",
+        engine_id: str = "0",
+        *,
+        mode: str = "lockstep",
+        client: Any = None,
+        heartbeat: bool = True,
+        heartbeat_s: float | None = None,
+        backoff_s: float = 0.2,
+    ) -> None:
+        super().__init__(
+            redis_url,
+            deployment,
+            engine_id,
+            mode=mode,
+            client=client,
+            heartbeat_s=heartbeat_s,
+            backoff_s=backoff_s,
+            asyncio=True,
+        )
         self._heartbeat_enabled = heartbeat
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -257,22 +330,37 @@ class AsyncEngineReporter(_ReporterBase):
 
     async def register(self) -> bool:
         try:
-            return int(await self.scripts.call("register", secrets.token_hex(8),
-                                               self.engine_id)) == 1
+            return (
+                int(await self.scripts.call("register", secrets.token_hex(8), self.engine_id)) == 1
+            )
         except OUTAGE_ERRORS as exc:
             self._outage(exc)
             return False
 
-    async def report(self, step: int | None = None, waiting: int = 0, running: int = 0,
-                     wave: int = 0, *, kv_usage: float | None = None,
-                     admitted: Sequence[int] | None = None) -> ReportResult:
+    async def report(
+        self,
+        step: int | None = None,
+        waiting: int = 0,
+        running: int = 0,
+        wave: int = 0,
+        *,
+        kv_usage: float | None = None,
+        admitted: Sequence[int] | None = None,
+    ) -> ReportResult:
         args = self._prepare(step, waiting, running, wave, kv_usage, admitted)
         self._ensure_task()
         return await self._send(args)
 
-    def report_nowait(self, step: int | None = None, waiting: int = 0, running: int = 0,
-                      wave: int = 0, *, kv_usage: float | None = None,
-                      admitted: Sequence[int] | None = None) -> None:
+    def report_nowait(
+        self,
+        step: int | None = None,
+        waiting: int = 0,
+        running: int = 0,
+        wave: int = 0,
+        *,
+        kv_usage: float | None = None,
+        admitted: Sequence[int] | None = None,
+    ) -> None:
         """Queue counts for sending (latest wins); validates now, sends in the background."""
         self._pending = self._prepare(step, waiting, running, wave, kv_usage, admitted)
         self._ensure_task()
@@ -299,8 +387,12 @@ class AsyncEngineReporter(_ReporterBase):
                 await asyncio.wait_for(self._wake.wait(), self.heartbeat_s / 2)
             self._wake.clear()
             args, self._pending = self._pending, None
-            if args is None and self._heartbeat_enabled and self._last_args is not None \
-                    and time.monotonic() - self._last_sent >= self.heartbeat_s:
+            if (
+                args is None
+                and self._heartbeat_enabled
+                and self._last_args is not None
+                and time.monotonic() - self._last_sent >= self.heartbeat_s
+            ):
                 args = self._last_args
             if args is not None:
                 try:

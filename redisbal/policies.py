@@ -258,16 +258,25 @@ class RouterCore:
     """One API server's routing state. Thread-safe; no I/O."""
 
     def __init__(
-        self, client_index: int = 0, client_count: int = 1, policy: str | Policy = DEFAULT_POLICY,
-        *, stale_after_s: float = 5.0, transit_s: float = 0.005, share_halflife: int = 2000,
-        clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+        self,
+        client_index: int = 0,
+        client_count: int = 1,
+        policy: str | Policy = DEFAULT_POLICY,
+        *,
+        stale_after_s: float = 5.0,
+        transit_s: float = 0.005,
+        share_halflife: int = 2000,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
         if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
             raise ValueError(f"client_count must be a whole number >= 1, got {client_count!r}")
-        if isinstance(client_index, bool) or not isinstance(client_index, int) \
-                or not 0 <= client_index < client_count:
-            raise ValueError(
-                f"client_index must be in 0..{client_count - 1}, got {client_index!r}")
+        if (
+            isinstance(client_index, bool)
+            or not isinstance(client_index, int)
+            or not 0 <= client_index < client_count
+        ):
+            raise ValueError(f"client_index must be in 0..{client_count - 1}, got {client_index!r}")
         self.client_index = client_index
         self.client_count = client_count
         self.policy = make_policy(policy)
@@ -287,16 +296,25 @@ class RouterCore:
         self._adm_totals: tuple[int, int] | None = None
         self._share_halflife = share_halflife
         self.pending_weight = float(client_count)
-        self.counters = {"routes": 0, "degraded_routes": 0, "pinned": 0, "snapshots": 0,
-                         "ignored_old": 0, "epochs": 0}
+        self.counters = {
+            "routes": 0,
+            "degraded_routes": 0,
+            "pinned": 0,
+            "snapshots": 0,
+            "ignored_old": 0,
+            "epochs": 0,
+        }
 
     # -- state -------------------------------------------------------------------------------
 
     @property
     def degraded(self) -> bool:
         """True when routing without a fresh snapshot (none yet, stale, or feed down)."""
-        return (not self.connected or self.snapshot is None
-                or self.clock() - self.snapshot_at > self.stale_after_s)
+        return (
+            not self.connected
+            or self.snapshot is None
+            or self.clock() - self.snapshot_at > self.stale_after_s
+        )
 
     def set_engines(self, engine_ids: Iterable[str]) -> None:
         """Known engines before any snapshot (e.g. the members set): start balanced."""
@@ -377,7 +395,8 @@ class RouterCore:
             if not self.engines:
                 raise NoEngines(
                     "no engine known yet: wait for the first snapshot (router.start(wait=...)) "
-                    "or check that engines report to this deployment")
+                    "or check that engines report to this deployment"
+                )
             if engine_id is None:
                 eng = self.policy.pick(self)
                 pinned = False
@@ -385,10 +404,15 @@ class RouterCore:
                 eng = self.by_id.get(engine_id)  # type: ignore[assignment]
                 if eng is None:
                     snap = self.snapshot
-                    why = (f"it {snap.gone[engine_id]}" if snap and engine_id in snap.gone
-                           else "it is not in the current snapshot")
-                    raise UnknownEngine(f"cannot pin to engine {engine_id!r}: {why}; "
-                                        f"live engines: {', '.join(self.by_id) or 'none'}")
+                    why = (
+                        f"it {snap.gone[engine_id]}"
+                        if snap and engine_id in snap.gone
+                        else "it is not in the current snapshot"
+                    )
+                    raise UnknownEngine(
+                        f"cannot pin to engine {engine_id!r}: {why}; "
+                        f"live engines: {', '.join(self.by_id) or 'none'}"
+                    )
                 pinned = True
                 self.counters["pinned"] += 1
             eng.routed += 1
@@ -402,8 +426,14 @@ class RouterCore:
             if degraded:
                 self.counters["degraded_routes"] += 1
             snap = self.snapshot
-            return Decision(eng.engine_id, self.client_index, next(self.seq),
-                            snap.version if snap else 0, degraded, pinned)
+            return Decision(
+                eng.engine_id,
+                self.client_index,
+                next(self.seq),
+                snap.version if snap else 0,
+                degraded,
+                pinned,
+            )
 
     def finished(self, decision: Decision) -> None:
         """The request of ``decision`` ended (idempotent)."""

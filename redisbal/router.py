@@ -28,8 +28,12 @@ from redisbal.policies import DEFAULT_POLICY, Decision, Policy, RouterCore
 from redisbal.snapshot import Snapshot
 
 log = logging.getLogger("redisbal.router")
-FEED_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
-               redis.exceptions.ResponseError)
+FEED_ERRORS = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    OSError,
+    redis.exceptions.ResponseError,
+)
 
 
 class AsyncRouter:
@@ -42,15 +46,25 @@ class AsyncRouter:
     """
 
     def __init__(
-        self, redis_url: str | None = None, deployment: str = "default", client_index: int = 0,
-        client_count: int = 1, *, policy: str | Policy = DEFAULT_POLICY, client: Any = None,
-        stale_after_s: float = 5.0, poll_s: float = 1.0, engines: list[str] | None = None,
-        channel: str | None = None, snapshot_key: str | None = None,
+        self,
+        redis_url: str | None = None,
+        deployment: str = "default",
+        client_index: int = 0,
+        client_count: int = 1,
+        *,
+        policy: str | Policy = DEFAULT_POLICY,
+        client: Any = None,
+        stale_after_s: float = 5.0,
+        poll_s: float = 1.0,
+        engines: list[str] | None = None,
+        channel: str | None = None,
+        snapshot_key: str | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
-        self.core = RouterCore(client_index, client_count, policy,
-                               stale_after_s=stale_after_s, rng=rng)
+        self.core = RouterCore(
+            client_index, client_count, policy, stale_after_s=stale_after_s, rng=rng
+        )
         if engines:
             self.core.set_engines([check_name(e, "engine_id") for e in engines])
         if client is None and not redis_url:
@@ -100,8 +114,13 @@ class AsyncRouter:
         if self._task is not None:
             return
         if self._client is None:
-            self._client = make_client(self._url or "", asyncio=True, socket_connect_timeout=1.0,
-                                       socket_timeout=5.0, health_check_interval=10)
+            self._client = make_client(
+                self._url or "",
+                asyncio=True,
+                socket_connect_timeout=1.0,
+                socket_timeout=5.0,
+                health_check_interval=10,
+            )
         self._task = asyncio.get_running_loop().create_task(self._feed())
         # learn the engines (members, stored snapshot) before the first route if Redis is up
         with contextlib.suppress(asyncio.TimeoutError):
@@ -140,8 +159,12 @@ class AsyncRouter:
         cur = self.core.snapshot
         if self.core.apply_snapshot(snap):
             if cur is not None and cur.epoch != snap.epoch:
-                log.warning("router %d: new epoch %s (was %s): Redis state was reset; resynced",
-                            self.core.client_index, snap.epoch, cur.epoch)
+                log.warning(
+                    "router %d: new epoch %s (was %s): Redis state was reset; resynced",
+                    self.core.client_index,
+                    snap.epoch,
+                    cur.epoch,
+                )
             self._first.set()
 
     async def _fetch(self) -> None:
@@ -151,8 +174,9 @@ class AsyncRouter:
         if self.core.snapshot is None and not self.core.engines:
             ids = await self._client.zrange(self.keys.members, 0, -1)
             if ids:
-                self.core.set_engines(sorted(i.decode() if isinstance(i, bytes) else i
-                                             for i in ids))
+                self.core.set_engines(
+                    sorted(i.decode() if isinstance(i, bytes) else i for i in ids)
+                )
 
     async def _feed(self) -> None:
         backoff = 0.05
@@ -180,8 +204,9 @@ class AsyncRouter:
                 loop = asyncio.get_running_loop()
                 next_poll = loop.time() + self.poll_s
                 while not self._closed:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True,
-                                                   timeout=min(self.poll_s, 0.5))
+                    msg = await pubsub.get_message(
+                        ignore_subscribe_messages=True, timeout=min(self.poll_s, 0.5)
+                    )
                     if msg is not None and msg.get("type") in ("message", "smessage"):
                         self._apply(msg["data"])
                     if loop.time() >= next_poll:
@@ -192,8 +217,12 @@ class AsyncRouter:
             except FEED_ERRORS as exc:
                 self.core.connected = False
                 if self.last_error is None:
-                    log.warning("router %d: snapshot feed lost (%s: %s); routing on local state",
-                                self.core.client_index, type(exc).__name__, redact(str(exc)))
+                    log.warning(
+                        "router %d: snapshot feed lost (%s: %s); routing on local state",
+                        self.core.client_index,
+                        type(exc).__name__,
+                        redact(str(exc)),
+                    )
                 self.last_error = f"{type(exc).__name__}: {redact(str(exc))}"
                 self._attempted.set()
                 await asyncio.sleep(backoff)
@@ -216,8 +245,14 @@ class Router:
     ``route()`` / ``finished()`` are plain calls on local state and thread-safe.
     """
 
-    def __init__(self, redis_url: str | None = None, deployment: str = "default",
-                 client_index: int = 0, client_count: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        deployment: str = "default",
+        client_index: int = 0,
+        client_count: int = 1,
+        **kwargs: Any,
+    ) -> None:
         if kwargs.get("client") is not None:
             raise ValueError("Router makes its own asyncio client on its thread; pass redis_url")
         self._args = (redis_url, deployment, client_index, client_count)
@@ -249,8 +284,9 @@ class Router:
         """Start the feed thread; with ``wait`` > 0, wait that long for a first snapshot."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="redisbal-router-feed")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="redisbal-router-feed"
+        )
         self._thread.start()
         fut = asyncio.run_coroutine_threadsafe(self._inner.start(wait), self._loop)
         fut.result(timeout=wait + 10)

@@ -16,7 +16,14 @@ from typing import Any
 from redisbal.keys import DeploymentKeys
 
 SCRIPT_NAMES = (
-    "report", "leave", "register", "reap", "force", "configure", "new_epoch", "lease",
+    "report",
+    "leave",
+    "register",
+    "reap",
+    "force",
+    "configure",
+    "new_epoch",
+    "lease",
 )
 NUM_KEYS = 8
 

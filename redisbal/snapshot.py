@@ -50,17 +50,29 @@ class Snapshot:
         d: dict[str, Any] = orjson.loads(raw)
         engines = {
             e: EngineCounts(
-                waiting=c["waiting"], running=c["running"], kv_usage=c["kv"],
-                wave=c["wave"], step=c["step"], reported_ms=c["t"],
+                waiting=c["waiting"],
+                running=c["running"],
+                kv_usage=c["kv"],
+                wave=c["wave"],
+                step=c["step"],
+                reported_ms=c["t"],
                 admitted=tuple(c["adm"]) if "adm" in c else None,
             )
             for e, c in d["engines"].items()
         }
         return cls(
-            deployment=d["deployment"], epoch=d["epoch"], version=d["version"],
-            wave=d["wave"], step=d["step"], forced=d["forced"], laggards=d["laggards"],
-            gone=d["gone"], joining=tuple(d["joining"]), time_ms=d["time_ms"],
-            engines=engines, raw=raw,
+            deployment=d["deployment"],
+            epoch=d["epoch"],
+            version=d["version"],
+            wave=d["wave"],
+            step=d["step"],
+            forced=d["forced"],
+            laggards=d["laggards"],
+            gone=d["gone"],
+            joining=tuple(d["joining"]),
+            time_ms=d["time_ms"],
+            engines=engines,
+            raw=raw,
         )
 
     @property
