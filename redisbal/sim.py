@@ -1,0 +1,120 @@
+"""Simulated continuous-batching engines (pure model, driven by a clock).
+
+Used by ``redisbal engine-sim``, ``redisbal demo`` and ``redisbal bench``.
+The model, per engine:
+- a running cap (slots); requests beyond it wait in FIFO order;
+- each step admits waiting requests into free slots, then decodes one token
+  for every running request; a request leaves when it has produced its
+  output length (heavy-tailed: lognormal, capped);
+- a step lasts ``base_step_s + per_seq_s * running + prefill_s * admitted``,
+  times ``slow`` (stragglers have slow > 1);
+- ``admitted[c]`` counts requests received from API-server index c
+  (cumulative), which the reporter sends so routers can reconcile exactly.
+
+``SimEngine.step`` only advances state; the caller decides time (real time
+against Redis, or a simulated clock for the scale projection) and whether
+engines step in lockstep (one step lasts as long as the slowest engine's) or
+independently.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    rid: int
+    client_index: int
+    output_len: int
+    routed_at: float
+    decision: object = None  # the router's Decision, handed back on finish
+    arrived_at: float = 0.0
+    started_at: float = -1.0
+    finished_at: float = -1.0
+    produced: int = 0
+
+
+@dataclass
+class EngineParams:
+    running_cap: int = 64
+    base_step_s: float = 0.012
+    per_seq_s: float = 0.00015
+    prefill_s: float = 0.0004
+    slow: float = 1.0
+
+    def step_time(self, running: int, admitted: int) -> float:
+        return (self.base_step_s + self.per_seq_s * running + self.prefill_s * admitted) * self.slow
+
+
+@dataclass
+class SimEngine:
+    engine_id: str
+    params: EngineParams = field(default_factory=EngineParams)
+    num_clients: int = 1
+    waiting: deque[SimRequest] = field(default_factory=deque)
+    running: list[SimRequest] = field(default_factory=list)
+    step_no: int = 0
+    wave: int = 0
+    admitted: list[int] = field(init=False)
+    on_finish: Callable[[SimRequest], None] | None = None
+    on_start: Callable[[SimRequest], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.admitted = [0] * self.num_clients
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def arrive(self, req: SimRequest, now: float) -> None:
+        req.arrived_at = now
+        self.waiting.append(req)
+        if req.client_index >= len(self.admitted):
+            self.admitted.extend([0] * (req.client_index + 1 - len(self.admitted)))
+        self.admitted[req.client_index] += 1
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def plan(self) -> tuple[int, float]:
+        """(requests this step would admit, its duration) without changing state."""
+        free = self.params.running_cap - len(self.running)
+        adm = min(free, len(self.waiting)) if free > 0 else 0
+        return adm, self.params.step_time(len(self.running) + adm, adm)
+
+    def step(self, now: float, duration: float | None = None) -> float:
+        """Run one step starting at ``now``; returns its duration (or uses ``duration``,
+        the lockstep step time). Finished requests get finished_at = now + duration."""
+        adm, own = self.plan()
+        dur = own if duration is None else duration
+        for _ in range(adm):
+            req = self.waiting.popleft()
+            req.started_at = now
+            self.running.append(req)
+            if self.on_start is not None:
+                self.on_start(req)
+        end = now + dur
+        still = []
+        for req in self.running:
+            req.produced += 1
+            if req.produced >= req.output_len:
+                req.finished_at = end
+                if self.on_finish is not None:
+                    self.on_finish(req)
+            else:
+                still.append(req)
+        self.running = still
+        self.step_no += 1
+        return dur
+
+
+def output_length(rng: random.Random, mean: float = 40.0, sigma: float = 1.0,
+                  cap: int = 2000) -> int:
+    """Heavy-tailed output length (lognormal with the given mean), at least 1."""
+    mu = math.log(mean) - sigma * sigma / 2
+    return max(1, min(cap, int(rng.lognormvariate(mu, sigma))))

