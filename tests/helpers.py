@@ -1,0 +1,192 @@
+"""Shared helpers for the core tests: direct script calls, state dumps, polling.
+
+The barrier tests drive the real Lua scripts through ``redisbal.scripts.Scripts``
+(the same path the library uses) and read the raw keys back, so a test sees
+exactly what Redis stored, not what a Python wrapper believes it stored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import orjson
+import redis
+
+from redisbal.keys import DeploymentKeys
+from redisbal.scripts import Scripts
+from redisbal.snapshot import EngineCounts, Snapshot
+
+T = TypeVar("T")
+STEP_SPAN = 2**32
+
+# Settings that keep tests fast and free of time-dependent surprises: no join
+# grace, engines never expire by the clock, no idle republish, force only when asked.
+FAST_CONFIG = {
+    "dead_after_ms": "600000",
+    "stall_ms": "600000",
+    "join_grace_ms": "0",
+    "idle_publish_ms": "3600000",
+    "tick_ms": "20",
+}
+
+
+def text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def wait_until(pred: Callable[[], T], timeout: float = 5.0, interval: float = 0.01) -> T:
+    """Poll pred until it returns something truthy; fail with AssertionError at timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {pred}")
+        time.sleep(interval)
+
+
+def server_ms(r: redis.Redis) -> int:
+    sec, usec = r.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+class Barrier:
+    """Thin, typed access to the barrier scripts of one deployment for tests."""
+
+    def __init__(self, r: redis.Redis, keys: DeploymentKeys, epoch: str = "e1") -> None:
+        self.r = r
+        self.keys = keys
+        self.epoch = epoch
+        self.scripts = Scripts(r, keys)
+
+    def configure(self, **fields: str | int) -> str:
+        merged = {**FAST_CONFIG, **{k: str(v) for k, v in fields.items()}}
+        args: list[str] = []
+        for k, v in merged.items():
+            args += [k, v]
+        return text(self.scripts.call("configure", self.epoch, *args))
+
+    def report(
+        self,
+        engine: str,
+        step: int | str,
+        waiting: int = 0,
+        running: int = 0,
+        wave: int = 0,
+        kv: str = "",
+        adm: str = "",
+    ) -> tuple[str, int, int, int]:
+        out = self.scripts.call("report", self.epoch, engine, wave, step, waiting, running, kv, adm)
+        status, version, w, s = (text(x) for x in out)
+        return status, int(version), int(w), int(s)
+
+    def register(self, *engines: str) -> int:
+        return int(self.scripts.call("register", self.epoch, *engines))
+
+    def leave(self, engine: str) -> tuple[int, int]:
+        removed, version = self.scripts.call("leave", engine)
+        return int(removed), int(version)
+
+    def reap(self, limit: int = 1000, fence: str = "") -> tuple[int, list[str]]:
+        out = self.scripts.call("reap", limit, fence)
+        return int(out[0]), [text(e) for e in out[1:]]
+
+    def force(self, stall_ms: str = "", fence: str = "") -> tuple[int, list[str]]:
+        out = self.scripts.call("force", stall_ms, fence)
+        return int(out[0]), [text(e) for e in out[1:]]
+
+    def expire_now(self, engine: str) -> None:
+        """Make engine look dead: its last report far in the past (only if a member)."""
+        assert self.r.zadd(self.keys.members, {engine: 0}, xx=True, ch=True) == 1
+
+    # -- reading state -----------------------------------------------------------------------
+
+    def snapshot_raw(self) -> bytes | None:
+        return self.r.get(self.keys.snapshot)  # type: ignore[return-value]
+
+    def snapshot(self) -> Snapshot | None:
+        raw = self.snapshot_raw()
+        return Snapshot.from_json(raw) if raw else None
+
+    def meta(self) -> dict[str, str]:
+        return {text(k): text(v) for k, v in self.r.hgetall(self.keys.meta).items()}
+
+    def counter(self, name: str) -> int:
+        return int(self.meta().get(name, "0"))
+
+    def members(self) -> dict[str, float]:
+        return {text(k): v for k, v in self.r.zrange(self.keys.members, 0, -1, withscores=True)}
+
+    def barrier(self) -> dict[str, float]:
+        return {text(k): v for k, v in self.r.zrange(self.keys.barrier, 0, -1, withscores=True)}
+
+    def dump(self) -> dict[str, bytes | None]:
+        """DUMP of every deployment key: byte-for-byte state to compare before/after."""
+        return {k: self.r.dump(k) for k in self.keys.all_keys()}
+
+
+def score(wave: int, step: int) -> int:
+    return wave * STEP_SPAN + step
+
+
+def counts(snap: Snapshot) -> dict[str, tuple[int, int, int, int]]:
+    """engine -> (wave, step, waiting, running) of a snapshot: what a cut is made of."""
+    return {e: (c.wave, c.step, c.waiting, c.running) for e, c in snap.engines.items()}
+
+
+def make_snapshot(
+    engines: dict[str, tuple[int, int]] | dict[str, EngineCounts],
+    *,
+    version: int = 1,
+    epoch: str = "ep",
+    time_ms: int = 1_000_000,
+    reported_ms: int | None = None,
+    admitted: dict[str, tuple[int, ...]] | None = None,
+    kv: dict[str, float] | None = None,
+    gone: dict[str, str] | None = None,
+    step: int = 1,
+) -> Snapshot:
+    """A Snapshot built the way the Lua barrier builds one (through its JSON form)."""
+    frags: dict[str, Any] = {}
+    for e, c in engines.items():
+        if isinstance(c, EngineCounts):
+            frag: dict[str, Any] = {
+                "wave": c.wave,
+                "step": c.step,
+                "waiting": c.waiting,
+                "running": c.running,
+                "kv": c.kv_usage,
+                "t": c.reported_ms,
+            }
+            if c.admitted is not None:
+                frag["adm"] = list(c.admitted)
+        else:
+            w, r = c
+            frag = {
+                "wave": 0,
+                "step": step,
+                "waiting": w,
+                "running": r,
+                "kv": (kv or {}).get(e),
+                "t": time_ms if reported_ms is None else reported_ms,
+            }
+            if admitted and e in admitted:
+                frag["adm"] = list(admitted[e])
+        frags[e] = frag
+    doc = {
+        "deployment": "d",
+        "epoch": epoch,
+        "version": version,
+        "wave": 0,
+        "step": step,
+        "forced": False,
+        "laggards": {},
+        "gone": gone or {},
+        "joining": [],
+        "time_ms": time_ms,
+        "engines": frags,
+    }
+    return Snapshot.from_json(orjson.dumps(doc))
