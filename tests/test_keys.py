@@ -1,0 +1,280 @@
+"""Invariant 7 (cluster-safe) and the name checks that guard every key.
+
+Statically: every key of a deployment hashes to one slot, and no Lua file
+builds a key name (each redis.call names a key only through KEYS, via the K
+table of common.lua). Dynamically, on a real server: MONITOR shows every
+command the scripts issue, and COMMAND GETKEYS says which of its arguments
+are keys; each must be one of the KEYS the script was given. And the scripts
+run through register_script (EVALSHA), recovering from SCRIPT FLUSH.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import redis
+from helpers import Barrier, text
+from redis.commands.core import Script
+from redis.crc import key_slot
+
+from redisbal.keys import DeploymentKeys, InvalidName, check_name
+from redisbal.scripts import SCRIPT_NAMES, Scripts, script_source
+
+LUA_DIR = Path(str(resources.files("redisbal") / "lua"))
+
+# -- names ----------------------------------------------------------------------------------------
+
+GOOD_NAMES = ["0", "llama", "a.b-c_d", "Z" * 64, "9-x"]
+BAD_NAMES: list[object] = [
+    "",
+    "a b",
+    "a{b",
+    "a}b",
+    "{a}",
+    "x" * 65,
+    "-lead",
+    ".lead",
+    "_lead",
+    "a:b",
+    "a\nb",
+    "a*",
+    "é",
+    b"bytes",
+    7,
+    None,
+]
+
+
+@pytest.mark.parametrize("name", GOOD_NAMES)
+def test_good_names_pass(name: str) -> None:
+    assert check_name(name, "engine_id") == name
+    assert DeploymentKeys(name).deployment == name
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_bad_names_raise_and_build_no_key(name: object) -> None:
+    with pytest.raises(InvalidName) as exc:
+        check_name(name, "engine_id")
+    assert "engine_id" in str(exc.value) and repr(name) in str(exc.value)
+    with pytest.raises(InvalidName, match="deployment"):
+        DeploymentKeys(name)  # type: ignore[arg-type]
+
+
+# -- one slot ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("deployment", GOOD_NAMES)
+def test_every_key_of_a_deployment_shares_one_hash_slot(deployment: str) -> None:
+    keys = DeploymentKeys(deployment)
+    every = [
+        *keys.script_keys(),
+        *keys.all_keys(),
+        keys.channel,
+        keys.compat,
+        keys.compat_channel,
+        keys.lease,
+        keys.fence,
+    ]
+    slot = key_slot(f"{{{deployment}}}".encode())
+    for k in every:
+        assert k.startswith(f"redisbal:{{{deployment}}}:"), k
+        assert key_slot(k.encode()) == slot, f"{k} is not in slot {slot}"
+    assert len(set(keys.script_keys())) == 8, "two script keys collide"
+
+
+def test_all_keys_covers_every_stored_key(r: redis.Redis, keys: DeploymentKeys) -> None:
+    """Cleanup and dumps rely on all_keys(): after a busy sequence, nothing else exists."""
+    bar = Barrier(r, keys)
+    bar.configure()
+    bar.register("e0", "e1")
+    bar.report("e0", 1, 1, 1)
+    bar.report("e1", 1, 1, 1)
+    bar.report("e1", 0, 1, 1)  # stale counter
+    bar.scripts.call("lease", "c1", 1000, "acquire")
+    bar.force("0")
+    bar.leave("e1")
+    stored = {text(k) for k in r.scan_iter(match=f"redisbal:{{{keys.deployment}}}:*")}
+    assert stored and stored <= set(keys.all_keys())
+
+
+# -- Lua never builds a key -----------------------------------------------------------------------
+
+
+def _lua_files() -> dict[str, str]:
+    return {p.name: p.read_text(encoding="utf-8") for p in sorted(LUA_DIR.glob("*.lua"))}
+
+
+def _strip_comments(src: str) -> str:
+    src = re.sub(r"--\[\[.*?\]\]", "", src, flags=re.S)
+    return re.sub(r"--[^\n]*", "", src)
+
+
+def _calls(src: str) -> list[list[str]]:
+    """Arguments (top-level, as source text) of every redis.call(...) in src."""
+    out = []
+    for m in re.finditer(r"redis\.call\(", src):
+        depth, i, args, cur = 1, m.end(), [], ""
+        quote = None
+        while depth:
+            ch = src[i]
+            if quote:
+                cur += ch
+                if ch == quote and src[i - 1] != "\\":
+                    quote = None
+            elif ch in "'\"":
+                quote = ch
+                cur += ch
+            elif ch == "(":
+                depth += 1
+                cur += ch
+            elif ch == ")":
+                depth -= 1
+                if depth:
+                    cur += ch
+            elif ch == "," and depth == 1:
+                args.append(cur.strip())
+                cur = ""
+            else:
+                cur += ch
+            i += 1
+        args.append(cur.strip())
+        out.append(args)
+    return out
+
+
+def test_lua_names_keys_only_through_keys() -> None:
+    files = _lua_files()
+    assert set(files) == {"common.lua", *(f"{n}_8.lua" for n in SCRIPT_NAMES)}
+    common = _strip_comments(files["common.lua"])
+    # the K table maps exactly the DeploymentKeys script keys, in order, to KEYS[1..8]
+    table = dict(re.findall(r"(\w+)\s*=\s*KEYS\[(\d)\]", common))
+    names = ["config", "epoch", "members", "barrier", "reports", "meta", "snapshot", "channel"]
+    assert table == {n: str(i + 1) for i, n in enumerate(names)}
+    keys = DeploymentKeys("d")
+    assert [getattr(keys, n) for n in names] == keys.script_keys()
+    n_calls = 0
+    for name, raw in files.items():
+        src = _strip_comments(raw)
+        if name != "common.lua":
+            assert "KEYS" not in src, f"{name} reads KEYS directly instead of through K"
+        assert not re.search(r"\bK(\.\w+|\[[^]]*\])\s*=[^=]", src), f"{name} reassigns a key"
+        for args in _calls(src):
+            n_calls += 1
+            cmd = args[0].strip("'\"").upper()
+            if cmd == "TIME":
+                assert len(args) == 1
+                continue
+            assert len(args) >= 2 and re.fullmatch(r"K\.\w+", args[1]), (
+                f"{name}: redis.call({', '.join(args)}) names a key not taken from KEYS"
+            )
+            if cmd == "DEL":
+                assert all(re.fullmatch(r"K\.\w+", a) for a in args[1:]), args
+    assert n_calls > 40  # the parser found the calls
+
+
+def _unescape(arg: str) -> str:
+    return re.sub(
+        r"\\(x[0-9a-fA-F]{2}|.)",
+        lambda m: (
+            chr(int(m.group(1)[1:], 16))
+            if m.group(1).startswith("x")
+            else {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b"}.get(m.group(1), m.group(1))
+        ),
+        arg,
+    )
+
+
+def test_scripts_touch_only_their_keys_on_a_real_server(
+    r: redis.Redis, keys: DeploymentKeys, redis_url: str
+) -> None:
+    """Run every script through its interesting paths under MONITOR; every key any
+    Lua-issued command touches must be one of the script's KEYS."""
+    mon_client = redis.Redis.from_url(redis_url)
+    monitor = mon_client.monitor()
+    monitor.__enter__()
+    try:
+        bar = Barrier(r, keys)
+        bar.configure()
+        bar.register("e0", "e1", "e2")
+        for step in (1, 2):
+            for e in ("e0", "e1", "e2"):
+                bar.report(e, step, step, step, kv="0.5", adm="1,2")
+        bar.report("e0", 1, 0, 0)  # stale
+        bar.report("e0", 3, 0, 0)
+        bar.report("e1", "tick", 0, 0)
+        bar.force("0")
+        bar.leave("e2")
+        bar.expire_now("e1")
+        bar.reap()
+        lease = bar.scripts.call("lease", "c1", 1000, "acquire")
+        bar.reap(fence=str(int(lease[1])))
+        bar.scripts.call("lease", "c1", 1000, "release")
+        bar.scripts.call("new_epoch", "e2")
+        r.echo("end-of-test")
+        lua_cmds: list[list[str]] = []
+        evalshas = set()
+        while True:
+            line = text(monitor.connection.read_response())
+            args = [_unescape(a) for a in re.findall(r'"((?:[^"\\]|\\.)*)"', line)]
+            if args == ["ECHO", "end-of-test"]:
+                break
+            if "[0 lua]" in line:
+                lua_cmds.append(args)
+            elif args and args[0].upper() == "EVALSHA":
+                evalshas.add(args[1])
+    finally:
+        monitor.__exit__(None, None, None)
+        mon_client.close()
+    scripts = Scripts(r, keys)
+    assert evalshas == {scripts._scripts[n].sha for n in SCRIPT_NAMES}, "not every script ran"
+    allowed = set(keys.script_keys())
+    seen_cmds = set()
+    for args in lua_cmds:
+        cmd = args[0].upper()
+        seen_cmds.add(cmd)
+        if cmd == "TIME":
+            continue
+        if cmd in ("PUBLISH", "SPUBLISH"):
+            assert args[1] == keys.channel
+            continue
+        touched = {text(k) for k in r.command_getkeys(*args)}
+        assert touched and touched <= allowed, f"{args[:3]} touches {touched - allowed}"
+    assert {"HSET", "ZADD", "PUBLISH", "SET", "DEL", "ZREM", "HDEL"} <= seen_cmds
+
+
+# -- register_script / NOSCRIPT ---------------------------------------------------------------
+
+
+def test_scripts_are_registered_and_recover_from_script_flush(
+    r: redis.Redis, keys: DeploymentKeys
+) -> None:
+    bar = Barrier(r, keys)
+    assert all(isinstance(bar.scripts._scripts[n], Script) for n in SCRIPT_NAMES)
+    assert all(bar.scripts._scripts[n].script == script_source(n) for n in SCRIPT_NAMES)
+    shas = [bar.scripts._scripts[n].sha for n in SCRIPT_NAMES]
+
+    def stat(cmd: str) -> int:
+        return int(r.info("commandstats").get(f"cmdstat_{cmd}", {}).get("calls", 0))
+
+    eval_before = stat("eval")
+    bar.configure()
+    bar.register("e0")
+    assert bar.report("e0", 1, 1, 1)[0] == "accepted"
+    r.script_flush()
+    assert r.script_exists(*shas) == [False] * len(shas)
+    evalsha_before = stat("evalsha")
+    # every script still works after the flush (NOSCRIPT reloads it by itself)
+    assert bar.report("e0", 2, 1, 1)[0] == "accepted"
+    assert bar.register("e1") == 1
+    bar.reap()
+    bar.force("0")
+    bar.leave("e1")
+    bar.configure()
+    bar.scripts.call("lease", "c1", 1000, "acquire")
+    bar.scripts.call("new_epoch", "e9")
+    assert r.script_exists(*shas) == [True] * len(shas)
+    assert stat("evalsha") - evalsha_before >= 2 * len(shas)  # NOSCRIPT, then the retry
+    assert stat("eval") == eval_before, "scripts must run through EVALSHA, not EVAL"
