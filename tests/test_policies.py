@@ -1,0 +1,396 @@
+"""Routing policies and RouterCore, without Redis (pure logic, a fake clock, seeded RNGs).
+
+The baselines are tested against their documented behaviour (DESIGN.md: vLLM
+before PR 21617, PR 21617, latest). The default ``redisbal`` policy is tested
+for its properties, not its formula: no lost bookkeeping, no double counting,
+time-based reconciliation, unbiased ties, pinning, balanced start.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from helpers import make_snapshot
+
+from redisbal.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    NoEngines,
+    RouterCore,
+    UnknownEngine,
+    make_policy,
+)
+from redisbal.snapshot import Snapshot
+
+T0_MS = 5_000_000
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_core(
+    policy: str = "redisbal",
+    client_index: int = 0,
+    client_count: int = 1,
+    seed: int = 7,
+    clock: FakeClock | None = None,
+) -> RouterCore:
+    core = RouterCore(
+        client_index,
+        client_count,
+        policy,
+        clock=clock or FakeClock(),
+        rng=random.Random(seed),
+    )
+    core.connected = True
+    return core
+
+
+def equal(n: int) -> dict[str, tuple[int, int]]:
+    return {f"e{i}": (0, 0) for i in range(n)}
+
+
+def chi_square(counter: Counter[str], names: list[str]) -> float:
+    total = sum(counter.values())
+    expect = total / len(names)
+    return sum((counter[n] - expect) ** 2 / expect for n in names)
+
+
+# -- vllm-pre ----------------------------------------------------------------------------------
+
+
+def test_vllm_pre_scores_waiting_times_four_plus_running() -> None:
+    core = make_core("vllm-pre")
+    core.apply_snapshot(make_snapshot({"e0": (1, 0), "e1": (0, 3), "e2": (0, 5)}))
+    assert core.route().engine_id == "e1"  # 3 < 4 (e0) < 5 (e2); w + r would pick e0
+
+
+def test_vllm_pre_lowest_index_wins_ties_and_bumps_waiting_by_one() -> None:
+    core = make_core("vllm-pre", client_index=1, client_count=4)
+    core.apply_snapshot(make_snapshot(equal(3)))
+    picks = [core.route().engine_id for _ in range(6)]
+    assert picks == ["e0", "e1", "e2", "e0", "e1", "e2"]
+    assert [core.by_id[e].vw for e in ("e0", "e1", "e2")] == [2, 2, 2], "+1, not +client_count"
+
+
+def test_vllm_pre_replaces_its_view_with_each_snapshot() -> None:
+    """The documented weakness: local bumps vanish when a snapshot arrives."""
+    core = make_core("vllm-pre")
+    core.apply_snapshot(make_snapshot({"e0": (0, 0), "e1": (1, 0)}, version=1))
+    for _ in range(3):
+        core.route("e0")
+    assert core.by_id["e0"].vw == 3
+    core.apply_snapshot(make_snapshot({"e0": (0, 0), "e1": (1, 0)}, version=2))
+    assert core.by_id["e0"].vw == 0
+    assert core.route().engine_id == "e0"
+
+
+# -- vllm-21617 --------------------------------------------------------------------------------
+
+
+def test_vllm_21617_bumps_by_client_count() -> None:
+    core = make_core("vllm-21617", client_count=4)
+    core.apply_snapshot(make_snapshot({"e0": (2, 0), "e1": (3, 0)}))
+    assert core.route().engine_id == "e0"
+    assert core.by_id["e0"].vw == 2 + 4
+    assert core.route().engine_id == "e1"  # 6*4 > 3*4
+
+
+@pytest.mark.parametrize("client_index", range(4))
+def test_vllm_21617_staggers_the_start_index(client_index: int) -> None:
+    core = make_core("vllm-21617", client_index=client_index, client_count=4)
+    core.apply_snapshot(make_snapshot(equal(8)))
+    assert core.route().engine_id == f"e{2 * client_index}"
+
+
+# -- vllm-latest -------------------------------------------------------------------------------
+
+
+def test_vllm_latest_inflight_floor_survives_a_snapshot() -> None:
+    """max(client_count * inflight, waiting + running): a snapshot that does not yet
+    show this router's requests cannot make the engine look empty."""
+    snap = {"e0": (0, 0), "e1": (1, 0)}
+    latest = make_core("vllm-latest", client_count=2)
+    older = make_core("vllm-21617", client_count=2)
+    decisions = []
+    for core in (latest, older):
+        core.apply_snapshot(make_snapshot(snap, version=1))
+        decisions.append([core.route("e0") for _ in range(3)])
+        core.apply_snapshot(make_snapshot(snap, version=2))
+    assert latest.policy.score(latest, latest.by_id["e0"]) == 2 * 3 * 4  # type: ignore[attr-defined]
+    assert latest.policy.pick(latest).engine_id == "e1"
+    assert older.policy.pick(older).engine_id == "e0", "21617 has no floor"
+    for d in decisions[0]:
+        latest.finished(d)
+    assert latest.policy.score(latest, latest.by_id["e0"]) == 0  # type: ignore[attr-defined]
+    assert latest.policy.pick(latest).engine_id == "e0"
+
+
+def test_vllm_latest_kv_pressure_penalty() -> None:
+    core = make_core("vllm-latest")
+    core.apply_snapshot(make_snapshot({"e0": (2, 0), "e1": (2, 3)}, kv={"e0": 0.9}))
+    e0 = core.by_id["e0"]
+    assert core.policy.score(core, e0) == pytest.approx(2 * 4 + 2 * 6 * 0.4)  # type: ignore[attr-defined]
+    assert core.route().engine_id == "e1"  # 12.8 > 11
+    core = make_core("vllm-latest")
+    core.apply_snapshot(make_snapshot({"e0": (2, 0), "e1": (2, 3)}, kv={"e0": 0.5}))
+    assert core.route().engine_id == "e0", "no penalty at or below 50% kv usage"
+
+
+def test_vllm_latest_rotates_the_tie_break_and_21617_does_not() -> None:
+    picks: dict[str, list[str]] = {}
+    for name in ("vllm-latest", "vllm-21617"):
+        core = make_core(name, client_index=1, client_count=2)
+        core.apply_snapshot(make_snapshot(equal(4)))
+        picks[name] = [core.policy.pick(core).engine_id for _ in range(8)]
+    assert set(picks["vllm-latest"]) == {"e0", "e1", "e2", "e3"}
+    assert set(picks["vllm-21617"]) == {"e2"}
+
+
+# -- random, round-robin -----------------------------------------------------------------------
+
+
+def test_random_is_uniform_and_ignores_load() -> None:
+    core = make_core("random", seed=3)
+    snap = equal(8)
+    snap["e0"] = (500, 500)
+    core.apply_snapshot(make_snapshot(snap))
+    got = Counter(core.route().engine_id for _ in range(4000))
+    assert chi_square(got, list(snap)) < 24.32  # 7 dof, p = 0.001
+
+
+def test_round_robin_is_staggered_per_client() -> None:
+    core = make_core("round-robin", client_index=1, client_count=2)
+    core.apply_snapshot(make_snapshot({"e0": (9, 9), "e1": (0, 0), "e2": (0, 0), "e3": (0, 0)}))
+    assert [core.route().engine_id for _ in range(5)] == ["e2", "e3", "e0", "e1", "e2"]
+
+
+# -- redisbal (default): properties -------------------------------------------------------------
+
+
+def test_default_policy_is_redisbal() -> None:
+    assert DEFAULT_POLICY == "redisbal"
+    assert RouterCore().policy.name == "redisbal"
+    assert set(POLICIES) == {
+        "redisbal",
+        "random",
+        "round-robin",
+        "vllm-pre",
+        "vllm-21617",
+        "vllm-latest",
+    }
+
+
+def test_redisbal_keeps_bookkeeping_when_the_snapshot_predates_recent_routes() -> None:
+    """Time-based: the reports in the snapshot are older than the routes, so the routes
+    stay pending; wiping them would send the next request back to e0."""
+    clock = FakeClock(100.0)
+    core = make_core(clock=clock)
+    core.apply_snapshot(make_snapshot({"e0": (0, 0), "e1": (2, 0)}, version=1, time_ms=T0_MS))
+    for _ in range(3):
+        core.route("e0")
+    clock.t = 100.2
+    # published 200 ms after the reports it holds: the reports are from before t=100.0
+    snap = make_snapshot(
+        {"e0": (0, 0), "e1": (2, 0)}, version=2, time_ms=T0_MS + 200, reported_ms=T0_MS
+    )
+    assert core.apply_snapshot(snap)
+    assert core.by_id["e0"].pending == 3
+    assert core.route().engine_id == "e1"
+
+
+def test_redisbal_keeps_bookkeeping_with_admitted_counts() -> None:
+    core = make_core()
+    core.apply_snapshot(make_snapshot({"e0": (0, 0), "e1": (2, 0)}, version=1))
+    for _ in range(3):
+        core.route("e0")
+    # e0 has received one of the three so far (it is in e0's waiting)
+    core.apply_snapshot(
+        make_snapshot({"e0": (1, 0), "e1": (2, 0)}, version=2, admitted={"e0": (1,), "e1": (0,)})
+    )
+    assert core.by_id["e0"].pending == 2
+    assert core.route().engine_id == "e1"  # e0: 1 + 2 pending = 3 > 2
+
+
+def test_redisbal_does_not_double_count_routes_the_snapshot_includes() -> None:
+    core = make_core()
+    core.apply_snapshot(make_snapshot({"e0": (0, 0), "e1": (4, 0)}, version=1))
+    for _ in range(3):
+        core.route("e0")
+    # every route reached e0 and is in its waiting count: pending must drop to 0
+    core.apply_snapshot(
+        make_snapshot({"e0": (3, 0), "e1": (4, 0)}, version=2, admitted={"e0": (3,), "e1": (0,)})
+    )
+    assert core.by_id["e0"].pending == 0
+    assert core.loads() == {"e0": 3, "e1": 4}
+    assert core.route().engine_id == "e0"  # 3 < 4; counted twice it would be 6
+
+
+def test_redisbal_admitted_uses_this_routers_index() -> None:
+    core = make_core(client_index=2, client_count=3)
+    core.apply_snapshot(make_snapshot(equal(2), version=1))
+    for _ in range(4):
+        core.route("e0")
+    core.apply_snapshot(make_snapshot(equal(2), version=2, admitted={"e0": (9, 9, 3)}))
+    assert core.by_id["e0"].pending == 1
+
+
+def test_redisbal_time_based_reconciliation_without_admitted() -> None:
+    """Routes made before the report time (less transit) are taken as included."""
+    clock = FakeClock(100.0)
+    core = make_core(clock=clock)
+    core.apply_snapshot(make_snapshot(equal(2), version=1, time_ms=T0_MS))
+    for _ in range(3):
+        core.route("e0")  # at t = 100.0
+    clock.t = 100.45
+    core.route("e0")  # after the next report was taken
+    clock.t = 100.5
+    # reports taken 100 ms before publication: local cutoff 100.5 - 0.1 - transit
+    core.apply_snapshot(
+        make_snapshot(
+            {"e0": (3, 0), "e1": (0, 0)}, version=2, time_ms=T0_MS + 600, reported_ms=T0_MS + 500
+        )
+    )
+    assert core.by_id["e0"].pending == 1
+    assert core.loads()["e0"] == 3 + 1
+
+
+def test_redisbal_breaks_ties_without_bias() -> None:
+    """Every snapshot shows all engines equal and every route included (admitted), so
+    each route is a pure tie: the choice must be uniform over the engines."""
+    names = [f"e{i}" for i in range(8)]
+
+    def run(policy: str) -> float:
+        core = make_core(policy, seed=11)
+        got: Counter[str] = Counter()
+        for v in range(1, 3201):
+            adm = {e: (got[e],) for e in names}
+            core.apply_snapshot(make_snapshot(equal(8), version=v, admitted=adm))
+            got[core.route().engine_id] += 1
+        return chi_square(got, names)
+
+    assert run("redisbal") < 24.32  # 7 dof, p = 0.001
+    assert run("vllm-pre") > 1000, "the harness must be able to see a biased tie-break"
+
+
+def test_redisbal_spreads_a_burst_evenly_between_snapshots() -> None:
+    core = make_core(seed=5)
+    core.apply_snapshot(make_snapshot(equal(8)))
+    got = Counter(core.route().engine_id for _ in range(80))
+    assert set(got.values()) == {10}
+
+
+def test_redisbal_avoids_loaded_engines() -> None:
+    core = make_core()
+    core.apply_snapshot(make_snapshot({"e0": (10, 10), "e1": (0, 5), "e2": (3, 3)}))
+    got = Counter(core.route().engine_id for _ in range(6))
+    assert got["e0"] == 0 and got["e1"] >= got["e2"]
+
+
+# -- pinning, start, errors (every policy) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_pinning_routes_to_the_engine_and_rejects_unknown_or_dead(policy: str) -> None:
+    core = make_core(policy)
+    core.apply_snapshot(make_snapshot(equal(4), version=1))
+    d = core.route("e2")
+    assert (d.engine_id, d.pinned) == ("e2", True)
+    assert core.by_id["e2"].routed == 1 and core.by_id["e2"].inflight == 1
+    with pytest.raises(UnknownEngine, match=r"'e9'.*not in the current snapshot.*e0, e1, e2, e3"):
+        core.route("e9")
+    gone = {"e0": (0, 0), "e1": (0, 0), "e2": (0, 0)}
+    core.apply_snapshot(make_snapshot(gone, version=2, gone={"e3": "expired"}))
+    with pytest.raises(UnknownEngine, match=r"'e3'.*it expired"):
+        core.route("e3")
+    assert "e3" not in {core.route().engine_id for _ in range(40)}
+    core.apply_snapshot(make_snapshot({"e0": (0, 0)}, version=3, gone={"e1": "left"}))
+    with pytest.raises(UnknownEngine, match=r"'e1'.*it left"):
+        core.route("e1")
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_no_engines_is_a_clear_error(policy: str) -> None:
+    core = make_core(policy)
+    with pytest.raises(NoEngines, match="no engine known"):
+        core.route()
+    core.apply_snapshot(make_snapshot({}, version=1))
+    with pytest.raises(NoEngines):
+        core.route()
+
+
+def test_balanced_start_before_the_first_snapshot() -> None:
+    core = make_core()
+    core.connected = False
+    core.set_engines(["e0", "e1", "e2", "e3"])
+    decisions = [core.route() for _ in range(8)]
+    assert Counter(d.engine_id for d in decisions) == dict.fromkeys(("e0", "e1", "e2", "e3"), 2)
+    assert all(d.degraded and d.version == 0 for d in decisions)
+    # once a snapshot arrived, set_engines no longer overrides it
+    core.apply_snapshot(make_snapshot({"e0": (0, 0)}))
+    core.set_engines(["x", "y"])
+    assert list(core.by_id) == ["e0"]
+
+
+def test_finished_is_idempotent() -> None:
+    core = make_core("vllm-latest", client_count=2)
+    core.apply_snapshot(make_snapshot(equal(2)))
+    d1, d2 = core.route("e0"), core.route("e0")
+    core.finished(d1)
+    core.finished(d1)
+    assert core.by_id["e0"].inflight == 1
+    core.finished(d2)
+    core.finished(d2)
+    assert core.by_id["e0"].inflight == 0
+
+
+@pytest.mark.parametrize(
+    ("client_index", "client_count"),
+    [(0, 0), (0, -1), (0, True), (0, 1.5), (0, "2"), (-1, 2), (2, 2), (True, 2), (0.0, 2)],
+)
+def test_client_index_and_count_are_validated(client_index: object, client_count: object) -> None:
+    with pytest.raises(ValueError, match=r"client_(index|count)"):
+        RouterCore(client_index, client_count)  # type: ignore[arg-type]
+
+
+def test_unknown_policy_name_lists_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown policy 'best'.*redisbal.*vllm-latest"):
+        make_policy("best")
+
+
+# -- snapshot ordering and degraded (invariants 4 and 8, pure) -----------------------------------
+
+
+def test_older_versions_are_ignored_and_a_new_epoch_is_adopted() -> None:
+    core = make_core()
+    snaps: list[Snapshot] = [make_snapshot({"e0": (v, 0)}, version=v, epoch="a") for v in (1, 2, 3)]
+    assert core.apply_snapshot(snaps[2])
+    assert not core.apply_snapshot(snaps[0])
+    assert not core.apply_snapshot(snaps[2])  # same version: not newer
+    assert core.snapshot is snaps[2] and core.counters["ignored_old"] == 2
+    assert core.by_id["e0"].waiting == 3
+    fresh = make_snapshot({"e5": (0, 0)}, version=1, epoch="b")
+    assert core.apply_snapshot(fresh)
+    assert core.snapshot is fresh and list(core.by_id) == ["e5"]
+    assert core.counters["epochs"] == 1
+
+
+def test_degraded_when_disconnected_or_stale() -> None:
+    clock = FakeClock(10.0)
+    core = make_core(clock=clock)
+    assert core.degraded  # no snapshot yet
+    core.apply_snapshot(make_snapshot(equal(2)))
+    assert not core.degraded and not core.route().degraded
+    clock.t += core.stale_after_s + 0.1
+    assert core.degraded and core.route().degraded
+    clock.t -= core.stale_after_s
+    core.connected = False
+    assert core.degraded
+    assert core.counters["degraded_routes"] == 1
