@@ -180,21 +180,10 @@ class AsyncRouter:
 
     async def _feed(self) -> None:
         backoff = 0.05
-        sharded = False
         while not self._closed:
             pubsub = None
             try:
-                if is_cluster(self._client):
-                    sharded = await self._cluster_sharded()
-                pubsub = self._client.pubsub()
-                if sharded:
-                    await pubsub.ssubscribe(self.channel)
-                else:
-                    await pubsub.subscribe(self.channel)
-                # wait for the subscription to be confirmed before the GET, so that
-                # nothing published in between is lost
-                while await pubsub.get_message(timeout=1.0) is None:
-                    pass
+                pubsub, sharded = await self._subscribe()
                 await self._known_engines()
                 await self._fetch()
                 self.core.connected = True
@@ -204,11 +193,13 @@ class AsyncRouter:
                 loop = asyncio.get_running_loop()
                 next_poll = loop.time() + self.poll_s
                 while not self._closed:
-                    msg = await pubsub.get_message(
-                        ignore_subscribe_messages=True, timeout=min(self.poll_s, 0.5)
-                    )
-                    if msg is not None and msg.get("type") in ("message", "smessage"):
-                        self._apply(msg["data"])
+                    msg = await self._next_message(pubsub, sharded, min(self.poll_s, 0.5))
+                    kind = msg.get("type") if msg is not None else None
+                    if kind in ("message", "smessage"):
+                        self._apply(msg["data"])  # type: ignore[index]
+                    elif kind in ("unsubscribe", "sunsubscribe"):
+                        # the server dropped us (e.g. the slot moved): subscribe again
+                        raise redis.exceptions.ConnectionError("unsubscribed by the server")
                     if loop.time() >= next_poll:
                         await self._fetch()
                         next_poll = loop.time() + self.poll_s
@@ -233,10 +224,49 @@ class AsyncRouter:
                         await pubsub.aclose()
         self.core.connected = False
 
-    async def _cluster_sharded(self) -> bool:
-        info = await self._client.info("server", target_nodes=self._client.get_random_node())
-        major = int(str(info.get("redis_version", "6")).split(".")[0])
-        return major >= 7
+    async def _subscribe(self) -> tuple[Any, bool]:
+        """Subscribe to the snapshot channel; returns (pubsub, sharded).
+
+        On Redis Cluster the scripts SPUBLISH when the server has it (7.0+) and
+        PUBLISH otherwise (lua/common.lua), so the router tries SSUBSCRIBE first and
+        falls back to SUBSCRIBE on "unknown command" (6.2), at every (re)connect: no
+        INFO call, so a least-privilege router user needs no extra permission.
+        Returns once the subscription is confirmed, so that the GET that follows
+        misses nothing published in between.
+        """
+        if is_cluster(self._client):
+            await self._client.initialize()
+            pubsub = self._client.pubsub()
+            try:
+                await pubsub.ssubscribe(self.channel)
+                await self._confirmed(pubsub, True)
+                return pubsub, True
+            except redis.exceptions.ResponseError as exc:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+                if "unknown command" not in str(exc).lower():
+                    raise
+        pubsub = self._client.pubsub()
+        await pubsub.subscribe(self.channel)
+        await self._confirmed(pubsub, False)
+        return pubsub, False
+
+    async def _confirmed(self, pubsub: Any, sharded: bool, timeout: float = 5.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            msg = await self._next_message(pubsub, sharded, 0.5)
+            if msg is not None and msg.get("type") in ("subscribe", "ssubscribe"):
+                return
+        raise redis.exceptions.TimeoutError(f"no subscribe confirmation in {timeout}s")
+
+    @staticmethod
+    async def _next_message(pubsub: Any, sharded: bool, timeout: float) -> dict[str, Any] | None:
+        if sharded:
+            msg = await pubsub.get_sharded_message(timeout=timeout)
+        else:
+            msg = await pubsub.get_message(timeout=timeout)
+        return msg  # type: ignore[no-any-return]
 
 
 class Router:

