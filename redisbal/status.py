@@ -1,0 +1,194 @@
+"""``redisbal status``: what a deployment looks like right now, read from Redis.
+
+One pipeline reads the snapshot, the members (last report times), the
+barrier set, every engine's latest report and the meta counters; nothing is
+written. Engine states:
+
+- ``live``: a member that holds the barrier (reports every step);
+- ``provisional``: a member that joined behind the published step: it is in
+  snapshots but does not hold the barrier back yet;
+- ``registered``: announced (by itself or by the coordinator's expected
+  list) but not reported yet: the first snapshot waits for it;
+- ``expired`` / ``left``: gone since the previous snapshot (the snapshot says
+  why), ``gone``: in the snapshot or seen before but no longer a member.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import orjson
+
+from redisbal.engine_sim import render_table
+from redisbal.keys import DeploymentKeys
+from redisbal.snapshot import Snapshot
+
+COUNTERS = ("reports", "published", "forced", "stale", "late", "joined", "expired", "left")
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _natural(name: str) -> tuple[Any, ...]:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def _latest_report(rec: str) -> dict[str, Any] | None:
+    line = rec.split("\n", 1)[0]
+    _, _, frag = line.partition("\t")
+    try:
+        out: dict[str, Any] = orjson.loads(frag)
+    except orjson.JSONDecodeError:
+        return None
+    return out
+
+
+def gather_status(client: Any, deployment: str, seen: set[str] | None = None) -> dict[str, Any]:
+    """The deployment's state as a JSON-able dict (``seen``: engines shown before, for --watch)."""
+    keys = DeploymentKeys(deployment)
+    sec, usec = client.time()
+    now_ms = int(sec) * 1000 + int(usec) // 1000
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.epoch)
+    pipe.get(keys.snapshot)
+    pipe.zrange(keys.members, 0, -1, withscores=True)
+    pipe.zrange(keys.barrier, 0, -1, withscores=True)
+    pipe.hgetall(keys.reports)
+    pipe.hgetall(keys.meta)
+    pipe.hgetall(keys.config)
+    pipe.get(keys.lease)
+    epoch, snap_raw, members, barrier, reports, meta, config, lease = pipe.execute()
+    snap = Snapshot.from_json(snap_raw) if snap_raw else None
+    members_ms = {_s(e): int(score) for e, score in members}
+    in_barrier = {_s(e) for e, _ in barrier}
+    latest = {_s(e): _latest_report(_s(rec)) for e, rec in reports.items()}
+    meta = {_s(k): _s(v) for k, v in meta.items()}
+    config = {_s(k): _s(v) for k, v in config.items()}
+    gone = dict(snap.gone) if snap else {}
+    names = set(members_ms) | set(gone) | (set(snap.engines) if snap else set()) | (seen or set())
+    engines = []
+    for e in sorted(names, key=_natural):
+        row: dict[str, Any] = {"engine": e}
+        counts = snap.engines.get(e) if snap else None
+        rep = latest.get(e)
+        if counts is not None:
+            row.update(
+                source="snapshot",
+                waiting=counts.waiting,
+                running=counts.running,
+                kv=counts.kv_usage,
+                wave=counts.wave,
+                step=counts.step,
+            )
+        elif rep is not None:
+            row.update(
+                source="report",
+                waiting=rep["waiting"],
+                running=rep["running"],
+                kv=rep["kv"],
+                wave=rep["wave"],
+                step=rep["step"],
+            )
+        else:
+            row.update(source=None, waiting=None, running=None, kv=None, wave=None, step=None)
+        if e in members_ms:
+            row["age_ms"] = max(0, now_ms - members_ms[e])
+            if rep is None:
+                row["state"] = "registered"
+            elif e in in_barrier:
+                row["state"] = "live"
+            else:
+                row["state"] = "provisional"
+        else:
+            row["age_ms"] = None
+            row["state"] = gone.get(e, "gone")
+        row["stale_reports"] = int(meta.get(f"stale:{e}", 0))
+        engines.append(row)
+    return {
+        "deployment": deployment,
+        "server_time_ms": now_ms,
+        "epoch": _s(epoch) if epoch else None,
+        "snapshot": None
+        if snap is None
+        else {
+            "version": snap.version,
+            "wave": snap.wave,
+            "step": snap.step,
+            "forced": snap.forced,
+            "laggards": snap.laggards,
+            "joining": list(snap.joining),
+            "age_ms": max(0, now_ms - snap.time_ms),
+            "engines": len(snap.engines),
+        },
+        "counters": {c: int(meta.get(c, 0)) for c in COUNTERS},
+        "config": config,
+        "coordinator": _s(lease) if lease else None,
+        "engines": engines,
+    }
+
+
+def _fmt_age(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms}ms" if ms < 10_000 else f"{ms / 1000:.0f}s"
+
+
+def _dash(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """Human-readable status: deployment lines, then the per-engine table."""
+    lines = []
+    snap = st["snapshot"]
+    head = f"deployment {st['deployment']}  epoch {st['epoch'] or '-'}"
+    if snap is None:
+        head += "  no snapshot yet"
+    else:
+        lag = ", ".join(f"{e} ({ms}ms)" for e, ms in snap["laggards"].items()) or "-"
+        head += (
+            f"  snapshot v{snap['version']} wave {snap['wave']} step {snap['step']}"
+            f" ({_fmt_age(snap['age_ms'])} ago)  forced {'yes' if snap['forced'] else 'no'}"
+            f"  laggards {lag}"
+        )
+    lines.append(head)
+    lines.append(
+        "counters  "
+        + "  ".join(f"{k} {v}" for k, v in st["counters"].items())
+        + f"  coordinator {st['coordinator'] or 'none'}"
+    )
+    if not st["engines"]:
+        lines.append("no engines")
+        return "\n".join(lines)
+    rows: list[tuple[str, ...]] = [
+        ("engine", "waiting", "running", "kv", "step", "age", "state", "stale")
+    ]
+    for e in st["engines"]:
+        step = "-" if e["step"] is None else f"{e['wave']}:{e['step']}"
+        if e["source"] == "report":
+            step += "*"
+        kv = "-" if e["kv"] is None else f"{e['kv']:.2f}"
+        rows.append(
+            (
+                e["engine"],
+                _dash(e["waiting"]),
+                _dash(e["running"]),
+                kv,
+                step,
+                _fmt_age(e["age_ms"]),
+                e["state"],
+                str(e["stale_reports"]),
+            )
+        )
+    lines.append("")
+    lines.append(render_table(rows))
+    if any(e["source"] == "report" for e in st["engines"]):
+        lines.append("* not in the snapshot yet: counts of its latest report")
+    return "\n".join(lines)
+
+
+def wall_clock() -> str:
+    return time.strftime("%H:%M:%S")
