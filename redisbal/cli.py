@@ -183,21 +183,31 @@ def check_reachable(url: str) -> None:
             client.close()
 
 
-def _on_signals(stop: Callable[[], None]) -> None:
-    """SIGINT/SIGTERM -> stop() (the command then shuts down cleanly and exits 0)."""
+@contextlib.contextmanager
+def _signals_stop(stop: Callable[[], None]) -> Iterator[None]:
+    """While inside: SIGINT/SIGTERM call stop() (the command then shuts down cleanly and
+    exits 0); the previous handlers are restored afterwards."""
 
     def handler(signum: int, frame: object) -> None:
         stop()
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 async def _run_until_signal(main: Any, stop: Callable[[], None]) -> Any:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
-    return await main
+    try:
+        return await main
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def _write_json(path: str | None, data: Any) -> None:
@@ -241,7 +251,9 @@ class RedisbalGroup(click.Group):
         return loaded
 
 
-@click.group(cls=RedisbalGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    "redisbal", cls=RedisbalGroup, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(__version__, "--version", "-V", prog_name="redisbal")
 @common_options
 def cli() -> None:
@@ -361,9 +373,8 @@ def coordinator(
                 ) from None
             raise click.ClickException(f"metrics are unavailable: {exc}") from None
         server = serve_coordinator_metrics(coord, metrics_port, metrics_addr)
-    _on_signals(coord.stop)
     try:
-        with redis_errors(url):
+        with redis_errors(url), _signals_stop(coord.stop):
             coord.run(duration)
     finally:
         for closer in ("shutdown", "close", "stop"):
@@ -731,10 +742,10 @@ def status(watch: float | None, as_json: bool) -> None:
 
     s = settings()
     url = s.require_url()
-    with redis_errors(url):
-        client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
-        try:
-            seen: set[str] = set()
+    client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    seen: set[str] = set()
+    try:
+        with redis_errors(url):
             while True:
                 st = gather_status(client, s.deployment, seen if watch else None)
                 seen |= {e["engine"] for e in st["engines"]}
@@ -747,12 +758,11 @@ def status(watch: float | None, as_json: bool) -> None:
                     click.echo(format_status(st))
                 if not watch:
                     return
-                try:
-                    time.sleep(watch)
-                except KeyboardInterrupt:
-                    return
-        finally:
-            client.close()
+                time.sleep(watch)
+    except KeyboardInterrupt:
+        return  # Ctrl-C ends --watch normally
+    finally:
+        client.close()
 
 
 # -- demo -------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ written. Engine states:
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import orjson
@@ -25,7 +24,7 @@ from redisbal.engine_sim import render_table
 from redisbal.keys import DeploymentKeys
 from redisbal.snapshot import Snapshot
 
-COUNTERS = ("reports", "published", "forced", "stale", "late", "joined", "expired", "left")
+COUNTERS = ("published", "forced", "stale", "late", "joined", "expired", "left")
 
 
 def _s(v: Any) -> str:
@@ -59,8 +58,7 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
     pipe.hgetall(keys.reports)
     pipe.hgetall(keys.meta)
     pipe.hgetall(keys.config)
-    pipe.get(keys.lease)
-    epoch, snap_raw, members, barrier, reports, meta, config, lease = pipe.execute()
+    epoch, snap_raw, members, barrier, reports, meta, config = pipe.execute()
     snap = Snapshot.from_json(snap_raw) if snap_raw else None
     members_ms = {_s(e): int(score) for e, score in members}
     in_barrier = {_s(e) for e, _ in barrier}
@@ -125,9 +123,16 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
         },
         "counters": {c: int(meta.get(c, 0)) for c in COUNTERS},
         "config": config,
-        "coordinator": _s(lease) if lease else None,
+        "coordinator": _lease_holder(config, now_ms),
         "engines": engines,
     }
+
+
+def _lease_holder(config: dict[str, str], now_ms: int) -> str | None:
+    """The coordinator holding the lease (kept in the config hash), if it is still valid."""
+    owner = config.get("lease_owner")
+    until = int(config.get("lease_until_ms") or 0)
+    return owner if owner and until > now_ms else None
 
 
 def _fmt_age(ms: int | None) -> str:
@@ -188,7 +193,3 @@ def format_status(st: dict[str, Any]) -> str:
     if any(e["source"] == "report" for e in st["engines"]):
         lines.append("* not in the snapshot yet: counts of its latest report")
     return "\n".join(lines)
-
-
-def wall_clock() -> str:
-    return time.strftime("%H:%M:%S")

@@ -1,0 +1,312 @@
+"""The command line: help and version, clear errors for bad input (without leaking
+secrets), status against a real server with reporting engines, a timed coordinator run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+import redis
+from click.testing import CliRunner
+
+import redisbal
+from redisbal import EngineReporter
+from redisbal.cli import cli
+from redisbal.keys import DeploymentKeys
+
+COMMANDS = ["coordinator", "engine-sim", "api", "status", "demo"]
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    # the shared options read these; a developer's environment must not change the results
+    for var in ("REDISBAL_REDIS_URL", "REDISBAL_DEPLOYMENT", "REDISBAL_LOG_LEVEL"):
+        monkeypatch.delenv(var, raising=False)
+    return CliRunner()
+
+
+def run(runner: CliRunner, *args: str, **kw: object):  # type: ignore[no-untyped-def]
+    return runner.invoke(cli, list(args), catch_exceptions=False, **kw)  # type: ignore[arg-type]
+
+
+# -- help and version ---------------------------------------------------------------------------
+
+
+def test_group_help_lists_every_command(runner: CliRunner) -> None:
+    res = run(runner, "--help")
+    assert res.exit_code == 0
+    for cmd in COMMANDS:
+        assert cmd in res.output
+    assert "REDISBAL_REDIS_URL" in res.output
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_each_command_has_help_with_the_shared_options(runner: CliRunner, cmd: str) -> None:
+    res = run(runner, cmd, "--help")
+    assert res.exit_code == 0, res.output
+    assert f"Usage: redisbal {cmd}" in res.output
+    for opt in ("--redis-url", "--deployment", "--log-level"):
+        assert opt in res.output
+
+
+def test_version(runner: CliRunner) -> None:
+    res = run(runner, "--version")
+    assert res.exit_code == 0
+    assert res.output.strip() == f"redisbal, version {redisbal.__version__}"
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "redisbal", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert redisbal.__version__ in out.stdout
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["group", "command"])
+def test_bad_deployment_name_names_the_option(runner: CliRunner, where: str) -> None:
+    opts = ["--redis-url", "redis://127.0.0.1:1/0", "--deployment", "has space"]
+    args = [*opts, "status"] if where == "group" else ["status", *opts]
+    res = run(runner, *args)
+    assert res.exit_code == 2
+    assert "Invalid value for '--deployment'" in res.output
+    assert "'has space'" in res.output
+    assert "A-Z a-z 0-9" in res.output  # says what a valid name is
+
+
+def test_bad_deployment_from_env_says_so(runner: CliRunner) -> None:
+    res = run(
+        runner, "status", env={"REDISBAL_DEPLOYMENT": "{x}", "REDISBAL_REDIS_URL": "redis://h"}
+    )
+    assert res.exit_code == 2
+    assert "--deployment" in res.output and "$REDISBAL_DEPLOYMENT" in res.output
+
+
+def test_bad_url_scheme(runner: CliRunner) -> None:
+    res = run(runner, "status", "--redis-url", "http://localhost:6379")
+    assert res.exit_code == 2
+    assert "Invalid value for '--redis-url'" in res.output
+    assert "unsupported scheme 'http'" in res.output
+
+
+def test_bad_url_never_shows_the_password(runner: CliRunner) -> None:
+    res = run(runner, "status", "--redis-url", "redis+sentinel://u:s3cret@host:notaport/mymaster")
+    assert res.exit_code == 2
+    assert "--redis-url" in res.output and "notaport" in res.output
+    assert "s3cret" not in res.output
+
+
+def test_unreachable_redis_is_one_clear_line_without_the_password(runner: CliRunner) -> None:
+    # port 1 on loopback: nothing listens there
+    res = run(runner, "status", "--redis-url", "redis://:s3cret@127.0.0.1:1/0")
+    assert res.exit_code == 1
+    assert "cannot reach Redis at redis://:***@127.0.0.1:1/0" in res.output
+    assert "s3cret" not in res.output
+    assert "Traceback" not in res.output
+
+
+def test_missing_url_says_how_to_give_one(runner: CliRunner) -> None:
+    res = run(runner, "status")
+    assert res.exit_code == 2
+    assert "--redis-url" in res.output and "REDISBAL_REDIS_URL" in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["coordinator", "--stall-ms", "0"], "Invalid value for '--stall-ms'"),
+        (["coordinator", "--tick-ms", "x"], "'x' is not a valid integer"),
+        (
+            ["coordinator", "--dead-after-ms", "200", "--stall-ms", "300"],
+            "stall_ms (300) must be below dead_after_ms (200)",
+        ),
+        (["coordinator", "--expect", "a b"], "Invalid value for '--expect'"),
+        (["coordinator", "--expect", "0"], "must be in 1..4096"),
+        (["engine-sim", "--engines", "0"], "Invalid value for '--engines'"),
+        (["engine-sim", "--slow", "3:abc"], "use ID[,ID...]:FACTOR"),
+        (["engine-sim", "--slow", "9:2"], "does not run: ['9']"),
+        (["engine-sim", "--id-prefix", "{"], "invalid engine id"),
+        (["api", "--client-index", "3", "--client-count", "2"], "do not fit in --client-count 2"),
+        (["api"], "no load: give --burst N and/or --rate R"),
+        (["api", "--burst", "-5"], "Invalid value for '--burst'"),
+        (["api", "--policy", "fastest"], "Invalid value for '--policy'"),
+        (["status", "--watch", "0"], "Invalid value for '--watch'"),
+        (["demo", "--engines", "0"], "Invalid value for '--engines'"),
+        (["demo", "--duration", "-1"], "Invalid value for '--duration'"),
+    ],
+)
+def test_bad_numbers_and_values_are_usage_errors(
+    runner: CliRunner, args: list[str], expected: str
+) -> None:
+    # the URL is valid but unreachable: every one of these must fail before connecting
+    res = run(runner, *args, "--redis-url", "redis://127.0.0.1:1/0")
+    assert res.exit_code == 2, res.output
+    assert expected in res.output
+    assert "cannot reach" not in res.output
+
+
+def test_metrics_port_without_prometheus_names_the_extra(
+    runner: CliRunner, redis_url: str, deployment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if importlib.util.find_spec("redisbal.metrics") is None:
+        pytest.skip("redisbal/metrics.py is not in this tree (written by another engineer)")
+    monkeypatch.delitem(sys.modules, "redisbal.metrics", raising=False)
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import now fails
+    res = run(
+        runner,
+        "coordinator",
+        "--redis-url",
+        redis_url,
+        "--deployment",
+        deployment,
+        "--metrics-port",
+        "9",
+        "--duration",
+        "0.1",
+    )
+    assert res.exit_code == 1
+    assert "pip install 'redisbal[metrics]'" in res.output
+
+
+# -- against a real server ----------------------------------------------------------------------
+
+
+def test_option_before_or_after_the_command_and_env(
+    runner: CliRunner, redis_url: str, deployment: str
+) -> None:
+    before = run(runner, "--redis-url", redis_url, "--deployment", deployment, "status", "--json")
+    after = run(runner, "status", "--json", "--redis-url", redis_url, "--deployment", deployment)
+    env = run(
+        runner,
+        "status",
+        "--json",
+        env={"REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment},
+    )
+    # the command line wins over the environment
+    both = run(
+        runner,
+        "status",
+        "--json",
+        "--deployment",
+        deployment,
+        env={"REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": "other"},
+    )
+    for res in (before, after, env, both):
+        assert res.exit_code == 0, res.output
+        st = orjson.loads(res.output)
+        assert st["deployment"] == deployment
+        assert st["snapshot"] is None and st["engines"] == []
+
+
+def _two_engines(redis_url: str, deployment: str, r: redis.Redis) -> list[EngineReporter]:
+    keys = DeploymentKeys(deployment)
+    r.hset(keys.config, mapping={"join_grace_ms": "0"})
+    reps = [EngineReporter(redis_url, deployment, engine_id=e, heartbeat=False) for e in ("0", "1")]
+    for rep in reps:
+        rep.register()  # the first snapshot waits for both
+    reps[0].report(step=1, waiting=3, running=7, kv_usage=0.25)
+    res = reps[1].report(step=1, waiting=5, running=2)
+    assert res.version >= 1  # the barrier completed: a snapshot exists
+    return reps
+
+
+def test_status_table_shows_each_engine(
+    runner: CliRunner, redis_url: str, deployment: str, r: redis.Redis
+) -> None:
+    reps = _two_engines(redis_url, deployment, r)
+    try:
+        res = run(runner, "status", "--redis-url", redis_url, "--deployment", deployment)
+    finally:
+        for rep in reps:
+            rep.close()
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0].startswith(f"deployment {deployment}  epoch ")
+    assert "snapshot v1 wave 0 step 1" in lines[0] and "forced no" in lines[0]
+    assert "stale 0" in lines[1] and "expired 0" in lines[1]
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln[:2] in ("0 ", "1 ")}
+    # engine, waiting, running, kv, step, age, state, stale
+    assert rows["0"][1:5] == ["3", "7", "0.25", "0:1"]
+    assert rows["1"][1:5] == ["5", "2", "-", "0:1"]
+    assert rows["0"][6] == rows["1"][6] == "live"
+
+
+def test_status_json_and_gone_engines(
+    runner: CliRunner, redis_url: str, deployment: str, r: redis.Redis
+) -> None:
+    reps = _two_engines(redis_url, deployment, r)
+    reps[1].close()  # graceful leave: republished without it
+    try:
+        res = run(runner, "status", "--json", "--redis-url", redis_url, "--deployment", deployment)
+    finally:
+        reps[0].close()
+    assert res.exit_code == 0, res.output
+    st = orjson.loads(res.output)
+    assert st["snapshot"]["version"] >= 2 and st["snapshot"]["forced"] is False
+    assert st["counters"]["left"] == 1
+    by_id = {e["engine"]: e for e in st["engines"]}
+    assert by_id["0"]["state"] == "live"
+    assert (by_id["0"]["waiting"], by_id["0"]["running"], by_id["0"]["kv"]) == (3, 7, 0.25)
+    assert 0 <= by_id["0"]["age_ms"] < 60_000
+    assert by_id["1"]["state"] == "left" and by_id["1"]["age_ms"] is None
+
+
+def test_coordinator_duration_run_configures_and_releases(
+    runner: CliRunner, redis_url: str, deployment: str, r: redis.Redis
+) -> None:
+    keys = DeploymentKeys(deployment)
+    t0 = time.monotonic()
+    res = run(
+        runner,
+        "coordinator",
+        "--redis-url",
+        redis_url,
+        "--deployment",
+        deployment,
+        "--duration",
+        "0.6",
+        "--stall-ms",
+        "50",
+        "--expect",
+        "a,b",
+        "--id",
+        "coord-test",
+    )
+    assert res.exit_code == 0, res.output
+    assert 0.5 <= time.monotonic() - t0 < 30
+    assert "coordinator coord-test stopped" in res.output
+    config = {k.decode(): v.decode() for k, v in r.hgetall(keys.config).items()}
+    assert config["stall_ms"] == "50" and config["expected"] == "a,b"
+    members = {m.decode() for m in r.zrange(keys.members, 0, -1)}
+    assert members == {"a", "b"}  # registered: the first snapshot waits for them
+    # the lease was given up: a standby would not have to wait for the TTL
+    until = int(config.get("lease_until_ms") or 0)
+    sec, usec = r.time()
+    assert config.get("lease_owner") in (None, "") or until <= sec * 1000 + usec // 1000
+
+
+def test_api_without_engines_fails_clearly(
+    runner: CliRunner, redis_url: str, deployment: str
+) -> None:
+    res = run(
+        runner,
+        "api",
+        "--redis-url",
+        redis_url,
+        "--deployment",
+        deployment,
+        "--burst",
+        "4",
+        "--wait-engines",
+        "0.3",
+    )
+    assert res.exit_code == 1
+    assert f"no snapshot for deployment {deployment!r}" in res.output

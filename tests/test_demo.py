@@ -1,0 +1,125 @@
+"""`redisbal demo` as a user runs it: a real subprocess that starts its own redis-server,
+coordinator, engines and API servers, prints the tables, and leaves no process behind
+(also when interrupted with Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+DEMO = [sys.executable, "-m", "redisbal", "demo"]
+SMALL = ["--engines", "3", "--api-servers", "2", "--duration", "2", "--running-cap", "8"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _logdir(output: str) -> str:
+    m = re.search(r"on unix://(/\S+?)/redis/redis\.sock", output)
+    assert m, output
+    return m.group(1)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention text (their socket or log dir)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (p / "environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd or text in environ:
+            found.append(f"{p.name}: {cmd}")
+    return found
+
+
+def _wait_gone(text: str, timeout: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    left = _processes_mentioning(text)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _processes_mentioning(text)
+    return left
+
+
+def test_demo_runs_end_to_end_and_cleans_up() -> None:
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [*DEMO, *SMALL], capture_output=True, text=True, timeout=120, env=_env(), check=False
+    )
+    took = time.monotonic() - t0
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "first snapshot v" in text and "engines 0, 1, 2" in text
+    # the per-engine table: a header and one row per engine, with requests served
+    table = text.split("per engine:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert table[0].split()[:3] == ["engine", "assigned", "served"]
+    rows = {ln.split()[0]: ln.split() for ln in table[2:]}
+    assert set(rows) == {"0", "1", "2"}
+    served = sum(int(r[2]) for r in rows.values())
+    assert all(int(r[1]) == int(r[2]) > 0 for r in rows.values())  # all assigned were served
+    m = re.search(r"requests: (\d+) sent, (\d+) served", text)
+    assert m and int(m.group(1)) == int(m.group(2)) == served > 0
+    assert re.search(r"load imbalance, time-averaged \(max-mean\)/mean:\s+\d+\.\d\d", text)
+    assert re.search(r"per-burst max/mean of assignments:\s+\d+\.\d\d", text)
+    assert "all its processes stopped" in text
+    logdir = _logdir(text)
+    assert not Path(logdir).exists()  # removed on success
+    assert _wait_gone(logdir) == []
+    assert took < 60
+
+
+def test_demo_ctrl_c_stops_every_process() -> None:
+    proc = subprocess.Popen(
+        [*DEMO, *SMALL[:-2], "--duration", "30"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        # interrupt once the API servers (the last children) are starting
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("starting ") or time.monotonic() > deadline:
+                break
+        assert any(ln.startswith("starting ") for ln in lines), "".join(lines)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines) + rest
+    assert proc.returncode == 130, text
+    assert "interrupted: stopping every process the demo started" in text
+    logdir = _logdir(text)
+    assert _wait_gone(logdir) == [], text
+
+
+@pytest.mark.parametrize("args", [["--engines", "0"], ["--slow", "x"]])
+def test_demo_bad_options_start_nothing(args: list[str]) -> None:
+    out = subprocess.run(
+        [*DEMO, *args], capture_output=True, text=True, timeout=60, env=_env(), check=False
+    )
+    assert out.returncode == 2
+    assert "Invalid value" in out.stderr
+    assert "started redis-server" not in out.stdout
