@@ -1,0 +1,461 @@
+"""Prometheus metrics: the coordinator's exporter and routers' client-side metrics.
+
+Needs the ``metrics`` extra (``pip install 'redisbal[metrics]'``, which brings
+``prometheus_client``); importing this module without it raises ImportError
+saying so. Nothing else in redisbal imports this module.
+
+Coordinator (``redisbal coordinator --metrics-port``, or
+:func:`serve_coordinator_metrics` in your own process): two sources.
+
+- On every scrape a collector reads the deployment from Redis (one pipeline:
+  meta hash, snapshot, members, epoch; plus TIME), so the gauges and counters
+  are as fresh as the scrape and a standby coordinator exports them too. A
+  scrape that cannot reach Redis reports ``redisbal_up 0`` and nothing else
+  from Redis.
+- The barrier-wait histogram needs every snapshot, not the one present at
+  scrape time: the coordinator's ``on_tick`` hook (every tick of the lease
+  holder, ~20-50 ms) samples the stored snapshot, and so does each scrape.
+  Each new cut is observed once (idle republishes of the same cut are not).
+  When snapshots are published faster than the coordinator ticks, the
+  histogram is a sample of them.
+
+The counters come from the deployment's meta hash, which the barrier scripts
+keep; a new epoch (Redis restart without persistence, failover to a lagging
+replica) starts them from zero, which Prometheus treats as a counter reset.
+
+Routers: ``RouterMetrics(registry).bind(router)`` exposes the counters a
+router keeps in ``router.core.counters`` (routes, degraded routes, pinned,
+snapshots adopted, old versions ignored, epochs) and its snapshot age, on a
+registry the host application owns. Reading them costs nothing on the hot
+path: the collector reads the counters at scrape time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socketserver
+import threading
+from collections.abc import Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+try:
+    from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # pragma: no cover - exercised by a test with the module hidden
+    raise ImportError(
+        "redisbal.metrics needs prometheus_client: pip install 'redisbal[metrics]'",
+        name="prometheus_client",
+    ) from exc
+
+from redisbal.connection import redact
+from redisbal.snapshot import Snapshot
+
+log = logging.getLogger("redisbal.metrics")
+
+__all__ = [
+    "BARRIER_WAIT_BUCKETS",
+    "CoordinatorMetrics",
+    "MetricsServer",
+    "RouterMetrics",
+    "barrier_wait_s",
+    "imbalance",
+    "serve_coordinator_metrics",
+]
+
+# barrier waits are a few ms when engines step together, up to stall_ms (250 ms by
+# default) when one lags, more when the stall guard is off or slow
+BARRIER_WAIT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+# meta hash field -> (metric name without prefix, help)
+META_COUNTERS = {
+    "published": ("snapshots_published", "Snapshots published by a complete barrier."),
+    "forced": ("snapshots_forced", "Snapshots force-published by the stall guard."),
+    "stale": ("reports_stale", "Reports rejected as older than the engine's latest."),
+    "late": ("reports_late", "Reports for an already-published step (accepted, no republish)."),
+    "joined": ("engines_joined", "Engines that joined (first report in the epoch)."),
+    "expired": ("engines_expired", "Engines expired after dead_after_ms without a report."),
+    "left": ("engines_left", "Engines that left gracefully."),
+}
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def imbalance(snap: Snapshot) -> float:
+    """(max - mean) / mean of per-engine load (waiting + running); 0 with no load."""
+    loads = [c.load for c in snap.engines.values()]
+    if not loads:
+        return 0.0
+    mean = sum(loads) / len(loads)
+    return (max(loads) - mean) / mean if mean > 0 else 0.0
+
+
+def barrier_wait_s(snap: Snapshot) -> float | None:
+    """Seconds from the earliest report at the snapshot's cut step to its publication.
+
+    That is how long the barrier held the step open (a same-step refresh moves
+    an engine's report time later, so this never over-states the wait). None
+    when no engine in the snapshot reported the cut step itself.
+    """
+    times = [c.reported_ms for c in snap.engines.values() if (c.wave, c.step) == snap.cut]
+    if not times:
+        return None
+    return max(0.0, (snap.time_ms - min(times)) / 1000.0)
+
+
+class CoordinatorMetrics:
+    """Metrics of one deployment, for the coordinator process (see the module doc).
+
+    ``registry``: where to register (a private CollectorRegistry by default).
+    Call :meth:`sample` often (``attach()`` hooks it on the coordinator's ticks).
+    """
+
+    def __init__(self, coordinator: Any, registry: CollectorRegistry | None = None) -> None:
+        self.coordinator = coordinator
+        self.deployment: str = coordinator.keys.deployment
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.barrier_wait = Histogram(
+            "redisbal_barrier_wait_seconds",
+            "Time a published cut's barrier was open: from the earliest report at the "
+            "cut step to publication (sampled per coordinator tick and per scrape).",
+            ["deployment"],
+            buckets=BARRIER_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.barrier_wait.labels(self.deployment)  # exported (as zeros) before the first cut
+        self._lock = threading.Lock()
+        self._last_cut: tuple[str, int, int] | None = None  # epoch, wave, step
+        self.sample_errors = 0
+        self.registry.register(_CoordinatorCollector(self))
+
+    def attach(self) -> CoordinatorMetrics:
+        """Sample on every coordinator tick (chains any on_tick already set)."""
+        previous = self.coordinator.on_tick
+
+        def on_tick(coord: Any) -> None:
+            if previous is not None:
+                previous(coord)
+            self.sample()
+
+        self.coordinator.on_tick = on_tick
+        return self
+
+    def sample(self) -> None:
+        """Read the stored snapshot and observe its barrier wait if it is a new cut.
+
+        Never raises: a metrics problem must not disturb the coordinator.
+        """
+        try:
+            raw = self.coordinator.client.get(self.coordinator.keys.snapshot)
+            if raw:
+                self.observe(Snapshot.from_json(raw))
+        except Exception as exc:  # see the docstring
+            self.sample_errors += 1
+            log.debug("metrics sample failed: %s", redact(str(exc)))
+
+    def observe(self, snap: Snapshot) -> None:
+        cut = (snap.epoch, snap.wave, snap.step)
+        with self._lock:
+            if cut == self._last_cut:
+                return
+            self._last_cut = cut
+        wait = barrier_wait_s(snap)
+        if wait is not None:
+            self.barrier_wait.labels(self.deployment).observe(wait)
+
+
+class _CoordinatorCollector(Collector):
+    """Reads the deployment's state from Redis at scrape time."""
+
+    def __init__(self, owner: CoordinatorMetrics) -> None:
+        self.owner = owner
+
+    def describe(self) -> list[Metric]:
+        return []  # collected dynamically: do not call collect() at registration
+
+    def collect(self) -> Iterator[Metric]:
+        o = self.owner
+        dep = o.deployment
+        coord = o.coordinator
+        stats = coord.stats
+        lab = ["deployment"]
+
+        def gauge(name: str, doc: str, value: float, labels: list[str] | None = None) -> Metric:
+            g = GaugeMetricFamily(f"redisbal_{name}", doc, labels=labels or lab)
+            g.add_metric([dep], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(f"redisbal_{name}", doc, labels=lab)
+            c.add_metric([dep], value)
+            return c
+
+        yield gauge("coordinator_leader", "1 while this coordinator holds the lease.", stats.leader)
+        yield gauge("coordinator_fence", "Fence of this coordinator's lease.", stats.fence)
+        yield counter("coordinator_ticks", "Coordinator rounds run.", stats.ticks)
+        yield counter("coordinator_errors", "Coordinator rounds that failed.", stats.errors)
+        yield counter(
+            "coordinator_forced", "Snapshots this coordinator force-published.", stats.forced
+        )
+        yield counter("coordinator_expired", "Engines this coordinator expired.", stats.expired)
+        yield counter(
+            "coordinator_epochs_started",
+            "New epochs this coordinator started after the Redis server changed.",
+            stats.epochs_started,
+        )
+        try:
+            state = self._read()
+        except Exception as exc:  # a scrape reports Redis as down, never fails
+            log.warning("metrics: cannot read %s from Redis: %s", dep, redact(str(exc)))
+            yield gauge("up", "1 when the last scrape could read the deployment.", 0)
+            return
+        yield gauge("up", "1 when the last scrape could read the deployment.", 1)
+        meta, raw, members, epoch, now_ms = state
+        for field, (name, doc) in META_COUNTERS.items():
+            yield counter(name, doc + " Resets with a new epoch.", float(meta.get(field, 0) or 0))
+        info = GaugeMetricFamily(
+            "redisbal_epoch_info",
+            "Current epoch of the deployment's state.",
+            labels=[*lab, "epoch"],
+        )
+        info.add_metric([dep, epoch], 1)
+        yield info
+        yield gauge("engines_live", "Member engines (reporting, not expired).", len(members))
+        since = meta.get("since")
+        yield gauge(
+            "barrier_open_seconds",
+            "How long the current barrier has waited for its slowest engine (0: none open).",
+            max(0.0, (now_ms - float(since)) / 1000.0) if since else 0.0,
+        )
+        age = GaugeMetricFamily(
+            "redisbal_engine_report_age_seconds",
+            "Seconds since each member engine's last report.",
+            labels=[*lab, "engine"],
+        )
+        stale = CounterMetricFamily(
+            "redisbal_engine_reports_stale",
+            "Stale reports per engine. Resets with a new epoch.",
+            labels=[*lab, "engine"],
+        )
+        for engine, seen_ms in members:
+            age.add_metric([dep, engine], max(0.0, (now_ms - seen_ms) / 1000.0))
+            stale.add_metric([dep, engine], float(meta.get(f"stale:{engine}", 0) or 0))
+        yield age
+        yield stale
+        if not raw:
+            return
+        snap = Snapshot.from_json(raw)
+        o.observe(snap)
+        yield gauge("snapshot_version", "Version of the latest snapshot.", snap.version)
+        yield gauge(
+            "snapshot_age_seconds",
+            "Seconds since the latest snapshot was published (Redis server time).",
+            max(0.0, (now_ms - snap.time_ms) / 1000.0),
+        )
+        yield gauge("snapshot_forced", "1 when the latest snapshot was forced.", snap.forced)
+        yield gauge(
+            "snapshot_laggards", "Engines the latest (forced) snapshot names as laggards.",
+            len(snap.laggards),
+        )  # fmt: skip
+        yield gauge(
+            "imbalance",
+            "(max - mean) / mean of per-engine waiting + running in the latest snapshot.",
+            imbalance(snap),
+        )
+        per_engine = {
+            "waiting": ("redisbal_engine_waiting", "Waiting requests per engine (snapshot)."),
+            "running": ("redisbal_engine_running", "Running requests per engine (snapshot)."),
+            "kv_usage": ("redisbal_engine_kv_usage", "KV-cache usage per engine, 0..1 (snapshot)."),
+        }
+        families = {
+            k: GaugeMetricFamily(name, doc, labels=[*lab, "engine"])
+            for k, (name, doc) in per_engine.items()
+        }
+        for engine, c in sorted(snap.engines.items()):
+            families["waiting"].add_metric([dep, engine], c.waiting)
+            families["running"].add_metric([dep, engine], c.running)
+            if c.kv_usage is not None:
+                families["kv_usage"].add_metric([dep, engine], c.kv_usage)
+        yield from families.values()
+
+    def _read(self) -> tuple[dict[str, str], bytes | None, list[tuple[str, float]], str, float]:
+        coord = self.owner.coordinator
+        keys = coord.keys
+        client = coord.client
+        pipe = client.pipeline(transaction=False)
+        pipe.hgetall(keys.meta)
+        pipe.get(keys.snapshot)
+        pipe.zrange(keys.members, 0, -1, withscores=True)
+        pipe.get(keys.epoch)
+        meta_raw, raw, members_raw, epoch = pipe.execute()
+        sec, usec = client.time()
+        now_ms = int(sec) * 1000 + int(usec) / 1000.0
+        meta = {_s(k): _s(v) for k, v in (meta_raw or {}).items()}
+        members = [(_s(e), float(t)) for e, t in members_raw or []]
+        return meta, raw, members, _s(epoch or ""), now_ms
+
+
+# -- HTTP server ------------------------------------------------------------------------------
+
+
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No access log on stderr."""
+
+
+class MetricsServer:
+    """A running /metrics endpoint; ``shutdown()`` stops it."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> None:
+        self.registry = registry
+        self._httpd = make_server(
+            addr,
+            port,
+            make_wsgi_app(registry),
+            server_class=_ThreadingWSGIServer,
+            handler_class=_QuietHandler,
+        )
+        self.addr = addr
+        self.port = int(self._httpd.server_port)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, daemon=True, name="redisbal-metrics"
+        )
+        self._thread.start()
+        self.metrics: CoordinatorMetrics | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{self.port}/metrics"
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    close = shutdown
+
+
+def serve_coordinator_metrics(
+    coordinator: Any, port: int, addr: str = "127.0.0.1"
+) -> MetricsServer:
+    """Serve the coordinator's metrics at http://addr:port/metrics on a private registry.
+
+    Hooks :meth:`CoordinatorMetrics.sample` on the coordinator's ticks. Returns the
+    server (``.shutdown()`` to stop; ``.port`` is the bound port, useful with port 0).
+    """
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(coordinator, registry).attach()
+    server = MetricsServer(registry, port, addr)
+    server.metrics = metrics
+    log.info("metrics for %s on %s", metrics.deployment, server.url)
+    return server
+
+
+# -- routers ----------------------------------------------------------------------------------
+
+
+ROUTER_COUNTERS = {
+    "routes": "Requests routed.",
+    "degraded_routes": "Requests routed without a fresh snapshot (Redis gone or feed stale).",
+    "pinned": "Requests pinned to an engine by the caller.",
+    "snapshots": "Snapshots adopted.",
+    "ignored_old": "Snapshots ignored as older than the current one within its epoch.",
+    "epochs": "Epoch changes adopted (Redis state was reset).",
+}
+
+
+class RouterMetrics:
+    """Client-side router metrics on a registry the host application passes in.
+
+    >>> metrics = RouterMetrics(registry)         # once per registry
+    >>> metrics.bind(router)                      # each Router / AsyncRouter
+
+    Labels: ``deployment`` and ``client_index``. Values are read at scrape time.
+    """
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = "redisbal_router") -> None:
+        self.prefix = prefix
+        self._routers: list[Any] = []
+        self._lock = threading.Lock()
+        registry.register(_RouterCollector(self))
+
+    def bind(self, router: Any) -> Any:
+        """Export ``router``'s metrics (a Router or AsyncRouter); returns it."""
+        with self._lock:
+            if router not in self._routers:
+                self._routers.append(router)
+        return router
+
+    def unbind(self, router: Any) -> None:
+        with self._lock:
+            if router in self._routers:
+                self._routers.remove(router)
+
+    def routers(self) -> list[Any]:
+        with self._lock:
+            return list(self._routers)
+
+
+def _router_deployment(router: Any) -> str:
+    inner = getattr(router, "_inner", router)  # Router wraps an AsyncRouter
+    return str(inner.keys.deployment)
+
+
+class _RouterCollector(Collector):
+    def __init__(self, owner: RouterMetrics) -> None:
+        self.owner = owner
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        p = self.owner.prefix
+        labels = ["deployment", "client_index"]
+        counters = {
+            k: CounterMetricFamily(f"{p}_{k}", doc, labels=labels)
+            for k, doc in ROUTER_COUNTERS.items()
+        }
+        gauges = {
+            "snapshot_age_seconds": GaugeMetricFamily(
+                f"{p}_snapshot_age_seconds",
+                "Seconds since this router adopted its current snapshot (local clock).",
+                labels=labels,
+            ),
+            "snapshot_version": GaugeMetricFamily(
+                f"{p}_snapshot_version", "Version of the router's current snapshot.", labels=labels
+            ),
+            "degraded": GaugeMetricFamily(
+                f"{p}_degraded", "1 while routing without a fresh snapshot.", labels=labels
+            ),
+            "connected": GaugeMetricFamily(
+                f"{p}_connected", "1 while the snapshot feed is connected.", labels=labels
+            ),
+            "engines": GaugeMetricFamily(
+                f"{p}_engines", "Engines the router routes to.", labels=labels
+            ),
+        }
+        for router in self.owner.routers():
+            core = router.core
+            lv = [_router_deployment(router), str(core.client_index)]
+            snapshot_counters = dict(core.counters)
+            for k, fam in counters.items():
+                fam.add_metric(lv, float(snapshot_counters.get(k, 0)))
+            if core.snapshot is not None:
+                gauges["snapshot_age_seconds"].add_metric(lv, core.clock() - core.snapshot_at)
+                gauges["snapshot_version"].add_metric(lv, core.snapshot.version)
+            gauges["degraded"].add_metric(lv, float(core.degraded))
+            gauges["connected"].add_metric(lv, float(core.connected))
+            gauges["engines"].add_metric(lv, float(len(core.engines)))
+        yield from counters.values()
+        yield from gauges.values()
