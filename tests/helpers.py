@@ -100,7 +100,8 @@ class Barrier:
 
     def expire_now(self, engine: str) -> None:
         """Make engine look dead: its last report far in the past (only if a member)."""
-        assert self.r.zadd(self.keys.members, {engine: 0}, xx=True, ch=True) == 1
+        assert self.r.zscore(self.keys.members, engine) is not None, f"{engine} is no member"
+        self.r.zadd(self.keys.members, {engine: 0}, xx=True)
 
     # -- reading state -----------------------------------------------------------------------
 
