@@ -97,7 +97,11 @@ def validate_report(
         kv = f"{float(kv_usage):.4f}"
     adm = ""
     if admitted is not None:
-        if isinstance(admitted, str | bytes) or len(admitted) > MAX_CLIENTS:
+        if (
+            isinstance(admitted, str | bytes)
+            or not isinstance(admitted, Sequence)
+            or len(admitted) > MAX_CLIENTS
+        ):
             raise InvalidReport(f"admitted must be a list of at most {MAX_CLIENTS} counts")
         adm = ",".join(str(_count(f"admitted[{i}]", a, 10**15 - 1)) for i, a in enumerate(admitted))
     return [wave_s, step_s, w, r, kv, adm]
