@@ -1,0 +1,248 @@
+"""Engine reporters on a real Redis: validation, tick mode, heartbeat, async coalescing,
+graceful leave, and Redis outages reported as a status instead of an exception."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import pytest
+import redis
+from helpers import Barrier, score, server_ms, text, wait_until
+
+from redisbal import AsyncEngineReporter, EngineReporter, InvalidName, InvalidReport
+from redisbal.embedded import RedisServer
+from redisbal.keys import DeploymentKeys
+
+
+@pytest.fixture
+def bar(r: redis.Redis, keys: DeploymentKeys) -> Barrier:
+    b = Barrier(r, keys)
+    b.configure()
+    return b
+
+
+def latest_entry(r: redis.Redis, keys: DeploymentKeys, engine: str) -> list[str]:
+    """The engine's stored history lines, newest first."""
+    rec = r.hget(keys.reports, engine)
+    return text(rec).split("\n") if rec else []
+
+
+GOOD = {"step": 3, "waiting": 1, "running": 2, "wave": 0}
+BAD_REPORTS: list[tuple[str, dict[str, Any]]] = [
+    *[("step", {"step": v}) for v in (-1, 1.5, True, 2**32, "3", None)],
+    *[("waiting", {"waiting": v}) for v in (-1, 2.0, True, 10**9 + 1, 10**15, "1", None)],
+    *[("running", {"running": v}) for v in (-1, 2.0, False, 10**9 + 1, "1", None)],
+    *[("wave", {"wave": v}) for v in (-1, 2**20, 0.0, True, "0")],
+    *[
+        ("kv_usage", {"kv_usage": v})
+        for v in (math.nan, math.inf, -math.inf, -0.01, 1.01, True, "0.5", [0.5])
+    ],
+    *[
+        ("admitted", {"admitted": v})
+        for v in ([-1], [1.5], "1,2", b"12", [True], [0] * 4097, [10**15], [None], 5)
+    ],
+]
+
+
+def test_every_bad_field_raises_naming_it_and_stores_nothing(
+    redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    rep = EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False)
+    try:
+        bar.register("e1")  # keeps the barrier open so that state is rich but stable
+        assert rep.report(**GOOD).accepted
+        assert rep.report(step=3, waiting=4, running=5, kv_usage=0.5, admitted=[1, 2]).accepted
+        before = bar.dump()
+        for field, change in BAD_REPORTS:
+            with pytest.raises(InvalidReport) as exc:
+                rep.report(**{**GOOD, **change})
+            assert field in str(exc.value), f"{change}: {exc.value}"
+            assert bar.dump() == before, f"{change} changed Redis"
+        with pytest.raises(TypeError, match="colour"):
+            rep.report(**GOOD, colour=1)  # type: ignore[call-arg]
+        assert bar.dump() == before
+        assert rep.report(step=4, waiting=0, running=0).accepted  # still usable
+    finally:
+        rep.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "what"),
+    [
+        ({"deployment": "a b"}, "deployment"),
+        ({"deployment": "x{y}"}, "deployment"),
+        ({"deployment": "d" * 65}, "deployment"),
+        ({"engine_id": "{e0}"}, "engine_id"),
+        ({"engine_id": "e 0"}, "engine_id"),
+        ({"engine_id": ""}, "engine_id"),
+        ({"engine_id": 3}, "engine_id"),
+    ],
+)
+def test_bad_names_raise_before_any_key_exists(
+    r: redis.Redis, redis_url: str, kwargs: dict[str, Any], what: str
+) -> None:
+    before = set(r.keys("*"))
+    args = {"deployment": "fine", "engine_id": "e0", **kwargs}
+    for cls in (EngineReporter, AsyncEngineReporter):
+        with pytest.raises(InvalidName, match=what):
+            cls(redis_url, heartbeat=False, **args)
+    assert set(r.keys("*")) == before
+
+
+def test_mode_is_validated(redis_url: str, keys: DeploymentKeys) -> None:
+    with pytest.raises(InvalidReport, match="mode"):
+        EngineReporter(redis_url, keys.deployment, "e0", mode="sometimes", heartbeat=False)
+    rep = EngineReporter(redis_url, keys.deployment, "e0", mode="tick", heartbeat=False)
+    try:
+        with pytest.raises(InvalidReport, match="step"):
+            rep.report(step=5, waiting=1, running=1)
+    finally:
+        rep.close()
+
+
+def test_tick_mode_tags_with_the_server_tick_and_idle_engines_keep_the_barrier_moving(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """Independent engines: the barrier tags each report floor(server_ms / tick_ms), and
+    the heartbeat reports every tick, so snapshots keep coming while nothing changes."""
+    bar.configure(tick_ms=50)
+    reps = [
+        EngineReporter(redis_url, keys.deployment, f"e{i}", mode="tick", heartbeat_s=0.05)
+        for i in range(2)
+    ]
+    try:
+        for i, rep in enumerate(reps):
+            before = server_ms(r) // 50
+            res = rep.report(waiting=i + 1, running=10 * (i + 1))
+            after = server_ms(r) // 50
+            # the tick number is the (wave, step) pair's single score: wave * 2^32 + step
+            assert res.accepted and before <= score(res.wave, res.step) <= after
+
+        def both_in_snapshot() -> bool:
+            snap = bar.snapshot()
+            return snap is not None and set(snap.engines) == {"e0", "e1"}
+
+        wait_until(both_in_snapshot, timeout=5)
+        first = bar.snapshot()
+        assert first is not None
+        assert {e: (c.waiting, c.running) for e, c in first.engines.items()} == {
+            "e0": (1, 10),
+            "e1": (2, 20),
+        }
+        # idle for a while: the heartbeats still move the barrier forward
+        wait_until(lambda: bar.snapshot().step >= first.step + 4, timeout=5)  # type: ignore[union-attr]
+
+        snap = bar.snapshot()
+        assert snap is not None and snap.version > first.version
+        assert abs(score(snap.wave, snap.step) - server_ms(r) // 50) <= 40, "tick off the clock"
+    finally:
+        for rep in reps:
+            rep.close()
+
+
+def test_heartbeat_keeps_an_idle_engine_alive_past_dead_after(
+    redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    bar.configure(dead_after_ms=300)
+    beating = EngineReporter(redis_url, keys.deployment, "e0", heartbeat_s=0.05)
+    silent = EngineReporter(redis_url, keys.deployment, "e1", heartbeat=False)
+    try:
+        assert beating.report(step=1, waiting=0, running=0).accepted
+        assert silent.report(step=1, waiting=0, running=0).accepted
+        started = time.monotonic()
+        wait_until(lambda: bar.reap()[1] == ["e1"], timeout=5)
+        while time.monotonic() - started < 0.9:  # three times dead_after
+            assert bar.reap()[1] == []
+            time.sleep(0.05)
+        assert set(bar.members()) == {"e0"}
+        snap = bar.snapshot()
+        assert snap is not None and set(snap.engines) == {"e0"} and snap.gone == {"e1": "expired"}
+    finally:
+        beating.close()
+        silent.close()
+
+
+def test_register_is_idempotent_and_close_leaves(
+    redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    with EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False) as rep:
+        assert rep.register() is True
+        assert rep.register() is False
+        assert "e0" in bar.members()
+        assert rep.report(step=1, waiting=0, running=0).accepted
+        assert rep.report(step=0, waiting=0, running=0).status == "stale"
+        assert rep.stale_count == 1
+    assert "e0" not in bar.members()
+    assert bar.counter("left") == 1
+
+
+async def test_async_reporter_reports_coalesces_and_leaves(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    bar.register("other")  # never reports: no snapshot, so the history is never pruned
+    rep = AsyncEngineReporter(redis_url, keys.deployment, "e0", heartbeat=False)
+    res = await rep.report(step=1, waiting=2, running=3, kv_usage=0.25)
+    assert (res.status, res.version, res.wave, res.step) == ("accepted", 0, 0, 1)
+    # report_nowait never waits; three calls before the sender runs: the latest wins
+    for step in (2, 3, 4):
+        rep.report_nowait(step=step, waiting=step, running=step)
+    await asyncio.sleep(0)
+    deadline = time.monotonic() + 5
+    while not latest_entry(r, keys, "e0")[0].startswith("4\t"):
+        assert time.monotonic() < deadline, latest_entry(r, keys, "e0")
+        await asyncio.sleep(0.01)
+    assert [line.split("\t")[0] for line in latest_entry(r, keys, "e0")] == ["4", "1"]
+    with pytest.raises(InvalidReport, match="waiting"):
+        rep.report_nowait(step=5, waiting=-1, running=0)
+    await rep.aclose()
+    assert "e0" not in bar.members()
+
+
+async def test_async_aclose_without_leave_flushes_the_pending_report(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    rep = AsyncEngineReporter(redis_url, keys.deployment, "e0", heartbeat=False)
+    rep.report_nowait(step=7, waiting=1, running=1)
+    await rep.aclose(leave=False)
+    assert latest_entry(r, keys, "e0")[0].startswith("7\t")
+    assert "e0" in bar.members()
+
+
+def test_reporter_returns_unavailable_when_redis_is_down(fresh_server: RedisServer) -> None:
+    """A Redis outage never raises into the engine loop; after a restart the engine is
+    back in the new epoch with its next report."""
+    rep = EngineReporter(fresh_server.url, "dep", "e0", heartbeat=False, backoff_s=0.2)
+    try:
+        assert rep.report(step=1, waiting=1, running=1).accepted
+        old_epoch = fresh_server.client().get(DeploymentKeys("dep").epoch)
+        fresh_server.kill()
+        started = time.monotonic()
+        assert rep.report(step=2, waiting=1, running=1).status == "unavailable"
+        assert rep.report(step=3, waiting=1, running=1).status == "unavailable"  # backing off
+        assert rep.register() is False
+        assert time.monotonic() - started < 3
+        assert rep.unavailable_count >= 3
+        fresh_server.start()
+        res = wait_until(
+            lambda: (x := rep.report(step=4, waiting=1, running=1)).accepted and x, timeout=5
+        )
+        assert res.step == 4
+        c = fresh_server.client()
+        assert c.get(DeploymentKeys("dep").epoch) not in (None, old_epoch)
+        c.close()
+    finally:
+        rep.close()
+
+
+async def test_async_reporter_returns_unavailable_when_redis_is_down(
+    fresh_server: RedisServer,
+) -> None:
+    rep = AsyncEngineReporter(fresh_server.url, "dep", "e0", heartbeat=False)
+    assert (await rep.report(step=1, waiting=0, running=0)).accepted
+    fresh_server.kill()
+    assert (await rep.report(step=2, waiting=0, running=0)).status == "unavailable"
+    assert await rep.register() is False
+    await rep.aclose()  # leave is attempted and fails quietly
