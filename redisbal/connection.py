@@ -32,9 +32,17 @@ class BadRedisURL(ValueError):
     """A Redis URL that redisbal cannot use."""
 
 
+_USERINFO_SECRET = re.compile(r"(//[^:/@\s]*:)[^@\s]*@")
+_BARE_USERINFO_SECRET = re.compile(r"^([^:/@\s]*:)[^@\s/]*@")  # "user:pw@host" (no scheme)
+_QUERY_SECRET = re.compile(r"((?:password|sentinel_password)=)[^&;#\s]*", re.IGNORECASE)
+
+
 def redact(url: str) -> str:
-    """The URL with any password replaced by ``***`` (for logs and errors)."""
-    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+    """The text with every URL password replaced by ``***`` (for logs and errors):
+    ``user:password@`` userinfo and ``password=`` / ``sentinel_password=`` query
+    options. Works on any text that may contain URLs (exception messages too)."""
+    text = _BARE_USERINFO_SECRET.sub(r"\1***@", _USERINFO_SECRET.sub(r"\1***@", url))
+    return _QUERY_SECRET.sub(r"\1***", text)
 
 
 @dataclass(frozen=True)
@@ -139,14 +147,19 @@ def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
         else:
             nodes = [ClusterNode(h, p) for h, p in t.hosts]
         return RedisCluster(startup_nodes=nodes, **auth, **_tls_kwargs(t), **kw)
-    sentinel_kw = {
+    # connections to the sentinels themselves: their own (optional) credentials, and
+    # the same socket timeouts as the data connections, so a dead sentinel is skipped
+    sentinel_kw: dict[str, Any] = {
         k[len("sentinel_") :]: v
         for k, v in t.options.items()
         if k in ("sentinel_username", "sentinel_password")
     }
+    sentinel_kw["socket_timeout"] = kw.get("socket_timeout", 2.0)
+    if "socket_connect_timeout" in kw:
+        sentinel_kw["socket_connect_timeout"] = kw["socket_connect_timeout"]
     sentinel = Sentinel(
         list(t.hosts),
-        sentinel_kwargs=sentinel_kw or None,
+        sentinel_kwargs=sentinel_kw,
         socket_timeout=kw.get("socket_timeout", 2.0),
     )
     return sentinel.master_for(t.service, db=t.db, **auth, **_tls_kwargs(t), **kw)

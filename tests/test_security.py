@@ -1,0 +1,471 @@
+"""Security on real servers: passwords and ACL users, the least-privilege users of
+docs/DEPLOY.md (each can do its job and no more), TLS with client certificates
+(rediss://), and secrets kept out of logs, status output and exceptions.
+
+The ACL lines are read from docs/DEPLOY.md itself, so the documented lines are the
+tested ones. ACL and TLS tests use Debian's redis-server (7.x); the ACL lines need
+7.x (+spublish / +ssubscribe; see DEPLOY.md for 6.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from topology import TlsServer, make_certs, system_binary, wait_until
+
+import redisbal
+from redisbal.connection import BadRedisURL, make_client, parse_url, redact
+from redisbal.coordinator import Coordinator, CoordinatorConfig
+from redisbal.embedded import RedisServer, free_port, server_version
+from redisbal.keys import DeploymentKeys
+from redisbal.scripts import SCRIPT_NAMES, script_source
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY_MD = ROOT / "docs" / "DEPLOY.md"
+REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
+ADMIN_PW = "adm1n-Secret-pw"
+SECRET = "Zq9-very-secret-PW"  # must never show up anywhere
+FAST = CoordinatorConfig(join_grace_ms=0, stall_ms=100, idle_publish_ms=300)
+
+BINARY = system_binary()
+needs_7 = pytest.mark.skipif(
+    BINARY is None or server_version(BINARY) < (7, 0, 0),
+    reason="ACL lines with +spublish/+ssubscribe need Redis 7 (Debian redis-server)",
+)
+
+
+def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+    return subprocess.run(
+        [REDISBAL, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[RedisServer]:
+    """A TCP server whose default user needs ADMIN_PW, plus a full-access ACL user."""
+    server = RedisServer(BINARY, tcp=True).start()
+    try:
+        with server.client() as c:
+            c.execute_command(
+                "ACL", "SETUSER", "app", "reset", "on", f">{SECRET}", "~*", "&*", "+@all"
+            )
+            c.execute_command("ACL", "SETUSER", "default", "on", f">{ADMIN_PW}")
+        yield server
+    finally:
+        server.cleanup()
+
+
+def admin(server: RedisServer) -> redis.Redis:
+    return redis.Redis("127.0.0.1", server.port, password=ADMIN_PW, socket_timeout=5)
+
+
+async def _flow(url: str, dep: str, *, router_url: str | None = None) -> None:
+    """Coordinator, both reporters and both routers through ``url``: a snapshot arrives."""
+    coord = Coordinator(url, dep, FAST, interval_s=0.02)
+    rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
+    arep = redisbal.AsyncEngineReporter(url, dep, "e1", heartbeat=False)
+    arouter = redisbal.AsyncRouter(router_url or url, dep, 0, 2, poll_s=30.0)
+    router = redisbal.Router(router_url or url, dep, 1, 2, poll_s=30.0)
+    try:
+        await asyncio.to_thread(coord.tick)
+        assert coord.stats.leader
+        assert rep.register() and await arep.register()
+        await arouter.start()
+        await asyncio.to_thread(router.start)
+        assert rep.report(step=1, waiting=1, running=2).accepted
+        assert (await arep.report(step=1, waiting=3, running=4)).version >= 1
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+            r.snapshot is not None and r.snapshot.cut == (0, 1) for r in (arouter, router)
+        ):
+            await asyncio.sleep(0.02)
+        for r in (arouter, router):
+            assert r.snapshot is not None and set(r.snapshot.engines) == {"e0", "e1"}
+            assert not r.degraded
+        # the stall guard through the same URL
+        rep.report(step=2, waiting=1, running=2)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not coord.stats.forced:
+            await asyncio.to_thread(coord.tick)
+            await asyncio.sleep(0.03)
+        assert coord.stats.forced >= 1
+    finally:
+        await asyncio.to_thread(router.close)
+        await arouter.aclose()
+        rep.close()
+        await arep.aclose()
+        coord.release()
+        coord.client.close()
+
+
+# -- passwords and ACL users -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("who", ["default-user-password", "acl-user"])
+async def test_password_and_acl_user_urls_work_for_every_class(
+    secured: RedisServer, who: str, deployment: str
+) -> None:
+    if who == "acl-user":
+        url = f"redis://app:{SECRET}@127.0.0.1:{secured.port}/0"
+    else:
+        url = f"redis://:{ADMIN_PW}@127.0.0.1:{secured.port}/0"
+    await _flow(url, deployment)
+
+
+def test_cli_status_with_a_password_url_works_and_never_prints_it(
+    secured: RedisServer, deployment: str
+) -> None:
+    url = f"redis://app:{SECRET}@127.0.0.1:{secured.port}/0"
+    with redisbal.EngineReporter(url, deployment, "e0", heartbeat=False) as rep:
+        admin(secured).hset(DeploymentKeys(deployment).config, "join_grace_ms", "0")
+        assert rep.report(step=1, waiting=2, running=3).version == 1
+        for args in (["status"], ["status", "--json"], ["--log-level", "debug", "status"]):
+            out = _cli("--redis-url", url, "--deployment", deployment, *args)
+            assert out.returncode == 0, out.stderr
+            assert "e0" in out.stdout
+            assert SECRET not in out.stdout + out.stderr
+        st = json.loads(
+            _cli("--redis-url", url, "--deployment", deployment, "status", "--json").stdout
+        )
+        assert SECRET not in json.dumps(st)
+
+
+# -- least-privilege users (the lines of docs/DEPLOY.md) ------------------------------------------
+
+
+def documented_acl_lines() -> list[str]:
+    text = DEPLOY_MD.read_text(encoding="utf-8")
+    m = re.search(r"<!-- acl:begin -->\s*```[a-z]*\n(.*?)```\s*<!-- acl:end -->", text, re.S)
+    assert m, "docs/DEPLOY.md lost its <!-- acl:begin --> ... <!-- acl:end --> block"
+    return [ln.strip() for ln in m.group(1).splitlines() if ln.strip().startswith("ACL SETUSER")]
+
+
+def apply_acl_lines(client: redis.Redis, dep: str) -> dict[str, str]:
+    """Run the documented lines for deployment ``dep``; returns role -> user name."""
+    users = {}
+    for line in documented_acl_lines():
+        line = line.replace("{llama}", "{" + dep + "}").replace("-llama ", f"-{dep} ")
+        for role in ("ENGINE", "ROUTER", "COORDINATOR"):
+            line = line.replace(f">{role}_PASSWORD", f">{role.lower()}-{SECRET}")
+        args = shlex.split(line)
+        client.execute_command(*args)
+        users[args[2].split("-")[1]] = args[2]
+    assert set(users) == {"engine", "router", "coordinator"}, users
+    return users
+
+
+def test_documented_acl_lines_grant_every_command_the_scripts_call() -> None:
+    """Drift guard: a command added to the Lua scripts must be added to the engine and
+    coordinator users (Redis checks every command a script calls against the caller's ACL)."""
+    called = set()
+    for name in SCRIPT_NAMES:
+        called |= {
+            c.lower() for c in re.findall(r"redis\.p?call\('([A-Za-z]+)'", script_source(name))
+        }
+    called |= {"publish", "spublish"}  # redis.call(pubcmd, ...)
+    lines = {ln.split()[2].split("-")[1]: ln for ln in documented_acl_lines()}
+    for role in ("engine", "coordinator"):
+        granted = set(re.findall(r"\+([a-z|]+)", lines[role]))
+        assert called <= granted, f"{role} user misses {sorted(called - granted)}"
+        assert {"evalsha", "script|load"} <= granted
+    assert "eval" not in set(re.findall(r"\+([a-z|]+)", lines["engine"]))
+
+
+@needs_7
+async def test_least_privilege_users_can_do_their_job(
+    secured: RedisServer, deployment: str
+) -> None:
+    """The engine user reports, the router user follows snapshots, the coordinator user
+    runs the coordinator: the whole flow with nothing but the documented grants."""
+    users = apply_acl_lines(admin(secured), deployment)
+    port = secured.port
+
+    def url(role: str) -> str:
+        return f"redis://{users[role]}:{role}-{SECRET}@127.0.0.1:{port}/0"
+
+    coord = Coordinator(url("coordinator"), deployment, FAST, interval_s=0.02)
+    reps = [
+        redisbal.EngineReporter(url("engine"), deployment, "e0", heartbeat=False),
+        redisbal.AsyncEngineReporter(url("engine"), deployment, "e1", heartbeat=False),
+    ]
+    arouter = redisbal.AsyncRouter(url("router"), deployment, 0, 2, poll_s=30.0)
+    router = redisbal.Router(url("router"), deployment, 1, 2, poll_s=0.2)
+    try:
+        coord.tick()
+        assert coord.stats.leader
+        coord.check_identity()  # INFO is granted to the coordinator
+        assert reps[0].register() and await reps[1].register()
+        await arouter.start()
+        await asyncio.to_thread(router.start)
+        assert reps[0].report(step=1, waiting=1, running=1).accepted
+        assert (await reps[1].report(step=1, waiting=2, running=2)).version == 1
+        for step in (2, 3):
+            reps[0].report(step=step, waiting=step, running=1)
+            await reps[1].report(step=step, waiting=0, running=step)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+            r.snapshot is not None and r.snapshot.cut == (0, 3) for r in (arouter, router)
+        ):
+            await asyncio.sleep(0.02)
+        assert all(r.snapshot is not None and r.snapshot.cut == (0, 3) for r in (arouter, router))
+        assert arouter.last_error is None and not arouter.degraded
+        reps[0].report(step=4, waiting=1, running=1)
+        wait_until(lambda: (coord.tick(), coord.stats.forced)[1] >= 1, 10, "a forced snapshot")
+        assert coord.stats.errors == 0
+        # the coordinator user can serve the metrics too (they read the same keys)
+        from redisbal.metrics import serve_coordinator_metrics
+
+        server = serve_coordinator_metrics(coord, free_port())
+        try:
+            import urllib.request
+
+            with urllib.request.urlopen(server.url, timeout=5) as resp:
+                assert f'redisbal_up{{deployment="{deployment}"}} 1.0' in resp.read().decode()
+        finally:
+            server.shutdown()
+    finally:
+        await asyncio.to_thread(router.close)
+        await arouter.aclose()
+        reps[0].close()
+        await reps[1].aclose()
+        coord.release()
+        coord.client.close()
+
+
+@needs_7
+def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: str) -> None:
+    users = apply_acl_lines(admin(secured), deployment)
+    other = f"{deployment}x"
+    apply_acl_lines(admin(secured), other)
+    keys, okeys = DeploymentKeys(deployment), DeploymentKeys(other)
+    # another deployment with state, to prove nobody can read or touch it
+    rep = redisbal.EngineReporter(
+        f"redis://:{ADMIN_PW}@127.0.0.1:{secured.port}/0", other, "z", heartbeat=False
+    )
+    assert rep.report(step=1, waiting=0, running=0).accepted
+    rep.close(leave=False)
+    adm = admin(secured)
+    before = {k: adm.dump(k) for k in okeys.all_keys()}
+    assert before[okeys.reports] is not None
+
+    def client(role: str) -> redis.Redis:
+        return redis.Redis(
+            "127.0.0.1", secured.port, username=users[role], password=f"{role}-{SECRET}"
+        )
+
+    denied = redis.exceptions.NoPermissionError
+    router, engine, coord = client("router"), client("engine"), client("coordinator")
+    try:
+        # router: read its snapshot and members, subscribe; nothing else
+        assert router.get(keys.snapshot) is None
+        assert router.zrange(keys.members, 0, -1) == []
+        for call in (
+            lambda: router.set(keys.snapshot, "forged"),
+            lambda: router.publish(keys.channel, "forged"),
+            lambda: router.hgetall(keys.meta),
+            lambda: router.get(okeys.snapshot),
+            lambda: router.zadd(keys.members, {"x": 1}),
+            lambda: router.evalsha("0" * 40, 8, *keys.script_keys()),
+            lambda: router.script_load("return 1"),
+            lambda: router.keys("*"),
+            lambda: router.info(),
+        ):
+            with pytest.raises(denied):
+                call()
+        ps = router.pubsub()
+        with pytest.raises(denied):
+            ps.subscribe(okeys.channel)
+            ps.get_message(timeout=1)
+        ps.close()
+
+        # engine: its deployment only, through the scripts' commands; no EVAL, no admin
+        rep = redisbal.EngineReporter(
+            f"redis://{users['engine']}:engine-{SECRET}@127.0.0.1:{secured.port}/0",
+            other,
+            "e0",
+            heartbeat=False,
+        )
+        with pytest.raises(denied):
+            rep.report(step=1, waiting=1, running=1)
+        rep.close(leave=False)
+        for call in (
+            lambda: engine.get(okeys.snapshot),
+            lambda: engine.set("unrelated", "1"),
+            lambda: engine.eval("return 1", 0),
+            lambda: engine.flushall(),
+            lambda: engine.config_get("*"),
+            lambda: engine.keys("*"),
+            lambda: engine.script_flush(),
+            lambda: engine.publish(okeys.channel, "forged"),
+            lambda: engine.info(),
+        ):
+            with pytest.raises(denied):
+                call()
+        eps = engine.pubsub()
+        with pytest.raises(denied):
+            eps.subscribe(keys.channel)
+            eps.get_message(timeout=1)
+        eps.close()
+
+        # coordinator: its deployment only, no admin commands
+        co = Coordinator(
+            f"redis://{users['coordinator']}:coordinator-{SECRET}@127.0.0.1:{secured.port}/0",
+            other,
+            FAST,
+        )
+        with pytest.raises(denied):
+            co.tick()
+        co.client.close()
+        for call in (
+            lambda: coord.hgetall(okeys.config),
+            lambda: coord.flushall(),
+            lambda: coord.config_set("maxmemory", "1"),
+            lambda: coord.eval("return 1", 0),
+            lambda: coord.acl_list(),
+            lambda: coord.keys("*"),
+        ):
+            with pytest.raises(denied):
+                call()
+        # and the other deployment is untouched
+        assert {k: adm.dump(k) for k in okeys.all_keys()} == before
+    finally:
+        for c in (router, engine, coord, adm):
+            c.close()
+
+
+# -- TLS -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server() -> Iterator[TlsServer]:
+    with tempfile.TemporaryDirectory(prefix="redisbal-certs-") as d:
+        server = TlsServer(BINARY, make_certs(d))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.cleanup()
+
+
+async def test_tls_with_client_certificates_for_every_class(
+    tls_server: TlsServer, deployment: str
+) -> None:
+    assert parse_url(tls_server.tls_url).tls
+    await _flow(tls_server.tls_url, deployment)
+
+
+def test_tls_cli_status_and_refusals(tls_server: TlsServer, deployment: str) -> None:
+    url = tls_server.tls_url
+    out = _cli("--redis-url", url, "--deployment", deployment, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    certs = tls_server.certs
+    base = f"rediss://127.0.0.1:{tls_server.tls_port}/0"
+    # no client certificate: the server refuses the handshake
+    with pytest.raises(redis.exceptions.ConnectionError):
+        make_client(f"{base}?ssl_ca_certs={certs.ca}", socket_timeout=3).ping()
+    # an untrusted server certificate: the client refuses it
+    with pytest.raises(redis.exceptions.ConnectionError):
+        make_client(
+            f"{base}?ssl_certfile={certs.client_cert}&ssl_keyfile={certs.client_key}",
+            socket_timeout=3,
+        ).ping()
+    # plain text to the TLS port does not work either
+    with pytest.raises(redis.exceptions.ConnectionError):
+        make_client(f"redis://127.0.0.1:{tls_server.tls_port}/0", socket_timeout=2).ping()
+
+
+# -- secrets never leak ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://user:{SECRET}@h:6379/0",
+        f"redis://:{SECRET}@h:6379",
+        f"rediss://h:6380/0?password={SECRET}&ssl_cert_reqs=none",
+        f"redis+sentinel://u:{SECRET}@h:1,h:2/svc?sentinel_password={SECRET}",
+        f"redis+cluster://u:{SECRET}@h:7000,h:7001",
+        f"unix://:{SECRET}@/tmp/redis.sock?db=0",
+        f"text before redis://u:{SECRET}@h:1/0 and after",
+    ],
+)
+def test_redact_removes_every_password(url: str) -> None:
+    assert SECRET not in redact(url)
+    assert "***" in redact(url)
+
+
+def test_bad_urls_do_not_echo_the_password() -> None:
+    for url in (
+        f"redis+sentinel://u:{SECRET}@h:1",  # no service
+        f"redis+cluster://u:{SECRET}@h:notaport",
+        f"redis+nope://u:{SECRET}@h:1",
+        f"u:{SECRET}@h:1",
+    ):
+        with pytest.raises(BadRedisURL) as err:
+            parse_url(url)
+        assert SECRET not in str(err.value)
+
+
+async def test_connection_errors_never_show_the_password(
+    secured: RedisServer, caplog: pytest.LogCaptureFixture, deployment: str
+) -> None:
+    """Refused connections and wrong passwords, through every class: the password is
+    in no log record, no exception text, no router status, no CLI output."""
+    caplog.set_level(logging.DEBUG)
+    closed = free_port()
+    urls = [
+        f"redis://app:{SECRET}@127.0.0.1:{closed}/0",  # nothing listens
+        f"redis://app:wrong-{SECRET}@127.0.0.1:{secured.port}/0",  # bad password
+    ]
+    texts: list[str] = []
+    for url in urls:
+        rep = redisbal.EngineReporter(url, deployment, "e0", heartbeat=False)
+        assert rep.report(step=1, waiting=1, running=1).status == "unavailable"
+        rep.close(leave=True)
+        arep = redisbal.AsyncEngineReporter(url, deployment, "e1", heartbeat=False)
+        assert (await arep.report(step=1, waiting=1, running=1)).status == "unavailable"
+        await arep.aclose()
+        router = redisbal.AsyncRouter(url, deployment, engines=["e0"])
+        await router.start()
+        assert router.route().degraded
+        texts.append(str(router.last_error))
+        await router.aclose()
+        coord = Coordinator(url, deployment, FAST, interval_s=0.02)
+        await asyncio.to_thread(coord.run, 0.3)
+        assert coord.stats.errors >= 1
+        texts.append(coord.stats.last_error)
+        coord.client.close()
+        for fn in (lambda u=url: make_client(u, socket_timeout=1).ping(),):
+            with pytest.raises(redis.exceptions.RedisError) as err:
+                fn()
+            texts += [str(err.value), repr(err.value)]
+        client = make_client(url, socket_timeout=1)
+        texts.append(repr(client))
+        with contextlib.suppress(redis.exceptions.RedisError):
+            client.ping()
+        client.close()
+        for args in (["status"], ["coordinator", "--duration", "0.5"]):
+            out = _cli("--redis-url", url, "--deployment", deployment, *args)
+            assert out.returncode != 0
+            texts += [out.stdout, out.stderr]
+            assert "***" in out.stderr or "cannot reach" in out.stderr, out.stderr
+    texts.append(caplog.text)
+    texts += [str(r.args) for r in caplog.records]
+    leaked = [t for t in texts if SECRET in t]
+    assert not leaked, leaked[:2]
+    assert any("unavailable" in r.getMessage() for r in caplog.records)  # something was logged
