@@ -1,0 +1,223 @@
+"""Routers on a real Redis: the snapshot feed (invariant 4) and the I/O-free hot path
+(invariant 8), for AsyncRouter and its threaded twin Router."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections import Counter
+from typing import Any
+
+import orjson
+import pytest
+import redis
+import redis.asyncio
+from helpers import Barrier, wait_until
+
+from redisbal import AsyncRouter, Router, UnknownEngine
+from redisbal.embedded import RedisServer
+from redisbal.keys import DeploymentKeys
+
+
+@pytest.fixture
+def bar(r: redis.Redis, keys: DeploymentKeys) -> Barrier:
+    b = Barrier(r, keys)
+    b.configure()
+    b.register("e0", "e1")
+    return b
+
+
+def step_all(bar: Barrier, step: int, engines: tuple[str, ...] = ("e0", "e1")) -> int:
+    """Every engine reports step; returns the version that published."""
+    version = 0
+    for i, e in enumerate(engines):
+        version = bar.report(e, step, waiting=i, running=step)[1] or version
+    assert version > 0
+    return version
+
+
+async def wait_for(pred: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {pred}"
+        await asyncio.sleep(0.01)
+
+
+# -- invariant 4: the feed ------------------------------------------------------------------------
+
+
+async def test_feed_gets_the_stored_snapshot_then_follows_pubsub(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    v1 = step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        assert router.snapshot is not None and router.snapshot.version == v1
+        assert not router.degraded
+        v2 = step_all(bar, 2)
+        await wait_for(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
+        assert router.snapshot.cut == (0, 2)  # type: ignore[union-attr]
+    finally:
+        await router.aclose()
+
+
+async def test_router_ignores_older_versions_and_adopts_a_new_epoch(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    step_all(bar, 1)
+    old_raw = bar.snapshot_raw()
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        v2 = step_all(bar, 2)
+        await wait_for(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
+        r.publish(keys.channel, old_raw)  # type: ignore[arg-type]
+        v3 = step_all(bar, 3)
+        # messages arrive in order: by the time v3 is in, the old one was seen and ignored
+        await wait_for(lambda: router.snapshot.version == v3)  # type: ignore[union-attr]
+        assert router.core.counters["ignored_old"] >= 1
+        old_epoch = router.snapshot.epoch  # type: ignore[union-attr]
+        # state lost: a new epoch restarts versions at 1; the router must follow
+        r.delete(*keys.all_keys())
+        bar.epoch = "fresh"
+        bar.configure()
+        bar.register("e0", "e1")
+        assert step_all(bar, 1) == 1
+        await wait_for(lambda: router.snapshot.epoch == "fresh")  # type: ignore[union-attr]
+        assert router.snapshot.version == 1 and old_epoch != "fresh"  # type: ignore[union-attr]
+        assert router.core.counters["epochs"] == 1
+    finally:
+        await router.aclose()
+
+
+async def test_poll_recovers_a_snapshot_whose_message_was_lost(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """Pub/sub loses messages across disconnects; the periodic GET catches up."""
+    v1 = step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=0.1)
+    await router.start(wait=5)
+    try:
+        doc = orjson.loads(bar.snapshot_raw())  # type: ignore[arg-type]
+        doc["version"] = v1 + 5
+        doc["engines"]["e0"]["waiting"] = 99
+        r.set(keys.snapshot, orjson.dumps(doc))  # stored, never published
+        await wait_for(lambda: router.snapshot.version == v1 + 5)  # type: ignore[union-attr]
+        assert router.core.by_id["e0"].waiting == 99
+    finally:
+        await router.aclose()
+
+
+async def test_departed_engine_is_not_routed_to_after_the_next_snapshot(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        assert router.route("e1").engine_id == "e1"
+        _, version = bar.leave("e1")
+        await wait_for(lambda: router.snapshot.version == version)  # type: ignore[union-attr]
+        assert {router.route().engine_id for _ in range(50)} == {"e0"}
+        with pytest.raises(UnknownEngine, match=r"'e1'.*it left"):
+            router.route("e1")
+    finally:
+        await router.aclose()
+
+
+# -- invariant 8: no I/O on the hot path ---------------------------------------------------------
+
+
+async def test_route_does_no_io(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """route()/finished() touch no socket and issue no Redis command, and keep working
+    once the router's client is closed."""
+    step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30, stale_after_s=0.5)
+    await router.start(wait=5)
+    calls: Counter[str] = Counter()
+
+    def trap(name: str) -> Any:
+        def boom(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            raise AssertionError(f"I/O on the hot path: {name}")
+
+        return boom
+
+    with monkeypatch.context() as m:
+        for meth in ("send", "sendall", "sendto", "recv", "recv_into", "connect", "sendmsg"):
+            m.setattr(socket.socket, meth, trap(f"socket.{meth}"))
+        m.setattr(redis.Redis, "execute_command", trap("Redis.execute_command"))
+        m.setattr(redis.asyncio.Redis, "execute_command", trap("asyncio.Redis.execute_command"))
+        started = time.perf_counter()
+        decisions = [router.route() for _ in range(2000)]
+        for d in decisions:
+            router.finished(d)
+        elapsed = time.perf_counter() - started
+    assert not calls
+    assert elapsed < 2.0  # microseconds each; generous for a loaded machine
+    assert Counter(d.engine_id for d in decisions).keys() == {"e0", "e1"}
+    await router.aclose()  # feed stopped, client closed: local state only
+    assert router.route().engine_id in ("e0", "e1")
+    # without a feed the snapshot ages: within stale_after_s routing says it is degraded
+    await wait_for(lambda: router.degraded, timeout=5)
+    assert router.route().degraded
+
+
+def test_blocking_router_keeps_routing_degraded_with_redis_stopped_and_resyncs(
+    fresh_server: RedisServer,
+) -> None:
+    c = fresh_server.client()
+    keys = DeploymentKeys("dep")
+    bar = Barrier(c, keys)
+    bar.configure()
+    bar.register("e0", "e1")
+    step_all(bar, 1)
+    router = Router(fresh_server.url, "dep", poll_s=0.2)
+    router.start(wait=5)
+    try:
+        assert router.snapshot is not None and not router.degraded
+        epoch = router.snapshot.epoch
+        fresh_server.kill()
+        wait_until(lambda: router.degraded, timeout=5)
+        started = time.perf_counter()
+        decisions = [router.route() for _ in range(1000)]
+        assert time.perf_counter() - started < 1.0
+        assert all(d.degraded for d in decisions)
+        got = Counter(d.engine_id for d in decisions)
+        assert abs(got["e0"] - got["e1"]) <= 2 and got.total() == 1000  # kept balancing
+        assert router.route("e1").engine_id == "e1"
+        # Redis back, empty: engines re-register, a new epoch starts, the router follows
+        fresh_server.start()
+        c2 = fresh_server.client()
+        bar2 = Barrier(c2, keys, epoch="after-restart")
+        bar2.configure()
+        bar2.register("e0", "e1")
+        step_all(bar2, 1)
+        wait_until(lambda: router.snapshot.epoch == "after-restart", timeout=10)  # type: ignore[union-attr]
+        assert router.snapshot.epoch != epoch  # type: ignore[union-attr]
+        wait_until(lambda: not router.degraded, timeout=5)
+        assert not router.route().degraded
+        c2.close()
+    finally:
+        router.close()
+        c.close()
+
+
+def test_router_starts_and_routes_balanced_with_redis_unreachable(
+    fresh_server: RedisServer,
+) -> None:
+    fresh_server.kill()
+    router = Router(fresh_server.url, "dep", engines=["a", "b", "c"])
+    started = time.monotonic()
+    router.start()
+    try:
+        assert time.monotonic() - started < 5
+        assert router.degraded and router.snapshot is None
+        got = Counter(router.route().engine_id for _ in range(30))
+        assert got == {"a": 10, "b": 10, "c": 10}
+    finally:
+        router.close()
