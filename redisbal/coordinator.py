@@ -70,6 +70,11 @@ class CoordinatorConfig:
                 f"({self.dead_after_ms}): a stalled barrier is forced before an "
                 "engine is declared dead"
             )
+        if not isinstance(self.expected, list | tuple):
+            raise ValueError(
+                f"expected must be a list of engine ids, got {type(self.expected).__name__}: "
+                f"{self.expected!r}"
+            )
         for e in self.expected:
             check_name(e, "expected engine id")
         if len(set(self.expected)) != len(self.expected):

@@ -28,7 +28,7 @@ def check_name(value: object, what: str) -> str:
     """
     if not isinstance(value, str):
         raise InvalidName(f"{what} must be a string, got {type(value).__name__}: {value!r}")
-    if not NAME_RE.match(value):
+    if not NAME_RE.fullmatch(value):  # match() would let a trailing "\n" through ($)
         raise InvalidName(f"invalid {what} {value!r}: use {NAME_RULE}")
     return value
 

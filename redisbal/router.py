@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import threading
 from typing import Any
@@ -62,6 +63,12 @@ class AsyncRouter:
         rng: random.Random | None = None,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
+        for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
+            # poll_s <= 0 would GET in a busy loop; NaN never compares, so never polls
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
         self.core = RouterCore(
             client_index, client_count, policy, stale_after_s=stale_after_s, rng=rng
         )

@@ -1,0 +1,655 @@
+"""Real processes and probes for the fault tests and the soak.
+
+Run as a program, this module is one of three small processes built on the
+public API only, so that a test can SIGKILL / SIGSTOP them like real ones:
+
+    python tests/procs.py engine      --url U --deployment D --id e0 --t0 T
+    python tests/procs.py coordinator --url U --deployment D --id c1
+    python tests/procs.py router      --url U --deployment D --index 0 --count 1
+
+Each prints one JSON object per line on stdout (a "ready" line, then its state
+every ``--status-s``), which :class:`Proc` collects. Imported, it gives the
+test side: :class:`ProcGroup` (spawn, and kill everything on exit, also on
+failure), :class:`RouteLoop` (an in-process router routing continuously and
+recording every decision), :class:`SnapshotObserver` (every published snapshot
+as received on the channel), :class:`TcpProxy` (cut or stall one client's
+network path), :func:`wait_until` (bounded polling) and :func:`record`
+(measured recovery times, appended to ``build/reliability.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent
+RELIABILITY_LOG = Path(
+    os.environ.get("REDISBAL_RELIABILITY_LOG", ROOT / "build" / "reliability.jsonl")
+)
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> float:
+    """Poll pred until it is truthy; return the seconds it took, or fail naming ``what``."""
+    start = time.monotonic()
+    deadline = start + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            if pred():
+                return time.monotonic() - start
+        except Exception as exc:  # a probe may hit Redis while it is down
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            extra = f" (last probe error: {last_exc!r})" if last_exc else ""
+            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}{extra}")
+        time.sleep(interval)
+
+
+def record(fault: str, **figures: Any) -> dict[str, Any]:
+    """Print one measurement and append it to build/reliability.jsonl (for docs/RELIABILITY.md)."""
+    row = {"fault": fault, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **figures}
+    for k, v in row.items():
+        if isinstance(v, float):
+            row[k] = round(v, 3)
+    line = json.dumps(row, sort_keys=False)
+    print(f"RELIABILITY {line}")
+    with contextlib.suppress(OSError):
+        RELIABILITY_LOG.parent.mkdir(parents=True, exist_ok=True)
+        with RELIABILITY_LOG.open("a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    return row
+
+
+# -- child processes --------------------------------------------------------------------------
+
+
+class Proc:
+    """One child process of this module; its JSON stdout lines land in ``lines``."""
+
+    def __init__(self, role: str, args: list[str], name: str) -> None:
+        self.role = role
+        self.name = name
+        cmd = [sys.executable, str(HERE), role, *args]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            cwd=str(ROOT),
+        )
+        self.lines: list[dict[str, Any]] = []
+        self.stderr: collections.deque[str] = collections.deque(maxlen=200)
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read_out, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read_out(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                item = json.loads(raw)
+                item["_t"] = time.monotonic()
+                with self._lock:
+                    self.lines.append(item)
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            self.stderr.append(raw.decode(errors="replace").rstrip())
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def last(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self.lines[-1]) if self.lines else {}
+
+    def since(self, t: float) -> list[dict[str, Any]]:
+        with self._lock:
+            return [x for x in self.lines if x["_t"] >= t]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout: float = 20.0) -> float:
+        def ready() -> bool:
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited: {self.tail()}")
+            return any(x.get("ready") for x in self.lines)
+
+        return wait_until(ready, timeout, f"{self.name} ready")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash; nothing is cleaned up."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+    def terminate(self, timeout: float = 5.0) -> None:
+        """SIGTERM: a graceful stop (engines leave, coordinators release the lease)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self) -> str:
+        return "\n".join(list(self.stderr)[-15:])
+
+
+class ProcGroup:
+    """Spawns role processes; ``close()`` kills every one still running."""
+
+    def __init__(self, url: str, deployment: str) -> None:
+        self.url = url
+        self.deployment = deployment
+        self.procs: list[Proc] = []
+
+    def spawn(self, role: str, name: str, **opts: Any) -> Proc:
+        args = [
+            "--url",
+            opts.pop("url", self.url),
+            "--deployment",
+            opts.pop("deployment", self.deployment),
+        ]
+        for k, v in opts.items():
+            flag = "--" + k.replace("_", "-")
+            if v is True:
+                args.append(flag)
+            elif v not in (None, False):
+                args += [flag, str(v)]
+        p = Proc(role, args, name)
+        self.procs.append(p)
+        return p
+
+    def engine(self, engine_id: str, t0: float, **opts: Any) -> Proc:
+        return self.spawn("engine", f"engine {engine_id}", id=engine_id, t0=t0, **opts)
+
+    def coordinator(self, coordinator_id: str, **opts: Any) -> Proc:
+        return self.spawn("coordinator", f"coordinator {coordinator_id}", id=coordinator_id, **opts)
+
+    def router(self, index: int, count: int, **opts: Any) -> Proc:
+        return self.spawn("router", f"router {index}", index=index, count=count, **opts)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+
+    def __enter__(self) -> ProcGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- in-process probes ------------------------------------------------------------------------
+
+
+@dataclass
+class RouteLog:
+    errors: list[str] = field(default_factory=list)
+    # (monotonic time, engine id, snapshot version, degraded)
+    decisions: list[tuple[float, str, int, bool]] = field(default_factory=list)
+    # (monotonic time, epoch, version, engine ids) each time the router's snapshot changed
+    snapshots: list[tuple[float, str, int, frozenset[str]]] = field(default_factory=list)
+
+
+class RouteLoop:
+    """Routes through ``router`` continuously on a thread and records what happened.
+
+    Requests finish ``hold_s`` after they were routed, so the router has
+    in-flight bookkeeping to keep across faults.
+    """
+
+    def __init__(self, router: Any, interval_s: float = 0.002, hold_s: float = 0.05) -> None:
+        self.router = router
+        self.interval_s = interval_s
+        self.hold_s = hold_s
+        self.log = RouteLog()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="route-loop")
+
+    def start(self) -> RouteLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> RouteLog:
+        self._stop.set()
+        self._thread.join(5)
+        return self.log
+
+    def _run(self) -> None:
+        inflight: collections.deque[tuple[float, Any]] = collections.deque()
+        seen: tuple[str, int] | None = None
+        while not self._stop.is_set():
+            now = time.monotonic()
+            snap = self.router.snapshot
+            if snap is not None and (snap.epoch, snap.version) != seen:
+                seen = (snap.epoch, snap.version)
+                self.log.snapshots.append((now, snap.epoch, snap.version, frozenset(snap.engines)))
+            try:
+                d = self.router.route()
+            except Exception as exc:  # the point: route() must never raise
+                self.log.errors.append(f"{type(exc).__name__}: {exc}")
+            else:
+                self.log.decisions.append((now, d.engine_id, d.version, d.degraded))
+                inflight.append((now, d))
+            while inflight and now - inflight[0][0] >= self.hold_s:
+                self.router.finished(inflight.popleft()[1])
+            self._stop.wait(self.interval_s)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def current(self) -> tuple[str, int] | None:
+        snaps = self.log.snapshots
+        return (snaps[-1][1], snaps[-1][2]) if snaps else None
+
+    def decisions_since(self, t: float) -> list[tuple[float, str, int, bool]]:
+        return [d for d in list(self.log.decisions) if d[0] >= t]
+
+    def versions_monotonic(self) -> list[str]:
+        """Every place where the router went back to an older version within an epoch."""
+        bad = []
+        last: dict[str, int] = {}
+        prev_epoch = None
+        for _t, epoch, version, _engines in list(self.log.snapshots):
+            if epoch == prev_epoch and version < last[epoch]:
+                bad.append(f"{epoch}: {last[epoch]} -> {version}")
+            if epoch != prev_epoch and epoch in last and version < last[epoch]:
+                bad.append(f"back to old epoch {epoch}: {last[epoch]} -> {version}")
+            last[epoch] = max(version, last.get(epoch, version))
+            prev_epoch = epoch
+        return bad
+
+
+class SnapshotObserver:
+    """Every snapshot published on a deployment's channel, as received (resubscribes on loss)."""
+
+    def __init__(self, url: str, channel: str) -> None:
+        self.url = url
+        self.channel = channel
+        self.received: list[tuple[float, Any]] = []  # (monotonic time, Snapshot)
+        self._stop = threading.Event()
+        self._subscribed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="observer")
+
+    def start(self) -> SnapshotObserver:
+        self._thread.start()
+        self._subscribed.wait(10)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        from redisbal.connection import make_client
+        from redisbal.snapshot import Snapshot
+
+        while not self._stop.is_set():
+            client = pubsub = None
+            try:
+                client = make_client(self.url, socket_timeout=2.0, socket_connect_timeout=1.0)
+                pubsub = client.pubsub()
+                pubsub.subscribe(self.channel)
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=0.1)
+                    if msg is None:
+                        continue
+                    if msg["type"] == "subscribe":
+                        self._subscribed.set()
+                    elif msg["type"] in ("message", "smessage"):
+                        self.received.append((time.monotonic(), Snapshot.from_json(msg["data"])))
+            except Exception:
+                self._stop.wait(0.05)
+            finally:
+                with contextlib.suppress(Exception):
+                    if pubsub is not None:
+                        pubsub.close()
+                    if client is not None:
+                        client.close()
+
+    def since(self, t: float) -> list[Any]:
+        return [s for ts, s in list(self.received) if ts >= t]
+
+    def first_since(self, t: float, pred: Callable[[Any], bool]) -> tuple[float, Any] | None:
+        for ts, s in list(self.received):
+            if ts >= t and pred(s):
+                return ts, s
+        return None
+
+
+class TcpProxy:
+    """A TCP relay in front of Redis for one client: ``cut()`` drops its connections and
+    refuses new ones (a partition with resets), ``stall()`` stops forwarding without closing
+    anything (a silent partition), ``restore()`` ends either."""
+
+    def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
+        self.target = (host, target_port)
+        self.listener = socket.create_server((host, 0))
+        self.port = self.listener.getsockname()[1]
+        self.mode = "open"
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._resume = threading.Event()
+        self._resume.set()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.mode == "cut":
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=2)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                self._resume.wait()
+                if self.mode == "cut":
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def cut(self) -> None:
+        self.mode = "cut"
+        self._resume.set()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def stall(self) -> None:
+        self.mode = "stall"
+        self._resume.clear()
+
+    def restore(self) -> None:
+        self.mode = "open"
+        self._resume.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self.cut()
+        self.listener.close()
+
+
+# -- the child programs -----------------------------------------------------------------------
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _on_term(stop: threading.Event) -> None:
+    def handler(_sig: int, _frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def run_engine(a: argparse.Namespace) -> None:
+    """A lockstep engine whose step is the shared clock (t0 + step * period): all engine
+    processes step together. Reports every step; counts come from --waiting/--running."""
+    import redis.exceptions
+
+    stop = threading.Event()
+    _on_term(stop)
+    counts = collections.Counter()
+    last_error = ""
+    pad = [10**12 + i for i in range(a.pad)] if a.pad else None
+
+    def account(status: str) -> None:
+        counts[status] += 1
+
+    def step_now() -> int:
+        return max(0, int((time.time() - a.t0) / a.period))
+
+    if a.use_async:
+
+        async def main() -> None:
+            nonlocal last_error
+            from redisbal import AsyncEngineReporter
+
+            rep = AsyncEngineReporter(a.url, a.deployment, a.id)
+            await rep.register()
+            _emit({"ready": True, "id": a.id})
+            last, next_status = -1, 0.0
+            while not stop.is_set():
+                s = step_now()
+                if s > last:
+                    last = s
+                    try:
+                        res = await rep.report(
+                            s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad
+                        )
+                        account(res.status)
+                    except redis.exceptions.RedisError as exc:
+                        account("error")
+                        last_error = str(exc)
+                if time.monotonic() >= next_status:
+                    next_status = time.monotonic() + a.status_s
+                    _emit({"id": a.id, "step": last, **counts, "last_error": last_error})
+                await asyncio.sleep(max(0.001, a.t0 + (last + 1) * a.period - time.time()))
+            await rep.aclose(leave=not a.no_leave)
+
+        asyncio.run(main())
+        return
+
+    from redisbal import EngineReporter
+
+    rep = EngineReporter(a.url, a.deployment, a.id)
+    rep.register()
+    _emit({"ready": True, "id": a.id})
+    last, next_status = -1, 0.0
+    while not stop.is_set():
+        s = step_now()
+        if s > last:
+            last = s
+            try:
+                res = rep.report(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad)
+                account(res.status)
+            except redis.exceptions.RedisError as exc:
+                account("error")
+                last_error = str(exc)
+        if time.monotonic() >= next_status:
+            next_status = time.monotonic() + a.status_s
+            _emit({"id": a.id, "step": last, **counts, "last_error": last_error})
+        stop.wait(max(0.001, a.t0 + (last + 1) * a.period - time.time()))
+    rep.close(leave=not a.no_leave)
+
+
+def run_coordinator(a: argparse.Namespace) -> None:
+    from redisbal.coordinator import Coordinator, CoordinatorConfig
+
+    cfg = CoordinatorConfig(
+        dead_after_ms=a.dead_after_ms,
+        stall_ms=a.stall_ms,
+        join_grace_ms=a.join_grace_ms,
+        idle_publish_ms=a.idle_publish_ms,
+        expected=[e for e in a.expected.split(",") if e],
+    )
+    coord = Coordinator(a.url, a.deployment, cfg, coordinator_id=a.id, lease_ttl_ms=a.lease_ttl_ms)
+    stop = threading.Event()
+
+    def handler(_sig: int, _frame: Any) -> None:
+        stop.set()
+        coord.stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+    def status() -> None:
+        _emit({"ready": True, "id": a.id})
+        while not stop.wait(a.status_s):
+            st = coord.stats
+            _emit(
+                {
+                    "id": a.id,
+                    "leader": st.leader,
+                    "fence": st.fence,
+                    "ticks": st.ticks,
+                    "expired": st.expired,
+                    "forced": st.forced,
+                    "epochs_started": st.epochs_started,
+                    "errors": st.errors,
+                    "last_error": st.last_error,
+                }
+            )
+
+    threading.Thread(target=status, daemon=True).start()
+    coord.run()
+    stop.set()
+
+
+def run_router(a: argparse.Namespace) -> None:
+    from redisbal import Router
+
+    router = Router(
+        a.url, a.deployment, a.index, a.count, poll_s=a.poll_s, stale_after_s=a.stale_after_s
+    )
+    stop = threading.Event()
+    _on_term(stop)
+    router.start(wait=5.0)
+    _emit({"ready": True, "index": a.index})
+    routes = errors = degraded = 0
+    last_error = ""
+    next_status = 0.0
+    interval = 1.0 / a.route_hz
+    while not stop.is_set():
+        try:
+            d = router.route()
+            router.finished(d)
+            routes += 1
+            degraded += d.degraded
+        except Exception as exc:
+            errors += 1
+            last_error = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= next_status:
+            next_status = time.monotonic() + a.status_s
+            snap = router.snapshot
+            _emit(
+                {
+                    "index": a.index,
+                    "epoch": snap.epoch if snap else None,
+                    "version": snap.version if snap else 0,
+                    "engines": sorted(snap.engines) if snap else [],
+                    "degraded": router.degraded,
+                    "routes": routes,
+                    "degraded_routes": degraded,
+                    "errors": errors,
+                    "last_error": last_error,
+                }
+            )
+        stop.wait(interval)
+    router.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="role", required=True)
+    for role in ("engine", "coordinator", "router"):
+        s = sub.add_parser(role)
+        s.add_argument("--url", required=True)
+        s.add_argument("--deployment", required=True)
+        s.add_argument("--status-s", type=float, default=0.1)
+    e = sub.choices["engine"]
+    e.add_argument("--id", required=True)
+    e.add_argument("--t0", type=float, required=True, help="shared clock origin (time.time())")
+    e.add_argument("--period", type=float, default=0.05, help="seconds per step")
+    e.add_argument("--waiting", type=int, default=1)
+    e.add_argument("--running", type=int, default=4)
+    e.add_argument("--pad", type=int, default=0, help="admitted list length (bigger snapshots)")
+    e.add_argument("--use-async", action="store_true", help="AsyncEngineReporter")
+    e.add_argument("--no-leave", action="store_true")
+    c = sub.choices["coordinator"]
+    c.add_argument("--id", required=True)
+    c.add_argument("--dead-after-ms", type=int, default=1500)
+    c.add_argument("--stall-ms", type=int, default=100)
+    c.add_argument("--join-grace-ms", type=int, default=300)
+    c.add_argument("--idle-publish-ms", type=int, default=200)
+    c.add_argument("--lease-ttl-ms", type=int, default=1000)
+    c.add_argument("--expected", default="")
+    r = sub.choices["router"]
+    r.add_argument("--index", type=int, default=0)
+    r.add_argument("--count", type=int, default=1)
+    r.add_argument("--route-hz", type=float, default=200.0)
+    r.add_argument("--poll-s", type=float, default=1.0)
+    r.add_argument("--stale-after-s", type=float, default=5.0)
+    a = p.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    {"engine": run_engine, "coordinator": run_coordinator, "router": run_router}[a.role](a)
+
+
+@contextlib.contextmanager
+def group(url: str, deployment: str) -> Iterator[ProcGroup]:
+    g = ProcGroup(url, deployment)
+    try:
+        yield g
+    finally:
+        g.close()
+
+
+if __name__ == "__main__":
+    main()

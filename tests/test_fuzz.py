@@ -1,0 +1,623 @@
+"""Bad input, fuzzed: every public entry point and every Lua script called directly.
+
+What each case must get (DESIGN.md, "Bad input and faults"): a clear error that
+names the field, and nothing stored: for the scripts the deployment's keys are
+DUMPed before and after each call and compared byte for byte, and the whole db
+is SCANned for keys that appeared. Valid input generated on the way must work.
+
+The scripts are called with raw EVALSHA through redis-py, the way a client that
+bypasses the Python checks (another language, a bug, an attacker with access to
+Redis) would call them: wrong KEYS (count, order, another deployment's keys),
+wrong ARGV count, and one field at a time replaced by a value that field must
+refuse (non-numeric, negative, huge, unicode, braces, empty, very long).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from redisbal import (
+    POLICIES,
+    AsyncEngineReporter,
+    AsyncRouter,
+    EngineReporter,
+    InvalidName,
+    InvalidReport,
+    Router,
+    UnknownEngine,
+)
+from redisbal.coordinator import CoordinatorConfig
+from redisbal.keys import NAME_RE, DeploymentKeys
+from redisbal.scripts import SCRIPT_NAMES, script_source
+from redisbal.snapshot import Snapshot
+
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+FENCE = "7"  # the fence stored in the fuzzed deployment's config
+MAX_COUNT = 10**9
+MAX_STEP = 2**32 - 1
+MAX_WAVE = 2**20 - 1
+
+# -- strategies of values a field must refuse --------------------------------------------------
+
+any_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=80)
+weird_text = st.one_of(
+    any_text,
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "{x}",
+            "a}b",
+            "{",
+            "é",
+            "١٢",
+            "1e3",
+            "0x10",
+            "1.5",
+            "nan",
+            "inf",
+            "-",
+            "\x00",
+            "1 ",
+            " 1",
+            "+1",
+            "1_000",
+            "٣",
+            "a" * 65,
+            "9" * 17,
+            "-" * 3,
+            "e0\n",
+            "null",
+        ]
+    ),
+    st.text(max_size=2000, alphabet="{}:,.-_ 0123456789abc\t\n"),
+)
+
+
+def is_int_in(s: str, lo: int, hi: int) -> bool:
+    """What int_arg in common.lua accepts."""
+    return bool(re.fullmatch(r"-?[0-9]+", s)) and len(s) <= 16 and lo <= int(s) <= hi
+
+
+def bad_int(lo: int, hi: int) -> st.SearchStrategy[str]:
+    return st.one_of(
+        st.integers().filter(lambda n: not lo <= n <= hi).map(str),
+        st.integers(min_value=10**16, max_value=10**40).map(str),
+        st.floats(allow_nan=True, allow_infinity=True).map(repr),
+        weird_text,
+    ).filter(lambda s: not is_int_in(s, lo, hi))
+
+
+def is_name(s: str) -> bool:
+    return bool(NAME_RE.fullmatch(s)) and s.isascii()
+
+
+bad_name = st.one_of(weird_text, st.text(min_size=65, max_size=200, alphabet="abc")).filter(
+    lambda s: not is_name(s)
+)
+
+
+def is_kv(s: str) -> bool:
+    if s == "":
+        return True
+    return bool(len(s) <= 24 and re.fullmatch(r"[0-9]*\.?[0-9]+", s)) and 0 <= float(s) <= 1
+
+
+bad_kv = st.one_of(
+    st.floats().map(repr), st.floats(min_value=1.0001, max_value=1e9).map(str), weird_text
+).filter(lambda s: not is_kv(s))
+
+
+def is_admitted(s: str) -> bool:
+    if s == "":
+        return True
+    parts = s.split(",")
+    return len(s) <= 65536 and all(
+        re.fullmatch(r"[0-9]{1,15}", p) and (p == "0" or not p.startswith("0")) for p in parts
+    )
+
+
+bad_admitted = st.one_of(
+    weird_text,
+    st.lists(st.integers(0, 10**20).map(str), min_size=1, max_size=5).map(",".join),
+    st.sampled_from(["1,,2", ",1", "1,", "01", "1,007", "-1", "1;2", "[1]"]),
+).filter(lambda s: not is_admitted(s))
+
+bad_pubcmd = weird_text.filter(lambda s: s not in ("PUBLISH", "SPUBLISH"))
+
+
+# -- the deployment under fuzz -----------------------------------------------------------------
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class Target:
+    """A deployment with real state (config, members, reports, a published snapshot)
+    and a raw-EVALSHA caller for each script."""
+
+    def __init__(self, r: redis.Redis, deployment: str) -> None:
+        self.r = r
+        self.keys = DeploymentKeys(deployment)
+        self.other = DeploymentKeys(deployment + ".other")
+        self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
+        k = self.keys.script_keys()
+        cfg = ["dead_after_ms", "600000", "stall_ms", "600000", "join_grace_ms", "0"]
+        for keys in (self.keys, self.other):
+            dk = keys.script_keys()
+            self.call("configure", dk, [keys.deployment, "PUBLISH", "ep1", *cfg])
+            for step in (1, 2):
+                for e in ("e0", "e1"):
+                    self.call("report", dk, [keys.deployment, "PUBLISH", "ep1", e, "0", str(step),
+                                             "3", "4", "0.5", "1,2"])  # fmt: skip
+        r.hset(self.keys.config, "fence", FENCE)
+        assert r.get(self.keys.snapshot), "set-up should have published a snapshot"
+        self.valid_keys = k
+
+    def call(self, name: str, keys: list[str], argv: list[Any]) -> Any:
+        return self.scripts[name](keys=keys, args=argv)
+
+    def state(self) -> tuple[dict[str, bytes | None], set[bytes]]:
+        dumps = {k: self.r.dump(k) for k in [*self.keys.all_keys(), *self.other.all_keys()]}
+        return dumps, set(self.r.scan_iter(count=1000))
+
+    def expect_refused(self, name: str, keys: list[str], argv: list[Any], why: str = "") -> str:
+        """The call must fail with a redisbal error and leave every key as it was."""
+        before = self.state()
+        try:
+            out = self.call(name, keys, argv)
+        except redis.ResponseError as exc:
+            msg = str(exc)
+        else:
+            after = self.state()
+            raise AssertionError(
+                f"{name} accepted malformed input ({why}): keys={keys!r} argv={argv!r} -> {out!r}; "
+                f"state changed: {after != before}"
+            )
+        after = self.state()
+        assert msg.startswith("redisbal: "), f"{name}: raw error for {why}: {msg}"
+        assert after[1] == before[1], f"{name}: keys appeared/vanished: {after[1] ^ before[1]}"
+        changed = [k for k in before[0] if before[0][k] != after[0][k]]
+        assert not changed, f"{name} wrote {changed} before failing ({why}: {msg})"
+        return msg
+
+
+@pytest.fixture
+def target(r: redis.Redis, deployment: str) -> Iterator[Target]:
+    t = Target(r, deployment)
+    yield t
+    for keys in (t.keys, t.other):
+        r.delete(*keys.all_keys())
+
+
+def valid_argv(t: Target, name: str) -> list[str]:
+    """A well-formed ARGV for each script (never executed as is: one field gets broken)."""
+    d = t.keys.deployment
+    return {
+        "report": [d, "PUBLISH", "ep1", "e0", "0", "3", "1", "2", "0.25", "5,6"],
+        "leave": [d, "PUBLISH", "e0"],
+        "register": [d, "PUBLISH", "ep1", "e7"],
+        "reap": [d, "PUBLISH", "10", FENCE],
+        "force": [d, "PUBLISH", "", FENCE],
+        "configure": [d, "PUBLISH", "ep1", "stall_ms", "100"],
+        "new_epoch": [d, "PUBLISH", "ep2"],
+        "lease": [d, "PUBLISH", "c1", "1000", "acquire"],
+    }[name]
+
+
+# field index -> strategy of values that field must refuse (while the rest stays valid)
+BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
+    "report": {
+        0: bad_name, 1: bad_pubcmd, 3: bad_name, 4: bad_int(0, MAX_WAVE),
+        5: bad_int(0, MAX_STEP).filter(lambda s: s != "tick"), 6: bad_int(0, MAX_COUNT),
+        7: bad_int(0, MAX_COUNT), 8: bad_kv, 9: bad_admitted,
+    },
+    "leave": {0: bad_name, 1: bad_pubcmd, 2: bad_name},
+    "register": {0: bad_name, 1: bad_pubcmd, 3: bad_name},
+    "reap": {0: bad_name, 1: bad_pubcmd, 2: bad_int(1, 100000),
+             3: weird_text.filter(lambda s: s not in ("", FENCE))},
+    "force": {0: bad_name, 1: bad_pubcmd, 2: bad_int(0, 86400000).filter(bool),
+              3: weird_text.filter(lambda s: s not in ("", FENCE))},
+    "configure": {0: bad_name, 1: bad_pubcmd, 3: weird_text.filter(
+        lambda s: s not in ("dead_after_ms", "stall_ms", "tick_ms", "join_grace_ms",
+                            "idle_publish_ms", "expected", "owner")), 4: bad_int(1, 86400000)},
+    "new_epoch": {0: bad_name, 1: bad_pubcmd, 2: bad_name},
+    "lease": {0: bad_name, 1: bad_pubcmd, 2: bad_name, 3: bad_int(100, 600000),
+              4: weird_text.filter(lambda s: s not in ("acquire", "release"))},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
+@FUZZ
+@given(data=st.data())
+def test_scripts_refuse_a_bad_field_and_store_nothing(
+    target: Target, name: str, data: st.DataObject
+) -> None:
+    argv = valid_argv(target, name)
+    index = data.draw(st.sampled_from(sorted(BAD_FIELDS[name])), label="field")
+    argv[index] = data.draw(BAD_FIELDS[name][index], label="value")
+    target.expect_refused(name, target.valid_keys, argv, f"ARGV[{index + 1}]={argv[index]!r}")
+
+
+def _bad_keys(t: Target) -> st.SearchStrategy[list[str]]:
+    good = t.valid_keys
+    return st.one_of(
+        st.integers(0, 7).map(lambda n: good[:n]),  # too few
+        st.lists(any_text, min_size=1, max_size=3).map(lambda extra: good + extra),  # too many
+        st.permutations(good).filter(lambda p: p != good),  # wrong order
+        st.just(t.other.script_keys()),  # another deployment's keys
+        st.tuples(st.integers(0, 7), weird_text)
+        .map(lambda iv: [iv[1] if i == iv[0] else k for i, k in enumerate(good)])
+        .filter(lambda ks: ks != good),
+    )
+
+
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
+@FUZZ
+@given(data=st.data())
+def test_scripts_refuse_wrong_keys(target: Target, name: str, data: st.DataObject) -> None:
+    keys = data.draw(_bad_keys(target), label="keys")
+    target.expect_refused(name, keys, valid_argv(target, name), f"KEYS={keys!r}")
+
+
+MIN_ARGS = {"report": 10, "leave": 3, "register": 3, "reap": 3, "force": 3, "configure": 3,
+            "new_epoch": 3, "lease": 5}  # fmt: skip
+MAX_ARGS = {"report": 10, "leave": 3, "reap": 4, "force": 4, "new_epoch": 3, "lease": 5}
+
+
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
+@FUZZ
+@given(data=st.data())
+def test_scripts_refuse_a_wrong_number_of_arguments(
+    target: Target, name: str, data: st.DataObject
+) -> None:
+    argv = valid_argv(target, name)
+    choices = [st.integers(0, MIN_ARGS[name] - 1).map(lambda n: argv[:n])]
+    if name in MAX_ARGS:
+        choices.append(st.lists(any_text, min_size=1, max_size=4).map(lambda x: argv + x))
+    if name == "configure":  # field/value pairs: an odd count is malformed
+        choices.append(any_text.map(lambda x: [*argv, x]))
+    bad = data.draw(st.one_of(choices), label="argv")
+    target.expect_refused(name, target.valid_keys, bad, f"{len(bad)} arguments")
+
+
+def test_bad_epoch_candidate_on_an_empty_deployment_stores_nothing(
+    r: redis.Redis, deployment: str
+) -> None:
+    """The epoch candidate is only used when state is missing: then it must be a name."""
+    t = Target.__new__(Target)
+    t.r, t.keys, t.other = r, DeploymentKeys(deployment), DeploymentKeys(deployment + ".x")
+    t.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
+    t.valid_keys = t.keys.script_keys()
+    d = deployment
+    for bad in ("", "{x}", "a b", "é", "x" * 65):
+        t.expect_refused(
+            "report", t.valid_keys, [d, "PUBLISH", bad, "e0", "0", "1", "1", "1", "", ""]
+        )
+        t.expect_refused("register", t.valid_keys, [d, "PUBLISH", bad, "e0"])
+        t.expect_refused("configure", t.valid_keys, [d, "PUBLISH", bad])
+    assert not list(r.scan_iter(match=f"redisbal:{{{deployment}}}*"))
+
+
+def test_direct_callers_cannot_make_a_snapshot_that_routers_cannot_parse(target: Target) -> None:
+    """Spellings the script accepts must still give valid JSON (".5" and "0.50" for kv_usage
+    are stored as 0.5000; leading zeros in admitted are refused: they are not JSON)."""
+    d, k = target.keys.deployment, target.valid_keys
+    for kv in (".5", "00.5", "1", "0", "0.123456789"):
+        target.call("report", k, [d, "PUBLISH", "ep1", "e0", "0", "9", "1", "1", kv, "3"])
+        target.call("report", k, [d, "PUBLISH", "ep1", "e1", "0", "9", "1", "1", kv, "0,1"])
+        snap = Snapshot.from_json(target.r.get(target.keys.snapshot))  # type: ignore[arg-type]
+        assert snap.engines["e0"].kv_usage == pytest.approx(round(float(kv), 4))
+        target.call("new_epoch", k, [d, "PUBLISH", "ep1"])  # reset the cut for the next step
+        target.r.delete(target.keys.reports, target.keys.barrier, target.keys.members)
+        target.r.hset(target.keys.meta, "pub", "-1")
+    for adm in ("01", "1,00", "0,012"):
+        target.expect_refused(
+            "report", k, [d, "PUBLISH", "ep1", "e0", "0", "99", "1", "1", "", adm]
+        )
+
+
+# -- the Python entry points ------------------------------------------------------------------
+
+count_values = st.one_of(
+    st.integers(-(10**12), 10**12),
+    st.sampled_from([0, MAX_COUNT, MAX_COUNT + 1, -1, 2**63, True, False]),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.none(),
+    st.lists(st.integers(), max_size=2),
+)
+kv_values = st.one_of(
+    st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 2),
+    st.sampled_from([True, "0.5", b"0.5", float("nan"), 1e-300]),
+)  # fmt: skip
+admitted_values = st.one_of(
+    st.none(),
+    st.lists(st.integers(-5, 10**16), max_size=6),
+    st.lists(count_values, max_size=3),
+    st.sampled_from(["1,2", b"12", (1, 2), {1: 2}, 5, [True], [1.0]]),
+    st.lists(st.just(1), min_size=4097, max_size=4097),
+)
+
+
+def ok_count(v: object, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= hi
+
+
+def report_is_valid(step: object, waiting: object, running: object, wave: object,
+                    kv: object, admitted: object) -> bool:  # fmt: skip
+    """The contract of EngineReporter.report, written independently of engine.py."""
+    if not (ok_count(step, MAX_STEP) and ok_count(wave, MAX_WAVE)):
+        return False
+    if not (ok_count(waiting, MAX_COUNT) and ok_count(running, MAX_COUNT)):
+        return False
+    if kv is not None and not (
+        isinstance(kv, int | float) and not isinstance(kv, bool) and math.isfinite(kv)
+        and 0 <= kv <= 1
+    ):  # fmt: skip
+        return False
+    if admitted is None:
+        return True
+    if not isinstance(admitted, list | tuple) or len(admitted) > 4096:
+        return False
+    return all(ok_count(a, 10**15 - 1) for a in admitted)
+
+
+report_args = st.fixed_dictionaries(
+    {
+        "step": st.one_of(st.integers(0, 1000), count_values),
+        "waiting": count_values,
+        "running": count_values,
+        "wave": st.one_of(st.just(0), count_values),
+        "kv_usage": kv_values,
+        "admitted": admitted_values,
+    }
+)
+
+
+def _check_report(
+    call: Callable[[dict[str, Any]], Any], target: Target, args: dict[str, Any]
+) -> None:
+    valid = report_is_valid(
+        args["step"], args["waiting"], args["running"], args["wave"], args["kv_usage"],
+        args["admitted"],
+    )  # fmt: skip
+    before = target.state()
+    if valid:
+        res = call(args)
+        assert res.status in ("accepted", "stale"), res
+        Snapshot.from_json(target.r.get(target.keys.snapshot))  # type: ignore[arg-type]
+        return
+    with pytest.raises(InvalidReport) as exc:
+        call(args)
+    assert any(
+        f in str(exc.value) for f in ("step", "waiting", "running", "wave", "kv_usage", "admitted")
+    ), f"error does not name the field: {exc.value}"
+    assert target.state() == before, "an invalid report stored something"
+
+
+@FUZZ
+@given(args=report_args)
+def test_engine_reporter_report(target: Target, args: dict[str, Any]) -> None:
+    rep = EngineReporter(client=target.r, deployment=target.keys.deployment, engine_id="e0",
+                         heartbeat=False)  # fmt: skip
+    _check_report(lambda a: rep.report(**a), target, args)
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@FUZZ
+@given(args=report_args)
+def test_async_engine_reporter_report(
+    target: Target, redis_url: str, loop: asyncio.AbstractEventLoop, args: dict[str, Any]
+) -> None:
+    async def run() -> None:
+        rep = AsyncEngineReporter(redis_url, target.keys.deployment, "e0", heartbeat=False)
+        try:
+
+            async def call(a: dict[str, Any]) -> Any:
+                return await rep.report(**a)
+
+            valid = report_is_valid(args["step"], args["waiting"], args["running"], args["wave"],
+                                    args["kv_usage"], args["admitted"])  # fmt: skip
+            before = target.state()
+            if valid:
+                res = await call(args)
+                assert res.status in ("accepted", "stale"), res
+            else:
+                with pytest.raises(InvalidReport):
+                    await call(args)
+                assert target.state() == before
+        finally:
+            await rep.aclose(leave=False)
+
+    loop.run_until_complete(run())
+
+
+names = st.one_of(bad_name, st.sampled_from(["ok", "e-1", "A.b_c", "9"]), st.integers(), st.none())
+
+
+@FUZZ
+@given(
+    deployment=names,
+    engine_id=names,
+    mode=st.one_of(st.sampled_from(["lockstep", "tick"]), any_text),
+)
+def test_reporter_constructor_checks_names_before_touching_redis(
+    target: Target, deployment: Any, engine_id: Any, mode: Any
+) -> None:
+    before = target.state()
+    ok = isinstance(deployment, str) and is_name(deployment) and isinstance(engine_id, str) \
+        and is_name(engine_id) and mode in ("lockstep", "tick")  # fmt: skip
+    if ok:
+        EngineReporter(client=target.r, deployment=deployment, engine_id=engine_id, mode=mode,
+                       heartbeat=False)  # fmt: skip
+    else:
+        with pytest.raises((InvalidName, InvalidReport)):
+            EngineReporter(client=target.r, deployment=deployment, engine_id=engine_id, mode=mode,
+                           heartbeat=False)  # fmt: skip
+    assert target.state() == before, "constructing a reporter wrote to Redis"
+
+
+GOOD_ROUTER_ARGS: dict[str, st.SearchStrategy[Any]] = {
+    "deployment": st.sampled_from(["ok", "d-1", "A.b_c"]),
+    "client_index": st.just(0),
+    "client_count": st.integers(1, 64),
+    "policy": st.sampled_from(sorted(POLICIES)),
+    "engines": st.one_of(st.none(), st.lists(st.sampled_from(["e0", "e1", "x.2"]), max_size=3)),
+    "poll_s": st.floats(0.01, 60),
+    "stale_after_s": st.floats(0.01, 600),
+}
+BAD_SECONDS = [float("nan"), float("inf"), "1", True, None]
+BAD_ROUTER_ARGS: dict[str, st.SearchStrategy[Any]] = {
+    "deployment": st.one_of(bad_name, st.integers(), st.none()),
+    "client_index": st.one_of(st.integers(-3, -1), st.integers(64, 100),
+                              st.sampled_from([True, 1.0, "0", None])),
+    "client_count": st.one_of(st.integers(-3, 0), st.sampled_from([True, 2.0, "2", None])),
+    "policy": any_text.filter(lambda s: s not in POLICIES),
+    "engines": st.lists(st.one_of(bad_name, st.integers()), min_size=1, max_size=2),
+    "poll_s": st.one_of(st.floats(max_value=0), st.sampled_from(BAD_SECONDS)),
+    "stale_after_s": st.one_of(st.floats(max_value=0), st.sampled_from(BAD_SECONDS)),
+}  # fmt: skip
+
+
+@st.composite
+def router_args(draw: st.DrawFn) -> dict[str, Any]:
+    """Valid arguments with at most one of them broken (so both outcomes are exercised)."""
+    args = {k: draw(v) for k, v in GOOD_ROUTER_ARGS.items()}
+    broken = draw(st.sampled_from([None, *BAD_ROUTER_ARGS]))
+    if broken is not None:
+        args[broken] = draw(BAD_ROUTER_ARGS[broken])
+    return args
+
+
+def router_args_valid(a: dict[str, Any]) -> bool:
+    d, ci, cc = a["deployment"], a["client_index"], a["client_count"]
+    if not (isinstance(d, str) and is_name(d)):
+        return False
+    if not (ok_count(cc, 10**9) and cc >= 1 and ok_count(ci, 10**9) and ci < cc):
+        return False
+    if a["policy"] not in POLICIES:
+        return False
+    if a["engines"] and not all(isinstance(e, str) and is_name(e) for e in a["engines"]):
+        return False
+    return all(
+        isinstance(a[k], int | float) and not isinstance(a[k], bool) and math.isfinite(a[k])
+        and a[k] > 0 for k in ("poll_s", "stale_after_s")
+    )  # fmt: skip
+
+
+@FUZZ
+@given(args=router_args())
+def test_router_constructors(redis_url: str, args: dict[str, Any]) -> None:
+    """Bad arguments raise ValueError (InvalidName is one) at construction, before any I/O."""
+    for cls in (Router, AsyncRouter):
+        if router_args_valid(args):
+            router = cls(redis_url, **args)
+            if args["engines"]:
+                assert router.route().engine_id in args["engines"]
+            if isinstance(router, Router):
+                router.close()
+        else:
+            with pytest.raises(ValueError):
+                cls(redis_url, **args)
+
+
+@FUZZ
+@given(engine_id=st.one_of(names, any_text, st.sampled_from(["e0", "e1", "e2"])))
+def test_router_route_pinned(redis_url: str, engine_id: Any) -> None:
+    router = AsyncRouter(redis_url, "fuzz", engines=["e0", "e1", "e2"])
+    if engine_id is None or engine_id in ("e0", "e1", "e2"):
+        d = router.route(engine_id=engine_id)
+        assert engine_id is None or (d.engine_id == engine_id and d.pinned)
+        router.finished(d)
+    else:
+        with pytest.raises(UnknownEngine, match="cannot pin"):
+            router.route(engine_id=engine_id)
+    assert router.core.counters["routes"] == (engine_id is None or engine_id in ("e0", "e1", "e2"))
+
+
+CONFIG_FIELDS = {  # name: (lo, hi) whole ms
+    "dead_after_ms": (100, 86_400_000),
+    "stall_ms": (1, 86_400_000),
+    "tick_ms": (1, 60_000),
+    "join_grace_ms": (0, 600_000),
+    "idle_publish_ms": (10, 3_600_000),
+}
+
+
+@st.composite
+def config_args(draw: st.DrawFn) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "dead_after_ms": draw(st.integers(1000, 86_400_000)),
+        "stall_ms": draw(st.integers(1, 999)),
+        "tick_ms": draw(st.integers(1, 60_000)),
+        "join_grace_ms": draw(st.integers(0, 600_000)),
+        "idle_publish_ms": draw(st.integers(10, 3_600_000)),
+        "expected": draw(st.lists(st.sampled_from(["e0", "e1", "a.b", "Z-9"]), unique=True)),
+    }
+    broken = draw(st.sampled_from([None, "expected", *CONFIG_FIELDS]))
+    if broken == "expected":
+        args["expected"] = draw(st.one_of(
+            any_text, st.just(["a", "a"]), st.lists(st.one_of(bad_name, st.integers()), min_size=1),
+            st.none(), st.just(("e0",)),
+        ))  # fmt: skip
+    elif broken is not None:
+        lo, hi = CONFIG_FIELDS[broken]
+        args[broken] = draw(st.one_of(
+            st.integers(max_value=lo - 1), st.integers(min_value=hi + 1),
+            st.sampled_from([True, 1.5, str(lo), None, float("nan")]),
+        ))  # fmt: skip
+    if draw(st.booleans()) and broken is None:  # stall_ms must stay below dead_after_ms
+        args["stall_ms"] = min(args["dead_after_ms"], 86_400_000)
+    return args
+
+
+@FUZZ
+@given(args=config_args())
+def test_coordinator_config_check(args: dict[str, Any]) -> None:
+    cfg = CoordinatorConfig(**args)
+    ok = all(ok_count(args[k], hi) and args[k] >= lo for k, (lo, hi) in CONFIG_FIELDS.items())
+    ok = ok and args["stall_ms"] < args["dead_after_ms"]
+    exp = args["expected"]
+    ok = (
+        ok and isinstance(exp, list | tuple) and all(isinstance(e, str) and is_name(e) for e in exp)
+    )
+    ok = ok and len(set(exp)) == len(exp)
+    if ok:
+        cfg.check()
+    else:
+        with pytest.raises(ValueError):
+            cfg.check()
+
+
+def test_fuzz_helpers_agree_with_the_scripts(target: Target) -> None:
+    """The oracles above must match the scripts on their edges, or the fuzzing proves nothing."""
+    d, k = target.keys.deployment, target.valid_keys
+    for kv in ("0", "1", "0.5", ".5", "1.0000"):
+        assert is_kv(kv)
+        target.call("report", k, [d, "PUBLISH", "ep1", "e0", "0", "50", "1", "1", kv, ""])
+    for adm in ("0", "0,1", "999999999999999"):
+        assert is_admitted(adm)
+        target.call("report", k, [d, "PUBLISH", "ep1", "e0", "0", "50", "1", "1", "", adm])
+    assert not is_kv("1.0001") and not is_admitted("01")
