@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import time
 
+import orjson
 import pytest
 import redis
 from helpers import Barrier, counts, score, server_ms, wait_until
 
+from redisbal.embedded import RedisServer
+from redisbal.engine import EngineReporter
 from redisbal.keys import DeploymentKeys
+from redisbal.snapshot import Snapshot
 
 
 @pytest.fixture
@@ -458,3 +462,88 @@ def test_scripts_reject_bad_arguments_before_writing(bar: Barrier) -> None:
     with pytest.raises(redis.ResponseError, match="bad engine_id"):
         bar.leave("a:b")
     assert bar.dump() == before
+
+
+# -- invariant 4: monotonic versions, epochs ------------------------------------------------------
+
+
+def test_versions_strictly_increase_over_every_kind_of_publication(
+    r: redis.Redis, bar: Barrier
+) -> None:
+    """Barrier completion, forced cut, leave republish, expiry, idle republish and a new
+    epoch all take the next version; the channel carries them in order."""
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(bar.keys.channel)
+    wait_until(lambda: pubsub.get_message(timeout=0.1) is None and pubsub.subscribed)
+    bar.register("e0", "e1", "e2")
+    for e in ("e0", "e1", "e2"):
+        rep(bar, e, 1)
+    rep(bar, "e0", 2)
+    bar.force(stall_ms="0")
+    bar.leave("e2")
+    bar.expire_now("e1")
+    bar.reap()
+    bar.configure(idle_publish_ms=10)
+    time.sleep(0.02)
+    bar.reap()
+    bar.scripts.call("new_epoch", "e2nd")
+    stored = bar.snapshot()
+    assert stored is not None and stored.epoch == "e2nd"
+    got: list[tuple[str, int]] = []
+    deadline = time.monotonic() + 5
+    while len(got) < 6 and time.monotonic() < deadline:
+        msg = pubsub.get_message(timeout=0.1)
+        if msg:
+            d = orjson.loads(msg["data"])
+            got.append((d["epoch"], d["version"]))
+    pubsub.close()
+    assert got == [("e1", v) for v in range(1, 6)] + [("e2nd", 6)]
+    assert stored.version == 6
+
+
+def test_lost_state_starts_a_new_epoch(r: redis.Redis, bar: Barrier) -> None:
+    bar.register("e0")
+    rep(bar, "e0", 1)
+    rep(bar, "e0", 2)
+    assert bar.snapshot().version == 2  # type: ignore[union-attr]
+    r.delete(*bar.keys.all_keys())
+    bar.epoch = "after-loss"
+    bar.configure()
+    assert rep(bar, "e0", 1)[1] == 1
+    snap = bar.snapshot()
+    assert snap is not None and snap.epoch == "after-loss" and snap.version == 1
+    # the epoch candidate of a report only counts when there is no epoch
+    bar.epoch = "ignored"
+    rep(bar, "e0", 2)
+    assert bar.snapshot().epoch == "after-loss"  # type: ignore[union-attr]
+
+
+def test_flushall_starts_a_new_epoch(fresh_server: RedisServer) -> None:
+    """With no epoch key (FLUSHALL, restart without persistence) the next write of any
+    engine creates a new one, from that engine's own random candidate."""
+    c = fresh_server.client()
+    keys = DeploymentKeys("dep")
+    rep1 = EngineReporter(fresh_server.url, "dep", "e0", heartbeat=False)
+    try:
+        rep1.report(step=1, waiting=0, running=0)
+        first = c.get(keys.epoch)
+        c.flushall()
+        rep1.report(step=1, waiting=0, running=0)
+        second = c.get(keys.epoch)
+        assert first and second and first != second
+        # default config again (it was flushed too): the first snapshot waits join_grace_ms
+        steps = iter(range(2, 10_000))
+        raw = wait_until(
+            lambda: (
+                rep1.report(step=next(steps), waiting=0, running=0).version and c.get(keys.snapshot)
+            ),
+            timeout=5,
+            interval=0.05,
+        )
+        snap = Snapshot.from_json(raw)
+        assert snap.epoch == second.decode() and snap.version == 1
+        start = int(c.hget(keys.meta, "epoch_start"))  # type: ignore[arg-type]
+        assert snap.time_ms - start >= 1000
+    finally:
+        rep1.close()
+        c.close()
