@@ -37,6 +37,9 @@ class SimRequest:
     started_at: float = -1.0
     finished_at: float = -1.0
     produced: int = 0
+    engine_id: str = ""  # where the request was routed (set by the caller)
+    group: int = -1  # burst index (or -1), for per-burst metrics
+    lost: bool = False  # routed to an engine that was dead on arrival, or died with it
 
 
 @dataclass
@@ -87,6 +90,40 @@ class SimEngine:
         adm = min(free, len(self.waiting)) if free > 0 else 0
         return adm, self.params.step_time(len(self.running) + adm, adm)
 
+    def begin_step(self, now: float) -> float:
+        """Admit waiting requests into free slots at ``now`` (the scheduling half of a
+        step) and return the step's own duration. Real-time drivers call this at the
+        step's start and ``end_step`` at its end, so requests that arrive during the
+        step wait for the next one, as in a real engine."""
+        free = self.params.running_cap - len(self.running)
+        adm = min(free, len(self.waiting)) if free > 0 else 0
+        for _ in range(adm):
+            req = self.waiting.popleft()
+            req.started_at = now
+            self.running.append(req)
+            if self.on_start is not None:
+                self.on_start(req)
+        return self.params.step_time(len(self.running), adm)
+
+    def end_step(self, end: float) -> int:
+        """Decode one token for every running request (the compute half of a step);
+        requests that reach their output length finish at ``end``. Returns how many
+        finished."""
+        still = []
+        done = 0
+        for req in self.running:
+            req.produced += 1
+            if req.produced >= req.output_len:
+                req.finished_at = end
+                done += 1
+                if self.on_finish is not None:
+                    self.on_finish(req)
+            else:
+                still.append(req)
+        self.running = still
+        self.step_no += 1
+        return done
+
     def step(self, now: float, duration: float | None = None) -> float:
         """Run one step starting at ``now``; returns its duration (or uses ``duration``,
         the lockstep step time). Finished requests get finished_at = now + duration."""
@@ -113,8 +150,9 @@ class SimEngine:
         return dur
 
 
-def output_length(rng: random.Random, mean: float = 40.0, sigma: float = 1.0,
-                  cap: int = 2000) -> int:
+def output_length(
+    rng: random.Random, mean: float = 40.0, sigma: float = 1.0, cap: int = 2000
+) -> int:
     """Heavy-tailed output length (lognormal with the given mean), at least 1."""
     mu = math.log(mean) - sigma * sigma / 2
     return max(1, min(cap, int(rng.lognormvariate(mu, sigma))))

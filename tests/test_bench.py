@@ -1,0 +1,259 @@
+"""Pure-logic tests of the balance benchmark: metric computations, gap closed and its
+noise flag, schedules, and the vLLM baselines' documented timing (no Redis, fast)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from redisbal.bench import (
+    OraclePolicy,
+    Scenario,
+    VllmCoordinatorEmulation,
+    VllmCoordinatorModel,
+    World,
+    compat_snapshot_json,
+    default_scenarios,
+    make_schedule,
+    vllm_model_for,
+)
+from redisbal.keys import DeploymentKeys
+from redisbal.metrics_balance import (
+    burst_max_over_mean,
+    gap_closed,
+    gap_within_noise,
+    load_imbalance,
+    lockstep_efficiency,
+    makespan,
+    percentile,
+    spread,
+)
+from redisbal.policies import RouterCore
+from redisbal.sim import EngineParams, SimEngine, SimRequest
+from redisbal.snapshot import Snapshot
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+def test_load_imbalance_time_weighted_and_skips_low_mean() -> None:
+    times = [0.0, 0.01, 0.03, 0.04]
+    loads = [
+        [2.0, 2.0],  # balanced: 0, weight 0.01
+        [3.0, 1.0],  # (3-2)/2 = 0.5, weight 0.02
+        [0.0, 1.0],  # mean 0.5 < 1: skipped
+        [4.0, 0.0],  # (4-2)/2 = 1.0, weight = median gap 0.01
+    ]
+    got = load_imbalance(times, loads)
+    assert got == pytest.approx((0.0 * 0.01 + 0.5 * 0.02 + 1.0 * 0.01) / 0.04)
+
+
+def test_load_imbalance_ignores_dead_engines_and_empty_runs() -> None:
+    assert load_imbalance([0.0, 0.01], [[2.0, math.nan], [2.0, math.nan]]) == 0.0
+    assert load_imbalance([], []) == 0.0
+    assert load_imbalance([0.0], [[0.0, 0.0]]) == 0.0
+    with pytest.raises(ValueError):
+        load_imbalance([0.0], [])
+
+
+def test_lockstep_efficiency() -> None:
+    assert lockstep_efficiency([[4, 4], [4, 2], [0, 0]]) == pytest.approx((1.0 + 0.75) / 2)
+    assert lockstep_efficiency([]) == 1.0
+
+
+def test_burst_max_over_mean_counts_idle_engines() -> None:
+    assert burst_max_over_mean([[2, 2, 2, 2]]) == 1.0
+    assert burst_max_over_mean([[4, 0, 0, 0], [2, 2, 2, 2]]) == pytest.approx((4.0 + 1.0) / 2)
+    assert burst_max_over_mean([[0, 0]]) == 1.0
+
+
+def test_percentile_and_makespan() -> None:
+    xs = list(range(101))
+    assert percentile(xs, 99) == pytest.approx(99.0)
+    assert percentile([1.0, 2.0], 50) == pytest.approx(1.5)
+    assert percentile([], 99) == 0.0
+    assert makespan([(0.0, 2.0), (3.0, 4.0)]) == pytest.approx(1.5)
+
+
+def test_gap_closed_signs() -> None:
+    assert gap_closed(2.0, 1.0, 1.0) == pytest.approx(1.0)
+    assert gap_closed(2.0, 1.5, 1.0) == pytest.approx(0.5)
+    assert gap_closed(2.0, 0.5, 1.0) == pytest.approx(1.5)  # better than the oracle
+    assert gap_closed(2.0, 3.0, 1.0) == pytest.approx(-1.0)  # worse than 21617
+    assert gap_closed(1.0, 0.5, 1.0) is None  # no gap to close
+
+
+def test_gap_within_noise_flags_small_gaps() -> None:
+    assert gap_within_noise([1.0, 1.2, 1.1], [1.05, 1.0, 1.1]) is True
+    assert gap_within_noise([2.0, 2.1, 2.05], [1.0, 1.05, 1.1]) is False
+    assert gap_within_noise([2.0], [1.0]) is None
+    s = spread([1.0, 2.0, 3.0])
+    assert (s.mean, s.lo, s.hi, s.range) == (2.0, 1.0, 3.0, 2.0)
+    assert s.std == pytest.approx(1.0)
+
+
+# -- schedules --------------------------------------------------------------------------------
+
+
+def test_schedule_is_a_function_of_the_seed() -> None:
+    sc = default_scenarios(quick=True)["burst"]
+    a, b, c = make_schedule(sc, 1), make_schedule(sc, 1), make_schedule(sc, 2)
+    assert a == b
+    assert a != c
+    assert len(a) == 2 * round(1.5 * 32 * 64)  # two bursts of 1.5x capacity
+    first = [x for x in a if x.group == 0]
+    assert max(x.t for x in first) < 0.05  # within 50 ms
+    assert min(x.t for x in a if x.group == 1) >= 3.0  # every 3 s
+
+
+def test_skew_schedule_gives_half_to_api_server_zero() -> None:
+    sc = default_scenarios(quick=True)["skew"]
+    arr = make_schedule(sc, 3)
+    share = sum(1 for x in arr if x.client == 0) / len(arr)
+    assert 0.47 < share < 0.53
+    eq = make_schedule(default_scenarios(quick=True)["burst"], 3)
+    assert 0.10 < sum(1 for x in eq if x.client == 0) / len(eq) < 0.15
+
+
+def test_poisson_schedule_rate_matches_load() -> None:
+    sc = Scenario("steady", traffic="poisson", load=0.9, duration_s=4.0)
+    arr = make_schedule(sc, 1)
+    assert all(0 <= x.t < 4.0 for x in arr)
+    assert len(arr) > 1000
+
+
+# -- the vLLM coordinator emulation -------------------------------------------------------------
+
+
+def _counts(pub: tuple[float, dict]) -> dict[str, tuple[int, int]]:
+    return {e: (c.waiting, c.running) for e, c in pub[1].items()}
+
+
+def test_vllm_pre_publishes_latest_counts_every_100ms_while_changing() -> None:
+    m = VllmCoordinatorModel(buffered=False)
+    pubs = m.on_stats(0.0, "a", 1, 0, 0)
+    for k in range(1, 60):  # a changed message every 10 ms for 600 ms
+        pubs += m.on_stats(k * 10.0, "a", k + 1, k, 0)
+    times = [p[0] for p in pubs]
+    assert times[0] == 0.0  # the first poll publishes at once (nothing published yet)
+    assert [b - a for a, b in itertools.pairwise(times)] == [100.0] * (len(times) - 1)
+    # each push carries the counts of the latest message before it
+    assert all(_counts(p) == {"a": (int(p[0] / 10), 0)} for p in pubs)
+
+
+def test_vllm_idle_publishes_every_5s() -> None:
+    m = VllmCoordinatorModel(buffered=False)
+    m.on_stats(0.0, "a", 1, 1, 1)
+    times = [p[0] for p in m.advance(20_000.0)]
+    assert times == [0.0, 5000.0, 10000.0, 15000.0]
+
+
+def test_vllm_21617_pushes_the_previous_steps_copy_first() -> None:
+    m = VllmCoordinatorModel(buffered=True)
+    m.on_stats(0.0, "a", 1, 1, 0)
+    m.on_stats(1.0, "b", 1, 2, 0)
+    pubs = m.advance(400.0)  # publishes step 1, then goes quiet
+    assert _counts(pubs[-1]) == {"a": (1, 0), "b": (2, 0)}
+    m.on_stats(450.0, "b", 1, 3, 0)  # a same-step refresh: stats changed
+    # step 2 begins: a reports first; the coordinator keeps a copy as of step 1
+    m.on_stats(500.0, "a", 2, 10, 0)
+    pubs = m.advance(700.0)
+    # the copy goes out at once (no 50 ms wait when a copy is pending)
+    assert [p[0] for p in pubs] == [500.0, 600.0]
+    assert _counts(pubs[0]) == {"a": (1, 0), "b": (3, 0)}  # a's step-2 counts not in it
+    assert _counts(pubs[1]) == {"a": (10, 0), "b": (3, 0)}  # then the latest
+
+
+def test_vllm_21617_starves_while_messages_keep_coming() -> None:
+    # with no copy pending, a poll waits at least 50 ms for silence: a stream of
+    # same-step messages every 10 ms never lets it publish (vLLM's behaviour)
+    m = VllmCoordinatorModel(buffered=True)
+    m.on_stats(0.0, "a", 1, 0, 0)
+    m.advance(1.0)
+    pubs = []
+    for k in range(1, 100):
+        pubs += m.on_stats(k * 10.0, "a", 1, k, 0)
+    assert pubs == []
+    assert _counts(m.advance(990.0 + 51.0)[0]) == {"a": (99, 0)}
+
+
+def test_vllm_21617_waits_at_least_50ms_without_a_pending_copy() -> None:
+    m = VllmCoordinatorModel(buffered=True, min_wait_ms=50.0)
+    m.on_stats(0.0, "a", 1, 1, 0)
+    m.advance(1000.0)  # publishes; stats no longer changed
+    m.on_stats(2000.0, "a", 1, 2, 0)  # same step: no copy pending
+    # elapsed since the last publish >> 100 ms, but the poll still waits 50 ms
+    assert m.advance(2049.0) == []
+    assert len(m.advance(2051.0)) == 1
+    pre = VllmCoordinatorModel(buffered=False)
+    pre.on_stats(0.0, "a", 1, 1, 0)
+    pre.advance(1000.0)
+    pre.on_stats(2000.0, "a", 1, 2, 0)
+    assert len(pre.advance(2001.0)) == 1  # before 21617: at once
+
+
+def test_vllm_latest_keeps_50ms_wait_only_in_lockstep() -> None:
+    assert vllm_model_for("vllm-latest", "lockstep").min_wait_ms == 50.0
+    assert vllm_model_for("vllm-latest", "independent").min_wait_ms == 0.0
+    assert vllm_model_for("vllm-latest", "independent").buffered
+    assert not vllm_model_for("vllm-pre", "lockstep").buffered
+    with pytest.raises(ValueError):
+        vllm_model_for("redisbal", "lockstep")
+
+
+def test_emulation_extracts_only_changed_counts_in_time_order() -> None:
+    model = VllmCoordinatorModel(buffered=False)
+    emu = VllmCoordinatorEmulation(None, DeploymentKeys("d"), model)
+    raw = {
+        b"a": b'2\t{"waiting":1,"running":2,"t":20}\n1\t{"waiting":1,"running":1,"t":10}',
+        b"b": b'1\t{"waiting":0,"running":0,"t":15}',
+    }
+    msgs = emu.extract(raw)
+    assert [(m[0], m[1]) for m in msgs] == [(10.0, "a"), (15.0, "b"), (20.0, "a")]
+    # a heartbeat with the same counts is not a message (vLLM sends on change only)
+    raw[b"a"] = b'3\t{"waiting":1,"running":2,"t":40}\n' + raw[b"a"]
+    assert emu.extract(raw) == []
+    # the record layout with a head line and a report time field is read too
+    raw[b"c"] = b'b123\n5\t60\t{"waiting":4,"running":0,"t":60}'
+    assert [(m[1], m[3]) for m in emu.extract(raw)] == [("c", 4)]
+    # an engine that left disappears from the model
+    model.on_stats(50.0, "b", 4, 1, 1)
+    del raw[b"b"]
+    emu.extract(raw)
+    assert "b" not in model.counts
+
+
+def test_compat_json_is_a_snapshot_without_admitted_counts() -> None:
+    model = VllmCoordinatorModel(buffered=False)
+    model.on_stats(5.0, "e1", 7, 3, 4)
+    (at, counts), *_ = model.advance(500.0)
+    snap = Snapshot.from_json(compat_snapshot_json("d", "ep", 9, at, counts))
+    assert snap.version == 9 and snap.epoch == "ep"
+    assert snap.engines["e1"].waiting == 3 and snap.engines["e1"].running == 4
+    assert snap.engines["e1"].admitted is None
+
+
+# -- oracle -----------------------------------------------------------------------------------
+
+
+def test_oracle_counts_requests_in_transit_and_skips_dead_engines() -> None:
+    world = World()
+    for eid in ("a", "b", "c"):
+        world.engines[eid] = SimEngine(eid, EngineParams())
+        world.transit[eid] = 0
+    world.engines["a"].arrive(SimRequest(1, 0, 5, 0.0), 0.0)
+    world.transit["b"] = 1
+    world.dead.add("c")
+    core = RouterCore(0, 1, OraclePolicy(world), rng=random.Random(1))
+    core.set_engines(["a", "b", "c"])
+    picks = {core.route().engine_id for _ in range(1)}
+    assert picks <= {"a", "b"}
+    world.engines["a"].waiting.clear()
+    world.engines["a"].admitted = [0]
+    world.transit["b"] = 0
+    seen = set()
+    for _ in range(50):  # all tied: the tie-break is random, never the dead engine
+        seen.add(OraclePolicy(world).pick(core).engine_id)
+    assert seen == {"a", "b"}
