@@ -11,12 +11,18 @@ within the test's deadlines came through pub/sub.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
-from topology import ClusterTopology, binaries
+from topology import ClusterTopology, apply_acl_lines, binaries
 
 import redisbal
 from redisbal.connection import BadRedisURL, is_cluster, make_client, parse_url
@@ -24,6 +30,8 @@ from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
 
 BINARIES = binaries()
+ROOT = Path(__file__).resolve().parent.parent
+REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 
 
 @pytest.fixture(scope="module", params=sorted(BINARIES))
@@ -216,3 +224,129 @@ def test_cluster_client_refuses_a_cross_slot_script_call(cluster: ClusterTopolog
             client.eval("return 1", 2, DeploymentKeys(a).snapshot, DeploymentKeys(b).snapshot)
     finally:
         client.close()
+
+
+def test_local_cluster_script_and_the_cli_on_it() -> None:
+    """scripts/local_cluster.py starts a cluster and prints its URL; the CLI's
+    coordinator, engine-sim, api and status all run on it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+    script = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "local_cluster.py"), "--duration", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        assert script.stdout is not None
+        url = ""
+        deadline = time.monotonic() + 30
+        while not url and time.monotonic() < deadline:
+            line = script.stdout.readline()
+            if line.startswith("export REDISBAL_REDIS_URL="):
+                url = line.split("=", 1)[1].strip()
+        assert url.startswith("redis+cluster://127.0.0.1:"), url
+        env["REDISBAL_REDIS_URL"] = url
+        env["REDISBAL_DEPLOYMENT"] = "clicluster"
+        procs.append(
+            subprocess.Popen(
+                [
+                    REDISBAL,
+                    "coordinator",
+                    "--expect",
+                    "2",
+                    "--join-grace-ms",
+                    "0",
+                    "--duration",
+                    "20",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        procs.append(
+            subprocess.Popen(
+                [REDISBAL, "engine-sim", "--engines", "2", "--duration", "20", "--no-summary"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        api = subprocess.run(
+            [REDISBAL, "api", "--burst", "40", "--burst-every", "0.5", "--duration", "2",
+             "--wait-engines", "15", "--drain-timeout", "15", "--quiet"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert api.returncode == 0, api.stderr[-2000:]
+        st = subprocess.run(
+            [REDISBAL, "status", "--json"], env=env, capture_output=True, text=True, timeout=30
+        )
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        assert {e["engine"] for e in status["engines"]} == {"0", "1"}, status
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+        script.terminate()
+        script.wait(30)
+
+
+async def test_least_privilege_users_on_cluster(cluster: ClusterTopology) -> None:
+    """The ACL lines of docs/DEPLOY.md plus its cluster additions, on every node: each
+    role does its job on the cluster, and the router user still cannot write."""
+    if cluster.version < (7, 0, 0):
+        pytest.skip("the documented ACL lines grant +spublish/+ssubscribe: Redis 7 only")
+    dep = _deployments_on_distinct_nodes(cluster, 1, f"acl{int(time.time() * 1000) % 100000}")[0]
+    secret = "cluster-acl-pw"
+    users: dict[str, str] = {}
+    for node in cluster.nodes:
+        with node.client() as c:
+            users = apply_acl_lines(c, dep, secret, blocks=("acl", "acl-cluster"))
+    hosts = ",".join(f"127.0.0.1:{p}" for p in cluster.ports)
+
+    def url(role: str) -> str:
+        return f"redis+cluster://{users[role]}:{role}-{secret}@{hosts}"
+
+    coord = Coordinator(url("coordinator"), dep, CoordinatorConfig(join_grace_ms=0, stall_ms=100))
+    rep = redisbal.EngineReporter(url("engine"), dep, "e0", heartbeat=False)
+    arep = redisbal.AsyncEngineReporter(url("engine"), dep, "e1", heartbeat=False)
+    arouter = redisbal.AsyncRouter(url("router"), dep, 0, 2, poll_s=30.0)
+    router = redisbal.Router(url("router"), dep, 1, 2, poll_s=30.0)
+    try:
+        await asyncio.to_thread(coord.tick)
+        assert coord.stats.leader
+        assert rep.register() and await arep.register()
+        await arouter.start()
+        await asyncio.to_thread(router.start)
+        rep.report(step=1, waiting=1, running=1)
+        assert (await arep.report(step=1, waiting=2, running=2)).version == 1
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+            r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router)
+        ):
+            await asyncio.sleep(0.02)
+        assert all(r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router))
+        assert arouter.last_error is None
+        rep.report(step=2, waiting=1, running=1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not coord.stats.forced:
+            await asyncio.to_thread(coord.tick)
+            await asyncio.sleep(0.03)
+        assert coord.stats.forced == 1 and coord.stats.errors == 0
+        writer = make_client(url("router"))
+        try:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                writer.set(DeploymentKeys(dep).snapshot, "forged")
+        finally:
+            writer.close()
+    finally:
+        await asyncio.to_thread(router.close)
+        await arouter.aclose()
+        rep.close()
+        await arep.aclose()
+        coord.release()
+        coord.client.close()

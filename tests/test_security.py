@@ -15,17 +15,22 @@ import json
 import logging
 import os
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
-from topology import TlsServer, make_certs, system_binary, wait_until
+from topology import (
+    TlsServer,
+    apply_acl_lines,
+    documented_acl_lines,
+    make_certs,
+    system_binary,
+    wait_until,
+)
 
 import redisbal
 from redisbal.connection import BadRedisURL, make_client, parse_url, redact
@@ -34,8 +39,6 @@ from redisbal.embedded import RedisServer, free_port, server_version
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import SCRIPT_NAMES, script_source
 
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY_MD = ROOT / "docs" / "DEPLOY.md"
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 ADMIN_PW = "adm1n-Secret-pw"
 SECRET = "Zq9-very-secret-PW"  # must never show up anywhere
@@ -148,27 +151,6 @@ def test_cli_status_with_a_password_url_works_and_never_prints_it(
 # -- least-privilege users (the lines of docs/DEPLOY.md) ------------------------------------------
 
 
-def documented_acl_lines() -> list[str]:
-    text = DEPLOY_MD.read_text(encoding="utf-8")
-    m = re.search(r"<!-- acl:begin -->\s*```[a-z]*\n(.*?)```\s*<!-- acl:end -->", text, re.S)
-    assert m, "docs/DEPLOY.md lost its <!-- acl:begin --> ... <!-- acl:end --> block"
-    return [ln.strip() for ln in m.group(1).splitlines() if ln.strip().startswith("ACL SETUSER")]
-
-
-def apply_acl_lines(client: redis.Redis, dep: str) -> dict[str, str]:
-    """Run the documented lines for deployment ``dep``; returns role -> user name."""
-    users = {}
-    for line in documented_acl_lines():
-        line = line.replace("{llama}", "{" + dep + "}").replace("-llama ", f"-{dep} ")
-        for role in ("ENGINE", "ROUTER", "COORDINATOR"):
-            line = line.replace(f">{role}_PASSWORD", f">{role.lower()}-{SECRET}")
-        args = shlex.split(line)
-        client.execute_command(*args)
-        users[args[2].split("-")[1]] = args[2]
-    assert set(users) == {"engine", "router", "coordinator"}, users
-    return users
-
-
 def test_documented_acl_lines_grant_every_command_the_scripts_call() -> None:
     """Drift guard: a command added to the Lua scripts must be added to the engine and
     coordinator users (Redis checks every command a script calls against the caller's ACL)."""
@@ -192,7 +174,7 @@ async def test_least_privilege_users_can_do_their_job(
 ) -> None:
     """The engine user reports, the router user follows snapshots, the coordinator user
     runs the coordinator: the whole flow with nothing but the documented grants."""
-    users = apply_acl_lines(admin(secured), deployment)
+    users = apply_acl_lines(admin(secured), deployment, SECRET)
     port = secured.port
 
     def url(role: str) -> str:
@@ -249,9 +231,9 @@ async def test_least_privilege_users_can_do_their_job(
 
 @needs_7
 def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: str) -> None:
-    users = apply_acl_lines(admin(secured), deployment)
+    users = apply_acl_lines(admin(secured), deployment, SECRET)
     other = f"{deployment}x"
-    apply_acl_lines(admin(secured), other)
+    apply_acl_lines(admin(secured), other, SECRET)
     keys, okeys = DeploymentKeys(deployment), DeploymentKeys(other)
     # another deployment with state, to prove nobody can read or touch it
     rep = redisbal.EngineReporter(

