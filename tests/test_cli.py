@@ -5,6 +5,8 @@ secrets), status against a real server with reporting engines, a timed coordinat
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -310,3 +312,32 @@ def test_api_without_engines_fails_clearly(
     )
     assert res.exit_code == 1
     assert f"no snapshot for deployment {deployment!r}" in res.output
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_coordinator_signal_releases_the_lease_and_exits_0(
+    redis_url: str, deployment: str, r: redis.Redis, sig: signal.Signals
+) -> None:
+    keys = DeploymentKeys(deployment)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "redisbal", "coordinator", "--id", "sig-test"],
+        env={**env, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while r.hget(keys.config, "lease_owner") != b"sig-test":
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "released the lease" in out and "coordinator sig-test stopped" in out
+    assert r.hget(keys.config, "lease_until_ms") == b"0"
