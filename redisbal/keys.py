@@ -61,18 +61,13 @@ class DeploymentKeys:
         return self.key("members")
 
     @property
-    def barrier(self) -> str:
-        """ZSET engine -> (wave, step) score of its latest report: barrier members only."""
-        return self.key("barrier")
-
-    @property
     def reports(self) -> str:
-        """HASH engine -> its recent accepted reports, newest first (see lua/common.lua)."""
+        """HASH engine -> its record: barrier flag, heartbeat, recent reports (lua/common.lua)."""
         return self.key("reports")
 
     @property
     def meta(self) -> str:
-        """HASH: published step, version, barrier start, counters."""
+        """HASH: epoch, published step, barrier count, version, counters."""
         return self.key("meta")
 
     @property
@@ -111,7 +106,6 @@ class DeploymentKeys:
             self.config,
             self.epoch,
             self.members,
-            self.barrier,
             self.reports,
             self.meta,
             self.snapshot,

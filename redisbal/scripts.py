@@ -25,7 +25,7 @@ SCRIPT_NAMES = (
     "new_epoch",
     "lease",
 )
-NUM_KEYS = 8
+NUM_KEYS = 7
 
 
 @cache

@@ -1,38 +1,48 @@
 --[[
   common.lua: shared by every redisbal script (redisbal/scripts.py prepends it).
 
-  Every script gets the same eight KEYS, all of one deployment and so of one
+  Every script gets the same seven KEYS, all of one deployment and so of one
   hash slot (they share the hash tag "{<deployment>}"):
-    KEYS[1] config    HASH  settings (dead_after_ms, stall_ms, tick_ms, ...)
-    KEYS[2] epoch     STRING id of this state generation
-    KEYS[3] members   ZSET  engine -> server ms of its last report (liveness)
-    KEYS[4] barrier   ZSET  engine -> (wave, step) score of its latest report;
-                            barrier members only (provisional joiners are not)
-    KEYS[5] reports   HASH  engine -> recent accepted reports, newest first
-    KEYS[6] meta      HASH  pub (published score), version, since, counters
-    KEYS[7] snapshot  STRING latest snapshot JSON
-    KEYS[8] channel   the pub/sub channel; passed in KEYS, not built here, so
+    KEYS[1] config    HASH   settings (dead_after_ms, stall_ms, tick_ms, ...),
+                             and the coordinator lease (lease_owner, fence, ...)
+    KEYS[2] epoch     STRING id of this state generation (also meta.epoch)
+    KEYS[3] members   ZSET   engine -> server ms of its heartbeat (liveness)
+    KEYS[4] reports   HASH   engine -> its record (below)
+    KEYS[5] meta      HASH   epoch, pub, behind, since, version, counters
+    KEYS[6] snapshot  STRING latest snapshot JSON
+    KEYS[7] channel   the pub/sub channel; passed in KEYS, not built here, so
                       that Redis Cluster sees its slot (it is the same slot)
 
-  A (wave, step) pair is one number: wave * 2^32 + step (< 2^52, exact in a
-  double and in a ZSET score). "pub" is the score of the last published
-  snapshot, -1 before the first one of an epoch.
+  A (wave, step) pair is one number, its score: wave * 2^32 + step (< 2^52,
+  exact in a double). meta.pub is the score of the last published snapshot
+  (-1 before the first one of an epoch).
 
-  A reports entry is "<score>\t<json>" lines, newest first; <json> is the
-  engine's snapshot fragment. We keep every entry newer than pub plus the
-  newest one at or before pub: exactly what any future cut can need.
+  An engine's record: a head line "<flag><ms when its heartbeat is due>", then its accepted
+  reports newest first, one per line: "<score>\t<report ms>\t<json>", where
+  <json> is the engine's snapshot fragment. flag "b": a barrier member; "p": a
+  provisional joiner (behind the published step: in snapshots, not waited
+  for). We keep every report newer than pub plus the newest one at or before
+  pub: exactly what any future cut can need.
+
+  The barrier is a counter, not a scan: meta.behind counts barrier members
+  whose latest report is at or before pub (registered engines that have not
+  reported count too). A report that moves a member past pub decrements it;
+  when it reaches 0 every member has reported a newer step, and the snapshot
+  for the lowest of their steps is published (O(N) once per step; O(1) per
+  report). The heartbeat in members is refreshed every dead_after_ms / 8, not
+  on every report; expiry checks the record's own report time before removing.
+  Millisecond times on the report path are compared as equal-width text, which
+  saves a strtod per field (a report's cost is mostly such small things).
 ]]
 
 local STEP_SPAN = 4294967296
 local MAX_WAVE = 1048575
 local MAX_COUNT = 1000000000
 local MAX_HISTORY = 256
-local NAME_PATTERN = '^[A-Za-z0-9][A-Za-z0-9_.%-]*$'
+local NAME_PATTERN = '^%w[%w_.%-]*$'
 
-local K = {
-  config = KEYS[1], epoch = KEYS[2], members = KEYS[3], barrier = KEYS[4],
-  reports = KEYS[5], meta = KEYS[6], snapshot = KEYS[7], channel = KEYS[8],
-}
+local K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_META, K_SNAPSHOT, K_CHANNEL = KEYS[5], KEYS[6], KEYS[7]
 
 local function fail(msg)
   return redis.error_reply('ERR redisbal: ' .. msg)
@@ -42,28 +52,44 @@ local function fmt(n)
   return string.format('%.0f', n)
 end
 
+-- server time in ms, as (number, string)
 local function now_ms()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local s = t[1] .. string.sub('00000' .. t[2], -6, -4)
+  return tonumber(s), s
 end
 
 -- nil when s is not a whole number in [lo, hi]
 local function int_arg(s, lo, hi)
-  if type(s) ~= 'string' or not string.match(s, '^%-?%d+$') or #s > 16 then return nil end
+  if type(s) ~= 'string' or #s > 16 or not string.find(s, '^%-?%d+$') then return nil end
   local n = tonumber(s)
   if n == nil or n < lo or n > hi then return nil end
   return n
 end
 
+-- a count in 0..MAX_COUNT as canonical JSON text, or nil (no tonumber unless needed)
+local function count_text(s)
+  if type(s) ~= 'string' or #s > 10 or not string.find(s, '^%d+$') then return nil end
+  if #s == 10 and tonumber(s) > MAX_COUNT then return nil end
+  if #s > 1 and string.byte(s, 1) == 48 then return fmt(tonumber(s)) end
+  return s
+end
+
+-- the canonical decimal text of a validated whole number (no sprintf when s is it)
+local function int_text(s, n)
+  if n ~= 0 and string.byte(s, 1) ~= 48 and string.byte(s, 1) ~= 45 then return s end
+  return fmt(n)
+end
+
 local function name_arg(s)
-  if type(s) ~= 'string' or #s < 1 or #s > 64 or not string.match(s, NAME_PATTERN) then
+  if type(s) ~= 'string' or #s < 1 or #s > 64 or not string.find(s, NAME_PATTERN) then
     return nil
   end
   return s
 end
 
 local function config()
-  local c = redis.call('HMGET', K.config, 'dead_after_ms', 'stall_ms', 'tick_ms',
+  local c = redis.call('HMGET', K_CONFIG, 'dead_after_ms', 'stall_ms', 'tick_ms',
     'join_grace_ms', 'idle_publish_ms')
   return {
     dead_after_ms = tonumber(c[1]) or 5000,
@@ -76,114 +102,177 @@ end
 
 -- The epoch names one generation of state. When it is missing, state was lost
 -- (restart without persistence, flush): start a clean generation.
-local function ensure_epoch(candidate, now)
-  local epoch = redis.call('GET', K.epoch)
-  if epoch then return epoch end
+local function new_generation(candidate, now)
   if not name_arg(candidate) then return nil end
-  redis.call('DEL', K.members, K.barrier, K.reports, K.meta, K.snapshot)
-  redis.call('SET', K.epoch, candidate)
-  redis.call('HSET', K.meta, 'pub', '-1', 'epoch_start', fmt(now), 'version', '0')
+  redis.call('DEL', K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT)
+  redis.call('SET', K_EPOCH, candidate)
+  redis.call('HSET', K_META, 'epoch', candidate, 'pub', '-1', 'epoch_start', fmt(now),
+    'version', '0', 'behind', '0')
   return candidate
 end
 
+local function ensure_epoch(candidate, now)
+  local epoch = redis.call('HGET', K_META, 'epoch')
+  if epoch then return epoch end
+  return new_generation(candidate, now)
+end
+
 local function published_score()
-  return tonumber(redis.call('HGET', K.meta, 'pub') or '-1')
+  return tonumber(redis.call('HGET', K_META, 'pub') or '-1')
 end
 
-local function entry_score(line)
-  local tab = string.find(line, '\t', 1, true)
-  return tonumber(string.sub(line, 1, tab - 1)), tab
+-- A record's head: flag, heartbeat due ms, latest score (nil if no report yet),
+-- latest report ms (0), and the position of its first report line (nil).
+local function head(rec)
+  local nl = string.find(rec, '\n', 2, true)
+  if not nl then
+    return string.sub(rec, 1, 1), tonumber(string.sub(rec, 2)) or 0, nil, 0, nil
+  end
+  local t1 = string.find(rec, '\t', nl + 1, true)
+  local t2 = string.find(rec, '\t', t1 + 1, true)
+  return string.sub(rec, 1, 1), tonumber(string.sub(rec, 2, nl - 1)) or 0,
+    tonumber(string.sub(rec, nl + 1, t1 - 1)), tonumber(string.sub(rec, t1 + 1, t2 - 1)), nl + 1
 end
 
--- the newest entry at or before score s: (json, score) or nil
-local function cut(rec, s)
-  for line in string.gmatch(rec, '[^\n]+') do
-    local sc, tab = entry_score(line)
-    if sc <= s then return string.sub(line, tab + 1), sc end
+-- the report path's view of a record: flag, heartbeat due (text), latest score
+-- (nil if none), position of the first report line (nil if none)
+local function head_fast(rec)
+  local nl = string.find(rec, '\n', 2, true)
+  if not nl then return string.sub(rec, 1, 1), string.sub(rec, 2), nil, nil end
+  local t1 = string.find(rec, '\t', nl + 1, true)
+  return string.sub(rec, 1, 1), string.sub(rec, 2, nl - 1),
+    tonumber(string.sub(rec, nl + 1, t1 - 1)), nl + 1
+end
+
+-- the json of the newest report at or before score s in rec, or nil
+local function cut(rec, s, pos)
+  local n = #rec
+  while pos and pos <= n do
+    local t1 = string.find(rec, '\t', pos, true)
+    local nl = string.find(rec, '\n', t1, true)
+    if tonumber(string.sub(rec, pos, t1 - 1)) <= s then
+      local t2 = string.find(rec, '\t', t1 + 1, true)
+      return string.sub(rec, t2 + 1, (nl or n + 1) - 1)
+    end
+    pos = nl and nl + 1
   end
   return nil
 end
 
-local function latest_score(rec)
-  local nl = string.find(rec, '\n', 1, true)
-  local first = nl and string.sub(rec, 1, nl - 1) or rec
-  return (entry_score(first))
-end
-
--- keep entries newer than pub, the newest at or before pub, at most MAX_HISTORY
-local function prune(rec, pub)
-  local kept = {}
-  for line in string.gmatch(rec, '[^\n]+') do
-    if #kept >= MAX_HISTORY then break end
-    kept[#kept + 1] = line
-    if entry_score(line) <= pub then break end
+-- report lines (newest first): keep those newer than pub, the newest at or
+-- before pub, at most MAX_HISTORY
+local function prune(lines, pub)
+  local pos, kept, n = 1, 0, #lines
+  while pos <= n do
+    kept = kept + 1
+    local t1 = string.find(lines, '\t', pos, true)
+    local nl = string.find(lines, '\n', t1, true)
+    if not nl then return lines end
+    if kept >= MAX_HISTORY or tonumber(string.sub(lines, pos, t1 - 1)) <= pub then
+      return string.sub(lines, 1, nl - 1)
+    end
+    pos = nl + 1
   end
-  return table.concat(kept, '\n')
+  return lines
 end
 
 local function remove_engine(engine, why)
-  local removed = redis.call('ZREM', K.members, engine)
-  redis.call('ZREM', K.barrier, engine)
-  redis.call('HDEL', K.reports, engine)
-  redis.call('HDEL', K.meta, 'stale:' .. engine)
-  if removed == 1 then
-    redis.call('HINCRBY', K.meta, why, 1)
-    local gone = redis.call('HGET', K.meta, 'gone')
-    local item = '"' .. engine .. '":"' .. why .. '"'
-    if gone and gone ~= '' then item = gone .. ',' .. item end
-    redis.call('HSET', K.meta, 'gone', item)
-  end
-  return removed
-end
-
--- Publish the consistent cut at score s: every engine's newest report <= s.
--- laggards: JSON object text of engine -> age ms ('' when not forced).
-local function publish(s, forced, laggards, now, deployment, pubcmd)
-  local version = redis.call('HINCRBY', K.meta, 'version', 1)
-  local flat = redis.call('HGETALL', K.reports)
-  local parts, waiting_for = {}, {}
-  for i = 1, #flat, 2 do
-    local frag = cut(flat[i + 1], s)
-    if frag then
-      parts[#parts + 1] = '"' .. flat[i] .. '":' .. frag
-    else
-      waiting_for[#waiting_for + 1] = '"' .. flat[i] .. '"'
+  local rec = redis.call('HGET', K_REPORTS, engine)
+  local removed = redis.call('ZREM', K_MEMBERS, engine)
+  if rec then
+    redis.call('HDEL', K_REPORTS, engine)
+    local flag, _, last = head(rec)
+    if flag == 'b' and (not last or last <= published_score()) then
+      redis.call('HINCRBY', K_META, 'behind', -1)
     end
   end
-  local wave = math.floor(s / STEP_SPAN)
-  local gone = redis.call('HGET', K.meta, 'gone') or ''
-  local json = '{"deployment":"' .. deployment .. '","epoch":"' .. redis.call('GET', K.epoch) ..
-    '","version":' .. version .. ',"wave":' .. fmt(wave) .. ',"step":' .. fmt(s - wave * STEP_SPAN) ..
-    ',"forced":' .. (forced and 'true' or 'false') .. ',"laggards":{' .. laggards ..
-    '},"gone":{' .. gone .. '},"joining":[' .. table.concat(waiting_for, ',') ..
-    '],"time_ms":' .. fmt(now) .. ',"engines":{' .. table.concat(parts, ',') .. '}}'
-  redis.call('SET', K.snapshot, json)
-  redis.call(pubcmd, K.channel, json)
-  redis.call('HINCRBY', K.meta, forced and 'forced' or 'published', 1)
-  redis.call('HSET', K.meta, 'pub', fmt(s), 'pub_ms', fmt(now), 'gone', '')
-  -- a new barrier is already under way if some engine is past s
-  if #redis.call('ZRANGEBYSCORE', K.barrier, '(' .. fmt(s), '+inf', 'LIMIT', 0, 1) > 0 then
-    redis.call('HSET', K.meta, 'since', fmt(now))
-  else
-    redis.call('HDEL', K.meta, 'since')
+  redis.call('HDEL', K_META, 'stale:' .. engine)
+  if removed == 1 or rec then
+    redis.call('HINCRBY', K_META, why, 1)
+    local gone = redis.call('HGET', K_META, 'gone')
+    local item = '"' .. engine .. '":"' .. why .. '"'
+    if gone and gone ~= '' then item = gone .. ',' .. item end
+    redis.call('HSET', K_META, 'gone', item)
+    return 1
   end
-  return version
+  return 0
+end
+
+-- Publish a consistent cut: every engine's newest report at or before S.
+-- mode "barrier": S = the lowest latest step of the barrier members (all past
+--   pub); nothing is published when there is no member with a report.
+-- mode "forced": S = the lowest latest step among members past pub; the
+--   members still at or before pub are the laggards, named with their age.
+-- mode a number: S is that score (republish after a change, idle heartbeat).
+-- Returns the version published (0 if none) and the laggard ids.
+local function publish(mode, now, deployment, pubcmd)
+  local pub = published_score()
+  local flat = redis.call('HGETALL', K_REPORTS)
+  local recs = {}
+  local s = (type(mode) == 'number') and mode or nil
+  for i = 1, #flat, 2 do
+    local flag, _, last, t, pos = head(flat[i + 1])
+    recs[#recs + 1] = {flat[i], flag, last, t, pos, flat[i + 1]}
+    if flag == 'b' and last and mode ~= 'number' and type(mode) ~= 'number' then
+      if (mode == 'barrier' or last > pub) and (not s or last < s) then s = last end
+    end
+  end
+  if not s or (mode ~= 'barrier' and type(mode) ~= 'number' and s <= pub) then return 0, {} end
+  local parts, joining, laggards, lagnames = {}, {}, {}, {}
+  local behind, ahead = 0, false
+  for _, r in ipairs(recs) do
+    local id, flag, last, t, pos, rec = r[1], r[2], r[3], r[4], r[5], r[6]
+    local frag = pos and cut(rec, s, pos)
+    if frag then
+      parts[#parts + 1] = '"' .. id .. '":' .. frag
+    else
+      joining[#joining + 1] = '"' .. id .. '"'
+    end
+    if flag == 'b' then
+      if not last or last <= s then behind = behind + 1 else ahead = true end
+      if mode == 'forced' and last and last <= pub then
+        laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - t)
+        lagnames[#lagnames + 1] = id
+      end
+    end
+  end
+  local forced = mode == 'forced'
+  local version = redis.call('HINCRBY', K_META, 'version', 1)
+  local wave = math.floor(s / STEP_SPAN)
+  local gone = redis.call('HGET', K_META, 'gone') or ''
+  local epoch = redis.call('HGET', K_META, 'epoch') or ''
+  local json = '{"deployment":"' .. deployment .. '","epoch":"' .. epoch ..
+    '","version":' .. version .. ',"wave":' .. fmt(wave) .. ',"step":' .. fmt(s - wave * STEP_SPAN) ..
+    ',"forced":' .. (forced and 'true' or 'false') .. ',"laggards":{' ..
+    table.concat(laggards, ',') .. '},"gone":{' .. gone .. '},"joining":[' ..
+    table.concat(joining, ',') .. '],"time_ms":' .. fmt(now) .. ',"engines":{' ..
+    table.concat(parts, ',') .. '}}'
+  redis.call('SET', K_SNAPSHOT, json)
+  -- SPUBLISH exists from Redis 7.0, which also added redis.REDIS_VERSION_NUM: a 6.2
+  -- cluster gets PUBLISH (the router subscribes the same way, see router.py)
+  if pubcmd == 'SPUBLISH' and not redis.REDIS_VERSION_NUM then pubcmd = 'PUBLISH' end
+  redis.call(pubcmd, K_CHANNEL, json)
+  redis.call('HINCRBY', K_META, forced and 'forced' or 'published', 1)
+  redis.call('HSET', K_META, 'pub', fmt(s), 'pub_ms', fmt(now), 'gone', '', 'behind', behind)
+  -- a new barrier is already under way if some member is past s
+  if ahead then
+    redis.call('HSET', K_META, 'since', fmt(now))
+  else
+    redis.call('HDEL', K_META, 'since')
+  end
+  return version, lagnames
 end
 
 -- Publish when every barrier member has reached a step past pub (invariant 2).
 -- The first snapshot of an epoch also waits join_grace_ms from the epoch start,
 -- so engines re-registering after a state loss are all in it (invariant 5).
 local function maybe_publish(cfg, now, deployment, pubcmd)
-  local pub = published_score()
-  local low = redis.call('ZRANGE', K.barrier, 0, 0, 'WITHSCORES')
-  if #low == 0 then return 0 end
-  local s = tonumber(low[2])
-  if s <= pub then return 0 end
-  if pub < 0 then
-    local start = tonumber(redis.call('HGET', K.meta, 'epoch_start') or '0')
-    if now - start < cfg.join_grace_ms then return 0 end
+  local m = redis.call('HMGET', K_META, 'pub', 'behind', 'epoch_start')
+  if (tonumber(m[2]) or 0) > 0 then return 0 end
+  if (tonumber(m[1]) or -1) < 0 and now - (tonumber(m[3]) or 0) < cfg.join_grace_ms then
+    return 0
   end
-  return publish(s, false, '', now, deployment, pubcmd)
+  return (publish('barrier', now, deployment, pubcmd))
 end
 
 -- After a membership change: publish if the barrier completes, else republish
@@ -192,21 +281,52 @@ local function publish_after_change(cfg, now, deployment, pubcmd)
   local v = maybe_publish(cfg, now, deployment, pubcmd)
   if v == 0 then
     local pub = published_score()
-    if pub >= 0 then v = publish(pub, false, '', now, deployment, pubcmd) end
+    if pub >= 0 then v = publish(pub, now, deployment, pubcmd) end
   end
   return v
 end
 
--- Expire engines whose last report is older than dead_after_ms.
+-- Expire engines whose last report is older than dead_after_ms. The members
+-- score is refreshed lazily, so a candidate whose record shows a recent report
+-- gets its heartbeat corrected instead.
 local function reap(cfg, now, limit)
-  local dead = redis.call('ZRANGEBYSCORE', K.members, '-inf', '(' .. fmt(now - cfg.dead_after_ms),
-    'LIMIT', 0, limit)
-  for _, engine in ipairs(dead) do remove_engine(engine, 'expired') end
+  local cands = redis.call('ZRANGEBYSCORE', K_MEMBERS, '-inf',
+    '(' .. fmt(now - cfg.dead_after_ms), 'LIMIT', 0, limit)
+  local dead = {}
+  for _, engine in ipairs(cands) do
+    local rec = redis.call('HGET', K_REPORTS, engine)
+    local t = rec and select(4, head(rec)) or 0
+    if now - t < cfg.dead_after_ms then
+      redis.call('ZADD', K_MEMBERS, fmt(t), engine)
+    else
+      remove_engine(engine, 'expired')
+      dead[#dead + 1] = engine
+    end
+  end
   return dead
 end
 
-local function common_args(deployment, pubcmd)
+local KEY_SUFFIXES = {'config', 'epoch', 'members', 'reports', 'meta', 'snapshot', 'snapshots'}
+
+-- Checks every script makes before touching anything: the ARGV count (nmin..nmax),
+-- the deployment name, and that KEYS are exactly this deployment's seven keys, so
+-- a direct caller with missing, extra or foreign keys gets an error, not a raw Lua
+-- error half-way through (after writes) or writes under another deployment's keys.
+local function common_args(deployment, pubcmd, nmin, nmax)
+  if #ARGV < nmin or (nmax and #ARGV > nmax) then
+    return 'expected ' .. nmin .. (nmax == nmin and '' or (nmax and '..' .. nmax or ' or more')) ..
+      ' arguments, got ' .. #ARGV
+  end
   if not name_arg(deployment) then return 'bad deployment name' end
+  if #KEYS ~= #KEY_SUFFIXES then
+    return 'expected ' .. #KEY_SUFFIXES .. ' keys, got ' .. #KEYS
+  end
+  local prefix = 'redisbal:{' .. deployment .. '}:'
+  for i, suffix in ipairs(KEY_SUFFIXES) do
+    if KEYS[i] ~= prefix .. suffix then
+      return 'bad key ' .. i .. ': expected ' .. prefix .. suffix
+    end
+  end
   if pubcmd ~= 'PUBLISH' and pubcmd ~= 'SPUBLISH' then
     return 'bad publish command (PUBLISH or SPUBLISH)'
   end
@@ -216,7 +336,7 @@ end
 -- nil when token is "" (unfenced call) or matches the config's fence
 local function fenced(token)
   if token == nil or token == '' then return nil end
-  local fence = redis.call('HGET', K.config, 'fence') or '0'
+  local fence = redis.call('HGET', K_CONFIG, 'fence') or '0'
   if fence ~= token then
     return fail('fenced: this coordinator\'s lease (fence ' .. token .. ') was taken over (fence ' ..
       fence .. ')')

@@ -1,25 +1,26 @@
 --[[
-  new_epoch_8.lua: start a new epoch without losing the current state. The
+  new_epoch_7.lua: start a new epoch without losing the current state. The
   coordinator calls it when the server behind the URL changed identity
   (failover): a promoted replica may lag, so versions may repeat; the new
   epoch tells routers to resynchronise instead of ignoring them.
 
-  KEYS: the eight keys of common.lua.
+  KEYS: the seven keys of common.lua.
   ARGV[1] deployment name, ARGV[2] "PUBLISH" or "SPUBLISH", ARGV[3] new epoch
   Returns: {epoch, version republished (0 if nothing was published yet)}
 ]]
 
 local deployment, pubcmd = ARGV[1], ARGV[2]
-local err = common_args(deployment, pubcmd)
+local err = common_args(deployment, pubcmd, 3, 3)
 if err then return fail(err) end
 if not name_arg(ARGV[3]) then return fail('bad epoch: ' .. tostring(ARGV[3])) end
 local now = now_ms()
-if not redis.call('GET', K.epoch) then
+if not redis.call('HGET', K_META, 'epoch') then
   ensure_epoch(ARGV[3], now)
   return {ARGV[3], 0}
 end
-redis.call('SET', K.epoch, ARGV[3])
+redis.call('SET', K_EPOCH, ARGV[3])
+redis.call('HSET', K_META, 'epoch', ARGV[3])
 local pub = published_score()
 local version = 0
-if pub >= 0 then version = publish(pub, false, '', now, deployment, pubcmd) end
+if pub >= 0 then version = (publish(pub, now, deployment, pubcmd)) end
 return {ARGV[3], version}

@@ -1,7 +1,7 @@
 --[[
-  configure_8.lua: the coordinator writes the deployment's settings.
+  configure_7.lua: the coordinator writes the deployment's settings.
 
-  KEYS: the eight keys of common.lua.
+  KEYS: the seven keys of common.lua.
   ARGV[1] deployment name, ARGV[2] "PUBLISH" or "SPUBLISH",
   ARGV[3] epoch candidate, ARGV[4..] field, value pairs; fields:
     dead_after_ms, stall_ms, tick_ms, join_grace_ms, idle_publish_ms
@@ -11,7 +11,7 @@
 ]]
 
 local deployment, pubcmd = ARGV[1], ARGV[2]
-local err = common_args(deployment, pubcmd)
+local err = common_args(deployment, pubcmd, 3, nil)
 if err then return fail(err) end
 if (#ARGV - 3) % 2 ~= 0 then return fail('config needs field, value pairs') end
 local limits = {
@@ -40,6 +40,6 @@ if not epoch then return fail('bad epoch candidate') end
 if #ARGV > 3 then
   local pairs_ = {}
   for i = 4, #ARGV do pairs_[#pairs_ + 1] = ARGV[i] end
-  redis.call('HSET', K.config, unpack(pairs_))
+  redis.call('HSET', K_CONFIG, unpack(pairs_))
 end
 return epoch

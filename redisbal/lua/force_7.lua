@@ -1,5 +1,5 @@
 --[[
-  force_8.lua: the stall guard. When the barrier has waited stall_ms since the
+  force_7.lua: the stall guard. When the barrier has waited stall_ms since the
   first engine moved past the published step, publish the cut at the lowest
   step any engine has moved to, marked forced, naming the laggards (engines
   still at or before the published step) with the age of their last report.
@@ -8,7 +8,7 @@
   first snapshot must hold every registered engine (invariant 5); such an
   engine either reports or expires after dead_after_ms.
 
-  KEYS: the eight keys of common.lua.
+  KEYS: the seven keys of common.lua.
   ARGV[1] deployment name, ARGV[2] "PUBLISH" or "SPUBLISH",
   ARGV[3] stall_ms override ("" = the config's)
   ARGV[4] fence token of the caller's lease, or "" (optional; see lease_8.lua)
@@ -16,7 +16,7 @@
 ]]
 
 local deployment, pubcmd = ARGV[1], ARGV[2]
-local err = common_args(deployment, pubcmd)
+local err = common_args(deployment, pubcmd, 3, 4)
 if err then return fail(err) end
 local fence_err = fenced(ARGV[4])
 if fence_err then return fence_err end
@@ -26,26 +26,21 @@ if ARGV[3] ~= '' then
   if not s then return fail('bad stall_ms: ' .. tostring(ARGV[3])) end
   cfg.stall_ms = s
 end
-if not redis.call('GET', K.epoch) then return {0} end
+local m = redis.call('HMGET', K_META, 'epoch', 'since', 'pub', 'epoch_start')
+if not m[1] then return {0} end
 local now = now_ms()
-local since = tonumber(redis.call('HGET', K.meta, 'since') or '')
+local since = tonumber(m[2])
 if not since or now - since < cfg.stall_ms then return {0} end
-local pub = published_score()
-if pub < 0 then
-  if #redis.call('ZRANGEBYSCORE', K.barrier, '-inf', '(0', 'LIMIT', 0, 1) > 0 then return {0} end
-  local start = tonumber(redis.call('HGET', K.meta, 'epoch_start') or '0')
-  if now - start < cfg.join_grace_ms then return {0} end
+if (tonumber(m[3]) or -1) < 0 then
+  if now - (tonumber(m[4]) or 0) < cfg.join_grace_ms then return {0} end
+  -- a registered engine without any report holds the first snapshot
+  for _, rec in ipairs(redis.call('HVALS', K_REPORTS)) do
+    if not string.find(rec, '\n', 2, true) and string.sub(rec, 1, 1) == 'b' then return {0} end
+  end
 end
-local ahead = redis.call('ZRANGEBYSCORE', K.barrier, '(' .. fmt(pub), '+inf', 'WITHSCORES',
-  'LIMIT', 0, 1)
-if #ahead == 0 then return {0} end
-local s = tonumber(ahead[2])
-local lag = redis.call('ZRANGEBYSCORE', K.barrier, '-inf', '(' .. fmt(s))
-local parts = {}
-for i, e in ipairs(lag) do
-  local seen = tonumber(redis.call('ZSCORE', K.members, e) or now)
-  parts[i] = '"' .. e .. '":' .. fmt(now - seen)
+local version, lag = publish('forced', now, deployment, pubcmd)
+local out = {version}
+if version ~= 0 then
+  for _, e in ipairs(lag) do out[#out + 1] = e end
 end
-local out = {publish(s, true, table.concat(parts, ','), now, deployment, pubcmd)}
-for _, e in ipairs(lag) do out[#out + 1] = e end
 return out

@@ -1,0 +1,152 @@
+--[[
+  report_7.lua: record one engine's step-tagged counts; publish the snapshot
+  when this report completes the barrier.
+
+  KEYS: the seven keys of common.lua (config, epoch, members, reports,
+        meta, snapshot, channel).
+  ARGV[1]  deployment name (goes into the snapshot JSON)
+  ARGV[2]  "PUBLISH" or "SPUBLISH"
+  ARGV[3]  epoch candidate: becomes the epoch if state was lost / is new
+  ARGV[4]  engine id
+  ARGV[5]  wave (0..2^20-1); ignored in tick mode
+  ARGV[6]  step (0..2^32-1), or "tick": tag with the server's current tick
+           floor(server_ms / tick_ms), shared by all independent engines
+  ARGV[7]  waiting (0..1e9)
+  ARGV[8]  running (0..1e9)
+  ARGV[9]  kv_usage in [0, 1], or "" when unknown
+  ARGV[10] admitted: comma-separated cumulative request counts received per
+           API-server index ("" when not reported)
+
+  Returns: {status, version, wave, step}
+    status  "accepted" or "stale" (older than this engine's latest: counted,
+            nothing changed)
+    version version of the snapshot this call published, 0 if none
+    wave, step  the tag the report was recorded under (as strings)
+  Errors: "ERR redisbal: bad <field>: ..." before anything is written.
+]]
+
+local deployment, pubcmd = ARGV[1], ARGV[2]
+local err = common_args(deployment, pubcmd, 10, 10)
+if err then return fail(err) end
+local engine = name_arg(ARGV[4])
+if not engine then return fail('bad engine_id: ' .. tostring(ARGV[4])) end
+local waiting = count_text(ARGV[7])
+if not waiting then return fail('bad waiting: ' .. tostring(ARGV[7])) end
+local running = count_text(ARGV[8])
+if not running then return fail('bad running: ' .. tostring(ARGV[8])) end
+local kv = 'null'
+if ARGV[9] ~= '' then
+  kv = ARGV[9]
+  -- "0.4000", "1", "0": already JSON in [0, 1]; anything else is parsed and checked
+  if not (string.find(kv, '^0%.%d+$') or kv == '1' or kv == '0') or #kv > 24 then
+    local v = #kv <= 24 and string.match(kv, '^%d*%.?%d+$') and tonumber(kv)
+    if not v or v < 0 or v > 1 then return fail('bad kv_usage: ' .. tostring(ARGV[9])) end
+    kv = string.format('%.4f', v) -- JSON whatever the spelling (".5", "00.5")
+  end
+end
+local adm = ARGV[10]
+if adm ~= '' then
+  if #adm > 65536 or string.find(adm, '[^%d,]') or string.find(adm, ',,')
+    or string.find(adm, '^,') or string.find(adm, ',$')
+    or string.find(adm, '%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d')
+    or string.find(',' .. adm, ',0%d') then -- a leading zero is not JSON
+    return fail('bad admitted: expected comma-separated counts')
+  end
+end
+
+local now, now_s = now_ms()
+local c = redis.call('HMGET', K_CONFIG, 'dead_after_ms', 'tick_ms', 'join_grace_ms')
+local dead_after = tonumber(c[1]) or 5000
+local score, wave_s, step_s
+if ARGV[6] == 'tick' then
+  score = math.floor(now / (tonumber(c[2]) or 20))
+  local w = math.floor(score / STEP_SPAN)
+  wave_s, step_s = fmt(w), fmt(score - w * STEP_SPAN)
+else
+  local wave = ARGV[5] == '0' and 0 or int_arg(ARGV[5], 0, MAX_WAVE)
+  if not wave then return fail('bad wave: ' .. tostring(ARGV[5])) end
+  local step = int_arg(ARGV[6], 0, STEP_SPAN - 1)
+  if not step then return fail('bad step: ' .. tostring(ARGV[6])) end
+  score = wave * STEP_SPAN + step
+  wave_s, step_s = int_text(ARGV[5], wave), int_text(ARGV[6], step)
+end
+
+local m = redis.call('HMGET', K_META, 'epoch', 'pub', 'since', 'next_reap', 'behind')
+if not m[1] then
+  if not new_generation(ARGV[3], now) then return fail('bad epoch candidate') end
+  m = {ARGV[3], '-1', false, false, '0'}
+end
+local pub = tonumber(m[2]) or -1
+local behind = m[5]
+local rec = redis.call('HGET', K_REPORTS, engine)
+local flag, hb, last, pos = 'b', '', nil, nil
+if rec then flag, hb, last, pos = head_fast(rec) end
+
+-- invariant 3: older than this engine's latest accepted report
+if last and score < last then
+  redis.call('HINCRBY', K_META, 'stale', 1)
+  redis.call('HINCRBY', K_META, 'stale:' .. engine, 1)
+  return {'stale', 0, wave_s, step_s}
+end
+
+local line = fmt(score) .. '\t' .. now_s .. '\t{"wave":' .. wave_s .. ',"step":' .. step_s ..
+  ',"waiting":' .. waiting .. ',"running":' .. running ..
+  ',"kv":' .. kv .. ',"t":' .. now_s
+if adm ~= '' then line = line .. ',"adm":[' .. adm .. ']' end
+line = line .. '}'
+
+local lines, moved = line, false
+if not rec then
+  -- a joiner: a barrier member, unless it is behind the published step, when
+  -- it stays provisional so that it cannot hold the barrier back (invariant 5)
+  if pub >= 0 and score <= pub then flag = 'p' end
+  redis.call('HINCRBY', K_META, 'joined', 1)
+elseif not last then
+  -- registered, first report: it was counted as behind
+  if flag == 'b' and score > pub then moved = true end
+  if flag == 'p' and score > pub then flag = 'b' end
+elseif score == last then
+  -- same-step refresh (before/after step, or a retry): replace the newest report
+  local nl = string.find(rec, '\n', pos, true)
+  if nl then lines = line .. string.sub(rec, nl) end
+else
+  if score <= pub then redis.call('HINCRBY', K_META, 'late', 1) end
+  if flag == 'b' and last <= pub and score > pub then moved = true end
+  if flag == 'p' and score > pub then flag = 'b' end
+  lines = prune(line .. '\n' .. string.sub(rec, pos), pub)
+end
+-- hb is when the heartbeat in members is next due (ms, same width as now_s)
+local refresh = not rec or #hb ~= #now_s or now_s >= hb
+if refresh then hb = fmt(now + math.floor(dead_after / 8)) end
+redis.call('HSET', K_REPORTS, engine, flag .. hb .. '\n' .. lines)
+if refresh then redis.call('ZADD', K_MEMBERS, now_s, engine) end
+
+local set = {}
+if moved then
+  behind = (tonumber(behind) or 1) - 1
+  set[#set + 1] = 'behind'
+  set[#set + 1] = behind
+end
+if score > pub and not m[3] then
+  set[#set + 1] = 'since'
+  set[#set + 1] = now_s
+end
+local reap_due = not m[4] or #m[4] ~= #now_s or now_s >= m[4]
+if reap_due then
+  set[#set + 1] = 'next_reap'
+  set[#set + 1] = fmt(now + math.floor(dead_after / 4))
+end
+if #set > 0 then redis.call('HSET', K_META, unpack(set)) end
+
+-- opportunistic expiry, at most every dead_after_ms / 4, so that the barrier
+-- never waits for a dead engine even without a coordinator
+local version = 0
+local cfg
+if reap_due then
+  cfg = config()
+  if #reap(cfg, now, 8) > 0 then version = publish_after_change(cfg, now, deployment, pubcmd) end
+end
+if version == 0 and (tonumber(behind) or 0) <= 0 and (pub < 0 or (flag == 'b' and score > pub)) then
+  version = maybe_publish(cfg or config(), now, deployment, pubcmd)
+end
+return {'accepted', version, wave_s, step_s}

@@ -1,0 +1,176 @@
+"""Core micro-benchmarks (issue 2): route() cost, Redis time per report, report->snapshot latency.
+
+    python scripts/bench_core.py [--redis-url URL] [--json out.json]
+
+Without --redis-url it starts its own redis-server (redisbal.embedded). Each
+figure is repeated and reported as median and best of the repeats, since this
+machine is a shared VM whose timings wander; the targets are the lead's:
+route() median <= 5 us at 32 engines and <= 15 us at 1024; Redis server time
+per report <= 15 us at 64 engines (INFO commandstats, publishes included);
+last report -> snapshot at every router p50 <= 2 ms on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import redis
+
+from redisbal.embedded import RedisServer
+from redisbal.keys import DeploymentKeys
+from redisbal.policies import RouterCore
+from redisbal.scripts import Scripts
+from redisbal.snapshot import Snapshot
+
+
+def fake_snapshot(n: int, clients: int = 8) -> Snapshot:
+    engines = {
+        str(i): {"wave": 0, "step": 1, "waiting": i % 7, "running": 20 + i % 13, "kv": 0.3,
+                 "t": 1000, "adm": [0] * clients}
+        for i in range(n)
+    }
+    doc = {"deployment": "b", "epoch": "e", "version": 1, "wave": 0, "step": 1,
+           "forced": False, "laggards": {}, "gone": {}, "joining": [], "time_ms": 1000,
+           "engines": engines}
+    return Snapshot.from_json(json.dumps(doc))
+
+
+def bench_route(n: int, policy: str = "redisbal", calls: int = 20000,
+                repeats: int = 5) -> dict[str, float]:
+    """Median ns per route() over many single calls (finished() excluded)."""
+    core = RouterCore(0, 8, policy)
+    core.apply_snapshot(fake_snapshot(n))
+    core.connected = True
+    medians = []
+    clock = time.perf_counter_ns
+    for _ in range(repeats):
+        samples = []
+        route = core.route
+        for _ in range(calls):
+            t0 = clock()
+            route()
+            samples.append(clock() - t0)
+        medians.append(statistics.median(samples))
+        core.apply_snapshot(fake_snapshot(n))  # keep pending bounded, like a live feed
+    return {"median_us": statistics.median(medians) / 1000, "best_us": min(medians) / 1000}
+
+
+def bench_report_server_time(client: redis.Redis, n: int = 64, steps: int = 100,
+                             repeats: int = 7, pipelined: bool = True) -> dict[str, float]:
+    """usec_per_call of EVALSHA (report_8.lua) from INFO commandstats, publishes included."""
+    per_call = []
+    for rep in range(repeats):
+        keys = DeploymentKeys(f"bench{rep}{int(pipelined)}")
+        client.delete(*keys.all_keys())
+        client.hset(keys.config, "join_grace_ms", 0)
+        sc = Scripts(client, keys)
+        for i in range(n):
+            sc.call("register", "ep", str(i))
+        script = sc._scripts["report"]
+        adm = ",".join(["10"] * 8)
+        client.config_resetstat()
+        for s in range(steps):
+            target = client.pipeline(transaction=False) if pipelined else client
+            for i in range(n):
+                script(keys=sc._keys, args=[keys.deployment, "PUBLISH", "ep", str(i), 0, s,
+                                            i % 5, 10 + i, "0.4", adm], client=target)
+            if pipelined:
+                target.execute()  # type: ignore[union-attr]
+        st = client.info("commandstats")["cmdstat_evalsha"]
+        per_call.append(float(st["usec_per_call"]))
+        client.delete(*keys.all_keys())
+    return {"median_us": statistics.median(per_call), "best_us": min(per_call)}
+
+
+async def bench_latency(url: str, n: int = 32, routers: int = 8,
+                        steps: int = 200) -> dict[str, float]:
+    """Time from sending the last engine's report of a step to each router adopting
+    the snapshot (all in one process: routers are separate clients and pub/sub
+    connections, so the figure includes their queueing behind one another)."""
+    from redisbal.engine import AsyncEngineReporter
+    from redisbal.router import AsyncRouter
+
+    keys = DeploymentKeys("lat")
+    admin = redis.Redis.from_url(url)
+    admin.delete(*keys.all_keys())
+    admin.hset(keys.config, mapping={"join_grace_ms": 0})
+    reps = [AsyncEngineReporter(url, "lat", str(i), heartbeat=False) for i in range(n)]
+    for rep in reps:
+        await rep.register()
+    rts = [AsyncRouter(url, "lat", i, routers, poll_s=5.0) for i in range(routers)]
+    for rt in rts:
+        await rt.start()
+    seen: list[float] = []
+    for step in range(steps):
+        for rep in reps[:-1]:
+            await rep.report(step=step, waiting=1, running=2)
+        t0 = time.perf_counter()
+        res = await reps[-1].report(step=step, waiting=1, running=2)
+        assert res.version, "the last report must publish"
+        pending = set(range(routers))
+        deadline = t0 + 1.0
+        while pending and time.perf_counter() < deadline:
+            for i in list(pending):
+                snap = rts[i].snapshot
+                if snap is not None and snap.version >= res.version:
+                    seen.append(time.perf_counter() - t0)
+                    pending.discard(i)
+            await asyncio.sleep(0)
+    for rt in rts:
+        await rt.aclose()
+    for rep in reps:
+        await rep.aclose(leave=False)
+    admin.delete(*keys.all_keys())
+    seen.sort()
+    return {"p50_ms": 1000 * seen[len(seen) // 2], "p99_ms": 1000 * seen[int(len(seen) * 0.99)],
+            "samples": len(seen)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--redis-url")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    server = None
+    url = args.redis_url
+    if not url:
+        server = RedisServer().start()
+        url = server.url
+    out: dict[str, Any] = {"machine": {"python": platform.python_version(),
+                                       "platform": platform.platform()}}
+    try:
+        client = redis.Redis.from_url(url)
+        out["redis_version"] = client.info("server")["redis_version"]
+        for n in (32, 1024):
+            for policy in ("redisbal", "vllm-21617"):
+                r = bench_route(n, policy)
+                out[f"route_{policy}_{n}"] = r
+                print(f"route() {policy:11s} {n:5d} engines: median {r['median_us']:.2f} us "
+                      f"(best repeat {r['best_us']:.2f})", flush=True)
+        for pipelined in (True, False):
+            r = bench_report_server_time(client, pipelined=pipelined)
+            out[f"report_server_us_{'pipelined' if pipelined else 'sequential'}"] = r
+            print(f"report server time, 64 engines, {'pipelined' if pipelined else 'sequential'}"
+                  f": median {r['median_us']:.1f} us (best {r['best_us']:.1f})", flush=True)
+        r = asyncio.run(bench_latency(url))
+        out["report_to_snapshot"] = r
+        print(f"last report -> snapshot at every router (32 engines, 8 routers): "
+              f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms ({r['samples']} samples)")
+    finally:
+        if server is not None:
+            server.cleanup()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
