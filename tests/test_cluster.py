@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from topology import ClusterTopology, apply_acl_lines, binaries
+from topology import ClusterTopology, apply_acl_lines, binaries, make_certs
 
 import redisbal
 from redisbal.connection import BadRedisURL, is_cluster, make_client, parse_url
@@ -76,7 +76,7 @@ def test_every_key_of_a_deployment_is_in_one_slot_and_deployments_spread(
             names = [*keys.all_keys(), keys.channel, keys.lease, keys.compat_channel]
             slots = {int(c.execute_command("CLUSTER", "KEYSLOT", k)) for k in names}
             assert len(slots) == 1, f"{keys.deployment}: keys in slots {slots}"
-            owners.add(cluster.node_for_key(keys.snapshot).port)
+            owners.add(cluster.nodes.index(cluster.node_for_key(keys.snapshot)))
     assert len(owners) >= 2, "twelve deployments all hashed to one primary"
 
 
@@ -85,8 +85,8 @@ def _deployments_on_distinct_nodes(cluster: ClusterTopology, n: int, tag: str) -
     chosen: dict[int, str] = {}
     for i in range(500):
         name = f"{tag}-{i}"
-        port = cluster.node_for_key(DeploymentKeys(name).snapshot).port
-        chosen.setdefault(port, name)
+        node = cluster.nodes.index(cluster.node_for_key(DeploymentKeys(name).snapshot))
+        chosen.setdefault(node, name)
         if len(chosen) == n:
             return list(chosen.values())
     raise AssertionError("could not spread deployments over the primaries")
@@ -343,6 +343,47 @@ async def test_least_privilege_users_on_cluster(cluster: ClusterTopology) -> Non
                 writer.set(DeploymentKeys(dep).snapshot, "forged")
         finally:
             writer.close()
+    finally:
+        await asyncio.to_thread(router.close)
+        await arouter.aclose()
+        rep.close()
+        await arep.aclose()
+        coord.release()
+        coord.client.close()
+
+
+def test_tls_cluster_with_client_certificates(tmp_path: Path) -> None:
+    """rediss+cluster://: every node TLS-only (clients and cluster bus) with client
+    certificates; reporters, routers and the coordinator work through it."""
+    if "system" not in BINARIES:
+        pytest.skip("needs Debian's TLS-capable redis-server")
+    with ClusterTopology(BINARIES["system"], certs=make_certs(tmp_path)) as tls_cluster:
+        assert parse_url(tls_cluster.url).tls
+        asyncio.run(_tls_cluster_flow(tls_cluster.url))
+
+
+async def _tls_cluster_flow(url: str) -> None:
+    dep = "tlsdep"
+    coord = Coordinator(url, dep, CoordinatorConfig(join_grace_ms=0, stall_ms=100))
+    rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
+    arep = redisbal.AsyncEngineReporter(url, dep, "e1", heartbeat=False)
+    arouter = redisbal.AsyncRouter(url, dep, 0, 2, poll_s=30.0)
+    router = redisbal.Router(url, dep, 1, 2, poll_s=30.0)
+    try:
+        await asyncio.to_thread(coord.tick)
+        assert coord.stats.leader
+        assert rep.register() and await arep.register()
+        await arouter.start()
+        await asyncio.to_thread(router.start)
+        rep.report(step=1, waiting=1, running=1)
+        assert (await arep.report(step=1, waiting=2, running=2)).version == 1
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+            r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router)
+        ):
+            await asyncio.sleep(0.02)
+        assert all(r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router))
+        assert not arouter.degraded and not router.degraded
     finally:
         await asyncio.to_thread(router.close)
         await arouter.aclose()

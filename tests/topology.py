@@ -140,25 +140,43 @@ def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.05) -> 
 
 
 class ClusterTopology:
-    """Three (or ``n``) primaries, no replicas, all 16384 slots assigned."""
+    """Three (or ``n``) primaries, no replicas, all 16384 slots assigned.
+
+    With ``certs`` every node speaks TLS only (clients, cluster bus, redis-cli) and
+    requires a client certificate; ``.url`` is then a ``rediss+cluster://`` URL."""
 
     def __init__(
-        self, binary: str | None = None, n: int = 3, ports: list[int] | None = None
+        self,
+        binary: str | None = None,
+        n: int = 3,
+        ports: list[int] | None = None,
+        certs: TlsCerts | None = None,
     ) -> None:
         self.binary = binary or system_binary() or ""
         self.version = server_version(self.binary)
         self.n = len(ports) if ports else n
         self.wanted_ports = list(ports or [])
+        self.certs = certs
         self.dir = Path(tempfile.mkdtemp(prefix="redisbal-cluster-"))
         self.nodes: list[RedisServer] = []
-
-    @property
-    def ports(self) -> list[int]:
-        return [s.port for s in self.nodes]
+        self.ports: list[int] = []  # the client port of each node (TLS port with certs)
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        if self.certs is not None:
+            return f"rediss+cluster://{hosts}?{self.certs.query()}"
+        return f"redis+cluster://{hosts}"
+
+    def _tls_args(self, port: int) -> list[str]:
+        c = self.certs
+        if c is None:
+            return []
+        return [
+            "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes",
+            "--tls-cert-file", c.server_cert, "--tls-key-file", c.server_key,
+            "--tls-ca-cert-file", c.ca, "--tls-auth-clients", "yes",
+        ]  # fmt: skip
 
     def start(self, timeout: float = 30.0) -> ClusterTopology:
         try:
@@ -167,8 +185,8 @@ class ClusterTopology:
                 workdir.mkdir()
                 node = RedisServer(
                     self.binary,
-                    tcp=True,
-                    port=port,
+                    tcp=self.certs is None,
+                    port=port if self.certs is None else None,
                     workdir=str(workdir),
                     extra_args=[
                         "--cluster-enabled",
@@ -177,11 +195,16 @@ class ClusterTopology:
                         str(workdir / "nodes.conf"),
                         "--cluster-node-timeout",
                         "3000",
+                        *self._tls_args(port),
                     ],
                 )
                 self.nodes.append(node.start())
-            cmd = [redis_cli(), "--cluster", "create"]
-            cmd += [f"127.0.0.1:{p}" for p in self.ports]
+                self.ports.append(port)
+            cmd = [redis_cli()]
+            if self.certs is not None:
+                c = self.certs
+                cmd += ["--tls", "--cacert", c.ca, "--cert", c.client_cert, "--key", c.client_key]
+            cmd += ["--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
             cmd += ["--cluster-replicas", "0", "--cluster-yes"]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if out.returncode != 0:
@@ -208,7 +231,7 @@ class ClusterTopology:
             for start, end, primary, *_ in c.execute_command("CLUSTER", "SLOTS"):
                 if start <= slot <= end:
                     port = int(primary[1])
-                    return next(n for n in self.nodes if n.port == port)
+                    return self.nodes[self.ports.index(port)]
         raise LookupError(key)
 
     def cleanup(self) -> None:
