@@ -37,8 +37,9 @@ if not running then return fail('bad running: ' .. tostring(ARGV[8])) end
 local kv = 'null'
 if ARGV[9] ~= '' then
   kv = ARGV[9]
-  -- "0.4000", "1", "0": already JSON in [0, 1]; anything else is parsed and checked
-  if not (string.find(kv, '^0%.%d+$') or kv == '1' or kv == '0') or #kv > 24 then
+  -- "0.4000" (what the reporters send), "1", "0": already JSON in [0, 1] with at
+  -- most 4 decimals; anything else is parsed, checked and written as %.4f
+  if not (string.find(kv, '^0%.%d%d?%d?%d?$') or kv == '1' or kv == '0') then
     local v = #kv <= 24 and string.match(kv, '^%d*%.?%d+$') and tonumber(kv)
     if not v or v < 0 or v > 1 then return fail('bad kv_usage: ' .. tostring(ARGV[9])) end
     kv = string.format('%.4f', v) -- JSON whatever the spelling (".5", "00.5")
@@ -46,10 +47,12 @@ if ARGV[9] ~= '' then
 end
 local adm = ARGV[10]
 if adm ~= '' then
-  if #adm > 65536 or string.find(adm, '[^%d,]') or string.find(adm, ',,')
-    or string.find(adm, '^,') or string.find(adm, ',$')
-    or string.find(adm, '%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d')
-    or string.find(',' .. adm, ',0%d') then -- a leading zero is not JSON
+  -- one pass for the alphabet, then the structure, anchored at commas so each
+  -- pattern is only tried where an entry starts: no empty entry, no leading
+  -- zero (not JSON), at most 15 digits per count
+  local framed = ',' .. adm .. ','
+  if #adm > 65536 or string.find(adm, '[^%d,]') or string.find(framed, ',,', 1, true)
+    or string.find(framed, ',0%d') or string.find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d') then
     return fail('bad admitted: expected comma-separated counts')
   end
 end
