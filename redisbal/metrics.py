@@ -14,7 +14,8 @@ Coordinator (``redisbal coordinator --metrics-port``, or
   from Redis.
 - The barrier-wait histogram needs every snapshot, not the one present at
   scrape time: the coordinator's ``on_tick`` hook (every tick of the lease
-  holder, ~20-50 ms) samples the stored snapshot, and so does each scrape.
+  holder, every 20-50 ms; at most every ``sample_interval_s``) samples the
+  stored snapshot, and so does each scrape.
   Each new cut is observed once (idle republishes of the same cut are not).
   When snapshots are published faster than the coordinator ticks, the
   histogram is a sample of them.
@@ -36,6 +37,7 @@ import contextlib
 import logging
 import socketserver
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -116,10 +118,26 @@ class CoordinatorMetrics:
     Call :meth:`sample` often (``attach()`` hooks it on the coordinator's ticks).
     """
 
-    def __init__(self, coordinator: Any, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        coordinator: Any,
+        registry: CollectorRegistry | None = None,
+        *,
+        sample_interval_s: float = 0.05,
+    ) -> None:
         self.coordinator = coordinator
+        # at most one snapshot GET per interval from on_tick (large deployments have
+        # large snapshots); scrapes always sample
+        self.sample_interval_s = sample_interval_s
+        self._next_sample = 0.0
         self.deployment: str = coordinator.keys.deployment
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._lock = threading.Lock()
+        self._last_cut: tuple[str, int, int] | None = None  # epoch, wave, step
+        self.sample_errors = 0
+        # registered before the histogram: a scrape observes the current snapshot
+        # first, so the histogram it then reports already includes it
+        self.registry.register(_CoordinatorCollector(self))
         self.barrier_wait = Histogram(
             "redisbal_barrier_wait_seconds",
             "Time a published cut's barrier was open: from the earliest report at the "
@@ -129,10 +147,6 @@ class CoordinatorMetrics:
             registry=self.registry,
         )
         self.barrier_wait.labels(self.deployment)  # exported (as zeros) before the first cut
-        self._lock = threading.Lock()
-        self._last_cut: tuple[str, int, int] | None = None  # epoch, wave, step
-        self.sample_errors = 0
-        self.registry.register(_CoordinatorCollector(self))
 
     def attach(self) -> CoordinatorMetrics:
         """Sample on every coordinator tick (chains any on_tick already set)."""
@@ -141,7 +155,10 @@ class CoordinatorMetrics:
         def on_tick(coord: Any) -> None:
             if previous is not None:
                 previous(coord)
-            self.sample()
+            now = time.monotonic()
+            if now >= self._next_sample:
+                self._next_sample = now + self.sample_interval_s
+                self.sample()
 
         self.coordinator.on_tick = on_tick
         return self

@@ -48,6 +48,8 @@ def test_coordinator_exporter_over_http(redis_url: str, deployment: str) -> None
     cfg = CoordinatorConfig(join_grace_ms=0, stall_ms=100, idle_publish_ms=60_000)
     coord = Coordinator(redis_url, deployment, cfg, interval_s=0.02)
     server = serve_coordinator_metrics(coord, free_port())
+    assert server.metrics is not None
+    server.metrics.sample_interval_s = 0.0  # sample at every tick: every cut below is seen
     e0 = redisbal.EngineReporter(redis_url, deployment, "e0", heartbeat=False)
     e1 = redisbal.EngineReporter(redis_url, deployment, "e1", heartbeat=False)
     d = {"deployment": deployment}
