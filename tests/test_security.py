@@ -401,6 +401,12 @@ def test_bad_urls_do_not_echo_the_password() -> None:
         with pytest.raises(BadRedisURL) as err:
             parse_url(url)
         assert SECRET not in str(err.value)
+    closed = free_port()
+    for url in (f"redis://u:{SECRET}@h:notaport/0", f"redis://u:{SECRET}@127.0.0.1:{closed}/x"):
+        # a bad URL (BadRedisURL is a ValueError) or, if accepted, a connection error
+        with pytest.raises((ValueError, redis.exceptions.RedisError)) as verr:
+            make_client(url, socket_connect_timeout=1).ping()
+        assert SECRET not in str(verr.value) and SECRET not in repr(verr.value)
 
 
 async def test_connection_errors_never_show_the_password(
