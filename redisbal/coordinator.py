@@ -187,7 +187,7 @@ class Coordinator:
             args: list[str] = []
             for k, v in want.items():
                 args += [k, v]
-            self.scripts.call("configure", secrets.token_hex(8), *args)
+            self.scripts.call("configure", self._candidate(), *args)
         epoch = _s(self.client.get(self.keys.epoch) or "")
         if epoch != self._epoch:
             if self._epoch is not None:
@@ -199,7 +199,12 @@ class Coordinator:
                 )
             self._epoch = epoch
             if self.config.expected:
-                self.scripts.call("register", secrets.token_hex(8), *self.config.expected)
+                self.scripts.call("register", self._candidate(), *self.config.expected)
+
+    def _candidate(self) -> str:
+        """Epoch to create if the state is missing; "r-" once this coordinator has seen
+        an epoch: the state was lost, so its first snapshot waits join_grace_ms."""
+        return ("r-" if self._epoch is not None else "") + secrets.token_hex(8)
 
     def check_identity(self) -> None:
         """Start a new epoch when the server changed but the state survived (failover)."""

@@ -152,11 +152,19 @@ class _ReporterBase:
         self._last_sent = 0.0
         self.stale_count = 0
         self.unavailable_count = 0
+        self._had_state = False  # Redis knew this engine once: a lost state is a recovery
+
+    def _candidate(self) -> str:
+        """Epoch to create if the deployment's state is missing. "r-" tells the script
+        that state was lost (this engine had been in it), so the first snapshot of the
+        new epoch waits join_grace_ms for the other engines to re-register."""
+        return ("r-" if self._had_state else "") + secrets.token_hex(8)
 
     def _argv(self, args: list[str]) -> list[str]:
-        return [secrets.token_hex(8), self.engine_id, *args]
+        return [self._candidate(), self.engine_id, *args]
 
     def _parse(self, raw: Any) -> ReportResult:
+        self._had_state = True
         status, version, wave, step = (_text(x) for x in raw)
         if status == "stale":
             self.stale_count += 1
@@ -199,6 +207,9 @@ class _ReporterBase:
 class EngineReporter(_ReporterBase):
     """Blocking reporter for one engine. ``report()`` is one round trip.
 
+    Constructing it registers the engine (one round trip; ``register=False`` to
+    skip), so that the deployment's first snapshot waits for its first report.
+
     With ``heartbeat=True`` a daemon thread re-sends the latest counts when the
     engine has not reported for ``heartbeat_s`` (0.25 s in lockstep mode, one
     tick in tick mode), so an idle engine stays alive and never holds the barrier.
@@ -215,6 +226,7 @@ class EngineReporter(_ReporterBase):
         heartbeat: bool = True,
         heartbeat_s: float | None = None,
         backoff_s: float = 0.2,
+        register: bool = True,
     ) -> None:
         super().__init__(
             redis_url,
@@ -229,6 +241,8 @@ class EngineReporter(_ReporterBase):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        if register:  # the first snapshot waits for an engine that exists
+            self.register()
         if heartbeat:
             self._thread = threading.Thread(
                 target=self._heartbeat, daemon=True, name=f"redisbal-heartbeat-{engine_id}"
@@ -238,10 +252,12 @@ class EngineReporter(_ReporterBase):
     def register(self) -> bool:
         """Announce this engine before its first report (the first snapshot waits for it)."""
         try:
-            return int(self.scripts.call("register", secrets.token_hex(8), self.engine_id)) == 1
+            added = int(self.scripts.call("register", self._candidate(), self.engine_id)) == 1
         except OUTAGE_ERRORS as exc:
             self._outage(exc)
             return False
+        self._had_state = True
+        return added
 
     def report(
         self,
@@ -334,12 +350,12 @@ class AsyncEngineReporter(_ReporterBase):
 
     async def register(self) -> bool:
         try:
-            return (
-                int(await self.scripts.call("register", secrets.token_hex(8), self.engine_id)) == 1
-            )
+            added = int(await self.scripts.call("register", self._candidate(), self.engine_id))
         except OUTAGE_ERRORS as exc:
             self._outage(exc)
             return False
+        self._had_state = True
+        return added == 1
 
     async def report(
         self,

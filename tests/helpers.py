@@ -20,6 +20,7 @@ from redisbal.snapshot import EngineCounts, Snapshot
 
 T = TypeVar("T")
 STEP_SPAN = 2**32
+LONG_AGO_MS = 1_000_000_000_000  # 2001, as 13 digits like every current ms time
 
 # Settings that keep tests fast and free of time-dependent surprises: no join
 # grace, engines never expire by the clock, no idle republish, force only when asked.
@@ -99,9 +100,25 @@ class Barrier:
         return int(out[0]), [text(e) for e in out[1:]]
 
     def expire_now(self, engine: str) -> None:
-        """Make engine look dead: its last report far in the past (only if a member)."""
+        """Make engine look dead: its liveness score and its last report time far in the
+        past (the reap script checks both), as if it had been silent for ages."""
         assert self.r.zscore(self.keys.members, engine) is not None, f"{engine} is no member"
         self.r.zadd(self.keys.members, {engine: 0}, xx=True)
+        rec = self.r.hget(self.keys.reports, engine)
+        if rec is not None:
+            head, *lines = text(rec).split("\n")
+            if lines:  # "<score>\t<ms>\t<json>": age the newest report, same width
+                sc, _ms, rest = lines[0].split("\t", 2)
+                lines[0] = f"{sc}\t{LONG_AGO_MS}\t{rest}"
+                self.r.hset(self.keys.reports, engine, "\n".join([head, *lines]))
+
+    def set_opportunistic_reap(self, due: bool) -> None:
+        """Reports expire dead engines on the way at most every dead_after_ms / 4; make
+        the next report do it (due) or not, so that a test knows which happens."""
+        if due:
+            self.r.hdel(self.keys.meta, "next_reap")
+        else:
+            self.r.hset(self.keys.meta, "next_reap", str(server_ms(self.r) + 10**9))
 
     # -- reading state -----------------------------------------------------------------------
 
@@ -121,8 +138,30 @@ class Barrier:
     def members(self) -> dict[str, float]:
         return {text(k): v for k, v in self.r.zrange(self.keys.members, 0, -1, withscores=True)}
 
+    def records(self) -> dict[str, tuple[str, list[int]]]:
+        """engine -> (flag, scores of its stored reports, newest first).
+
+        Each record in the reports hash is a head line (flag "b": barrier member,
+        "p": provisional joiner; then the heartbeat due time), followed by
+        "<score>\t<ms>\t<json>" report lines, newest first (see lua/common.lua).
+        """
+        out: dict[str, tuple[str, list[int]]] = {}
+        for k, v in self.r.hgetall(self.keys.reports).items():
+            head, *lines = text(v).split("\n")
+            out[text(k)] = (head[:1], [int(line.split("\t", 1)[0]) for line in lines])
+        return out
+
+    def history(self, engine: str) -> list[int]:
+        """Scores of the engine's stored reports, newest first ([] if none)."""
+        return self.records().get(engine, ("", []))[1]
+
     def barrier(self) -> dict[str, float]:
-        return {text(k): v for k, v in self.r.zrange(self.keys.barrier, 0, -1, withscores=True)}
+        """Barrier members -> score of their latest report (-1: registered, no report yet)."""
+        return {
+            e: float(scores[0]) if scores else -1.0
+            for e, (flag, scores) in self.records().items()
+            if flag == "b"
+        }
 
     def dump(self) -> dict[str, bytes | None]:
         """DUMP of every deployment key: byte-for-byte state to compare before/after."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import redis
-from helpers import Barrier, score, server_ms, text, wait_until
+from helpers import Barrier, score, server_ms, wait_until
 
 from redisbal import AsyncEngineReporter, EngineReporter, InvalidName, InvalidReport
 from redisbal.embedded import RedisServer
@@ -22,12 +22,6 @@ def bar(r: redis.Redis, keys: DeploymentKeys) -> Barrier:
     b = Barrier(r, keys)
     b.configure()
     return b
-
-
-def latest_entry(r: redis.Redis, keys: DeploymentKeys, engine: str) -> list[str]:
-    """The engine's stored history lines, newest first."""
-    rec = r.hget(keys.reports, engine)
-    return text(rec).split("\n") if rec else []
 
 
 GOOD = {"step": 3, "waiting": 1, "running": 2, "wave": 0}
@@ -169,6 +163,10 @@ def test_register_is_idempotent_and_close_leaves(
     redis_url: str, keys: DeploymentKeys, bar: Barrier
 ) -> None:
     with EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False) as rep:
+        assert "e0" in bar.members(), "constructing a reporter registers its engine"
+        assert rep.register() is False  # a retry is harmless
+    with EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False, register=False) as rep:
+        assert "e0" not in bar.members()
         assert rep.register() is True
         assert rep.register() is False
         assert "e0" in bar.members()
@@ -176,7 +174,7 @@ def test_register_is_idempotent_and_close_leaves(
         assert rep.report(step=0, waiting=0, running=0).status == "stale"
         assert rep.stale_count == 1
     assert "e0" not in bar.members()
-    assert bar.counter("left") == 1
+    assert bar.counter("left") == 2
 
 
 async def test_async_reporter_reports_coalesces_and_leaves(
@@ -191,10 +189,10 @@ async def test_async_reporter_reports_coalesces_and_leaves(
         rep.report_nowait(step=step, waiting=step, running=step)
     await asyncio.sleep(0)
     deadline = time.monotonic() + 5
-    while not latest_entry(r, keys, "e0")[0].startswith("4\t"):
-        assert time.monotonic() < deadline, latest_entry(r, keys, "e0")
+    while bar.history("e0")[0] != 4:
+        assert time.monotonic() < deadline, bar.history("e0")
         await asyncio.sleep(0.01)
-    assert [line.split("\t")[0] for line in latest_entry(r, keys, "e0")] == ["4", "1"]
+    assert bar.history("e0") == [4, 1], "report_nowait did not coalesce"
     with pytest.raises(InvalidReport, match="waiting"):
         rep.report_nowait(step=5, waiting=-1, running=0)
     await rep.aclose()
@@ -207,7 +205,7 @@ async def test_async_aclose_without_leave_flushes_the_pending_report(
     rep = AsyncEngineReporter(redis_url, keys.deployment, "e0", heartbeat=False)
     rep.report_nowait(step=7, waiting=1, running=1)
     await rep.aclose(leave=False)
-    assert latest_entry(r, keys, "e0")[0].startswith("7\t")
+    assert bar.history("e0") == [7]
     assert "e0" in bar.members()
 
 

@@ -100,15 +100,24 @@ local function config()
   }
 end
 
--- The epoch names one generation of state. When it is missing, state was lost
--- (restart without persistence, flush): start a clean generation.
+-- The epoch names one generation of state. When it is missing, the state is new
+-- or was lost (restart without persistence, flush): start a clean generation.
+-- A caller that had reported (or coordinated) before sends a candidate starting
+-- with "r-": the state was lost, the engines that knew it are re-registering one
+-- by one, so the first snapshot of this generation waits join_grace_ms for them.
+-- A fresh deployment has nothing to recover and waits only for its registrations.
 local function new_generation(candidate, now)
   if not name_arg(candidate) then return nil end
   redis.call('DEL', K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT)
   redis.call('SET', K_EPOCH, candidate)
   redis.call('HSET', K_META, 'epoch', candidate, 'pub', '-1', 'epoch_start', fmt(now),
-    'version', '0', 'behind', '0')
+    'version', '0', 'behind', '0', 'grace', string.sub(candidate, 1, 2) == 'r-' and '1' or '0')
   return candidate
+end
+
+-- whether the first snapshot of a recovered generation must still wait
+local function in_grace(meta_grace, epoch_start, now, cfg)
+  return meta_grace == '1' and now - (tonumber(epoch_start) or 0) < cfg.join_grace_ms
 end
 
 local function ensure_epoch(candidate, now)
@@ -264,14 +273,12 @@ local function publish(mode, now, deployment, pubcmd)
 end
 
 -- Publish when every barrier member has reached a step past pub (invariant 2).
--- The first snapshot of an epoch also waits join_grace_ms from the epoch start,
--- so engines re-registering after a state loss are all in it (invariant 5).
+-- The first snapshot of a recovered epoch also waits join_grace_ms from the epoch
+-- start, so engines re-registering after a state loss are all in it (invariant 5).
 local function maybe_publish(cfg, now, deployment, pubcmd)
-  local m = redis.call('HMGET', K_META, 'pub', 'behind', 'epoch_start')
+  local m = redis.call('HMGET', K_META, 'pub', 'behind', 'epoch_start', 'grace')
   if (tonumber(m[2]) or 0) > 0 then return 0 end
-  if (tonumber(m[1]) or -1) < 0 and now - (tonumber(m[3]) or 0) < cfg.join_grace_ms then
-    return 0
-  end
+  if (tonumber(m[1]) or -1) < 0 and in_grace(m[4], m[3], now, cfg) then return 0 end
   return (publish('barrier', now, deployment, pubcmd))
 end
 

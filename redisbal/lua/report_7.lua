@@ -6,7 +6,8 @@
         meta, snapshot, channel).
   ARGV[1]  deployment name (goes into the snapshot JSON)
   ARGV[2]  "PUBLISH" or "SPUBLISH"
-  ARGV[3]  epoch candidate: becomes the epoch if state was lost / is new
+  ARGV[3]  epoch candidate: becomes the epoch if state was lost / is new;
+           "r-..." when the caller had state before (see new_generation)
   ARGV[4]  engine id
   ARGV[5]  wave (0..2^20-1); ignored in tick mode
   ARGV[6]  step (0..2^32-1), or "tick": tag with the server's current tick
