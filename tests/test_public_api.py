@@ -1,0 +1,158 @@
+"""What an outside checker can drive with only DESIGN.md's public names.
+
+Each test uses ``redisbal.EngineReporter`` / ``redisbal.AsyncRouter`` /
+``redisbal.Router`` exactly as the brief shows them, with default settings
+unless the brief's API offers a knob, against a real redis-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+import redisbal
+from redisbal.embedded import RedisServer
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+async def await_for(cond: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_checker_flow(redis_url: str, deployment: str) -> None:
+    """No snapshot until every engine reported; consistent cut; stale rejection;
+    routing avoids the loaded engine; pinning; unknown pins are clear errors."""
+    reps = [
+        redisbal.EngineReporter(redis_url, deployment=deployment, engine_id=str(i))
+        for i in range(4)
+    ]
+    router = redisbal.AsyncRouter(redis_url, deployment=deployment, client_index=0, client_count=2)
+    await router.start()
+    try:
+        for i, rep in enumerate(reps[:3]):
+            assert rep.report(step=1, waiting=0, running=10 + i, wave=0).accepted
+        await asyncio.sleep(0.2)
+        assert router.snapshot is None, "a snapshot before every engine reported"
+        # engine 0 is already at step 2 when the last engine reports step 1
+        assert reps[0].report(step=2, waiting=50, running=64, wave=0).accepted
+        assert reps[3].report(step=1, waiting=0, running=0, wave=0).accepted
+        await await_for(lambda: router.snapshot is not None)
+        snap = router.snapshot
+        assert snap is not None and (snap.wave, snap.step) == (0, 1)
+        assert snap.engines["0"].running == 10, "the cut holds engine 0's step-1 counts"
+        assert {e: c.step for e, c in snap.engines.items()} == {str(i): 1 for i in range(4)}
+        # a report older than the engine's latest is rejected and changes nothing
+        stale = reps[0].report(step=1, waiting=99, running=99, wave=0)
+        assert stale.status == "stale" and not stale.accepted
+        # next step: engine 2 is loaded; the router avoids it
+        for i, rep in enumerate(reps):
+            rep.report(step=3, waiting=40 if i == 2 else 0, running=64 if i == 2 else 1, wave=0)
+        await await_for(lambda: router.snapshot is not None and router.snapshot.step == 3)
+        chosen = [router.route() for _ in range(30)]
+        assert "2" not in {d.engine_id for d in chosen}
+        for d in chosen:
+            router.finished(d)
+        pinned = router.route(engine_id="2")
+        assert pinned.engine_id == "2"
+        router.finished(pinned)
+        with pytest.raises(redisbal.UnknownEngine, match="'9'"):
+            router.route(engine_id="9")
+    finally:
+        await router.aclose()
+        for rep in reps:
+            rep.close()
+
+
+def test_dead_engine_expires_and_barrier_resumes(
+    fresh_server: RedisServer, deployment: str
+) -> None:
+    """A crashed engine (no leave, no heartbeat) expires after dead_after (5 s by
+    default, no coordinator running), the barrier resumes, routing avoids it."""
+    url = fresh_server.url
+    live = [redisbal.EngineReporter(url, deployment=deployment, engine_id=e) for e in ("a", "b")]
+    crashed = redisbal.EngineReporter(url, deployment=deployment, engine_id="c", heartbeat=False)
+    router = redisbal.Router(url, deployment=deployment, client_index=0, client_count=1)
+    router.start()
+    try:
+        for rep in (*live, crashed):
+            rep.report(step=1, waiting=0, running=1)
+        wait_for(lambda: router.snapshot is not None and "c" in router.snapshot.engines)
+        t0 = time.monotonic()
+        step = 2
+        # "c" crashed: it reports no more; the live engines keep stepping
+        while router.snapshot is None or "c" in router.snapshot.engines:
+            assert time.monotonic() - t0 < 15, "the dead engine never expired"
+            for rep in live:
+                rep.report(step=step, waiting=0, running=1)
+            step += 1
+            time.sleep(0.05)
+        assert time.monotonic() - t0 >= 4.5, "expired before dead_after"
+        snap = router.snapshot
+        assert snap.gone.get("c") == "expired" or "c" not in snap.engines
+        assert snap.step > 1, "the barrier did not resume past the dead engine"
+        assert all(router.route().engine_id != "c" for _ in range(20))
+    finally:
+        router.close()
+        for rep in live:
+            rep.close()
+        crashed.close(leave=False)
+
+
+async def test_routing_goes_on_with_redis_stopped(
+    fresh_server: RedisServer, deployment: str
+) -> None:
+    url = fresh_server.url
+    reps = [
+        redisbal.EngineReporter(url, deployment=deployment, engine_id=str(i), heartbeat=False)
+        for i in range(3)
+    ]
+    router = redisbal.AsyncRouter(url, deployment=deployment, client_index=0, client_count=1)
+    await router.start()
+    try:
+        for rep in reps:
+            rep.report(step=1, waiting=0, running=1)
+        await await_for(lambda: router.snapshot is not None)
+        assert not router.route().degraded
+        fresh_server.kill()
+        await await_for(lambda: router.degraded, timeout=10)
+        t0 = time.perf_counter()
+        decisions = [router.route() for _ in range(300)]
+        assert time.perf_counter() - t0 < 1.0, "route() waited on the dead server"
+        assert all(d.degraded for d in decisions)
+        assert {d.engine_id for d in decisions} == {"0", "1", "2"}
+        for d in decisions:
+            router.finished(d)
+    finally:
+        await router.aclose()
+        for rep in reps:
+            rep.close(leave=False)
+
+
+def test_the_stored_snapshot_is_the_published_one(redis_url: str, deployment: str) -> None:
+    """Sanity for checkers that read Redis: the stored snapshot parses as a Snapshot."""
+    reps = [
+        redisbal.EngineReporter(redis_url, deployment=deployment, engine_id=str(i), heartbeat=False)
+        for i in range(2)
+    ]
+    try:
+        for rep in reps:
+            rep.report(step=5, waiting=1, running=2, kv_usage=0.25)
+        raw = redis.Redis.from_url(redis_url).get(redisbal.DeploymentKeys(deployment).snapshot)
+        snap = redisbal.Snapshot.from_json(raw)  # type: ignore[arg-type]
+        assert snap.step == 5 and snap.engines["1"].kv_usage == 0.25
+    finally:
+        for rep in reps:
+            rep.close()
