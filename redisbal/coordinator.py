@@ -214,7 +214,7 @@ class Coordinator:
         prev, self._identity = self._identity, ident
         if prev is None or prev == ident:
             return
-        epoch = secrets.token_hex(8)
+        epoch = self._candidate()  # "r-": a restart lost the state, wait for re-registration
         self.scripts.call("new_epoch", epoch)
         self._epoch = epoch
         self.stats.epochs_started += 1
