@@ -280,18 +280,22 @@ class EngineSimRunner:
                 wave += 1
                 for e in engines:
                     e.wave, e.step_no = wave, 0
-            plans = [e.plan() for e in engines]
-            duration = max(d for _, d in plans)
-            batch = [len(e.running) + adm for e, (adm, _) in zip(engines, plans, strict=True)]
+            # admit at the step's start; requests arriving meanwhile wait for the next step
+            duration = max(e.begin_step(now) for e in engines)
+            batch = [len(e.running) for e in engines]
             top = max(batch)
             if top > 0:
                 self.stats.efficiency_sum += (sum(batch) / len(batch)) / top
                 self.stats.efficiency_steps += 1
-            for e in engines:
-                e.step(now, duration)
             self.stats.steps += 1
             self._sample(loop.time())
             await self._sleep_until(now + duration)
+            if self._stop.is_set():
+                break
+            t_end = loop.time()
+            self._sample(t_end)
+            for e in engines:
+                e.end_step(t_end)
             await self._flush(list(self.engines))
             for eid in self.engines:
                 self._report(eid)
@@ -303,17 +307,19 @@ class EngineSimRunner:
             now = loop.time()
             if now - self._last_pull >= self.poll_s:
                 await self._pull(now)
+            self._sample(now)
             done = [eid for eid, t in ends.items() if t is not None and t <= now]
             if done:
+                for eid in done:
+                    self.engines[eid].end_step(now)
+                    ends[eid] = None
                 await self._flush(done)
                 for eid in done:
-                    ends[eid] = None
                     self._report(eid)
             for eid, eng in self.engines.items():
                 if ends[eid] is None and eng.busy():
-                    ends[eid] = now + eng.step(now)
+                    ends[eid] = now + eng.begin_step(now)
                     self.stats.steps += 1
-            self._sample(now)
             pending = [t for t in ends.values() if t is not None]
             await self._sleep_until(min([*pending, now + self.poll_s]))
 
