@@ -116,7 +116,7 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
         for c in coords:
             c.tick()  # lease + config
         for rep in sync_reps:
-            assert rep.register()
+            rep.register()  # idempotent (a blocking reporter registers when built)
         for arep in async_reps:
             assert await arep.register()
         for ar in arouters:
@@ -319,7 +319,8 @@ async def test_least_privilege_users_on_cluster(cluster: ClusterTopology) -> Non
     try:
         await asyncio.to_thread(coord.tick)
         assert coord.stats.leader
-        assert rep.register() and await arep.register()
+        rep.register()  # idempotent (a blocking reporter registers when built)
+        assert await arep.register()
         await arouter.start()
         await asyncio.to_thread(router.start)
         rep.report(step=1, waiting=1, running=1)
@@ -372,7 +373,8 @@ async def _tls_cluster_flow(url: str) -> None:
     try:
         await asyncio.to_thread(coord.tick)
         assert coord.stats.leader
-        assert rep.register() and await arep.register()
+        rep.register()  # idempotent (a blocking reporter registers when built)
+        assert await arep.register()
         await arouter.start()
         await asyncio.to_thread(router.start)
         rep.report(step=1, waiting=1, running=1)

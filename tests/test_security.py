@@ -87,7 +87,8 @@ async def _flow(url: str, dep: str, *, router_url: str | None = None) -> None:
     try:
         await asyncio.to_thread(coord.tick)
         assert coord.stats.leader
-        assert rep.register() and await arep.register()
+        rep.register()  # idempotent (a blocking reporter registers when built)
+        assert await arep.register()
         await arouter.start()
         await asyncio.to_thread(router.start)
         assert rep.report(step=1, waiting=1, running=2).accepted
@@ -191,7 +192,8 @@ async def test_least_privilege_users_can_do_their_job(
         coord.tick()
         assert coord.stats.leader
         coord.check_identity()  # INFO is granted to the coordinator
-        assert reps[0].register() and await reps[1].register()
+        reps[0].register()  # idempotent (a blocking reporter registers when built)
+        assert await reps[1].register()
         await arouter.start()
         await asyncio.to_thread(router.start)
         assert reps[0].report(step=1, waiting=1, running=1).accepted
@@ -276,12 +278,10 @@ def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: 
         ps.close()
 
         # engine: its deployment only, through the scripts' commands; no EVAL, no admin
-        rep = redisbal.EngineReporter(
-            f"redis://{users['engine']}:engine-{SECRET}@127.0.0.1:{secured.port}/0",
-            other,
-            "e0",
-            heartbeat=False,
-        )
+        engine_url = f"redis://{users['engine']}:engine-{SECRET}@127.0.0.1:{secured.port}/0"
+        with pytest.raises(denied):  # registering (on construction) into another deployment
+            redisbal.EngineReporter(engine_url, other, "e0", heartbeat=False)
+        rep = redisbal.EngineReporter(engine_url, other, "e0", heartbeat=False, register=False)
         with pytest.raises(denied):
             rep.report(step=1, waiting=1, running=1)
         rep.close(leave=False)
