@@ -1,8 +1,8 @@
 """``redisbal status``: what a deployment looks like right now, read from Redis.
 
-One pipeline reads the snapshot, the members (last report times), the
-barrier set, every engine's latest report and the meta counters; nothing is
-written. Engine states:
+One pipeline reads the snapshot, the members (heartbeats), every engine's
+record (barrier flag and latest report) and the meta counters; nothing is
+written. The age shown is that of the engine's latest report. Engine states:
 
 - ``live``: a member that holds the barrier (reports every step);
 - ``provisional``: a member that joined behind the published step: it is in
@@ -35,14 +35,26 @@ def _natural(name: str) -> tuple[Any, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def _latest_report(rec: str) -> dict[str, Any] | None:
-    line = rec.split("\n", 1)[0]
-    _, _, frag = line.partition("\t")
+def parse_record(rec: str) -> tuple[str, dict[str, Any] | None]:
+    """(barrier flag, latest report) of an engine's record in the reports hash.
+
+    A record (lua/common.lua) is a head line "<flag><heartbeat due ms>" (flag "b":
+    barrier member, "p": provisional joiner), then accepted reports newest first as
+    "<score>\t<report ms>\t<json>". The report is None when the engine only registered.
+    """
+    head, _, rest = rec.partition("\n")
+    flag = head[:1]
+    if not rest:
+        return flag, None
+    line = rest.split("\n", 1)[0]
+    parts = line.split("\t", 2)
+    if len(parts) != 3:
+        return flag, None
     try:
-        out: dict[str, Any] = orjson.loads(frag)
+        out: dict[str, Any] = orjson.loads(parts[2])
     except orjson.JSONDecodeError:
-        return None
-    return out
+        return flag, None
+    return flag, out
 
 
 def gather_status(client: Any, deployment: str, seen: set[str] | None = None) -> dict[str, Any]:
@@ -54,24 +66,28 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
     pipe.get(keys.epoch)
     pipe.get(keys.snapshot)
     pipe.zrange(keys.members, 0, -1, withscores=True)
-    pipe.zrange(keys.barrier, 0, -1, withscores=True)
     pipe.hgetall(keys.reports)
     pipe.hgetall(keys.meta)
     pipe.hgetall(keys.config)
-    epoch, snap_raw, members, barrier, reports, meta, config = pipe.execute()
+    epoch, snap_raw, members, reports, meta, config = pipe.execute()
     snap = Snapshot.from_json(snap_raw) if snap_raw else None
-    members_ms = {_s(e): int(score) for e, score in members}
-    in_barrier = {_s(e) for e, _ in barrier}
-    latest = {_s(e): _latest_report(_s(rec)) for e, rec in reports.items()}
+    members_ms = {_s(e): int(score) for e, score in members}  # heartbeat (or registration)
+    records = {_s(e): parse_record(_s(rec)) for e, rec in reports.items()}
     meta = {_s(k): _s(v) for k, v in meta.items()}
     config = {_s(k): _s(v) for k, v in config.items()}
     gone = dict(snap.gone) if snap else {}
-    names = set(members_ms) | set(gone) | (set(snap.engines) if snap else set()) | (seen or set())
+    names = (
+        set(members_ms)
+        | set(records)
+        | set(gone)
+        | (set(snap.engines) if snap else set())
+        | (seen or set())
+    )
     engines = []
     for e in sorted(names, key=_natural):
         row: dict[str, Any] = {"engine": e}
         counts = snap.engines.get(e) if snap else None
-        rep = latest.get(e)
+        flag, rep = records.get(e, ("", None))
         if counts is not None:
             row.update(
                 source="snapshot",
@@ -92,14 +108,15 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
             )
         else:
             row.update(source=None, waiting=None, running=None, kv=None, wave=None, step=None)
-        if e in members_ms:
-            row["age_ms"] = max(0, now_ms - members_ms[e])
+        if e in members_ms or e in records:
+            seen_ms = rep["t"] if rep is not None else members_ms.get(e)
+            row["age_ms"] = None if seen_ms is None else max(0, now_ms - int(seen_ms))
             if rep is None:
                 row["state"] = "registered"
-            elif e in in_barrier:
-                row["state"] = "live"
-            else:
+            elif flag == "p":
                 row["state"] = "provisional"
+            else:
+                row["state"] = "live"
         else:
             row["age_ms"] = None
             row["state"] = gone.get(e, "gone")

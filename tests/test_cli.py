@@ -246,10 +246,16 @@ def test_status_json_and_gone_engines(
 ) -> None:
     reps = _two_engines(redis_url, deployment, r)
     reps[1].close()  # graceful leave: republished without it
+    # a joiner behind the published step (1) is provisional; one that only registered waits
+    late = EngineReporter(redis_url, deployment, engine_id="late", heartbeat=False)
+    assert late.report(step=0, waiting=1, running=1).accepted
+    quiet = EngineReporter(redis_url, deployment, engine_id="quiet", heartbeat=False)
+    quiet.register()
     try:
         res = run(runner, "status", "--json", "--redis-url", redis_url, "--deployment", deployment)
     finally:
-        reps[0].close()
+        for rep in (reps[0], late, quiet):
+            rep.close()
     assert res.exit_code == 0, res.output
     st = orjson.loads(res.output)
     assert st["snapshot"]["version"] >= 2 and st["snapshot"]["forced"] is False
@@ -259,6 +265,9 @@ def test_status_json_and_gone_engines(
     assert (by_id["0"]["waiting"], by_id["0"]["running"], by_id["0"]["kv"]) == (3, 7, 0.25)
     assert 0 <= by_id["0"]["age_ms"] < 60_000
     assert by_id["1"]["state"] == "left" and by_id["1"]["age_ms"] is None
+    assert by_id["late"]["state"] == "provisional"
+    assert by_id["late"]["source"] == "report" and by_id["late"]["step"] == 0
+    assert by_id["quiet"]["state"] == "registered" and by_id["quiet"]["waiting"] is None
 
 
 def test_coordinator_duration_run_configures_and_releases(
