@@ -250,9 +250,16 @@ class _CoordinatorCollector(Collector):
             "How long the current barrier has waited for its slowest engine (0: none open).",
             max(0.0, (now_ms - float(since)) / 1000.0) if since else 0.0,
         )
+        if "behind" in meta:
+            yield gauge(
+                "barrier_behind",
+                "Barrier members that have not yet reported past the published step.",
+                float(meta["behind"] or 0),
+            )
         age = GaugeMetricFamily(
-            "redisbal_engine_report_age_seconds",
-            "Seconds since each member engine's last report.",
+            "redisbal_engine_heartbeat_age_seconds",
+            "Seconds since each member engine's liveness was last refreshed (by a report "
+            "or heartbeat; refreshed at least every dead_after_ms / 8 while it reports).",
             labels=[*lab, "engine"],
         )
         stale = CounterMetricFamily(

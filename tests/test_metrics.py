@@ -79,6 +79,8 @@ def test_coordinator_exporter_over_http(redis_url: str, deployment: str) -> None
         assert val(m, "redisbal_engine_reports_stale_total", engine="e1", **d) == 1
         assert val(m, "redisbal_engine_reports_stale_total", engine="e0", **d) == 0
         assert val(m, "redisbal_engines_live", **d) == 2
+        # both engines are at step 3 = the published step: the next cut waits for both
+        assert val(m, "redisbal_barrier_behind", **d) == 2
         assert val(m, "redisbal_snapshot_version", **d) == 3
         assert val(m, "redisbal_snapshot_forced", **d) == 1
         assert val(m, "redisbal_snapshot_laggards", **d) == 1
@@ -91,7 +93,7 @@ def test_coordinator_exporter_over_http(redis_url: str, deployment: str) -> None
         assert val(m, "redisbal_imbalance", **d) == pytest.approx(imbalance(snap))
         assert val(m, "redisbal_imbalance", **d) == pytest.approx((7 - 6.5) / 6.5)
         assert 0 <= val(m, "redisbal_snapshot_age_seconds", **d) < 10
-        assert 0 <= val(m, "redisbal_engine_report_age_seconds", engine="e1", **d) < 10
+        assert 0 <= val(m, "redisbal_engine_heartbeat_age_seconds", engine="e1", **d) < 10
         # three cuts observed: ~0 s, >= 0.15 s (step 2), >= 0.1 s (forced step 3)
         assert val(m, "redisbal_barrier_wait_seconds_count", **d) == 3
         total = val(m, "redisbal_barrier_wait_seconds_sum", **d)
