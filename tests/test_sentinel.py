@@ -219,3 +219,36 @@ def test_failover_everything_reconnects_and_versions_never_go_back() -> None:
         for epoch, version in per_router:
             assert version > last.get(epoch, 0), f"went back within epoch {epoch}: {per_router}"
             last[epoch] = version
+
+
+async def test_password_protected_data_nodes_through_sentinels(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Data nodes with requirepass (sentinels with auth-pass): the password in the
+    Sentinel URL reaches the data nodes; a wrong one is reported without echoing it."""
+    secret = "sentinel-data-Secret-42"
+    with SentinelTopology(password=secret) as topo:
+        hosts = topo.url.split("://", 1)[1]
+        url = f"redis+sentinel://:{secret}@{hosts}"
+        dep = "senpw"
+        coord = Coordinator(url, dep, FAST, interval_s=0.02)
+        rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
+        router = redisbal.AsyncRouter(url, dep, poll_s=30.0)
+        try:
+            await asyncio.to_thread(coord.tick)
+            assert coord.stats.leader
+            await router.start()
+            assert rep.report(step=1, waiting=1, running=1).version >= 1
+            deadline = time.monotonic() + 10
+            while router.snapshot is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert router.snapshot is not None and set(router.snapshot.engines) == {"e0"}
+        finally:
+            await router.aclose()
+            rep.close()
+            coord.release()
+            coord.client.close()
+        bad = redisbal.EngineReporter(f"redis+sentinel://:wrong-{secret}@{hosts}", dep, "e1")
+        assert bad.report(step=1, waiting=0, running=0).status == "unavailable"
+        bad.close(leave=False)
+    assert secret not in caplog.text

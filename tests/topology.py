@@ -252,7 +252,15 @@ class ClusterTopology:
 class _Sentinel:
     """One ``redis-server --sentinel`` process with its own config file."""
 
-    def __init__(self, binary: str, port: int, workdir: Path, primary_port: int, svc: str) -> None:
+    def __init__(
+        self,
+        binary: str,
+        port: int,
+        workdir: Path,
+        primary_port: int,
+        svc: str,
+        password: str | None = None,
+    ) -> None:
         self.binary, self.port, self.dir = binary, port, workdir
         self.conf = workdir / "sentinel.conf"
         self.conf.write_text(
@@ -264,6 +272,7 @@ class _Sentinel:
             f"sentinel down-after-milliseconds {svc} 1000\n"
             f"sentinel failover-timeout {svc} 4000\n"
             f"sentinel parallel-syncs {svc} 1\n"
+            + (f"sentinel auth-pass {svc} {password}\n" if password else "")
         )
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -289,11 +298,19 @@ class _Sentinel:
 
 
 class SentinelTopology:
-    """One primary + one replica + three sentinels (quorum 2) for ``service``."""
+    """One primary + one replica + three sentinels (quorum 2) for ``service``.
 
-    def __init__(self, binary: str | None = None, service: str = "mymaster") -> None:
+    With ``password`` the data nodes require it (``requirepass`` / ``masterauth``,
+    set once they run) and the sentinels use it (``sentinel auth-pass``); the
+    sentinels themselves need none. ``.url`` carries no password: add it.
+    """
+
+    def __init__(
+        self, binary: str | None = None, service: str = "mymaster", password: str | None = None
+    ) -> None:
         self.binary = binary or system_binary() or ""
         self.service = service
+        self.password = password
         self.dir = Path(tempfile.mkdtemp(prefix="redisbal-sentinel-"))
         self.servers: list[RedisServer] = []
         self.sentinels: list[_Sentinel] = []
@@ -316,8 +333,22 @@ class SentinelTopology:
                 extra_args=["--replicaof", "127.0.0.1", str(p_port)],
             )
             self.servers.append(replica.start())
+            if self.password:
+                with replica.client() as c:
+                    c.config_set("masterauth", self.password)
+                    c.config_set("requirepass", self.password)
+                with primary.client() as c:
+                    c.config_set("masterauth", self.password)
+                    c.config_set("requirepass", self.password)
             for i, port in enumerate(s_ports):
-                s = _Sentinel(self.binary, port, Path(self._sub(f"s{i}")), p_port, self.service)
+                s = _Sentinel(
+                    self.binary,
+                    port,
+                    Path(self._sub(f"s{i}")),
+                    p_port,
+                    self.service,
+                    self.password,
+                )
                 s.start()
                 self.sentinels.append(s)
             wait_until(self._ready, timeout, "sentinels to see the replica and each other", 0.1)
@@ -339,7 +370,7 @@ class SentinelTopology:
                     return False
                 if int(m["num-slaves"]) < 1:
                     return False
-        with self.servers[0].client(socket_timeout=2, decode_responses=True) as c:
+        with self.data_client(self.servers[0]) as c:
             repl = c.info("replication")
             return int(repl.get("connected_slaves", 0)) >= 1
 
@@ -350,6 +381,10 @@ class SentinelTopology:
                 _host, port = c.sentinel_get_master_addr_by_name(self.service)
                 return int(port)
         raise RuntimeError("no sentinel answered")
+
+    def data_client(self, server: RedisServer) -> redis.Redis:
+        """A client of one data node (on its unix socket, with the password if any)."""
+        return server.client(socket_timeout=2, decode_responses=True, password=self.password)
 
     def server_on(self, port: int) -> RedisServer:
         return next(s for s in self.servers if s.port == port)
@@ -367,7 +402,7 @@ class SentinelTopology:
             port = self.primary_port()
             if port == old_port:
                 return None
-            with self.server_on(port).client(socket_timeout=2, decode_responses=True) as c:
+            with self.data_client(self.server_on(port)) as c:
                 return port if c.info("replication")["role"] == "master" else None
 
         return int(wait_until(promoted, timeout, "a sentinel failover", 0.1))
