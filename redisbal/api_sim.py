@@ -88,6 +88,7 @@ class RouterRun:
     sent: int = 0
     completed: int = 0
     degraded: int = 0
+    unroutable: int = 0
     routed: dict[str, int] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
 
@@ -103,6 +104,7 @@ class RouterRun:
             "completed": self.completed,
             "unfinished": len(self.pending),
             "degraded_routes": self.degraded,
+            "unroutable": self.unroutable,
             "snapshots": self.router.core.counters["snapshots"],
             "latency_p50_s": None if p50 is None else round(p50, 4),
             "latency_p99_s": None if p99 is None else round(p99, 4),
@@ -177,7 +179,11 @@ class ApiSimRunner:
             while run.next_event < len(run.events) and start + run.events[run.next_event][0] <= now:
                 burst = run.events[run.next_event][1]
                 run.next_event += 1
-                decision = run.router.route()
+                try:
+                    decision = run.router.route()
+                except NoEngines:
+                    run.unroutable += 1  # every engine is gone: the request is refused
+                    continue
                 rid = run.next_rid
                 run.next_rid += 1
                 out = output_length(run.rng, self.spec.mean_output, cap=self.spec.max_output)

@@ -714,6 +714,9 @@ def api(
         raise click.ClickException(str(exc)) from None
     _write_json(stats_out, result)
     unfinished = sum(r["unfinished"] for r in result)
+    unroutable = sum(r["unroutable"] for r in result)
+    if unroutable:
+        raise click.ClickException(f"{unroutable} requests found no engine to route to")
     if unfinished:
         raise click.ClickException(
             f"{unfinished} requests did not complete within --drain-timeout {drain_timeout:g}s"

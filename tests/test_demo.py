@@ -62,7 +62,7 @@ def _wait_gone(text: str, timeout: float = 10.0) -> list[str]:
 def test_demo_runs_end_to_end_and_cleans_up() -> None:
     t0 = time.monotonic()
     out = subprocess.run(
-        [*DEMO, *SMALL], capture_output=True, text=True, timeout=120, env=_env(), check=False
+        [*DEMO, *SMALL], capture_output=True, text=True, timeout=100, env=_env(), check=False
     )
     took = time.monotonic() - t0
     assert out.returncode == 0, out.stdout + out.stderr
