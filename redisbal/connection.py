@@ -75,6 +75,12 @@ def parse_url(url: str) -> RedisTarget:
     if scheme not in _SCHEMES:
         raise BadRedisURL(f"unsupported scheme {scheme!r}; use one of {', '.join(_SCHEMES)}")
     if scheme in ("redis", "rediss", "unix"):
+        from redis.connection import parse_url as redis_parse_url
+
+        try:  # a bad port or db would otherwise fail later, as a raw ValueError
+            redis_parse_url(url)
+        except ValueError as exc:
+            raise BadRedisURL(f"bad Redis URL {redact(url)!r}: {exc}") from None
         return RedisTarget(url=url, kind="single", tls=scheme == "rediss")
     base, kind = scheme.split("+")
     rest = url.split("://", 1)[1]
@@ -92,7 +98,10 @@ def parse_url(url: str) -> RedisTarget:
             raise BadRedisURL(f"bad host:port {item!r} in {redact(url)!r}")
         hosts.append((host.strip("[]"), int(port)))
     opts = {k: v[-1] for k, v in parse_qs(query).items()}
-    db = int(opts.pop("db", "0") or 0)
+    db_text = opts.pop("db", "0") or "0"
+    if not db_text.isdigit():
+        raise BadRedisURL(f"bad db {db_text!r} in {redact(url)!r}: a whole number")
+    db = int(db_text)
     service = path.strip("/")
     if kind == "sentinel" and not service:
         raise BadRedisURL(f"{redact(url)!r} names no service: add /<service_name>")

@@ -20,6 +20,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import click
 import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
@@ -163,8 +164,22 @@ class Target:
             self.call("configure", dk, [keys.deployment, "PUBLISH", "ep1", *cfg])
             for step in (1, 2):
                 for e in ("e0", "e1"):
-                    self.call("report", dk, [keys.deployment, "PUBLISH", "ep1", e, "0", str(step),
-                                             "3", "4", "0.5", "1,2"])  # fmt: skip
+                    self.call(
+                        "report",
+                        dk,
+                        [
+                            keys.deployment,
+                            "PUBLISH",
+                            "ep1",
+                            e,
+                            "0",
+                            str(step),
+                            "3",
+                            "4",
+                            "0.5",
+                            "1,2",
+                        ],
+                    )
         r.hset(self.keys.config, "fence", FENCE)
         assert r.get(self.keys.snapshot), "set-up should have published a snapshot"
         self.valid_keys = k
@@ -223,23 +238,58 @@ def valid_argv(t: Target, name: str) -> list[str]:
 # field index -> strategy of values that field must refuse (while the rest stays valid)
 BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
     "report": {
-        0: bad_name, 1: bad_pubcmd, 3: bad_name, 4: bad_int(0, MAX_WAVE),
-        5: bad_int(0, MAX_STEP).filter(lambda s: s != "tick"), 6: bad_int(0, MAX_COUNT),
-        7: bad_int(0, MAX_COUNT), 8: bad_kv, 9: bad_admitted,
+        0: bad_name,
+        1: bad_pubcmd,
+        3: bad_name,
+        4: bad_int(0, MAX_WAVE),
+        5: bad_int(0, MAX_STEP).filter(lambda s: s != "tick"),
+        6: bad_int(0, MAX_COUNT),
+        7: bad_int(0, MAX_COUNT),
+        8: bad_kv,
+        9: bad_admitted,
     },
     "leave": {0: bad_name, 1: bad_pubcmd, 2: bad_name},
     "register": {0: bad_name, 1: bad_pubcmd, 3: bad_name},
-    "reap": {0: bad_name, 1: bad_pubcmd, 2: bad_int(1, 100000),
-             3: weird_text.filter(lambda s: s not in ("", FENCE))},
-    "force": {0: bad_name, 1: bad_pubcmd, 2: bad_int(0, 86400000).filter(bool),
-              3: weird_text.filter(lambda s: s not in ("", FENCE))},
-    "configure": {0: bad_name, 1: bad_pubcmd, 3: weird_text.filter(
-        lambda s: s not in ("dead_after_ms", "stall_ms", "tick_ms", "join_grace_ms",
-                            "idle_publish_ms", "expected", "owner")), 4: bad_int(1, 86400000)},
+    "reap": {
+        0: bad_name,
+        1: bad_pubcmd,
+        2: bad_int(1, 100000),
+        3: weird_text.filter(lambda s: s not in ("", FENCE)),
+    },
+    "force": {
+        0: bad_name,
+        1: bad_pubcmd,
+        2: bad_int(0, 86400000).filter(bool),
+        3: weird_text.filter(lambda s: s not in ("", FENCE)),
+    },
+    "configure": {
+        0: bad_name,
+        1: bad_pubcmd,
+        3: weird_text.filter(
+            lambda s: (
+                s
+                not in (
+                    "dead_after_ms",
+                    "stall_ms",
+                    "tick_ms",
+                    "join_grace_ms",
+                    "idle_publish_ms",
+                    "expected",
+                    "owner",
+                )
+            )
+        ),
+        4: bad_int(1, 86400000),
+    },
     "new_epoch": {0: bad_name, 1: bad_pubcmd, 2: bad_name},
-    "lease": {0: bad_name, 1: bad_pubcmd, 2: bad_name, 3: bad_int(100, 600000),
-              4: weird_text.filter(lambda s: s not in ("acquire", "release"))},
-}  # fmt: skip
+    "lease": {
+        0: bad_name,
+        1: bad_pubcmd,
+        2: bad_name,
+        3: bad_int(100, 600000),
+        4: weird_text.filter(lambda s: s not in ("acquire", "release")),
+    },
+}
 
 
 @pytest.mark.parametrize("name", SCRIPT_NAMES)
@@ -257,11 +307,11 @@ def test_scripts_refuse_a_bad_field_and_store_nothing(
 def _bad_keys(t: Target) -> st.SearchStrategy[list[str]]:
     good = t.valid_keys
     return st.one_of(
-        st.integers(0, 7).map(lambda n: good[:n]),  # too few
+        st.integers(0, len(good) - 1).map(lambda n: good[:n]),  # too few
         st.lists(any_text, min_size=1, max_size=3).map(lambda extra: good + extra),  # too many
         st.permutations(good).filter(lambda p: p != good),  # wrong order
         st.just(t.other.script_keys()),  # another deployment's keys
-        st.tuples(st.integers(0, 7), weird_text)
+        st.tuples(st.integers(0, len(good) - 1), weird_text)
         .map(lambda iv: [iv[1] if i == iv[0] else k for i, k in enumerate(good)])
         .filter(lambda ks: ks != good),
     )
@@ -275,8 +325,16 @@ def test_scripts_refuse_wrong_keys(target: Target, name: str, data: st.DataObjec
     target.expect_refused(name, keys, valid_argv(target, name), f"KEYS={keys!r}")
 
 
-MIN_ARGS = {"report": 10, "leave": 3, "register": 3, "reap": 3, "force": 3, "configure": 3,
-            "new_epoch": 3, "lease": 5}  # fmt: skip
+MIN_ARGS = {
+    "report": 10,
+    "leave": 3,
+    "register": 3,
+    "reap": 3,
+    "force": 3,
+    "configure": 3,
+    "new_epoch": 3,
+    "lease": 5,
+}
 MAX_ARGS = {"report": 10, "leave": 3, "reap": 4, "force": 4, "new_epoch": 3, "lease": 5}
 
 
@@ -318,14 +376,13 @@ def test_direct_callers_cannot_make_a_snapshot_that_routers_cannot_parse(target:
     """Spellings the script accepts must still give valid JSON (".5" and "0.50" for kv_usage
     are stored as 0.5000; leading zeros in admitted are refused: they are not JSON)."""
     d, k = target.keys.deployment, target.valid_keys
-    for kv in (".5", "00.5", "1", "0", "0.123456789"):
-        target.call("report", k, [d, "PUBLISH", "ep1", "e0", "0", "9", "1", "1", kv, "3"])
-        target.call("report", k, [d, "PUBLISH", "ep1", "e1", "0", "9", "1", "1", kv, "0,1"])
+    for i, kv in enumerate((".5", "00.5", "1", "0", "0.123456789", "0.25")):
+        step = str(10 + i)  # both engines report each step: the barrier publishes it
+        target.call("report", k, [d, "PUBLISH", "ep1", "e0", "0", step, "1", "1", kv, "3"])
+        target.call("report", k, [d, "PUBLISH", "ep1", "e1", "0", step, "1", "1", kv, "0,1"])
         snap = Snapshot.from_json(target.r.get(target.keys.snapshot))  # type: ignore[arg-type]
+        assert snap.step == int(step)
         assert snap.engines["e0"].kv_usage == pytest.approx(round(float(kv), 4))
-        target.call("new_epoch", k, [d, "PUBLISH", "ep1"])  # reset the cut for the next step
-        target.r.delete(target.keys.reports, target.keys.barrier, target.keys.members)
-        target.r.hset(target.keys.meta, "pub", "-1")
     for adm in ("01", "1,00", "0,012"):
         target.expect_refused(
             "report", k, [d, "PUBLISH", "ep1", "e0", "0", "99", "1", "1", "", adm]
@@ -343,9 +400,11 @@ count_values = st.one_of(
     st.lists(st.integers(), max_size=2),
 )
 kv_values = st.one_of(
-    st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 2),
+    st.none(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-2, 2),
     st.sampled_from([True, "0.5", b"0.5", float("nan"), 1e-300]),
-)  # fmt: skip
+)
 admitted_values = st.one_of(
     st.none(),
     st.lists(st.integers(-5, 10**16), max_size=6),
@@ -359,17 +418,20 @@ def ok_count(v: object, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= hi
 
 
-def report_is_valid(step: object, waiting: object, running: object, wave: object,
-                    kv: object, admitted: object) -> bool:  # fmt: skip
+def report_is_valid(
+    step: object, waiting: object, running: object, wave: object, kv: object, admitted: object
+) -> bool:
     """The contract of EngineReporter.report, written independently of engine.py."""
     if not (ok_count(step, MAX_STEP) and ok_count(wave, MAX_WAVE)):
         return False
     if not (ok_count(waiting, MAX_COUNT) and ok_count(running, MAX_COUNT)):
         return False
     if kv is not None and not (
-        isinstance(kv, int | float) and not isinstance(kv, bool) and math.isfinite(kv)
+        isinstance(kv, int | float)
+        and not isinstance(kv, bool)
+        and math.isfinite(kv)
         and 0 <= kv <= 1
-    ):  # fmt: skip
+    ):
         return False
     if admitted is None:
         return True
@@ -394,9 +456,13 @@ def _check_report(
     call: Callable[[dict[str, Any]], Any], target: Target, args: dict[str, Any]
 ) -> None:
     valid = report_is_valid(
-        args["step"], args["waiting"], args["running"], args["wave"], args["kv_usage"],
+        args["step"],
+        args["waiting"],
+        args["running"],
+        args["wave"],
+        args["kv_usage"],
         args["admitted"],
-    )  # fmt: skip
+    )
     before = target.state()
     if valid:
         res = call(args)
@@ -414,8 +480,9 @@ def _check_report(
 @FUZZ
 @given(args=report_args)
 def test_engine_reporter_report(target: Target, args: dict[str, Any]) -> None:
-    rep = EngineReporter(client=target.r, deployment=target.keys.deployment, engine_id="e0",
-                         heartbeat=False)  # fmt: skip
+    rep = EngineReporter(
+        client=target.r, deployment=target.keys.deployment, engine_id="e0", heartbeat=False
+    )
     _check_report(lambda a: rep.report(**a), target, args)
 
 
@@ -438,8 +505,14 @@ def test_async_engine_reporter_report(
             async def call(a: dict[str, Any]) -> Any:
                 return await rep.report(**a)
 
-            valid = report_is_valid(args["step"], args["waiting"], args["running"], args["wave"],
-                                    args["kv_usage"], args["admitted"])  # fmt: skip
+            valid = report_is_valid(
+                args["step"],
+                args["waiting"],
+                args["running"],
+                args["wave"],
+                args["kv_usage"],
+                args["admitted"],
+            )
             before = target.state()
             if valid:
                 res = await call(args)
@@ -467,16 +540,30 @@ def test_reporter_constructor_checks_names_before_touching_redis(
     target: Target, deployment: Any, engine_id: Any, mode: Any
 ) -> None:
     before = target.state()
-    ok = isinstance(deployment, str) and is_name(deployment) and isinstance(engine_id, str) \
-        and is_name(engine_id) and mode in ("lockstep", "tick")  # fmt: skip
-    if ok:
-        EngineReporter(client=target.r, deployment=deployment, engine_id=engine_id, mode=mode,
-                       heartbeat=False)  # fmt: skip
-    else:
-        with pytest.raises((InvalidName, InvalidReport)):
-            EngineReporter(client=target.r, deployment=deployment, engine_id=engine_id, mode=mode,
-                           heartbeat=False)  # fmt: skip
-    assert target.state() == before, "constructing a reporter wrote to Redis"
+    ok = (
+        isinstance(deployment, str)
+        and is_name(deployment)
+        and isinstance(engine_id, str)
+        and is_name(engine_id)
+        and mode in ("lockstep", "tick")
+    )
+    if ok:  # a valid reporter may register itself: that is its job
+        rep = EngineReporter(
+            client=target.r, deployment=deployment, engine_id=engine_id, mode=mode, heartbeat=False
+        )
+        rep.close(leave=True)
+        if deployment not in (target.keys.deployment, target.other.deployment):
+            target.r.delete(*DeploymentKeys(deployment).all_keys())
+        return
+    with pytest.raises((InvalidName, InvalidReport)):
+        EngineReporter(
+            client=target.r,
+            deployment=deployment,
+            engine_id=engine_id,
+            mode=mode,
+            heartbeat=False,
+        )
+    assert target.state() == before, "a rejected reporter wrote to Redis"
 
 
 GOOD_ROUTER_ARGS: dict[str, st.SearchStrategy[Any]] = {
@@ -491,14 +578,15 @@ GOOD_ROUTER_ARGS: dict[str, st.SearchStrategy[Any]] = {
 BAD_SECONDS = [float("nan"), float("inf"), "1", True, None]
 BAD_ROUTER_ARGS: dict[str, st.SearchStrategy[Any]] = {
     "deployment": st.one_of(bad_name, st.integers(), st.none()),
-    "client_index": st.one_of(st.integers(-3, -1), st.integers(64, 100),
-                              st.sampled_from([True, 1.0, "0", None])),
+    "client_index": st.one_of(
+        st.integers(-3, -1), st.integers(64, 100), st.sampled_from([True, 1.0, "0", None])
+    ),
     "client_count": st.one_of(st.integers(-3, 0), st.sampled_from([True, 2.0, "2", None])),
     "policy": any_text.filter(lambda s: s not in POLICIES),
     "engines": st.lists(st.one_of(bad_name, st.integers()), min_size=1, max_size=2),
     "poll_s": st.one_of(st.floats(max_value=0), st.sampled_from(BAD_SECONDS)),
     "stale_after_s": st.one_of(st.floats(max_value=0), st.sampled_from(BAD_SECONDS)),
-}  # fmt: skip
+}
 
 
 @st.composite
@@ -522,9 +610,12 @@ def router_args_valid(a: dict[str, Any]) -> bool:
     if a["engines"] and not all(isinstance(e, str) and is_name(e) for e in a["engines"]):
         return False
     return all(
-        isinstance(a[k], int | float) and not isinstance(a[k], bool) and math.isfinite(a[k])
-        and a[k] > 0 for k in ("poll_s", "stale_after_s")
-    )  # fmt: skip
+        isinstance(a[k], int | float)
+        and not isinstance(a[k], bool)
+        and math.isfinite(a[k])
+        and a[k] > 0
+        for k in ("poll_s", "stale_after_s")
+    )
 
 
 @FUZZ
@@ -578,16 +669,24 @@ def config_args(draw: st.DrawFn) -> dict[str, Any]:
     }
     broken = draw(st.sampled_from([None, "expected", *CONFIG_FIELDS]))
     if broken == "expected":
-        args["expected"] = draw(st.one_of(
-            any_text, st.just(["a", "a"]), st.lists(st.one_of(bad_name, st.integers()), min_size=1),
-            st.none(), st.just(("e0",)),
-        ))  # fmt: skip
+        args["expected"] = draw(
+            st.one_of(
+                any_text,
+                st.just(["a", "a"]),
+                st.lists(st.one_of(bad_name, st.integers()), min_size=1),
+                st.none(),
+                st.just(("e0",)),
+            )
+        )
     elif broken is not None:
         lo, hi = CONFIG_FIELDS[broken]
-        args[broken] = draw(st.one_of(
-            st.integers(max_value=lo - 1), st.integers(min_value=hi + 1),
-            st.sampled_from([True, 1.5, str(lo), None, float("nan")]),
-        ))  # fmt: skip
+        args[broken] = draw(
+            st.one_of(
+                st.integers(max_value=lo - 1),
+                st.integers(min_value=hi + 1),
+                st.sampled_from([True, 1.5, str(lo), None, float("nan")]),
+            )
+        )
     if draw(st.booleans()) and broken is None:  # stall_ms must stay below dead_after_ms
         args["stall_ms"] = min(args["dead_after_ms"], 86_400_000)
     return args
@@ -621,3 +720,145 @@ def test_fuzz_helpers_agree_with_the_scripts(target: Target) -> None:
         assert is_admitted(adm)
         target.call("report", k, [d, "PUBLISH", "ep1", "e0", "0", "50", "1", "1", "", adm])
     assert not is_kv("1.0001") and not is_admitted("01")
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+
+
+def _cli_options() -> list[tuple[str, click.Option]]:
+    """(command, option) for every option with a checked type, found by introspection so
+    that options added later are fuzzed too. bench parses its own lists: fuzzed separately."""
+    from redisbal.cli import cli
+
+    ctx = click.Context(cli)
+    out = []
+    for name in cli.list_commands(ctx):
+        cmd = cli.get_command(ctx, name)
+        if name == "bench" or cmd is None:
+            continue
+        for p in cmd.params:
+            if not isinstance(p, click.Option) or p.is_flag or p.name == "redis_url":
+                continue
+            if isinstance(p.type, click.IntRange | click.FloatRange | click.Choice) or p.name in (
+                "deployment",
+                "expect",
+                "slow",
+                "id_prefix",
+                "coordinator_id",
+            ):
+                out.append((name, p))
+    return out
+
+
+CLI_OPTIONS = _cli_options()
+
+
+def bad_option_value(p: click.Option) -> st.SearchStrategy[str]:
+    t = p.type
+    junk = st.sampled_from(["", "abc", "1e3x", " ", "{x}", "é", "0x1g"])
+    if isinstance(t, click.IntRange):
+        lo = -(10**30) if t.min is None else t.min
+        hi = 10**30 if t.max is None else t.max
+        return st.one_of(
+            junk,
+            st.sampled_from(["1.5", "1,0"]),
+            st.integers(max_value=lo - 1).map(str),
+            st.integers(min_value=hi + 1).map(str),
+        )
+    if isinstance(t, click.FloatRange):
+        outside = []
+        if t.min is not None:
+            outside.append(st.floats(max_value=t.min, exclude_max=not t.min_open).map(repr))
+        if t.max is not None:
+            outside.append(st.floats(min_value=t.max, exclude_min=not t.max_open).map(repr))
+        return st.one_of(junk, *outside).filter(lambda s: s not in ("nan", "inf", "-inf"))
+    if isinstance(t, click.Choice):
+        return st.one_of(junk, any_text).filter(lambda s: s.lower() not in t.choices)
+    if p.name in ("deployment", "id_prefix", "coordinator_id"):
+        pattern = (
+            bad_name if p.name != "id_prefix" else st.sampled_from(["{", "a b", "é", "x" * 70])
+        )
+        return pattern.filter(lambda s: s != "" and not s.startswith("-"))
+    if p.name == "expect":
+        return st.sampled_from(["0", "4097", "a,a", "{x}", "a b,c", "é"])
+    if p.name == "slow":
+        return st.sampled_from(["3", "3:", ":2", "3:0", "3:101", "3:abc", "{x}:2", "3:nan"])
+    raise AssertionError(p.name)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_cli_rejects_bad_option_values(redis_url: str, r: redis.Redis, data: st.DataObject) -> None:
+    """Every checked option: exit status 2 (usage), a message naming the option, no
+    traceback, and nothing stored (the command never got as far as Redis)."""
+    from click.testing import CliRunner
+
+    from redisbal.cli import cli
+
+    command, opt = data.draw(st.sampled_from(CLI_OPTIONS), label="option")
+    strategy = bad_option_value(opt)
+    if getattr(opt, "_flag_needs_value", False):  # optional value (status --watch): click
+        strategy = strategy.filter(lambda v: not v.startswith("-"))  # reads "-x" as an option
+    value = data.draw(strategy, label="value")
+    deployment = "clifuzz"
+    args = [command, "--redis-url", redis_url]
+    if opt.name != "deployment":
+        args += ["--deployment", deployment]
+    args += [f"{opt.opts[0]}={value}"]
+    if opt.name != "duration" and any(
+        p.name == "duration" for p in cli.get_command(click.Context(cli), command).params
+    ):  # type: ignore[union-attr]
+        args += ["--duration", "0.5"]  # if a bad value got through, do not run for long
+    result = CliRunner().invoke(cli, args)
+    out = result.output
+    assert result.exit_code == 2, f"{args!r}: exit {result.exit_code}\n{out}\n{result.exception!r}"
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in out
+    names = [o.lstrip("-") for o in opt.opts] + [opt.name or ""]
+    assert any(n and n in out for n in names) or "expected engine" in out, (
+        f"the error does not name {opt.opts[0]}: {out}"
+    )
+    assert not list(r.scan_iter(match=f"redisbal:{{{deployment}}}:*"))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://user:s3cret@127.0.0.1:notaport/0",
+        "redis+sentinel://user:s3cret@127.0.0.1:26379",
+        "ftp://user:s3cret@host/",
+        "redis+sentinel://:s3cret@h:1/svc?db=x",
+        "redis+cluster://:s3cret@h:1,h2",
+    ],
+)
+def test_cli_bad_redis_url_is_a_usage_error_without_the_password(url: str) -> None:
+    from click.testing import CliRunner
+
+    from redisbal.cli import cli
+
+    for command in ("coordinator", "status", "engine-sim"):
+        result = CliRunner().invoke(
+            cli,
+            [command, "--redis-url", url, "--duration", "0.1"]
+            if command != "status"
+            else [command, "--redis-url", url],
+        )
+        assert result.exit_code == 2, result.output
+        assert "redis-url" in result.output and "s3cret" not in result.output, result.output
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="click FloatRange lets nan/inf through (nan compares false with both bounds): "
+    "the CLI's float options (e.g. api --rate, engine-sim --base-step-ms) accept them; "
+    "reported to the CLI owner",
+)
+def test_cli_float_options_reject_nan() -> None:
+    from click.testing import CliRunner
+
+    from redisbal.cli import cli
+
+    result = CliRunner().invoke(
+        cli, ["engine-sim", "--redis-url", "redis://127.0.0.1:1/0", "--base-step-ms", "nan"]
+    )
+    assert result.exit_code == 2 and "base-step-ms" in result.output, result.output
