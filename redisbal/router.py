@@ -142,6 +142,7 @@ class AsyncRouter:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        self.core.connected = False  # routes after close are made without a feed: degraded
         if self._owns_client and self._client is not None:
             with contextlib.suppress(Exception):
                 await self._client.aclose()

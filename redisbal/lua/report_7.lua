@@ -11,7 +11,9 @@
   ARGV[4]  engine id
   ARGV[5]  wave (0..2^20-1); ignored in tick mode
   ARGV[6]  step (0..2^32-1), or "tick": tag with the server's current tick
-           floor(server_ms / tick_ms), shared by all independent engines
+           floor(server_ms / tick_ms), shared by all independent engines; a tick
+           is a score like any other, so it shows as (wave, step) =
+           divmod(tick, 2^32) (e.g. wave 8 at 20 ms ticks): ordering is what counts
   ARGV[7]  waiting (0..1e9)
   ARGV[8]  running (0..1e9)
   ARGV[9]  kv_usage in [0, 1], or "" when unknown
