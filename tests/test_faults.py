@@ -268,6 +268,70 @@ def test_sentinel_failover(deployment: str, routers: Routers) -> None:
     )
 
 
+@pytest.mark.slow
+def test_sentinel_failover_to_a_lagging_replica(deployment: str, routers: Routers) -> None:
+    """The replica misses the last writes (its link is cut just before the primary dies):
+    the promoted replica's versions repeat ones routers already saw. Routers must ignore
+    them (never go back within an epoch) until the coordinator starts a new epoch."""
+    keys = DeploymentKeys(deployment)
+    with SentinelTopology(BINARIES["system"]) as topo, ProcGroup(topo.url, deployment) as g:
+        start_deployment(g, dead_after_ms=1500)
+        loops = [routers.add(topo.url, deployment, i, 2) for i in range(2)]
+        wait_until(lambda: all(synced(lp, ENGINES) for lp in loops), 20, "routers in sync")
+        primary = topo.server_on(topo.primary_port())
+        replica = next(s for s in topo.servers if s is not primary)
+        pc = primary.client(socket_timeout=2, decode_responses=True)
+        rc = replica.client(socket_timeout=2, decode_responses=True)
+        epoch1 = loops[0].router.snapshot.epoch  # type: ignore[union-attr]
+        wait_until(lambda: rc.get(keys.snapshot) is not None, 10, "state replicated")
+        # freeze the replica, close its link from the primary's side (what the primary
+        # wrote before is in the replica's socket buffer; nothing after it gets there),
+        # let snapshots be published and seen, crash the primary, then thaw the replica
+        assert replica.proc is not None
+        replica.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert pc.client_kill_filter(_type="slave") >= 1
+            v0 = max(lp.router.snapshot.version for lp in loops)  # type: ignore[union-attr]
+            wait_until(lambda: loops[0].router.snapshot.version >= v0 + 6, 5, "writes")  # type: ignore[union-attr]
+            old = topo.kill_primary()
+            t_kill = time.monotonic()
+        finally:
+            replica.proc.send_signal(signal.SIGCONT)
+        seen_before = max(lp.router.snapshot.version for lp in loops)  # type: ignore[union-attr]
+        had = stored(rc, keys)
+        assert had is not None, f"replica lost everything: {rc.info('replication')}"
+        replica_had = had.version
+        topo.wait_failover(old, timeout=40)
+        t_promoted = time.monotonic() - t_kill
+        wait_until(
+            lambda: (s := stored(rc, keys)) is not None and s.epoch != epoch1,
+            20,
+            "the coordinator to start a new epoch on the promoted replica",
+        )
+        t_epoch = time.monotonic() - t_kill
+        epoch2 = stored(rc, keys).epoch  # type: ignore[union-attr]
+        wait_until(lambda: all(synced(lp, ENGINES, epoch2) for lp in loops), 20, "resync")
+        t_resync = time.monotonic() - t_kill
+        pc.close()
+        rc.close()
+    assert replica_had < seen_before, "the replica did not lag: the scenario did not happen"
+    assert_routing_never_failed(*loops)
+    for lp in loops:
+        lp.stop()
+        in_epoch1 = [s[2] for s in lp.log.snapshots if s[1] == epoch1]
+        assert in_epoch1 == sorted(in_epoch1)
+    ignored = sum(r.core.counters["ignored_old"] for r in routers.routers)
+    record(
+        "sentinel_failover_lagging_replica",
+        binary="7.0",
+        versions_lost_by_the_replica=seen_before - replica_had,
+        repeated_versions_ignored_by_routers=ignored,
+        kill_to_promoted_s=t_promoted,
+        kill_to_new_epoch_s=t_epoch,
+        kill_to_routers_resynced_s=t_resync,
+    )
+
+
 # -- an engine process killed -----------------------------------------------------------------
 
 
