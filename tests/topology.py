@@ -511,13 +511,21 @@ def documented_acl_lines(block: str = "acl") -> list[str]:
 
 
 def apply_acl_lines(
-    client: redis.Redis, dep: str, secret: str, blocks: tuple[str, ...] = ("acl",)
+    client: redis.Redis,
+    dep: str,
+    secret: str,
+    blocks: tuple[str, ...] = ("acl",),
+    *,
+    sharded: bool = True,
 ) -> dict[str, str]:
     """Run the documented lines for deployment ``dep`` (instead of ``llama``), with
-    password ``<role>-<secret>``; returns role -> user name."""
+    password ``<role>-<secret>``; returns role -> user name. ``sharded=False``: the
+    Redis 6.2 variant of DEPLOY.md (without ``+spublish`` / ``+ssubscribe``)."""
     users = {}
     for block in blocks:
         for line in documented_acl_lines(block):
+            if not sharded:
+                line = line.replace(" +spublish", "").replace(" +ssubscribe", "")
             line = line.replace("{llama}", "{" + dep + "}").replace("-llama ", f"-{dep} ")
             for role in ("ENGINE", "ROUTER", "COORDINATOR"):
                 line = line.replace(f">{role}_PASSWORD", f">{role.lower()}-{secret}")
