@@ -80,7 +80,12 @@ def parse_url(url: str) -> RedisTarget:
         try:  # a bad port or db would otherwise fail later, as a raw ValueError
             redis_parse_url(url)
         except ValueError as exc:
-            raise BadRedisURL(f"bad Redis URL {redact(url)!r}: {exc}") from None
+            detail = str(exc)
+            if "@" in url.split("://", 1)[1]:
+                # an unencoded "/" or "@" in the password moves part of it into the host
+                # or port, and the parser's message quotes those: never echo it
+                detail = "bad host, port or db (percent-encode / @ : in a password)"
+            raise BadRedisURL(f"bad Redis URL {redact(url)!r}: {detail}") from None
         return RedisTarget(url=url, kind="single", tls=scheme == "rediss")
     base, kind = scheme.split("+")
     rest = url.split("://", 1)[1]
