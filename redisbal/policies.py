@@ -25,6 +25,7 @@ import itertools
 import random
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -67,6 +68,15 @@ class EngineView:
     exact: bool = False  # pending reconciled from admitted counts
     times: deque[float] = field(default_factory=deque)  # route times (time-based pending)
     gen: int = 0  # heap entry generation
+    hid: int = -1  # crc32 of engine_id (for the shared dither)
+    dither: float = 0.0  # this router's offset for the engine, redrawn per snapshot
+    # service-speed estimate from the engine's completions (exact reconciliation only)
+    speed: float = 1.0  # relative to the median engine; 1.0 until known
+    done_prev: int = -1  # completed requests (sum(admitted) - waiting - running) last time
+    t_prev: int = -1  # reported_ms of that report
+    run_prev: int = 0  # running count then
+    done_acc: float = 0.0  # decayed completions
+    exposure_acc: float = 0.0  # decayed running-request-seconds
     # vLLM baselines keep their own mutable copy of (waiting, running)
     vw: float = 0.0
     vr: float = 0.0
@@ -189,23 +199,61 @@ class RedisbalPolicy(Policy):
     score = waiting + running + pending / share
 
     share is estimated from the engines' admitted counts (this router's part of
-    all requests admitted lately), falling back to 1 / client_count. Ties are
-    broken uniformly at random. A heap keeps route() O(log N).
+    all requests admitted lately), falling back to 1 / client_count. A heap
+    keeps route() O(log N).
+
+    Stratified dither: each router adds to engine e an offset in [0, 1/share)
+    of frac(client_index / client_count + phi(version, e)), where phi is a hash
+    of the snapshot version and the engine id that every router computes alike.
+    Each own route counts 1/share in the router's view (it stands for everyone's
+    routes), so without the offset all routers would fill the same lowest engines
+    in lumps of 1/share and overshoot them; with it, the routers' offsets for one
+    engine are evenly spread over a lump, and the number of routers that pick an
+    engine is proportional to its deficit (water-filling in small steps). Over
+    snapshots phi is uniform, so ties are broken without bias; remaining exact
+    ties are broken at random.
+
+    With ``use_speed`` (off by default), what is queued beyond an engine's free
+    slots is divided by the engine's estimated speed (its completion rate per
+    running request relative to the median engine; 1.0 inside a dead band or
+    without admitted counts).
     """
 
     name = "redisbal"
+    # Off by default: in the benchmark it cut straggler imbalance and p99 queue delay
+    # but made per-burst assignments less even (docs/BENCHMARKS.md).
+    use_speed = False
 
     def __init__(self) -> None:
         self.heap: list[tuple[float, float, int, EngineView]] = []
 
     def score(self, core: RouterCore, e: EngineView) -> float:
-        return e.waiting + e.running + e.pending * core.pending_weight
+        queued = e.waiting + e.pending * core.pending_weight
+        if not self.use_speed or e.speed == 1.0:
+            return e.running + queued + e.dither
+        # what is queued beyond the free slots waits on the engine's speed
+        free = max(0, core.running_cap - e.running) if core.running_cap > 0 else queued
+        direct = min(queued, free)
+        return e.running + direct + (queued - direct) / e.speed + e.dither
+
+    @staticmethod
+    def _dither(core: RouterCore) -> None:
+        snap = core.snapshot
+        salt = (snap.version if snap is not None else 0).to_bytes(8, "little", signed=False)
+        w = core.pending_weight
+        base = core.client_index / core.client_count
+        for e in core.engines:
+            if e.hid < 0:
+                e.hid = zlib.crc32(e.engine_id.encode())
+            phi = zlib.crc32(salt, e.hid) / 4294967296.0
+            e.dither = (base + phi) % 1.0 * w
 
     def _push(self, core: RouterCore, e: EngineView) -> None:
         e.gen += 1
         heapq.heappush(self.heap, (self.score(core, e), core.rng.random(), e.gen, e))
 
     def reset(self, core: RouterCore) -> None:
+        self._dither(core)
         rnd = core.rng.random
         heap = []
         for e in core.engines:
@@ -257,6 +305,12 @@ def make_policy(name: str | Policy) -> Policy:
 class RouterCore:
     """One API server's routing state. Thread-safe; no I/O."""
 
+    # engine speed estimate (see _update_speeds): decay half-life, the least
+    # running-request-seconds to trust, and the dead band around the median
+    speed_halflife_s = 3.0
+    speed_min_exposure = 10.0
+    speed_band = (0.8, 1.25)
+
     def __init__(
         self,
         client_index: int = 0,
@@ -295,6 +349,7 @@ class RouterCore:
         self.share = 1.0 / client_count
         self._adm_totals: tuple[int, int] | None = None
         self._share_halflife = share_halflife
+        self.running_cap = 0  # largest running count seen on an engine with a queue
         self.pending_weight = float(client_count)
         self.counters = {
             "routes": 0,
@@ -360,7 +415,12 @@ class RouterCore:
                     e.exact = exact = True
                     e.times.clear()
                     mine += got
-                    total += sum(adm)
+                    all_adm = sum(adm)
+                    total += all_adm
+                    if c.waiting > 0 and c.running > self.running_cap:
+                        self.running_cap = c.running  # an engine with a queue is at its cap
+                    done = all_adm - c.waiting - c.running
+                    self._observe_speed(e, done, c.reported_ms, c.running)
                 else:
                     cutoff = now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s
                     times = e.times
@@ -370,8 +430,40 @@ class RouterCore:
                     e.exact = False
             if exact:
                 self._update_share(mine, total)
+                if getattr(self.policy, "use_speed", False):
+                    self._update_speeds()
             self.policy.reset(self)
             return True
+
+    def _observe_speed(self, e: EngineView, done: int, t_ms: int, running: int) -> None:
+        """Accumulate an engine's completions and running-request-seconds (decayed)."""
+        if e.t_prev >= 0 and t_ms > e.t_prev and done >= e.done_prev:
+            dt = (t_ms - e.t_prev) / 1000.0
+            decay = 0.5 ** (dt / self.speed_halflife_s)
+            e.done_acc = e.done_acc * decay + (done - e.done_prev)
+            e.exposure_acc = e.exposure_acc * decay + e.run_prev * dt
+        elif e.t_prev >= 0 and done < e.done_prev:  # engine restarted: start over
+            e.done_acc = e.exposure_acc = 0.0
+        if t_ms >= e.t_prev:
+            e.t_prev, e.done_prev, e.run_prev = t_ms, done, running
+
+    def _update_speeds(self) -> None:
+        """speed = completion rate per running request / the median engine's, clamped to
+        [0.25, 4]; 1.0 inside the dead band or without enough observations."""
+        rates = {}
+        for e in self.engines:
+            if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
+                rates[e.engine_id] = e.done_acc / e.exposure_acc
+        if len(rates) < 3:
+            for e in self.engines:
+                e.speed = 1.0
+            return
+        mid = sorted(rates.values())[len(rates) // 2]
+        lo, hi = self.speed_band
+        for e in self.engines:
+            r = rates.get(e.engine_id)
+            sp = 1.0 if r is None or mid <= 0 else min(4.0, max(0.25, r / mid))
+            e.speed = 1.0 if lo < sp < hi else sp
 
     def _update_share(self, mine: int, total: int) -> None:
         prev = self._adm_totals
