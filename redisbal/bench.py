@@ -135,10 +135,10 @@ class Scenario:
 def default_scenarios(quick: bool = False) -> dict[str, Scenario]:
     """DESIGN.md's five scenarios. Full: 4 bursts (each followed by its 3 s period:
     the last one drains for at most 3 s), 6 s of Poisson. ``quick``: 2 bursts and
-    1.5 s after the last, 2.5 s of Poisson and 1 s after; runs end there and what
+    1.5 s after the last, 2 s of Poisson and 0.5 s after; runs end there and what
     is unfinished is censored at the end (makespan in quick runs is a lower bound)."""
     bursts, drain = (2, 1.5) if quick else (4, 3.0)
-    dur, pdrain = (2.5, 1.0) if quick else (6.0, 3.0)
+    dur, pdrain = (2.0, 0.5) if quick else (6.0, 3.0)
     return {
         "burst": Scenario("burst", mode="lockstep", bursts=bursts, drain_s=drain),
         "skew": Scenario("skew", mode="lockstep", bursts=bursts, skew=0.5, drain_s=drain),
@@ -554,6 +554,7 @@ class Run:
         self.compat: VllmCoordinatorEmulation | None = None
         self.coordinator: Coordinator | None = None
         self.coord_thread: threading.Thread | None = None
+        self.proc_snapshots: list[int] = []  # per router process (ProcRun)
 
     # ---- engines ----
 
@@ -766,7 +767,12 @@ class Run:
                 client, self.keys, vllm_model_for(self.policy, self.sc.mode)
             )
             self.tasks.append(asyncio.create_task(self.compat.run()))
+        await self.start_routers(len(ids))
+
+    async def start_routers(self, n_engines: int) -> None:
+        """One AsyncRouter per API server in this process; wait for complete snapshots."""
         self.routers = [self._make_router(i) for i in range(self.sc.clients)]
+        ids = range(n_engines)
         for r in self.routers:
             await r.start()
         deadline = time.monotonic() + 10.0
@@ -778,6 +784,9 @@ class Run:
             await asyncio.sleep(0.01)
         else:
             raise RuntimeError(f"{self.deployment}: routers got no complete snapshot within 10 s")
+
+    async def finish_traffic(self) -> None:
+        """Hook: called after the drain, before the metrics are computed."""
 
     async def teardown(self) -> None:
         self.stop = True
@@ -828,6 +837,7 @@ class Run:
             while self.done < self.total and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             end = self.now()
+            await self.finish_traffic()
             return self.result(start, last, end, lag_from)
         finally:
             await self.teardown()
@@ -878,7 +888,7 @@ class Run:
             "makespan_s": makespan(spans),
         }
         lag = self.lag[lag_from:]
-        snaps = [r.core.counters["snapshots"] for r in self.routers]
+        snaps = [r.core.counters["snapshots"] for r in self.routers] or self.proc_snapshots
         health = {
             "lag_p99_s": percentile(lag, 99),
             "lag_max_s": max(lag) if lag else 0.0,
@@ -901,6 +911,196 @@ class Run:
             loads if self.keep_series else [],
             list(self.engine_order),
         )
+
+
+# -- routers in separate processes ----------------------------------------------------------------
+
+
+def _router_process(
+    url: str, deployment: str, policy: str, index: int, sc: Scenario, seed: int, t_base: float
+) -> None:
+    """Entry point of one API-server process (spawned): see ProcRun."""
+    asyncio.run(_router_main(url, deployment, policy, index, sc, seed, t_base))
+
+
+async def _router_main(
+    url: str, deployment: str, policy: str, index: int, sc: Scenario, seed: int, t_base: float
+) -> None:
+    keys = DeploymentKeys(deployment)
+    kw: dict[str, Any] = {}
+    if policy in VLLM_POLICIES:
+        kw = {"channel": keys.compat_channel, "snapshot_key": keys.compat}
+    router = AsyncRouter(
+        url,
+        deployment,
+        index,
+        sc.clients,
+        policy=policy,
+        rng=random.Random(f"router-{seed}-{index}"),
+        **kw,
+    )
+    client = aioredis.Redis.from_url(url)
+    try:
+        await router.start(wait=10.0)
+        await client.sadd(keys.key("bench:ready"), index)
+        start = None
+        deadline = time.monotonic() + 60.0
+        while start is None and time.monotonic() < deadline:
+            v = await client.get(keys.key("bench:start"))
+            if v is not None:
+                start = float(v)
+            else:
+                await asyncio.sleep(0.005)
+        if start is None:
+            return
+        sched = [(k, a) for k, a in enumerate(make_schedule(sc, seed)) if a.client == index]
+        decisions: dict[int, Any] = {}
+        routed_key, done_key = keys.key("bench:routed"), keys.key(f"bench:done:{index}")
+        i, n = 0, len(sched)
+        next_stop_check = 0.0
+        route_ns = 0
+        while time.monotonic() < deadline + 120.0:
+            now = time.monotonic() - t_base
+            buf = []
+            while i < n and start + sched[i][1].t <= now:
+                k = sched[i][0]
+                t = time.perf_counter_ns()
+                d = router.route()
+                route_ns += time.perf_counter_ns() - t
+                decisions[k] = d
+                buf.append(f"{k} {d.engine_id} {now:.6f}")
+                i += 1
+            pipe = client.pipeline(transaction=False)
+            if buf:
+                pipe.rpush(routed_key, *buf)
+            pipe.lpop(done_key, 1024)
+            res = await pipe.execute()
+            for rid in res[-1] or []:
+                dec = decisions.pop(int(rid), None)
+                if dec is not None:
+                    router.finished(dec)
+            if i >= n and now >= next_stop_check:
+                next_stop_check = now + 0.05
+                if await client.exists(keys.key("bench:stop")):
+                    break
+            wait = 0.01 if i >= n else min(0.005, max(0.0, start + sched[i][1].t - now))
+            await asyncio.sleep(wait)
+        c = router.core.counters
+        await client.hset(
+            keys.key(f"bench:stats:{index}"),
+            mapping={"snapshots": c["snapshots"], "route_ns": route_ns, "routes": c["routes"]},
+        )
+    finally:
+        await router.aclose()
+        await client.aclose()
+
+
+class ProcRun(Run):
+    """As Run, but each API server's router runs in its own process (spawned), with its
+    own Redis connections; requests travel router -> engines over a Redis list and
+    completions back over one list per router (the "RPC" of this simulation)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.procs: list[Any] = []
+        self.done_buf: dict[int, list[int]] = {}
+        self.routed = 0
+        self.aio: Any = None
+        self.schedule: list[Arrival] = []
+
+    def _finish(self, req: SimRequest) -> None:
+        self.done_buf.setdefault(req.client_index, []).append(req.rid)
+        self.done += 1
+
+    async def start_routers(self, n_engines: int) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.aio = aioredis.Redis.from_url(self.url)
+        for i in range(self.sc.clients):
+            p = ctx.Process(
+                target=_router_process,
+                args=(self.url, self.deployment, self.policy, i, self.sc, self.seed, self.t_base),
+                daemon=True,
+            )
+            p.start()
+            self.procs.append(p)
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
+            if await self.aio.scard(self.keys.key("bench:ready")) >= self.sc.clients:
+                return
+            if any(p.exitcode not in (None, 0) for p in self.procs):
+                break
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"{self.deployment}: router processes did not get ready")
+
+    async def pump(self) -> None:
+        """Deliver routed requests to the engines; send completions back."""
+        routed_key = self.keys.key("bench:routed")
+        while not self.stop:
+            pipe = self.aio.pipeline(transaction=False)
+            pipe.lpop(routed_key, 4096)
+            for ci, rids in self.done_buf.items():
+                if rids:
+                    pipe.rpush(self.keys.key(f"bench:done:{ci}"), *rids)
+            self.done_buf = {}
+            res = await pipe.execute()
+            for item in res[0] or []:
+                k_s, eid, t_s = item.decode().split(" ")
+                a = self.schedule[int(k_s)]
+                req = SimRequest(
+                    int(k_s), a.client, a.output_len, float(t_s), engine_id=eid, group=a.group
+                )
+                self.requests.append(req)
+                self.routed += 1
+                self.world.transit[eid] = self.world.transit.get(eid, 0) + 1
+                self._deliver(req)
+            await asyncio.sleep(0.001)
+
+    async def traffic(self, schedule: Sequence[Arrival], start: float) -> None:
+        self.schedule = list(schedule)
+        self.tasks.append(asyncio.create_task(self.pump()))
+        await self.aio.set(self.keys.key("bench:start"), repr(start))
+        last = start + (schedule[-1].t if schedule else 0.0)
+        churned = not self.sc.churn
+        churn_at = start + (schedule[-1].t / 2 if schedule else 0.0)
+        deadline = time.monotonic() + (last - self.now()) + 10.0
+        while self.routed < len(schedule) and time.monotonic() < deadline:
+            if not churned and self.now() >= churn_at:
+                churned = True
+                await self.churn()
+            await asyncio.sleep(0.005)
+
+    async def finish_traffic(self) -> None:
+        """Stop the router processes and collect their counters."""
+        if self.aio is None:
+            return
+        with contextlib.suppress(Exception):
+            await self.aio.set(self.keys.key("bench:stop"), "1")
+        for p in self.procs:
+            await asyncio.to_thread(p.join, 5)
+        with contextlib.suppress(Exception):
+            for i in range(self.sc.clients):
+                st = await self.aio.hgetall(self.keys.key(f"bench:stats:{i}"))
+                if st:
+                    self.proc_snapshots.append(int(st[b"snapshots"]))
+                    self.route_ns += int(st[b"route_ns"])
+
+    async def teardown(self) -> None:
+        if self.aio is not None:
+            with contextlib.suppress(Exception):
+                await self.aio.set(self.keys.key("bench:stop"), "1")
+            for p in self.procs:
+                await asyncio.to_thread(p.join, 5)
+                if p.is_alive():
+                    p.terminate()
+            with contextlib.suppress(Exception):
+                extra = ["routed", "start", "stop", "ready"]
+                extra += [f"done:{i}" for i in range(self.sc.clients)]
+                extra += [f"stats:{i}" for i in range(self.sc.clients)]
+                await self.aio.delete(*(self.keys.key(f"bench:{x}") for x in extra))
+            await self.aio.aclose()
+        await super().teardown()
 
 
 # -- the whole benchmark --------------------------------------------------------------------------
@@ -969,8 +1169,6 @@ async def run_all(
                 sc = replace(sc, router_processes=True)
             prog.show(f"{s:<9} {p:<11} seed {seed}")
             if sc.router_processes and p != "oracle":
-                from redisbal.bench_procs import ProcRun
-
                 res = await ProcRun(sc, p, seed, url, keep_series=seed == cfg.seeds[0]).execute()
             else:
                 res = await Run(sc, p, seed, url, keep_series=seed == cfg.seeds[0]).execute()
@@ -1190,7 +1388,11 @@ def _seeds(value: str | None, quick: bool) -> list[int]:
     default=None,
     help="Redis to run on (default: an embedded redis-server).",
 )
-@click.option("--quick", is_flag=True, help="1 seed, shorter runs (2 bursts / 3.5 s of Poisson).")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="1 seed, shorter runs (2 bursts, 2 s of Poisson): under 3 minutes.",
+)
 @click.option("--seeds", default=None, help="Seed count (3) or list (1,2,3). Default 3 (quick: 1).")
 @click.option("--scenarios", default=None, help=f"Comma list from {','.join(SCENARIO_NAMES)}.")
 @click.option("--policies", default=None, help=f"Comma list from {','.join(BENCH_POLICIES)}.")

@@ -20,10 +20,12 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from redisbal.bench import (
     VLLM_POLICIES,
+    EngineStat,
     OraclePolicy,
     Scenario,
     VllmCoordinatorModel,
@@ -31,7 +33,7 @@ from redisbal.bench import (
     make_schedule,
     vllm_model_for,
 )
-from redisbal.metrics_balance import burst_max_over_mean, load_imbalance, percentile
+from redisbal.metrics_balance import burst_max_over_mean, load_imbalance, makespan, percentile
 from redisbal.policies import RouterCore
 from redisbal.sim import EngineParams, SimEngine, SimRequest
 from redisbal.snapshot import EngineCounts, Snapshot
@@ -81,9 +83,15 @@ def simulate(
         routers[req.client_index].finished(req.decision)  # type: ignore[arg-type]
         done[0] += 1
 
-    for eid in ids:
-        world.engines[eid] = SimEngine(eid, params, num_clients=sc.clients, on_finish=finish)
+    slow_from = sc.engines - sc.slow_engines
+    for k, eid in enumerate(ids):
+        p = replace(params, slow=sc.slow_factor) if k >= slow_from else params
+        world.engines[eid] = SimEngine(eid, p, num_clients=sc.clients, on_finish=finish)
         world.transit[eid] = 0
+    independent = sc.mode != "lockstep"
+    estepping: dict[str, bool] = dict.fromkeys(ids, False)
+    latest: dict[str, EngineCounts] = {}
+    tick_s = 0.02
     for i in range(sc.clients):
         pol: Any = OraclePolicy(world) if policy == "oracle" else policy
         core = RouterCore(
@@ -95,6 +103,9 @@ def simulate(
     vmodel: VllmCoordinatorModel | None = (
         vllm_model_for(policy, sc.mode) if policy in VLLM_POLICIES else None
     )
+    if vmodel is not None:  # vLLM's coordinator knows its engines from the start
+        for eid in ids:
+            vmodel.counts[eid] = EngineStat(0, 0, 0, 0.0)
     schedule = make_schedule(sc, seed, params)
     events: list[tuple[float, int, str, Any]] = []
     seq = 0
@@ -106,7 +117,10 @@ def simulate(
 
     for k, a in enumerate(schedule):
         push(a.t, "arrive", k)
-    push(0.0, "step", None)
+    if independent:
+        push(0.0, "tick", None)
+    else:
+        push(0.0, "step", None)
     push(0.0, "sample", None)
     end_by = (schedule[-1].t if schedule else 0.0) + sc.drain_s
     reqs: list[SimRequest] = []
@@ -140,9 +154,40 @@ def simulate(
         elif kind == "deliver":
             world.transit[data.engine_id] -= 1
             world.engines[data.engine_id].arrive(data, t)
-            if not stepping:
+            if independent:
+                if not estepping[data.engine_id]:
+                    estepping[data.engine_id] = True
+                    push(t, "estep", (data.engine_id, None))
+            elif not stepping:
                 stepping = True
                 push(t, "step", None)
+        elif kind == "estep":  # one independent engine's step boundary
+            eid, began = data
+            e = world.engines[eid]
+            if began is not None:
+                e.end_step(t)
+                tick = int(t / tick_s)
+                latest[eid] = EngineCounts(
+                    len(e.waiting), len(e.running), None, 0, tick, int(t * 1000), tuple(e.admitted)
+                )
+                if vmodel is not None:
+                    wr = (len(e.waiting), len(e.running))
+                    if last_counts.get(eid) != wr:
+                        last_counts[eid] = wr
+                        push(t + rng.random() * jitter_ms / 1000, "stats", (eid, tick, wr))
+            if not e.busy():
+                estepping[eid] = False
+                continue
+            push(t + e.begin_step(t), "estep", (eid, t))
+        elif kind == "tick":  # the tick barrier: every engine's latest report
+            push(t + tick_s, "tick", None)
+            if vmodel is None:
+                version += 1
+                idle = EngineCounts(0, 0, None, 0, 0, 0, (0,) * sc.clients)
+                engines_now = {eid: latest.get(eid, idle) for eid in ids}
+                snap = _snapshot(version, engines_now, t * 1000)
+                for i in range(sc.clients):
+                    push(t + (delivery_ms + rng.random() * jitter_ms) / 1000, "snap", (i, snap))
         elif kind == "step":
             engines = [world.engines[e] for e in ids]
             if data is not None:  # end of a step that began at data
@@ -192,6 +237,8 @@ def simulate(
         elif kind == "sample":
             times.append(t)
             loads.append([float(world.engines[e].load) for e in ids])
+            if independent:
+                step_running.append([float(len(world.engines[e].running)) for e in ids])
             push(t + 0.01, "sample", None)
             if vmodel is not None:
                 for at, counts in vmodel.advance(t * 1000):
@@ -204,7 +251,15 @@ def simulate(
         per_burst.append(list(groups[g].values()))
     delays = [(r.started_at if r.started_at >= 0 else now) - r.routed_at for r in reqs]
     eff = [sum(row) / len(row) / max(row) for row in step_running if max(row) > 0]
+    spans: dict[int, tuple[float, float]] = {}
+    for r in reqs:
+        lo, hi = spans.get(r.group, (math.inf, -math.inf))
+        spans[r.group] = (
+            min(lo, r.routed_at),
+            max(hi, r.finished_at if r.finished_at >= 0 else now),
+        )
     return {
+        "makespan_s": makespan(list(spans.values())),
         "burst_max_over_mean": burst_max_over_mean(per_burst),
         "load_imbalance": load_imbalance(times, loads),
         "lockstep_efficiency": sum(eff) / len(eff) if eff else 1.0,
