@@ -1148,10 +1148,20 @@ class Progress:
         self.stream.flush()
 
 
+def bench_scenarios(cfg: BenchConfig) -> dict[str, Scenario]:
+    """The scenarios of a benchmark, in order: the chosen ones, plus "<name>-procs"
+    (the same scenario with routers in separate processes) for --router-processes."""
+    base = default_scenarios(cfg.quick)
+    out = {s: base[s] for s in cfg.scenarios}
+    for s in cfg.router_processes:
+        out[f"{s}-procs"] = replace(base[s], name=f"{s}-procs", router_processes=True)
+    return out
+
+
 async def run_all(
     cfg: BenchConfig, on_result: Callable[[RunResult], None] | None = None
 ) -> list[RunResult]:
-    scenarios = default_scenarios(cfg.quick)
+    scenarios = bench_scenarios(cfg)
     server = None
     url = cfg.redis_url
     if not url:
@@ -1160,14 +1170,12 @@ async def run_all(
         server = RedisServer().start()
         url = server.url
     results: list[RunResult] = []
-    runs = [(s, seed, p) for s in cfg.scenarios for seed in cfg.seeds for p in cfg.policies]
+    runs = [(s, seed, p) for s in scenarios for seed in cfg.seeds for p in cfg.policies]
     prog = Progress(len(runs))
     try:
         for s, seed, p in runs:
             sc = scenarios[s]
-            if s in cfg.router_processes:
-                sc = replace(sc, router_processes=True)
-            prog.show(f"{s:<9} {p:<11} seed {seed}")
+            prog.show(f"{s:<11} {p:<11} seed {seed}")
             if sc.router_processes and p != "oracle":
                 res = await ProcRun(sc, p, seed, url, keep_series=seed == cfg.seeds[0]).execute()
             else:
@@ -1406,6 +1414,9 @@ def _seeds(value: str | None, quick: bool) -> list[int]:
     default=None,
     help="Also run the 1024 x 64 projection on a simulated clock (default: on unless --quick).",
 )
+@click.option(
+    "--scale-only", is_flag=True, help="Run only the 1024 x 64 projection (simulated clock)."
+)
 @click.option("--json", "json_path", default=None, help="Write results as JSON here.")
 @click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
 def bench_command(
@@ -1416,6 +1427,7 @@ def bench_command(
     policies: str | None,
     router_processes: str,
     scale: bool | None,
+    scale_only: bool,
     json_path: str | None,
     plot_dir: str | None,
 ) -> None:
@@ -1428,14 +1440,16 @@ def bench_command(
         seeds=_seeds(seeds, quick),
         quick=quick,
         redis_url=redis_url,
-        router_processes=[s for s in router_processes.split(",") if s],
+        router_processes=_csv(router_processes, SCENARIO_NAMES, "scenario")
+        if router_processes
+        else [],
     )
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
-    results = asyncio.run(run_all(cfg))
+    results = [] if scale_only else asyncio.run(run_all(cfg))
     elapsed = time.monotonic() - t0
     doc = summarize(results, cfg.policies)
-    scen = default_scenarios(quick)
+    scen = bench_scenarios(cfg)
     lags = [r.health["lag_p99_s"] for r in results]
     bad = [r for r in results if r.health["lag_p99_s"] > LAG_LIMIT_S]
     doc["meta"] = {
@@ -1450,11 +1464,11 @@ def bench_command(
         "lag_p99_s_max": max(lags) if lags else 0.0,
         "runs_over_lag_limit": len(bad),
         "lag_limit_s": LAG_LIMIT_S,
-        "scenarios": {s: asdict(scen[s]) for s in cfg.scenarios},
+        "scenarios": {s: asdict(sc) for s, sc in scen.items()},
         "output_len": {"mean": OUT_MEAN, "sigma": OUT_SIGMA, "cap": OUT_CAP},
         "engine": asdict(EngineParams()),
     }
-    do_scale = (not quick) if scale is None else scale
+    do_scale = scale_only or ((not quick) if scale is None else scale)
     if do_scale:
         from redisbal.bench_scale import run_scale
 
@@ -1479,11 +1493,22 @@ def bench_command(
         )
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(doc, f, indent=1, default=lambda o: None)
+            json.dump(_finite(doc), f, indent=1, allow_nan=False)
         click.echo(f"wrote {json_path}")
     if plot_dir:
         for p in write_plots(results, doc, plot_dir):
             click.echo(f"wrote {p}")
+
+
+def _finite(x: Any) -> Any:
+    """JSON has no NaN / infinity: write them as null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
 
 
 def main() -> None:

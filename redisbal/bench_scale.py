@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -295,8 +296,14 @@ def run_scale(policies: Sequence[str], seeds: Sequence[int]) -> dict[str, Any]:
         "policies": {},
     }
     versions: dict[str, int] = {}
-    for p in policies:
+    for k, p in enumerate(policies):
+        t = time.monotonic()
         vals = [simulate(p, s) for s in seeds]
+        print(
+            f"scale projection {k + 1}/{len(policies)}: {p} ({time.monotonic() - t:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         out["policies"][p] = {k: sum(v[k] for v in vals) / len(vals) for k in vals[0]}
         versions[p] = len(vals)
     pol = out["policies"]
