@@ -257,3 +257,46 @@ def test_oracle_counts_requests_in_transit_and_skips_dead_engines() -> None:
     for _ in range(50):  # all tied: the tie-break is random, never the dead engine
         seen.add(OraclePolicy(world).pick(core).engine_id)
     assert seen == {"a", "b"}
+
+
+# -- the default policy's water-filling across many routers --------------------------------------
+
+
+def _fill(n: int, c: int, routes: int, residual: int, seed: int = 5) -> tuple[int, int]:
+    """c routers share one snapshot of n engines with residual loads 0..6*residual and
+    route ``routes`` requests between them (no newer snapshot): the spread of total load."""
+    from redisbal.snapshot import EngineCounts
+
+    loads = {f"e{i:04d}": (i % 7) * residual for i in range(n)}
+    counts = {e: EngineCounts(w, 0, None, 0, 1, 0, (0,) * c) for e, w in loads.items()}
+    snap = Snapshot("d", "ep", 1, 0, 1, False, {}, {}, (), 0, counts)
+    cores = [RouterCore(i, c, "redisbal", rng=random.Random(i)) for i in range(c)]
+    for core in cores:
+        core.connected = True
+        core.apply_snapshot(snap)
+    rng = random.Random(seed)
+    got: dict[str, int] = dict.fromkeys(loads, 0)
+    for _ in range(routes):
+        got[cores[rng.randrange(c)].route().engine_id] += 1
+    total = [loads[e] + got[e] for e in loads]
+    return min(total), max(total)
+
+
+def test_many_routers_water_fill_without_overshooting_the_lowest_engines() -> None:
+    # 48 routes per engine on top of residual loads 0..30: the ideal is ~63 everywhere.
+    # Without the stratified dither every router fills the same lowest engines in
+    # lumps of client_count and the spread is about 30..84.
+    lo, hi = _fill(256, 32, 256 * 48, 5)
+    assert hi - lo <= 10, (lo, hi)
+    lo, hi = _fill(32, 8, 32 * 48, 5)
+    assert hi - lo <= 4, (lo, hi)
+
+
+def test_bench_scenarios_add_a_procs_variant() -> None:
+    from redisbal.bench import BenchConfig, _finite, bench_scenarios
+
+    cfg = BenchConfig(["burst", "skew"], ["redisbal"], [1], router_processes=["skew"])
+    scs = bench_scenarios(cfg)
+    assert list(scs) == ["burst", "skew", "skew-procs"]
+    assert scs["skew-procs"].router_processes and not scs["skew"].router_processes
+    assert _finite({"a": [math.nan, 1.0], "b": math.inf}) == {"a": [None, 1.0], "b": None}
