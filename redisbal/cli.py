@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import math
 import signal
 import sys
 import time
@@ -42,6 +43,19 @@ _PRIORITY = {
     ParameterSource.DEFAULT: 0,
 }
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+class FiniteFloat(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf: nan compares false with both
+    bounds, so FloatRange lets it through (and an engine stepping every nan ms hangs)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
 
 
 # -- shared options ---------------------------------------------------------------------------
@@ -311,7 +325,7 @@ def _ms(name: str, default: int, lo: int, hi: int, help: str) -> Callable[[F], F
 @click.option("--id", "coordinator_id", metavar="NAME", help="Coordinator id (default host-pid).")
 @click.option(
     "--duration",
-    type=click.FloatRange(0, min_open=True),
+    type=FiniteFloat(0, min_open=True),
     help="Stop after this many seconds (default: until SIGINT/SIGTERM).",
 )
 @click.option(
@@ -450,21 +464,21 @@ def _parse_slow(values: tuple[str, ...]) -> dict[str, float]:
 )
 @click.option(
     "--base-step-ms",
-    type=click.FloatRange(0.1, 10_000),
+    type=FiniteFloat(0.1, 10_000),
     default=12.0,
     show_default=True,
     help="Step time with an empty batch.",
 )
 @click.option(
     "--per-seq-ms",
-    type=click.FloatRange(0, 1_000),
+    type=FiniteFloat(0, 1_000),
     default=0.15,
     show_default=True,
     help="Step time added per running request.",
 )
 @click.option(
     "--prefill-ms",
-    type=click.FloatRange(0, 1_000),
+    type=FiniteFloat(0, 1_000),
     default=0.4,
     show_default=True,
     help="Step time added per request admitted in the step.",
@@ -477,7 +491,7 @@ def _parse_slow(values: tuple[str, ...]) -> dict[str, float]:
 )
 @click.option(
     "--duration",
-    type=click.FloatRange(0, min_open=True),
+    type=FiniteFloat(0, min_open=True),
     help="Stop after this many seconds (default: until SIGINT/SIGTERM).",
 )
 @click.option(
@@ -579,35 +593,35 @@ def engine_sim(
 )
 @click.option(
     "--burst-window-ms",
-    type=click.FloatRange(0, 60_000),
+    type=FiniteFloat(0, 60_000),
     default=50.0,
     show_default=True,
     help="A burst is sent within this window.",
 )
 @click.option(
     "--burst-every",
-    type=click.FloatRange(0.01, 3600),
+    type=FiniteFloat(0.01, 3600),
     default=2.0,
     show_default=True,
     help="Seconds between burst starts.",
 )
 @click.option(
     "--rate",
-    type=click.FloatRange(0, 1_000_000),
+    type=FiniteFloat(0, 1_000_000),
     default=0.0,
     show_default=True,
     help="Poisson requests/s over ALL API servers (can be combined with bursts).",
 )
 @click.option(
     "--duration",
-    type=click.FloatRange(0, 86_400, min_open=True),
+    type=FiniteFloat(0, 86_400, min_open=True),
     default=10.0,
     show_default=True,
     help="Seconds of load.",
 )
 @click.option(
     "--mean-output",
-    type=click.FloatRange(1, 100_000),
+    type=FiniteFloat(1, 100_000),
     default=40.0,
     show_default=True,
     help="Mean output length in tokens (heavy-tailed).",
@@ -628,14 +642,14 @@ def engine_sim(
 )
 @click.option(
     "--drain-timeout",
-    type=click.FloatRange(0, 3600),
+    type=FiniteFloat(0, 3600),
     default=10.0,
     show_default=True,
     help="After the load, wait this long for completions.",
 )
 @click.option(
     "--wait-engines",
-    type=click.FloatRange(0, 3600),
+    type=FiniteFloat(0, 3600),
     default=10.0,
     show_default=True,
     help="Wait this long for a first snapshot.",
@@ -731,7 +745,7 @@ def api(
 @click.option(
     "--watch",
     "-w",
-    type=click.FloatRange(0.1, 3600),
+    type=FiniteFloat(0.1, 3600),
     is_flag=False,
     flag_value=1.0,
     default=None,
@@ -785,7 +799,7 @@ def status(watch: float | None, as_json: bool) -> None:
 )
 @click.option(
     "--duration",
-    type=click.FloatRange(0.5, 600),
+    type=FiniteFloat(0.5, 600),
     default=6.0,
     show_default=True,
     help="Seconds of load.",
@@ -818,14 +832,14 @@ def status(watch: float | None, as_json: bool) -> None:
 )
 @click.option(
     "--burst-every",
-    type=click.FloatRange(0.1, 600),
+    type=FiniteFloat(0.1, 600),
     default=2.0,
     show_default=True,
     help="Seconds between bursts.",
 )
 @click.option(
     "--rate",
-    type=click.FloatRange(0, 100_000),
+    type=FiniteFloat(0, 100_000),
     default=0.0,
     show_default=True,
     help="Background Poisson requests/s.",

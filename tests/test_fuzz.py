@@ -847,18 +847,24 @@ def test_cli_bad_redis_url_is_a_usage_error_without_the_password(url: str) -> No
         assert "redis-url" in result.output and "s3cret" not in result.output, result.output
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="click FloatRange lets nan/inf through (nan compares false with both bounds): "
-    "the CLI's float options (e.g. api --rate, engine-sim --base-step-ms) accept them; "
-    "reported to the CLI owner",
-)
 def test_cli_float_options_reject_nan() -> None:
     from click.testing import CliRunner
 
     from redisbal.cli import cli
 
-    result = CliRunner().invoke(
-        cli, ["engine-sim", "--redis-url", "redis://127.0.0.1:1/0", "--base-step-ms", "nan"]
+    for bad in ("nan", "inf", "-inf"):
+        result = CliRunner().invoke(
+            cli, ["engine-sim", "--redis-url", "redis://127.0.0.1:1/0", "--base-step-ms", bad]
+        )
+        assert result.exit_code == 2 and "base-step-ms" in result.output, result.output
+
+
+def test_unknown_report_field_is_refused_by_name(target: Target) -> None:
+    """An unknown field is a TypeError naming it (Python's own check), before any I/O."""
+    rep = EngineReporter(
+        client=target.r, deployment=target.keys.deployment, engine_id="e0", heartbeat=False
     )
-    assert result.exit_code == 2 and "base-step-ms" in result.output, result.output
+    before = target.state()
+    with pytest.raises(TypeError, match="queue_depth"):
+        rep.report(step=99, waiting=1, running=1, queue_depth=3)  # type: ignore[call-arg]
+    assert target.state() == before
