@@ -1190,6 +1190,37 @@ async def run_all(
     return results
 
 
+def run_all_simulated(cfg: BenchConfig) -> list[RunResult]:
+    """The same runs on the discrete-event simulator (``bench_scale.simulate``)."""
+    from redisbal.bench_scale import simulate
+
+    scenarios = bench_scenarios(cfg)
+    runs = [(s, seed, p) for s in scenarios for seed in cfg.seeds for p in cfg.policies]
+    prog = Progress(len(runs))
+    out = []
+    try:
+        for s, seed, p in runs:
+            sc = scenarios[s]
+            if sc.churn:
+                raise click.ClickException("--sim-clock cannot run churn (no membership model)")
+            prog.show(f"{s:<11} {p:<11} seed {seed} (simulated clock)")
+            m = simulate(p, seed, sc)
+            metrics = {k: m[k] for k in METRICS if k in m}
+            if sc.traffic != "burst":
+                metrics["burst_max_over_mean"] = math.nan
+            health = {
+                "lag_p99_s": 0.0,
+                "lost": 0,
+                "unfinished": 0,
+                "route_us": 0.0,
+                "snapshots_per_router": 0,
+            }
+            out.append(RunResult(s, p, seed, metrics, health))
+    finally:
+        prog.close()
+    return out
+
+
 def summarize(results: list[RunResult], policies: Sequence[str]) -> dict[str, Any]:
     """The JSON document: scenarios/policy/metric means, gap closed, spread, noise flags."""
     by: dict[str, dict[str, dict[str, list[float]]]] = {}
@@ -1417,6 +1448,12 @@ def _seeds(value: str | None, quick: bool) -> list[int]:
 @click.option(
     "--scale-only", is_flag=True, help="Run only the 1024 x 64 projection (simulated clock)."
 )
+@click.option(
+    "--sim-clock",
+    is_flag=True,
+    help="Run the scenarios on the discrete-event simulator instead of real time on Redis "
+    "(deterministic; no churn). For policy experiments, not for the record.",
+)
 @click.option("--json", "json_path", default=None, help="Write results as JSON here.")
 @click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
 def bench_command(
@@ -1428,6 +1465,7 @@ def bench_command(
     router_processes: str,
     scale: bool | None,
     scale_only: bool,
+    sim_clock: bool,
     json_path: str | None,
     plot_dir: str | None,
 ) -> None:
@@ -1446,7 +1484,12 @@ def bench_command(
     )
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
-    results = [] if scale_only else asyncio.run(run_all(cfg))
+    if scale_only:
+        results: list[RunResult] = []
+    elif sim_clock:
+        results = run_all_simulated(cfg)
+    else:
+        results = asyncio.run(run_all(cfg))
     elapsed = time.monotonic() - t0
     doc = summarize(results, cfg.policies)
     scen = bench_scenarios(cfg)
@@ -1454,6 +1497,7 @@ def bench_command(
     bad = [r for r in results if r.health["lag_p99_s"] > LAG_LIMIT_S]
     doc["meta"] = {
         "argv": sys.argv,
+        "clock": "simulated (discrete-event), no Redis" if sim_clock else "real time on Redis",
         "quick": quick,
         "seeds": cfg.seeds,
         "elapsed_s": round(elapsed, 1),
