@@ -1316,6 +1316,63 @@ def tables(doc: dict[str, Any], scenarios: dict[str, Scenario]) -> str:
     return "\n".join(lines)
 
 
+def markdown(doc: dict[str, Any]) -> str:
+    """The results as Markdown tables (for docs/BENCHMARKS.md): per scenario, policy x
+    metric as mean [min-max] over seeds, lag p99 per policy; then gap closed."""
+    out = []
+    descs = {s: d for s, d in doc.get("meta", {}).get("scenarios", {}).items()}
+    for sc, pols in doc["scenarios"].items():
+        d = descs.get(sc)
+        title = f"#### {sc}"
+        if d:
+            title += f" ({Scenario(**d).describe()})"
+        out += [title, ""]
+        ms = [m for m in METRICS if any(m in v for v in pols.values())]
+        out.append("| policy | " + " | ".join(ms) + " | lag p99 ms |")
+        out.append("|---" * (len(ms) + 2) + "|")
+        for p, vals in pols.items():
+            cells = []
+            for m in ms:
+                if m not in vals:
+                    cells.append("-")
+                    continue
+                sp = doc["spread"][sc][p][m]
+                txt = f"{vals[m]:.3f}"
+                if sp["n"] > 1:
+                    txt += f" [{sp['min']:.3f}-{sp['max']:.3f}]"
+                cells.append(f"**{txt}**" if p == "redisbal" else txt)
+            lag = doc["health"][sc][p]["lag_p99_s"] * 1000
+            flag = " !" if lag > LAG_LIMIT_S * 1000 else ""
+            out.append(f"| {p} | " + " | ".join(cells) + f" | {lag:.1f}{flag} |")
+        out.append("")
+    gc = doc.get("gap_closed", {})
+    if gc:
+        ms = [m for m in METRICS if any(m in v for v in gc.values())]
+        out += ["#### gap closed = (vllm-21617 - redisbal) / (vllm-21617 - oracle)", ""]
+        out.append("| scenario | " + " | ".join(ms) + " |")
+        out.append("|---" * (len(ms) + 1) + "|")
+        for sc, vals in gc.items():
+            cells = []
+            for m in ms:
+                v = vals.get(m)
+                if v is None:
+                    cells.append("-" if m not in vals else "no gap")
+                    continue
+                txt = f"{v:.2f}"
+                sp = doc.get("gap_closed_spread", {}).get(sc, {}).get(m)
+                if sp and doc["spread"][sc]["redisbal"][m]["n"] > 1:
+                    txt += f" [{sp['min']:.2f}..{sp['max']:.2f}]"
+                noise = doc.get("gap_within_noise", {}).get(sc, {}).get(m)
+                if noise:
+                    txt += " (gap within noise)"
+                elif noise is None:
+                    txt += " (1 seed)"
+                cells.append(txt)
+            out.append(f"| {sc} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 # -- plots --------------------------------------------------------------------------------
 
 
@@ -1455,6 +1512,7 @@ def _seeds(value: str | None, quick: bool) -> list[int]:
     "(deterministic; no churn). For policy experiments, not for the record.",
 )
 @click.option("--json", "json_path", default=None, help="Write results as JSON here.")
+@click.option("--markdown", "md_path", default=None, help="Write the tables as Markdown here.")
 @click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
 def bench_command(
     redis_url: str | None,
@@ -1467,6 +1525,7 @@ def bench_command(
     scale_only: bool,
     sim_clock: bool,
     json_path: str | None,
+    md_path: str | None,
     plot_dir: str | None,
 ) -> None:
     """Balance benchmark: every policy on the same seeds, on a real Redis, in real time."""
@@ -1539,6 +1598,10 @@ def bench_command(
         with open(json_path, "w") as f:
             json.dump(_finite(doc), f, indent=1, allow_nan=False)
         click.echo(f"wrote {json_path}")
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(markdown(doc))
+        click.echo(f"wrote {md_path}")
     if plot_dir:
         for p in write_plots(results, doc, plot_dir):
             click.echo(f"wrote {p}")
