@@ -78,6 +78,16 @@ def record(fault: str, **figures: Any) -> dict[str, Any]:
     return row
 
 
+def hold_port(port: int, host: str = "127.0.0.1") -> socket.socket:
+    """Bind (without listening) a port a killed server had, so that connections to it are
+    refused and no other process on this shared machine takes it over meanwhile (clients
+    that still have the old address would then talk to a stranger). Close it to release."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    return s
+
+
 # -- child processes --------------------------------------------------------------------------
 
 
@@ -219,6 +229,8 @@ class RouteLog:
     errors: list[str] = field(default_factory=list)
     # (monotonic time, engine id, snapshot version, degraded)
     decisions: list[tuple[float, str, int, bool]] = field(default_factory=list)
+    # (monotonic time, seconds one route() call took)
+    durations: list[tuple[float, float]] = field(default_factory=list)
     # (monotonic time, epoch, version, engine ids) each time the router's snapshot changed
     snapshots: list[tuple[float, str, int, frozenset[str]]] = field(default_factory=list)
 
@@ -257,11 +269,20 @@ class RouteLoop:
                 seen = (snap.epoch, snap.version)
                 self.log.snapshots.append((now, snap.epoch, snap.version, frozenset(snap.engines)))
             try:
+                t = time.perf_counter()
                 d = self.router.route()
+                took = time.perf_counter() - t
             except Exception as exc:  # the point: route() must never raise
-                self.log.errors.append(f"{type(exc).__name__}: {exc}")
+                snap = self.router.snapshot
+                where = (
+                    f"snapshot {snap.epoch} v{snap.version} engines={sorted(snap.engines)}"
+                    if snap is not None
+                    else "no snapshot"
+                )
+                self.log.errors.append(f"{type(exc).__name__}: {exc} [{where}]")
             else:
                 self.log.decisions.append((now, d.engine_id, d.version, d.degraded))
+                self.log.durations.append((now, took))
                 inflight.append((now, d))
             while inflight and now - inflight[0][0] >= self.hold_s:
                 self.router.finished(inflight.popleft()[1])
@@ -272,6 +293,10 @@ class RouteLoop:
     def current(self) -> tuple[str, int] | None:
         snaps = self.log.snapshots
         return (snaps[-1][1], snaps[-1][2]) if snaps else None
+
+    def route_times(self, t0: float, t1: float) -> list[float]:
+        """Seconds each route() call between t0 and t1 took, sorted."""
+        return sorted(d for t, d in list(self.log.durations) if t0 <= t < t1)
 
     def decisions_since(self, t: float) -> list[tuple[float, str, int, bool]]:
         return [d for d in list(self.log.decisions) if d[0] >= t]

@@ -21,7 +21,15 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from procs import ProcGroup, RouteLoop, SnapshotObserver, TcpProxy, record, wait_until
+from procs import (
+    ProcGroup,
+    RouteLoop,
+    SnapshotObserver,
+    TcpProxy,
+    hold_port,
+    record,
+    wait_until,
+)
 from topology import SentinelTopology, binaries
 
 from redisbal import Router
@@ -120,7 +128,8 @@ def stored(c: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
 
 def assert_routing_never_failed(*loops: RouteLoop) -> None:
     for loop in loops:
-        assert loop.log.errors == [], f"route() raised: {loop.log.errors[:3]}"
+        history = [(round(t, 3), e, v, len(en)) for t, e, v, en in loop.log.snapshots]
+        assert loop.log.errors == [], f"route() raised: {loop.log.errors[:3]}; history {history}"
         assert loop.versions_monotonic() == [], "a router went back to an older version"
 
 
@@ -141,6 +150,7 @@ def test_redis_killed_and_restarted_empty(
 
         server.kill()
         t_kill = time.monotonic()
+        held = hold_port(server.port)  # nobody else may start a server there meanwhile
         detect = wait_until(lambda: all(lp.router.degraded for lp in loops), 10, "degraded")
         # keep routing through the outage for a while: every decision must still be made
         wait_until(
@@ -152,6 +162,7 @@ def test_redis_killed_and_restarted_empty(
         wait_until(lambda: time.monotonic() - t_kill >= 1.0, 5, "a one-second outage")
         down_s = time.monotonic() - t_kill
 
+        held.close()
         server.start()
         t_up = time.monotonic()
         wait_until(lambda: c.get(keys.epoch) not in (None, epoch1.encode()), 15, "new state")
@@ -188,6 +199,10 @@ def test_redis_killed_and_restarted_empty(
         during = [d for d in lp.log.decisions if t_kill + detect <= d[0] < t_up]
         assert during and all(d[3] for d in during), "decisions during the outage not degraded"
         assert {d[1] for d in during} == set(ENGINES), "degraded routing stopped balancing"
+        took = lp.route_times(t_kill, t_up)
+        # invariant 8: route() never waits on Redis (a connect timeout would be >= 0.25 s;
+        # the bound is loose because a loaded machine can deschedule the thread)
+        assert took and took[-1] < 0.2, f"route() took {took[-1]:.3f}s with Redis down"
         after = [d for d in lp.log.decisions if d[0] >= t_end]
         assert after and not any(d[3] for d in after), "still degraded after the resync"
         new_epochs = [s for s in lp.log.snapshots if s[0] >= t_up and s[1] != epoch1]
@@ -196,6 +211,7 @@ def test_redis_killed_and_restarted_empty(
         )
         assert lp.log.snapshots[-1][1] == epoch2
     assert_routing_never_failed(*loops)
+    outage_times = sorted(x for lp in loops for x in lp.route_times(t_kill, t_up))
     record(
         "redis_restart_empty",
         binary=f"{server.version[0]}.{server.version[1]}",
@@ -208,6 +224,9 @@ def test_redis_killed_and_restarted_empty(
         up_to_routers_resynced_s=t_resync,
         up_to_config_restored_s=t_config,
         degraded_decisions=sum(sum(d[3] for d in lp.log.decisions) for lp in loops),
+        route_us_during_outage_p50=1e6 * outage_times[len(outage_times) // 2],
+        route_us_during_outage_p99=1e6 * outage_times[int(len(outage_times) * 0.99)],
+        route_us_during_outage_max=1e6 * outage_times[-1],
     )
 
 
@@ -232,6 +251,7 @@ def test_sentinel_failover(deployment: str, routers: Routers) -> None:
 
         old = topo.kill_primary()
         t_kill = time.monotonic()
+        held = hold_port(old)  # the dead primary's address stays dead
         topo.wait_failover(old, timeout=40)
         t_promoted = time.monotonic() - t_kill
         with replica.client(socket_timeout=2) as rc:
@@ -251,7 +271,7 @@ def test_sentinel_failover(deployment: str, routers: Routers) -> None:
                 "snapshots flowing on the new primary",
             )
             t_flowing = time.monotonic() - t_kill
-
+    held.close()
     assert_routing_never_failed(*loops)
     for lp in loops:
         lp.stop()
@@ -295,6 +315,7 @@ def test_sentinel_failover_to_a_lagging_replica(deployment: str, routers: Router
             wait_until(lambda: loops[0].router.snapshot.version >= v0 + 6, 5, "writes")  # type: ignore[union-attr]
             old = topo.kill_primary()
             t_kill = time.monotonic()
+            held = hold_port(old)  # the dead primary's address stays dead
         finally:
             replica.proc.send_signal(signal.SIGCONT)
         seen_before = max(lp.router.snapshot.version for lp in loops)  # type: ignore[union-attr]
@@ -314,6 +335,7 @@ def test_sentinel_failover_to_a_lagging_replica(deployment: str, routers: Router
         t_resync = time.monotonic() - t_kill
         pc.close()
         rc.close()
+    held.close()
     assert replica_had < seen_before, "the replica did not lag: the scenario did not happen"
     assert_routing_never_failed(*loops)
     for lp in loops:
