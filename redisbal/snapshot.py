@@ -6,14 +6,17 @@ Published by the Lua barrier as JSON (built in Lua, parsed here with orjson).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 
-@dataclass(frozen=True, slots=True)
-class EngineCounts:
-    """One engine's counts in a snapshot: its newest report at or before the cut."""
+class EngineCounts(NamedTuple):
+    """One engine's counts in a snapshot: its newest report at or before the cut.
+
+    A NamedTuple, not a frozen dataclass: every router builds one per engine per
+    snapshot, and a tuple is built several times faster (immutable all the same).
+    """
 
     waiting: int
     running: int
@@ -48,15 +51,16 @@ class Snapshot:
     def from_json(cls, data: bytes | str) -> Snapshot:
         raw = data.encode() if isinstance(data, str) else bytes(data)
         d: dict[str, Any] = orjson.loads(raw)
+        make = EngineCounts
         engines = {
-            e: EngineCounts(
-                waiting=c["waiting"],
-                running=c["running"],
-                kv_usage=c["kv"],
-                wave=c["wave"],
-                step=c["step"],
-                reported_ms=c["t"],
-                admitted=tuple(c["adm"]) if "adm" in c else None,
+            e: make(
+                c["waiting"],
+                c["running"],
+                c["kv"],
+                c["wave"],
+                c["step"],
+                c["t"],
+                tuple(adm) if (adm := c.get("adm")) is not None else None,
             )
             for e, c in d["engines"].items()
         }

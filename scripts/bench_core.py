@@ -32,18 +32,36 @@ from redisbal.snapshot import Snapshot
 
 def fake_snapshot(n: int, clients: int = 8) -> Snapshot:
     engines = {
-        str(i): {"wave": 0, "step": 1, "waiting": i % 7, "running": 20 + i % 13, "kv": 0.3,
-                 "t": 1000, "adm": [0] * clients}
+        str(i): {
+            "wave": 0,
+            "step": 1,
+            "waiting": i % 7,
+            "running": 20 + i % 13,
+            "kv": 0.3,
+            "t": 1000,
+            "adm": [0] * clients,
+        }
         for i in range(n)
     }
-    doc = {"deployment": "b", "epoch": "e", "version": 1, "wave": 0, "step": 1,
-           "forced": False, "laggards": {}, "gone": {}, "joining": [], "time_ms": 1000,
-           "engines": engines}
+    doc = {
+        "deployment": "b",
+        "epoch": "e",
+        "version": 1,
+        "wave": 0,
+        "step": 1,
+        "forced": False,
+        "laggards": {},
+        "gone": {},
+        "joining": [],
+        "time_ms": 1000,
+        "engines": engines,
+    }
     return Snapshot.from_json(json.dumps(doc))
 
 
-def bench_route(n: int, policy: str = "redisbal", calls: int = 20000,
-                repeats: int = 5) -> dict[str, float]:
+def bench_route(
+    n: int, policy: str = "redisbal", calls: int = 20000, repeats: int = 5
+) -> dict[str, float]:
     """Median ns per route() over many single calls (finished() excluded)."""
     core = RouterCore(0, 8, policy)
     core.apply_snapshot(fake_snapshot(n))
@@ -62,8 +80,9 @@ def bench_route(n: int, policy: str = "redisbal", calls: int = 20000,
     return {"median_us": statistics.median(medians) / 1000, "best_us": min(medians) / 1000}
 
 
-def bench_report_server_time(client: redis.Redis, n: int = 64, steps: int = 100,
-                             repeats: int = 7, pipelined: bool = True) -> dict[str, float]:
+def bench_report_server_time(
+    client: redis.Redis, n: int = 64, steps: int = 100, repeats: int = 7, pipelined: bool = True
+) -> dict[str, float]:
     """usec_per_call of EVALSHA (report_8.lua) from INFO commandstats, publishes included."""
     per_call = []
     for rep in range(repeats):
@@ -79,8 +98,22 @@ def bench_report_server_time(client: redis.Redis, n: int = 64, steps: int = 100,
         for s in range(steps):
             target = client.pipeline(transaction=False) if pipelined else client
             for i in range(n):
-                script(keys=sc._keys, args=[keys.deployment, "PUBLISH", "ep", str(i), 0, s,
-                                            i % 5, 10 + i, "0.4", adm], client=target)
+                script(
+                    keys=sc._keys,
+                    args=[
+                        keys.deployment,
+                        "PUBLISH",
+                        "ep",
+                        str(i),
+                        0,
+                        s,
+                        i % 5,
+                        10 + i,
+                        "0.4",
+                        adm,
+                    ],
+                    client=target,
+                )
             if pipelined:
                 target.execute()  # type: ignore[union-attr]
         st = client.info("commandstats")["cmdstat_evalsha"]
@@ -89,48 +122,83 @@ def bench_report_server_time(client: redis.Redis, n: int = 64, steps: int = 100,
     return {"median_us": statistics.median(per_call), "best_us": min(per_call)}
 
 
-async def bench_latency(url: str, n: int = 32, routers: int = 8,
-                        steps: int = 200) -> dict[str, float]:
-    """Time from sending the last engine's report of a step to each router adopting
-    the snapshot (all in one process: routers are separate clients and pub/sub
-    connections, so the figure includes their queueing behind one another)."""
-    from redisbal.engine import AsyncEngineReporter
+def _router_process(
+    url: str, deployment: str, index: int, count: int, ready: Any, out: Any, stop: Any
+) -> None:
+    """One API-server process: an AsyncRouter that timestamps every snapshot it adopts."""
     from redisbal.router import AsyncRouter
 
-    keys = DeploymentKeys("lat")
+    class TimedRouter(AsyncRouter):
+        def _apply(self, data: bytes | str | None) -> None:
+            before = self.core.snapshot
+            super()._apply(data)
+            snap = self.core.snapshot
+            if snap is not None and snap is not before:
+                seen[snap.version] = time.time()
+
+    seen: dict[int, float] = {}
+
+    async def run() -> None:
+        router = TimedRouter(url, deployment, index, count, poll_s=5.0)
+        await router.start()
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await router.aclose()
+
+    asyncio.run(run())
+    out.put((index, seen))
+
+
+def bench_latency(url: str, n: int = 32, routers: int = 8, steps: int = 200) -> dict[str, float]:
+    """From just before the last engine's report of a step is sent to the moment each
+    router process adopts the snapshot it completes (wall clock, one host). Every
+    router is its own process, as API servers are."""
+    import multiprocessing as mp
+
+    from redisbal.engine import EngineReporter
+
+    dep = "lat"
+    keys = DeploymentKeys(dep)
     admin = redis.Redis.from_url(url)
     admin.delete(*keys.all_keys())
-    admin.hset(keys.config, mapping={"join_grace_ms": 0})
-    reps = [AsyncEngineReporter(url, "lat", str(i), heartbeat=False) for i in range(n)]
-    for rep in reps:
-        await rep.register()
-    rts = [AsyncRouter(url, "lat", i, routers, poll_s=5.0) for i in range(routers)]
-    for rt in rts:
-        await rt.start()
-    seen: list[float] = []
+    reps = [EngineReporter(url, dep, str(i), heartbeat=False) for i in range(n)]
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    readies = [ctx.Event() for _ in range(routers)]
+    procs = [
+        ctx.Process(target=_router_process, args=(url, dep, i, routers, readies[i], out, stop))
+        for i in range(routers)
+    ]
+    for p in procs:
+        p.start()
+    for ev in readies:
+        ev.wait(30)
+    sent: dict[int, float] = {}
     for step in range(steps):
         for rep in reps[:-1]:
-            await rep.report(step=step, waiting=1, running=2)
-        t0 = time.perf_counter()
-        res = await reps[-1].report(step=step, waiting=1, running=2)
+            rep.report(step=step, waiting=1, running=2)
+        t0 = time.time()
+        res = reps[-1].report(step=step, waiting=1, running=2)
         assert res.version, "the last report must publish"
-        pending = set(range(routers))
-        deadline = t0 + 1.0
-        while pending and time.perf_counter() < deadline:
-            for i in list(pending):
-                snap = rts[i].snapshot
-                if snap is not None and snap.version >= res.version:
-                    seen.append(time.perf_counter() - t0)
-                    pending.discard(i)
-            await asyncio.sleep(0)
-    for rt in rts:
-        await rt.aclose()
+        sent[res.version] = t0
+        time.sleep(0.005)
+    time.sleep(0.5)
+    stop.set()
+    seen = dict(out.get(timeout=30) for _ in procs)
+    for p in procs:
+        p.join(10)
     for rep in reps:
-        await rep.aclose(leave=False)
+        rep.close(leave=False)
     admin.delete(*keys.all_keys())
-    seen.sort()
-    return {"p50_ms": 1000 * seen[len(seen) // 2], "p99_ms": 1000 * seen[int(len(seen) * 0.99)],
-            "samples": len(seen)}
+    lat = sorted(t - sent[v] for s in seen.values() for v, t in s.items() if v in sent)
+    missing = steps * routers - len(lat)
+    return {
+        "p50_ms": 1000 * lat[len(lat) // 2],
+        "p99_ms": 1000 * lat[int(len(lat) * 0.99)],
+        "samples": len(lat),
+        "missed": missing,
+    }
 
 
 def main() -> int:
@@ -143,8 +211,9 @@ def main() -> int:
     if not url:
         server = RedisServer().start()
         url = server.url
-    out: dict[str, Any] = {"machine": {"python": platform.python_version(),
-                                       "platform": platform.platform()}}
+    out: dict[str, Any] = {
+        "machine": {"python": platform.python_version(), "platform": platform.platform()}
+    }
     try:
         client = redis.Redis.from_url(url)
         out["redis_version"] = client.info("server")["redis_version"]
@@ -152,17 +221,26 @@ def main() -> int:
             for policy in ("redisbal", "vllm-21617"):
                 r = bench_route(n, policy)
                 out[f"route_{policy}_{n}"] = r
-                print(f"route() {policy:11s} {n:5d} engines: median {r['median_us']:.2f} us "
-                      f"(best repeat {r['best_us']:.2f})", flush=True)
+                print(
+                    f"route() {policy:11s} {n:5d} engines: median {r['median_us']:.2f} us "
+                    f"(best repeat {r['best_us']:.2f})",
+                    flush=True,
+                )
         for pipelined in (True, False):
             r = bench_report_server_time(client, pipelined=pipelined)
             out[f"report_server_us_{'pipelined' if pipelined else 'sequential'}"] = r
-            print(f"report server time, 64 engines, {'pipelined' if pipelined else 'sequential'}"
-                  f": median {r['median_us']:.1f} us (best {r['best_us']:.1f})", flush=True)
-        r = asyncio.run(bench_latency(url))
+            print(
+                f"report server time, 64 engines, {'pipelined' if pipelined else 'sequential'}"
+                f": median {r['median_us']:.1f} us (best {r['best_us']:.1f})",
+                flush=True,
+            )
+        r = bench_latency(url)
         out["report_to_snapshot"] = r
-        print(f"last report -> snapshot at every router (32 engines, 8 routers): "
-              f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms ({r['samples']} samples)")
+        print(
+            f"last report -> snapshot at every router (32 engines, 8 router processes): "
+            f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms ({r['samples']} samples, "
+            f"{r['missed']} not seen within the run)"
+        )
     finally:
         if server is not None:
             server.cleanup()
