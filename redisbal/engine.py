@@ -1,6 +1,6 @@
 """Engine side: report step-tagged counts into the deployment's barrier.
 
-One report is one EVALSHA of ``lua/report_8.lua``: one round trip, atomic.
+One report is one EVALSHA of ``lua/report_7.lua``: one round trip, atomic.
 The reporter never stalls the engine loop on a Redis outage: a failed call
 returns status "unavailable" and the reporter stays quiet for a short back-off
 (a heartbeat re-sends the latest counts once Redis is back, which re-registers
@@ -77,7 +77,7 @@ def validate_report(
     kv_usage: float | None,
     admitted: Sequence[int] | None,
 ) -> list[str]:
-    """Check one report and return ARGV[5..10] for report_8.lua."""
+    """Check one report and return ARGV[5..10] for report_7.lua."""
     if mode == "lockstep":
         if step is None:
             raise InvalidReport("step is required in lockstep mode (or use mode='tick')")
