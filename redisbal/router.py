@@ -37,7 +37,35 @@ FEED_ERRORS = (
 )
 
 
-class AsyncRouter:
+class _LocalRouting:
+    """The routing surface both routers share: pure calls on local state (``core``)."""
+
+    core: RouterCore
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The latest adopted snapshot, or None before the first."""
+        return self.core.snapshot
+
+    @property
+    def degraded(self) -> bool:
+        """True when routing without a fresh snapshot (none yet, stale, or feed down)."""
+        return self.core.degraded
+
+    @property
+    def client_index(self) -> int:
+        return self.core.client_index
+
+    def route(self, engine_id: str | None = None) -> Decision:
+        """Choose an engine (or pin ``engine_id``) for one request. Never does I/O."""
+        return self.core.route(engine_id)
+
+    def finished(self, decision: Decision) -> None:
+        """Tell the router the request of ``decision`` ended."""
+        self.core.finished(decision)
+
+
+class AsyncRouter(_LocalRouting):
     """Routes requests for one API server of a deployment (asyncio).
 
     ``client_index`` / ``client_count`` say which of how many API servers this
@@ -89,28 +117,7 @@ class AsyncRouter:
         self._attempted = asyncio.Event()  # the feed's first connection attempt ended
         self.last_error: str | None = None
 
-    # -- public surface ---------------------------------------------------------------------------
-
-    @property
-    def snapshot(self) -> Snapshot | None:
-        """The latest adopted snapshot, or None before the first."""
-        return self.core.snapshot
-
-    @property
-    def degraded(self) -> bool:
-        return self.core.degraded
-
-    @property
-    def client_index(self) -> int:
-        return self.core.client_index
-
-    def route(self, engine_id: str | None = None) -> Decision:
-        """Choose an engine (or pin ``engine_id``) for one request. Never does I/O."""
-        return self.core.route(engine_id)
-
-    def finished(self, decision: Decision) -> None:
-        """Tell the router the request of ``decision`` ended."""
-        self.core.finished(decision)
+    # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self, wait: float = 0.0) -> None:
         """Start the feed; with ``wait`` > 0, wait up to that long for a first snapshot.
@@ -277,7 +284,7 @@ class AsyncRouter:
         return msg  # type: ignore[no-any-return]
 
 
-class Router:
+class Router(_LocalRouting):
     """Blocking twin of AsyncRouter: the feed runs on a background thread.
 
     ``route()`` / ``finished()`` are plain calls on local state and thread-safe.
@@ -299,24 +306,7 @@ class Router:
         self._thread: threading.Thread | None = None
         # built on the caller's thread so that bad arguments raise here
         self._inner = AsyncRouter(*self._args, **self._kwargs)
-
-    @property
-    def core(self) -> RouterCore:
-        return self._inner.core
-
-    @property
-    def snapshot(self) -> Snapshot | None:
-        return self._inner.snapshot
-
-    @property
-    def degraded(self) -> bool:
-        return self._inner.degraded
-
-    def route(self, engine_id: str | None = None) -> Decision:
-        return self._inner.route(engine_id)
-
-    def finished(self, decision: Decision) -> None:
-        self._inner.finished(decision)
+        self.core = self._inner.core
 
     def start(self, wait: float = 0.0) -> None:
         """Start the feed thread; with ``wait`` > 0, wait that long for a first snapshot."""
