@@ -771,7 +771,7 @@ def bad_option_value(p: click.Option) -> st.SearchStrategy[str]:
             outside.append(st.floats(max_value=t.min, exclude_max=not t.min_open).map(repr))
         if t.max is not None:
             outside.append(st.floats(min_value=t.max, exclude_min=not t.max_open).map(repr))
-        return st.one_of(junk, *outside).filter(lambda s: s not in ("nan", "inf", "-inf"))
+        return st.one_of(junk, st.sampled_from(["nan", "inf", "-inf", "NaN"]), *outside)
     if isinstance(t, click.Choice):
         return st.one_of(junk, any_text).filter(lambda s: s.lower() not in t.choices)
     if p.name in ("deployment", "id_prefix", "coordinator_id"):
