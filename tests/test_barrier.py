@@ -276,6 +276,32 @@ def test_leave_without_completing_republishes_the_current_step(bar: Barrier) -> 
     assert bar.snapshot().gone == {}  # type: ignore[union-attr]
 
 
+def test_a_silence_of_the_whole_deployment_expires_nobody_at_once(bar: Barrier) -> None:
+    """When nothing reached the deployment for longer than dead_after_ms (Redis down,
+    paused or failed over), silence says nothing about the engines: the first reap
+    after it holds expiry for dead_after_ms, so engines that report again in that
+    time stay; one that stays silent expires after the hold."""
+    bar.configure(dead_after_ms=400)
+    bar.register("e0", "e1", "e2")
+    for e in ("e0", "e1", "e2"):
+        rep(bar, e, 1)
+    time.sleep(0.55)  # no call at all: the deployment was unreachable
+    assert bar.reap()[1] == [], "engines expired for a silence they could not break"
+    # e0 and e1 are alive and report on (as live engines do); e2 stays silent: dead
+    step, expired_at, t0 = 2, None, time.monotonic()
+    while expired_at is None:
+        assert time.monotonic() - t0 < 5, "the silent engine never expired"
+        rep(bar, "e0", step)
+        rep(bar, "e1", step)
+        if bar.reap()[1] == ["e2"]:
+            expired_at = time.monotonic() - t0
+        step += 1
+        time.sleep(0.03)
+    assert expired_at >= 0.35, "expired before the hold ended"
+    assert set(bar.snapshot().engines) == {"e0", "e1"}  # type: ignore[union-attr]
+    assert bar.counter("expired") == 1
+
+
 def test_expired_engine_is_absent_from_the_next_snapshot(bar: Barrier) -> None:
     """Expiry (last report older than dead_after_ms) removes the engine and resumes
     the barrier it was holding, in one reap call."""

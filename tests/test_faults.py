@@ -360,12 +360,7 @@ def test_sentinel_failover_to_a_lagging_replica(deployment: str, routers: Router
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limit, reported to the core owner: an outage longer than dead_after_ms "
-    "(here a failover) expires every engine at once when Redis is back, because liveness is "
-    "judged by server time only; routers then get a snapshot without engines",
-)
+@pytest.mark.slow
 def test_failover_longer_than_dead_after_expires_no_engine(deployment: str) -> None:
     keys = DeploymentKeys(deployment)
     with SentinelTopology(BINARIES["system"]) as topo, ProcGroup(topo.url, deployment) as g:

@@ -297,6 +297,18 @@ end
 -- score is refreshed lazily, so a candidate whose record shows a recent report
 -- gets its heartbeat corrected instead.
 local function reap(cfg, now, limit)
+  -- Nothing reached this deployment for longer than dead_after_ms (Redis down,
+  -- paused, or failed over; a coordinator and every engine reap at least every
+  -- dead_after_ms / 4 otherwise): the engines could not report, so silence says
+  -- nothing about them. Give them dead_after_ms from now before judging.
+  local m = redis.call('HMGET', K_META, 'reaped_at', 'hold_until')
+  redis.call('HSET', K_META, 'reaped_at', fmt(now))
+  local last = tonumber(m[1])
+  if last and now - last > cfg.dead_after_ms then
+    redis.call('HSET', K_META, 'hold_until', fmt(now + cfg.dead_after_ms))
+    return {}
+  end
+  if m[2] and now < (tonumber(m[2]) or 0) then return {} end
   local cands = redis.call('ZRANGEBYSCORE', K_MEMBERS, '-inf',
     '(' .. fmt(now - cfg.dead_after_ms), 'LIMIT', 0, limit)
   local dead = {}
