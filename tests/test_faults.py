@@ -44,8 +44,8 @@ ENGINES = ("e0", "e1", "e2")
 pytestmark = pytest.mark.timeout(180)
 
 # A Sentinel failover here takes 1.3-2.5 s (down-after 1000 ms, election, promotion); engines
-# cannot report meanwhile. dead_after_ms must exceed that, or every engine expires at once
-# when the promoted replica comes up (see test_failover_longer_than_dead_after_...).
+# cannot report meanwhile. These tests keep dead_after_ms above it (the default is 5000);
+# test_failover_longer_than_dead_after_expires_no_engine covers the other case.
 FAILOVER_DEAD_AFTER_MS = 5000
 
 
@@ -360,33 +360,53 @@ def test_sentinel_failover_to_a_lagging_replica(deployment: str, routers: Router
 
 
 @pytest.mark.slow
-@pytest.mark.slow
-def test_failover_longer_than_dead_after_expires_no_engine(deployment: str) -> None:
+def test_failover_longer_than_dead_after_expires_no_engine(
+    deployment: str, routers: Routers
+) -> None:
+    """Nobody can report while Redis is away: an outage longer than dead_after_ms must not
+    expire live engines when it ends (it did, until reap learnt to tell a silence of the
+    whole deployment from dead engines), and routers never see a snapshot without them."""
     keys = DeploymentKeys(deployment)
+    dead_after_ms = 1000  # shorter than the failover (1.3-2.5 s here)
     with SentinelTopology(BINARIES["system"]) as topo, ProcGroup(topo.url, deployment) as g:
-        start_deployment(g, dead_after_ms=1000)
+        start_deployment(g, dead_after_ms=dead_after_ms)
+        loop = routers.add(topo.url, deployment, 0, 1)
+        wait_until(lambda: synced(loop, ENGINES), 20, "router in sync")
         primary = topo.server_on(topo.primary_port())
         replica = next(s for s in topo.servers if s is not primary)
         rc = replica.client(socket_timeout=2, decode_responses=True)
         wait_until(lambda: rc.get(keys.snapshot) is not None, 15, "state replicated")
         wait_until(lambda: rc.zcard(keys.members) == len(ENGINES), 10, "members replicated")
         old = topo.kill_primary()
+        t_kill = time.monotonic()
         held = hold_port(old)
         topo.wait_failover(old, timeout=40)
+        t_promoted = time.monotonic() - t_kill
         t_up = time.monotonic()
         wait_until(
             lambda: (
                 (s := stored(rc, keys)) is not None
                 and set(s.engines) == set(ENGINES)
-                and time.monotonic() - t_up > 1.0
+                and time.monotonic() - t_up > 2 * dead_after_ms / 1000
             ),
             15,
-            "engines reporting on the new primary",
+            "engines reporting on the new primary for two dead_after periods",
         )
         expired = int(rc.hget(keys.meta, "expired") or 0)
         rc.close()
     held.close()
+    loop.stop()
     assert expired == 0, f"{expired} live engines expired because Redis was unreachable"
+    assert_routing_never_failed(loop)
+    short = [s for s in loop.log.snapshots if s[0] >= t_kill and s[3] != frozenset(ENGINES)]
+    assert not short, f"routers adopted snapshots missing engines: {short[:3]}"
+    record(
+        "failover_longer_than_dead_after",
+        binary="7.0",
+        dead_after_ms=dead_after_ms,
+        kill_to_promoted_s=t_promoted,
+        engines_expired=expired,
+    )
 
 
 # -- an engine process killed -----------------------------------------------------------------
