@@ -300,3 +300,33 @@ def test_bench_scenarios_add_a_procs_variant() -> None:
     assert list(scs) == ["burst", "skew", "skew-procs"]
     assert scs["skew-procs"].router_processes and not scs["skew"].router_processes
     assert _finite({"a": [math.nan, 1.0], "b": math.inf}) == {"a": [None, 1.0], "b": None}
+
+
+def test_speed_aware_option_learns_a_slow_engine_from_completions() -> None:
+    """RedisbalPolicy.use_speed (off by default): an engine completing half as many
+    requests per running request gets speed ~0.5 and its queue counts double."""
+    from redisbal.policies import RedisbalPolicy
+    from redisbal.snapshot import EngineCounts
+
+    def snaps(k: int) -> Snapshot:
+        counts = {}
+        for e in ("a", "b", "c", "d"):
+            done = k * (10 if e == "d" else 20)  # per 100 ms; d is the slow one
+            counts[e] = EngineCounts(10, 64, None, 0, k, 1000 + 100 * k, (done + 74,))
+        return Snapshot("d", "ep", k, 0, k, False, {}, {}, (), 1000 + 100 * k, counts)
+
+    class SpeedAware(RedisbalPolicy):
+        use_speed = True
+
+    for policy, slow_speed in ((SpeedAware(), 0.5), (RedisbalPolicy(), 1.0)):
+        core = RouterCore(0, 1, policy, rng=random.Random(1))
+        core.connected = True
+        for k in range(1, 31):
+            core.apply_snapshot(snaps(k))
+        if slow_speed == 1.0:
+            assert all(e.speed == 1.0 for e in core.engines)  # not estimated when off
+            continue
+        assert core.by_id["d"].speed == pytest.approx(0.5, rel=0.05)
+        assert core.by_id["a"].speed == 1.0  # inside the dead band around the median
+        got = {core.route().engine_id for _ in range(6)}
+        assert "d" not in got  # 64 + 10 / 0.5 = 84 > 64 + 10 + routed so far
