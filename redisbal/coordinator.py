@@ -147,6 +147,7 @@ class Coordinator:
         self._stop = threading.Event()
         self._epoch: str | None = None
         self._identity: tuple[str, str] | None = None
+        self._identity_epoch = ""  # the epoch at the last identity check
         self._last_identity_check = 0.0
         self._last_config_check = 0.0
 
@@ -211,10 +212,16 @@ class Coordinator:
         info = self.client.info("server")
         repl = self.client.info("replication")
         ident = (_s(info.get("run_id", "")), _s(repl.get("master_replid", "")))
+        current = _s(self.client.get(self.keys.epoch) or "")
         prev, self._identity = self._identity, ident
+        seen, self._identity_epoch = self._identity_epoch, current
         if prev is None or prev == ident:
             return
-        epoch = self._candidate()  # "r-": a restart lost the state, wait for re-registration
+        if not current or current != seen:
+            # the state did not survive (a restart): whoever re-creates it starts the
+            # new epoch; a second one would only make routers resync twice
+            return
+        epoch = self._candidate()  # the state survived a failover: versions may repeat
         self.scripts.call("new_epoch", epoch)
         self._epoch = epoch
         self.stats.epochs_started += 1

@@ -184,6 +184,14 @@ def test_failover_everything_reconnects_and_versions_never_go_back() -> None:
             t.start()
         wait_until(lambda: all(len(s) >= 3 for s in seen), 15, "snapshots before the failover")
         first_epoch = seen[0][-1][0]
+        # kill only once the replica holds the deployment (its first full sync can
+        # lag the sentinels' readiness): the state survives, so the new epoch is the
+        # coordinator's (server identity changed, state kept), not a re-creation
+        primary = topo.server_on(topo.primary_port())
+        replica = next(s for s in topo.servers if s is not primary)
+        rc = replica.client(socket_timeout=2)
+        wait_until(lambda: rc.get(DeploymentKeys(dep).snapshot) is not None, 15, "replicated")
+        rc.close()
         old = topo.kill_primary()
         killed_at = time.monotonic()
         new = topo.wait_failover(old, timeout=30)
