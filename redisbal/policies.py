@@ -401,12 +401,18 @@ class RouterCore:
             now = self.clock()
             self.snapshot, self.snapshot_at = snap, now
             self.counters["snapshots"] += 1
-            self._set_engines(list(snap.engines))
+            # an engine this router knows that the cut cannot hold yet (it reported only
+            # steps past it, e.g. re-registering after a state loss) stays routable
+            # with its last counts instead of vanishing for a snapshot
+            kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
+            self._set_engines([*snap.engines, *kept])
             ci = self.client_index
             mine = total = 0
             exact = False
             for e in self.engines:
-                c = snap.engines[e.engine_id]
+                c = snap.engines.get(e.engine_id)
+                if c is None:
+                    continue
                 e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
                 adm = c.admitted
                 if adm is not None:
