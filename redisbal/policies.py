@@ -168,10 +168,11 @@ class Vllm21617Policy(VllmPrePolicy):
 
 
 class VllmLatestPolicy(Vllm21617Policy):
-    """vLLM after PRs 22910, 41626, 47420, 49204, 52936: an in-flight floor
-    max(client_count * inflight, waiting + running) that a snapshot cannot erase,
-    a KV-pressure penalty waiting * 6 * max(0, kv - 0.5), and a tie-break start
-    index that rotates at every call."""
+    """vLLM after PRs 22910, 41626, 47420, 49204, 52936, scored as vLLM's
+    DPLBAsyncMPClient does today: score = max(client_count * inflight, waiting +
+    running), plus waiting * 6 * max(0, kv - 0.5) when waiting; the floor uses this
+    router's unfinished requests, so a snapshot cannot erase them; +client_count
+    waiting locally per route; a start index that rotates at every call."""
 
     name = "vllm-latest"
 
@@ -183,12 +184,10 @@ class VllmLatestPolicy(Vllm21617Policy):
         return super().start_index(core) + self.rotation
 
     def score(self, core: RouterCore, e: EngineView) -> float:
-        load = e.vw + e.vr
-        floor = core.client_count * e.inflight
-        waiting = e.vw + max(0.0, floor - load)
-        s = waiting * 4 + e.vr
-        if e.kv_usage is not None and e.kv_usage > 0.5:
-            s += e.vw * 6 * (e.kv_usage - 0.5)
+        # as vLLM's DPLBAsyncMPClient scores today: no x4 on waiting any more
+        s = max(core.client_count * e.inflight, e.vw + e.vr)
+        if e.vw and e.kv_usage is not None:
+            s += e.vw * 6.0 * max(0.0, e.kv_usage - 0.5)
         return s
 
 
