@@ -46,6 +46,7 @@ import click
 import orjson
 import redis.asyncio as aioredis
 
+from redisbal.cli import common_options, settings
 from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.engine import AsyncEngineReporter
 from redisbal.keys import DeploymentKeys
@@ -524,6 +525,7 @@ class Run:
         *,
         params: EngineParams | None = None,
         keep_series: bool = True,
+        prefix: str = "bench",
     ) -> None:
         self.sc = sc
         self.policy = policy
@@ -531,7 +533,7 @@ class Run:
         self.url = url
         self.params = params or EngineParams()
         self.keep_series = keep_series
-        self.deployment = f"bench-{sc.name}-{policy}-{seed}-{secrets.token_hex(3)}"
+        self.deployment = f"{prefix}-{sc.name}-{policy}-{seed}-{secrets.token_hex(3)}"
         self.keys = DeploymentKeys(self.deployment)
         self.world = World()
         self.reporters: dict[str, AsyncEngineReporter] = {}
@@ -1114,6 +1116,7 @@ class BenchConfig:
     quick: bool = False
     redis_url: str | None = None
     router_processes: list[str] = field(default_factory=list)
+    prefix: str = "bench"  # each run's deployment is <prefix>-<scenario>-<policy>-<seed>-<hex>
 
 
 class Progress:
@@ -1177,9 +1180,13 @@ async def run_all(
             sc = scenarios[s]
             prog.show(f"{s:<11} {p:<11} seed {seed}")
             if sc.router_processes and p != "oracle":
-                res = await ProcRun(sc, p, seed, url, keep_series=seed == cfg.seeds[0]).execute()
+                res = await ProcRun(
+                    sc, p, seed, url, keep_series=seed == cfg.seeds[0], prefix=cfg.prefix
+                ).execute()
             else:
-                res = await Run(sc, p, seed, url, keep_series=seed == cfg.seeds[0]).execute()
+                res = await Run(
+                    sc, p, seed, url, keep_series=seed == cfg.seeds[0], prefix=cfg.prefix
+                ).execute()
             results.append(res)
             if on_result:
                 on_result(res)
@@ -1500,12 +1507,7 @@ def _seeds(value: str | None, quick: bool) -> list[int]:
 
 
 @click.command("bench")
-@click.option(
-    "--redis-url",
-    envvar="REDISBAL_REDIS_URL",
-    default=None,
-    help="Redis to run on (default: an embedded redis-server).",
-)
+@common_options
 @click.option(
     "--quick",
     is_flag=True,
@@ -1537,7 +1539,6 @@ def _seeds(value: str | None, quick: bool) -> list[int]:
 @click.option("--markdown", "md_path", default=None, help="Write the tables as Markdown here.")
 @click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
 def bench_command(
-    redis_url: str | None,
     quick: bool,
     seeds: str | None,
     scenarios: str | None,
@@ -1550,7 +1551,21 @@ def bench_command(
     md_path: str | None,
     plot_dir: str | None,
 ) -> None:
-    """Balance benchmark: every policy on the same seeds, on a real Redis, in real time."""
+    """Balance benchmark: every policy on the same seeds, on a real Redis, in real time.
+
+    Without --redis-url it starts its own redis-server. Each run gets a fresh
+    deployment named <prefix>-<scenario>-<policy>-<seed>-<hex>, where the prefix is
+    --deployment ("bench" when left at "default").
+    """
+    opts = settings()
+    redis_url = opts.redis_url
+    prefix = "bench" if opts.deployment == "default" else opts.deployment
+    if len(prefix) > 24:
+        raise click.BadParameter(
+            f"bench uses it as a prefix of its runs' deployment names: at most 24 characters, "
+            f"got {len(prefix)}",
+            param_hint="--deployment",
+        )
     if plot_dir:
         _pyplot()  # fail early with the install hint
     cfg = BenchConfig(
@@ -1559,6 +1574,7 @@ def bench_command(
         seeds=_seeds(seeds, quick),
         quick=quick,
         redis_url=redis_url,
+        prefix=prefix,
         router_processes=_csv(router_processes, SCENARIO_NAMES, "scenario")
         if router_processes
         else [],
