@@ -408,6 +408,8 @@ class RouterCore:
             ci = self.client_index
             mine = total = 0
             exact = False
+            # the speed estimate only feeds a policy that uses it (off by default)
+            speed_on = getattr(self.policy, "use_speed", False)
             for e in self.engines:
                 c = snap.engines.get(e.engine_id)
                 if c is None:
@@ -424,8 +426,9 @@ class RouterCore:
                     total += all_adm
                     if c.waiting > 0 and c.running > self.running_cap:
                         self.running_cap = c.running  # an engine with a queue is at its cap
-                    done = all_adm - c.waiting - c.running
-                    self._observe_speed(e, done, c.reported_ms, c.running)
+                    if speed_on:
+                        done = all_adm - c.waiting - c.running
+                        self._observe_speed(e, done, c.reported_ms, c.running)
                 else:
                     cutoff = now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s
                     times = e.times
@@ -435,7 +438,7 @@ class RouterCore:
                     e.exact = False
             if exact:
                 self._update_share(mine, total)
-                if getattr(self.policy, "use_speed", False):
+                if speed_on:
                     self._update_speeds()
             self.policy.reset(self)
             return True
