@@ -125,28 +125,12 @@ class SimEngine:
         return done
 
     def step(self, now: float, duration: float | None = None) -> float:
-        """Run one step starting at ``now``; returns its duration (or uses ``duration``,
-        the lockstep step time). Finished requests get finished_at = now + duration."""
-        adm, own = self.plan()
+        """Run one whole step starting at ``now``; returns its duration (or uses
+        ``duration``, the lockstep step time). Finished requests get finished_at =
+        now + duration."""
+        own = self.begin_step(now)
         dur = own if duration is None else duration
-        for _ in range(adm):
-            req = self.waiting.popleft()
-            req.started_at = now
-            self.running.append(req)
-            if self.on_start is not None:
-                self.on_start(req)
-        end = now + dur
-        still = []
-        for req in self.running:
-            req.produced += 1
-            if req.produced >= req.output_len:
-                req.finished_at = end
-                if self.on_finish is not None:
-                    self.on_finish(req)
-            else:
-                still.append(req)
-        self.running = still
-        self.step_no += 1
+        self.end_step(now + dur)
         return dur
 
 
