@@ -49,6 +49,8 @@ class Scripts:
         self._keys = keys.script_keys()
         self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
 
-    def call(self, name: str, *args: str | int | float) -> Any:
+    def call(self, name: str, *args: str | int | float, client: Any = None) -> Any:
+        """Run script ``name`` with ARGV = deployment, publish command, *args. ``client``
+        runs it on another client or a pipeline (EVALSHA queued, NOSCRIPT handled)."""
         argv = [self.keys.deployment, self.pubcmd, *args]
-        return self._scripts[name](keys=self._keys, args=argv)
+        return self._scripts[name](keys=self._keys, args=argv, client=client)

@@ -92,28 +92,12 @@ def bench_report_server_time(
         sc = Scripts(client, keys)
         for i in range(n):
             sc.call("register", "ep", str(i))
-        script = sc._scripts["report"]
         adm = ",".join(["10"] * 8)
         client.config_resetstat()
         for s in range(steps):
             target = client.pipeline(transaction=False) if pipelined else client
             for i in range(n):
-                script(
-                    keys=sc._keys,
-                    args=[
-                        keys.deployment,
-                        "PUBLISH",
-                        "ep",
-                        str(i),
-                        0,
-                        s,
-                        i % 5,
-                        10 + i,
-                        "0.4",
-                        adm,
-                    ],
-                    client=target,
-                )
+                sc.call("report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4", adm, client=target)
             if pipelined:
                 target.execute()  # type: ignore[union-attr]
         st = client.info("commandstats")["cmdstat_evalsha"]

@@ -71,22 +71,7 @@ def run(binary: str, engines: int, steps: int, ping: bool, workdir: str) -> int:
             if ping:
                 p.ping()
             else:
-                sc._scripts["report"](
-                    keys=sc._keys,
-                    args=[
-                        keys.deployment,
-                        "PUBLISH",
-                        "ep",
-                        str(i),
-                        0,
-                        s,
-                        i % 5,
-                        10 + i,
-                        "0.4000",
-                        adm,
-                    ],
-                    client=p,
-                )
+                sc.call("report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4000", adm, client=p)
         p.execute()
     r.shutdown(nosave=True)
     proc.wait(120)
