@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -45,6 +46,7 @@ from typing import Any
 import click
 import orjson
 import redis.asyncio as aioredis
+from click.core import ParameterSource
 
 from redisbal.cli import common_options, settings
 from redisbal.coordinator import Coordinator, CoordinatorConfig
@@ -1557,7 +1559,15 @@ def bench_command(
     deployment named <prefix>-<scenario>-<policy>-<seed>-<hex>, where the prefix is
     --deployment ("bench" when left at "default").
     """
+    ctx = click.get_current_context()
+    level_given = any(
+        c.get_parameter_source("log_level") not in (None, ParameterSource.DEFAULT)
+        for c in (ctx, ctx.parent)
+        if c is not None
+    )
     opts = settings()
+    if not level_given:  # dozens of coordinators start and stop: only warnings by default
+        logging.getLogger().setLevel(logging.WARNING)
     redis_url = opts.redis_url
     prefix = "bench" if opts.deployment == "default" else opts.deployment
     if len(prefix) > 24:
