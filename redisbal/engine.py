@@ -170,6 +170,13 @@ class _ReporterBase:
             self.stale_count += 1
         return ReportResult(status, int(version), int(wave), int(step))
 
+    def _backing_off(self) -> ReportResult | None:
+        """During the back-off after an outage: the "unavailable" result, without I/O."""
+        if time.monotonic() < self._down_until:
+            self.unavailable_count += 1
+            return ReportResult("unavailable")
+        return None
+
     def _outage(self, exc: BaseException) -> ReportResult:
         if self.unavailable_count == 0 or time.monotonic() >= self._down_until:
             log.warning(
@@ -274,9 +281,8 @@ class EngineReporter(_ReporterBase):
         return self._send(args)
 
     def _send(self, args: list[str]) -> ReportResult:
-        if time.monotonic() < self._down_until:
-            self.unavailable_count += 1
-            return ReportResult("unavailable")
+        if (skipped := self._backing_off()) is not None:
+            return skipped
         try:
             with self._lock:
                 raw = self.scripts.call("report", *self._argv(args))
@@ -387,9 +393,8 @@ class AsyncEngineReporter(_ReporterBase):
         self._wake.set()
 
     async def _send(self, args: list[str]) -> ReportResult:
-        if time.monotonic() < self._down_until:
-            self.unavailable_count += 1
-            return ReportResult("unavailable")
+        if (skipped := self._backing_off()) is not None:
+            return skipped
         try:
             raw = await self.scripts.call("report", *self._argv(args))
             self._last_sent = time.monotonic()

@@ -218,15 +218,16 @@ local function publish(mode, now, deployment, pubcmd)
   local pub = published_score()
   local flat = redis.call('HGETALL', K_REPORTS)
   local recs = {}
-  local s = (type(mode) == 'number') and mode or nil
+  local fixed = type(mode) == 'number'
+  local s = fixed and mode or nil
   for i = 1, #flat, 2 do
     local flag, _, last, t, pos = head(flat[i + 1])
     recs[#recs + 1] = {flat[i], flag, last, t, pos, flat[i + 1]}
-    if flag == 'b' and last and mode ~= 'number' and type(mode) ~= 'number' then
+    if flag == 'b' and last and not fixed then
       if (mode == 'barrier' or last > pub) and (not s or last < s) then s = last end
     end
   end
-  if not s or (mode ~= 'barrier' and type(mode) ~= 'number' and s <= pub) then return 0, {} end
+  if not s or (mode == 'forced' and s <= pub) then return 0, {} end
   local parts, joining, laggards, lagnames = {}, {}, {}, {}
   local behind, ahead = 0, false
   for _, r in ipairs(recs) do
