@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from topology import ClusterTopology, apply_acl_lines, binaries, make_certs
+from topology import ClusterTopology, apply_acl_lines, binaries, every_class_flow, make_certs
 
 import redisbal
 from redisbal.connection import BadRedisURL, is_cluster, make_client, parse_url
@@ -361,36 +361,4 @@ def test_tls_cluster_with_client_certificates(tmp_path: Path) -> None:
         pytest.skip("needs Debian's TLS-capable redis-server")
     with ClusterTopology(BINARIES["system"], certs=make_certs(tmp_path)) as tls_cluster:
         assert parse_url(tls_cluster.url).tls
-        asyncio.run(_tls_cluster_flow(tls_cluster.url))
-
-
-async def _tls_cluster_flow(url: str) -> None:
-    dep = "tlsdep"
-    coord = Coordinator(url, dep, CoordinatorConfig(join_grace_ms=0, stall_ms=100))
-    rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
-    arep = redisbal.AsyncEngineReporter(url, dep, "e1", heartbeat=False)
-    arouter = redisbal.AsyncRouter(url, dep, 0, 2, poll_s=30.0)
-    router = redisbal.Router(url, dep, 1, 2, poll_s=30.0)
-    try:
-        await asyncio.to_thread(coord.tick)
-        assert coord.stats.leader
-        rep.register()  # idempotent (a blocking reporter registers when built)
-        assert await arep.register()
-        await arouter.start()
-        await asyncio.to_thread(router.start)
-        rep.report(step=1, waiting=1, running=1)
-        assert (await arep.report(step=1, waiting=2, running=2)).version == 1
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(
-            r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router)
-        ):
-            await asyncio.sleep(0.02)
-        assert all(r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router))
-        assert not arouter.degraded and not router.degraded
-    finally:
-        await asyncio.to_thread(router.close)
-        await arouter.aclose()
-        rep.close()
-        await arep.aclose()
-        coord.release()
-        coord.client.close()
+        asyncio.run(every_class_flow(tls_cluster.url, "tlsdep"))

@@ -28,6 +28,7 @@ from topology import (
     apply_acl_lines,
     binaries,
     documented_acl_lines,
+    every_class_flow,
     make_certs,
     system_binary,
     wait_until,
@@ -76,46 +77,6 @@ def admin(server: RedisServer) -> redis.Redis:
     return redis.Redis("127.0.0.1", server.port, password=ADMIN_PW, socket_timeout=5)
 
 
-async def _flow(url: str, dep: str, *, router_url: str | None = None) -> None:
-    """Coordinator, both reporters and both routers through ``url``: a snapshot arrives."""
-    coord = Coordinator(url, dep, FAST, interval_s=0.02)
-    rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
-    arep = redisbal.AsyncEngineReporter(url, dep, "e1", heartbeat=False)
-    arouter = redisbal.AsyncRouter(router_url or url, dep, 0, 2, poll_s=30.0)
-    router = redisbal.Router(router_url or url, dep, 1, 2, poll_s=30.0)
-    try:
-        await asyncio.to_thread(coord.tick)
-        assert coord.stats.leader
-        rep.register()  # idempotent (a blocking reporter registers when built)
-        assert await arep.register()
-        await arouter.start()
-        await asyncio.to_thread(router.start)
-        assert rep.report(step=1, waiting=1, running=2).accepted
-        assert (await arep.report(step=1, waiting=3, running=4)).version >= 1
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(
-            r.snapshot is not None and r.snapshot.cut == (0, 1) for r in (arouter, router)
-        ):
-            await asyncio.sleep(0.02)
-        for r in (arouter, router):
-            assert r.snapshot is not None and set(r.snapshot.engines) == {"e0", "e1"}
-            assert not r.degraded
-        # the stall guard through the same URL
-        rep.report(step=2, waiting=1, running=2)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not coord.stats.forced:
-            await asyncio.to_thread(coord.tick)
-            await asyncio.sleep(0.03)
-        assert coord.stats.forced >= 1
-    finally:
-        await asyncio.to_thread(router.close)
-        await arouter.aclose()
-        rep.close()
-        await arep.aclose()
-        coord.release()
-        coord.client.close()
-
-
 # -- passwords and ACL users -----------------------------------------------------------------------
 
 
@@ -127,7 +88,7 @@ async def test_password_and_acl_user_urls_work_for_every_class(
         url = f"redis://app:{SECRET}@127.0.0.1:{secured.port}/0"
     else:
         url = f"redis://:{ADMIN_PW}@127.0.0.1:{secured.port}/0"
-    await _flow(url, deployment)
+    await every_class_flow(url, deployment)
 
 
 def test_cli_status_with_a_password_url_works_and_never_prints_it(
@@ -345,7 +306,7 @@ async def test_tls_with_client_certificates_for_every_class(
     tls_server: TlsServer, deployment: str
 ) -> None:
     assert parse_url(tls_server.tls_url).tls
-    await _flow(tls_server.tls_url, deployment)
+    await every_class_flow(tls_server.tls_url, deployment)
 
 
 def test_tls_cli_status_and_refusals(tls_server: TlsServer, deployment: str) -> None:

