@@ -61,11 +61,11 @@ if adm ~= '' then
 end
 
 local now, now_s = now_ms()
-local c = redis.call('HMGET', K_CONFIG, 'dead_after_ms', 'tick_ms', 'join_grace_ms')
-local dead_after = tonumber(c[1]) or 5000
+local cfg = config()
+local dead_after = cfg.dead_after_ms
 local score, wave_s, step_s
 if ARGV[6] == 'tick' then
-  score = math.floor(now / (tonumber(c[2]) or 20))
+  score = math.floor(now / cfg.tick_ms)
   local w = math.floor(score / STEP_SPAN)
   wave_s, step_s = fmt(w), fmt(score - w * STEP_SPAN)
 else
@@ -147,12 +147,10 @@ if #set > 0 then redis.call('HSET', K_META, unpack(set)) end
 -- opportunistic expiry, at most every dead_after_ms / 4, so that the barrier
 -- never waits for a dead engine even without a coordinator
 local version = 0
-local cfg
 if reap_due then
-  cfg = config()
   if #reap(cfg, now, 8) > 0 then version = publish_after_change(cfg, now, deployment, pubcmd) end
 end
 if version == 0 and (tonumber(behind) or 0) <= 0 and (pub < 0 or (flag == 'b' and score > pub)) then
-  version = maybe_publish(cfg or config(), now, deployment, pubcmd)
+  version = maybe_publish(cfg, now, deployment, pubcmd)
 end
 return {'accepted', version, wave_s, step_s}
