@@ -77,6 +77,12 @@ BENCH_POLICIES = (
     "oracle",
 )
 VLLM_POLICIES = ("vllm-pre", "vllm-21617", "vllm-latest")
+# vLLM engines publish their counts after every step; since PR 41626 also right after
+# the input queue was taken into the scheduler, before the step ("publish request
+# counts before and after GPU step to ensure freshness": vllm/v1/engine/core.py,
+# EngineCoreProc.run_busy_loop and DPEngineCoreProc.run_busy_loop). Only vllm-latest
+# models an engine that has it.
+BEFORE_STEP_POLICIES = ("vllm-latest",)
 SCENARIO_NAMES = ("burst", "skew", "straggler", "churn", "steady")
 # output lengths of the benchmark's requests: lognormal, mean 40 tokens, capped
 OUT_MEAN, OUT_SIGMA, OUT_CAP = 40.0, 1.0, 160
@@ -444,6 +450,12 @@ class VllmCoordinatorEmulation:
         self._stop = True
 
 
+def reports_before_step(policy: str) -> bool:
+    """Whether the engines of this policy's system also report right before each step
+    (after taking their input queue into the scheduler): vLLM since PR 41626."""
+    return policy in BEFORE_STEP_POLICIES
+
+
 def vllm_model_for(policy: str, mode: str) -> VllmCoordinatorModel:
     """vllm-pre: latest counts. vllm-21617: step-buffered, 50 ms least wait. vllm-latest:
     21617's buffering; its 50 ms least wait applies only with wave coordination (lockstep)."""
@@ -559,6 +571,7 @@ class Run:
         self.coordinator: Coordinator | None = None
         self.coord_thread: threading.Thread | None = None
         self.proc_snapshots: list[int] = []  # per router process (ProcRun)
+        self.before_step = reports_before_step(policy)
 
     # ---- engines ----
 
@@ -610,6 +623,10 @@ class Run:
                 t_end = -1.0
                 continue
             t0 = self._step_start(t_end)
+            if self.before_step:  # vLLM >= PR 41626: counts again before the step
+                for e in live:
+                    e.take_inbox()
+                    self._report(e.engine_id, step + 1)
             dur = max(e.begin_step(t0) for e in live)
             self.step_rows.append([float(len(e.running)) for e in live])
             t_end = t0 + dur
@@ -632,6 +649,9 @@ class Run:
                 t_end = -1.0
                 continue
             t0 = self._step_start(t_end)
+            if self.before_step:  # vLLM >= PR 41626: counts again before the step
+                e.take_inbox()
+                self._report(eid, None)
             t_end = t0 + e.begin_step(t0)
             await asyncio.sleep(max(0.0, t_end - self.now()))
             if eid in self.world.dead:
@@ -643,9 +663,10 @@ class Run:
         """A crash: the engine stops stepping and reporting; its requests are lost."""
         self.world.dead.add(eid)
         e = self.world.engines[eid]
-        for req in [*e.waiting, *e.running]:
+        for req in [*e.inbox, *e.waiting, *e.running]:
             req.lost = True
             self._finish(req)
+        e.inbox.clear()
         e.waiting.clear()
         e.running = []
         await self.reporters[eid].aclose(leave=False)

@@ -32,6 +32,7 @@ from redisbal.bench import (
     VllmCoordinatorModel,
     World,
     make_schedule,
+    reports_before_step,
     vllm_model_for,
 )
 from redisbal.metrics_balance import burst_max_over_mean, load_imbalance, makespan, percentile
@@ -104,6 +105,8 @@ def simulate(
     vmodel: VllmCoordinatorModel | None = (
         vllm_model_for(policy, sc.mode) if policy in VLLM_POLICIES else None
     )
+    before_step = vmodel is not None and reports_before_step(policy)
+    pushes = [0]  # versions of the vLLM coordinator's pushes (each replaces the view)
     if vmodel is not None:  # vLLM's coordinator knows its engines from the start
         for eid in ids:
             vmodel.counts[eid] = EngineStat(0, 0, 0, 0.0)
@@ -179,6 +182,13 @@ def simulate(
             if not e.busy():
                 estepping[eid] = False
                 continue
+            if before_step:  # vLLM >= PR 41626: counts again before the step
+                e.take_inbox()
+                wr = (len(e.waiting), len(e.running))
+                if last_counts.get(eid) != wr:
+                    last_counts[eid] = wr
+                    tick = int(t / tick_s)
+                    push(t + rng.random() * jitter_ms / 1000, "stats", (eid, tick, wr))
             push(t + e.begin_step(t), "estep", (eid, t))
         elif kind == "tick":  # the tick barrier: every engine's latest report
             push(t + tick_s, "tick", None)
@@ -224,6 +234,17 @@ def simulate(
             if not any(e.busy() for e in engines):
                 stepping = False
                 continue
+            if before_step:  # vLLM >= PR 41626: counts again before the step
+                for e in engines:
+                    e.take_inbox()
+                    wr = (len(e.waiting), len(e.running))
+                    if last_counts.get(e.engine_id) != wr:
+                        last_counts[e.engine_id] = wr
+                        push(
+                            t + rng.random() * jitter_ms / 1000,
+                            "stats",
+                            (e.engine_id, version + 1, wr),
+                        )
             dur = max(e.begin_step(t) for e in engines)
             step_running.append([float(len(e.running)) for e in engines])
             push(t + dur, "step", t)
@@ -231,7 +252,7 @@ def simulate(
             eid, ver, (w, r) = data
             assert vmodel is not None
             for at, counts in vmodel.on_stats(t * 1000, eid, ver, w, r):
-                _vllm_push(at, counts, push, rng, sc.clients, delivery_ms, jitter_ms)
+                _vllm_push(at, counts, push, rng, sc.clients, delivery_ms, jitter_ms, pushes)
         elif kind == "snap":
             i, snap = data
             routers[i].apply_snapshot(snap)
@@ -243,7 +264,7 @@ def simulate(
             push(t + 0.01, "sample", None)
             if vmodel is not None:
                 for at, counts in vmodel.advance(t * 1000):
-                    _vllm_push(at, counts, push, rng, sc.clients, delivery_ms, jitter_ms)
+                    _vllm_push(at, counts, push, rng, sc.clients, delivery_ms, jitter_ms, pushes)
     per_burst: list[list[int]] = []
     groups: dict[int, dict[str, int]] = {}
     for r in reqs:
@@ -278,12 +299,17 @@ def _vllm_push(
     clients: int,
     delivery_ms: float,
     jitter_ms: float,
+    pushes: list[int],
 ) -> None:
+    """One push of the vLLM coordinator to every router. Pushes carry increasing
+    versions so that every router adopts each of them (vLLM's API servers replace
+    their view with every push: ``self.lb_engines = sliced_counts``)."""
     engines = {
         e: EngineCounts(c.waiting, c.running, None, 0, c.score, int(c.t_ms), None)
         for e, c in counts.items()
     }
-    snap = _snapshot(0, engines, at_ms)
+    pushes[0] += 1
+    snap = _snapshot(pushes[0], engines, at_ms)
     for i in range(clients):
         push(at_ms / 1000 + (delivery_ms + rng.random() * jitter_ms) / 1000, "snap", (i, snap))
 

@@ -8,8 +8,16 @@ The model, per engine:
   output length (heavy-tailed: lognormal, capped);
 - a step lasts ``base_step_s + per_seq_s * running + prefill_s * admitted``,
   times ``slow`` (stragglers have slow > 1);
-- ``admitted[c]`` counts requests received from API-server index c
-  (cumulative), which the reporter sends so routers can reconcile exactly.
+- a request that reaches the engine waits in an input queue (``inbox``) until
+  the next step begins: only then does the scheduler see it (``waiting``) and
+  count it in ``admitted``. This is vLLM's timing: the engine core's input
+  thread queues requests and the busy loop moves them into the scheduler
+  between steps (``EngineCoreProc._process_input_queue`` before
+  ``_process_engine_step``), so counts reported after a step do not include
+  requests that arrived during it;
+- ``admitted[c]`` counts requests received into the scheduler from API-server
+  index c (cumulative), which the reporter sends so routers can reconcile
+  exactly (the same moment as ``waiting`` counts them).
 
 ``SimEngine.step`` only advances state; the caller decides time (real time
 against Redis, or a simulated clock for the scale projection) and whether
@@ -60,6 +68,7 @@ class SimEngine:
     params: EngineParams = field(default_factory=EngineParams)
     num_clients: int = 1
     waiting: deque[SimRequest] = field(default_factory=deque)
+    inbox: deque[SimRequest] = field(default_factory=deque)  # arrived, not yet scheduled
     running: list[SimRequest] = field(default_factory=list)
     step_no: int = 0
     wave: int = 0
@@ -72,29 +81,48 @@ class SimEngine:
 
     @property
     def load(self) -> int:
-        return len(self.waiting) + len(self.running)
+        """Requests at the engine: input queue + waiting + running (for metrics and the
+        oracle; the engine's own reported counts are ``waiting`` and ``running``)."""
+        return len(self.inbox) + len(self.waiting) + len(self.running)
 
     def arrive(self, req: SimRequest, now: float) -> None:
+        """The request reached the engine: it waits in the input queue until the next
+        step begins (``take_inbox``)."""
         req.arrived_at = now
-        self.waiting.append(req)
-        if req.client_index >= len(self.admitted):
-            self.admitted.extend([0] * (req.client_index + 1 - len(self.admitted)))
-        self.admitted[req.client_index] += 1
+        self.inbox.append(req)
+
+    def take_inbox(self) -> int:
+        """Move the input queue into the scheduler (between steps); returns how many."""
+        inbox = self.inbox
+        n = len(inbox)
+        adm = self.admitted
+        while inbox:
+            req = inbox.popleft()
+            ci = req.client_index
+            if ci >= len(adm):
+                adm.extend([0] * (ci + 1 - len(adm)))
+            adm[ci] += 1
+            self.waiting.append(req)
+        return n
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inbox)
 
     def plan(self) -> tuple[int, float]:
         """(requests this step would admit, its duration) without changing state."""
         free = self.params.running_cap - len(self.running)
-        adm = min(free, len(self.waiting)) if free > 0 else 0
+        queued = len(self.waiting) + len(self.inbox)
+        adm = min(free, queued) if free > 0 else 0
         return adm, self.params.step_time(len(self.running) + adm, adm)
 
     def begin_step(self, now: float) -> float:
         """Admit waiting requests into free slots at ``now`` (the scheduling half of a
         step) and return the step's own duration. Real-time drivers call this at the
         step's start and ``end_step`` at its end, so requests that arrive during the
-        step wait for the next one, as in a real engine."""
+        step wait for the next one, as in a real engine. The input queue is taken into
+        the scheduler first (``take_inbox``)."""
+        if self.inbox:
+            self.take_inbox()
         free = self.params.running_cap - len(self.running)
         adm = min(free, len(self.waiting)) if free > 0 else 0
         for _ in range(adm):

@@ -18,6 +18,7 @@ from redisbal.bench import (
     compat_snapshot_json,
     default_scenarios,
     make_schedule,
+    reports_before_step,
     vllm_model_for,
 )
 from redisbal.keys import DeploymentKeys
@@ -235,6 +236,34 @@ def test_compat_json_is_a_snapshot_without_admitted_counts() -> None:
     assert snap.engines["e1"].admitted is None
 
 
+# -- engine timing (vLLM: counted only once the scheduler has the request) ------------------
+
+
+def test_engine_counts_a_request_only_from_the_next_step() -> None:
+    """A request that arrives mid-step waits in the input queue: the counts reported
+    after that step (waiting, running, admitted) do not include it; the next step's
+    scheduling takes it in. The engine's load (metrics, oracle) includes it at once."""
+    e = SimEngine("a", EngineParams(running_cap=1), num_clients=2)
+    e.arrive(SimRequest(1, 0, 3, 0.0), 0.0)
+    assert (len(e.waiting), len(e.running), e.admitted, e.load) == (0, 0, [0, 0], 1)
+    assert e.busy()
+    e.begin_step(0.001)
+    assert (len(e.waiting), len(e.running), e.admitted) == (0, 1, [1, 0])
+    e.arrive(SimRequest(2, 1, 3, 0.002), 0.002)  # during the step
+    e.end_step(0.02)
+    assert (len(e.waiting), len(e.running), e.admitted, e.load) == (0, 1, [1, 0], 2)
+    assert e.take_inbox() == 1  # what vLLM >= 41626 counts again before the step
+    assert (len(e.waiting), e.admitted) == (1, [1, 1])
+    e.begin_step(0.02)
+    assert (len(e.waiting), len(e.running)) == (1, 1)  # cap 1: it waits in the scheduler
+
+
+def test_only_vllm_latest_engines_report_before_the_step() -> None:
+    assert reports_before_step("vllm-latest")
+    for p in ("vllm-pre", "vllm-21617", "redisbal", "oracle", "random"):
+        assert not reports_before_step(p)
+
+
 # -- oracle -----------------------------------------------------------------------------------
 
 
@@ -250,7 +279,7 @@ def test_oracle_counts_requests_in_transit_and_skips_dead_engines() -> None:
     core.set_engines(["a", "b", "c"])
     picks = {core.route().engine_id for _ in range(1)}
     assert picks <= {"a", "b"}
-    world.engines["a"].waiting.clear()
+    world.engines["a"].inbox.clear()
     world.engines["a"].admitted = [0]
     world.transit["b"] = 0
     seen = set()
@@ -330,3 +359,24 @@ def test_speed_aware_option_learns_a_slow_engine_from_completions() -> None:
         assert core.by_id["a"].speed == 1.0  # inside the dead band around the median
         got = {core.route().engine_id for _ in range(6)}
         assert "d" not in got  # 64 + 10 / 0.5 = 84 > 64 + 10 + routed so far
+
+
+def test_simulated_vllm_pushes_each_replace_every_routers_view(monkeypatch) -> None:
+    """On the simulated clock every push of the vLLM coordinator model reaches every
+    router and is adopted (vLLM: ``self.lb_engines = sliced_counts`` at each push);
+    none is dropped as "older" than the previous one."""
+    from redisbal import bench_scale
+
+    seen = {"applied": 0, "ignored": 0}
+    orig = RouterCore.apply_snapshot
+
+    def counting(self: RouterCore, snap: Snapshot) -> bool:
+        ok = orig(self, snap)
+        seen["applied" if ok else "ignored"] += 1
+        return ok
+
+    monkeypatch.setattr(RouterCore, "apply_snapshot", counting)
+    sc = Scenario("t", engines=4, clients=2, bursts=1, burst_factor=1.0, drain_s=0.5)
+    bench_scale.simulate("vllm-pre", 1, sc)
+    assert seen["ignored"] == 0
+    assert seen["applied"] > 2 * 3  # several pushes, each to both routers
