@@ -611,6 +611,15 @@ class Run:
         now = self.now()
         return intended if 0.0 <= now - intended <= CATCH_UP_S else now
 
+    @staticmethod
+    async def _let_reports_go() -> None:
+        """Give the reporters' sender tasks a few loop turns to take the after-step
+        report before the before-step one is queued (a reporter sends only its latest
+        pending report), so the vLLM coordinator emulation gets both messages, as vLLM's
+        does."""
+        for _ in range(4):
+            await asyncio.sleep(0)
+
     async def lockstep_loop(self) -> None:
         step = 0
         t_end = -1.0
@@ -636,6 +645,8 @@ class Run:
             step += 1
             for e in live:
                 self._report(e.engine_id, step)
+            if self.before_step:
+                await self._let_reports_go()
 
     async def engine_loop(self, eid: str) -> None:
         e = self.world.engines[eid]
@@ -658,6 +669,8 @@ class Run:
                 break
             e.end_step(t_end)
             self._report(eid, None)
+            if self.before_step:
+                await self._let_reports_go()
 
     async def kill_engine(self, eid: str) -> None:
         """A crash: the engine stops stepping and reporting; its requests are lost."""
