@@ -1,17 +1,34 @@
-"""The Lua scripts, loaded from package data and registered on a client.
+"""The Lua scripts, loaded from package data and run as Redis 7 functions or EVALSHA.
 
-Each ``lua/<name>_<nkeys>.lua`` file is one operation; ``lua/common.lua`` is
-prepended to each, so the shared barrier logic exists once in source and each
-script stays a single atomic EVALSHA. ``register_script`` makes redis-py send
-EVALSHA and reload the script by itself after NOSCRIPT (SCRIPT FLUSH, restart,
-failover), so callers never see that error.
+Each ``lua/<name>_<nkeys>.lua`` file is one operation; ``lua/common.lua`` holds
+the shared barrier logic, so it exists once in source while every call stays one
+atomic server-side operation. Two ways to run them, same source, same results:
+
+- **Functions (Redis >= 7.0, preferred).** All operations form one library,
+  ``redisbal_<hash>``, defined once by ``FUNCTION LOAD``; a call is ``FCALL``.
+  The shared helpers are defined at load time instead of on every call, which
+  is most of what a report costs beyond its few Redis commands (see
+  docs/BENCHMARKS.md, "Core micro-benchmarks"). The hash of the library text
+  is in its name, so two redisbal versions on one server never clash.
+- **Scripts (Redis 6.2, or a user without ``+fcall``).** Each operation is
+  common.lua followed by its own file, run with ``EVALSHA`` through
+  ``register_script`` (redis-py reloads it after NOSCRIPT by itself).
+
+``Scripts`` picks by itself: it tries FCALL, loads the library when the server
+lacks it (restart without persistence, FUNCTION FLUSH, a failover to a node
+that never had it), and falls back to EVALSHA for good when the server has no
+functions or the user may not call or load them. Callers never see any of it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from functools import cache
 from importlib import resources
 from typing import Any
+
+import redis
 
 from redisbal.keys import DeploymentKeys
 
@@ -28,29 +45,147 @@ SCRIPT_NAMES = (
 NUM_KEYS = 7
 
 
-@cache
-def script_source(name: str) -> str:
-    """Full source of one script: common.lua followed by the operation itself."""
+def _lua(name: str) -> str:
+    return (resources.files("redisbal") / "lua" / name).read_text(encoding="utf-8")
+
+
+def _body(name: str) -> str:
     if name not in SCRIPT_NAMES:
         raise KeyError(f"unknown script {name!r}; known: {', '.join(SCRIPT_NAMES)}")
-    lua = resources.files("redisbal") / "lua"
-    common = (lua / "common.lua").read_text(encoding="utf-8")
-    body = (lua / f"{name}_{NUM_KEYS}.lua").read_text(encoding="utf-8")
-    return f"{common}\n{body}"
+    return _lua(f"{name}_{NUM_KEYS}.lua")
+
+
+@cache
+def script_source(name: str) -> str:
+    """EVAL source of one operation: common.lua, the binding of KEYS/ARGV, the operation."""
+    return f"{_lua('common.lua')}\nbind(KEYS, ARGV)\n{_body(name)}"
+
+
+@cache
+def library() -> tuple[str, str]:
+    """(name, source) of the function library holding every operation (Redis >= 7.0).
+
+    Each operation file becomes the body of a local function whose parameters are
+    named KEYS and ARGV, so the same text runs unchanged in both modes."""
+    parts = [_lua("common.lua"), "\nLIBRARY = true\n"]
+    for name in SCRIPT_NAMES:
+        parts.append(f"\nlocal function op_{name}(KEYS, ARGV)\n{_body(name)}\nend\n")
+    code = "".join(parts)
+    lib = "redisbal_" + hashlib.sha1(code.encode()).hexdigest()[:12]
+    regs = "".join(
+        f"redis.register_function('{lib}_{name}', function(keys, argv)\n"
+        f"  bind(keys, argv)\n  return op_{name}(keys, argv)\nend)\n"
+        for name in SCRIPT_NAMES
+    )
+    return lib, f"#!lua name={lib}\n{code}\n{regs}"
+
+
+def load_library(client: redis.Redis) -> str:
+    """Load (or replace with the same text) the function library; returns its name.
+    FUNCTION LOAD is server-wide: see docs/DEPLOY.md before granting it to a user."""
+    name, source = library()
+    client.function_load(source, replace=True)
+    return name
+
+
+def _classify(exc: redis.ResponseError) -> str:
+    """What an error from FCALL or FUNCTION LOAD means for the mode: 'load' (the
+    library is missing), 'scripts' (no functions here, or not allowed), or 'raise'."""
+    msg = str(exc).lower()
+    if msg.startswith("redisbal:") or "redisbal: " in msg:
+        return "raise"  # our own validation errors, from a function that ran
+    if "function not found" in msg or "library not found" in msg:
+        return "load"
+    if isinstance(exc, redis.exceptions.NoPermissionError) or "unknown command" in msg:
+        return "scripts"
+    return "raise"
 
 
 class Scripts:
-    """The registered scripts of one client (sync or asyncio; calls return what the
-    client's script objects return: a value, or an awaitable of it)."""
+    """The operations of one deployment on one client (sync or asyncio): ``call``
+    returns what the client returns, a value or an awaitable of it.
 
-    def __init__(self, client: Any, keys: DeploymentKeys, pubcmd: str = "PUBLISH") -> None:
+    ``mode`` is "functions" or "scripts" once known ("probe" before the first call);
+    ``use_functions=False`` forces EVALSHA."""
+
+    def __init__(
+        self,
+        client: Any,
+        keys: DeploymentKeys,
+        pubcmd: str = "PUBLISH",
+        *,
+        use_functions: bool = True,
+    ) -> None:
         self.keys = keys
         self.pubcmd = pubcmd
+        self.mode = "probe" if use_functions else "scripts"
+        self._client = client
+        self._async = inspect.iscoroutinefunction(getattr(client, "execute_command", None))
         self._keys = keys.script_keys()
+        self._lib = library()[0]
         self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
 
+    def function_name(self, name: str) -> str:
+        if name not in SCRIPT_NAMES:
+            raise KeyError(f"unknown script {name!r}; known: {', '.join(SCRIPT_NAMES)}")
+        return f"{self._lib}_{name}"
+
     def call(self, name: str, *args: str | int | float, client: Any = None) -> Any:
-        """Run script ``name`` with ARGV = deployment, publish command, *args. ``client``
-        runs it on another client or a pipeline (EVALSHA queued, NOSCRIPT handled)."""
+        """Run operation ``name`` with ARGV = deployment, publish command, *args.
+        ``client`` runs it on another client or a pipeline: a pipeline queues FCALL
+        once this object has seen the library work, EVALSHA before."""
         argv = [self.keys.deployment, self.pubcmd, *args]
-        return self._scripts[name](keys=self._keys, args=argv, client=client)
+        target = self._client if client is None else client
+        if self.mode == "scripts" or (client is not None and _is_pipeline(client)):
+            if self.mode == "functions":
+                return client.fcall(self.function_name(name), NUM_KEYS, *self._keys, *argv)
+            return self._scripts[name](keys=self._keys, args=argv, client=client)
+        if self._async:
+            return self._acall(name, argv, target)
+        return self._call(name, argv, target)
+
+    def _call(self, name: str, argv: list[Any], target: Any) -> Any:
+        fname = self.function_name(name)
+        for attempt in range(2):
+            try:
+                out = target.fcall(fname, NUM_KEYS, *self._keys, *argv)
+            except redis.ResponseError as exc:
+                action = _classify(exc)
+                if action == "load" and attempt == 0:
+                    try:
+                        target.function_load(library()[1], replace=True)
+                        continue
+                    except redis.ResponseError as load_exc:
+                        action = _classify(load_exc)
+                if action != "scripts":
+                    raise
+                self.mode = "scripts"
+                break
+            self.mode = "functions"
+            return out
+        return self._scripts[name](keys=self._keys, args=argv, client=target)
+
+    async def _acall(self, name: str, argv: list[Any], target: Any) -> Any:
+        fname = self.function_name(name)
+        for attempt in range(2):
+            try:
+                out = await target.fcall(fname, NUM_KEYS, *self._keys, *argv)
+            except redis.ResponseError as exc:
+                action = _classify(exc)
+                if action == "load" and attempt == 0:
+                    try:
+                        await target.function_load(library()[1], replace=True)
+                        continue
+                    except redis.ResponseError as load_exc:
+                        action = _classify(load_exc)
+                if action != "scripts":
+                    raise
+                self.mode = "scripts"
+                break
+            self.mode = "functions"
+            return out
+        return await self._scripts[name](keys=self._keys, args=argv, client=target)
+
+
+def _is_pipeline(client: Any) -> bool:
+    return hasattr(client, "command_stack") or type(client).__name__.endswith("Pipeline")

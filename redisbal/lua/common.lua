@@ -41,8 +41,17 @@ local MAX_COUNT = 1000000000
 local MAX_HISTORY = 256
 local NAME_PATTERN = '^%w[%w_.%-]*$'
 
-local K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_META, K_SNAPSHOT, K_CHANNEL = KEYS[5], KEYS[6], KEYS[7]
+-- Bound by bind() at the start of every call: an EVAL script runs this file on each
+-- call, but a function library (Redis 7, see redisbal/scripts.py) runs it once at
+-- FUNCTION LOAD, so nothing here may read KEYS or ARGV outside bind().
+local K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT, K_CHANNEL
+local KEYS_IN, ARGV_IN
+
+local function bind(keys, argv)
+  KEYS_IN, ARGV_IN = keys, argv
+  K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS = keys[1], keys[2], keys[3], keys[4]
+  K_META, K_SNAPSHOT, K_CHANNEL = keys[5], keys[6], keys[7]
+end
 
 local function fail(msg)
   return redis.error_reply('ERR redisbal: ' .. msg)
@@ -100,6 +109,19 @@ local function config()
   }
 end
 
+-- The two settings every report needs, without the table: dead_after_ms, tick_ms.
+-- A function library remembers the last text it parsed for each (Lua strings are
+-- interned, so the comparison is a pointer comparison): no strtod per report.
+local seen_da, seen_da_n, seen_tick, seen_tick_n = nil, 5000, nil, 20
+
+local function report_config()
+  local c = redis.call('HMGET', K_CONFIG, 'dead_after_ms', 'tick_ms')
+  local da, tick = c[1], c[2]
+  if da ~= seen_da then seen_da, seen_da_n = da, tonumber(da) or 5000 end
+  if tick ~= seen_tick then seen_tick, seen_tick_n = tick, tonumber(tick) or 20 end
+  return seen_da_n, seen_tick_n
+end
+
 -- The epoch names one generation of state. When it is missing, the state is new
 -- or was lost (restart without persistence, flush): start a clean generation.
 -- A caller that had reported (or coordinated) before sends a candidate starting
@@ -153,17 +175,23 @@ local function head_fast(rec)
     tonumber(string.sub(rec, nl + 1, t1 - 1)), nl + 1
 end
 
--- the json of the newest report at or before score s in rec, or nil
-local function cut(rec, s, pos)
+-- the json of the newest report at or before score s in rec, or nil; pos is the
+-- position of the first report line and last its score (already parsed by head)
+local function cut(rec, s, pos, last)
   local n = #rec
   while pos and pos <= n do
     local t1 = string.find(rec, '\t', pos, true)
-    local nl = string.find(rec, '\n', t1, true)
-    if tonumber(string.sub(rec, pos, t1 - 1)) <= s then
+    if last <= s then
       local t2 = string.find(rec, '\t', t1 + 1, true)
+      local nl = string.find(rec, '\n', t2, true)
       return string.sub(rec, t2 + 1, (nl or n + 1) - 1)
     end
+    local nl = string.find(rec, '\n', t1, true)
     pos = nl and nl + 1
+    if pos then
+      local t = string.find(rec, '\t', pos, true)
+      last = tonumber(string.sub(rec, pos, t - 1))
+    end
   end
   return nil
 end
@@ -221,8 +249,8 @@ local function publish(mode, now, deployment, pubcmd)
   local fixed = type(mode) == 'number'
   local s = fixed and mode or nil
   for i = 1, #flat, 2 do
-    local flag, _, last, t, pos = head(flat[i + 1])
-    recs[#recs + 1] = {flat[i], flag, last, t, pos, flat[i + 1]}
+    local flag, _, last, pos = head_fast(flat[i + 1])
+    recs[#recs + 1] = {flat[i], flag, last, pos, flat[i + 1]}
     if flag == 'b' and last and not fixed then
       if (mode == 'barrier' or last > pub) and (not s or last < s) then s = last end
     end
@@ -231,8 +259,8 @@ local function publish(mode, now, deployment, pubcmd)
   local parts, joining, laggards, lagnames = {}, {}, {}, {}
   local behind, ahead = 0, false
   for _, r in ipairs(recs) do
-    local id, flag, last, t, pos, rec = r[1], r[2], r[3], r[4], r[5], r[6]
-    local frag = pos and cut(rec, s, pos)
+    local id, flag, last, pos, rec = r[1], r[2], r[3], r[4], r[5]
+    local frag = pos and cut(rec, s, pos, last)
     if frag then
       parts[#parts + 1] = '"' .. id .. '":' .. frag
     else
@@ -241,7 +269,7 @@ local function publish(mode, now, deployment, pubcmd)
     if flag == 'b' then
       if not last or last <= s then behind = behind + 1 else ahead = true end
       if mode == 'forced' and last and last <= pub then
-        laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - t)
+        laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - select(4, head(rec)))
         lagnames[#lagnames + 1] = id
       end
     end
@@ -327,26 +355,53 @@ local function reap(cfg, now, limit)
 end
 
 local KEY_SUFFIXES = {'config', 'epoch', 'members', 'reports', 'meta', 'snapshot', 'snapshots'}
+local NUM_KEYS = #KEY_SUFFIXES
+
+-- deployment -> its seven expected key names, kept by a function library (which
+-- sets LIBRARY = true after this file) between calls: Lua interns strings, so
+-- comparing KEYS with them is a pointer comparison. An EVAL script runs this file
+-- on every call and gains nothing from a cache. Bounded: reset past 64 deployments.
+local LIBRARY = false
+local key_names, key_names_n = {}, 0
+
+local function keys_match(deployment)
+  local want = key_names[deployment]
+  if want then
+    for i = 1, NUM_KEYS do
+      if KEYS_IN[i] ~= want[i] then return i, want[i] end
+    end
+    return nil
+  end
+  local prefix = 'redisbal:{' .. deployment .. '}:'
+  for i = 1, NUM_KEYS do
+    local k = prefix .. KEY_SUFFIXES[i]
+    if KEYS_IN[i] ~= k then return i, k end
+  end
+  if LIBRARY then
+    if key_names_n >= 64 then key_names, key_names_n = {}, 0 end
+    key_names[deployment], key_names_n = {unpack(KEYS_IN, 1, NUM_KEYS)}, key_names_n + 1
+  end
+  return nil
+end
 
 -- Checks every script makes before touching anything: the ARGV count (nmin..nmax),
 -- the deployment name, and that KEYS are exactly this deployment's seven keys, so
 -- a direct caller with missing, extra or foreign keys gets an error, not a raw Lua
 -- error half-way through (after writes) or writes under another deployment's keys.
 local function common_args(deployment, pubcmd, nmin, nmax)
-  if #ARGV < nmin or (nmax and #ARGV > nmax) then
+  local nargv = #ARGV_IN
+  if nargv < nmin or (nmax and nargv > nmax) then
     return 'expected ' .. nmin .. (nmax == nmin and '' or (nmax and '..' .. nmax or ' or more')) ..
-      ' arguments, got ' .. #ARGV
+      ' arguments, got ' .. nargv
   end
-  if not name_arg(deployment) then return 'bad deployment name' end
-  if #KEYS ~= #KEY_SUFFIXES then
-    return 'expected ' .. #KEY_SUFFIXES .. ' keys, got ' .. #KEYS
+  if not key_names[deployment] and not name_arg(deployment) then
+    return 'bad deployment name'
   end
-  local prefix = 'redisbal:{' .. deployment .. '}:'
-  for i, suffix in ipairs(KEY_SUFFIXES) do
-    if KEYS[i] ~= prefix .. suffix then
-      return 'bad key ' .. i .. ': expected ' .. prefix .. suffix
-    end
+  if #KEYS_IN ~= NUM_KEYS then
+    return 'expected ' .. NUM_KEYS .. ' keys, got ' .. #KEYS_IN
   end
+  local bad, want = keys_match(deployment)
+  if bad then return 'bad key ' .. bad .. ': expected ' .. want end
   if pubcmd ~= 'PUBLISH' and pubcmd ~= 'SPUBLISH' then
     return 'bad publish command (PUBLISH or SPUBLISH)'
   end

@@ -31,8 +31,10 @@
 local deployment, pubcmd = ARGV[1], ARGV[2]
 local err = common_args(deployment, pubcmd, 10, 10)
 if err then return fail(err) end
-local engine = name_arg(ARGV[4])
-if not engine then return fail('bad engine_id: ' .. tostring(ARGV[4])) end
+-- the engine id is checked below, before anything is written; an id with a record
+-- was checked when the record was made (a hash field is read, no key is built)
+local engine = ARGV[4]
+if type(engine) ~= 'string' then return fail('bad engine_id: ' .. tostring(engine)) end
 local waiting = count_text(ARGV[7])
 if not waiting then return fail('bad waiting: ' .. tostring(ARGV[7])) end
 local running = count_text(ARGV[8])
@@ -61,11 +63,10 @@ if adm ~= '' then
 end
 
 local now, now_s = now_ms()
-local cfg = config()
-local dead_after = cfg.dead_after_ms
+local dead_after, tick_ms = report_config()
 local score, wave_s, step_s
 if ARGV[6] == 'tick' then
-  score = math.floor(now / cfg.tick_ms)
+  score = math.floor(now / tick_ms)
   local w = math.floor(score / STEP_SPAN)
   wave_s, step_s = fmt(w), fmt(score - w * STEP_SPAN)
 else
@@ -86,7 +87,11 @@ local pub = tonumber(m[2]) or -1
 local behind = m[5]
 local rec = redis.call('HGET', K_REPORTS, engine)
 local flag, hb, last, pos = 'b', '', nil, nil
-if rec then flag, hb, last, pos = head_fast(rec) end
+if rec then
+  flag, hb, last, pos = head_fast(rec)
+elseif not name_arg(engine) then
+  return fail('bad engine_id: ' .. engine)
+end
 
 -- invariant 3: older than this engine's latest accepted report
 if last and score < last then
@@ -95,11 +100,9 @@ if last and score < last then
   return {'stale', 0, wave_s, step_s}
 end
 
-local line = fmt(score) .. '\t' .. now_s .. '\t{"wave":' .. wave_s .. ',"step":' .. step_s ..
-  ',"waiting":' .. waiting .. ',"running":' .. running ..
-  ',"kv":' .. kv .. ',"t":' .. now_s
-if adm ~= '' then line = line .. ',"adm":[' .. adm .. ']' end
-line = line .. '}'
+local line = (score < STEP_SPAN and ARGV[6] == step_s and step_s or fmt(score)) .. '\t' .. now_s .. '\t{"wave":' .. wave_s .. ',"step":' .. step_s ..
+  ',"waiting":' .. waiting .. ',"running":' .. running .. ',"kv":' .. kv .. ',"t":' .. now_s ..
+  (adm ~= '' and ',"adm":[' .. adm .. ']}' or '}')
 
 local lines, moved = line, false
 if not rec then
@@ -119,7 +122,14 @@ else
   if score <= pub then redis.call('HINCRBY', K_META, 'late', 1) end
   if flag == 'b' and last <= pub and score > pub then moved = true end
   if flag == 'p' and score > pub then flag = 'b' end
-  lines = prune(line .. '\n' .. string.sub(rec, pos), pub)
+  if last <= pub and score > pub then
+    -- the usual case: the previous report is the newest at or before pub, so it
+    -- is the only one to keep besides this one
+    local nl = string.find(rec, '\n', pos, true)
+    lines = line .. '\n' .. (nl and string.sub(rec, pos, nl - 1) or string.sub(rec, pos))
+  else
+    lines = prune(line .. '\n' .. string.sub(rec, pos), pub)
+  end
 end
 -- hb is when the heartbeat in members is next due (ms, same width as now_s)
 local refresh = not rec or #hb ~= #now_s or now_s >= hb
@@ -127,30 +137,28 @@ if refresh then hb = fmt(now + math.floor(dead_after / 8)) end
 redis.call('HSET', K_REPORTS, engine, flag .. hb .. '\n' .. lines)
 if refresh then redis.call('ZADD', K_MEMBERS, now_s, engine) end
 
-local set = {}
-if moved then
-  behind = (tonumber(behind) or 1) - 1
-  set[#set + 1] = 'behind'
-  set[#set + 1] = behind
-end
-if score > pub and not m[3] then
-  set[#set + 1] = 'since'
-  set[#set + 1] = now_s
-end
+local since = score > pub and not m[3]
 local reap_due = not m[4] or #m[4] ~= #now_s or now_s >= m[4]
-if reap_due then
-  set[#set + 1] = 'next_reap'
-  set[#set + 1] = fmt(now + math.floor(dead_after / 4))
+if moved then behind = (tonumber(behind) or 1) - 1 end
+if since or reap_due then
+  local set = {}
+  if moved then set[#set + 1] = 'behind'; set[#set + 1] = behind end
+  if since then set[#set + 1] = 'since'; set[#set + 1] = now_s end
+  if reap_due then set[#set + 1] = 'next_reap'; set[#set + 1] = fmt(now + math.floor(dead_after / 4)) end
+  redis.call('HSET', K_META, unpack(set))
+elseif moved then
+  redis.call('HSET', K_META, 'behind', behind)
 end
-if #set > 0 then redis.call('HSET', K_META, unpack(set)) end
 
 -- opportunistic expiry, at most every dead_after_ms / 4, so that the barrier
 -- never waits for a dead engine even without a coordinator
 local version = 0
+local cfg
 if reap_due then
+  cfg = config()
   if #reap(cfg, now, 8) > 0 then version = publish_after_change(cfg, now, deployment, pubcmd) end
 end
 if version == 0 and (tonumber(behind) or 0) <= 0 and (pub < 0 or (flag == 'b' and score > pub)) then
-  version = maybe_publish(cfg, now, deployment, pubcmd)
+  version = maybe_publish(cfg or config(), now, deployment, pubcmd)
 end
 return {'accepted', version, wave_s, step_s}
