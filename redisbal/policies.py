@@ -70,6 +70,7 @@ class EngineView:
     gen: int = 0  # heap entry generation
     hid: int = -1  # crc32 of engine_id (for the shared dither)
     dither: float = 0.0  # this router's offset for the engine, redrawn per snapshot
+    aged: float = 0.0  # expected completions since the engine's report (use_age only)
     # service-speed estimate from the engine's completions (exact reconciliation only)
     speed: float = 1.0  # relative to the median engine; 1.0 until known
     done_prev: int = -1  # completed requests (sum(admitted) - waiting - running) last time
@@ -212,6 +213,12 @@ class RedisbalPolicy(Policy):
     snapshots phi is uniform, so ties are broken without bias; remaining exact
     ties are broken at random.
 
+    With ``use_age`` (on), each engine's snapshot load is lowered by the completions
+    expected since its report was made (its running count x its completion rate per
+    running request x the report's age), so an older report is read as the lighter
+    load it has become. ``p2c_from`` (off) switches to the better of two random
+    engines at large N.
+
     With ``use_speed`` (off by default), what is queued beyond an engine's free
     slots is divided by the engine's estimated speed (its completion rate per
     running request relative to the median engine; 1.0 inside a dead band or
@@ -222,6 +229,14 @@ class RedisbalPolicy(Policy):
     # Off by default: in the benchmark it cut straggler imbalance and p99 queue delay
     # but made per-burst assignments less even (docs/BENCHMARKS.md).
     use_speed = False
+    # Weigh each engine's reported load by its age (Dahlin 2000): subtract the
+    # completions expected since the report (running x the engine's completion rate
+    # per running request x the report's age at the snapshot). On: it lowered straggler
+    # imbalance on every seed; reports of one lockstep step have no age (BENCHMARKS.md).
+    use_age = True
+    # Power-of-two choices (Mitzenmacher 2000) from this many engines up; 0 = off.
+    # Measured and left off: less even than the heap at 32 engines (BENCHMARKS.md).
+    p2c_from = 0
 
     def __init__(self) -> None:
         self.heap: list[tuple[float, float, int, EngineView]] = []
@@ -229,11 +244,13 @@ class RedisbalPolicy(Policy):
     def score(self, core: RouterCore, e: EngineView) -> float:
         queued = e.waiting + e.pending * core.pending_weight
         if not self.use_speed or e.speed == 1.0:
-            return e.running + queued + e.dither
-        # what is queued beyond the free slots waits on the engine's speed
-        free = max(0, core.running_cap - e.running) if core.running_cap > 0 else queued
-        direct = min(queued, free)
-        return e.running + direct + (queued - direct) / e.speed + e.dither
+            s = e.running + queued + e.dither
+        else:
+            # what is queued beyond the free slots waits on the engine's speed
+            free = max(0, core.running_cap - e.running) if core.running_cap > 0 else queued
+            direct = min(queued, free)
+            s = e.running + direct + (queued - direct) / e.speed + e.dither
+        return s - e.aged if self.use_age else s
 
     @staticmethod
     def _dither(core: RouterCore) -> None:
@@ -262,6 +279,12 @@ class RedisbalPolicy(Policy):
         self.heap = heap
 
     def pick(self, core: RouterCore) -> EngineView:
+        if self.p2c_from and len(core.engines) >= self.p2c_from:
+            engines = core.engines
+            n = len(engines)
+            rnd = core.rng.random
+            a, b = engines[int(rnd() * n)], engines[int(rnd() * n)]
+            return a if self.score(core, a) <= self.score(core, b) else b
         heap = self.heap
         while heap:
             _, _, gen, e = heap[0]
@@ -410,6 +433,7 @@ class RouterCore:
             exact = False
             # the speed estimate only feeds a policy that uses it (off by default)
             speed_on = getattr(self.policy, "use_speed", False)
+            age_on = getattr(self.policy, "use_age", False)
             for e in self.engines:
                 c = snap.engines.get(e.engine_id)
                 if c is None:
@@ -426,7 +450,7 @@ class RouterCore:
                     total += all_adm
                     if c.waiting > 0 and c.running > self.running_cap:
                         self.running_cap = c.running  # an engine with a queue is at its cap
-                    if speed_on:
+                    if speed_on or age_on:
                         done = all_adm - c.waiting - c.running
                         self._observe_speed(e, done, c.reported_ms, c.running)
                 else:
@@ -440,6 +464,8 @@ class RouterCore:
                 self._update_share(mine, total)
                 if speed_on:
                     self._update_speeds()
+                if age_on:
+                    self._update_aged(snap)
             self.policy.reset(self)
             return True
 
@@ -472,6 +498,23 @@ class RouterCore:
             r = rates.get(e.engine_id)
             sp = 1.0 if r is None or mid <= 0 else min(4.0, max(0.25, r / mid))
             e.speed = 1.0 if lo < sp < hi else sp
+
+    def _update_aged(self, snap: Snapshot) -> None:
+        """Expected completions on each engine since its report (use_age): running x
+        its completion rate per running request (decayed, as for the speed estimate;
+        the median engine's until known) x the report's age at the snapshot."""
+        rates = {}
+        for e in self.engines:
+            if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
+                rates[e.engine_id] = e.done_acc / e.exposure_acc
+        mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
+        for e in self.engines:
+            c = snap.engines.get(e.engine_id)
+            if c is None:
+                e.aged = 0.0
+                continue
+            age = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
+            e.aged = e.running * rates.get(e.engine_id, mid) * age
 
     def _update_share(self, mine: int, total: int) -> None:
         prev = self._adm_totals

@@ -22,7 +22,7 @@ from redisbal.policies import (
     UnknownEngine,
     make_policy,
 )
-from redisbal.snapshot import Snapshot
+from redisbal.snapshot import EngineCounts, Snapshot
 
 T0_MS = 5_000_000
 
@@ -396,3 +396,67 @@ def test_degraded_when_disconnected_or_stale() -> None:
     core.connected = False
     assert core.degraded
     assert core.counters["degraded_routes"] == 1
+
+
+# -- measured variants of the default policy (docs/BENCHMARKS.md) -------------------------
+
+
+def _counts(w: int, r: int, t_ms: int, adm: int) -> EngineCounts:
+    return EngineCounts(w, r, None, 0, 1, t_ms, (adm,))
+
+
+def test_age_weighting_discounts_an_older_report_by_its_expected_completions() -> None:
+    """use_age: an engine's reported load is read in the light of its age: running x
+    its completion rate x (snapshot time - report time) is subtracted."""
+    core = make_core()
+    assert core.policy.use_age  # type: ignore[attr-defined]
+    t = T0_MS
+    # two reports 1 s apart: 40 running, 40 completed each -> 1 completion/s per request
+    for k, adm in enumerate((40, 80)):
+        snap = make_snapshot(
+            {e: _counts(0, 40, t + 1000 * k, adm) for e in ("a", "b")},
+            version=k + 1,
+            time_ms=t + 1000 * k,
+        )
+        core.apply_snapshot(snap)
+    assert core.by_id["a"].aged == 0.0
+    # b's report is 500 ms older than the cut: 40 x 1/s x 0.5 s = 20 expected completions
+    snap = make_snapshot(
+        {"a": _counts(0, 40, t + 2000, 120), "b": _counts(0, 40, t + 1500, 100)},
+        version=3,
+        time_ms=t + 2000,
+    )
+    core.apply_snapshot(snap)
+    assert core.by_id["a"].aged == 0.0
+    assert core.by_id["b"].aged == pytest.approx(20.0, rel=0.05)
+    assert {core.route().engine_id for _ in range(10)} == {"b"}
+
+
+def test_age_weighting_can_be_switched_off() -> None:
+    core = make_core()
+    core.policy.use_age = False  # type: ignore[attr-defined]
+    snap = make_snapshot(
+        {"a": _counts(0, 40, T0_MS, 40), "b": _counts(0, 40, T0_MS - 500, 40)},
+        time_ms=T0_MS,
+    )
+    core.apply_snapshot(snap)
+    assert core.by_id["b"].aged == 0.0
+
+
+class _FixedRng(random.Random):
+    def __init__(self, values: list[float]) -> None:
+        super().__init__(0)
+        self.values = values
+
+    def random(self) -> float:
+        return self.values.pop(0) if self.values else 0.5
+
+
+def test_power_of_two_choices_takes_the_lower_of_two_sampled_engines() -> None:
+    core = make_core(client_count=1)
+    core.policy.p2c_from = 2  # type: ignore[attr-defined]
+    core.apply_snapshot(make_snapshot({"e0": (0, 9), "e1": (0, 1), "e2": (0, 0)}))
+    core.rng = _FixedRng([0.1, 0.5])  # samples e0 and e1: e1 is lower; e2 is not seen
+    assert core.route().engine_id == "e1"
+    core.rng = _FixedRng([0.1, 0.1])  # the same engine twice: it wins
+    assert core.route().engine_id == "e0"
