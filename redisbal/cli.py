@@ -782,6 +782,39 @@ def status(watch: float | None, as_json: bool) -> None:
         client.close()
 
 
+# -- load-functions ---------------------------------------------------------------------------
+
+
+@cli.command("load-functions")
+@common_options
+def load_functions() -> None:
+    """Load redisbal's function library into Redis 7+ (run as an administrator).
+
+    Engines and the coordinator load it themselves when their Redis user may run
+    FUNCTION LOAD; least-privilege users (docs/DEPLOY.md) may not, because a
+    library is server-wide: whoever can load one can change the code every user
+    runs. Run this once as an admin after each redisbal upgrade; until then the
+    clients use EVALSHA, which is slower on the server but works the same.
+    """
+    from redisbal.scripts import library, load_library
+
+    s = settings()
+    url = s.require_url()
+    client = make_client(url, socket_connect_timeout=2.0, socket_timeout=5.0)
+    try:
+        with redis_errors(url):
+            major = int(str(client.info("server")["redis_version"]).split(".")[0])
+            if major < 7:
+                raise click.ClickException(
+                    f"{s.safe_url} runs Redis {major}.x, which has no functions; "
+                    "redisbal uses EVALSHA there, nothing to load"
+                )
+            name = load_library(client)
+    finally:
+        client.close()
+    click.echo(f"loaded {name} ({len(library()[1])} bytes of Lua) into {s.safe_url}")
+
+
 # -- demo -------------------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ import redis.exceptions
 
 from redisbal.connection import is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
-from redisbal.scripts import Scripts
+from redisbal.scripts import Scripts, report_reply
 
 log = logging.getLogger("redisbal.engine")
 
@@ -163,12 +163,12 @@ class _ReporterBase:
     def _argv(self, args: list[str]) -> list[str]:
         return [self._candidate(), self.engine_id, *args]
 
-    def _parse(self, raw: Any) -> ReportResult:
+    def _parse(self, raw: Any, args: list[str]) -> ReportResult:
         self._had_state = True
-        status, version, wave, step = (_text(x) for x in raw)
+        status, version, wave, step = report_reply(raw, args[0], args[1])
         if status == "stale":
             self.stale_count += 1
-        return ReportResult(status, int(version), int(wave), int(step))
+        return ReportResult(status, version, wave, step)
 
     def _backing_off(self) -> ReportResult | None:
         """During the back-off after an outage: the "unavailable" result, without I/O."""
@@ -289,7 +289,7 @@ class EngineReporter(_ReporterBase):
                 self._last_sent = time.monotonic()
         except OUTAGE_ERRORS as exc:
             return self._outage(exc)
-        return self._parse(raw)
+        return self._parse(raw, args)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s / 2):
@@ -400,7 +400,7 @@ class AsyncEngineReporter(_ReporterBase):
             self._last_sent = time.monotonic()
         except OUTAGE_ERRORS as exc:
             return self._outage(exc)
-        return self._parse(raw)
+        return self._parse(raw, args)
 
     def _ensure_task(self) -> None:
         if self._task is None and not self._closed:

@@ -80,6 +80,19 @@ def library() -> tuple[str, str]:
     return lib, f"#!lua name={lib}\n{code}\n{regs}"
 
 
+def report_reply(raw: Any, wave: int | str, step: int | str) -> tuple[str, int, int, int]:
+    """(status, version, wave, step) from what report_7.lua returns: an integer in
+    lockstep mode (version, or -1 when stale), an array in tick mode."""
+    if isinstance(raw, int):
+        return (
+            ("stale", 0, int(wave), int(step))
+            if raw < 0
+            else ("accepted", raw, int(wave), int(step))
+        )
+    status, version, w, s = (x.decode() if isinstance(x, bytes) else x for x in raw)
+    return str(status), int(version), int(w), int(s)
+
+
 def load_library(client: redis.Redis) -> str:
     """Load (or replace with the same text) the function library; returns its name.
     FUNCTION LOAD is server-wide: see docs/DEPLOY.md before granting it to a user."""

@@ -15,7 +15,7 @@ import orjson
 import redis
 
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import Scripts
+from redisbal.scripts import Scripts, report_reply
 from redisbal.snapshot import EngineCounts, Snapshot
 
 T = TypeVar("T")
@@ -57,11 +57,13 @@ def server_ms(r: redis.Redis) -> int:
 class Barrier:
     """Thin, typed access to the barrier scripts of one deployment for tests."""
 
-    def __init__(self, r: redis.Redis, keys: DeploymentKeys, epoch: str = "e1") -> None:
+    def __init__(
+        self, r: redis.Redis, keys: DeploymentKeys, epoch: str = "e1", *, use_functions: bool = True
+    ) -> None:
         self.r = r
         self.keys = keys
         self.epoch = epoch
-        self.scripts = Scripts(r, keys)
+        self.scripts = Scripts(r, keys, use_functions=use_functions)
 
     def configure(self, **fields: str | int) -> str:
         merged = {**FAST_CONFIG, **{k: str(v) for k, v in fields.items()}}
@@ -81,8 +83,7 @@ class Barrier:
         adm: str = "",
     ) -> tuple[str, int, int, int]:
         out = self.scripts.call("report", self.epoch, engine, wave, step, waiting, running, kv, adm)
-        status, version, w, s = (text(x) for x in out)
-        return status, int(version), int(w), int(s)
+        return report_reply(out, wave, step)
 
     def register(self, *engines: str) -> int:
         return int(self.scripts.call("register", self.epoch, *engines))

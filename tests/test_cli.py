@@ -22,7 +22,7 @@ from redisbal import EngineReporter
 from redisbal.cli import cli
 from redisbal.keys import DeploymentKeys
 
-COMMANDS = ["coordinator", "engine-sim", "api", "status", "demo"]
+COMMANDS = ["coordinator", "engine-sim", "api", "status", "demo", "load-functions"]
 
 
 @pytest.fixture
@@ -423,3 +423,21 @@ def test_status_watch_refreshes_until_ctrl_c(redis_url: str, deployment: str) ->
     # refreshed (in place on a terminal; appended when stdout is a pipe, as here)
     assert out.count(f"deployment {deployment}  epoch") >= 2
     assert out.count("(Ctrl-C to stop)") >= 2
+
+
+def test_load_functions(runner: CliRunner, redis_url: str, r: redis.Redis) -> None:
+    """Redis 7: the library is loaded and named; 6.2: a clear refusal, exit 1."""
+    from redisbal.scripts import library
+
+    res = run(runner, "--redis-url", redis_url, "load-functions")
+    major = int(str(r.info("server")["redis_version"]).split(".")[0])
+    if major < 7:
+        assert res.exit_code == 1
+        assert "no functions" in res.output and "EVALSHA" in res.output
+        return
+    assert res.exit_code == 0, res.output
+    name = library()[0]
+    assert f"loaded {name}" in res.output
+    assert [x[1] for x in r.function_list(library=name)] == [name.encode()]
+    again = run(runner, "--redis-url", redis_url, "load-functions")  # idempotent
+    assert again.exit_code == 0, again.output

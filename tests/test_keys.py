@@ -21,7 +21,7 @@ from redis.commands.core import Script
 from redis.crc import key_slot
 
 from redisbal.keys import DeploymentKeys, InvalidName, check_name
-from redisbal.scripts import NUM_KEYS, SCRIPT_NAMES, Scripts, script_source
+from redisbal.scripts import NUM_KEYS, SCRIPT_NAMES, library, script_source
 
 LUA_DIR = Path(str(resources.files("redisbal") / "lua"))
 
@@ -146,14 +146,16 @@ def _calls(src: str) -> list[list[str]]:
 
 
 def _key_variables(common: str) -> dict[str, int]:
-    """Lua names bound to KEYS[i] in common.lua (``K.x = KEYS[i]`` tables or
-    ``local K_X, K_Y = KEYS[1], KEYS[2]``) -> i."""
+    """Lua names bound to KEYS[i] in common.lua (``K.x = KEYS[i]`` tables, or
+    ``K_X, K_Y = keys[1], keys[2]`` in bind()) -> i."""
     out: dict[str, int] = {}
     for m in re.finditer(r"(\w+)\s*=\s*KEYS\[(\d+)\]", common):  # table fields
         out[f"K.{m.group(1)}"] = int(m.group(2))
-    for m in re.finditer(r"local\s+([\w\s,]+?)\s*=\s*(KEYS\[\d+\](?:\s*,\s*KEYS\[\d+\])*)", common):
+    key = r"(?:KEYS|keys)\[\d+\]"
+    pattern = rf"(?:local\s+)?((?:K_\w+\s*,\s*)*K_\w+)\s*=\s*({key}(?:\s*,\s*{key})*)"
+    for m in re.finditer(pattern, common):
         names = [n.strip() for n in m.group(1).split(",")]
-        idx = [int(i) for i in re.findall(r"KEYS\[(\d+)\]", m.group(2))]
+        idx = [int(i) for i in re.findall(r"(?:KEYS|keys)\[(\d+)\]", m.group(2))]
         out.update(zip(names, idx, strict=True))
         for n in names:
             out.pop(f"K.{n}", None)
@@ -178,7 +180,7 @@ def test_lua_names_keys_only_through_keys() -> None:
         src = _strip_comments(raw)
         if name != "common.lua":
             assert "KEYS" not in src, f"{name} reads KEYS directly instead of the bound names"
-        rebinds = re.findall(r"\bK(?:_\w+|\.\w+)\s*=(?!=)(?!\s*KEYS)", src)
+        rebinds = re.findall(r"\bK(?:_\w+|\.\w+)\s*=(?!=)(?!\s*(?:KEYS|keys)\[)", src)
         assert not rebinds, f"{name} rebinds a key variable: {rebinds}"
         for args in _calls(src):
             n_calls += 1
@@ -234,7 +236,7 @@ def test_scripts_touch_only_their_keys_on_a_real_server(
         bar.scripts.call("new_epoch", "e2")
         r.echo("end-of-test")
         lua_cmds: list[list[str]] = []
-        evalshas = set()
+        ran = set()  # script shas (EVALSHA) or function names (FCALL)
         ours = False  # the Lua lines that follow belong to one of this test's calls
         while True:
             line = text(monitor.connection.read_response())
@@ -247,14 +249,18 @@ def test_scripts_touch_only_their_keys_on_a_real_server(
             else:
                 # other clients of a shared server (REDISBAL_REDIS_URL) are not ours
                 n_keys = int(args[2]) if len(args) > 2 and args[2].isdigit() else 0
-                ours = args[:1] == ["EVALSHA"] and args[3 : 3 + n_keys] == keys.script_keys()
+                ours = args[:1] in (["EVALSHA"], ["FCALL"])
+                ours = ours and args[3 : 3 + n_keys] == keys.script_keys()
                 if ours:
-                    evalshas.add(args[1])
+                    ran.add(args[1])
     finally:
         monitor.__exit__(None, None, None)
         mon_client.close()
-    scripts = Scripts(r, keys)
-    assert evalshas == {scripts._scripts[n].sha for n in SCRIPT_NAMES}, "not every script ran"
+    scripts = bar.scripts
+    if scripts.mode == "functions":
+        assert ran == {scripts.function_name(n) for n in SCRIPT_NAMES}, "not every function ran"
+    else:
+        assert ran == {scripts._scripts[n].sha for n in SCRIPT_NAMES}, "not every script ran"
     allowed = set(keys.script_keys())
     seen_cmds = set()
     for args in lua_cmds:
@@ -276,7 +282,7 @@ def test_scripts_touch_only_their_keys_on_a_real_server(
 def test_scripts_are_registered_and_recover_from_script_flush(
     r: redis.Redis, keys: DeploymentKeys
 ) -> None:
-    bar = Barrier(r, keys)
+    bar = Barrier(r, keys, use_functions=False)
     assert all(isinstance(bar.scripts._scripts[n], Script) for n in SCRIPT_NAMES)
     assert all(bar.scripts._scripts[n].script == script_source(n) for n in SCRIPT_NAMES)
     shas = [bar.scripts._scripts[n].sha for n in SCRIPT_NAMES]
@@ -303,3 +309,46 @@ def test_scripts_are_registered_and_recover_from_script_flush(
     assert r.script_exists(*shas) == [True] * len(shas)
     assert stat("evalsha") - evalsha_before >= 2 * len(shas)  # NOSCRIPT, then the retry
     assert stat("eval") == eval_before, "scripts must run through EVALSHA, not EVAL"
+
+
+def test_functions_on_redis_7_reload_after_the_library_is_gone(
+    r: redis.Redis, keys: DeploymentKeys
+) -> None:
+    """Redis >= 7 runs the operations as one function library through FCALL, and
+    loads it again when it is gone (FUNCTION DELETE / FLUSH, a restart without
+    persistence); 6.2 has no functions and gets EVALSHA. Same results either way."""
+
+    def stat(cmd: str) -> int:
+        return int(r.info("commandstats").get(f"cmdstat_{cmd}", {}).get("calls", 0))
+
+    bar = Barrier(r, keys)
+    assert bar.scripts.mode == "probe"
+    bar.configure()
+    bar.register("e0")
+    major = int(text(r.info("server")["redis_version"]).split(".")[0])
+    if major < 7:
+        assert bar.scripts.mode == "scripts"
+        assert bar.report("e0", 1, 1, 1)[0] == "accepted"
+        return
+    assert bar.scripts.mode == "functions"
+    lib = library()[0]
+    listed = [dict(zip(x[::2], x[1::2], strict=True)) for x in r.function_list(library=lib)]
+    assert [text(x[b"library_name"]) for x in listed] == [lib]
+    evalsha_before = stat("evalsha")
+    assert bar.report("e0", 1, 1, 1) == ("accepted", 1, 0, 1)
+    r.function_delete(lib)
+    fcall_before = stat("fcall")
+    assert bar.report("e0", 2, 1, 1) == ("accepted", 2, 0, 2)  # Function not found -> load
+    assert stat("fcall") - fcall_before == 2  # the miss, then the retry
+    assert bar.register("e1") == 1
+    bar.reap()
+    bar.force("0")
+    bar.leave("e1")
+    bar.scripts.call("lease", "c1", 1000, "acquire")
+    bar.scripts.call("new_epoch", "e9")
+    assert stat("evalsha") == evalsha_before, "Redis 7 runs the functions, not EVALSHA"
+    assert bar.scripts.mode == "functions"
+    # an error raised by the function itself is the caller's, not a reason to reload
+    with pytest.raises(redis.ResponseError, match="redisbal: bad waiting"):
+        bar.report("e0", 3, -1, 1)
+    assert bar.scripts.mode == "functions"

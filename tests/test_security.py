@@ -39,7 +39,7 @@ from redisbal.connection import BadRedisURL, make_client, parse_url, redact
 from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.embedded import RedisServer, free_port
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import SCRIPT_NAMES, script_source
+from redisbal.scripts import SCRIPT_NAMES, load_library, script_source
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 ADMIN_PW = "adm1n-Secret-pw"
@@ -126,15 +126,28 @@ def test_documented_acl_lines_grant_every_command_the_scripts_call() -> None:
         granted = set(re.findall(r"\+([a-z|]+)", lines[role]))
         assert called <= granted, f"{role} user misses {sorted(called - granted)}"
         assert {"evalsha", "script|load"} <= granted
+    functions = {ln.split()[2].split("-")[1]: ln for ln in documented_acl_lines("acl-functions")}
+    for role in ("engine", "coordinator"):
+        assert set(re.findall(r"\+([a-z|]+)", functions[role])) == {"fcall"}
     assert "eval" not in set(re.findall(r"\+([a-z|]+)", lines["engine"]))
 
 
+@pytest.mark.parametrize("functions", [False, True], ids=["evalsha", "functions"])
 async def test_least_privilege_users_can_do_their_job(
-    secured: RedisServer, deployment: str
+    secured: RedisServer, deployment: str, functions: bool
 ) -> None:
     """The engine user reports, the router user follows snapshots, the coordinator user
-    runs the coordinator: the whole flow with nothing but the documented grants."""
-    users = apply_acl_lines(admin(secured), deployment, SECRET, sharded=secured.version >= (7,))
+    runs the coordinator: the whole flow with nothing but the documented grants.
+    "functions": Redis 7 with the documented +fcall grants and the library loaded by
+    an admin (redisbal load-functions); without them the clients fall back to EVALSHA."""
+    if functions and secured.version < (7,):
+        pytest.skip("Redis 6.2 has no functions")
+    blocks = ("acl", "acl-functions") if functions else ("acl",)
+    users = apply_acl_lines(
+        admin(secured), deployment, SECRET, blocks, sharded=secured.version >= (7,)
+    )
+    if functions:
+        load_library(admin(secured))
     port = secured.port
 
     def url(role: str) -> str:
@@ -170,6 +183,8 @@ async def test_least_privilege_users_can_do_their_job(
         reps[0].report(step=4, waiting=1, running=1)
         wait_until(lambda: (coord.tick(), coord.stats.forced)[1] >= 1, 10, "a forced snapshot")
         assert coord.stats.errors == 0
+        want = "functions" if functions else "scripts"
+        assert [x.scripts.mode for x in (*reps, coord)] == [want] * 3
         # the coordinator user can serve the metrics too (they read the same keys)
         from redisbal.metrics import serve_coordinator_metrics
 
@@ -188,6 +203,26 @@ async def test_least_privilege_users_can_do_their_job(
         await reps[1].aclose()
         coord.release()
         coord.client.close()
+
+
+def test_least_privilege_users_cannot_load_functions(secured: RedisServer, deployment: str) -> None:
+    """A function library is server-wide: a user who may load one can change the code
+    every other user runs. The documented users, +fcall included, may not."""
+    if secured.version < (7,):
+        pytest.skip("Redis 6.2 has no functions")
+    users = apply_acl_lines(admin(secured), deployment, SECRET, ("acl", "acl-functions"))
+    code = "#!lua name=evil\nredis.register_function('evil', function() return 1 end)"
+    for role in ("engine", "router", "coordinator"):
+        c = redis.Redis(
+            "127.0.0.1", secured.port, username=users[role], password=f"{role}-{SECRET}"
+        )
+        try:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                c.function_load(code)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                c.function_flush()
+        finally:
+            c.close()
 
 
 def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: str) -> None:

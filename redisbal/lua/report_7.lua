@@ -20,11 +20,13 @@
   ARGV[10] admitted: comma-separated cumulative request counts received per
            API-server index ("" when not reported)
 
-  Returns: {status, version, wave, step}
-    status  "accepted" or "stale" (older than this engine's latest: counted,
-            nothing changed)
-    version version of the snapshot this call published, 0 if none
-    wave, step  the tag the report was recorded under (as strings)
+  Returns, in lockstep mode (a step given): the version of the snapshot this call
+    published (0 if none), or -1 when the report was stale (older than this
+    engine's latest: counted, nothing changed). A bare integer, because an array
+    reply is a measurable part of a report's cost and the caller knows its tag.
+  Returns, in tick mode: {status, version, wave, step}, status "accepted" or
+    "stale", wave and step the tag the report was recorded under (as strings).
+  redisbal.scripts.report_reply() reads both forms.
   Errors: "ERR redisbal: bad <field>: ..." before anything is written.
 ]]
 
@@ -35,10 +37,6 @@ if err then return fail(err) end
 -- was checked when the record was made (a hash field is read, no key is built)
 local engine = ARGV[4]
 if type(engine) ~= 'string' then return fail('bad engine_id: ' .. tostring(engine)) end
-local waiting = count_text(ARGV[7])
-if not waiting then return fail('bad waiting: ' .. tostring(ARGV[7])) end
-local running = count_text(ARGV[8])
-if not running then return fail('bad running: ' .. tostring(ARGV[8])) end
 local kv = 'null'
 if ARGV[9] ~= '' then
   kv = ARGV[9]
@@ -50,32 +48,52 @@ if ARGV[9] ~= '' then
     kv = string.format('%.4f', v) -- JSON whatever the spelling (".5", "00.5")
   end
 end
-local adm = ARGV[10]
-if adm ~= '' then
-  -- one pass for the alphabet, then the structure, anchored at commas so each
-  -- pattern is only tried where an entry starts: no empty entry, no leading
-  -- zero (not JSON), at most 15 digits per count
-  local framed = ',' .. adm .. ','
-  if #adm > 65536 or string.find(adm, '[^%d,]') or string.find(framed, ',,', 1, true)
-    or string.find(framed, ',0%d') or string.find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d') then
-    return fail('bad admitted: expected comma-separated counts')
+
+-- The counts, the step and the admitted list. What the reporters send (canonical
+-- decimals) passes one framed check: a few scans over one string, anchored at
+-- commas so each pattern is only tried where an entry starts; no empty entry, no
+-- leading zero (not JSON), at most 15 digits per entry, and the upper bounds
+-- compared as equal-width text. Anything else takes the field-by-field checks,
+-- which name the bad field (and accept spellings such as "007").
+local waiting, running, adm, step_arg = ARGV[7], ARGV[8], ARGV[10], ARGV[6]
+local tick = step_arg == 'tick'
+local canonical = #adm <= 65536 and #waiting <= 10 and #running <= 10 and #step_arg <= 10
+if canonical then
+  local framed = ',' .. (tick and '0' or step_arg) .. ',' .. waiting .. ',' .. running .. ',' ..
+    (adm == '' and '' or adm .. ',')
+  canonical = not (string.find(framed, '[^%d,]') or string.find(framed, ',,', 1, true)
+      or string.find(framed, ',0%d') or string.find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d'))
+    and (#waiting < 10 or waiting <= '1000000000') and (#running < 10 or running <= '1000000000')
+    and (tick or #step_arg < 10 or step_arg <= '4294967295')
+end
+if not canonical then
+  waiting = count_text(ARGV[7])
+  if not waiting then return fail('bad waiting: ' .. tostring(ARGV[7])) end
+  running = count_text(ARGV[8])
+  if not running then return fail('bad running: ' .. tostring(ARGV[8])) end
+  if adm ~= '' then
+    local framed = ',' .. adm .. ','
+    if #adm > 65536 or string.find(adm, '[^%d,]') or string.find(framed, ',,', 1, true)
+      or string.find(framed, ',0%d') or string.find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d') then
+      return fail('bad admitted: expected comma-separated counts')
+    end
   end
 end
 
 local now, now_s = now_ms()
 local dead_after, tick_ms = report_config()
 local score, wave_s, step_s
-if ARGV[6] == 'tick' then
+if tick then
   score = math.floor(now / tick_ms)
   local w = math.floor(score / STEP_SPAN)
   wave_s, step_s = fmt(w), fmt(score - w * STEP_SPAN)
 else
   local wave = ARGV[5] == '0' and 0 or int_arg(ARGV[5], 0, MAX_WAVE)
   if not wave then return fail('bad wave: ' .. tostring(ARGV[5])) end
-  local step = int_arg(ARGV[6], 0, STEP_SPAN - 1)
-  if not step then return fail('bad step: ' .. tostring(ARGV[6])) end
+  local step = canonical and tonumber(step_arg) or int_arg(step_arg, 0, STEP_SPAN - 1)
+  if not step then return fail('bad step: ' .. tostring(step_arg)) end
   score = wave * STEP_SPAN + step
-  wave_s, step_s = int_text(ARGV[5], wave), int_text(ARGV[6], step)
+  wave_s, step_s = int_text(ARGV[5], wave), canonical and step_arg or int_text(step_arg, step)
 end
 
 local m = redis.call('HMGET', K_META, 'epoch', 'pub', 'since', 'next_reap', 'behind')
@@ -97,7 +115,8 @@ end
 if last and score < last then
   redis.call('HINCRBY', K_META, 'stale', 1)
   redis.call('HINCRBY', K_META, 'stale:' .. engine, 1)
-  return {'stale', 0, wave_s, step_s}
+  if tick then return {'stale', 0, wave_s, step_s} end
+  return -1
 end
 
 local line = (score < STEP_SPAN and ARGV[6] == step_s and step_s or fmt(score)) .. '\t' .. now_s .. '\t{"wave":' .. wave_s .. ',"step":' .. step_s ..
@@ -161,4 +180,5 @@ end
 if version == 0 and (tonumber(behind) or 0) <= 0 and (pub < 0 or (flag == 'b' and score > pub)) then
   version = maybe_publish(cfg or config(), now, deployment, pubcmd)
 end
-return {'accepted', version, wave_s, step_s}
+if tick then return {'accepted', version, wave_s, step_s} end
+return version
