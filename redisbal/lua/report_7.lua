@@ -36,7 +36,6 @@ if err then return fail(err) end
 -- the engine id is checked below, before anything is written; an id with a record
 -- was checked when the record was made (a hash field is read, no key is built)
 local engine = ARGV[4]
-if type(engine) ~= 'string' then return fail('bad engine_id: ' .. tostring(engine)) end
 local kv = 'null'
 if ARGV[9] ~= '' then
   kv = ARGV[9]
@@ -80,10 +79,14 @@ if not canonical then
   end
 end
 
-local now, now_s = now_ms()
-local dead_after, tick_ms = report_config()
+-- the time as text; as a number, and the settings, only where needed (in lockstep
+-- mode that is a heartbeat refresh or a reap, every dead_after_ms / 8 or / 4)
+local now_s = now_text()
+local now, dead_after, tick_ms
 local score, wave_s, step_s
 if tick then
+  now = tonumber(now_s)
+  dead_after, tick_ms = report_config()
   score = math.floor(now / tick_ms)
   local w = math.floor(score / STEP_SPAN)
   wave_s, step_s = fmt(w), fmt(score - w * STEP_SPAN)
@@ -98,10 +101,10 @@ end
 
 local m = redis.call('HMGET', K_META, 'epoch', 'pub', 'since', 'next_reap', 'behind')
 if not m[1] then
-  if not new_generation(ARGV[3], now) then return fail('bad epoch candidate') end
+  if not new_generation(ARGV[3], tonumber(now_s)) then return fail('bad epoch candidate') end
   m = {ARGV[3], '-1', false, false, '0'}
 end
-local pub = tonumber(m[2]) or -1
+local pub = m[2] == '-1' and -1 or pub_number(m[2])
 local behind = m[5]
 local rec = redis.call('HGET', K_REPORTS, engine)
 local flag, hb, last, pos = 'b', '', nil, nil
@@ -152,13 +155,17 @@ else
 end
 -- hb is when the heartbeat in members is next due (ms, same width as now_s)
 local refresh = not rec or #hb ~= #now_s or now_s >= hb
+local reap_due = not m[4] or #m[4] ~= #now_s or now_s >= m[4]
+if (refresh or reap_due) and not dead_after then
+  now = tonumber(now_s)
+  dead_after, tick_ms = report_config()
+end
 if refresh then hb = fmt(now + math.floor(dead_after / 8)) end
 redis.call('HSET', K_REPORTS, engine, flag .. hb .. '\n' .. lines)
 if refresh then redis.call('ZADD', K_MEMBERS, now_s, engine) end
 
 local since = score > pub and not m[3]
-local reap_due = not m[4] or #m[4] ~= #now_s or now_s >= m[4]
-if moved then behind = (tonumber(behind) or 1) - 1 end
+if moved then behind = (tonumber(behind) or 1) - 1 else behind = tonumber(behind) or 0 end
 if since or reap_due then
   local set = {}
   if moved then set[#set + 1] = 'behind'; set[#set + 1] = behind end
@@ -177,8 +184,8 @@ if reap_due then
   cfg = config()
   if #reap(cfg, now, 8) > 0 then version = publish_after_change(cfg, now, deployment, pubcmd) end
 end
-if version == 0 and (tonumber(behind) or 0) <= 0 and (pub < 0 or (flag == 'b' and score > pub)) then
-  version = maybe_publish(cfg or config(), now, deployment, pubcmd)
+if version == 0 and behind <= 0 and (pub < 0 or (flag == 'b' and score > pub)) then
+  version = maybe_publish(cfg or config(), now or tonumber(now_s), deployment, pubcmd)
 end
 if tick then return {'accepted', version, wave_s, step_s} end
 return version
