@@ -77,12 +77,14 @@ BENCH_POLICIES = (
     "oracle",
 )
 VLLM_POLICIES = ("vllm-pre", "vllm-21617", "vllm-latest")
-# vLLM engines publish their counts after every step; since PR 41626 also right after
-# the input queue was taken into the scheduler, before the step ("publish request
-# counts before and after GPU step to ensure freshness": vllm/v1/engine/core.py,
-# EngineCoreProc.run_busy_loop and DPEngineCoreProc.run_busy_loop). Only vllm-latest
-# models an engine that has it.
-BEFORE_STEP_POLICIES = ("vllm-latest",)
+# Engines report their counts after every step and, as vLLM's engines do since PR
+# 41626, again right after the input queue was taken into the scheduler, before the
+# step ("publish request counts before and after GPU step to ensure freshness":
+# vllm/v1/engine/core.py, EngineCoreProc.run_busy_loop and
+# DPEngineCoreProc.run_busy_loop); redisbal's reporter has the same option. The
+# baselines of vLLM before 41626 get only the after-step reports, as their engines
+# sent (DPEngineCoreProc.run_busy_loop published once, after _process_engine_step).
+AFTER_STEP_ONLY_POLICIES = ("vllm-pre", "vllm-21617")
 SCENARIO_NAMES = ("burst", "skew", "straggler", "churn", "steady")
 # output lengths of the benchmark's requests: lognormal, mean 40 tokens, capped
 OUT_MEAN, OUT_SIGMA, OUT_CAP = 40.0, 1.0, 160
@@ -452,8 +454,9 @@ class VllmCoordinatorEmulation:
 
 def reports_before_step(policy: str) -> bool:
     """Whether the engines of this policy's system also report right before each step
-    (after taking their input queue into the scheduler): vLLM since PR 41626."""
-    return policy in BEFORE_STEP_POLICIES
+    (after taking their input queue into the scheduler): every policy but the
+    baselines of vLLM before PR 41626."""
+    return policy not in AFTER_STEP_ONLY_POLICIES
 
 
 def vllm_model_for(policy: str, mode: str) -> VllmCoordinatorModel:

@@ -105,7 +105,7 @@ def simulate(
     vmodel: VllmCoordinatorModel | None = (
         vllm_model_for(policy, sc.mode) if policy in VLLM_POLICIES else None
     )
-    before_step = vmodel is not None and reports_before_step(policy)
+    before_step = reports_before_step(policy)
     pushes = [0]  # versions of the vLLM coordinator's pushes (each replaces the view)
     if vmodel is not None:  # vLLM's coordinator knows its engines from the start
         for eid in ids:
@@ -182,12 +182,15 @@ def simulate(
             if not e.busy():
                 estepping[eid] = False
                 continue
-            if before_step:  # vLLM >= PR 41626: counts again before the step
+            if before_step:  # counts again before the step (vLLM >= PR 41626, redisbal)
                 e.take_inbox()
+                tick = int(t / tick_s)
+                latest[eid] = EngineCounts(
+                    len(e.waiting), len(e.running), None, 0, tick, int(t * 1000), tuple(e.admitted)
+                )
                 wr = (len(e.waiting), len(e.running))
-                if last_counts.get(eid) != wr:
+                if vmodel is not None and last_counts.get(eid) != wr:
                     last_counts[eid] = wr
-                    tick = int(t / tick_s)
                     push(t + rng.random() * jitter_ms / 1000, "stats", (eid, tick, wr))
             push(t + e.begin_step(t), "estep", (eid, t))
         elif kind == "tick":  # the tick barrier: every engine's latest report
@@ -204,24 +207,16 @@ def simulate(
             if data is not None:  # end of a step that began at data
                 for e in engines:
                     e.end_step(t)
-                version += 1
-                snap_counts = {
-                    e.engine_id: EngineCounts(
-                        len(e.waiting),
-                        len(e.running),
-                        None,
-                        0,
-                        version,
-                        int(t * 1000),
-                        tuple(e.admitted),
-                    )
-                    for e in engines
-                }
                 if vmodel is None:
-                    snap = _snapshot(version, snap_counts, t * 1000)
-                    for i in range(sc.clients):
-                        push(t + (delivery_ms + rng.random() * jitter_ms) / 1000, "snap", (i, snap))
+                    # with before-step reports the next step's snapshot (same instant,
+                    # fresher counts) supersedes this one when the wave goes on
+                    if not (before_step and any(e.busy() for e in engines)):
+                        version += 1
+                        _barrier_push(
+                            version, engines, t, push, rng, sc.clients, delivery_ms, jitter_ms
+                        )
                 else:
+                    version += 1
                     for e in engines:
                         wr = (len(e.waiting), len(e.running))
                         if last_counts.get(e.engine_id) != wr:
@@ -234,17 +229,24 @@ def simulate(
             if not any(e.busy() for e in engines):
                 stepping = False
                 continue
-            if before_step:  # vLLM >= PR 41626: counts again before the step
+            if before_step:  # counts again before the step (vLLM >= PR 41626, redisbal)
                 for e in engines:
                     e.take_inbox()
-                    wr = (len(e.waiting), len(e.running))
-                    if last_counts.get(e.engine_id) != wr:
-                        last_counts[e.engine_id] = wr
-                        push(
-                            t + rng.random() * jitter_ms / 1000,
-                            "stats",
-                            (e.engine_id, version + 1, wr),
-                        )
+                if vmodel is None:
+                    version += 1
+                    _barrier_push(
+                        version, engines, t, push, rng, sc.clients, delivery_ms, jitter_ms
+                    )
+                else:
+                    for e in engines:
+                        wr = (len(e.waiting), len(e.running))
+                        if last_counts.get(e.engine_id) != wr:
+                            last_counts[e.engine_id] = wr
+                            push(
+                                t + rng.random() * jitter_ms / 1000,
+                                "stats",
+                                (e.engine_id, version + 1, wr),
+                            )
             dur = max(e.begin_step(t) for e in engines)
             step_running.append([float(len(e.running)) for e in engines])
             push(t + dur, "step", t)
@@ -289,6 +291,28 @@ def simulate(
         "sim_wall_s": time.perf_counter() - wall,
         "requests": float(len(reqs)),
     }
+
+
+def _barrier_push(
+    version: int,
+    engines: list[SimEngine],
+    t: float,
+    push: Any,
+    rng: random.Random,
+    clients: int,
+    delivery_ms: float,
+    jitter_ms: float,
+) -> None:
+    """The lockstep barrier's snapshot of every engine's counts at ``t``, to every router."""
+    counts = {
+        e.engine_id: EngineCounts(
+            len(e.waiting), len(e.running), None, 0, version, int(t * 1000), tuple(e.admitted)
+        )
+        for e in engines
+    }
+    snap = _snapshot(version, counts, t * 1000)
+    for i in range(clients):
+        push(t + (delivery_ms + rng.random() * jitter_ms) / 1000, "snap", (i, snap))
 
 
 def _vllm_push(

@@ -258,9 +258,10 @@ def test_engine_counts_a_request_only_from_the_next_step() -> None:
     assert (len(e.waiting), len(e.running)) == (1, 1)  # cap 1: it waits in the scheduler
 
 
-def test_only_vllm_latest_engines_report_before_the_step() -> None:
-    assert reports_before_step("vllm-latest")
-    for p in ("vllm-pre", "vllm-21617", "redisbal", "oracle", "random"):
+def test_engines_report_before_the_step_except_for_vllm_before_41626() -> None:
+    for p in ("vllm-latest", "redisbal", "oracle", "random", "round-robin"):
+        assert reports_before_step(p)
+    for p in ("vllm-pre", "vllm-21617"):
         assert not reports_before_step(p)
 
 
