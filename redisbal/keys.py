@@ -16,6 +16,17 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit"
 
 
+# The barrier's hot fields, kept in the reports hash next to the engine records so
+# that a report is one read and one write (lua/common.lua). An engine id starts
+# with a letter or digit, so these never clash with one.
+BARRIER_FIELDS = (".epoch", ".pub", ".behind", ".since", ".next_reap")
+
+
+def is_engine_field(name: str) -> bool:
+    """Whether a field of the reports hash is an engine's record (not a barrier field)."""
+    return not name.startswith(".")
+
+
 class InvalidName(ValueError):
     """A deployment or engine name that cannot be used in a Redis key."""
 
@@ -62,7 +73,8 @@ class DeploymentKeys:
 
     @property
     def reports(self) -> str:
-        """HASH engine -> its record: barrier flag, heartbeat, recent reports (lua/common.lua)."""
+        """HASH engine -> its record: barrier flag, heartbeat, recent reports; plus the
+        barrier's hot fields ``BARRIER_FIELDS`` (lua/common.lua)."""
         return self.key("reports")
 
     @property

@@ -8,7 +8,7 @@ Coordinator (``redisbal coordinator --metrics-port``, or
 :func:`serve_coordinator_metrics` in your own process): two sources.
 
 - On every scrape a collector reads the deployment from Redis (one pipeline:
-  meta hash, snapshot, members, epoch; plus TIME), so the gauges and counters
+  meta hash, the barrier fields, snapshot, members, epoch; plus TIME), so the gauges and counters
   are as fresh as the scrape and a standby coordinator exports them too. A
   scrape that cannot reach Redis reports ``redisbal_up 0`` and nothing else
   from Redis.
@@ -317,10 +317,12 @@ class _CoordinatorCollector(Collector):
         pipe.get(keys.snapshot)
         pipe.zrange(keys.members, 0, -1, withscores=True)
         pipe.get(keys.epoch)
-        meta_raw, raw, members_raw, epoch = pipe.execute()
+        pipe.hmget(keys.reports, ".since", ".behind")  # the barrier's hot fields
+        meta_raw, raw, members_raw, epoch, hot = pipe.execute()
         sec, usec = client.time()
         now_ms = int(sec) * 1000 + int(usec) / 1000.0
         meta = {_s(k): _s(v) for k, v in (meta_raw or {}).items()}
+        meta.update({k: _s(v) for k, v in zip(("since", "behind"), hot, strict=True) if v})
         members = [(_s(e), float(t)) for e, t in members_raw or []]
         return meta, raw, members, _s(epoch or ""), now_ms
 

@@ -101,15 +101,19 @@ def load_library(client: redis.Redis) -> str:
     return name
 
 
-def _classify(exc: redis.ResponseError) -> str:
+def _classify(exc: redis.RedisError) -> str:
     """What an error from FCALL or FUNCTION LOAD means for the mode: 'load' (the
     library is missing), 'scripts' (no functions here, or not allowed), or 'raise'."""
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return "raise"  # an outage: the caller's business
     msg = str(exc).lower()
     if msg.startswith("redisbal:") or "redisbal: " in msg:
         return "raise"  # our own validation errors, from a function that ran
     if "function not found" in msg or "library not found" in msg:
         return "load"
     if isinstance(exc, redis.exceptions.NoPermissionError) or "unknown command" in msg:
+        return "scripts"
+    if "doesn't exist in redis commands" in msg:  # redis-py's cluster client, on 6.2
         return "scripts"
     return "raise"
 
@@ -162,13 +166,13 @@ class Scripts:
         for attempt in range(2):
             try:
                 out = target.fcall(fname, NUM_KEYS, *self._keys, *argv)
-            except redis.ResponseError as exc:
+            except redis.RedisError as exc:
                 action = _classify(exc)
                 if action == "load" and attempt == 0:
                     try:
                         target.function_load(library()[1], replace=True)
                         continue
-                    except redis.ResponseError as load_exc:
+                    except redis.RedisError as load_exc:
                         action = _classify(load_exc)
                 if action != "scripts":
                     raise
@@ -183,13 +187,13 @@ class Scripts:
         for attempt in range(2):
             try:
                 out = await target.fcall(fname, NUM_KEYS, *self._keys, *argv)
-            except redis.ResponseError as exc:
+            except redis.RedisError as exc:
                 action = _classify(exc)
                 if action == "load" and attempt == 0:
                     try:
                         await target.function_load(library()[1], replace=True)
                         continue
-                    except redis.ResponseError as load_exc:
+                    except redis.RedisError as load_exc:
                         action = _classify(load_exc)
                 if action != "scripts":
                     raise

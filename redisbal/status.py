@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from redisbal.engine_sim import render_table
-from redisbal.keys import DeploymentKeys
+from redisbal.keys import DeploymentKeys, is_engine_field
 from redisbal.snapshot import Snapshot
 
 COUNTERS = ("published", "forced", "stale", "late", "joined", "expired", "left")
@@ -72,7 +72,7 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
     epoch, snap_raw, members, reports, meta, config = pipe.execute()
     snap = Snapshot.from_json(snap_raw) if snap_raw else None
     members_ms = {_s(e): int(score) for e, score in members}  # heartbeat (or registration)
-    records = {_s(e): parse_record(_s(rec)) for e, rec in reports.items()}
+    records = {_s(e): parse_record(_s(rec)) for e, rec in reports.items() if is_engine_field(_s(e))}
     meta = {_s(k): _s(v) for k, v in meta.items()}
     config = {_s(k): _s(v) for k, v in config.items()}
     gone = dict(snap.gone) if snap else {}

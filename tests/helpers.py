@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import orjson
 import redis
 
-from redisbal.keys import DeploymentKeys
+from redisbal.keys import BARRIER_FIELDS, DeploymentKeys, is_engine_field
 from redisbal.scripts import Scripts, report_reply
 from redisbal.snapshot import EngineCounts, Snapshot
 
@@ -117,9 +117,9 @@ class Barrier:
         """Reports expire dead engines on the way at most every dead_after_ms / 4; make
         the next report do it (due) or not, so that a test knows which happens."""
         if due:
-            self.r.hdel(self.keys.meta, "next_reap")
+            self.r.hdel(self.keys.reports, ".next_reap")
         else:
-            self.r.hset(self.keys.meta, "next_reap", str(server_ms(self.r) + 10**9))
+            self.r.hset(self.keys.reports, ".next_reap", str(server_ms(self.r) + 10**9))
 
     # -- reading state -----------------------------------------------------------------------
 
@@ -132,6 +132,11 @@ class Barrier:
 
     def meta(self) -> dict[str, str]:
         return {text(k): text(v) for k, v in self.r.hgetall(self.keys.meta).items()}
+
+    def hot(self) -> dict[str, str]:
+        """The barrier's hot fields (.pub, .behind, ...) without the dot."""
+        got = self.r.hmget(self.keys.reports, list(BARRIER_FIELDS))
+        return {f[1:]: text(v) for f, v in zip(BARRIER_FIELDS, got, strict=True) if v is not None}
 
     def counter(self, name: str) -> int:
         return int(self.meta().get(name, "0"))
@@ -148,6 +153,8 @@ class Barrier:
         """
         out: dict[str, tuple[str, list[int]]] = {}
         for k, v in self.r.hgetall(self.keys.reports).items():
+            if not is_engine_field(text(k)):
+                continue
             head, *lines = text(v).split("\n")
             out[text(k)] = (head[:1], [int(line.split("\t", 1)[0]) for line in lines])
         return out

@@ -322,8 +322,10 @@ class BarrierMachine(RuleBasedStateMachine):
         m = self.model
         assert self.bar.barrier() == {e: score(t) for e, t in m.barrier.items()}
         assert set(self.bar.members()) == set(m.members)
-        meta = self.bar.meta()
-        assert float(meta["pub"]) == score(m.pub)
+        meta, hot = self.bar.meta(), self.bar.hot()
+        assert float(hot["pub"]) == score(m.pub)
+        # the barrier counter is exactly the members at or before pub
+        assert int(hot["behind"]) == sum(1 for t in m.barrier.values() if score(t) <= score(m.pub))
         for name in COUNTERS:
             assert int(meta.get(name, "0")) == m.counters.get(name, 0), name
         assert {k[6:]: int(v) for k, v in meta.items() if k.startswith("stale:")} == m.stale

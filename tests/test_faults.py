@@ -593,6 +593,11 @@ def test_router_cut_off_and_back(
             proxy.stall()
             t_stall = time.monotonic()
             detect_stall = wait_until(lambda: loop.router.degraded, 10, "degraded (stale)")
+            # routing goes on, flagged (waited for: the flag can turn on between two
+            # decisions of the routing loop, and the stall must cover one)
+            wait_until(
+                lambda: any(d[3] for d in loop.decisions_since(t_stall)), 5, "a degraded decision"
+            )
             proxy.restore()
             t_unstall = time.monotonic()
             v_unstall = stored(c, keys).version  # type: ignore[union-attr]

@@ -5,17 +5,23 @@
   hash slot (they share the hash tag "{<deployment>}"):
     KEYS[1] config    HASH   settings (dead_after_ms, stall_ms, tick_ms, ...),
                              and the coordinator lease (lease_owner, fence, ...)
-    KEYS[2] epoch     STRING id of this state generation (also meta.epoch)
+    KEYS[2] epoch     STRING id of this state generation (also reports[".epoch"])
     KEYS[3] members   ZSET   engine -> server ms of its heartbeat (liveness)
-    KEYS[4] reports   HASH   engine -> its record (below)
-    KEYS[5] meta      HASH   epoch, pub, behind, since, version, counters
+    KEYS[4] reports   HASH   engine -> its record (below), and the barrier's hot
+                             fields .epoch, .pub, .behind, .since, .next_reap
+    KEYS[5] meta      HASH   version, counters, and what only the cold paths use
     KEYS[6] snapshot  STRING latest snapshot JSON
     KEYS[7] channel   the pub/sub channel; passed in KEYS, not built here, so
                       that Redis Cluster sees its slot (it is the same slot)
 
   A (wave, step) pair is one number, its score: wave * 2^32 + step (< 2^52,
-  exact in a double). meta.pub is the score of the last published snapshot
-  (-1 before the first one of an epoch).
+  exact in a double). reports[".pub"] is the score of the last published
+  snapshot (-1 before the first one of an epoch); "pub" below.
+
+  The barrier's hot fields live in the reports hash next to the records (engine
+  ids start with a letter or digit, so ".x" is never an engine) because a report
+  then reads everything it needs in one HMGET and writes it in one HSET: with
+  TIME, three Redis commands per report, which is most of what a report costs.
 
   An engine's record: a head line "<flag><ms when its heartbeat is due>", then its accepted
   reports newest first, one per line: "<score>\t<report ms>\t<json>", where
@@ -24,7 +30,7 @@
   for). We keep every report newer than pub plus the newest one at or before
   pub: exactly what any future cut can need.
 
-  The barrier is a counter, not a scan: meta.behind counts barrier members
+  The barrier is a counter, not a scan: .behind counts barrier members
   whose latest report is at or before pub (registered engines that have not
   reported count too). A report that moves a member past pub decrements it;
   when it reaches 0 every member has reported a newer step, and the snapshot
@@ -40,6 +46,10 @@ local MAX_WAVE = 1048575
 local MAX_COUNT = 1000000000
 local MAX_HISTORY = 256
 local NAME_PATTERN = '^%w[%w_.%-]*$'
+
+-- the barrier's hot fields in the reports hash (not engine ids: see above)
+local F_EPOCH, F_PUB, F_BEHIND, F_SINCE, F_NEXT_REAP = '.epoch', '.pub', '.behind', '.since', '.next_reap'
+local HOT = {[F_EPOCH] = true, [F_PUB] = true, [F_BEHIND] = true, [F_SINCE] = true, [F_NEXT_REAP] = true}
 
 -- Bound by bind() at the start of every call: an EVAL script runs this file on each
 -- call, but a function library (Redis 7, see redisbal/scripts.py) runs it once at
@@ -146,8 +156,9 @@ local function new_generation(candidate, now)
   if not name_arg(candidate) then return nil end
   redis.call('DEL', K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT)
   redis.call('SET', K_EPOCH, candidate)
-  redis.call('HSET', K_META, 'epoch', candidate, 'pub', '-1', 'epoch_start', fmt(now),
-    'version', '0', 'behind', '0', 'grace', string.sub(candidate, 1, 2) == 'r-' and '1' or '0')
+  redis.call('HSET', K_REPORTS, F_EPOCH, candidate, F_PUB, '-1', F_BEHIND, '0')
+  redis.call('HSET', K_META, 'epoch_start', fmt(now), 'version', '0',
+    'grace', string.sub(candidate, 1, 2) == 'r-' and '1' or '0')
   return candidate
 end
 
@@ -157,13 +168,13 @@ local function in_grace(meta_grace, epoch_start, now, cfg)
 end
 
 local function ensure_epoch(candidate, now)
-  local epoch = redis.call('HGET', K_META, 'epoch')
+  local epoch = redis.call('HGET', K_REPORTS, F_EPOCH)
   if epoch then return epoch end
   return new_generation(candidate, now)
 end
 
 local function published_score()
-  return tonumber(redis.call('HGET', K_META, 'pub') or '-1')
+  return tonumber(redis.call('HGET', K_REPORTS, F_PUB) or '-1')
 end
 
 -- A record's head: flag, heartbeat due ms, latest score (nil if no report yet),
@@ -233,7 +244,7 @@ local function remove_engine(engine, why)
     redis.call('HDEL', K_REPORTS, engine)
     local flag, _, last = head(rec)
     if flag == 'b' and (not last or last <= published_score()) then
-      redis.call('HINCRBY', K_META, 'behind', -1)
+      redis.call('HINCRBY', K_REPORTS, F_BEHIND, -1)
     end
   end
   redis.call('HDEL', K_META, 'stale:' .. engine)
@@ -256,23 +267,32 @@ end
 -- mode a number: S is that score (republish after a change, idle heartbeat).
 -- Returns the version published (0 if none) and the laggard ids.
 local function publish(mode, now, deployment, pubcmd)
-  local pub = published_score()
   local flat = redis.call('HGETALL', K_REPORTS)
-  local recs = {}
+  local recs, hot = {}, {}
   local fixed = type(mode) == 'number'
   local s = fixed and mode or nil
   for i = 1, #flat, 2 do
-    local rec = flat[i + 1]
-    -- flag, position of the newest report line, its score and json (in one match)
-    local flag, pos, last, json = string.match(rec, '^(.)%d*\n()(%d+)\t%d+\t([^\n]*)')
-    if flag then
-      last = tonumber(last)
+    local id, rec = flat[i], flat[i + 1]
+    if HOT[id] then
+      hot[id] = rec
     else
-      flag, pos, last = string.sub(rec, 1, 1), nil, nil
+      -- flag, position of the newest report line, its score and json (in one match)
+      local flag, pos, last, json = string.match(rec, '^(.)%d*\n()(%d+)\t%d+\t([^\n]*)')
+      if flag then
+        last = tonumber(last)
+      else
+        flag, pos, last = string.sub(rec, 1, 1), nil, nil
+      end
+      recs[#recs + 1] = {id, flag, last, pos, rec, json}
     end
-    recs[#recs + 1] = {flat[i], flag, last, pos, rec, json}
-    if flag == 'b' and last and not fixed then
-      if (mode == 'barrier' or last > pub) and (not s or last < s) then s = last end
+  end
+  local pub = tonumber(hot[F_PUB] or '-1') or -1
+  if not fixed then
+    for _, r in ipairs(recs) do
+      local last = r[3]
+      if r[2] == 'b' and last and (mode == 'barrier' or last > pub) and (not s or last < s) then
+        s = last
+      end
     end
   end
   if not s or (mode == 'forced' and s <= pub) then return 0, {} end
@@ -298,7 +318,7 @@ local function publish(mode, now, deployment, pubcmd)
   local version = redis.call('HINCRBY', K_META, 'version', 1)
   local wave = math.floor(s / STEP_SPAN)
   local gone = redis.call('HGET', K_META, 'gone') or ''
-  local epoch = redis.call('HGET', K_META, 'epoch') or ''
+  local epoch = hot[F_EPOCH] or ''
   local json = '{"deployment":"' .. deployment .. '","epoch":"' .. epoch ..
     '","version":' .. version .. ',"wave":' .. fmt(wave) .. ',"step":' .. fmt(s - wave * STEP_SPAN) ..
     ',"forced":' .. (forced and 'true' or 'false') .. ',"laggards":{' ..
@@ -311,12 +331,13 @@ local function publish(mode, now, deployment, pubcmd)
   if pubcmd == 'SPUBLISH' and not redis.REDIS_VERSION_NUM then pubcmd = 'PUBLISH' end
   redis.call(pubcmd, K_CHANNEL, json)
   redis.call('HINCRBY', K_META, forced and 'forced' or 'published', 1)
-  redis.call('HSET', K_META, 'pub', fmt(s), 'pub_ms', fmt(now), 'gone', '', 'behind', behind)
+  redis.call('HSET', K_META, 'pub_ms', fmt(now), 'gone', '')
   -- a new barrier is already under way if some member is past s
   if ahead then
-    redis.call('HSET', K_META, 'since', fmt(now))
+    redis.call('HSET', K_REPORTS, F_PUB, fmt(s), F_BEHIND, behind, F_SINCE, fmt(now))
   else
-    redis.call('HDEL', K_META, 'since')
+    redis.call('HSET', K_REPORTS, F_PUB, fmt(s), F_BEHIND, behind)
+    redis.call('HDEL', K_REPORTS, F_SINCE)
   end
   return version, lagnames
 end
@@ -325,9 +346,12 @@ end
 -- The first snapshot of a recovered epoch also waits join_grace_ms from the epoch
 -- start, so engines re-registering after a state loss are all in it (invariant 5).
 local function maybe_publish(cfg, now, deployment, pubcmd)
-  local m = redis.call('HMGET', K_META, 'pub', 'behind', 'epoch_start', 'grace')
-  if (tonumber(m[2]) or 0) > 0 then return 0 end
-  if (tonumber(m[1]) or -1) < 0 and in_grace(m[4], m[3], now, cfg) then return 0 end
+  local h = redis.call('HMGET', K_REPORTS, F_PUB, F_BEHIND)
+  if (tonumber(h[2]) or 0) > 0 then return 0 end
+  if (tonumber(h[1]) or -1) < 0 then
+    local m = redis.call('HMGET', K_META, 'epoch_start', 'grace')
+    if in_grace(m[2], m[1], now, cfg) then return 0 end
+  end
   return (publish('barrier', now, deployment, pubcmd))
 end
 

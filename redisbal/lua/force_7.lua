@@ -26,16 +26,21 @@ if ARGV[3] ~= '' then
   if not s then return fail('bad stall_ms: ' .. tostring(ARGV[3])) end
   cfg.stall_ms = s
 end
-local m = redis.call('HMGET', K_META, 'epoch', 'since', 'pub', 'epoch_start', 'grace')
-if not m[1] then return {0} end
+local h = redis.call('HMGET', K_REPORTS, F_EPOCH, F_SINCE, F_PUB)
+if not h[1] then return {0} end
 local now = now_ms()
-local since = tonumber(m[2])
+local since = tonumber(h[2])
 if not since or now - since < cfg.stall_ms then return {0} end
-if (tonumber(m[3]) or -1) < 0 then
-  if in_grace(m[5], m[4], now, cfg) then return {0} end
+if (tonumber(h[3]) or -1) < 0 then
+  local m = redis.call('HMGET', K_META, 'epoch_start', 'grace')
+  if in_grace(m[2], m[1], now, cfg) then return {0} end
   -- a registered engine without any report holds the first snapshot
-  for _, rec in ipairs(redis.call('HVALS', K_REPORTS)) do
-    if not string.find(rec, '\n', 2, true) and string.sub(rec, 1, 1) == 'b' then return {0} end
+  local flat = redis.call('HGETALL', K_REPORTS)
+  for i = 1, #flat, 2 do
+    local rec = flat[i + 1]
+    if not HOT[flat[i]] and not string.find(rec, '\n', 2, true) and string.sub(rec, 1, 1) == 'b' then
+      return {0}
+    end
   end
 end
 local version, lag = publish('forced', now, deployment, pubcmd)

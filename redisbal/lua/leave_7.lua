@@ -12,7 +12,7 @@ local err = common_args(deployment, pubcmd, 3, 3)
 if err then return fail(err) end
 local engine = name_arg(ARGV[3])
 if not engine then return fail('bad engine_id: ' .. tostring(ARGV[3])) end
-if not redis.call('HGET', K_META, 'epoch') then return {0, 0} end
+if not redis.call('HGET', K_REPORTS, F_EPOCH) then return {0, 0} end
 local removed = remove_engine(engine, 'left')
 local version = 0
 if removed == 1 then

@@ -14,12 +14,12 @@ local err = common_args(deployment, pubcmd, 3, 3)
 if err then return fail(err) end
 if not name_arg(ARGV[3]) then return fail('bad epoch: ' .. tostring(ARGV[3])) end
 local now = now_ms()
-if not redis.call('HGET', K_META, 'epoch') then
+if not redis.call('HGET', K_REPORTS, F_EPOCH) then
   ensure_epoch(ARGV[3], now)
   return {ARGV[3], 0}
 end
 redis.call('SET', K_EPOCH, ARGV[3])
-redis.call('HSET', K_META, 'epoch', ARGV[3])
+redis.call('HSET', K_REPORTS, F_EPOCH, ARGV[3])
 local pub = published_score()
 local version = 0
 if pub >= 0 then version = (publish(pub, now, deployment, pubcmd)) end

@@ -19,7 +19,7 @@ local limit = int_arg(ARGV[3], 1, 100000)
 if not limit then return fail('bad limit: ' .. tostring(ARGV[3])) end
 local fence_err = fenced(ARGV[4])
 if fence_err then return fence_err end
-if not redis.call('HGET', K_META, 'epoch') then return {0} end
+if not redis.call('HGET', K_REPORTS, F_EPOCH) then return {0} end
 local cfg = config()
 local now = now_ms()
 local dead = reap(cfg, now, limit)

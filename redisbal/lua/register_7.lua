@@ -25,7 +25,7 @@ local added = 0
 for i = 4, #ARGV do
   if redis.call('HSETNX', K_REPORTS, ARGV[i], (pub < 0 and 'b' or 'p') .. now_s) == 1 then
     redis.call('ZADD', K_MEMBERS, now_s, ARGV[i])
-    if pub < 0 then redis.call('HINCRBY', K_META, 'behind', 1) end
+    if pub < 0 then redis.call('HINCRBY', K_REPORTS, F_BEHIND, 1) end
     redis.call('HINCRBY', K_META, 'joined', 1)
     added = added + 1
   end

@@ -99,14 +99,16 @@ else
   wave_s, step_s = int_text(ARGV[5], wave), canonical and step_arg or int_text(step_arg, step)
 end
 
-local m = redis.call('HMGET', K_META, 'epoch', 'pub', 'since', 'next_reap', 'behind')
-if not m[1] then
+if HOT[engine] then return fail('bad engine_id: ' .. engine) end
+-- the record and the barrier's hot fields, in one read (see common.lua)
+local h = redis.call('HMGET', K_REPORTS, engine, F_EPOCH, F_PUB, F_SINCE, F_NEXT_REAP, F_BEHIND)
+if not h[2] then
   if not new_generation(ARGV[3], tonumber(now_s)) then return fail('bad epoch candidate') end
-  m = {ARGV[3], '-1', false, false, '0'}
+  h = {false, ARGV[3], '-1', false, false, '0'}
 end
-local pub = m[2] == '-1' and -1 or pub_number(m[2])
-local behind = m[5]
-local rec = redis.call('HGET', K_REPORTS, engine)
+local pub = h[3] == '-1' and -1 or pub_number(h[3])
+local behind, next_reap = h[6], h[5]
+local rec = h[1]
 local flag, hb, last, pos = 'b', '', nil, nil
 if rec then
   flag, hb, last, pos = head_fast(rec)
@@ -155,26 +157,31 @@ else
 end
 -- hb is when the heartbeat in members is next due (ms, same width as now_s)
 local refresh = not rec or #hb ~= #now_s or now_s >= hb
-local reap_due = not m[4] or #m[4] ~= #now_s or now_s >= m[4]
+local reap_due = not next_reap or #next_reap ~= #now_s or now_s >= next_reap
 if (refresh or reap_due) and not dead_after then
   now = tonumber(now_s)
   dead_after, tick_ms = report_config()
 end
 if refresh then hb = fmt(now + math.floor(dead_after / 8)) end
-redis.call('HSET', K_REPORTS, engine, flag .. hb .. '\n' .. lines)
-if refresh then redis.call('ZADD', K_MEMBERS, now_s, engine) end
-
-local since = score > pub and not m[3]
+-- the record and the hot fields that changed, in one write
+local record = flag .. hb .. '\n' .. lines
+local since = score > pub and not h[4]
 if moved then behind = (tonumber(behind) or 1) - 1 else behind = tonumber(behind) or 0 end
 if since or reap_due then
-  local set = {}
-  if moved then set[#set + 1] = 'behind'; set[#set + 1] = behind end
-  if since then set[#set + 1] = 'since'; set[#set + 1] = now_s end
-  if reap_due then set[#set + 1] = 'next_reap'; set[#set + 1] = fmt(now + math.floor(dead_after / 4)) end
-  redis.call('HSET', K_META, unpack(set))
+  local set = {engine, record}
+  if moved then set[#set + 1] = F_BEHIND; set[#set + 1] = behind end
+  if since then set[#set + 1] = F_SINCE; set[#set + 1] = now_s end
+  if reap_due then
+    set[#set + 1] = F_NEXT_REAP
+    set[#set + 1] = fmt(now + math.floor(dead_after / 4))
+  end
+  redis.call('HSET', K_REPORTS, unpack(set))
 elseif moved then
-  redis.call('HSET', K_META, 'behind', behind)
+  redis.call('HSET', K_REPORTS, engine, record, F_BEHIND, behind)
+else
+  redis.call('HSET', K_REPORTS, engine, record)
 end
+if refresh then redis.call('ZADD', K_MEMBERS, now_s, engine) end
 
 -- opportunistic expiry, at most every dead_after_ms / 4, so that the barrier
 -- never waits for a dead engine even without a coordinator
