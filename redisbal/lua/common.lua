@@ -301,8 +301,10 @@ local function publish(mode, now, deployment, pubcmd)
   for _, r in ipairs(recs) do
     local id, flag, last, pos, rec = r[1], r[2], r[3], r[4], r[5]
     local frag = pos and (last <= s and r[6] or cut(rec, s, pos, last))
-    if frag then
-      parts[#parts + 1] = '"' .. id .. '":' .. frag
+    if frag then -- key and json as separate pieces: no long intermediate string
+      local n = #parts
+      parts[n + 1] = (n == 0 and '"' or ',"') .. id .. '":'
+      parts[n + 2] = frag
     else
       joining[#joining + 1] = '"' .. id .. '"'
     end
@@ -324,7 +326,7 @@ local function publish(mode, now, deployment, pubcmd)
     ',"forced":' .. (forced and 'true' or 'false') .. ',"laggards":{' ..
     table.concat(laggards, ',') .. '},"gone":{' .. gone .. '},"joining":[' ..
     table.concat(joining, ',') .. '],"time_ms":' .. fmt(now) .. ',"engines":{' ..
-    table.concat(parts, ',') .. '}}'
+    table.concat(parts) .. '}}'
   redis.call('SET', K_SNAPSHOT, json)
   -- SPUBLISH exists from Redis 7.0, which also added redis.REDIS_VERSION_NUM: a 6.2
   -- cluster gets PUBLISH (the router subscribes the same way, see router.py)

@@ -124,11 +124,10 @@ if last and score < last then
   return -1
 end
 
-local line = (score < STEP_SPAN and ARGV[6] == step_s and step_s or fmt(score)) .. '\t' .. now_s .. '\t{"wave":' .. wave_s .. ',"step":' .. step_s ..
-  ',"waiting":' .. waiting .. ',"running":' .. running .. ',"kv":' .. kv .. ',"t":' .. now_s ..
-  (adm ~= '' and ',"adm":[' .. adm .. ']}' or '}')
-
-local lines, moved = line, false
+-- The new record is built in one concatenation: head, this report's line, and the
+-- tail of older lines to keep. Every intermediate long string would be hashed,
+-- interned and collected by Lua, which is a measurable part of a report.
+local moved, tail, generic = false, '', false
 if not rec then
   -- a joiner: a barrier member, unless it is behind the published step, when
   -- it stays provisional so that it cannot hold the barrier back (invariant 5)
@@ -141,18 +140,18 @@ elseif not last then
 elseif score == last then
   -- same-step refresh (before/after step, or a retry): replace the newest report
   local nl = string.find(rec, '\n', pos, true)
-  if nl then lines = line .. string.sub(rec, nl) end
+  if nl then tail = string.sub(rec, nl) end
 else
   if score <= pub then redis.call('HINCRBY', K_META, 'late', 1) end
   if flag == 'b' and last <= pub and score > pub then moved = true end
   if flag == 'p' and score > pub then flag = 'b' end
   if last <= pub and score > pub then
     -- the usual case: the previous report is the newest at or before pub, so it
-    -- is the only one to keep besides this one
+    -- is the only one to keep besides this one (pos - 1 is the newline before it)
     local nl = string.find(rec, '\n', pos, true)
-    lines = line .. '\n' .. (nl and string.sub(rec, pos, nl - 1) or string.sub(rec, pos))
+    tail = nl and string.sub(rec, pos - 1, nl - 1) or string.sub(rec, pos - 1)
   else
-    lines = prune(line .. '\n' .. string.sub(rec, pos), pub)
+    tail, generic = string.sub(rec, pos - 1), true -- pruned below
   end
 end
 -- hb is when the heartbeat in members is next due (ms, same width as now_s)
@@ -163,8 +162,17 @@ if (refresh or reap_due) and not dead_after then
   dead_after, tick_ms = report_config()
 end
 if refresh then hb = fmt(now + math.floor(dead_after / 8)) end
+local adm_open, adm_close = '', '}'
+if adm ~= '' then adm_open, adm_close = ',"adm":[', ']}' end
+local record = flag .. hb .. '\n' ..
+  (score < STEP_SPAN and ARGV[6] == step_s and step_s or fmt(score)) .. '\t' .. now_s ..
+  '\t{"wave":' .. wave_s .. ',"step":' .. step_s .. ',"waiting":' .. waiting .. ',"running":' ..
+  running .. ',"kv":' .. kv .. ',"t":' .. now_s .. adm_open .. adm .. adm_close .. tail
+if generic then
+  local at = #flag + #hb + 2
+  record = string.sub(record, 1, at - 1) .. prune(string.sub(record, at), pub)
+end
 -- the record and the hot fields that changed, in one write
-local record = flag .. hb .. '\n' .. lines
 local since = score > pub and not h[4]
 if moved then behind = (tonumber(behind) or 1) - 1 else behind = tonumber(behind) or 0 end
 if since or reap_due then
