@@ -59,8 +59,8 @@ local tick = step_arg == 'tick'
 local canonical = #adm <= 65536 and #waiting <= 10 and #running <= 10 and #step_arg <= 10
 if canonical then
   local framed = ',' .. (tick and '0' or step_arg) .. ',' .. waiting .. ',' .. running .. ',' ..
-    (adm == '' and '' or adm .. ',')
-  canonical = not (string.find(framed, '[^%d,]') or string.find(framed, ',,', 1, true)
+    adm .. (adm == '' and '' or ',')
+  canonical = string.find(framed, '^[%d,]+$') and not (string.find(framed, ',,', 1, true)
       or string.find(framed, ',0%d') or string.find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d'))
     and (#waiting < 10 or waiting <= '1000000000') and (#running < 10 or running <= '1000000000')
     and (tick or #step_arg < 10 or step_arg <= '4294967295')
