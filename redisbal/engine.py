@@ -1,6 +1,7 @@
 """Engine side: report step-tagged counts into the deployment's barrier.
 
-One report is one EVALSHA of ``lua/report_7.lua``: one round trip, atomic.
+One report is one FCALL (Redis 7) or EVALSHA (6.2) of ``lua/report_7.lua``: one
+round trip, atomic.
 The reporter never stalls the engine loop on a Redis outage: a failed call
 returns status "unavailable" and the reporter stays quiet for a short back-off
 (a heartbeat re-sends the latest counts once Redis is back, which re-registers
