@@ -130,12 +130,19 @@ end
 -- interned, so the comparison is a pointer comparison): no strtod per report.
 local seen_da, seen_da_n, seen_tick, seen_tick_n = nil, 5000, nil, 20
 
--- meta.pub as a number, remembered like the settings above (it changes once a step)
-local seen_pub, seen_pub_n = nil, -1
+-- tonumber for the texts a report parses (step, previous step, .pub, .behind),
+-- memoised: in lockstep every engine sends the same few texts, so a function
+-- library mostly finds them here instead of running strtod. Bounded: reset past 256.
+local numbers, numbers_n = {}, 0
 
-local function pub_number(text)
-  if text ~= seen_pub then seen_pub, seen_pub_n = text, tonumber(text) or -1 end
-  return seen_pub_n
+local function num(text)
+  local v = numbers[text]
+  if v == nil then
+    v = tonumber(text) or false
+    if numbers_n >= 256 then numbers, numbers_n = {}, 0 end
+    numbers[text], numbers_n = v, numbers_n + 1
+  end
+  return v or nil
 end
 
 local function report_config()
@@ -195,7 +202,7 @@ end
 -- match instead of searches and substrings: on this path, C calls are the cost.
 local function head_fast(rec)
   local flag, hb, pos, last = string.match(rec, '^(.)(%d*)\n()(%d+)\t')
-  if flag then return flag, hb, tonumber(last), pos end
+  if flag then return flag, hb, num(last), pos end
   return string.sub(rec, 1, 1), string.sub(rec, 2), nil, nil
 end
 

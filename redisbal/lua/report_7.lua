@@ -93,7 +93,7 @@ if tick then
 else
   local wave = ARGV[5] == '0' and 0 or int_arg(ARGV[5], 0, MAX_WAVE)
   if not wave then return fail('bad wave: ' .. tostring(ARGV[5])) end
-  local step = canonical and tonumber(step_arg) or int_arg(step_arg, 0, STEP_SPAN - 1)
+  local step = canonical and num(step_arg) or int_arg(step_arg, 0, STEP_SPAN - 1)
   if not step then return fail('bad step: ' .. tostring(step_arg)) end
   score = wave * STEP_SPAN + step
   wave_s, step_s = int_text(ARGV[5], wave), canonical and step_arg or int_text(step_arg, step)
@@ -106,7 +106,7 @@ if not h[2] then
   if not new_generation(ARGV[3], tonumber(now_s)) then return fail('bad epoch candidate') end
   h = {false, ARGV[3], '-1', false, false, '0'}
 end
-local pub = h[3] == '-1' and -1 or pub_number(h[3])
+local pub = h[3] == '-1' and -1 or num(h[3]) or -1
 local behind, next_reap = h[6], h[5]
 local rec = h[1]
 local flag, hb, last, pos = 'b', '', nil, nil
@@ -174,7 +174,7 @@ if generic then
 end
 -- the record and the hot fields that changed, in one write
 local since = score > pub and not h[4]
-if moved then behind = (tonumber(behind) or 1) - 1 else behind = tonumber(behind) or 0 end
+if moved then behind = (num(behind) or 1) - 1 else behind = num(behind) or 0 end
 if since or reap_due then
   local set = {engine, record}
   if moved then set[#set + 1] = F_BEHIND; set[#set + 1] = behind end
