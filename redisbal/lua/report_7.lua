@@ -101,13 +101,14 @@ end
 
 if HOT[engine] then return fail('bad engine_id: ' .. engine) end
 -- the record and the barrier's hot fields, in one read (see common.lua)
-local h = redis.call('HMGET', K_REPORTS, engine, F_EPOCH, F_PUB, F_SINCE, F_NEXT_REAP, F_BEHIND)
+-- (.pub is written with .epoch by new_generation: without it, the state is new or lost)
+local h = redis.call('HMGET', K_REPORTS, engine, F_PUB, F_SINCE, F_NEXT_REAP, F_BEHIND)
 if not h[2] then
   if not new_generation(ARGV[3], tonumber(now_s)) then return fail('bad epoch candidate') end
-  h = {false, ARGV[3], '-1', false, false, '0'}
+  h = {false, '-1', false, false, '0'}
 end
-local pub = h[3] == '-1' and -1 or num(h[3]) or -1
-local behind, next_reap = h[6], h[5]
+local pub = h[2] == '-1' and -1 or num(h[2]) or -1
+local behind, next_reap = h[5], h[4]
 local rec = h[1]
 local flag, hb, last, pos = 'b', '', nil, nil
 if rec then
@@ -173,7 +174,7 @@ if generic then
   record = string.sub(record, 1, at - 1) .. prune(string.sub(record, at), pub)
 end
 -- the record and the hot fields that changed, in one write
-local since = score > pub and not h[4]
+local since = score > pub and not h[3]
 if moved then behind = (num(behind) or 1) - 1 else behind = num(behind) or 0 end
 if since or reap_due then
   local set = {engine, record}
