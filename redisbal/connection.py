@@ -150,14 +150,14 @@ def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
         from redis.sentinel import Sentinel  # type: ignore[assignment]
     if t.kind == "single":
         return r.Redis.from_url(url, **kw)
-    auth = {"username": t.username, "password": t.password}
+    auth: dict[str, Any] = {"username": t.username, "password": t.password}
     if t.kind == "cluster":
         from redis.cluster import ClusterNode
 
         if asyncio:
             from redis.asyncio.cluster import ClusterNode as AClusterNode
 
-            nodes = [AClusterNode(h, p) for h, p in t.hosts]
+            nodes: list[Any] = [AClusterNode(h, p) for h, p in t.hosts]
         else:
             nodes = [ClusterNode(h, p) for h, p in t.hosts]
         return RedisCluster(startup_nodes=nodes, **auth, **_tls_kwargs(t), **kw)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from functools import cache
+from collections.abc import Generator
+from functools import cache, partial
 from importlib import resources
 from typing import Any
 
@@ -161,16 +162,19 @@ class Scripts:
             return self._acall(name, argv, target)
         return self._call(name, argv, target)
 
-    def _call(self, name: str, argv: list[Any], target: Any) -> Any:
+    def _steps(self, name: str, argv: list[Any], target: Any) -> Generator[Any, Any, Any]:
+        """One call's Redis operations, written once for both drivers below: each
+        ``yield`` hands over a zero-argument callable (the driver runs it, awaiting
+        it when asyncio) and gets its result back, or its RedisError thrown in."""
         fname = self.function_name(name)
         for attempt in range(2):
             try:
-                out = target.fcall(fname, NUM_KEYS, *self._keys, *argv)
+                out = yield partial(target.fcall, fname, NUM_KEYS, *self._keys, *argv)
             except redis.RedisError as exc:
                 action = _classify(exc)
                 if action == "load" and attempt == 0:
                     try:
-                        target.function_load(library()[1], replace=True)
+                        yield partial(target.function_load, library()[1], replace=True)
                         continue
                     except redis.RedisError as load_exc:
                         action = _classify(load_exc)
@@ -180,28 +184,40 @@ class Scripts:
                 break
             self.mode = "functions"
             return out
-        return self._scripts[name](keys=self._keys, args=argv, client=target)
+        return (yield partial(self._scripts[name], keys=self._keys, args=argv, client=target))
+
+    def _call(self, name: str, argv: list[Any], target: Any) -> Any:
+        steps, result, error = self._steps(name, argv, target), None, None
+        while True:
+            done, op = _advance(steps, result, error)
+            if done:
+                return op
+            try:
+                result, error = op(), None
+            except redis.RedisError as exc:
+                result, error = None, exc
 
     async def _acall(self, name: str, argv: list[Any], target: Any) -> Any:
-        fname = self.function_name(name)
-        for attempt in range(2):
+        steps, result, error = self._steps(name, argv, target), None, None
+        while True:
+            done, op = _advance(steps, result, error)
+            if done:
+                return op
             try:
-                out = await target.fcall(fname, NUM_KEYS, *self._keys, *argv)
+                result, error = await op(), None
             except redis.RedisError as exc:
-                action = _classify(exc)
-                if action == "load" and attempt == 0:
-                    try:
-                        await target.function_load(library()[1], replace=True)
-                        continue
-                    except redis.RedisError as load_exc:
-                        action = _classify(load_exc)
-                if action != "scripts":
-                    raise
-                self.mode = "scripts"
-                break
-            self.mode = "functions"
-            return out
-        return await self._scripts[name](keys=self._keys, args=argv, client=target)
+                result, error = None, exc
+
+
+def _advance(
+    steps: Generator[Any, Any, Any], result: Any, error: Exception | None
+) -> tuple[bool, Any]:
+    """Resume ``Scripts._steps`` with a result or an error: (False, next operation)
+    or (True, the call's return value)."""
+    try:
+        return False, steps.throw(error) if error is not None else steps.send(result)
+    except StopIteration as done:
+        return True, done.value
 
 
 def _is_pipeline(client: Any) -> bool:
