@@ -133,9 +133,12 @@ local seen_da, seen_da_n, seen_tick, seen_tick_n = nil, 5000, nil, 20
 -- tonumber for the texts a report parses (step, previous step, .pub, .behind),
 -- memoised: in lockstep every engine sends the same few texts, so a function
 -- library mostly finds them here instead of running strtod. Bounded: reset past 256.
+-- (An EVAL script starts from an empty table on every call: it parses directly.)
 local numbers, numbers_n = {}, 0
+local LIBRARY = false -- set to true by a function library after this file (scripts.py)
 
 local function num(text)
+  if not LIBRARY then return tonumber(text) end
   local v = numbers[text]
   if v == nil then
     v = tonumber(text) or false
@@ -418,7 +421,6 @@ local NUM_KEYS = #KEY_SUFFIXES
 -- sets LIBRARY = true after this file) between calls: Lua interns strings, so
 -- comparing KEYS with them is a pointer comparison. An EVAL script runs this file
 -- on every call and gains nothing from a cache. Bounded: reset past 64 deployments.
-local LIBRARY = false
 local key_names, key_names_n = {}, 0
 
 local function keys_match(deployment)
