@@ -1467,9 +1467,9 @@ def write_plots(results: list[RunResult], doc: dict[str, Any], out_dir: str) -> 
         fig.savefig(path, dpi=72)
         plt.close(fig)
         written.append(path)
-    path = plot_gap_closed(doc, os.path.join(out_dir, "gap_closed.png"))
-    if path:
-        written.append(path)
+    gap_path = plot_gap_closed(doc, os.path.join(out_dir, "gap_closed.png"))
+    if gap_path:
+        written.append(gap_path)
     return written
 
 

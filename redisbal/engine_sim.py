@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -385,7 +386,7 @@ def format_engine_table(stats: dict[str, Any]) -> str:
     return render_table(rows)
 
 
-def render_table(rows: list[tuple[str, ...]]) -> str:
+def render_table(rows: Sequence[tuple[str, ...]]) -> str:
     """Plain aligned text table; the first row is the header. First column left-aligned."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
