@@ -58,10 +58,13 @@ local waiting, running, adm, step_arg = ARGV[7], ARGV[8], ARGV[10], ARGV[6]
 local tick = step_arg == 'tick'
 local canonical = #adm <= 65536 and #waiting <= 10 and #running <= 10 and #step_arg <= 10
 if canonical then
+  -- ",<step>,<waiting>,<running>,<admitted...>,9": the final "9" makes an empty
+  -- last entry look like ",,9", so ",[^1-9]%d" finds an empty entry (",,") and a
+  -- leading zero (",0<digit>") anywhere in one scan
   local framed = ',' .. (tick and '0' or step_arg) .. ',' .. waiting .. ',' .. running .. ',' ..
-    adm .. (adm == '' and '' or ',')
-  canonical = string.find(framed, '^[%d,]+$') and not (string.find(framed, ',,', 1, true)
-      or string.find(framed, ',0%d') or string.find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d'))
+    adm .. (adm == '' and '9' or ',9')
+  canonical = string.find(framed, '^[%d,]+$') and not (string.find(framed, ',[^1-9]%d')
+      or string.find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d'))
     and (#waiting < 10 or waiting <= '1000000000') and (#running < 10 or running <= '1000000000')
     and (tick or #step_arg < 10 or step_arg <= '4294967295')
 end
