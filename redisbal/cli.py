@@ -793,8 +793,9 @@ def load_functions() -> None:
     Engines and the coordinator load it themselves when their Redis user may run
     FUNCTION LOAD; least-privilege users (docs/DEPLOY.md) may not, because a
     library is server-wide: whoever can load one can change the code every user
-    runs. Run this once as an admin after each redisbal upgrade; until then the
-    clients use EVALSHA, which is slower on the server but works the same.
+    runs. Run this once as an admin after each redisbal upgrade, before starting
+    the clients: a client that finds no library and may not load it uses EVALSHA
+    until it is restarted (slower on the server, same results).
     """
     from redisbal.scripts import library, load_library
 
