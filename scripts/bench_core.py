@@ -284,8 +284,6 @@ def main() -> int:
             for delivery in DELIVERIES:
                 r = bench_report_server_time(client, url, delivery=delivery, functions=functions)
                 cmd = "FCALL" if r["mode"] == "functions" else "EVALSHA"
-                if not functions and r["mode"] != "scripts":
-                    continue
                 out[f"report_server_us_{cmd.lower()}_{delivery}"] = r
                 print(
                     f"report server time, 64 engines, {cmd:7s} {delivery:10s}: "
