@@ -113,13 +113,19 @@ class Barrier:
                 lines[0] = f"{sc}\t{LONG_AGO_MS}\t{rest}"
                 self.r.hset(self.keys.reports, engine, "\n".join([head, *lines]))
 
-    def set_opportunistic_reap(self, due: bool) -> None:
-        """Reports expire dead engines on the way at most every dead_after_ms / 4; make
-        the next report do it (due) or not, so that a test knows which happens."""
-        if due:
-            self.r.hdel(self.keys.reports, ".next_reap")
-        else:
+    def set_opportunistic_reap(self, engine: str, due: bool) -> None:
+        """Reports expire dead engines on the way when they refresh their heartbeat (every
+        dead_after_ms / 8) and a reap is due (every dead_after_ms / 4); make the next
+        report of ``engine`` do it (due) or not, so that a test knows which happens."""
+        if not due:
             self.r.hset(self.keys.reports, ".next_reap", str(server_ms(self.r) + 10**9))
+            return
+        self.r.hdel(self.keys.reports, ".next_reap")
+        raw = self.r.hget(self.keys.reports, engine)
+        if raw is not None:  # heartbeat due at "0": refreshed by the next report
+            rec = text(raw)
+            nl = rec.find("\n")
+            self.r.hset(self.keys.reports, engine, rec[0] + "0" + (rec[nl:] if nl >= 0 else ""))
 
     # -- reading state -----------------------------------------------------------------------
 

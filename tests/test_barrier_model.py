@@ -213,7 +213,7 @@ class BarrierMachine(RuleBasedStateMachine):
         self, engine: str, tag: Tag, waiting: int, running: int, kv: str, reap_due: bool
     ) -> None:
         self.last_args[engine] = (tag, waiting, running, kv)
-        self.bar.set_opportunistic_reap(reap_due)
+        self.bar.set_opportunistic_reap(engine, reap_due)
         got = self.bar.report(engine, tag[1], waiting, running, tag[0], kv=kv)
         want_status, want_version = self.model.report(
             engine, Report(tag, waiting, running, float(kv) if kv else None), reap_due

@@ -56,9 +56,13 @@ local HOT = {[F_EPOCH] = true, [F_PUB] = true, [F_BEHIND] = true, [F_SINCE] = tr
 -- FUNCTION LOAD, so nothing here may read KEYS or ARGV outside bind().
 local K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT, K_CHANNEL
 local KEYS_IN, ARGV_IN
+-- string.find as an upvalue: the report path calls it a dozen times, and each
+-- string.find is a global and a field lookup (bound in bind(): a function library
+-- has no string table while it loads)
+local find
 
 local function bind(keys, argv)
-  KEYS_IN, ARGV_IN = keys, argv
+  KEYS_IN, ARGV_IN, find = keys, argv, string.find
   K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS = keys[1], keys[2], keys[3], keys[4]
   K_META, K_SNAPSHOT, K_CHANNEL = keys[5], keys[6], keys[7]
 end
@@ -86,7 +90,7 @@ end
 
 -- nil when s is not a whole number in [lo, hi]
 local function int_arg(s, lo, hi)
-  if type(s) ~= 'string' or #s > 16 or not string.find(s, '^%-?%d+$') then return nil end
+  if type(s) ~= 'string' or #s > 16 or not find(s, '^%-?%d+$') then return nil end
   local n = tonumber(s)
   if n == nil or n < lo or n > hi then return nil end
   return n
@@ -94,7 +98,7 @@ end
 
 -- a count in 0..MAX_COUNT as canonical JSON text, or nil (no tonumber unless needed)
 local function count_text(s)
-  if type(s) ~= 'string' or #s > 10 or not string.find(s, '^%d+$') then return nil end
+  if type(s) ~= 'string' or #s > 10 or not find(s, '^%d+$') then return nil end
   if #s == 10 and tonumber(s) > MAX_COUNT then return nil end
   if #s > 1 and string.byte(s, 1) == 48 then return fmt(tonumber(s)) end
   return s
@@ -107,7 +111,7 @@ local function int_text(s, n)
 end
 
 local function name_arg(s)
-  if type(s) ~= 'string' or #s < 1 or #s > 64 or not string.find(s, NAME_PATTERN) then
+  if type(s) ~= 'string' or #s < 1 or #s > 64 or not find(s, NAME_PATTERN) then
     return nil
   end
   return s
@@ -190,12 +194,12 @@ end
 -- A record's head: flag, heartbeat due ms, latest score (nil if no report yet),
 -- latest report ms (0), and the position of its first report line (nil).
 local function head(rec)
-  local nl = string.find(rec, '\n', 2, true)
+  local nl = find(rec, '\n', 2, true)
   if not nl then
     return string.sub(rec, 1, 1), tonumber(string.sub(rec, 2)) or 0, nil, 0, nil
   end
-  local t1 = string.find(rec, '\t', nl + 1, true)
-  local t2 = string.find(rec, '\t', t1 + 1, true)
+  local t1 = find(rec, '\t', nl + 1, true)
+  local t2 = find(rec, '\t', t1 + 1, true)
   return string.sub(rec, 1, 1), tonumber(string.sub(rec, 2, nl - 1)) or 0,
     tonumber(string.sub(rec, nl + 1, t1 - 1)), tonumber(string.sub(rec, t1 + 1, t2 - 1)), nl + 1
 end
@@ -214,16 +218,16 @@ end
 local function cut(rec, s, pos, last)
   local n = #rec
   while pos and pos <= n do
-    local t1 = string.find(rec, '\t', pos, true)
+    local t1 = find(rec, '\t', pos, true)
     if last <= s then
-      local t2 = string.find(rec, '\t', t1 + 1, true)
-      local nl = string.find(rec, '\n', t2, true)
+      local t2 = find(rec, '\t', t1 + 1, true)
+      local nl = find(rec, '\n', t2, true)
       return string.sub(rec, t2 + 1, (nl or n + 1) - 1)
     end
-    local nl = string.find(rec, '\n', t1, true)
+    local nl = find(rec, '\n', t1, true)
     pos = nl and nl + 1
     if pos then
-      local t = string.find(rec, '\t', pos, true)
+      local t = find(rec, '\t', pos, true)
       last = tonumber(string.sub(rec, pos, t - 1))
     end
   end
@@ -236,8 +240,8 @@ local function prune(lines, pub)
   local pos, kept, n = 1, 0, #lines
   while pos <= n do
     kept = kept + 1
-    local t1 = string.find(lines, '\t', pos, true)
-    local nl = string.find(lines, '\n', t1, true)
+    local t1 = find(lines, '\t', pos, true)
+    local nl = find(lines, '\n', t1, true)
     if not nl then return lines end
     if kept >= MAX_HISTORY or tonumber(string.sub(lines, pos, t1 - 1)) <= pub then
       return string.sub(lines, 1, nl - 1)
@@ -278,7 +282,11 @@ end
 -- Returns the version published (0 if none) and the laggard ids.
 local function publish(mode, now, deployment, pubcmd)
   local flat = redis.call('HGETALL', K_REPORTS)
-  local recs, hot = {}, {}
+  -- per engine, in parallel arrays (a table per engine costs more): id, record,
+  -- newest score (false before its first report) and the json of that report;
+  -- provisional engines are the few marked in prov
+  local ids, recs, lasts, jsons, prov = {}, {}, {}, {}, {}
+  local n, hot = 0, {}
   local fixed = type(mode) == 'number'
   local s = fixed and mode or nil
   for i = 1, #flat, 2 do
@@ -286,61 +294,67 @@ local function publish(mode, now, deployment, pubcmd)
     if HOT[id] then
       hot[id] = rec
     else
-      -- flag, position of the newest report line, its score, where its json starts
-      -- (a plain search finds the json's end much faster than a [^\n]* class)
-      local flag, pos, last, at = string.match(rec, '^(.)%d*\n()(%d+)\t%d+\t()')
-      local json
-      if flag then
-        last = tonumber(last)
-        local nl = string.find(rec, '\n', at, true)
-        json = string.sub(rec, at, (nl or 0) - 1)
+      n = n + 1
+      ids[n], recs[n] = id, rec
+      if string.byte(rec) ~= 98 then prov[n] = true end -- not "b"
+      -- the head line's end by a plain search, then one short anchored match for
+      -- the newest line's score and where its json starts (past the report ms)
+      local nl = find(rec, '\n', 2, true)
+      local last, at
+      if nl then last, at = string.match(rec, '^(%d+)\t%d+\t()', nl + 1) end
+      if last then
+        lasts[n] = num(last) -- in lockstep, the same few texts: memoised
+        local e = find(rec, '\n', at, true)
+        jsons[n] = string.sub(rec, at, (e or 0) - 1)
       else
-        flag, pos, last = string.sub(rec, 1, 1), nil, nil
+        lasts[n] = false
       end
-      recs[#recs + 1] = {id, flag, last, pos, rec, json}
     end
   end
   local pub = tonumber(hot[F_PUB] or '-1') or -1
   if not fixed then
-    for _, r in ipairs(recs) do
-      local last = r[3]
-      if r[2] == 'b' and last and (mode == 'barrier' or last > pub) and (not s or last < s) then
+    for i = 1, n do
+      local last = lasts[i]
+      if last and not prov[i] and (mode == 'barrier' or last > pub) and (not s or last < s) then
         s = last
       end
     end
   end
   if not s or (mode == 'forced' and s <= pub) then return 0, {} end
-  local parts, joining, laggards, lagnames = {}, {}, {}, {}
+  -- parts[1] is the head, filled in below: the snapshot is one concatenation (each
+  -- Lua string is hashed over every byte when made, and a snapshot is long)
+  local parts, np, joining, laggards, lagnames = {''}, 1, {}, {}, {}
   local behind, ahead = 0, false
-  for _, r in ipairs(recs) do
-    local id, flag, last, pos, rec = r[1], r[2], r[3], r[4], r[5]
-    local frag = pos and (last <= s and r[6] or cut(rec, s, pos, last))
+  local forced = mode == 'forced'
+  for i = 1, n do
+    local id, last = ids[i], lasts[i]
+    local frag = last and (last <= s and jsons[i] or cut(recs[i], s, find(recs[i], '\n', 2, true) + 1, last))
     if frag then -- key and json as separate pieces: no long intermediate string
-      local n = #parts
-      parts[n + 1] = (n == 0 and '"' or ',"') .. id .. '":'
-      parts[n + 2] = frag
+      parts[np + 1] = np == 1 and '"' .. id .. '":' or ',"' .. id .. '":'
+      parts[np + 2] = frag
+      np = np + 2
     else
       joining[#joining + 1] = '"' .. id .. '"'
     end
-    if flag == 'b' then
+    if not prov[i] then
       if not last or last <= s then behind = behind + 1 else ahead = true end
-      if mode == 'forced' and last and last <= pub then
-        laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - select(4, head(rec)))
+      if forced and last and last <= pub then
+        laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - select(4, head(recs[i])))
         lagnames[#lagnames + 1] = id
       end
     end
   end
-  local forced = mode == 'forced'
   local version = redis.call('HINCRBY', K_META, 'version', 1)
   local wave = math.floor(s / STEP_SPAN)
   local gone = redis.call('HGET', K_META, 'gone') or ''
   local epoch = hot[F_EPOCH] or ''
-  local json = '{"deployment":"' .. deployment .. '","epoch":"' .. epoch ..
+  parts[1] = '{"deployment":"' .. deployment .. '","epoch":"' .. epoch ..
     '","version":' .. version .. ',"wave":' .. fmt(wave) .. ',"step":' .. fmt(s - wave * STEP_SPAN) ..
     ',"forced":' .. (forced and 'true' or 'false') .. ',"laggards":{' ..
     table.concat(laggards, ',') .. '},"gone":{' .. gone .. '},"joining":[' ..
-    table.concat(joining, ',') .. '],"time_ms":' .. fmt(now) .. ',"engines":{' ..
-    table.concat(parts) .. '}}'
+    table.concat(joining, ',') .. '],"time_ms":' .. fmt(now) .. ',"engines":{'
+  parts[np + 1] = '}}'
+  local json = table.concat(parts)
   redis.call('SET', K_SNAPSHOT, json)
   -- SPUBLISH exists from Redis 7.0, which also added redis.REDIS_VERSION_NUM: a 6.2
   -- cluster gets PUBLISH (the router subscribes the same way, see router.py)

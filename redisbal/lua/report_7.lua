@@ -41,7 +41,7 @@ if ARGV[9] ~= '' then
   kv = ARGV[9]
   -- "0.4000" (what the reporters send), "1", "0": already JSON in [0, 1] with at
   -- most 4 decimals; anything else is parsed, checked and written as %.4f
-  if not (string.find(kv, '^0%.%d%d?%d?%d?$') or kv == '1' or kv == '0') then
+  if not (find(kv, '^0%.%d%d?%d?%d?$') or kv == '1' or kv == '0') then
     local v = #kv <= 24 and string.match(kv, '^%d*%.?%d+$') and tonumber(kv)
     if not v or v < 0 or v > 1 then return fail('bad kv_usage: ' .. tostring(ARGV[9])) end
     kv = string.format('%.4f', v) -- JSON whatever the spelling (".5", "00.5")
@@ -63,8 +63,8 @@ if canonical then
   -- leading zero (",0<digit>") anywhere in one scan
   local framed = ',' .. (tick and '0' or step_arg) .. ',' .. waiting .. ',' .. running .. ',' ..
     adm .. (adm == '' and '9' or ',9')
-  canonical = string.find(framed, '^[%d,]+$') and not (string.find(framed, ',[^1-9]%d')
-      or string.find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d'))
+  canonical = find(framed, '^[%d,]+$') and not (find(framed, ',[^1-9]%d')
+      or find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d'))
     and (#waiting < 10 or waiting <= '1000000000') and (#running < 10 or running <= '1000000000')
     and (tick or #step_arg < 10 or step_arg <= '4294967295')
 end
@@ -75,8 +75,8 @@ if not canonical then
   if not running then return fail('bad running: ' .. tostring(ARGV[8])) end
   if adm ~= '' then
     local framed = ',' .. adm .. ','
-    if #adm > 65536 or string.find(adm, '[^%d,]') or string.find(framed, ',,', 1, true)
-      or string.find(framed, ',0%d') or string.find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d') then
+    if #adm > 65536 or find(adm, '[^%d,]') or find(framed, ',,', 1, true)
+      or find(framed, ',0%d') or find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d') then
       return fail('bad admitted: expected comma-separated counts')
     end
   end
@@ -105,13 +105,14 @@ end
 if HOT[engine] then return fail('bad engine_id: ' .. engine) end
 -- the record and the barrier's hot fields, in one read (see common.lua)
 -- (.pub is written with .epoch by new_generation: without it, the state is new or lost)
-local h = redis.call('HMGET', K_REPORTS, engine, F_PUB, F_SINCE, F_NEXT_REAP, F_BEHIND)
+-- (.next_reap only when this report refreshes the heartbeat, below: a reply element less)
+local h = redis.call('HMGET', K_REPORTS, engine, F_PUB, F_SINCE, F_BEHIND)
 if not h[2] then
   if not new_generation(ARGV[3], tonumber(now_s)) then return fail('bad epoch candidate') end
-  h = {false, '-1', false, false, '0'}
+  h = {false, '-1', false, '0'}
 end
 local pub = h[2] == '-1' and -1 or num(h[2]) or -1
-local behind, next_reap = h[5], h[4]
+local behind = h[4]
 local rec = h[1]
 local flag, hb, last, pos = 'b', '', nil, nil
 if rec then
@@ -143,7 +144,7 @@ elseif not last then
   if flag == 'p' and score > pub then flag = 'b' end
 elseif score == last then
   -- same-step refresh (before/after step, or a retry): replace the newest report
-  local nl = string.find(rec, '\n', pos, true)
+  local nl = find(rec, '\n', pos, true)
   if nl then tail = string.sub(rec, nl) end
 else
   if score <= pub then redis.call('HINCRBY', K_META, 'late', 1) end
@@ -152,7 +153,7 @@ else
   if last <= pub and score > pub then
     -- the usual case: the previous report is the newest at or before pub, so it
     -- is the only one to keep besides this one (pos - 1 is the newline before it)
-    local nl = string.find(rec, '\n', pos, true)
+    local nl = find(rec, '\n', pos, true)
     tail = nl and string.sub(rec, pos - 1, nl - 1) or string.sub(rec, pos - 1)
   else
     tail, generic = string.sub(rec, pos - 1), true -- pruned below
@@ -160,7 +161,14 @@ else
 end
 -- hb is when the heartbeat in members is next due (ms, same width as now_s)
 local refresh = not rec or #hb ~= #now_s or now_s >= hb
-local reap_due = not next_reap or #next_reap ~= #now_s or now_s >= next_reap
+-- Opportunistic expiry is considered when a heartbeat is refreshed: every live
+-- engine refreshes every dead_after_ms / 8, so some report checks at least that
+-- often while any engine reports, and .next_reap spaces the reaps dead_after_ms / 4.
+local reap_due = false
+if refresh then
+  local next_reap = redis.call('HGET', K_REPORTS, F_NEXT_REAP)
+  reap_due = not next_reap or #next_reap ~= #now_s or now_s >= next_reap
+end
 if (refresh or reap_due) and not dead_after then
   now = tonumber(now_s)
   dead_after, tick_ms = report_config()
