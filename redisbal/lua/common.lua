@@ -85,7 +85,9 @@ end
 -- server time in ms, as text only (the report path needs the number rarely)
 local function now_text()
   local t = redis.call('TIME')
-  return t[1] .. string.sub('00000' .. t[2], -6, -4)
+  local us = t[2]
+  if #us == 6 then return t[1] .. string.sub(us, 1, 3) end -- no padding string to make
+  return t[1] .. string.sub('00000' .. us, -6, -4)
 end
 
 -- nil when s is not a whole number in [lo, hi]
