@@ -21,7 +21,8 @@
   The barrier's hot fields live in the reports hash next to the records (engine
   ids start with a letter or digit, so ".x" is never an engine) because a report
   then reads everything it needs in one HMGET and writes it in one HSET: with
-  TIME, three Redis commands per report, which is most of what a report costs.
+  TIME, three Redis commands per report, a large part of what a report costs
+  (.next_reap only when the report also refreshes its heartbeat).
 
   An engine's record: a head line "<flag><ms when its heartbeat is due>", then its accepted
   reports newest first, one per line: "<score>\t<report ms>\t<json>", where
