@@ -505,6 +505,13 @@ def _parse_slow(values: tuple[str, ...]) -> dict[str, float]:
     show_default=True,
     help="Print the per-engine table at the end.",
 )
+@click.option(
+    "--report-before-step/--report-after-step-only",
+    default=True,
+    show_default=True,
+    help="Also report right before each step, once the step has taken the requests "
+    "that arrived (vLLM's engines do since PR 41626), not only after it.",
+)
 def engine_sim(
     engines: int,
     id_prefix: str,
@@ -518,6 +525,7 @@ def engine_sim(
     duration: float | None,
     stats_out: str | None,
     summary: bool,
+    report_before_step: bool,
 ) -> None:
     """Run simulated continuous-batching engines that report to Redis for real.
 
@@ -541,7 +549,15 @@ def engine_sim(
         prefill_s=prefill_ms / 1000,
     )
     try:
-        runner = EngineSimRunner(url, s.deployment, ids, mode=mode, params=params, slow=slow_map)
+        runner = EngineSimRunner(
+            url,
+            s.deployment,
+            ids,
+            mode=mode,
+            params=params,
+            slow=slow_map,
+            report_before_step=report_before_step,
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     check_reachable(url)

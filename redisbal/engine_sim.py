@@ -10,6 +10,13 @@ wall clock:
 - ``tick`` mode: every engine steps on its own clock; the reporters use the
   barrier's shared server tick, so the barrier completes without a common step.
 
+Requests that arrive during a step wait in the engine's input queue and are
+counted when the next step takes it (as vLLM's busy loop does). By default each
+engine also reports right after taking it, before the step runs, as vLLM's
+engines do since PR 41626 ("publish request counts before and after GPU step"):
+in lockstep mode that report carries the tag of the step about to run, and the
+report after the step refreshes it.
+
 Requests come from ``redisbal api`` processes through the simulation
 transport (redisbal.simtransport); completions go back to the API server
 that sent them. The runner also measures what the demo prints: requests per
@@ -136,6 +143,7 @@ class EngineSimRunner:
         num_clients: int = 1,
         poll_s: float = 0.005,
         heartbeat_s: float | None = None,
+        report_before_step: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -146,6 +154,7 @@ class EngineSimRunner:
         self.mode = mode
         self.poll_s = poll_s
         self.heartbeat_s = heartbeat_s
+        self.report_before_step = report_before_step
         self.keys = SimKeys(deployment)
         base = params or EngineParams()
         slow = slow or {}
@@ -224,12 +233,15 @@ class EngineSimRunner:
         if pipe is not None:
             await pipe.execute()
 
-    def _report(self, eid: str) -> None:
+    def _report(self, eid: str, before_step: bool = False) -> None:
+        """Queue engine eid's report; ``before_step``: its input queue was just taken
+        and the step is about to run (lockstep: tagged with that step's number)."""
         eng = self.engines[eid]
         rep = self.reporters[eid]
         w, r = len(eng.waiting), len(eng.running)
         if self.mode == "lockstep":
-            rep.report_nowait(eng.step_no, w, r, eng.wave, admitted=eng.admitted)
+            step = eng.step_no + 1 if before_step else eng.step_no
+            rep.report_nowait(step, w, r, eng.wave, admitted=eng.admitted)
         else:
             rep.report_nowait(None, w, r, admitted=eng.admitted)
 
@@ -281,6 +293,10 @@ class EngineSimRunner:
                 wave += 1
                 for e in engines:
                     e.wave, e.step_no = wave, 0
+            if self.report_before_step:
+                for eid, e in self.engines.items():
+                    e.take_inbox()
+                    self._report(eid, before_step=True)
             # admit at the step's start; requests arriving meanwhile wait for the next step
             duration = max(e.begin_step(now) for e in engines)
             batch = [len(e.running) for e in engines]
@@ -319,6 +335,9 @@ class EngineSimRunner:
                     self._report(eid)
             for eid, eng in self.engines.items():
                 if ends[eid] is None and eng.busy():
+                    if self.report_before_step:
+                        eng.take_inbox()
+                        self._report(eid, before_step=True)
                     ends[eid] = now + eng.begin_step(now)
                     self.stats.steps += 1
             pending = [t for t in ends.values() if t is not None]

@@ -8,6 +8,7 @@ import math
 import time
 from typing import Any
 
+import orjson
 import pytest
 import redis
 from helpers import Barrier, score, server_ms, wait_until
@@ -246,3 +247,54 @@ async def test_async_reporter_returns_unavailable_when_redis_is_down(
     assert (await rep.report(step=2, waiting=0, running=0)).status == "unavailable"
     assert await rep.register() is False
     await rep.aclose()  # leave is attempted and fails quietly
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["before-and-after", "after-only"])
+def test_engine_sim_reports_a_step_before_running_it(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, before: bool
+) -> None:
+    """`redisbal engine-sim` reports right before each step (vLLM >= PR 41626), with
+    that step's tag and the requests it took from its input queue; with
+    --report-after-step-only the step shows up only once it has ended."""
+    from redisbal.engine_sim import EngineSimRunner
+    from redisbal.sim import EngineParams
+    from redisbal.simtransport import NO_BURST, RequestMsg, SimKeys
+
+    params = EngineParams(base_step_s=1.5)  # one long step: the test looks inside it
+    runner = EngineSimRunner(
+        redis_url, keys.deployment, ["e0"], params=params, report_before_step=before
+    )
+
+    def newest_step_line() -> tuple[int, dict[str, Any]] | None:
+        rec = r.hget(keys.reports, "e0")
+        lines = rec.decode().split("\n")[1:] if rec else []
+        if not lines:
+            return None
+        score_s, _ms, body = lines[0].split("\t", 2)
+        return int(score_s), orjson.loads(body)
+
+    async def scenario() -> tuple[int, dict[str, Any]] | None:
+        task = asyncio.create_task(runner.run(duration_s=3.0))
+        await asyncio.to_thread(wait_until, lambda: r.hexists(keys.reports, "e0"), 10)
+        msg = RequestMsg(client_index=0, rid=1, burst=NO_BURST, output_len=50)
+        t0 = time.monotonic()
+        r.rpush(SimKeys(keys.deployment).requests("e0"), msg.encode())
+        # the engine pulls within a few ms and starts its 1.5 s step: look well inside it
+        await asyncio.sleep(0.5)
+        seen = newest_step_line()
+        inside = time.monotonic() - t0 < 1.4
+        runner.stop()
+        await task
+        assert inside, "the machine stalled: the step may have ended before the check"
+        return seen
+
+    seen = asyncio.run(scenario())
+    if before:
+        assert seen is not None
+        step, body = seen
+        assert step == 2**32 + 1  # the first wave's first step: score = wave * 2^32 + step
+        assert (body["wave"], body["step"], body["waiting"], body["running"]) == (1, 1, 1, 0)
+        assert body["adm"] == [1]
+    else:  # still the report the runner makes at start: the step shows up at its end
+        assert seen is not None
+        assert (seen[0], seen[1]["wave"], seen[1]["step"]) == (0, 0, 0)
