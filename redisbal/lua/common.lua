@@ -331,7 +331,10 @@ local function publish(mode, now, deployment, pubcmd)
   local forced = mode == 'forced'
   for i = 1, n do
     local id, last = ids[i], lasts[i]
-    local frag = last and (last <= s and jsons[i] or cut(recs[i], s, find(recs[i], '\n', 2, true) + 1, last))
+    local frag = last and jsons[i]
+    if last and last > s then -- newer than the cut: its newest line at or before s
+      frag = cut(recs[i], s, find(recs[i], '\n', 2, true) + 1, last)
+    end
     if frag then -- key and json as separate pieces: no long intermediate string
       parts[np + 1] = np == 1 and '"' .. id .. '":' or ',"' .. id .. '":'
       parts[np + 2] = frag
