@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -384,3 +385,24 @@ def scale_table(doc: dict[str, Any]) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def print_seed_stats(
+    policies: Sequence[str],
+    scenario_names: Sequence[str],
+    seeds: Sequence[int] = (1, 2, 3, 4, 5),
+    metrics: Sequence[str] = ("burst_max_over_mean", "load_imbalance", "p99_queue_delay_s"),
+) -> None:
+    """For policy experiments (scripts/*_experiment.py): each policy on each named
+    default scenario on the simulated clock, one line of mean +- std over the seeds."""
+    from redisbal.bench import default_scenarios
+
+    scenarios = default_scenarios()
+    for sc in scenario_names:
+        for p in policies:
+            rows = [simulate(p, seed, scenarios[sc]) for seed in seeds]
+            cells = []
+            for m in metrics:
+                vals = [r[m] for r in rows if m in r]
+                cells.append(f"{m} {statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}")
+            print(f"{sc:10s} {p:11s} " + "  ".join(cells), flush=True)

@@ -15,11 +15,9 @@ and what was dropped".
 
 from __future__ import annotations
 
-import statistics
 import sys
 
-from redisbal.bench import default_scenarios
-from redisbal.bench_scale import simulate
+from redisbal.bench_scale import print_seed_stats
 from redisbal.policies import POLICIES, EngineView, Policy, RedisbalPolicy, RouterCore
 
 
@@ -44,15 +42,7 @@ def main() -> int:
             POLICIES[name] = load_weighted(a)
         pols.append(name)
     pols += ["round-robin", "vllm-21617", "oracle"]
-    scenarios = default_scenarios()
-    for sc in names:
-        for p in pols:
-            rows = [simulate(p, s, scenarios[sc]) for s in range(1, 6)]
-            cells = []
-            for m in ("burst_max_over_mean", "load_imbalance", "p99_queue_delay_s"):
-                vals = [r[m] for r in rows if m in r]
-                cells.append(f"{m} {statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}")
-            print(f"{sc:10s} {p:11s} " + "  ".join(cells), flush=True)
+    print_seed_stats(pols, names)
     return 0
 
 

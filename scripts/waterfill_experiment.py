@@ -16,12 +16,9 @@ docs/BENCHMARKS.md, "The default policy: what was kept and what was dropped".
 
 from __future__ import annotations
 
-import statistics
 import sys
-from typing import Any
 
-from redisbal.bench import default_scenarios
-from redisbal.bench_scale import simulate
+from redisbal.bench_scale import print_seed_stats
 from redisbal.policies import POLICIES, EngineView, RedisbalPolicy, RouterCore
 
 
@@ -59,15 +56,7 @@ def main() -> int:
     POLICIES["wf"] = WaterfillPolicy
     pols = (sys.argv[1] if len(sys.argv) > 1 else "redisbal,wf,vllm-21617,oracle").split(",")
     names = (sys.argv[2] if len(sys.argv) > 2 else "burst,skew,straggler").split(",")
-    scenarios = default_scenarios()
-    for sc in names:
-        for p in pols:
-            rows: list[dict[str, Any]] = [simulate(p, s, scenarios[sc]) for s in range(1, 6)]
-            cells = []
-            for m in ("burst_max_over_mean", "load_imbalance", "p99_queue_delay_s"):
-                vals = [r[m] for r in rows if m in r]
-                cells.append(f"{m} {statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}")
-            print(f"{sc:10s} {p:11s} " + "  ".join(cells), flush=True)
+    print_seed_stats(pols, names)
     return 0
 
 
