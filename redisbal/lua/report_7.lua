@@ -169,7 +169,7 @@ if refresh then
   local next_reap = redis.call('HGET', K_REPORTS, F_NEXT_REAP)
   reap_due = not next_reap or #next_reap ~= #now_s or now_s >= next_reap
 end
-if (refresh or reap_due) and not dead_after then
+if refresh and not dead_after then -- (a reap is only due on a refresh)
   now = tonumber(now_s)
   dead_after, tick_ms = report_config()
 end
