@@ -10,6 +10,11 @@ from typing import Any, NamedTuple
 
 import orjson
 
+# admitted counts the reporters send are below this; the Lua script checks that an
+# admitted list is JSON integers but not their length (docs/CHOICES.md), so a list
+# with a larger entry, from some other client, is read as not reported
+MAX_ADMITTED = 10**15
+
 
 class EngineCounts(NamedTuple):
     """One engine's counts in a snapshot: its newest report at or before the cut.
@@ -30,6 +35,10 @@ class EngineCounts(NamedTuple):
     @property
     def load(self) -> int:
         return self.waiting + self.running
+
+
+def _plausible(adm: list[int]) -> bool:
+    return not adm or max(adm) < MAX_ADMITTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +69,7 @@ class Snapshot:
                 c["wave"],
                 c["step"],
                 c["t"],
-                tuple(adm) if (adm := c.get("adm")) is not None else None,
+                tuple(adm) if (adm := c.get("adm")) is not None and _plausible(adm) else None,
             )
             for e, c in d["engines"].items()
         }

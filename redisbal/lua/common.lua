@@ -57,13 +57,13 @@ local HOT = {[F_EPOCH] = true, [F_PUB] = true, [F_BEHIND] = true, [F_SINCE] = tr
 -- FUNCTION LOAD, so nothing here may read KEYS or ARGV outside bind().
 local K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT, K_CHANNEL
 local KEYS_IN, ARGV_IN
--- string.find as an upvalue: the report path calls it a dozen times, and each
+-- string.find and string.byte as upvalues: the report path calls find a dozen times, and each
 -- string.find is a global and a field lookup (bound in bind(): a function library
 -- has no string table while it loads)
-local find
+local find, byte
 
 local function bind(keys, argv)
-  KEYS_IN, ARGV_IN, find = keys, argv, string.find
+  KEYS_IN, ARGV_IN, find, byte = keys, argv, string.find, string.byte
   K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS = keys[1], keys[2], keys[3], keys[4]
   K_META, K_SNAPSHOT, K_CHANNEL = keys[5], keys[6], keys[7]
 end

@@ -49,24 +49,30 @@ if ARGV[9] ~= '' then
 end
 
 -- The counts, the step and the admitted list. What the reporters send (canonical
--- decimals) passes one framed check: a few scans over one string, anchored at
--- commas so each pattern is only tried where an entry starts; no empty entry, no
--- leading zero (not JSON), at most 15 digits per entry, and the upper bounds
--- compared as equal-width text. Anything else takes the field-by-field checks,
--- which name the bad field (and accept spellings such as "007").
+-- decimals) passes one framed check: ",<step>,<waiting>,<running>,<admitted...>,"
+-- holds only digits and commas (one anchored scan), no empty entry (",,") and no
+-- leading zero (",0" followed by anything but ","), found with plain searches, which
+-- are memchr-fast where an unanchored pattern costs ~150 instructions a character;
+-- the upper bounds are compared as equal-width text. That is what keeps the snapshot
+-- JSON: an admitted entry is not length-checked here (that scan cost more than the
+-- rest of the check, and grows with the API servers; the reporters refuse counts
+-- >= 10^15, and Snapshot.from_json drops an admitted list that holds one). Anything
+-- else takes the field-by-field checks, which name the bad field (and accept
+-- spellings such as "007").
 local waiting, running, adm, step_arg = ARGV[7], ARGV[8], ARGV[10], ARGV[6]
 local tick = step_arg == 'tick'
 local canonical = #adm <= 65536 and #waiting <= 10 and #running <= 10 and #step_arg <= 10
 if canonical then
-  -- ",<step>,<waiting>,<running>,<admitted...>,9": the final "9" makes an empty
-  -- last entry look like ",,9", so ",[^1-9]%d" finds an empty entry (",,") and a
-  -- leading zero (",0<digit>") anywhere in one scan
   local framed = ',' .. (tick and '0' or step_arg) .. ',' .. waiting .. ',' .. running .. ',' ..
-    adm .. (adm == '' and '9' or ',9')
-  canonical = find(framed, '^[%d,]+$') and not (find(framed, ',[^1-9]%d')
-      or find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d'))
+    adm .. (adm == '' and '' or ',')
+  canonical = find(framed, '^[%d,]+$') and not find(framed, ',,', 1, true)
     and (#waiting < 10 or waiting <= '1000000000') and (#running < 10 or running <= '1000000000')
     and (tick or #step_arg < 10 or step_arg <= '4294967295')
+  local z = canonical and find(framed, ',0', 1, true)
+  while z do
+    if byte(framed, z + 2) ~= 44 then canonical = false; break end -- 44 is ","
+    z = find(framed, ',0', z + 2, true)
+  end
 end
 if not canonical then
   waiting = count_text(ARGV[7])
@@ -76,7 +82,7 @@ if not canonical then
   if adm ~= '' then
     local framed = ',' .. adm .. ','
     if #adm > 65536 or find(adm, '[^%d,]') or find(framed, ',,', 1, true)
-      or find(framed, ',0%d') or find(framed, ',%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d%d') then
+      or find(framed, ',0%d') then
       return fail('bad admitted: expected comma-separated counts')
     end
   end
