@@ -1,5 +1,7 @@
 """Core micro-benchmarks (issue 2): route() cost, Redis time per report, report->snapshot latency.
 
+Also the router's cost to adopt one snapshot (no target; it is off the route() path).
+
     python scripts/bench_core.py [--redis-url URL] [--json out.json]
 
 Without --redis-url it starts its own redis-server (redisbal.embedded). Each
@@ -80,6 +82,28 @@ def bench_route(
         medians.append(statistics.median(samples))
         core.apply_snapshot(fake_snapshot(n))  # keep pending bounded, like a live feed
     return {"median_us": statistics.median(medians) / 1000, "best_us": min(medians) / 1000}
+
+
+def bench_adopt(
+    n: int, policy: str = "redisbal", snapshots: int = 2000, repeats: int = 5
+) -> dict[str, float]:
+    """Median us for one router to adopt one snapshot: Snapshot.from_json of the
+    published bytes plus RouterCore.apply_snapshot (what each pub/sub message costs a
+    router, off the route() path, on its feed's thread or event loop)."""
+    core = RouterCore(0, 8, policy)
+    core.connected = True
+    doc = json.loads(fake_snapshot(n).raw)
+    medians = []
+    for rep in range(repeats):
+        raws = []
+        for v in range(snapshots):
+            doc["version"] = rep * snapshots + v + 1
+            raws.append(json.dumps(doc).encode())
+        t0 = time.perf_counter()
+        for raw in raws:
+            core.apply_snapshot(Snapshot.from_json(raw))
+        medians.append((time.perf_counter() - t0) / snapshots * 1e6)
+    return {"median_us": statistics.median(medians), "best_us": min(medians)}
 
 
 DELIVERIES = ("pipelined", "at-once", "concurrent", "sequential")
@@ -346,6 +370,14 @@ def main() -> int:
                     f"(best repeat {r['best_us']:.2f})",
                     flush=True,
                 )
+        for policy in ("redisbal", "vllm-21617", "vllm-latest"):
+            r = bench_adopt(32, policy)
+            out[f"adopt_{policy}_32"] = r
+            print(
+                f"snapshot adoption, {policy:11s} 32 engines: median {r['median_us']:.1f} us "
+                f"(best repeat {r['best_us']:.1f})",
+                flush=True,
+            )
         for functions in (True, False):
             for delivery in DELIVERIES:
                 r = bench_report_server_time(client, url, delivery=delivery, functions=functions)
