@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from redisbal.snapshot import Snapshot
+from redisbal.snapshot import MAX_ADMITTED, Snapshot
 
 
 class NoEngines(RuntimeError):
@@ -440,13 +440,13 @@ class RouterCore:
                     continue
                 e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
                 adm = c.admitted
-                if adm is not None:
+                # (a sum past MAX_ADMITTED: counts none of our reporters sends, read as none)
+                if adm is not None and (all_adm := sum(adm)) < MAX_ADMITTED:
                     got = adm[ci] if ci < len(adm) else 0
                     e.pending = max(0, e.routed - got)
                     e.exact = exact = True
                     e.times.clear()
                     mine += got
-                    all_adm = sum(adm)
                     total += all_adm
                     if c.waiting > 0 and c.running > self.running_cap:
                         self.running_cap = c.running  # an engine with a queue is at its cap
