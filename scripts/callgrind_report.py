@@ -152,8 +152,9 @@ def lockstep(
     return work
 
 
-def floor(fn: str, calls: int) -> Workload:
-    """CALLS calls of one function of FLOOR_LIB with the report's KEYS and ARGV (or PINGs)."""
+def floor(fn: str, calls: int, nkeys: int = 7, nargs: int = 10) -> Workload:
+    """CALLS calls of one function of FLOOR_LIB with the report's KEYS and ARGV (or PINGs;
+    or the first nkeys keys and nargs arguments, to price one key or argument less)."""
 
     def work(r: redis.Redis) -> int:
         keys = DeploymentKeys("cg").script_keys()
@@ -167,7 +168,8 @@ def floor(fn: str, calls: int) -> Workload:
                 if fn == "ping":
                     p.ping()
                 else:  # the report's 10 ARGV (the record rides as an 11th for cg_hset only)
-                    p.fcall(fn, 7, *keys, *(argv if fn == "cg_hset" else argv[:10]))
+                    args = argv if fn == "cg_hset" else argv[:nargs]
+                    p.fcall(fn, nkeys, *keys[:nkeys], *args)
             p.execute()
         return 0
 
@@ -236,6 +238,9 @@ def main() -> int:
             ping, _ = run(binary, d, "ping", floor("ping", n))
             empty, _ = run(binary, d, "empty", floor("cg_empty", n))
             print(f"FCALL of an empty function, 7 KEYS + 10 ARGV: {(empty - ping) / n:,.0f}")
+            for nk, na in ((7, 8), (4, 10)):
+                fewer, _ = run(binary, d, f"empty{nk}{na}", floor("cg_empty", n, nk, na))
+                print(f"  the same with {nk} KEYS + {na} ARGV: {(fewer - ping) / n:,.0f}")
             for name in ("cg_time", "cg_hmget", "cg_hset"):
                 total, _ = run(binary, d, name, floor(name, n))
                 what = name[3:].upper()
