@@ -56,7 +56,7 @@ end
 -- the upper bounds are compared as equal-width text. That is what keeps the snapshot
 -- JSON: an admitted entry is not length-checked here (that scan cost more than the
 -- rest of the check, and grows with the API servers; the reporters refuse counts
--- >= 10^15, and Snapshot.from_json drops an admitted list that holds one). Anything
+-- >= 10^15, and routers read a list whose sum reaches that as not reported). Anything
 -- else takes the field-by-field checks, which name the bad field (and accept
 -- spellings such as "007").
 local waiting, running, adm, step_arg = ARGV[7], ARGV[8], ARGV[10], ARGV[6]
