@@ -57,9 +57,9 @@ local HOT = {[F_EPOCH] = true, [F_PUB] = true, [F_BEHIND] = true, [F_SINCE] = tr
 -- FUNCTION LOAD, so nothing here may read KEYS or ARGV outside bind().
 local K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT, K_CHANNEL
 local KEYS_IN, ARGV_IN
--- string.find and string.byte as upvalues: the report path calls find a dozen times, and each
--- string.find is a global and a field lookup (bound in bind(): a function library
--- has no string table while it loads)
+-- string.find and string.byte as upvalues: the report path calls them a dozen times,
+-- and each string.find is a global and a field lookup (bound in bind(): a function
+-- library has no string table while it loads)
 local find, byte
 
 local function bind(keys, argv)
