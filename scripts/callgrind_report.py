@@ -66,6 +66,7 @@ def publish_library() -> str:
     ) + (
         "redis.register_function('cg_publish', function(keys, argv)\n"
         "  bind(keys, argv)\n"
+        "  cold()\n"
         "  local p = tonumber(redis.call('HGET', K_REPORTS, '.pub'))\n"
         "  if argv[3] == 'skip' then return tonumber(now_text()) end\n"
         "  return publish(p, tonumber(now_text()), argv[1], 'PUBLISH')\n"

@@ -163,50 +163,6 @@ local function report_config()
   return seen_da_n, seen_tick_n
 end
 
--- The epoch names one generation of state. When it is missing, the state is new
--- or was lost (restart without persistence, flush): start a clean generation.
--- A caller that had reported (or coordinated) before sends a candidate starting
--- with "r-": the state was lost, the engines that knew it are re-registering one
--- by one, so the first snapshot of this generation waits join_grace_ms for them.
--- A fresh deployment has nothing to recover and waits only for its registrations.
-local function new_generation(candidate, now)
-  if not name_arg(candidate) then return nil end
-  redis.call('DEL', K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT)
-  redis.call('SET', K_EPOCH, candidate)
-  redis.call('HSET', K_REPORTS, F_EPOCH, candidate, F_PUB, '-1', F_BEHIND, '0')
-  redis.call('HSET', K_META, 'epoch_start', fmt(now), 'version', '0',
-    'grace', string.sub(candidate, 1, 2) == 'r-' and '1' or '0')
-  return candidate
-end
-
--- whether the first snapshot of a recovered generation must still wait
-local function in_grace(meta_grace, epoch_start, now, cfg)
-  return meta_grace == '1' and now - (tonumber(epoch_start) or 0) < cfg.join_grace_ms
-end
-
-local function ensure_epoch(candidate, now)
-  local epoch = redis.call('HGET', K_REPORTS, F_EPOCH)
-  if epoch then return epoch end
-  return new_generation(candidate, now)
-end
-
-local function published_score()
-  return tonumber(redis.call('HGET', K_REPORTS, F_PUB) or '-1')
-end
-
--- A record's head: flag, heartbeat due ms, latest score (nil if no report yet),
--- latest report ms (0), and the position of its first report line (nil).
-local function head(rec)
-  local nl = find(rec, '\n', 2, true)
-  if not nl then
-    return string.sub(rec, 1, 1), tonumber(string.sub(rec, 2)) or 0, nil, 0, nil
-  end
-  local t1 = find(rec, '\t', nl + 1, true)
-  local t2 = find(rec, '\t', t1 + 1, true)
-  return string.sub(rec, 1, 1), tonumber(string.sub(rec, 2, nl - 1)) or 0,
-    tonumber(string.sub(rec, nl + 1, t1 - 1)), tonumber(string.sub(rec, t1 + 1, t2 - 1)), nl + 1
-end
-
 -- the report path's view of a record: flag, heartbeat due (text), latest score
 -- (nil if none), position of the first report line (nil if none). One anchored
 -- match instead of searches and substrings: on this path, C calls are the cost.
@@ -216,222 +172,281 @@ local function head_fast(rec)
   return string.sub(rec, 1, 1), string.sub(rec, 2), nil, nil
 end
 
--- the json of the newest report at or before score s in rec, or nil; pos is the
--- position of the first report line and last its score (already parsed by head)
-local function cut(rec, s, pos, last)
-  local n = #rec
-  while pos and pos <= n do
-    local t1 = find(rec, '\t', pos, true)
-    if last <= s then
-      local t2 = find(rec, '\t', t1 + 1, true)
-      local nl = find(rec, '\n', t2, true)
-      return string.sub(rec, t2 + 1, (nl or n + 1) - 1)
-    end
-    local nl = find(rec, '\n', t1, true)
-    pos = nl and nl + 1
-    if pos then
-      local t = find(rec, '\t', pos, true)
-      last = tonumber(string.sub(rec, pos, t - 1))
-    end
-  end
-  return nil
-end
+-- The helpers of the cold paths (a new generation, a publish, a reap, leave and
+-- expiry), defined by cold() on first use. A function library runs this file
+-- once, so there it costs one check per call. An EVAL script runs it on every
+-- call, where making a closure costs about a thousand instructions (each upvalue
+-- is looked up in the list of open ones), and a report needs these only when it
+-- publishes, reaps or starts a generation: deferring them saves about 8k
+-- instructions of an EVALSHA report (docs/BENCHMARKS.md). Every operation but the
+-- report and the lease calls cold() first; the report calls it before each of
+-- those paths.
+local new_generation, in_grace, ensure_epoch, published_score, head, cut, prune
+local remove_engine, publish, maybe_publish, publish_after_change, reap
 
--- report lines (newest first): keep those newer than pub, the newest at or
--- before pub, at most MAX_HISTORY
-local function prune(lines, pub)
-  local pos, kept, n = 1, 0, #lines
-  while pos <= n do
-    kept = kept + 1
-    local t1 = find(lines, '\t', pos, true)
-    local nl = find(lines, '\n', t1, true)
-    if not nl then return lines end
-    if kept >= MAX_HISTORY or tonumber(string.sub(lines, pos, t1 - 1)) <= pub then
-      return string.sub(lines, 1, nl - 1)
-    end
-    pos = nl + 1
+local function cold()
+  if reap then return end -- reap is defined last
+  -- The epoch names one generation of state. When it is missing, the state is new
+  -- or was lost (restart without persistence, flush): start a clean generation.
+  -- A caller that had reported (or coordinated) before sends a candidate starting
+  -- with "r-": the state was lost, the engines that knew it are re-registering one
+  -- by one, so the first snapshot of this generation waits join_grace_ms for them.
+  -- A fresh deployment has nothing to recover and waits only for its registrations.
+  function new_generation(candidate, now)
+    if not name_arg(candidate) then return nil end
+    redis.call('DEL', K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT)
+    redis.call('SET', K_EPOCH, candidate)
+    redis.call('HSET', K_REPORTS, F_EPOCH, candidate, F_PUB, '-1', F_BEHIND, '0')
+    redis.call('HSET', K_META, 'epoch_start', fmt(now), 'version', '0',
+      'grace', string.sub(candidate, 1, 2) == 'r-' and '1' or '0')
+    return candidate
   end
-  return lines
-end
 
-local function remove_engine(engine, why)
-  local rec = redis.call('HGET', K_REPORTS, engine)
-  local removed = redis.call('ZREM', K_MEMBERS, engine)
-  if rec then
-    redis.call('HDEL', K_REPORTS, engine)
-    local flag, _, last = head(rec)
-    if flag == 'b' and (not last or last <= published_score()) then
-      redis.call('HINCRBY', K_REPORTS, F_BEHIND, -1)
-    end
+  -- whether the first snapshot of a recovered generation must still wait
+  function in_grace(meta_grace, epoch_start, now, cfg)
+    return meta_grace == '1' and now - (tonumber(epoch_start) or 0) < cfg.join_grace_ms
   end
-  redis.call('HDEL', K_META, 'stale:' .. engine)
-  if removed == 1 or rec then
-    redis.call('HINCRBY', K_META, why, 1)
-    local gone = redis.call('HGET', K_META, 'gone')
-    local item = '"' .. engine .. '":"' .. why .. '"'
-    if gone and gone ~= '' then item = gone .. ',' .. item end
-    redis.call('HSET', K_META, 'gone', item)
-    return 1
-  end
-  return 0
-end
 
--- Publish a consistent cut: every engine's newest report at or before S.
--- mode "barrier": S = the lowest latest step of the barrier members (all past
---   pub); nothing is published when there is no member with a report.
--- mode "forced": S = the lowest latest step among members past pub; the
---   members still at or before pub are the laggards, named with their age.
--- mode a number: S is that score (republish after a change, idle heartbeat).
--- Returns the version published (0 if none) and the laggard ids.
-local function publish(mode, now, deployment, pubcmd)
-  local flat = redis.call('HGETALL', K_REPORTS)
-  -- per engine, in parallel arrays (a table per engine costs more): id, record,
-  -- newest score (false before its first report) and the json of that report;
-  -- provisional engines are the few marked in prov
-  local ids, recs, lasts, jsons, prov = {}, {}, {}, {}, {}
-  local n, hot = 0, {}
-  local fixed = type(mode) == 'number'
-  local s = fixed and mode or nil
-  for i = 1, #flat, 2 do
-    local id, rec = flat[i], flat[i + 1]
-    if HOT[id] then
-      hot[id] = rec
-    else
-      n = n + 1
-      ids[n], recs[n] = id, rec
-      if string.byte(rec) ~= 98 then prov[n] = true end -- not "b"
-      -- the head line's end by a plain search, then one short anchored match for
-      -- the newest line's score and where its json starts (past the report ms)
-      local nl = find(rec, '\n', 2, true)
-      local last, at
-      if nl then last, at = string.match(rec, '^(%d+)\t%d+\t()', nl + 1) end
-      if last then
-        lasts[n] = num(last) -- in lockstep, the same few texts: memoised
-        local e = find(rec, '\n', at, true)
-        jsons[n] = string.sub(rec, at, (e or 0) - 1)
-      else
-        lasts[n] = false
+  function ensure_epoch(candidate, now)
+    local epoch = redis.call('HGET', K_REPORTS, F_EPOCH)
+    if epoch then return epoch end
+    return new_generation(candidate, now)
+  end
+
+  function published_score()
+    return tonumber(redis.call('HGET', K_REPORTS, F_PUB) or '-1')
+  end
+
+  -- A record's head: flag, heartbeat due ms, latest score (nil if no report yet),
+  -- latest report ms (0), and the position of its first report line (nil).
+  function head(rec)
+    local nl = find(rec, '\n', 2, true)
+    if not nl then
+      return string.sub(rec, 1, 1), tonumber(string.sub(rec, 2)) or 0, nil, 0, nil
+    end
+    local t1 = find(rec, '\t', nl + 1, true)
+    local t2 = find(rec, '\t', t1 + 1, true)
+    return string.sub(rec, 1, 1), tonumber(string.sub(rec, 2, nl - 1)) or 0,
+      tonumber(string.sub(rec, nl + 1, t1 - 1)), tonumber(string.sub(rec, t1 + 1, t2 - 1)), nl + 1
+  end
+
+  -- the json of the newest report at or before score s in rec, or nil; pos is the
+  -- position of the first report line and last its score (already parsed by head)
+  function cut(rec, s, pos, last)
+    local n = #rec
+    while pos and pos <= n do
+      local t1 = find(rec, '\t', pos, true)
+      if last <= s then
+        local t2 = find(rec, '\t', t1 + 1, true)
+        local nl = find(rec, '\n', t2, true)
+        return string.sub(rec, t2 + 1, (nl or n + 1) - 1)
+      end
+      local nl = find(rec, '\n', t1, true)
+      pos = nl and nl + 1
+      if pos then
+        local t = find(rec, '\t', pos, true)
+        last = tonumber(string.sub(rec, pos, t - 1))
       end
     end
+    return nil
   end
-  local pub = tonumber(hot[F_PUB] or '-1') or -1
-  if not fixed then
-    for i = 1, n do
-      local last = lasts[i]
-      if last and not prov[i] and (mode == 'barrier' or last > pub) and (not s or last < s) then
-        s = last
+
+  -- report lines (newest first): keep those newer than pub, the newest at or
+  -- before pub, at most MAX_HISTORY
+  function prune(lines, pub)
+    local pos, kept, n = 1, 0, #lines
+    while pos <= n do
+      kept = kept + 1
+      local t1 = find(lines, '\t', pos, true)
+      local nl = find(lines, '\n', t1, true)
+      if not nl then return lines end
+      if kept >= MAX_HISTORY or tonumber(string.sub(lines, pos, t1 - 1)) <= pub then
+        return string.sub(lines, 1, nl - 1)
       end
+      pos = nl + 1
     end
+    return lines
   end
-  if not s or (mode == 'forced' and s <= pub) then return 0, {} end
-  -- parts[1] is the head, filled in below: the snapshot is one concatenation (each
-  -- Lua string is hashed over every byte when made, and a snapshot is long)
-  local parts, np, joining, laggards, lagnames = {''}, 1, {}, {}, {}
-  local behind, ahead = 0, false
-  local forced = mode == 'forced'
-  for i = 1, n do
-    local id, last = ids[i], lasts[i]
-    local frag = last and jsons[i]
-    if last and last > s then -- newer than the cut: its newest line at or before s
-      frag = cut(recs[i], s, find(recs[i], '\n', 2, true) + 1, last)
-    end
-    if frag then -- key and json as separate pieces: no long intermediate string
-      parts[np + 1] = np == 1 and '"' .. id .. '":' or ',"' .. id .. '":'
-      parts[np + 2] = frag
-      np = np + 2
-    else
-      joining[#joining + 1] = '"' .. id .. '"'
-    end
-    if not prov[i] then
-      if not last or last <= s then behind = behind + 1 else ahead = true end
-      if forced and last and last <= pub then
-        laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - select(4, head(recs[i])))
-        lagnames[#lagnames + 1] = id
-      end
-    end
-  end
-  local version = redis.call('HINCRBY', K_META, 'version', 1)
-  local wave = math.floor(s / STEP_SPAN)
-  local gone = redis.call('HGET', K_META, 'gone') or ''
-  local epoch = hot[F_EPOCH] or ''
-  parts[1] = '{"deployment":"' .. deployment .. '","epoch":"' .. epoch ..
-    '","version":' .. version .. ',"wave":' .. fmt(wave) .. ',"step":' .. fmt(s - wave * STEP_SPAN) ..
-    ',"forced":' .. (forced and 'true' or 'false') .. ',"laggards":{' ..
-    table.concat(laggards, ',') .. '},"gone":{' .. gone .. '},"joining":[' ..
-    table.concat(joining, ',') .. '],"time_ms":' .. fmt(now) .. ',"engines":{'
-  parts[np + 1] = '}}'
-  local json = table.concat(parts)
-  redis.call('SET', K_SNAPSHOT, json)
-  -- SPUBLISH exists from Redis 7.0, which also added redis.REDIS_VERSION_NUM: a 6.2
-  -- cluster gets PUBLISH (the router subscribes the same way, see router.py)
-  if pubcmd == 'SPUBLISH' and not redis.REDIS_VERSION_NUM then pubcmd = 'PUBLISH' end
-  redis.call(pubcmd, K_CHANNEL, json)
-  redis.call('HINCRBY', K_META, forced and 'forced' or 'published', 1)
-  redis.call('HSET', K_META, 'pub_ms', fmt(now), 'gone', '')
-  -- a new barrier is already under way if some member is past s
-  if ahead then
-    redis.call('HSET', K_REPORTS, F_PUB, fmt(s), F_BEHIND, behind, F_SINCE, fmt(now))
-  else
-    redis.call('HSET', K_REPORTS, F_PUB, fmt(s), F_BEHIND, behind)
-    redis.call('HDEL', K_REPORTS, F_SINCE)
-  end
-  return version, lagnames
-end
 
--- Publish when every barrier member has reached a step past pub (invariant 2).
--- The first snapshot of a recovered epoch also waits join_grace_ms from the epoch
--- start, so engines re-registering after a state loss are all in it (invariant 5).
-local function maybe_publish(cfg, now, deployment, pubcmd)
-  local h = redis.call('HMGET', K_REPORTS, F_PUB, F_BEHIND)
-  if (tonumber(h[2]) or 0) > 0 then return 0 end
-  if (tonumber(h[1]) or -1) < 0 then
-    local m = redis.call('HMGET', K_META, 'epoch_start', 'grace')
-    if in_grace(m[2], m[1], now, cfg) then return 0 end
-  end
-  return (publish('barrier', now, deployment, pubcmd))
-end
-
--- After a membership change: publish if the barrier completes, else republish
--- the current step so that routers learn of the change within one snapshot.
-local function publish_after_change(cfg, now, deployment, pubcmd)
-  local v = maybe_publish(cfg, now, deployment, pubcmd)
-  if v == 0 then
-    local pub = published_score()
-    if pub >= 0 then v = publish(pub, now, deployment, pubcmd) end
-  end
-  return v
-end
-
--- Expire engines whose last report is older than dead_after_ms. The members
--- score is refreshed lazily, so a candidate whose record shows a recent report
--- gets its heartbeat corrected instead.
-local function reap(cfg, now, limit)
-  -- Nothing reached this deployment for longer than dead_after_ms (Redis down,
-  -- paused, or failed over; a coordinator and every engine reap at least every
-  -- dead_after_ms / 4 otherwise): the engines could not report, so silence says
-  -- nothing about them. Give them dead_after_ms from now before judging.
-  local m = redis.call('HMGET', K_META, 'reaped_at', 'hold_until')
-  redis.call('HSET', K_META, 'reaped_at', fmt(now))
-  local last = tonumber(m[1])
-  if last and now - last > cfg.dead_after_ms then
-    redis.call('HSET', K_META, 'hold_until', fmt(now + cfg.dead_after_ms))
-    return {}
-  end
-  if m[2] and now < (tonumber(m[2]) or 0) then return {} end
-  local cands = redis.call('ZRANGEBYSCORE', K_MEMBERS, '-inf',
-    '(' .. fmt(now - cfg.dead_after_ms), 'LIMIT', 0, limit)
-  local dead = {}
-  for _, engine in ipairs(cands) do
+  function remove_engine(engine, why)
     local rec = redis.call('HGET', K_REPORTS, engine)
-    local t = rec and select(4, head(rec)) or 0
-    if now - t < cfg.dead_after_ms then
-      redis.call('ZADD', K_MEMBERS, fmt(t), engine)
-    else
-      remove_engine(engine, 'expired')
-      dead[#dead + 1] = engine
+    local removed = redis.call('ZREM', K_MEMBERS, engine)
+    if rec then
+      redis.call('HDEL', K_REPORTS, engine)
+      local flag, _, last = head(rec)
+      if flag == 'b' and (not last or last <= published_score()) then
+        redis.call('HINCRBY', K_REPORTS, F_BEHIND, -1)
+      end
     end
+    redis.call('HDEL', K_META, 'stale:' .. engine)
+    if removed == 1 or rec then
+      redis.call('HINCRBY', K_META, why, 1)
+      local gone = redis.call('HGET', K_META, 'gone')
+      local item = '"' .. engine .. '":"' .. why .. '"'
+      if gone and gone ~= '' then item = gone .. ',' .. item end
+      redis.call('HSET', K_META, 'gone', item)
+      return 1
+    end
+    return 0
   end
-  return dead
+
+  -- Publish a consistent cut: every engine's newest report at or before S.
+  -- mode "barrier": S = the lowest latest step of the barrier members (all past
+  --   pub); nothing is published when there is no member with a report.
+  -- mode "forced": S = the lowest latest step among members past pub; the
+  --   members still at or before pub are the laggards, named with their age.
+  -- mode a number: S is that score (republish after a change, idle heartbeat).
+  -- Returns the version published (0 if none) and the laggard ids.
+  function publish(mode, now, deployment, pubcmd)
+    local flat = redis.call('HGETALL', K_REPORTS)
+    -- per engine, in parallel arrays (a table per engine costs more): id, record,
+    -- newest score (false before its first report) and the json of that report;
+    -- provisional engines are the few marked in prov
+    local ids, recs, lasts, jsons, prov = {}, {}, {}, {}, {}
+    local n, hot = 0, {}
+    local fixed = type(mode) == 'number'
+    local s = fixed and mode or nil
+    for i = 1, #flat, 2 do
+      local id, rec = flat[i], flat[i + 1]
+      if HOT[id] then
+        hot[id] = rec
+      else
+        n = n + 1
+        ids[n], recs[n] = id, rec
+        if string.byte(rec) ~= 98 then prov[n] = true end -- not "b"
+        -- the head line's end by a plain search, then one short anchored match for
+        -- the newest line's score and where its json starts (past the report ms)
+        local nl = find(rec, '\n', 2, true)
+        local last, at
+        if nl then last, at = string.match(rec, '^(%d+)\t%d+\t()', nl + 1) end
+        if last then
+          lasts[n] = num(last) -- in lockstep, the same few texts: memoised
+          local e = find(rec, '\n', at, true)
+          jsons[n] = string.sub(rec, at, (e or 0) - 1)
+        else
+          lasts[n] = false
+        end
+      end
+    end
+    local pub = tonumber(hot[F_PUB] or '-1') or -1
+    if not fixed then
+      for i = 1, n do
+        local last = lasts[i]
+        if last and not prov[i] and (mode == 'barrier' or last > pub) and (not s or last < s) then
+          s = last
+        end
+      end
+    end
+    if not s or (mode == 'forced' and s <= pub) then return 0, {} end
+    -- parts[1] is the head, filled in below: the snapshot is one concatenation (each
+    -- Lua string is hashed over every byte when made, and a snapshot is long)
+    local parts, np, joining, laggards, lagnames = {''}, 1, {}, {}, {}
+    local behind, ahead = 0, false
+    local forced = mode == 'forced'
+    for i = 1, n do
+      local id, last = ids[i], lasts[i]
+      local frag = last and jsons[i]
+      if last and last > s then -- newer than the cut: its newest line at or before s
+        frag = cut(recs[i], s, find(recs[i], '\n', 2, true) + 1, last)
+      end
+      if frag then -- key and json as separate pieces: no long intermediate string
+        parts[np + 1] = np == 1 and '"' .. id .. '":' or ',"' .. id .. '":'
+        parts[np + 2] = frag
+        np = np + 2
+      else
+        joining[#joining + 1] = '"' .. id .. '"'
+      end
+      if not prov[i] then
+        if not last or last <= s then behind = behind + 1 else ahead = true end
+        if forced and last and last <= pub then
+          laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - select(4, head(recs[i])))
+          lagnames[#lagnames + 1] = id
+        end
+      end
+    end
+    local version = redis.call('HINCRBY', K_META, 'version', 1)
+    local wave = math.floor(s / STEP_SPAN)
+    local gone = redis.call('HGET', K_META, 'gone') or ''
+    local epoch = hot[F_EPOCH] or ''
+    parts[1] = '{"deployment":"' .. deployment .. '","epoch":"' .. epoch ..
+      '","version":' .. version .. ',"wave":' .. fmt(wave) .. ',"step":' .. fmt(s - wave * STEP_SPAN) ..
+      ',"forced":' .. (forced and 'true' or 'false') .. ',"laggards":{' ..
+      table.concat(laggards, ',') .. '},"gone":{' .. gone .. '},"joining":[' ..
+      table.concat(joining, ',') .. '],"time_ms":' .. fmt(now) .. ',"engines":{'
+    parts[np + 1] = '}}'
+    local json = table.concat(parts)
+    redis.call('SET', K_SNAPSHOT, json)
+    -- SPUBLISH exists from Redis 7.0, which also added redis.REDIS_VERSION_NUM: a 6.2
+    -- cluster gets PUBLISH (the router subscribes the same way, see router.py)
+    if pubcmd == 'SPUBLISH' and not redis.REDIS_VERSION_NUM then pubcmd = 'PUBLISH' end
+    redis.call(pubcmd, K_CHANNEL, json)
+    redis.call('HINCRBY', K_META, forced and 'forced' or 'published', 1)
+    redis.call('HSET', K_META, 'pub_ms', fmt(now), 'gone', '')
+    -- a new barrier is already under way if some member is past s
+    if ahead then
+      redis.call('HSET', K_REPORTS, F_PUB, fmt(s), F_BEHIND, behind, F_SINCE, fmt(now))
+    else
+      redis.call('HSET', K_REPORTS, F_PUB, fmt(s), F_BEHIND, behind)
+      redis.call('HDEL', K_REPORTS, F_SINCE)
+    end
+    return version, lagnames
+  end
+
+  -- Publish when every barrier member has reached a step past pub (invariant 2).
+  -- The first snapshot of a recovered epoch also waits join_grace_ms from the epoch
+  -- start, so engines re-registering after a state loss are all in it (invariant 5).
+  function maybe_publish(cfg, now, deployment, pubcmd)
+    local h = redis.call('HMGET', K_REPORTS, F_PUB, F_BEHIND)
+    if (tonumber(h[2]) or 0) > 0 then return 0 end
+    if (tonumber(h[1]) or -1) < 0 then
+      local m = redis.call('HMGET', K_META, 'epoch_start', 'grace')
+      if in_grace(m[2], m[1], now, cfg) then return 0 end
+    end
+    return (publish('barrier', now, deployment, pubcmd))
+  end
+
+  -- After a membership change: publish if the barrier completes, else republish
+  -- the current step so that routers learn of the change within one snapshot.
+  function publish_after_change(cfg, now, deployment, pubcmd)
+    local v = maybe_publish(cfg, now, deployment, pubcmd)
+    if v == 0 then
+      local pub = published_score()
+      if pub >= 0 then v = publish(pub, now, deployment, pubcmd) end
+    end
+    return v
+  end
+
+  -- Expire engines whose last report is older than dead_after_ms. The members
+  -- score is refreshed lazily, so a candidate whose record shows a recent report
+  -- gets its heartbeat corrected instead.
+  function reap(cfg, now, limit)
+    -- Nothing reached this deployment for longer than dead_after_ms (Redis down,
+    -- paused, or failed over; a coordinator and every engine reap at least every
+    -- dead_after_ms / 4 otherwise): the engines could not report, so silence says
+    -- nothing about them. Give them dead_after_ms from now before judging.
+    local m = redis.call('HMGET', K_META, 'reaped_at', 'hold_until')
+    redis.call('HSET', K_META, 'reaped_at', fmt(now))
+    local last = tonumber(m[1])
+    if last and now - last > cfg.dead_after_ms then
+      redis.call('HSET', K_META, 'hold_until', fmt(now + cfg.dead_after_ms))
+      return {}
+    end
+    if m[2] and now < (tonumber(m[2]) or 0) then return {} end
+    local cands = redis.call('ZRANGEBYSCORE', K_MEMBERS, '-inf',
+      '(' .. fmt(now - cfg.dead_after_ms), 'LIMIT', 0, limit)
+    local dead = {}
+    for _, engine in ipairs(cands) do
+      local rec = redis.call('HGET', K_REPORTS, engine)
+      local t = rec and select(4, head(rec)) or 0
+      if now - t < cfg.dead_after_ms then
+        redis.call('ZADD', K_MEMBERS, fmt(t), engine)
+      else
+        remove_engine(engine, 'expired')
+        dead[#dead + 1] = engine
+      end
+    end
+    return dead
+  end
 end
 
 local KEY_SUFFIXES = {'config', 'epoch', 'members', 'reports', 'meta', 'snapshot', 'snapshots'}

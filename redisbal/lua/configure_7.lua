@@ -10,6 +10,7 @@
   Returns: the epoch (created if state was lost or new).
 ]]
 
+cold() -- the cold paths' helpers (common.lua)
 local deployment, pubcmd = ARGV[1], ARGV[2]
 local err = common_args(deployment, pubcmd, 3, nil)
 if err then return fail(err) end

@@ -15,6 +15,7 @@
   Returns: {version published (0 if none), laggard ids...}
 ]]
 
+cold() -- the cold paths' helpers (common.lua)
 local deployment, pubcmd = ARGV[1], ARGV[2]
 local err = common_args(deployment, pubcmd, 3, 4)
 if err then return fail(err) end

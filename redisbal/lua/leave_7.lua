@@ -7,6 +7,7 @@
             version of the snapshot published for the change, 0 if none}
 ]]
 
+cold() -- the cold paths' helpers (common.lua)
 local deployment, pubcmd = ARGV[1], ARGV[2]
 local err = common_args(deployment, pubcmd, 3, 3)
 if err then return fail(err) end

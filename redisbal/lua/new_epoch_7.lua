@@ -9,6 +9,7 @@
   Returns: {epoch, version republished (0 if nothing was published yet)}
 ]]
 
+cold() -- the cold paths' helpers (common.lua)
 local deployment, pubcmd = ARGV[1], ARGV[2]
 local err = common_args(deployment, pubcmd, 3, 3)
 if err then return fail(err) end

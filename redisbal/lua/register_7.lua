@@ -12,6 +12,7 @@
   joins snapshots with its first report.
 ]]
 
+cold() -- the cold paths' helpers (common.lua)
 local deployment, pubcmd = ARGV[1], ARGV[2]
 local err = common_args(deployment, pubcmd, 3, nil)
 if err then return fail(err) end

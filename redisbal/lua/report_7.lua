@@ -114,6 +114,7 @@ if HOT[engine] then return fail('bad engine_id: ' .. engine) end
 -- (.next_reap only when this report refreshes the heartbeat, below: a reply element less)
 local h = redis.call('HMGET', K_REPORTS, engine, F_PUB, F_SINCE, F_BEHIND)
 if not h[2] then
+  cold() -- (common.lua: the helpers of the cold paths, defined on first use)
   if not new_generation(ARGV[3], tonumber(now_s)) then return fail('bad epoch candidate') end
   h = {false, '-1', false, '0'}
 end
@@ -187,6 +188,7 @@ local record = flag .. hb .. '\n' ..
   '\t{"wave":' .. wave_s .. ',"step":' .. step_s .. ',"waiting":' .. waiting .. ',"running":' ..
   running .. ',"kv":' .. kv .. ',"t":' .. now_s .. adm_open .. adm .. adm_close .. tail
 if generic then
+  cold()
   local at = #flag + #hb + 2
   record = string.sub(record, 1, at - 1) .. prune(string.sub(record, at), pub)
 end
@@ -214,10 +216,12 @@ if refresh then redis.call('ZADD', K_MEMBERS, now_s, engine) end
 local version = 0
 local cfg
 if reap_due then
+  cold()
   cfg = config()
   if #reap(cfg, now, 8) > 0 then version = publish_after_change(cfg, now, deployment, pubcmd) end
 end
 if version == 0 and behind <= 0 and (pub < 0 or (flag == 'b' and score > pub)) then
+  cold()
   version = maybe_publish(cfg or config(), now or tonumber(now_s), deployment, pubcmd)
 end
 if tick then return {'accepted', version, wave_s, step_s} end
