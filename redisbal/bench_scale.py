@@ -21,7 +21,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -392,17 +392,23 @@ def print_seed_stats(
     scenario_names: Sequence[str],
     seeds: Sequence[int] = (1, 2, 3, 4, 5),
     metrics: Sequence[str] = ("burst_max_over_mean", "load_imbalance", "p99_queue_delay_s"),
+    before_run: Callable[[], None] | None = None,
 ) -> None:
     """For policy experiments (scripts/*_experiment.py): each policy on each named
-    default scenario on the simulated clock, one line of mean +- std over the seeds."""
+    default scenario on the simulated clock, one line of mean +- std over the seeds.
+    ``before_run`` is called before each run (to reset an experiment's shared state)."""
     from redisbal.bench import default_scenarios
 
     scenarios = default_scenarios()
     for sc in scenario_names:
         for p in policies:
-            rows = [simulate(p, seed, scenarios[sc]) for seed in seeds]
+            rows = []
+            for seed in seeds:
+                if before_run is not None:
+                    before_run()
+                rows.append(simulate(p, seed, scenarios[sc]))
             cells = []
             for m in metrics:
                 vals = [r[m] for r in rows if m in r]
                 cells.append(f"{m} {statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}")
-            print(f"{sc:10s} {p:11s} " + "  ".join(cells), flush=True)
+            print(f"{sc:10s} {p:14s} " + "  ".join(cells), flush=True)

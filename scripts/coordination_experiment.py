@@ -21,11 +21,9 @@ Result: docs/BENCHMARKS.md, "Is the burst gap about coordination?".
 
 from __future__ import annotations
 
-import statistics
 import sys
 
-from redisbal.bench import default_scenarios
-from redisbal.bench_scale import simulate
+from redisbal.bench_scale import print_seed_stats
 from redisbal.policies import POLICIES, EngineView, Policy, RedisbalPolicy, RouterCore
 
 
@@ -132,21 +130,9 @@ def main() -> int:
     for d in hybrid:
         POLICIES[f"hybrid-{d:g}ms"] = hybrid_with_delay(d)
     names = (sys.argv[1] if len(sys.argv) > 1 else "burst,skew,straggler").split(",")
-    scenarios = default_scenarios()
-    metrics = ("burst_max_over_mean", "load_imbalance", "p99_queue_delay_s")
     pols = ["vllm-21617", "redisbal", *(f"coord-{d:g}ms" for d in coord)]
     pols += [*(f"hybrid-{d:g}ms" for d in hybrid), "oracle"]
-    for sc in names:
-        for p in pols:
-            rows = []
-            for seed in (1, 2, 3, 4, 5):
-                CoordinatedPolicy.routers.clear()
-                rows.append(simulate(p, seed, scenarios[sc]))
-            cells = []
-            for m in metrics:
-                vals = [r[m] for r in rows if m in r]
-                cells.append(f"{m} {statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}")
-            print(f"{sc:10s} {p:14s} " + "  ".join(cells), flush=True)
+    print_seed_stats(pols, names, before_run=CoordinatedPolicy.routers.clear)
     return 0
 
 
