@@ -57,13 +57,13 @@ local HOT = {[F_EPOCH] = true, [F_PUB] = true, [F_BEHIND] = true, [F_SINCE] = tr
 -- FUNCTION LOAD, so nothing here may read KEYS or ARGV outside bind().
 local K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS, K_META, K_SNAPSHOT, K_CHANNEL
 local KEYS_IN, ARGV_IN
--- string.find and string.byte as upvalues: the report path calls them a dozen times,
+-- string.find, .byte and .sub as upvalues: the report path calls them a dozen times,
 -- and each string.find is a global and a field lookup (bound in bind(): a function
 -- library has no string table while it loads)
-local find, byte
+local find, byte, sub
 
 local function bind(keys, argv)
-  KEYS_IN, ARGV_IN, find, byte = keys, argv, string.find, string.byte
+  KEYS_IN, ARGV_IN, find, byte, sub = keys, argv, string.find, string.byte, string.sub
   K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS = keys[1], keys[2], keys[3], keys[4]
   K_META, K_SNAPSHOT, K_CHANNEL = keys[5], keys[6], keys[7]
 end
@@ -109,7 +109,7 @@ end
 
 -- the canonical decimal text of a validated whole number (no sprintf when s is it)
 local function int_text(s, n)
-  if n ~= 0 and string.byte(s, 1) ~= 48 and string.byte(s, 1) ~= 45 then return s end
+  if s == '0' or (n ~= 0 and byte(s, 1) ~= 48 and byte(s, 1) ~= 45) then return s end
   return fmt(n)
 end
 
@@ -141,8 +141,39 @@ local seen_da, seen_da_n, seen_tick, seen_tick_n = nil, 5000, nil, 20
 -- memoised: in lockstep every engine sends the same few texts, so a function
 -- library mostly finds them here instead of running strtod. Bounded: reset past 256.
 -- (An EVAL script starts from an empty table on every call: it parses directly.)
+-- The hot paths look in numbers first ("numbers[t] or num(t)"): a call costs more
+-- than the lookup.
 local numbers, numbers_n = {}, 0
 local LIBRARY = false -- set to true by a function library after this file (scripts.py)
+-- Texts that passed the report's checks as they are: kv_usage ("0.4000") and whole
+-- numbers below 10^9 in canonical decimal (steps, waiting, running), kept by a
+-- function library like numbers: a table lookup instead of pattern matches. Also
+-- the decimal texts of small whole numbers (.behind): a lookup instead of the
+-- "%.17g" that Redis formats a Lua number with when it is a command argument.
+-- Bounded: reset past 4096 entries.
+local kv_ok, kv_ok_n, canon, canon_n, int_texts = {}, 0, {}, 0, {}
+
+-- remember that s is a canonical decimal below 10^9 (a function library only)
+local function remember_canon(s)
+  if LIBRARY and #s < 10 then
+    if canon_n >= 4096 then canon, canon_n = {}, 0 end
+    canon[s], canon_n = true, canon_n + 1
+  end
+end
+
+-- the decimal text of a whole number n >= 0 as an argument for redis.call
+local function itext(n)
+  local t = int_texts[n]
+  if t then return t end
+  if not LIBRARY or n > 4095 then return n end
+  t = string.format('%d', n)
+  int_texts[n] = t
+  return t
+end
+
+-- engine id -> its key text in a snapshot (',"<id>":'), kept by a function library
+-- between publishes, like numbers; bounded: reset past 4096 ids
+local id_keys, id_keys_n = {}, 0
 
 local function num(text)
   if not LIBRARY then return tonumber(text) end
@@ -168,7 +199,7 @@ end
 -- match instead of searches and substrings: on this path, C calls are the cost.
 local function head_fast(rec)
   local flag, hb, pos, last = string.match(rec, '^(.)(%d*)\n()(%d+)\t')
-  if flag then return flag, hb, num(last), pos end
+  if flag then return flag, hb, numbers[last] or num(last), pos end
   return string.sub(rec, 1, 1), string.sub(rec, 2), nil, nil
 end
 
@@ -299,11 +330,14 @@ local function cold()
   -- Returns the version published (0 if none) and the laggard ids.
   function publish(mode, now, deployment, pubcmd)
     local flat = redis.call('HGETALL', K_REPORTS)
-    -- per engine, in parallel arrays (a table per engine costs more): id, record,
-    -- newest score (false before its first report) and the json of that report;
-    -- provisional engines are the few marked in prov
-    local ids, recs, lasts, jsons, prov = {}, {}, {}, {}, {}
-    local n, hot = 0, {}
+    -- Per engine n, in parallel arrays (no table per engine): the position of its
+    -- id in flat (its record follows), its newest score (false before its first
+    -- report), where the json of that report starts and ends in the record;
+    -- provisional engines are the few marked in prov. Positions, not substrings:
+    -- every Lua string is hashed over all its bytes when made, so a json is cut out
+    -- once, for the snapshot, and only if the snapshot takes that line.
+    local idx, lasts, ats, ends, prov, hot = {}, {}, {}, {}, {}, {}
+    local n = 0
     local fixed = type(mode) == 'number'
     local s = fixed and mode or nil
     for i = 1, #flat, 2 do
@@ -312,17 +346,13 @@ local function cold()
         hot[id] = rec
       else
         n = n + 1
-        ids[n], recs[n] = id, rec
-        if string.byte(rec) ~= 98 then prov[n] = true end -- not "b"
-        -- the head line's end by a plain search, then one short anchored match for
-        -- the newest line's score and where its json starts (past the report ms)
+        idx[n] = i
+        if byte(rec) ~= 98 then prov[n] = true end -- not "b"
         local nl = find(rec, '\n', 2, true)
-        local last, at
-        if nl then last, at = string.match(rec, '^(%d+)\t%d+\t()', nl + 1) end
-        if last then
-          lasts[n] = num(last) -- in lockstep, the same few texts: memoised
-          local e = find(rec, '\n', at, true)
-          jsons[n] = string.sub(rec, at, (e or 0) - 1)
+        if nl then -- "<score>\t<report ms>\t<json>"; in lockstep the score texts repeat
+          local _, e, last = find(rec, '^(%d+)\t%d+\t', nl + 1)
+          lasts[n], ats[n] = numbers[last] or num(last), e + 1
+          ends[n] = (find(rec, '\n', e, true) or 0) - 1
         else
           lasts[n] = false
         end
@@ -338,29 +368,42 @@ local function cold()
       end
     end
     if not s or (mode == 'forced' and s <= pub) then return 0, {} end
-    -- parts[1] is the head, filled in below: the snapshot is one concatenation (each
-    -- Lua string is hashed over every byte when made, and a snapshot is long)
+    -- parts[1] is the head, filled in below: the snapshot is one concatenation (a
+    -- snapshot is long, and each intermediate string would be hashed); an engine
+    -- adds its key text (',"<id>":', kept by a function library) and its json
     local parts, np, joining, laggards, lagnames = {''}, 1, {}, {}, {}
     local behind, ahead = 0, false
     local forced = mode == 'forced'
     for i = 1, n do
-      local id, last = ids[i], lasts[i]
-      local frag = last and jsons[i]
-      if last and last > s then -- newer than the cut: its newest line at or before s
-        frag = cut(recs[i], s, find(recs[i], '\n', 2, true) + 1, last)
-      end
-      if frag then -- key and json as separate pieces: no long intermediate string
-        parts[np + 1] = np == 1 and '"' .. id .. '":' or ',"' .. id .. '":'
-        parts[np + 2] = frag
-        np = np + 2
-      else
-        joining[#joining + 1] = '"' .. id .. '"'
-      end
-      if not prov[i] then
-        if not last or last <= s then behind = behind + 1 else ahead = true end
-        if forced and last and last <= pub then
-          laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - select(4, head(recs[i])))
-          lagnames[#lagnames + 1] = id
+      local last, at = lasts[i], idx[i]
+      do
+        local id, rec = flat[at], flat[at + 1]
+        local frag
+        if last and last <= s then
+          frag = string.sub(rec, ats[i], ends[i])
+        elseif last then -- newer than the cut: its newest line at or before s
+          frag = cut(rec, s, find(rec, '\n', 2, true) + 1, last)
+        end
+        if frag then
+          local key = id_keys[id]
+          if not key then
+            key = ',"' .. id .. '":'
+            if LIBRARY then
+              if id_keys_n >= 4096 then id_keys, id_keys_n = {}, 0 end
+              id_keys[id], id_keys_n = key, id_keys_n + 1
+            end
+          end
+          parts[np + 1], parts[np + 2] = np == 1 and string.sub(key, 2) or key, frag
+          np = np + 2
+        else
+          joining[#joining + 1] = '"' .. id .. '"'
+        end
+        if not prov[i] then
+          if not last or last <= s then behind = behind + 1 else ahead = true end
+          if forced and last and last <= pub then
+            laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - select(4, head(rec)))
+            lagnames[#lagnames + 1] = id
+          end
         end
       end
     end
@@ -450,7 +493,7 @@ local function cold()
 end
 
 local KEY_SUFFIXES = {'config', 'epoch', 'members', 'reports', 'meta', 'snapshot', 'snapshots'}
-local NUM_KEYS = #KEY_SUFFIXES
+local NUM_KEYS = #KEY_SUFFIXES -- 7: common_args compares them unrolled
 
 -- deployment -> its seven expected key names, kept by a function library (which
 -- sets LIBRARY = true after this file) between calls: Lua interns strings, so
@@ -483,7 +526,14 @@ end
 -- a direct caller with missing, extra or foreign keys gets an error, not a raw Lua
 -- error half-way through (after writes) or writes under another deployment's keys.
 local function common_args(deployment, pubcmd, nmin, nmax)
-  local nargv = #ARGV_IN
+  -- the usual call, in a function library: a deployment seen before, its seven keys
+  -- compared unrolled (pointer comparisons: a loop and a call cost several times more)
+  local want, k, nargv = key_names[deployment], KEYS_IN, #ARGV_IN
+  if want and nargv >= nmin and (not nmax or nargv <= nmax) and #k == 7 and k[1] == want[1]
+    and k[2] == want[2] and k[3] == want[3] and k[4] == want[4] and k[5] == want[5]
+    and k[6] == want[6] and k[7] == want[7] and (pubcmd == 'PUBLISH' or pubcmd == 'SPUBLISH') then
+    return nil
+  end
   if nargv < nmin or (nmax and nargv > nmax) then
     return 'expected ' .. nmin .. (nmax == nmin and '' or (nmax and '..' .. nmax or ' or more')) ..
       ' arguments, got ' .. nargv

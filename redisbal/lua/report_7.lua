@@ -40,8 +40,15 @@ local kv = 'null'
 if ARGV[9] ~= '' then
   kv = ARGV[9]
   -- "0.4000" (what the reporters send), "1", "0": already JSON in [0, 1] with at
-  -- most 4 decimals; anything else is parsed, checked and written as %.4f
-  if not (find(kv, '^0%.%d%d?%d?%d?$') or kv == '1' or kv == '0') then
+  -- most 4 decimals (remembered in kv_ok); anything else is parsed, checked and
+  -- written as %.4f
+  if kv_ok[kv] then
+  elseif find(kv, '^0%.%d%d?%d?%d?$') or kv == '1' or kv == '0' then
+    if LIBRARY then
+      if kv_ok_n >= 4096 then kv_ok, kv_ok_n = {}, 0 end
+      kv_ok[kv], kv_ok_n = true, kv_ok_n + 1
+    end
+  else
     local v = #kv <= 24 and string.match(kv, '^%d*%.?%d+$') and tonumber(kv)
     if not v or v < 0 or v > 1 then return fail('bad kv_usage: ' .. tostring(ARGV[9])) end
     kv = string.format('%.4f', v) -- JSON whatever the spelling (".5", "00.5")
@@ -53,25 +60,43 @@ end
 -- holds only digits and commas (one anchored scan), no empty entry (",,") and no
 -- leading zero (",0" followed by anything but ","), found with plain searches, which
 -- are memchr-fast where an unanchored pattern costs ~150 instructions a character;
--- the upper bounds are compared as equal-width text. That is what keeps the snapshot
--- JSON: an admitted entry is not length-checked here (that scan cost more than the
--- rest of the check, and grows with the API servers; the reporters refuse counts
--- >= 10^15, and routers read a list whose sum reaches that as not reported). Anything
--- else takes the field-by-field checks, which name the bad field (and accept
--- spellings such as "007").
+-- the upper bounds are compared as equal-width text. Step, waiting and running texts
+-- that passed before are in canon (a function library remembers them: in lockstep
+-- they repeat), and then only the admitted list is framed and checked. That is what
+-- keeps the snapshot JSON: an admitted entry is not length-checked here (that scan
+-- cost more than the rest of the check, and grows with the API servers; the
+-- reporters refuse counts >= 10^15, and routers read a list whose sum reaches that
+-- as not reported). Anything else takes the field-by-field checks, which name the
+-- bad field (and accept spellings such as "007").
 local waiting, running, adm, step_arg = ARGV[7], ARGV[8], ARGV[10], ARGV[6]
 local tick = step_arg == 'tick'
-local canonical = #adm <= 65536 and #waiting <= 10 and #running <= 10 and #step_arg <= 10
+local canonical = #adm <= 65536
 if canonical then
-  local framed = ',' .. (tick and '0' or step_arg) .. ',' .. waiting .. ',' .. running .. ',' ..
-    adm .. (adm == '' and '' or ',')
-  canonical = find(framed, '^[%d,]+$') and not find(framed, ',,', 1, true)
-    and (#waiting < 10 or waiting <= '1000000000') and (#running < 10 or running <= '1000000000')
-    and (tick or #step_arg < 10 or step_arg <= '4294967295')
-  local z = canonical and find(framed, ',0', 1, true)
-  while z do
-    if byte(framed, z + 2) ~= 44 then canonical = false; break end -- 44 is ","
-    z = find(framed, ',0', z + 2, true)
+  local framed
+  local known = canon[waiting] and canon[running] and (tick or canon[step_arg])
+  if known then
+    framed = adm ~= '' and ',' .. adm .. ','
+  else
+    canonical = #waiting <= 10 and #running <= 10 and #step_arg <= 10
+    framed = canonical and ',' .. (tick and '0' or step_arg) .. ',' .. waiting .. ',' .. running ..
+      ',' .. adm .. (adm == '' and '' or ',')
+  end
+  if framed then
+    canonical = find(framed, '^[0-9,]+$') and not find(framed, ',,', 1, true)
+    local z = canonical and find(framed, ',0', 1, true)
+    while z do
+      if byte(framed, z + 2) ~= 44 then canonical = false; break end -- 44 is ","
+      z = find(framed, ',0', z + 2, true)
+    end
+  end
+  if canonical and not known then
+    canonical = (#waiting < 10 or waiting <= '1000000000') and (#running < 10 or running <= '1000000000')
+      and (tick or #step_arg < 10 or step_arg <= '4294967295')
+    if canonical then
+      remember_canon(waiting)
+      remember_canon(running)
+      if not tick then remember_canon(step_arg) end
+    end
   end
 end
 if not canonical then
@@ -102,7 +127,7 @@ if tick then
 else
   local wave = ARGV[5] == '0' and 0 or int_arg(ARGV[5], 0, MAX_WAVE)
   if not wave then return fail('bad wave: ' .. tostring(ARGV[5])) end
-  local step = canonical and num(step_arg) or int_arg(step_arg, 0, STEP_SPAN - 1)
+  local step = canonical and (numbers[step_arg] or num(step_arg)) or int_arg(step_arg, 0, STEP_SPAN - 1)
   if not step then return fail('bad step: ' .. tostring(step_arg)) end
   score = wave * STEP_SPAN + step
   wave_s, step_s = int_text(ARGV[5], wave), canonical and step_arg or int_text(step_arg, step)
@@ -118,7 +143,7 @@ if not h[2] then
   if not new_generation(ARGV[3], tonumber(now_s)) then return fail('bad epoch candidate') end
   h = {false, '-1', false, '0'}
 end
-local pub = h[2] == '-1' and -1 or num(h[2]) or -1
+local pub = h[2] == '-1' and -1 or numbers[h[2]] or num(h[2]) or -1
 local behind = h[4]
 local rec = h[1]
 local flag, hb, last, pos = 'b', '', nil, nil
@@ -152,7 +177,7 @@ elseif not last then
 elseif score == last then
   -- same-step refresh (before/after step, or a retry): replace the newest report
   local nl = find(rec, '\n', pos, true)
-  if nl then tail = string.sub(rec, nl) end
+  if nl then tail = sub(rec, nl) end
 else
   if score <= pub then redis.call('HINCRBY', K_META, 'late', 1) end
   if flag == 'b' and last <= pub and score > pub then moved = true end
@@ -161,9 +186,9 @@ else
     -- the usual case: the previous report is the newest at or before pub, so it
     -- is the only one to keep besides this one (pos - 1 is the newline before it)
     local nl = find(rec, '\n', pos, true)
-    tail = nl and string.sub(rec, pos - 1, nl - 1) or string.sub(rec, pos - 1)
+    tail = nl and sub(rec, pos - 1, nl - 1) or sub(rec, pos - 1)
   else
-    tail, generic = string.sub(rec, pos - 1), true -- pruned below
+    tail, generic = sub(rec, pos - 1), true -- pruned below
   end
 end
 -- hb is when the heartbeat in members is next due (ms, same width as now_s)
@@ -190,14 +215,15 @@ local record = flag .. hb .. '\n' ..
 if generic then
   cold()
   local at = #flag + #hb + 2
-  record = string.sub(record, 1, at - 1) .. prune(string.sub(record, at), pub)
+  record = sub(record, 1, at - 1) .. prune(sub(record, at), pub)
 end
 -- the record and the hot fields that changed, in one write
 local since = score > pub and not h[3]
-if moved then behind = (num(behind) or 1) - 1 else behind = num(behind) or 0 end
+behind = numbers[behind] or num(behind) or (moved and 1 or 0)
+if moved then behind = behind - 1 end
 if since or reap_due then
   local set = {engine, record}
-  if moved then set[#set + 1] = F_BEHIND; set[#set + 1] = behind end
+  if moved then set[#set + 1] = F_BEHIND; set[#set + 1] = itext(behind) end
   if since then set[#set + 1] = F_SINCE; set[#set + 1] = now_s end
   if reap_due then
     set[#set + 1] = F_NEXT_REAP
@@ -205,7 +231,7 @@ if since or reap_due then
   end
   redis.call('HSET', K_REPORTS, unpack(set))
 elseif moved then
-  redis.call('HSET', K_REPORTS, engine, record, F_BEHIND, behind)
+  redis.call('HSET', K_REPORTS, engine, record, F_BEHIND, itext(behind))
 else
   redis.call('HSET', K_REPORTS, engine, record)
 end
