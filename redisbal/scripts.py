@@ -67,17 +67,17 @@ def library() -> tuple[str, str]:
     """(name, source) of the function library holding every operation (Redis >= 7.0).
 
     Each operation file becomes the body of a local function whose parameters are
-    named KEYS and ARGV, so the same text runs unchanged in both modes."""
-    parts = [_lua("common.lua"), "\nLIBRARY = true\n"]
+    named KEYS and ARGV, after the same ``bind(KEYS, ARGV)`` as in script_source, so
+    the same text runs unchanged in both modes; the function is registered as it is
+    (a wrapper would be one more Lua call per FCALL). lua/library.lua runs once,
+    after common.lua: what a library keeps between calls."""
+    parts = [_lua("common.lua"), "\n", _lua("library.lua"), "\n"]
     for name in SCRIPT_NAMES:
-        parts.append(f"\nlocal function op_{name}(KEYS, ARGV)\n{_body(name)}\nend\n")
+        op = f"\nlocal function op_{name}(KEYS, ARGV)\nbind(KEYS, ARGV)\n{_body(name)}\nend\n"
+        parts.append(op)
     code = "".join(parts)
     lib = "redisbal_" + hashlib.sha1(code.encode()).hexdigest()[:12]
-    regs = "".join(
-        f"redis.register_function('{lib}_{name}', function(keys, argv)\n"
-        f"  bind(keys, argv)\n  return op_{name}(keys, argv)\nend)\n"
-        for name in SCRIPT_NAMES
-    )
+    regs = "".join(f"redis.register_function('{lib}_{name}', op_{name})\n" for name in SCRIPT_NAMES)
     return lib, f"#!lua name={lib}\n{code}\n{regs}"
 
 

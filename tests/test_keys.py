@@ -164,7 +164,11 @@ def _key_variables(common: str) -> dict[str, int]:
 
 def test_lua_names_keys_only_through_keys() -> None:
     files = _lua_files()
-    assert set(files) == {"common.lua", *(f"{n}_{NUM_KEYS}.lua" for n in SCRIPT_NAMES)}
+    assert set(files) == {
+        "common.lua",
+        "library.lua",
+        *(f"{n}_{NUM_KEYS}.lua" for n in SCRIPT_NAMES),
+    }
     common = _strip_comments(files["common.lua"])
     # each script key is bound once, in DeploymentKeys.script_keys() order
     bound = _key_variables(common)

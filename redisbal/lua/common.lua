@@ -42,6 +42,15 @@
   saves a strtod per field (a report's cost is mostly such small things).
 ]]
 
+-- What a function library keeps between calls besides numbers and key_names: texts
+-- that passed the report's checks, and texts it would otherwise format. Filled in
+-- by lua/library.lua, which a library runs after this file; nil in an EVAL script,
+-- which starts from nothing on every call, so the code that reads them skips them
+-- there and costs what it did before (each closure, and each local it captures,
+-- would be paid on every EVAL call). Declared first: a closure finds each upvalue
+-- by walking the captured locals declared after it, on every EVAL call.
+local kv_ok, counts_ok, steps_ok, id_keys, int_texts, remember, itext
+
 local STEP_SPAN = 4294967296
 local MAX_WAVE = 1048575
 local MAX_COUNT = 1000000000
@@ -63,7 +72,8 @@ local KEYS_IN, ARGV_IN
 local find, byte, sub
 
 local function bind(keys, argv)
-  KEYS_IN, ARGV_IN, find, byte, sub = keys, argv, string.find, string.byte, string.sub
+  KEYS_IN, ARGV_IN = keys, argv
+  if not sub then find, byte, sub = string.find, string.byte, string.sub end -- once in a library
   K_CONFIG, K_EPOCH, K_MEMBERS, K_REPORTS = keys[1], keys[2], keys[3], keys[4]
   K_META, K_SNAPSHOT, K_CHANNEL = keys[5], keys[6], keys[7]
 end
@@ -144,36 +154,7 @@ local seen_da, seen_da_n, seen_tick, seen_tick_n = nil, 5000, nil, 20
 -- The hot paths look in numbers first ("numbers[t] or num(t)"): a call costs more
 -- than the lookup.
 local numbers, numbers_n = {}, 0
-local LIBRARY = false -- set to true by a function library after this file (scripts.py)
--- Texts that passed the report's checks as they are: kv_usage ("0.4000") and whole
--- numbers below 10^9 in canonical decimal (steps, waiting, running), kept by a
--- function library like numbers: a table lookup instead of pattern matches. Also
--- the decimal texts of small whole numbers (.behind): a lookup instead of the
--- "%.17g" that Redis formats a Lua number with when it is a command argument.
--- Bounded: reset past 4096 entries.
-local kv_ok, kv_ok_n, canon, canon_n, int_texts = {}, 0, {}, 0, {}
-
--- remember that s is a canonical decimal below 10^9 (a function library only)
-local function remember_canon(s)
-  if LIBRARY and #s < 10 then
-    if canon_n >= 4096 then canon, canon_n = {}, 0 end
-    canon[s], canon_n = true, canon_n + 1
-  end
-end
-
--- the decimal text of a whole number n >= 0 as an argument for redis.call
-local function itext(n)
-  local t = int_texts[n]
-  if t then return t end
-  if not LIBRARY or n > 4095 then return n end
-  t = string.format('%d', n)
-  int_texts[n] = t
-  return t
-end
-
--- engine id -> its key text in a snapshot (',"<id>":'), kept by a function library
--- between publishes, like numbers; bounded: reset past 4096 ids
-local id_keys, id_keys_n = {}, 0
+local LIBRARY = false -- set to true by a function library (lua/library.lua, after this file)
 
 local function num(text)
   if not LIBRARY then return tonumber(text) end
@@ -192,15 +173,6 @@ local function report_config()
   if da ~= seen_da then seen_da, seen_da_n = da, tonumber(da) or 5000 end
   if tick ~= seen_tick then seen_tick, seen_tick_n = tick, tonumber(tick) or 20 end
   return seen_da_n, seen_tick_n
-end
-
--- the report path's view of a record: flag, heartbeat due (text), latest score
--- (nil if none), position of the first report line (nil if none). One anchored
--- match instead of searches and substrings: on this path, C calls are the cost.
-local function head_fast(rec)
-  local flag, hb, pos, last = string.match(rec, '^(.)(%d*)\n()(%d+)\t')
-  if flag then return flag, hb, numbers[last] or num(last), pos end
-  return string.sub(rec, 1, 1), string.sub(rec, 2), nil, nil
 end
 
 -- The helpers of the cold paths (a new generation, a publish, a reap, leave and
@@ -370,7 +342,7 @@ local function cold()
     if not s or (mode == 'forced' and s <= pub) then return 0, {} end
     -- parts[1] is the head, filled in below: the snapshot is one concatenation (a
     -- snapshot is long, and each intermediate string would be hashed); an engine
-    -- adds its key text (',"<id>":', kept by a function library) and its json
+    -- adds its key text (',"<id>":', kept in id_keys by a function library) and its json
     local parts, np, joining, laggards, lagnames = {''}, 1, {}, {}, {}
     local behind, ahead = 0, false
     local forced = mode == 'forced'
@@ -385,13 +357,10 @@ local function cold()
           frag = cut(rec, s, find(rec, '\n', 2, true) + 1, last)
         end
         if frag then
-          local key = id_keys[id]
+          local key = id_keys and id_keys[id]
           if not key then
             key = ',"' .. id .. '":'
-            if LIBRARY then
-              if id_keys_n >= 4096 then id_keys, id_keys_n = {}, 0 end
-              id_keys[id], id_keys_n = key, id_keys_n + 1
-            end
+            if id_keys then remember(id_keys, id, key) end
           end
           parts[np + 1], parts[np + 2] = np == 1 and string.sub(key, 2) or key, frag
           np = np + 2
@@ -496,7 +465,7 @@ local KEY_SUFFIXES = {'config', 'epoch', 'members', 'reports', 'meta', 'snapshot
 local NUM_KEYS = #KEY_SUFFIXES -- 7: common_args compares them unrolled
 
 -- deployment -> its seven expected key names, kept by a function library (which
--- sets LIBRARY = true after this file) between calls: Lua interns strings, so
+-- sets LIBRARY = true: lua/library.lua) between calls: Lua interns strings, so
 -- comparing KEYS with them is a pointer comparison. An EVAL script runs this file
 -- on every call and gains nothing from a cache. Bounded: reset past 64 deployments.
 local key_names, key_names_n = {}, 0

@@ -40,14 +40,11 @@ local kv = 'null'
 if ARGV[9] ~= '' then
   kv = ARGV[9]
   -- "0.4000" (what the reporters send), "1", "0": already JSON in [0, 1] with at
-  -- most 4 decimals (remembered in kv_ok); anything else is parsed, checked and
-  -- written as %.4f
-  if kv_ok[kv] then
+  -- most 4 decimals (a function library remembers them in kv_ok); anything else
+  -- is parsed, checked and written as %.4f
+  if kv_ok and kv_ok[kv] then
   elseif find(kv, '^0%.%d%d?%d?%d?$') or kv == '1' or kv == '0' then
-    if LIBRARY then
-      if kv_ok_n >= 4096 then kv_ok, kv_ok_n = {}, 0 end
-      kv_ok[kv], kv_ok_n = true, kv_ok_n + 1
-    end
+    if kv_ok then remember(kv_ok, kv, true) end
   else
     local v = #kv <= 24 and string.match(kv, '^%d*%.?%d+$') and tonumber(kv)
     if not v or v < 0 or v > 1 then return fail('bad kv_usage: ' .. tostring(ARGV[9])) end
@@ -61,8 +58,8 @@ end
 -- leading zero (",0" followed by anything but ","), found with plain searches, which
 -- are memchr-fast where an unanchored pattern costs ~150 instructions a character;
 -- the upper bounds are compared as equal-width text. Step, waiting and running texts
--- that passed before are in canon (a function library remembers them: in lockstep
--- they repeat), and then only the admitted list is framed and checked. That is what
+-- that passed before are remembered (common.lua: in lockstep they repeat), and then
+-- only the admitted list is framed and checked. That is what
 -- keeps the snapshot JSON: an admitted entry is not length-checked here (that scan
 -- cost more than the rest of the check, and grows with the API servers; the
 -- reporters refuse counts >= 10^15, and routers read a list whose sum reaches that
@@ -73,7 +70,8 @@ local tick = step_arg == 'tick'
 local canonical = #adm <= 65536
 if canonical then
   local framed
-  local known = canon[waiting] and canon[running] and (tick or canon[step_arg])
+  local known = counts_ok and counts_ok[waiting] and counts_ok[running]
+    and (tick or steps_ok[step_arg])
   if known then
     framed = adm ~= '' and ',' .. adm .. ','
   else
@@ -92,10 +90,10 @@ if canonical then
   if canonical and not known then
     canonical = (#waiting < 10 or waiting <= '1000000000') and (#running < 10 or running <= '1000000000')
       and (tick or #step_arg < 10 or step_arg <= '4294967295')
-    if canonical then
-      remember_canon(waiting)
-      remember_canon(running)
-      if not tick then remember_canon(step_arg) end
+    if canonical and counts_ok then
+      remember(counts_ok, waiting, #waiting < 10)
+      remember(counts_ok, running, #running < 10)
+      if not tick then remember(steps_ok, step_arg, #step_arg < 10) end
     end
   end
 end
@@ -146,9 +144,16 @@ end
 local pub = h[2] == '-1' and -1 or numbers[h[2]] or num(h[2]) or -1
 local behind = h[4]
 local rec = h[1]
+-- the record's view for this path: flag, heartbeat due (text), latest score (nil if
+-- none), position of the first report line (nil if none), by one anchored match
 local flag, hb, last, pos = 'b', '', nil, nil
 if rec then
-  flag, hb, last, pos = head_fast(rec)
+  flag, hb, pos, last = string.match(rec, '^(.)(%d*)\n()(%d+)\t')
+  if flag then
+    last = numbers[last] or num(last)
+  else
+    flag, hb = sub(rec, 1, 1), sub(rec, 2)
+  end
 elseif not name_arg(engine) then
   return fail('bad engine_id: ' .. engine)
 end
@@ -223,7 +228,7 @@ behind = numbers[behind] or num(behind) or (moved and 1 or 0)
 if moved then behind = behind - 1 end
 if since or reap_due then
   local set = {engine, record}
-  if moved then set[#set + 1] = F_BEHIND; set[#set + 1] = itext(behind) end
+  if moved then set[#set + 1] = F_BEHIND; set[#set + 1] = itext and itext(behind) or behind end
   if since then set[#set + 1] = F_SINCE; set[#set + 1] = now_s end
   if reap_due then
     set[#set + 1] = F_NEXT_REAP
@@ -231,7 +236,8 @@ if since or reap_due then
   end
   redis.call('HSET', K_REPORTS, unpack(set))
 elseif moved then
-  redis.call('HSET', K_REPORTS, engine, record, F_BEHIND, itext(behind))
+  redis.call('HSET', K_REPORTS, engine, record, F_BEHIND,
+    int_texts and (int_texts[behind] or itext(behind)) or behind)
 else
   redis.call('HSET', K_REPORTS, engine, record)
 end
