@@ -319,13 +319,15 @@ local function cold()
       else
         n = n + 1
         idx[n] = i
-        if byte(rec) ~= 98 then prov[n] = true end -- not "b"
-        local nl = find(rec, '\n', 2, true)
-        if nl then -- "<score>\t<report ms>\t<json>"; in lockstep the score texts repeat
-          local _, e, last = find(rec, '^(%d+)\t%d+\t', nl + 1)
+        -- head line, then "<score>\t<report ms>\t<json>" (in lockstep the score
+        -- texts repeat), in one anchored match
+        local _, e, flag, last = find(rec, '^(.)%d*\n(%d+)\t%d+\t')
+        if e then
+          if flag ~= 'b' then prov[n] = true end
           lasts[n], ats[n] = numbers[last] or num(last), e + 1
           ends[n] = (find(rec, '\n', e, true) or 0) - 1
-        else
+        else -- registered, no report yet
+          if byte(rec) ~= 98 then prov[n] = true end -- not "b"
           lasts[n] = false
         end
       end
