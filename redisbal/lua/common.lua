@@ -350,31 +350,29 @@ local function cold()
     local forced = mode == 'forced'
     for i = 1, n do
       local last, at = lasts[i], idx[i]
-      do
-        local id, rec = flat[at], flat[at + 1]
-        local frag
-        if last and last <= s then
-          frag = string.sub(rec, ats[i], ends[i])
-        elseif last then -- newer than the cut: its newest line at or before s
-          frag = cut(rec, s, find(rec, '\n', 2, true) + 1, last)
+      local id, rec = flat[at], flat[at + 1]
+      local frag
+      if last and last <= s then
+        frag = string.sub(rec, ats[i], ends[i])
+      elseif last then -- newer than the cut: its newest line at or before s
+        frag = cut(rec, s, find(rec, '\n', 2, true) + 1, last)
+      end
+      if frag then
+        local key = id_keys and id_keys[id]
+        if not key then
+          key = ',"' .. id .. '":'
+          if id_keys then remember(id_keys, id, key) end
         end
-        if frag then
-          local key = id_keys and id_keys[id]
-          if not key then
-            key = ',"' .. id .. '":'
-            if id_keys then remember(id_keys, id, key) end
-          end
-          parts[np + 1], parts[np + 2] = np == 1 and string.sub(key, 2) or key, frag
-          np = np + 2
-        else
-          joining[#joining + 1] = '"' .. id .. '"'
-        end
-        if not prov[i] then
-          if not last or last <= s then behind = behind + 1 else ahead = true end
-          if forced and last and last <= pub then
-            laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - select(4, head(rec)))
-            lagnames[#lagnames + 1] = id
-          end
+        parts[np + 1], parts[np + 2] = np == 1 and string.sub(key, 2) or key, frag
+        np = np + 2
+      else
+        joining[#joining + 1] = '"' .. id .. '"'
+      end
+      if not prov[i] then
+        if not last or last <= s then behind = behind + 1 else ahead = true end
+        if forced and last and last <= pub then
+          laggards[#laggards + 1] = '"' .. id .. '":' .. fmt(now - select(4, head(rec)))
+          lagnames[#lagnames + 1] = id
         end
       end
     end

@@ -42,7 +42,7 @@ if ARGV[9] ~= '' then
   -- "0.4000" (what the reporters send), "1", "0": already JSON in [0, 1] with at
   -- most 4 decimals (a function library remembers them in kv_ok); anything else
   -- is parsed, checked and written as %.4f
-  if kv_ok and kv_ok[kv] then
+  if kv_ok and kv_ok[kv] then -- passed before: nothing to check
   elseif find(kv, '^0%.%d%d?%d?%d?$') or kv == '1' or kv == '0' then
     if kv_ok then remember(kv_ok, kv, true) end
   else
@@ -58,13 +58,13 @@ end
 -- leading zero (",0" followed by anything but ","), found with plain searches, which
 -- are memchr-fast where an unanchored pattern costs ~150 instructions a character;
 -- the upper bounds are compared as equal-width text. Step, waiting and running texts
--- that passed before are remembered (common.lua: in lockstep they repeat), and then
--- only the admitted list is framed and checked. That is what
--- keeps the snapshot JSON: an admitted entry is not length-checked here (that scan
--- cost more than the rest of the check, and grows with the API servers; the
--- reporters refuse counts >= 10^15, and routers read a list whose sum reaches that
--- as not reported). Anything else takes the field-by-field checks, which name the
--- bad field (and accept spellings such as "007").
+-- that passed before are remembered by a function library (lua/library.lua: in
+-- lockstep they repeat), and then only the admitted list is framed and checked.
+-- That is what keeps the snapshot JSON: an admitted entry is not length-checked here
+-- (that scan cost more than the rest of the check, and grows with the API servers;
+-- the reporters refuse counts >= 10^15, and routers read a list whose sum reaches
+-- that as not reported). Anything else takes the field-by-field checks, which name
+-- the bad field (and accept spellings such as "007").
 local waiting, running, adm, step_arg = ARGV[7], ARGV[8], ARGV[10], ARGV[6]
 local tick = step_arg == 'tick'
 local canonical = #adm <= 65536
@@ -226,9 +226,14 @@ end
 local since = score > pub and not h[3]
 behind = numbers[behind] or num(behind) or (moved and 1 or 0)
 if moved then behind = behind - 1 end
+-- .behind goes to HSET as text in a function library (lua/library.lua), else as
+-- the number (Redis formats it)
 if since or reap_due then
   local set = {engine, record}
-  if moved then set[#set + 1] = F_BEHIND; set[#set + 1] = itext and itext(behind) or behind end
+  if moved then
+    set[#set + 1] = F_BEHIND
+    set[#set + 1] = int_texts and (int_texts[behind] or itext(behind)) or behind
+  end
   if since then set[#set + 1] = F_SINCE; set[#set + 1] = now_s end
   if reap_due then
     set[#set + 1] = F_NEXT_REAP
