@@ -16,6 +16,21 @@ includes them does not count them twice.
 Policies (``POLICIES``): ``redisbal`` (the default), and the baselines that the
 benchmark compares it with: ``random``, ``round-robin``, ``vllm-pre``,
 ``vllm-21617``, ``vllm-latest``.
+
+Writing a policy (the public extension point, exported from ``redisbal``): a
+``Policy`` picks an ``EngineView`` from ``core.engines``; a ``ScoringPolicy`` only
+scores one engine (lowest wins) and can be built from a plain function::
+
+    def score(core: RouterCore, e: EngineView) -> float:
+        return e.waiting + e.running + e.pending * core.pending_weight
+
+    router = redisbal.AsyncRouter(url, "llama", 0, 4, policy=redisbal.ScoringPolicy(score))
+
+What a policy may read: the public fields of ``EngineView`` (below) and, on the
+router's core, ``engines``, ``client_index``, ``client_count``, ``pending_weight``
+(how many routes of all routers one route of this one stands for), ``snapshot``
+and ``rng`` (use it, not ``random``, so that a seeded router is reproducible).
+A policy keeps any state of its own on itself; it must not write the views.
 """
 
 from __future__ import annotations
@@ -56,7 +71,14 @@ class Decision:
 
 @dataclass(slots=True, eq=False)
 class EngineView:
-    """One engine as this router sees it."""
+    """One engine as this router sees it.
+
+    Public (what any policy may read): ``engine_id``; ``waiting``, ``running`` and
+    ``kv_usage`` from the latest snapshot; ``age_s``, how old the engine's report
+    was when the snapshot was made; this router's own ``routed`` (cumulative),
+    ``inflight`` (routed, not finished) and ``pending`` (routed, not yet in the
+    snapshot's counts). The other fields are the default policy's bookkeeping.
+    """
 
     engine_id: str
     waiting: int = 0
@@ -65,6 +87,7 @@ class EngineView:
     routed: int = 0  # cumulative routes by this router
     inflight: int = 0  # routed and not finished
     pending: int = 0  # routed and not yet in the snapshot
+    age_s: float = 0.0  # age of the engine's report at the snapshot
     exact: bool = False  # pending reconciled from admitted counts
     times: deque[float] = field(default_factory=deque)  # route times (time-based pending)
     gen: int = 0  # heap entry generation
@@ -78,13 +101,12 @@ class EngineView:
     run_prev: int = 0  # running count then
     done_acc: float = 0.0  # decayed completions
     exposure_acc: float = 0.0  # decayed running-request-seconds
-    # vLLM baselines keep their own mutable copy of (waiting, running)
-    vw: float = 0.0
-    vr: float = 0.0
 
 
 class Policy:
-    """Chooses an engine from a RouterCore. Subclasses keep any derived state."""
+    """Chooses an engine from a RouterCore (see the module docstring for what it may
+    read). Subclasses keep any state of their own on themselves. Every method is
+    called under the router's lock, on the request path: keep them in microseconds."""
 
     name = ""
 
@@ -92,6 +114,7 @@ class Policy:
         """Called after the engine set or the snapshot changed."""
 
     def pick(self, core: RouterCore) -> EngineView:
+        """The engine for the next request; ``core.engines`` is never empty here."""
         raise NotImplementedError
 
     def routed(self, core: RouterCore, eng: EngineView) -> None:
@@ -99,6 +122,48 @@ class Policy:
 
     def finished(self, core: RouterCore, eng: EngineView) -> None:
         """Called after a request on eng finished."""
+
+
+Scorer = Callable[["RouterCore", EngineView], float]
+
+
+class ScoringPolicy(Policy):
+    """Route to the engine with the lowest ``score(core, engine)``.
+
+    Give the scorer as a function (``ScoringPolicy(fn)``) or override ``score`` in a
+    subclass. Engines are scanned from ``start_index(core)`` (a random engine unless
+    overridden) and the first lowest score wins, so ties do not all go to one engine.
+    """
+
+    def __init__(self, score: Scorer | None = None, *, name: str = "custom") -> None:
+        if score is not None:
+            if not callable(score):
+                raise TypeError(f"score must be callable, got {type(score).__name__}")
+            self._score_fn: Scorer | None = score
+            self.name = name
+        else:
+            self._score_fn = None
+
+    def score(self, core: RouterCore, e: EngineView) -> float:
+        """Lower is better."""
+        if self._score_fn is None:
+            raise NotImplementedError("give ScoringPolicy a score function or override score()")
+        return self._score_fn(core, e)
+
+    def start_index(self, core: RouterCore) -> int:
+        return int(core.rng.random() * len(core.engines))
+
+    def pick(self, core: RouterCore) -> EngineView:
+        engines = core.engines
+        n = len(engines)
+        start = self.start_index(core)
+        best, best_score = engines[start % n], float("inf")
+        for i in range(n):
+            e = engines[(start + i) % n]
+            s = self.score(core, e)
+            if s < best_score:
+                best, best_score = e, s
+        return best
 
 
 class RandomPolicy(Policy):
@@ -123,38 +188,33 @@ class RoundRobinPolicy(Policy):
         return eng
 
 
-class VllmPrePolicy(Policy):
+class VllmPrePolicy(ScoringPolicy):
     """vLLM before PR 21617: latest counts replace the view at every push; score
-    waiting*4 + running; lowest index wins ties; +1 waiting locally per route."""
+    waiting*4 + running; lowest index wins ties; +1 waiting locally per route.
+
+    Like vLLM's API server, it keeps its own copy of each engine's (waiting,
+    running), ``vw`` / ``vr``, replaced at every push and bumped by its routes."""
 
     name = "vllm-pre"
     bump_by_client_count = False
-    staggered = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vw: dict[str, float] = {}
+        self.vr: dict[str, float] = {}
 
     def reset(self, core: RouterCore) -> None:
-        for e in core.engines:
-            e.vw, e.vr = float(e.waiting), float(e.running)
+        self.vw = {e.engine_id: float(e.waiting) for e in core.engines}
+        self.vr = {e.engine_id: float(e.running) for e in core.engines}
 
     def start_index(self, core: RouterCore) -> int:
         return 0
 
     def score(self, core: RouterCore, e: EngineView) -> float:
-        return e.vw * 4 + e.vr
-
-    def pick(self, core: RouterCore) -> EngineView:
-        engines = core.engines
-        n = len(engines)
-        start = self.start_index(core)
-        best, best_score = engines[start % n], float("inf")
-        for i in range(n):
-            e = engines[(start + i) % n]
-            s = self.score(core, e)
-            if s < best_score:
-                best, best_score = e, s
-        return best
+        return self.vw[e.engine_id] * 4 + self.vr[e.engine_id]
 
     def routed(self, core: RouterCore, eng: EngineView) -> None:
-        eng.vw += core.client_count if self.bump_by_client_count else 1
+        self.vw[eng.engine_id] += core.client_count if self.bump_by_client_count else 1
 
 
 class Vllm21617Policy(VllmPrePolicy):
@@ -178,6 +238,7 @@ class VllmLatestPolicy(Vllm21617Policy):
     name = "vllm-latest"
 
     def __init__(self) -> None:
+        super().__init__()
         self.rotation = 0
 
     def start_index(self, core: RouterCore) -> int:
@@ -186,13 +247,14 @@ class VllmLatestPolicy(Vllm21617Policy):
 
     def score(self, core: RouterCore, e: EngineView) -> float:
         # as vLLM's DPLBAsyncMPClient scores today: no x4 on waiting any more
-        s = max(core.client_count * e.inflight, e.vw + e.vr)
-        if e.vw and e.kv_usage is not None:
-            s += e.vw * 6.0 * max(0.0, e.kv_usage - 0.5)
+        vw = self.vw[e.engine_id]
+        s = max(core.client_count * e.inflight, vw + self.vr[e.engine_id])
+        if vw and e.kv_usage is not None:
+            s += vw * 6.0 * max(0.0, e.kv_usage - 0.5)
         return s
 
 
-class RedisbalPolicy(Policy):
+class RedisbalPolicy(ScoringPolicy):
     """The default: join-the-shortest-queue on the snapshot's load plus this
     router's pending routes scaled by its estimated share of all traffic.
 
@@ -239,6 +301,7 @@ class RedisbalPolicy(Policy):
     p2c_from = 0
 
     def __init__(self) -> None:
+        super().__init__()
         self.heap: list[tuple[float, float, int, EngineView]] = []
 
     def score(self, core: RouterCore, e: EngineView) -> float:
@@ -439,6 +502,7 @@ class RouterCore:
                 if c is None:
                     continue
                 e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
+                e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
                 adm = c.admitted
                 # (a sum past MAX_ADMITTED: counts none of our reporters sends, read as none)
                 if adm is not None and (all_adm := sum(adm)) < MAX_ADMITTED:
@@ -513,8 +577,7 @@ class RouterCore:
             if c is None:
                 e.aged = 0.0
                 continue
-            age = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
-            e.aged = e.running * rates.get(e.engine_id, mid) * age
+            e.aged = e.running * rates.get(e.engine_id, mid) * e.age_s
 
     def _update_share(self, mine: int, total: int) -> None:
         prev = self._adm_totals
