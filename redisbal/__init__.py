@@ -17,7 +17,7 @@ from redisbal.policies import (
     EngineView,
     NoEngines,
     Policy,
-    RouterCore,
+    RoutingState,
     ScoringPolicy,
     UnknownEngine,
 )
@@ -42,7 +42,7 @@ __all__ = [
     "Policy",
     "ReportResult",
     "Router",
-    "RouterCore",
+    "RoutingState",
     "ScoringPolicy",
     "Snapshot",
     "UnknownEngine",

@@ -25,7 +25,8 @@ import redis.exceptions
 
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
-from redisbal.policies import DEFAULT_POLICY, Decision, Policy, RouterCore
+from redisbal.policies import DEFAULT_POLICY, Decision, Policy
+from redisbal.routing import RouterCore
 from redisbal.snapshot import Snapshot
 
 log = logging.getLogger("redisbal.router")

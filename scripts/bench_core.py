@@ -28,7 +28,8 @@ from typing import Any
 import redis
 
 from redisbal.keys import DeploymentKeys
-from redisbal.policies import DEFAULT_POLICY, RouterCore
+from redisbal.policies import DEFAULT_POLICY
+from redisbal.routing import RouterCore
 from redisbal.scripts import Scripts, script_source
 from redisbal.sim.embedded import RedisServer
 from redisbal.snapshot import Snapshot

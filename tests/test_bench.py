@@ -29,7 +29,7 @@ from redisbal.bench.vllm import (
     vllm_model_for,
 )
 from redisbal.keys import DeploymentKeys
-from redisbal.policies import RouterCore
+from redisbal.routing import RouterCore
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.snapshot import Snapshot
 

@@ -18,10 +18,10 @@ from redisbal.policies import (
     DEFAULT_POLICY,
     POLICIES,
     NoEngines,
-    RouterCore,
     UnknownEngine,
     make_policy,
 )
+from redisbal.routing import RouterCore
 from redisbal.snapshot import EngineCounts, Snapshot
 
 T0_MS = 5_000_000

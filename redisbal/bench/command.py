@@ -13,7 +13,6 @@ from dataclasses import asdict
 
 import click
 from click.core import ParameterSource
-from redisbal.cli_common import common_options, settings
 
 from redisbal.bench.balance import percentile
 from redisbal.bench.plots import pyplot, write_plots
@@ -22,6 +21,7 @@ from redisbal.bench.run import LAG_LIMIT_S, RunResult
 from redisbal.bench.scale import run_scale, scale_table
 from redisbal.bench.scenarios import BENCH_POLICIES, OUT_CAP, OUT_MEAN, OUT_SIGMA, SCENARIO_NAMES
 from redisbal.bench.suite import BenchConfig, bench_scenarios, run_all, run_all_simulated
+from redisbal.cli_common import common_options, settings
 from redisbal.sim.model import EngineParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from redisbal.policies import EngineView, Policy, RouterCore
+from redisbal.policies import EngineView, Policy, RoutingState
 from redisbal.sim.model import SimEngine
 
 
@@ -34,7 +34,7 @@ class OraclePolicy(Policy):
     def __init__(self, world: World) -> None:
         self.world = world
 
-    def pick(self, core: RouterCore) -> EngineView:
+    def pick(self, core: RoutingState) -> EngineView:
         best: EngineView | None = None
         best_load = math.inf
         ties = 0

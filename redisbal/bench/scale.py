@@ -40,7 +40,7 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.policies import RouterCore
+from redisbal.routing import RouterCore
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.snapshot import EngineCounts, Snapshot
 
