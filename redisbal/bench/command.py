@@ -118,8 +118,12 @@ def bench_command(
         )
     if plot_dir:
         pyplot()  # fail early with the install hint
+    chosen = _csv(scenarios, SCENARIO_NAMES, "scenario")
+    if sim_clock and not scenarios and "churn" in chosen:
+        chosen.remove("churn")  # the simulated clock has no membership model
+        click.echo("--sim-clock: skipping churn (it needs real membership)", err=True)
     cfg = BenchConfig(
-        scenarios=_csv(scenarios, SCENARIO_NAMES, "scenario"),
+        scenarios=chosen,
         policies=_csv(policies, BENCH_POLICIES, "policy"),
         seeds=_seeds(seeds, quick),
         quick=quick,
