@@ -235,6 +235,24 @@ def option(*decls: str, type: Any = None, default: Any = None, help: str, **kw: 
     )
 
 
+OptionRow = tuple[str, Any, Any, str]
+
+
+def options(*items: OptionRow | Callable[[F], F]) -> Callable[[F], F]:
+    """Several options in --help order: rows of (space-separated flags, type, default,
+    help) made with option(), or ready option decorators (the shared ones below)."""
+
+    def apply(f: F) -> F:
+        for item in reversed(items):
+            if isinstance(item, tuple):
+                flags, type_, default, help_ = item
+                item = option(*flags.split(), type=type_, default=default, help=help_)
+            f = item(f)
+        return f
+
+    return apply
+
+
 DURATION_UNTIL_SIGNAL = option(
     "--duration",
     type=FiniteFloat(0, min_open=True),

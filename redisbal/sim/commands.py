@@ -18,7 +18,7 @@ from redisbal.cli_common import (
     check_reachable,
     common_options,
     mode_option,
-    option,
+    options,
     policy_option,
     redis_errors,
     run_until_signal,
@@ -33,6 +33,75 @@ from redisbal.sim.api_sim import ApiSimRunner, LoadSpec
 from redisbal.sim.demo import DemoOptions, run_demo
 from redisbal.sim.engine_sim import EngineSimRunner, engine_ids, format_engine_table
 from redisbal.sim.model import EngineParams
+
+# Each command's options as a table: (flags, type, default, help), or a shared option;
+# in the order --help lists them. A default of None is none (and none is shown).
+# fmt: off
+ENGINE_SIM_OPTIONS = options(
+    ("--engines -n", click.IntRange(1, 1024), 4, "Number of simulated engines in this process."),
+    ("--id-prefix", None, "", "Engine ids are PREFIX<number>."),
+    ("--first-id", click.IntRange(0, 10**9), 0, "Number of the first engine id."),
+    mode_option(
+        "lockstep: all engines step together (a step lasts as long as the slowest); "
+        "tick: independent engines on the shared server tick."
+    ),
+    ("--running-cap", click.IntRange(1, 100_000), 64,
+     "Running slots per engine (requests beyond wait)."),
+    ("--base-step-ms", FiniteFloat(0.1, 10_000), 12.0, "Step time with an empty batch."),
+    ("--per-seq-ms", FiniteFloat(0, 1_000), 0.15, "Step time added per running request."),
+    ("--prefill-ms", FiniteFloat(0, 1_000), 0.4,
+     "Step time added per request admitted in the step."),
+    slow_option("Make engines step FACTOR times slower (repeatable), e.g. 3,5:2.0."),
+    DURATION_UNTIL_SIGNAL,
+    stats_out_option("Write the run's per-engine figures as JSON here at the end."),
+    ("--summary/--no-summary", None, True, "Print the per-engine table at the end."),
+    ("--report-before-step/--report-after-step-only", None, True,
+     "Also report right before each step, once the step has taken the requests "
+     "that arrived (vLLM's engines do since PR 41626), not only after it."),
+)
+API_OPTIONS = options(
+    ("--client-index", click.IntRange(0, 4095), 0,
+     "API-server index of the first router in this process."),
+    ("--client-count", click.IntRange(1, 4096), None,
+     "API servers in the deployment [default: client-index + routers]."),
+    ("--routers", click.IntRange(1, 256), 1,
+     "Router instances in this process (indexes client-index, +1, ...)."),
+    policy_option("Routing policy."),
+    ("--burst", click.IntRange(0, 10_000_000), 0,
+     "Requests per burst over ALL API servers (each sends its share)."),
+    ("--burst-window-ms", FiniteFloat(0, 60_000), 50.0, "A burst is sent within this window."),
+    ("--burst-every", FiniteFloat(0.01, 3600), 2.0, "Seconds between burst starts."),
+    ("--rate", FiniteFloat(0, 1_000_000), 0.0,
+     "Poisson requests/s over ALL API servers (can be combined with bursts)."),
+    ("--duration", FiniteFloat(0, 86_400, min_open=True), 10.0, "Seconds of load."),
+    ("--mean-output", FiniteFloat(1, 100_000), 40.0,
+     "Mean output length in tokens (heavy-tailed)."),
+    ("--max-output", click.IntRange(1, 1_000_000), 2000, "Cap on output lengths (tokens)."),
+    SEED,
+    click.option("--start-at", type=float, metavar="UNIX_TIME",
+                 help="Wall-clock start, so several api processes burst together."),
+    ("--drain-timeout", FiniteFloat(0, 3600), 10.0,
+     "After the load, wait this long for completions."),
+    ("--wait-engines", FiniteFloat(0, 3600), 10.0, "Wait this long for a first snapshot."),
+    stats_out_option("Write per-router figures as JSON here at the end."),
+    click.option("--quiet", "-q", is_flag=True, help="No progress lines."),
+)
+DEMO_OPTIONS = options(
+    ("--engines", click.IntRange(1, 64), 8, "Simulated engines."),
+    ("--api-servers", click.IntRange(1, 16), 3, "API-server processes, one router each."),
+    ("--duration", FiniteFloat(0.5, 600), 6.0, "Seconds of load."),
+    policy_option("Routing policy of the API servers."),
+    mode_option("Engine stepping (see engine-sim)."),
+    ("--running-cap", click.IntRange(1, 10_000), 16, "Running slots per engine."),
+    ("--burst", click.IntRange(0, 1_000_000), None,
+     "Requests per burst [default: 1.5 x engines x running-cap]."),
+    ("--burst-every", FiniteFloat(0.1, 600), 2.0, "Seconds between bursts."),
+    ("--rate", FiniteFloat(0, 100_000), 0.0, "Background Poisson requests/s."),
+    slow_option("Straggler engines, e.g. 0:2.0 (repeatable)."),
+    SEED,
+    click.option("--keep-logs", is_flag=True, help="Keep the processes' log directory."),
+)
+# fmt: on
 
 
 def parse_slow(values: tuple[str, ...]) -> dict[str, float]:
@@ -58,55 +127,7 @@ def parse_slow(values: tuple[str, ...]) -> dict[str, float]:
 
 @click.command("engine-sim")
 @common_options
-@option(
-    "--engines",
-    "-n",
-    type=click.IntRange(1, 1024),
-    default=4,
-    help="Number of simulated engines in this process.",
-)
-@option("--id-prefix", default="", help="Engine ids are PREFIX<number>.")
-@option(
-    "--first-id", type=click.IntRange(0, 10**9), default=0, help="Number of the first engine id."
-)
-@mode_option(
-    "lockstep: all engines step together (a step lasts as long as the slowest); "
-    "tick: independent engines on the shared server tick."
-)
-@option(
-    "--running-cap",
-    type=click.IntRange(1, 100_000),
-    default=64,
-    help="Running slots per engine (requests beyond wait).",
-)
-@option(
-    "--base-step-ms",
-    type=FiniteFloat(0.1, 10_000),
-    default=12.0,
-    help="Step time with an empty batch.",
-)
-@option(
-    "--per-seq-ms",
-    type=FiniteFloat(0, 1_000),
-    default=0.15,
-    help="Step time added per running request.",
-)
-@option(
-    "--prefill-ms",
-    type=FiniteFloat(0, 1_000),
-    default=0.4,
-    help="Step time added per request admitted in the step.",
-)
-@slow_option("Make engines step FACTOR times slower (repeatable), e.g. 3,5:2.0.")
-@DURATION_UNTIL_SIGNAL
-@stats_out_option("Write the run's per-engine figures as JSON here at the end.")
-@option("--summary/--no-summary", default=True, help="Print the per-engine table at the end.")
-@option(
-    "--report-before-step/--report-after-step-only",
-    default=True,
-    help="Also report right before each step, once the step has taken the requests "
-    "that arrived (vLLM's engines do since PR 41626), not only after it.",
-)
+@ENGINE_SIM_OPTIONS
 def engine_sim(
     engines: int,
     id_prefix: str,
@@ -163,81 +184,7 @@ def engine_sim(
 
 @click.command()
 @common_options
-@option(
-    "--client-index",
-    type=click.IntRange(0, 4095),
-    default=0,
-    help="API-server index of the first router in this process.",
-)
-@option(
-    "--client-count",
-    type=click.IntRange(1, 4096),
-    help="API servers in the deployment [default: client-index + routers].",
-)
-@option(
-    "--routers",
-    type=click.IntRange(1, 256),
-    default=1,
-    help="Router instances in this process (indexes client-index, +1, ...).",
-)
-@policy_option("Routing policy.")
-@option(
-    "--burst",
-    type=click.IntRange(0, 10_000_000),
-    default=0,
-    help="Requests per burst over ALL API servers (each sends its share).",
-)
-@option(
-    "--burst-window-ms",
-    type=FiniteFloat(0, 60_000),
-    default=50.0,
-    help="A burst is sent within this window.",
-)
-@option(
-    "--burst-every", type=FiniteFloat(0.01, 3600), default=2.0, help="Seconds between burst starts."
-)
-@option(
-    "--rate",
-    type=FiniteFloat(0, 1_000_000),
-    default=0.0,
-    help="Poisson requests/s over ALL API servers (can be combined with bursts).",
-)
-@option(
-    "--duration", type=FiniteFloat(0, 86_400, min_open=True), default=10.0, help="Seconds of load."
-)
-@option(
-    "--mean-output",
-    type=FiniteFloat(1, 100_000),
-    default=40.0,
-    help="Mean output length in tokens (heavy-tailed).",
-)
-@option(
-    "--max-output",
-    type=click.IntRange(1, 1_000_000),
-    default=2000,
-    help="Cap on output lengths (tokens).",
-)
-@SEED
-@click.option(
-    "--start-at",
-    type=float,
-    metavar="UNIX_TIME",
-    help="Wall-clock start, so several api processes burst together.",
-)
-@option(
-    "--drain-timeout",
-    type=FiniteFloat(0, 3600),
-    default=10.0,
-    help="After the load, wait this long for completions.",
-)
-@option(
-    "--wait-engines",
-    type=FiniteFloat(0, 3600),
-    default=10.0,
-    help="Wait this long for a first snapshot.",
-)
-@stats_out_option("Write per-router figures as JSON here at the end.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@API_OPTIONS
 def api(
     client_index: int,
     client_count: int | None,
@@ -315,29 +262,7 @@ def api(
 
 @click.command()
 @common_options
-@option("--engines", type=click.IntRange(1, 64), default=8, help="Simulated engines.")
-@option(
-    "--api-servers",
-    type=click.IntRange(1, 16),
-    default=3,
-    help="API-server processes, one router each.",
-)
-@option("--duration", type=FiniteFloat(0.5, 600), default=6.0, help="Seconds of load.")
-@policy_option("Routing policy of the API servers.")
-@mode_option("Engine stepping (see engine-sim).")
-@option(
-    "--running-cap", type=click.IntRange(1, 10_000), default=16, help="Running slots per engine."
-)
-@option(
-    "--burst",
-    type=click.IntRange(0, 1_000_000),
-    help="Requests per burst [default: 1.5 x engines x running-cap].",
-)
-@option("--burst-every", type=FiniteFloat(0.1, 600), default=2.0, help="Seconds between bursts.")
-@option("--rate", type=FiniteFloat(0, 100_000), default=0.0, help="Background Poisson requests/s.")
-@slow_option("Straggler engines, e.g. 0:2.0 (repeatable).")
-@SEED
-@click.option("--keep-logs", is_flag=True, help="Keep the processes' log directory.")
+@DEMO_OPTIONS
 def demo(
     engines: int,
     api_servers: int,
