@@ -37,6 +37,7 @@ from redisbal.connection import make_client, redact
 from redisbal.keys import DeploymentKeys
 from redisbal.policies import DEFAULT_POLICY
 from redisbal.sim.api_sim import LoadSpec, schedule
+from redisbal.sim.embedded import RedisServer
 from redisbal.sim.engine_sim import format_engine_table
 from redisbal.sim.transport import SimKeys
 from redisbal.snapshot import Snapshot
@@ -179,8 +180,6 @@ class Demo:
             self.url = self.opts.redis_url
             self.echo(f"using Redis at {redact(self.url)}")
             return
-        from redisbal.sim.embedded import RedisServer
-
         self.server = RedisServer(workdir=str(self.logdir / "redis"))
         Path(self.server.dir).mkdir(exist_ok=True)
         self.server.start()
