@@ -1,4 +1,4 @@
-"""``redisbal bench``: the balance benchmark of DESIGN.md ("How balance is measured").
+"""One real-time run of the balance benchmark (``redisbal bench``).
 
 One benchmark = for each scenario, for each seed, for each policy, one
 real-time run on a real Redis (an embedded ``redis-server`` when no URL is

@@ -24,7 +24,7 @@ OUT_MEAN, OUT_SIGMA, OUT_CAP = 40.0, 1.0, 160
 
 @dataclass(frozen=True)
 class Scenario:
-    """One row of DESIGN.md's scenario table, plus how the benchmark drives it."""
+    """One benchmark scenario, and how the benchmark drives it."""
 
     name: str
     engines: int = 32
@@ -69,10 +69,11 @@ class Scenario:
 
 
 def default_scenarios(quick: bool = False) -> dict[str, Scenario]:
-    """DESIGN.md's five scenarios. Full: 4 bursts (each followed by its 3 s period:
-    the last one drains for at most 3 s), 6 s of Poisson. ``quick``: 2 bursts and
-    1.5 s after the last, 2 s of Poisson and 0.5 s after; runs end there and what
-    is unfinished is censored at the end (makespan in quick runs is a lower bound)."""
+    """The five scenarios (burst, skew, straggler, churn, steady). Full: 4 bursts
+    (each followed by its 3 s period: the last one drains for at most 3 s), 6 s of
+    Poisson. ``quick``: 2 bursts and 1.5 s after the last, 2 s of Poisson and 0.5 s
+    after; runs end there and what is unfinished is censored at the end (makespan in
+    quick runs is a lower bound)."""
     bursts, drain = (2, 1.5) if quick else (4, 3.0)
     dur, pdrain = (2.0, 0.5) if quick else (6.0, 3.0)
     return {
