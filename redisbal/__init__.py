@@ -4,18 +4,30 @@ Engines report step-tagged queue counts (``EngineReporter``); a Lua barrier in
 Redis publishes a consistent snapshot once every live engine has reported the
 step; API servers route each request locally from that snapshot plus their own
 bookkeeping (``AsyncRouter`` / ``Router``); ``redisbal coordinator`` keeps
-membership, liveness and stalled barriers in order.
+membership, liveness and stalled barriers in order. A custom routing policy is a
+``Policy`` or a ``ScoringPolicy`` (a score per ``EngineView``, lowest wins).
 """
 
 from redisbal.engine import AsyncEngineReporter, EngineReporter, InvalidReport, ReportResult
 from redisbal.keys import DeploymentKeys, InvalidName
-from redisbal.policies import POLICIES, Decision, NoEngines, UnknownEngine
+from redisbal.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    Decision,
+    EngineView,
+    NoEngines,
+    Policy,
+    RoutingState,
+    ScoringPolicy,
+    UnknownEngine,
+)
 from redisbal.router import AsyncRouter, Router
 from redisbal.snapshot import EngineCounts, Snapshot
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_POLICY",
     "POLICIES",
     "AsyncEngineReporter",
     "AsyncRouter",
@@ -23,11 +35,15 @@ __all__ = [
     "DeploymentKeys",
     "EngineCounts",
     "EngineReporter",
+    "EngineView",
     "InvalidName",
     "InvalidReport",
     "NoEngines",
+    "Policy",
     "ReportResult",
     "Router",
+    "RoutingState",
+    "ScoringPolicy",
     "Snapshot",
     "UnknownEngine",
     "__version__",

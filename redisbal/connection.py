@@ -16,6 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
+import redis.exceptions
+
+# A Redis outage as a client sees it: unreachable, connection lost, or a call timed out.
+# Every component treats these alike (retry, route on local state, report degraded),
+# unlike a refusal (ResponseError), which is a bug or a permission to report.
+OUTAGE_ERRORS: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    OSError,
+)
+
 DEFAULT_URL_ENV = "REDISBAL_REDIS_URL"
 _SCHEMES = (
     "redis",

@@ -28,67 +28,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.exceptions
 
-from redisbal.connection import is_cluster, make_client, redact
+from redisbal.config import LEASE_TTL, CoordinatorConfig
+from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.scripts import Scripts
 
 log = logging.getLogger("redisbal.coordinator")
-
-
-@dataclass
-class CoordinatorConfig:
-    """Deployment settings the coordinator owns (all times in ms)."""
-
-    dead_after_ms: int = 5000
-    stall_ms: int = 250
-    tick_ms: int = 20
-    join_grace_ms: int = 1000
-    idle_publish_ms: int = 1000
-    expected: list[str] = field(default_factory=list)
-
-    def check(self) -> None:
-        """Raise ValueError naming the first bad setting."""
-        bounds = {
-            "dead_after_ms": (100, 86_400_000),
-            "stall_ms": (1, 86_400_000),
-            "tick_ms": (1, 60_000),
-            "join_grace_ms": (0, 600_000),
-            "idle_publish_ms": (10, 3_600_000),
-        }
-        for name, (lo, hi) in bounds.items():
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ValueError(f"{name} must be a whole number of ms in {lo}..{hi}, got {v!r}")
-        if self.stall_ms >= self.dead_after_ms:
-            raise ValueError(
-                f"stall_ms ({self.stall_ms}) must be below dead_after_ms "
-                f"({self.dead_after_ms}): a stalled barrier is forced before an "
-                "engine is declared dead"
-            )
-        if not isinstance(self.expected, list | tuple):
-            raise ValueError(
-                f"expected must be a list of engine ids, got {type(self.expected).__name__}: "
-                f"{self.expected!r}"
-            )
-        for e in self.expected:
-            check_name(e, "expected engine id")
-        if len(set(self.expected)) != len(self.expected):
-            raise ValueError("expected engine ids must be unique")
-
-    def fields(self) -> dict[str, str]:
-        return {
-            "dead_after_ms": str(self.dead_after_ms),
-            "stall_ms": str(self.stall_ms),
-            "tick_ms": str(self.tick_ms),
-            "join_grace_ms": str(self.join_grace_ms),
-            "idle_publish_ms": str(self.idle_publish_ms),
-            "expected": ",".join(self.expected),
-        }
 
 
 def _s(v: Any) -> str:
@@ -119,12 +69,16 @@ class Coordinator:
         *,
         client: Any = None,
         interval_s: float | None = None,
-        lease_ttl_ms: int = 2000,
+        lease_ttl_ms: int | None = None,
         coordinator_id: str | None = None,
         on_tick: Callable[[Coordinator], None] | None = None,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         self.config = config or CoordinatorConfig()
+        if lease_ttl_ms is not None:  # overrides the config's
+            self.config = replace(
+                self.config, lease_ttl_ms=LEASE_TTL.check("lease_ttl_ms", lease_ttl_ms)
+            )
         self.config.check()
         self.client = client or make_client(
             redis_url or "", socket_connect_timeout=1.0, socket_timeout=2.0
@@ -134,7 +88,7 @@ class Coordinator:
             self.client, self.keys, "SPUBLISH" if is_cluster(self.client) else "PUBLISH"
         )
         self.interval_s = interval_s or max(0.01, min(0.05, self.config.stall_ms / 4000))
-        self.lease_ttl_ms = lease_ttl_ms
+        self.lease_ttl_ms = self.config.lease_ttl_ms
         self.id = check_name(
             coordinator_id
             or f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(2)}".replace(
@@ -275,11 +229,7 @@ class Coordinator:
             try:
                 self.tick()
                 backoff = self.interval_s
-            except (
-                redis.exceptions.ConnectionError,
-                redis.exceptions.TimeoutError,
-                OSError,
-            ) as exc:
+            except OUTAGE_ERRORS as exc:
                 self._error(f"Redis unavailable: {type(exc).__name__}")
                 self.stats.leader = False
                 backoff = min(backoff * 2, 1.0)

@@ -30,7 +30,7 @@ from typing import Any
 
 import redis.exceptions
 
-from redisbal.connection import is_cluster, make_client, redact
+from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.scripts import Scripts, report_reply
 
@@ -41,7 +41,6 @@ MAX_STEP = 2**32 - 1
 MAX_WAVE = 2**20 - 1
 MAX_CLIENTS = 4096
 MODES = ("lockstep", "tick")
-OUTAGE_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class InvalidReport(ValueError):

@@ -58,7 +58,8 @@ class DeploymentKeys:
 
     @property
     def config(self) -> str:
-        """HASH: settings written by the coordinator (dead_after_ms, stall_ms, ...)."""
+        """HASH: settings written by the coordinator (dead_after_ms, stall_ms, ...) and
+        the coordinator lease (lease_owner, lease_until_ms, fence: lua/lease_7.lua)."""
         return self.key("config")
 
     @property
@@ -92,26 +93,6 @@ class DeploymentKeys:
         """Pub/sub channel on which every snapshot is published."""
         return self.key("snapshots")
 
-    @property
-    def lease(self) -> str:
-        """STRING: id of the coordinator holding the lease (with a TTL)."""
-        return self.key("lease")
-
-    @property
-    def fence(self) -> str:
-        """STRING: fencing counter, incremented at every lease takeover."""
-        return self.key("fence")
-
-    @property
-    def compat(self) -> str:
-        """STRING: latest vLLM-compatible view (baseline policies in the benchmark)."""
-        return self.key("compat")
-
-    @property
-    def compat_channel(self) -> str:
-        """Pub/sub channel for the vLLM-compatible view."""
-        return self.key("compat-snapshots")
-
     def script_keys(self) -> list[str]:
         """KEYS of the barrier scripts, in the order their headers list them."""
         return [
@@ -126,4 +107,4 @@ class DeploymentKeys:
 
     def all_keys(self) -> list[str]:
         """Every key the deployment may own (for cleanup and tests)."""
-        return [*self.script_keys()[:-1], self.lease, self.fence, self.compat]
+        return self.script_keys()[:-1]

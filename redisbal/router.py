@@ -23,18 +23,14 @@ from typing import Any
 
 import redis.exceptions
 
-from redisbal.connection import is_cluster, make_client, redact
+from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
-from redisbal.policies import DEFAULT_POLICY, Decision, Policy, RouterCore
+from redisbal.policies import DEFAULT_POLICY, Decision, Policy
+from redisbal.routing import RouterCore
 from redisbal.snapshot import Snapshot
 
 log = logging.getLogger("redisbal.router")
-FEED_ERRORS = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    OSError,
-    redis.exceptions.ResponseError,
-)
+FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
 
 
 class _LocalRouting:
@@ -70,8 +66,6 @@ class AsyncRouter(_LocalRouting):
 
     ``client_index`` / ``client_count`` say which of how many API servers this
     is. ``policy`` is a name from ``redisbal.policies.POLICIES`` or a Policy.
-    ``channel`` / ``snapshot_key`` override where snapshots come from (the
-    benchmark feeds baseline policies from a vLLM-timed channel).
     """
 
     def __init__(
@@ -86,8 +80,6 @@ class AsyncRouter(_LocalRouting):
         stale_after_s: float = 5.0,
         poll_s: float = 1.0,
         engines: list[str] | None = None,
-        channel: str | None = None,
-        snapshot_key: str | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
@@ -109,8 +101,6 @@ class AsyncRouter(_LocalRouting):
         self._owns_client = client is None
         self.url = redact(redis_url or "")
         self.poll_s = poll_s
-        self.channel = channel or self.keys.channel
-        self.snapshot_key = snapshot_key or self.keys.snapshot
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._first = asyncio.Event()
@@ -183,7 +173,7 @@ class AsyncRouter(_LocalRouting):
             self._first.set()
 
     async def _fetch(self) -> None:
-        self._apply(await self._client.get(self.snapshot_key))
+        self._apply(await self._client.get(self.keys.snapshot))
 
     async def _known_engines(self) -> None:
         if self.core.snapshot is None and not self.core.engines:
@@ -253,7 +243,7 @@ class AsyncRouter(_LocalRouting):
             await self._client.initialize()
             pubsub = self._client.pubsub()
             try:
-                await pubsub.ssubscribe(self.channel)
+                await pubsub.ssubscribe(self.keys.channel)
                 await self._confirmed(pubsub, True)
                 return pubsub, True
             except redis.exceptions.ResponseError as exc:
@@ -262,7 +252,7 @@ class AsyncRouter(_LocalRouting):
                 if "unknown command" not in str(exc).lower():
                     raise
         pubsub = self._client.pubsub()
-        await pubsub.subscribe(self.channel)
+        await pubsub.subscribe(self.keys.channel)
         await self._confirmed(pubsub, False)
         return pubsub, False
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import orjson
 
-from redisbal.engine_sim import render_table
 from redisbal.keys import DeploymentKeys, is_engine_field
 from redisbal.snapshot import Snapshot
+from redisbal.table import render_table
 
 COUNTERS = ("published", "forced", "stale", "late", "joined", "expired", "left")
 

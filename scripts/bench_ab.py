@@ -60,7 +60,7 @@ def main() -> int:
     server = None
     url = args.redis_url
     if not url:
-        from redisbal.embedded import RedisServer
+        from redisbal.sim.embedded import RedisServer
 
         server = RedisServer().start()
         url = server.url

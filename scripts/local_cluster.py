@@ -25,12 +25,8 @@ import argparse
 import signal
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the topology helpers the tests use
-
-from topology import ClusterTopology, system_binary  # noqa: E402
+from redisbal.sim.cluster import ClusterTopology, system_binary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,8 +46,8 @@ import redis
 from redisbal import AsyncEngineReporter, AsyncRouter
 from redisbal.connection import make_client
 from redisbal.coordinator import Coordinator, CoordinatorConfig
-from redisbal.embedded import RedisServer
 from redisbal.keys import DeploymentKeys
+from redisbal.sim.embedded import RedisServer
 from redisbal.snapshot import Snapshot
 
 

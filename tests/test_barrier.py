@@ -16,9 +16,9 @@ import pytest
 import redis
 from helpers import Barrier, counts, score, server_ms, wait_until
 
-from redisbal.embedded import RedisServer
 from redisbal.engine import EngineReporter
 from redisbal.keys import DeploymentKeys
+from redisbal.sim.embedded import RedisServer
 from redisbal.snapshot import Snapshot
 
 

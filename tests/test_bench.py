@@ -9,20 +9,7 @@ import random
 
 import pytest
 
-from redisbal.bench import (
-    OraclePolicy,
-    Scenario,
-    VllmCoordinatorEmulation,
-    VllmCoordinatorModel,
-    World,
-    compat_snapshot_json,
-    default_scenarios,
-    make_schedule,
-    reports_before_step,
-    vllm_model_for,
-)
-from redisbal.keys import DeploymentKeys
-from redisbal.metrics_balance import (
+from redisbal.bench.balance import (
     burst_max_over_mean,
     gap_closed,
     gap_within_noise,
@@ -32,8 +19,18 @@ from redisbal.metrics_balance import (
     percentile,
     spread,
 )
-from redisbal.policies import RouterCore
-from redisbal.sim import EngineParams, SimEngine, SimRequest
+from redisbal.bench.oracle import OraclePolicy, World
+from redisbal.bench.scenarios import Scenario, default_scenarios, make_schedule
+from redisbal.bench.vllm import (
+    VllmCoordinatorEmulation,
+    VllmCoordinatorModel,
+    compat_snapshot_json,
+    reports_before_step,
+    vllm_model_for,
+)
+from redisbal.keys import DeploymentKeys
+from redisbal.routing import RouterCore
+from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.snapshot import Snapshot
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -323,7 +320,8 @@ def test_many_routers_water_fill_without_overshooting_the_lowest_engines() -> No
 
 
 def test_bench_scenarios_add_a_procs_variant() -> None:
-    from redisbal.bench import BenchConfig, _finite, bench_scenarios
+    from redisbal.bench.report import finite as _finite
+    from redisbal.bench.suite import BenchConfig, bench_scenarios
 
     cfg = BenchConfig(["burst", "skew"], ["redisbal"], [1], router_processes=["skew"])
     scs = bench_scenarios(cfg)
@@ -366,7 +364,7 @@ def test_simulated_vllm_pushes_each_replace_every_routers_view(monkeypatch) -> N
     """On the simulated clock every push of the vLLM coordinator model reaches every
     router and is adopted (vLLM: ``self.lb_engines = sliced_counts`` at each push);
     none is dropped as "older" than the previous one."""
-    from redisbal import bench_scale
+    from redisbal.bench import scale as bench_scale
 
     seen = {"applied": 0, "ignored": 0}
     orig = RouterCore.apply_snapshot

@@ -73,7 +73,7 @@ def test_every_key_of_a_deployment_is_in_one_slot_and_deployments_spread(
     with cluster.nodes[0].client(socket_timeout=2) as c:
         for i in range(12):
             keys = DeploymentKeys(f"model-{i}")
-            names = [*keys.all_keys(), keys.channel, keys.lease, keys.compat_channel]
+            names = [*keys.all_keys(), keys.channel]
             slots = {int(c.execute_command("CLUSTER", "KEYSLOT", k)) for k in names}
             assert len(slots) == 1, f"{keys.deployment}: keys in slots {slots}"
             owners.add(cluster.nodes.index(cluster.node_for_key(keys.snapshot)))

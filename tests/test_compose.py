@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from redisbal.connection import parse_url
-from redisbal.embedded import RedisServer
+from redisbal.sim.embedded import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

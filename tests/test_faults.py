@@ -33,9 +33,9 @@ from procs import (
 from topology import SentinelTopology, binaries
 
 from redisbal import Router
-from redisbal.embedded import RedisServer
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import Scripts, library
+from redisbal.sim.embedded import RedisServer
 from redisbal.snapshot import Snapshot
 
 BINARIES = binaries()

@@ -38,7 +38,7 @@ from redisbal import (
 )
 from redisbal.coordinator import CoordinatorConfig
 from redisbal.keys import NAME_RE, DeploymentKeys
-from redisbal.policies import RouterCore
+from redisbal.routing import RouterCore
 from redisbal.scripts import SCRIPT_NAMES, script_source
 from redisbal.snapshot import Snapshot
 

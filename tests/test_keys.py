@@ -73,10 +73,6 @@ def test_every_key_of_a_deployment_shares_one_hash_slot(deployment: str) -> None
         *keys.script_keys(),
         *keys.all_keys(),
         keys.channel,
-        keys.compat,
-        keys.compat_channel,
-        keys.lease,
-        keys.fence,
     ]
     slot = key_slot(f"{{{deployment}}}".encode())
     for k in every:

@@ -18,10 +18,10 @@ from redisbal.policies import (
     DEFAULT_POLICY,
     POLICIES,
     NoEngines,
-    RouterCore,
     UnknownEngine,
     make_policy,
 )
+from redisbal.routing import RouterCore
 from redisbal.snapshot import EngineCounts, Snapshot
 
 T0_MS = 5_000_000
@@ -77,7 +77,7 @@ def test_vllm_pre_lowest_index_wins_ties_and_bumps_waiting_by_one() -> None:
     core.apply_snapshot(make_snapshot(equal(3)))
     picks = [core.route().engine_id for _ in range(6)]
     assert picks == ["e0", "e1", "e2", "e0", "e1", "e2"]
-    assert [core.by_id[e].vw for e in ("e0", "e1", "e2")] == [2, 2, 2], "+1, not +client_count"
+    assert [core.policy.vw[e] for e in ("e0", "e1", "e2")] == [2, 2, 2], "+1, not +client_count"
 
 
 def test_vllm_pre_replaces_its_view_with_each_snapshot() -> None:
@@ -86,9 +86,9 @@ def test_vllm_pre_replaces_its_view_with_each_snapshot() -> None:
     core.apply_snapshot(make_snapshot({"e0": (0, 0), "e1": (1, 0)}, version=1))
     for _ in range(3):
         core.route("e0")
-    assert core.by_id["e0"].vw == 3
+    assert core.policy.vw["e0"] == 3
     core.apply_snapshot(make_snapshot({"e0": (0, 0), "e1": (1, 0)}, version=2))
-    assert core.by_id["e0"].vw == 0
+    assert core.policy.vw["e0"] == 0
     assert core.route().engine_id == "e0"
 
 
@@ -99,7 +99,7 @@ def test_vllm_21617_bumps_by_client_count() -> None:
     core = make_core("vllm-21617", client_count=4)
     core.apply_snapshot(make_snapshot({"e0": (2, 0), "e1": (3, 0)}))
     assert core.route().engine_id == "e0"
-    assert core.by_id["e0"].vw == 2 + 4
+    assert core.policy.vw["e0"] == 2 + 4
     assert core.route().engine_id == "e1"  # 6*4 > 3*4
 
 

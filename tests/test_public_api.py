@@ -15,7 +15,7 @@ import pytest
 import redis
 
 import redisbal
-from redisbal.embedded import RedisServer
+from redisbal.sim.embedded import RedisServer
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 10.0) -> None:

@@ -14,8 +14,8 @@ import redis
 from helpers import Barrier, score, server_ms, wait_until
 
 from redisbal import AsyncEngineReporter, EngineReporter, InvalidName, InvalidReport
-from redisbal.embedded import RedisServer
 from redisbal.keys import DeploymentKeys
+from redisbal.sim.embedded import RedisServer
 
 
 @pytest.fixture
@@ -256,9 +256,9 @@ def test_engine_sim_reports_a_step_before_running_it(
     """`redisbal engine-sim` reports right before each step (vLLM >= PR 41626), with
     that step's tag and the requests it took from its input queue; with
     --report-after-step-only the step shows up only once it has ended."""
-    from redisbal.engine_sim import EngineSimRunner
-    from redisbal.sim import EngineParams
-    from redisbal.simtransport import NO_BURST, RequestMsg, SimKeys
+    from redisbal.sim.engine_sim import EngineSimRunner
+    from redisbal.sim.model import EngineParams
+    from redisbal.sim.transport import NO_BURST, RequestMsg, SimKeys
 
     params = EngineParams(base_step_s=1.5)  # one long step: the test looks inside it
     runner = EngineSimRunner(

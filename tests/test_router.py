@@ -16,8 +16,8 @@ import redis.asyncio
 from helpers import Barrier, wait_until
 
 from redisbal import AsyncRouter, Router, UnknownEngine
-from redisbal.embedded import RedisServer
 from redisbal.keys import DeploymentKeys
+from redisbal.sim.embedded import RedisServer
 
 
 @pytest.fixture

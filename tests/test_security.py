@@ -37,9 +37,9 @@ from topology import (
 import redisbal
 from redisbal.connection import BadRedisURL, make_client, parse_url, redact
 from redisbal.coordinator import Coordinator, CoordinatorConfig
-from redisbal.embedded import RedisServer, free_port
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import SCRIPT_NAMES, load_library, script_source
+from redisbal.sim.embedded import RedisServer, free_port
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 ADMIN_PW = "adm1n-Secret-pw"

@@ -3,7 +3,7 @@ SIMULATED clock (discrete-event), not in real time and not on Redis.
 
 What is real: the routing code (``RouterCore`` with the same policy objects as
 the real-time benchmark, the oracle included), the engine model
-(``redisbal.sim``), the vLLM coordinator's publish loop
+(``redisbal.sim.model``), the vLLM coordinator's publish loop
 (``VllmCoordinatorModel``), the scenario's traffic (``make_schedule``).
 What is modelled: time, and the transport. Engines step in lockstep; after
 each step the barrier snapshot (exact counts with ``admitted``) reaches each
@@ -18,27 +18,30 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from redisbal.bench import (
+from redisbal.bench.balance import (
+    burst_max_over_mean,
+    gap_closed,
+    load_imbalance,
+    makespan,
+    percentile,
+)
+from redisbal.bench.oracle import OraclePolicy, World
+from redisbal.bench.scenarios import Scenario, make_schedule
+from redisbal.bench.vllm import (
     VLLM_POLICIES,
     EngineStat,
-    OraclePolicy,
-    Scenario,
     VllmCoordinatorModel,
-    World,
-    make_schedule,
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.metrics_balance import burst_max_over_mean, load_imbalance, makespan, percentile
-from redisbal.policies import RouterCore
-from redisbal.sim import EngineParams, SimEngine, SimRequest
+from redisbal.routing import RouterCore
+from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.snapshot import EngineCounts, Snapshot
 
 SCALE_SCENARIO = Scenario(
@@ -135,6 +138,25 @@ def simulate(
     loads: list[list[float]] = []
     last_counts: dict[str, tuple[int, int]] = {}
     stepping = False
+
+    def stats_on_change(t: float, e: SimEngine, score: int) -> None:
+        """A vLLM engine's stats message, sent only when its counts changed; it reaches
+        the coordinator model after a jitter."""
+        wr = (len(e.waiting), len(e.running))
+        if last_counts.get(e.engine_id) != wr:
+            last_counts[e.engine_id] = wr
+            push(t + rng.random() * jitter_ms / 1000, "stats", (e.engine_id, score, wr))
+
+    def tick_report(e: SimEngine, t: float) -> None:
+        """An independent engine's report: its latest counts for the tick barrier, and
+        for the vLLM baselines a stats message."""
+        tick = int(t / tick_s)
+        latest[e.engine_id] = EngineCounts(
+            len(e.waiting), len(e.running), None, 0, tick, int(t * 1000), tuple(e.admitted)
+        )
+        if vmodel is not None:
+            stats_on_change(t, e, tick)
+
     while events:
         t, _, kind, data = heapq.heappop(events)
         if t > end_by:
@@ -171,28 +193,13 @@ def simulate(
             e = world.engines[eid]
             if began is not None:
                 e.end_step(t)
-                tick = int(t / tick_s)
-                latest[eid] = EngineCounts(
-                    len(e.waiting), len(e.running), None, 0, tick, int(t * 1000), tuple(e.admitted)
-                )
-                if vmodel is not None:
-                    wr = (len(e.waiting), len(e.running))
-                    if last_counts.get(eid) != wr:
-                        last_counts[eid] = wr
-                        push(t + rng.random() * jitter_ms / 1000, "stats", (eid, tick, wr))
+                tick_report(e, t)
             if not e.busy():
                 estepping[eid] = False
                 continue
             if before_step:  # counts again before the step (vLLM >= PR 41626, redisbal)
                 e.take_inbox()
-                tick = int(t / tick_s)
-                latest[eid] = EngineCounts(
-                    len(e.waiting), len(e.running), None, 0, tick, int(t * 1000), tuple(e.admitted)
-                )
-                wr = (len(e.waiting), len(e.running))
-                if vmodel is not None and last_counts.get(eid) != wr:
-                    last_counts[eid] = wr
-                    push(t + rng.random() * jitter_ms / 1000, "stats", (eid, tick, wr))
+                tick_report(e, t)
             push(t + e.begin_step(t), "estep", (eid, t))
         elif kind == "tick":  # the tick barrier: every engine's latest report
             push(t + tick_s, "tick", None)
@@ -219,14 +226,7 @@ def simulate(
                 else:
                     version += 1
                     for e in engines:
-                        wr = (len(e.waiting), len(e.running))
-                        if last_counts.get(e.engine_id) != wr:
-                            last_counts[e.engine_id] = wr
-                            push(
-                                t + rng.random() * jitter_ms / 1000,
-                                "stats",
-                                (e.engine_id, version, wr),
-                            )
+                        stats_on_change(t, e, version)
             if not any(e.busy() for e in engines):
                 stepping = False
                 continue
@@ -240,14 +240,7 @@ def simulate(
                     )
                 else:
                     for e in engines:
-                        wr = (len(e.waiting), len(e.running))
-                        if last_counts.get(e.engine_id) != wr:
-                            last_counts[e.engine_id] = wr
-                            push(
-                                t + rng.random() * jitter_ms / 1000,
-                                "stats",
-                                (e.engine_id, version + 1, wr),
-                            )
+                        stats_on_change(t, e, version + 1)
             dur = max(e.begin_step(t) for e in engines)
             step_running.append([float(len(e.running)) for e in engines])
             push(t + dur, "step", t)
@@ -359,8 +352,6 @@ def run_scale(policies: Sequence[str], seeds: Sequence[int]) -> dict[str, Any]:
         versions[p] = len(vals)
     pol = out["policies"]
     if all(k in pol for k in ("vllm-21617", "redisbal", "oracle")):
-        from redisbal.metrics_balance import gap_closed
-
         out["gap_closed"] = {
             m: gap_closed(pol["vllm-21617"][m], pol["redisbal"][m], pol["oracle"][m])
             for m in ("burst_max_over_mean", "load_imbalance", "p99_queue_delay_s")
@@ -385,30 +376,3 @@ def scale_table(doc: dict[str, Any]) -> str:
             )
         )
     return "\n".join(lines)
-
-
-def print_seed_stats(
-    policies: Sequence[str],
-    scenario_names: Sequence[str],
-    seeds: Sequence[int] = (1, 2, 3, 4, 5),
-    metrics: Sequence[str] = ("burst_max_over_mean", "load_imbalance", "p99_queue_delay_s"),
-    before_run: Callable[[], None] | None = None,
-) -> None:
-    """For policy experiments (scripts/*_experiment.py): each policy on each named
-    default scenario on the simulated clock, one line of mean +- std over the seeds.
-    ``before_run`` is called before each run (to reset an experiment's shared state)."""
-    from redisbal.bench import default_scenarios
-
-    scenarios = default_scenarios()
-    for sc in scenario_names:
-        for p in policies:
-            rows = []
-            for seed in seeds:
-                if before_run is not None:
-                    before_run()
-                rows.append(simulate(p, seed, scenarios[sc]))
-            cells = []
-            for m in metrics:
-                vals = [r[m] for r in rows if m in r]
-                cells.append(f"{m} {statistics.mean(vals):.4f} ± {statistics.pstdev(vals):.4f}")
-            print(f"{sc:10s} {p:14s} " + "  ".join(cells), flush=True)

@@ -1,6 +1,6 @@
 """``redisbal demo``: the whole system as real processes, for a few seconds.
 
-1. a redis-server (embedded: ``redisbal.embedded.RedisServer``) unless a URL is given;
+1. a redis-server (embedded: ``redisbal.sim.embedded.RedisServer``) unless a URL is given;
 2. ``redisbal coordinator`` expecting the engines (the first snapshot waits for all);
 3. ``redisbal engine-sim`` with N simulated engines;
 4. K ``redisbal api`` processes, one router each, sending bursts on one shared
@@ -33,12 +33,15 @@ from typing import Any
 import click
 import orjson
 
-from redisbal.api_sim import LoadSpec, schedule
 from redisbal.connection import make_client, redact
-from redisbal.engine_sim import format_engine_table, render_table
 from redisbal.keys import DeploymentKeys
-from redisbal.simtransport import SimKeys
+from redisbal.policies import DEFAULT_POLICY
+from redisbal.sim.api_sim import LoadSpec, schedule
+from redisbal.sim.embedded import RedisServer
+from redisbal.sim.engine_sim import format_engine_table
+from redisbal.sim.transport import SimKeys
 from redisbal.snapshot import Snapshot
+from redisbal.table import render_table
 
 Echo = Callable[..., Any]
 
@@ -55,7 +58,7 @@ class DemoOptions:
     engines: int = 8
     api_servers: int = 3
     duration: float = 6.0
-    policy: str = "redisbal"
+    policy: str = DEFAULT_POLICY
     mode: str = "lockstep"
     running_cap: int = 16
     burst: int = 192
@@ -177,8 +180,6 @@ class Demo:
             self.url = self.opts.redis_url
             self.echo(f"using Redis at {redact(self.url)}")
             return
-        from redisbal.embedded import RedisServer
-
         self.server = RedisServer(workdir=str(self.logdir / "redis"))
         Path(self.server.dir).mkdir(exist_ok=True)
         self.server.start()

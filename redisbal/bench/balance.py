@@ -1,9 +1,8 @@
 """Balance metrics of the benchmark: pure functions over what a run recorded.
 
-Kept apart from the harness (``redisbal.bench``) so that every number the
-benchmark reports comes from a small function with unit tests
-(``tests/test_bench.py``). Definitions follow DESIGN.md, "How balance is
-measured".
+Kept apart from the harness so that every number the benchmark reports comes
+from a small function with unit tests (``tests/test_bench.py``); what each metric
+means and why is in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

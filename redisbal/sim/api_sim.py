@@ -4,7 +4,7 @@ One process runs one or more ``AsyncRouter`` instances (API-server indexes
 ``client_index .. client_index + routers - 1`` out of ``client_count``). Each
 generates its share of the load, routes every request with its router, sends
 it to the chosen engine through the simulation transport
-(redisbal.simtransport) and calls ``finished()`` when the engine says it is
+(redisbal.sim.transport) and calls ``finished()`` when the engine says it is
 done. Load shapes:
 
 - bursts: ``burst`` requests in total over all API servers, sent within
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from redisbal.connection import make_client, redact
-from redisbal.policies import Decision, NoEngines
+from redisbal.policies import DEFAULT_POLICY, Decision, NoEngines
 from redisbal.router import AsyncRouter
-from redisbal.sim import output_length
-from redisbal.simtransport import NO_BURST, POP_BATCH, RequestMsg, SimKeys, popped
+from redisbal.sim.model import output_length
+from redisbal.sim.transport import NO_BURST, POP_BATCH, RequestMsg, SimKeys, popped
 
-log = logging.getLogger("redisbal.api_sim")
+log = logging.getLogger("redisbal.sim.api_sim")
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class ApiSimRunner:
         client_count: int,
         spec: LoadSpec,
         *,
-        policy: str = "redisbal",
+        policy: str = DEFAULT_POLICY,
         start_at: float | None = None,
         drain_timeout_s: float = 10.0,
         wait_engines_s: float = 10.0,

@@ -1,6 +1,6 @@
 """``redisbal engine-sim``: simulated engines in real time, reporting for real.
 
-One process hosts N ``SimEngine`` models (redisbal.sim) and drives them on the
+One process hosts N ``SimEngine`` models (redisbal.sim.model) and drives them on the
 wall clock:
 
 - ``lockstep`` mode: all engines step together and a step lasts as long as
@@ -18,7 +18,7 @@ in lockstep mode that report carries the tag of the step about to run, and the
 report after the step refreshes it.
 
 Requests come from ``redisbal api`` processes through the simulation
-transport (redisbal.simtransport); completions go back to the API server
+transport (redisbal.sim.transport); completions go back to the API server
 that sent them. The runner also measures what the demo prints: requests per
 engine, time-averaged load and imbalance, per-burst assignment spread.
 """
@@ -29,17 +29,17 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from redisbal.connection import make_client, redact
 from redisbal.engine import AsyncEngineReporter
 from redisbal.keys import check_name
-from redisbal.sim import EngineParams, SimEngine, SimRequest
-from redisbal.simtransport import NO_BURST, POP_BATCH, RequestMsg, SimKeys, popped
+from redisbal.sim.model import EngineParams, SimEngine, SimRequest
+from redisbal.sim.transport import NO_BURST, POP_BATCH, RequestMsg, SimKeys, popped
+from redisbal.table import render_table
 
-log = logging.getLogger("redisbal.engine_sim")
+log = logging.getLogger("redisbal.sim.engine_sim")
 
 MODES = ("lockstep", "tick")
 
@@ -403,15 +403,3 @@ def format_engine_table(stats: dict[str, Any]) -> str:
             )
         )
     return render_table(rows)
-
-
-def render_table(rows: Sequence[tuple[str, ...]]) -> str:
-    """Plain aligned text table; the first row is the header. First column left-aligned."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""``redisbal bench``: the click command (registered lazily by the operator CLI)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import click
+from click.core import ParameterSource
+
+from redisbal.bench.balance import percentile
+from redisbal.bench.plots import pyplot, write_plots
+from redisbal.bench.report import finite, markdown, summarize, tables
+from redisbal.bench.run import LAG_LIMIT_S, RunResult
+from redisbal.bench.scale import run_scale, scale_table
+from redisbal.bench.scenarios import BENCH_POLICIES, OUT_CAP, OUT_MEAN, OUT_SIGMA, SCENARIO_NAMES
+from redisbal.bench.suite import BenchConfig, bench_scenarios, run_all, run_all_simulated
+from redisbal.cli_common import common_options, settings
+from redisbal.sim.model import EngineParams
+
+
+def _csv(value: str | None, allowed: Sequence[str], what: str) -> list[str]:
+    if not value:
+        return list(allowed)
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        raise click.BadParameter(
+            f"unknown {what}: {', '.join(bad)}; choose from {', '.join(allowed)}"
+        )
+    return items
+
+
+def _seeds(value: str | None, quick: bool) -> list[int]:
+    if not value:
+        return [1] if quick else [1, 2, 3]
+    if value.isdigit() and "," not in value:
+        return list(range(1, int(value) + 1))
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter("--seeds takes a count (3) or a list (1,2,5)") from None
+
+
+@click.command("bench")
+@common_options
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="1 seed, shorter runs (2 bursts, 2 s of Poisson): under 3 minutes.",
+)
+@click.option("--seeds", default=None, help="Seed count (3) or list (1,2,3). Default 3 (quick: 1).")
+@click.option("--scenarios", default=None, help=f"Comma list from {','.join(SCENARIO_NAMES)}.")
+@click.option("--policies", default=None, help=f"Comma list from {','.join(BENCH_POLICIES)}.")
+@click.option(
+    "--router-processes",
+    default="",
+    help="Scenarios whose routers run in separate processes (e.g. skew).",
+)
+@click.option(
+    "--scale/--no-scale",
+    default=None,
+    help="Also run the 1024 x 64 projection on a simulated clock (default: on unless --quick).",
+)
+@click.option(
+    "--scale-only", is_flag=True, help="Run only the 1024 x 64 projection (simulated clock)."
+)
+@click.option(
+    "--sim-clock",
+    is_flag=True,
+    help="Run the scenarios on the discrete-event simulator instead of real time on Redis "
+    "(deterministic; no churn). For policy experiments, not for the record.",
+)
+@click.option("--json", "json_path", default=None, help="Write results as JSON here.")
+@click.option("--markdown", "md_path", default=None, help="Write the tables as Markdown here.")
+@click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
+def bench_command(
+    quick: bool,
+    seeds: str | None,
+    scenarios: str | None,
+    policies: str | None,
+    router_processes: str,
+    scale: bool | None,
+    scale_only: bool,
+    sim_clock: bool,
+    json_path: str | None,
+    md_path: str | None,
+    plot_dir: str | None,
+) -> None:
+    """Balance benchmark: every policy on the same seeds, on a real Redis, in real time.
+
+    Without --redis-url it starts its own redis-server. Each run gets a fresh
+    deployment named <prefix>-<scenario>-<policy>-<seed>-<hex>, where the prefix is
+    --deployment ("bench" when left at "default").
+    """
+    ctx = click.get_current_context()
+    level_given = any(
+        c.get_parameter_source("log_level") not in (None, ParameterSource.DEFAULT)
+        for c in (ctx, ctx.parent)
+        if c is not None
+    )
+    opts = settings()
+    if not level_given:  # dozens of coordinators start and stop: only warnings by default
+        logging.getLogger().setLevel(logging.WARNING)
+    redis_url = opts.redis_url
+    prefix = "bench" if opts.deployment == "default" else opts.deployment
+    if len(prefix) > 24:
+        raise click.BadParameter(
+            f"bench uses it as a prefix of its runs' deployment names: at most 24 characters, "
+            f"got {len(prefix)}",
+            param_hint="--deployment",
+        )
+    if plot_dir:
+        pyplot()  # fail early with the install hint
+    chosen = _csv(scenarios, SCENARIO_NAMES, "scenario")
+    if sim_clock and not scenarios and "churn" in chosen:
+        chosen.remove("churn")  # the simulated clock has no membership model
+        click.echo("--sim-clock: skipping churn (it needs real membership)", err=True)
+    cfg = BenchConfig(
+        scenarios=chosen,
+        policies=_csv(policies, BENCH_POLICIES, "policy"),
+        seeds=_seeds(seeds, quick),
+        quick=quick,
+        redis_url=redis_url,
+        prefix=prefix,
+        router_processes=_csv(router_processes, SCENARIO_NAMES, "scenario")
+        if router_processes
+        else [],
+    )
+    t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
+    if scale_only:
+        results: list[RunResult] = []
+    elif sim_clock:
+        results = run_all_simulated(cfg)
+    else:
+        results = asyncio.run(run_all(cfg))
+    elapsed = time.monotonic() - t0
+    doc = summarize(results, cfg.policies)
+    scen = bench_scenarios(cfg)
+    lags = [r.health["lag_p99_s"] for r in results]
+    bad = [r for r in results if r.health["lag_p99_s"] > LAG_LIMIT_S]
+    doc["meta"] = {
+        "argv": sys.argv,
+        "clock": "simulated (discrete-event), no Redis" if sim_clock else "real time on Redis",
+        "quick": quick,
+        "seeds": cfg.seeds,
+        "elapsed_s": round(elapsed, 1),
+        "nproc": os.cpu_count(),
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg()[0],
+        "lag_p99_s_median": percentile(lags, 50),
+        "lag_p99_s_max": max(lags) if lags else 0.0,
+        "runs_over_lag_limit": len(bad),
+        "lag_limit_s": LAG_LIMIT_S,
+        "scenarios": {s: asdict(sc) for s, sc in scen.items()},
+        "output_len": {"mean": OUT_MEAN, "sigma": OUT_SIGMA, "cap": OUT_CAP},
+        "engine": asdict(EngineParams()),
+    }
+    do_scale = scale_only or ((not quick) if scale is None else scale)
+    if do_scale:
+        click.echo("scale projection: 1024 engines x 64 routers on a SIMULATED clock", err=True)
+        doc["scale"] = run_scale(cfg.policies, cfg.seeds[:1])
+    click.echo(tables(doc, scen))
+    if "scale" in doc:
+        click.echo(scale_table(doc["scale"]))
+    click.echo(
+        f"\nharness: {len(results)} runs in {elapsed:.0f} s; event-loop lag p99 median "
+        f"{doc['meta']['lag_p99_s_median'] * 1000:.1f} ms, "
+        f"max {doc['meta']['lag_p99_s_max'] * 1000:.1f} ms; "
+        f"load average {load0:.2f} -> {doc['meta']['loadavg_end']:.2f} on {os.cpu_count()} cores"
+    )
+    if bad:
+        click.echo(
+            f"WARNING: {len(bad)} of {len(results)} runs had event-loop lag p99 above "
+            f"{LAG_LIMIT_S * 1000:.0f} ms (marked '!'): the machine was too loaded for those "
+            "real-time runs to be fully trusted."
+        )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(finite(doc), f, indent=1, allow_nan=False)
+        click.echo(f"wrote {json_path}")
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(markdown(doc))
+        click.echo(f"wrote {md_path}")
+    if plot_dir:
+        for p in write_plots(results, doc, plot_dir):
+            click.echo(f"wrote {p}")
+
+
+def main() -> None:
+    bench_command(prog_name="redisbal bench")
+
+
+if __name__ == "__main__":
+    main()

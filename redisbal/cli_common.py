@@ -1,0 +1,283 @@
+"""What the ``redisbal`` commands share: the common options, settings, error handling.
+
+Every command takes ``--redis-url`` (``REDISBAL_REDIS_URL``), ``--deployment``
+(``REDISBAL_DEPLOYMENT``) and ``--log-level`` (``REDISBAL_LOG_LEVEL``), either
+before the command name or after it (``redisbal status --redis-url ...``, the
+form docker-compose uses); a value given on the command line wins over the
+environment, and one given after the command name wins over one before it.
+Names and URLs are checked before anything connects; errors name the option
+and never show a password. The operator CLI (``redisbal.cli``) and the tooling
+commands (``redisbal.sim.commands``, ``redisbal.bench.command``) both build on
+this module, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import click
+import orjson
+import redis.exceptions
+from click.core import ParameterSource
+
+from redisbal.connection import OUTAGE_ERRORS, BadRedisURL, make_client, parse_url, redact
+from redisbal.keys import InvalidName, check_name
+from redisbal.policies import DEFAULT_POLICY, POLICIES
+
+F = TypeVar("F", bound=Callable[..., Any])
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_OPTS = "redisbal.options"
+_PRIORITY = {
+    ParameterSource.COMMANDLINE: 3,
+    ParameterSource.ENVIRONMENT: 2,
+    ParameterSource.DEFAULT_MAP: 1,
+    ParameterSource.DEFAULT: 0,
+}
+
+
+class FiniteFloat(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf: nan compares false with both
+    bounds, so FloatRange lets it through (and an engine stepping every nan ms hangs)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+def _from_env(ctx: click.Context, param: click.Parameter) -> str:
+    src = ctx.get_parameter_source(param.name or "")
+    if src is ParameterSource.ENVIRONMENT and param.envvar:
+        return f" (from ${param.envvar})"
+    return ""
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Validate a shared option and keep the most explicit value seen (group or command)."""
+    name = param.name or ""
+    if name == "redis_url" and value is not None:
+        try:
+            parse_url(value)
+        except BadRedisURL as exc:
+            raise click.BadParameter(
+                f"{exc}{_from_env(ctx, param)}", ctx=ctx, param=param
+            ) from None
+    elif name == "deployment":
+        try:
+            check_name(value, "deployment name")
+        except InvalidName as exc:
+            raise click.BadParameter(
+                f"{exc}{_from_env(ctx, param)}", ctx=ctx, param=param
+            ) from None
+    store = ctx.meta.setdefault(_OPTS, {})  # ctx.meta is shared by the group and its commands
+    prio = _PRIORITY.get(ctx.get_parameter_source(name), 0)  # type: ignore[arg-type]
+    if name not in store or prio >= store[name][1]:
+        store[name] = (value, prio)
+    return value
+
+
+_SHARED = (
+    click.option(
+        "--redis-url",
+        envvar="REDISBAL_REDIS_URL",
+        metavar="URL",
+        expose_value=False,
+        callback=_remember,
+        help="Redis to use: redis://, rediss://, unix://, redis+sentinel://h:p[,h:p]/service "
+        "or redis+cluster://h:p[,h:p]. [env: REDISBAL_REDIS_URL]",
+    ),
+    click.option(
+        "--deployment",
+        envvar="REDISBAL_DEPLOYMENT",
+        default="default",
+        show_default=True,
+        expose_value=False,
+        callback=_remember,
+        help="Deployment name (all its keys share the hash tag {<deployment>}). "
+        "[env: REDISBAL_DEPLOYMENT]",
+    ),
+    click.option(
+        "--log-level",
+        envvar="REDISBAL_LOG_LEVEL",
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        default="info",
+        show_default=True,
+        expose_value=False,
+        callback=_remember,
+        help="Logging level (logs go to stderr). [env: REDISBAL_LOG_LEVEL]",
+    ),
+)
+
+
+def common_options(f: F) -> F:
+    """Add --redis-url / --deployment / --log-level to a command (read them with settings())."""
+    for opt in reversed(_SHARED):
+        f = opt(f)
+    return f
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The shared options, resolved for the running command."""
+
+    redis_url: str | None
+    deployment: str
+    log_level: str
+
+    def require_url(self) -> str:
+        if not self.redis_url:
+            raise click.UsageError(
+                "no Redis URL: pass --redis-url (e.g. redis://localhost:6379/0) "
+                "or set REDISBAL_REDIS_URL"
+            )
+        return self.redis_url
+
+    @property
+    def safe_url(self) -> str:
+        return redact(self.redis_url or "")
+
+
+def settings(ctx: click.Context | None = None) -> Settings:
+    """Resolved shared options; also configures logging once."""
+    ctx = ctx or click.get_current_context()
+    store = ctx.meta.get(_OPTS, {})
+    s = Settings(
+        redis_url=store.get("redis_url", (None, 0))[0],
+        deployment=store.get("deployment", ("default", 0))[0],
+        log_level=str(store.get("log_level", ("info", 0))[0]).lower(),
+    )
+    if not ctx.meta.get("redisbal.logging"):
+        ctx.meta["redisbal.logging"] = True
+        logging.basicConfig(
+            level=getattr(logging, s.log_level.upper()),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+    return s
+
+
+@contextlib.contextmanager
+def redis_errors(url: str | None) -> Iterator[None]:
+    """Turn a Redis outage or refusal into one clear line (password redacted)."""
+    try:
+        yield
+    except OUTAGE_ERRORS as exc:
+        raise click.ClickException(
+            f"cannot reach Redis at {redact(url or '')}: {redact(str(exc)) or type(exc).__name__}"
+        ) from None
+    except redis.exceptions.ResponseError as exc:
+        raise click.ClickException(
+            f"Redis at {redact(url or '')} refused: {redact(str(exc))}"
+        ) from None
+
+
+def check_reachable(url: str) -> None:
+    """Fail fast, with the redacted URL, when Redis does not answer."""
+    with redis_errors(url):
+        client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+        try:
+            client.ping()
+        finally:
+            client.close()
+
+
+@contextlib.contextmanager
+def signals_stop(stop: Callable[[], None]) -> Iterator[None]:
+    """While inside: SIGINT/SIGTERM call stop() (the command then shuts down cleanly and
+    exits 0); the previous handlers are restored afterwards."""
+
+    def handler(signum: int, frame: object) -> None:
+        stop()
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+async def run_until_signal(main: Any, stop: Callable[[], None]) -> Any:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    try:
+        return await main
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def write_json(path: str | None, data: Any) -> None:
+    if path:
+        with open(path, "wb") as fh:
+            fh.write(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+
+
+# -- option declarations used by several commands ------------------------------------------
+
+
+def option(*decls: str, type: Any = None, default: Any = None, help: str, **kw: Any) -> Any:
+    """A click option that shows its default when it has one (one line per option)."""
+    return click.option(
+        *decls, type=type, default=default, show_default=default is not None, help=help, **kw
+    )
+
+
+OptionRow = tuple[str, Any, Any, str]
+
+
+def options(*items: OptionRow | Callable[[F], F]) -> Callable[[F], F]:
+    """Several options in --help order: rows of (space-separated flags, type, default,
+    help) made with option(), or ready option decorators (the shared ones below)."""
+
+    def apply(f: F) -> F:
+        for item in reversed(items):
+            if isinstance(item, tuple):
+                flags, type_, default, help_ = item
+                item = option(*flags.split(), type=type_, default=default, help=help_)
+            f = item(f)
+        return f
+
+    return apply
+
+
+DURATION_UNTIL_SIGNAL = option(
+    "--duration",
+    type=FiniteFloat(0, min_open=True),
+    help="Stop after this many seconds (default: until SIGINT/SIGTERM).",
+)
+SEED = option("--seed", type=int, default=0, help="Seed of the load.")
+
+
+def policy_option(help: str) -> Any:
+    """--policy: a name from POLICIES, the default policy unless given."""
+    return option(
+        "--policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY, help=help
+    )
+
+
+def mode_option(help: str) -> Any:
+    """--mode: how simulated engines step."""
+    return option("--mode", type=click.Choice(["lockstep", "tick"]), default="lockstep", help=help)
+
+
+def slow_option(help: str) -> Any:
+    """--slow ID[,ID...]:FACTOR (repeatable): straggler engines."""
+    return click.option("--slow", multiple=True, metavar="ID[,ID...]:FACTOR", help=help)
+
+
+def stats_out_option(help: str) -> Any:
+    """--stats-out PATH: a JSON file written at the end."""
+    return click.option("--stats-out", type=click.Path(dir_okay=False, writable=True), help=help)

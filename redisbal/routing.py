@@ -1,0 +1,306 @@
+"""A router's state: pure logic, no I/O, so route() costs microseconds.
+
+``RouterCore`` holds what one API server knows: the latest snapshot's counts
+per engine, and its own bookkeeping per engine (routed, in flight, and the
+routes the snapshot does not contain yet: "pending"). Its ``Policy``
+(``redisbal.policies``) turns that into a choice.
+
+Pending is reconciled with each snapshot, never simply wiped:
+- exactly, when engines report ``admitted`` (cumulative requests received per
+  API-server index): pending = routed - admitted[client_index];
+- otherwise by time: routes made before the report's time (less a transit
+  allowance) are taken to be in it.
+So a snapshot that predates recent routes loses no bookkeeping, and one that
+includes them does not count them twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from redisbal.policies import (
+    DEFAULT_POLICY,
+    Decision,
+    EngineView,
+    NoEngines,
+    Policy,
+    UnknownEngine,
+    make_policy,
+)
+from redisbal.snapshot import MAX_ADMITTED, Snapshot
+
+
+class RouterCore:
+    """One API server's routing state. Thread-safe; no I/O."""
+
+    # engine speed estimate (see _update_speeds): decay half-life, the least
+    # running-request-seconds to trust, and the dead band around the median
+    speed_halflife_s = 3.0
+    speed_min_exposure = 10.0
+    speed_band = (0.8, 1.25)
+
+    def __init__(
+        self,
+        client_index: int = 0,
+        client_count: int = 1,
+        policy: str | Policy = DEFAULT_POLICY,
+        *,
+        stale_after_s: float = 5.0,
+        transit_s: float = 0.005,
+        share_halflife: int = 2000,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
+            raise ValueError(f"client_count must be a whole number >= 1, got {client_count!r}")
+        if (
+            isinstance(client_index, bool)
+            or not isinstance(client_index, int)
+            or not 0 <= client_index < client_count
+        ):
+            raise ValueError(f"client_index must be in 0..{client_count - 1}, got {client_index!r}")
+        self.client_index = client_index
+        self.client_count = client_count
+        self.policy = make_policy(policy)
+        self.stale_after_s = stale_after_s
+        self.transit_s = transit_s
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.lock = threading.Lock()
+        self.engines: list[EngineView] = []
+        self.by_id: dict[str, EngineView] = {}
+        self.snapshot: Snapshot | None = None
+        self.snapshot_at = float("-inf")  # local clock when the snapshot was applied
+        self.connected = False
+        self.seq = itertools.count(1)
+        # share of traffic: EWMA of (mine, all) admitted deltas
+        self.share = 1.0 / client_count
+        self._adm_totals: tuple[int, int] | None = None
+        self._share_halflife = share_halflife
+        self.running_cap = 0  # largest running count seen on an engine with a queue
+        self.pending_weight = float(client_count)
+        self.counters = {
+            "routes": 0,
+            "degraded_routes": 0,
+            "pinned": 0,
+            "snapshots": 0,
+            "ignored_old": 0,
+            "epochs": 0,
+        }
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        """True when routing without a fresh snapshot (none yet, stale, or feed down)."""
+        return (
+            not self.connected
+            or self.snapshot is None
+            or self.clock() - self.snapshot_at > self.stale_after_s
+        )
+
+    def set_engines(self, engine_ids: Iterable[str]) -> None:
+        """Known engines before any snapshot (e.g. the members set): start balanced."""
+        with self.lock:
+            if self.snapshot is not None:
+                return
+            self._set_engines(list(engine_ids))
+            self.policy.reset(self)
+
+    def _set_engines(self, ids: list[str]) -> None:
+        old = self.by_id
+        self.by_id = {i: old.get(i) or EngineView(i) for i in ids}
+        self.engines = list(self.by_id.values())
+
+    def accepts(self, snap: Snapshot) -> bool:
+        """Whether snap is newer than ours (or of a new epoch)."""
+        cur = self.snapshot
+        return cur is None or snap.epoch != cur.epoch or snap.version > cur.version
+
+    def apply_snapshot(self, snap: Snapshot) -> bool:
+        """Adopt snap unless it is older than ours within the same epoch (invariant 4)."""
+        with self.lock:
+            cur = self.snapshot
+            if not self.accepts(snap):
+                self.counters["ignored_old"] += 1
+                return False
+            if cur is not None and snap.epoch != cur.epoch:
+                self.counters["epochs"] += 1
+            now = self.clock()
+            self.snapshot, self.snapshot_at = snap, now
+            self.counters["snapshots"] += 1
+            # an engine this router knows that the cut cannot hold yet (it reported only
+            # steps past it, e.g. re-registering after a state loss) stays routable
+            # with its last counts instead of vanishing for a snapshot
+            kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
+            self._set_engines([*snap.engines, *kept])
+            ci = self.client_index
+            mine = total = 0
+            exact = False
+            # the speed estimate only feeds a policy that uses it (off by default)
+            speed_on = getattr(self.policy, "use_speed", False)
+            age_on = getattr(self.policy, "use_age", False)
+            for e in self.engines:
+                c = snap.engines.get(e.engine_id)
+                if c is None:
+                    continue
+                e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
+                e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
+                adm = c.admitted
+                # (a sum past MAX_ADMITTED: counts none of our reporters sends, read as none)
+                if adm is not None and (all_adm := sum(adm)) < MAX_ADMITTED:
+                    got = adm[ci] if ci < len(adm) else 0
+                    e.pending = max(0, e.routed - got)
+                    e.exact = exact = True
+                    e.times.clear()
+                    mine += got
+                    total += all_adm
+                    if c.waiting > 0 and c.running > self.running_cap:
+                        self.running_cap = c.running  # an engine with a queue is at its cap
+                    if speed_on or age_on:
+                        done = all_adm - c.waiting - c.running
+                        self._observe_speed(e, done, c.reported_ms, c.running)
+                else:
+                    cutoff = now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s
+                    times = e.times
+                    while times and times[0] <= cutoff:
+                        times.popleft()
+                    e.pending = len(times)
+                    e.exact = False
+            if exact:
+                self._update_share(mine, total)
+                if speed_on:
+                    self._update_speeds()
+                if age_on:
+                    self._update_aged(snap)
+            self.policy.reset(self)
+            return True
+
+    def _observe_speed(self, e: EngineView, done: int, t_ms: int, running: int) -> None:
+        """Accumulate an engine's completions and running-request-seconds (decayed)."""
+        if e.t_prev >= 0 and t_ms > e.t_prev and done >= e.done_prev:
+            dt = (t_ms - e.t_prev) / 1000.0
+            decay = 0.5 ** (dt / self.speed_halflife_s)
+            e.done_acc = e.done_acc * decay + (done - e.done_prev)
+            e.exposure_acc = e.exposure_acc * decay + e.run_prev * dt
+        elif e.t_prev >= 0 and done < e.done_prev:  # engine restarted: start over
+            e.done_acc = e.exposure_acc = 0.0
+        if t_ms >= e.t_prev:
+            e.t_prev, e.done_prev, e.run_prev = t_ms, done, running
+
+    def _update_speeds(self) -> None:
+        """speed = completion rate per running request / the median engine's, clamped to
+        [0.25, 4]; 1.0 inside the dead band or without enough observations."""
+        rates = {}
+        for e in self.engines:
+            if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
+                rates[e.engine_id] = e.done_acc / e.exposure_acc
+        if len(rates) < 3:
+            for e in self.engines:
+                e.speed = 1.0
+            return
+        mid = sorted(rates.values())[len(rates) // 2]
+        lo, hi = self.speed_band
+        for e in self.engines:
+            r = rates.get(e.engine_id)
+            sp = 1.0 if r is None or mid <= 0 else min(4.0, max(0.25, r / mid))
+            e.speed = 1.0 if lo < sp < hi else sp
+
+    def _update_aged(self, snap: Snapshot) -> None:
+        """Expected completions on each engine since its report (use_age): running x
+        its completion rate per running request (decayed, as for the speed estimate;
+        the median engine's until known) x the report's age at the snapshot."""
+        rates = {}
+        for e in self.engines:
+            if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
+                rates[e.engine_id] = e.done_acc / e.exposure_acc
+        mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
+        for e in self.engines:
+            c = snap.engines.get(e.engine_id)
+            if c is None:
+                e.aged = 0.0
+                continue
+            e.aged = e.running * rates.get(e.engine_id, mid) * e.age_s
+
+    def _update_share(self, mine: int, total: int) -> None:
+        prev = self._adm_totals
+        self._adm_totals = (mine, total)
+        if prev is None or total < prev[1] or mine < prev[0]:
+            return
+        d_mine, d_total = mine - prev[0], total - prev[1]
+        if d_total <= 0:
+            return
+        alpha = min(1.0, d_total / self._share_halflife)
+        self.share += alpha * (d_mine / d_total - self.share)
+        # never trust a share below a tenth of an equal one: bounds the estimate's error
+        self.share = min(1.0, max(self.share, 0.1 / self.client_count))
+        self.pending_weight = 1.0 / self.share
+
+    # -- hot path --------------------------------------------------------------------------------
+
+    def route(self, engine_id: str | None = None) -> Decision:
+        """Pick an engine (or take the pinned one) and record the route. No I/O."""
+        with self.lock:
+            if not self.engines:
+                raise NoEngines(
+                    "no engine known yet: wait for the first snapshot (router.start(wait=...)) "
+                    "or check that engines report to this deployment"
+                )
+            if engine_id is None:
+                eng = self.policy.pick(self)
+                pinned = False
+            else:
+                eng = self.by_id.get(engine_id)  # type: ignore[assignment]
+                if eng is None:
+                    snap = self.snapshot
+                    why = (
+                        f"it {snap.gone[engine_id]}"
+                        if snap and engine_id in snap.gone
+                        else "it is not in the current snapshot"
+                    )
+                    raise UnknownEngine(
+                        f"cannot pin to engine {engine_id!r}: {why}; "
+                        f"live engines: {', '.join(self.by_id) or 'none'}"
+                    )
+                pinned = True
+                self.counters["pinned"] += 1
+            eng.routed += 1
+            eng.inflight += 1
+            eng.pending += 1
+            if not eng.exact:
+                eng.times.append(self.clock())
+            self.policy.routed(self, eng)
+            degraded = self.degraded
+            self.counters["routes"] += 1
+            if degraded:
+                self.counters["degraded_routes"] += 1
+            snap = self.snapshot
+            return Decision(
+                eng.engine_id,
+                self.client_index,
+                next(self.seq),
+                snap.version if snap else 0,
+                degraded,
+                pinned,
+            )
+
+    def finished(self, decision: Decision) -> None:
+        """The request of ``decision`` ended (idempotent)."""
+        with self.lock:
+            if decision.done:
+                return
+            decision.done = True
+            eng = self.by_id.get(decision.engine_id)
+            if eng is not None and eng.inflight > 0:
+                eng.inflight -= 1
+                self.policy.finished(self, eng)
+
+    def loads(self) -> dict[str, float]:
+        """Each engine's estimated load as this router sees it (for status/debug)."""
+        with self.lock:
+            w = self.pending_weight
+            return {e.engine_id: e.waiting + e.running + e.pending * w for e in self.engines}

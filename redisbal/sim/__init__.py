@@ -1,0 +1,3 @@
+"""Simulation tooling: the engine model, its Redis transport, the engine-sim / api /
+demo commands, an embedded redis-server and a local cluster. Built on the library;
+the library never imports it."""

@@ -1,0 +1,314 @@
+"""The simulator's commands: ``redisbal engine-sim``, ``redisbal api``, ``redisbal demo``.
+
+The operator CLI registers them by name (``redisbal.cli.EXTERNAL_COMMANDS``), so
+that ``redisbal --help`` and ``redisbal status`` never import the simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import click
+
+from redisbal.cli_common import (
+    DURATION_UNTIL_SIGNAL,
+    SEED,
+    FiniteFloat,
+    check_reachable,
+    common_options,
+    mode_option,
+    options,
+    policy_option,
+    redis_errors,
+    run_until_signal,
+    settings,
+    slow_option,
+    stats_out_option,
+    write_json,
+)
+from redisbal.keys import InvalidName, check_name
+from redisbal.policies import NoEngines
+from redisbal.sim.api_sim import ApiSimRunner, LoadSpec
+from redisbal.sim.demo import DemoOptions, run_demo
+from redisbal.sim.engine_sim import EngineSimRunner, engine_ids, format_engine_table
+from redisbal.sim.model import EngineParams
+
+# Each command's options as a table: (flags, type, default, help), or a shared option;
+# in the order --help lists them. A default of None is none (and none is shown).
+# fmt: off
+ENGINE_SIM_OPTIONS = options(
+    ("--engines -n", click.IntRange(1, 1024), 4, "Number of simulated engines in this process."),
+    ("--id-prefix", None, "", "Engine ids are PREFIX<number>."),
+    ("--first-id", click.IntRange(0, 10**9), 0, "Number of the first engine id."),
+    mode_option(
+        "lockstep: all engines step together (a step lasts as long as the slowest); "
+        "tick: independent engines on the shared server tick."
+    ),
+    ("--running-cap", click.IntRange(1, 100_000), 64,
+     "Running slots per engine (requests beyond wait)."),
+    ("--base-step-ms", FiniteFloat(0.1, 10_000), 12.0, "Step time with an empty batch."),
+    ("--per-seq-ms", FiniteFloat(0, 1_000), 0.15, "Step time added per running request."),
+    ("--prefill-ms", FiniteFloat(0, 1_000), 0.4,
+     "Step time added per request admitted in the step."),
+    slow_option("Make engines step FACTOR times slower (repeatable), e.g. 3,5:2.0."),
+    DURATION_UNTIL_SIGNAL,
+    stats_out_option("Write the run's per-engine figures as JSON here at the end."),
+    ("--summary/--no-summary", None, True, "Print the per-engine table at the end."),
+    ("--report-before-step/--report-after-step-only", None, True,
+     "Also report right before each step, once the step has taken the requests "
+     "that arrived (vLLM's engines do since PR 41626), not only after it."),
+)
+API_OPTIONS = options(
+    ("--client-index", click.IntRange(0, 4095), 0,
+     "API-server index of the first router in this process."),
+    ("--client-count", click.IntRange(1, 4096), None,
+     "API servers in the deployment [default: client-index + routers]."),
+    ("--routers", click.IntRange(1, 256), 1,
+     "Router instances in this process (indexes client-index, +1, ...)."),
+    policy_option("Routing policy."),
+    ("--burst", click.IntRange(0, 10_000_000), 0,
+     "Requests per burst over ALL API servers (each sends its share)."),
+    ("--burst-window-ms", FiniteFloat(0, 60_000), 50.0, "A burst is sent within this window."),
+    ("--burst-every", FiniteFloat(0.01, 3600), 2.0, "Seconds between burst starts."),
+    ("--rate", FiniteFloat(0, 1_000_000), 0.0,
+     "Poisson requests/s over ALL API servers (can be combined with bursts)."),
+    ("--duration", FiniteFloat(0, 86_400, min_open=True), 10.0, "Seconds of load."),
+    ("--mean-output", FiniteFloat(1, 100_000), 40.0,
+     "Mean output length in tokens (heavy-tailed)."),
+    ("--max-output", click.IntRange(1, 1_000_000), 2000, "Cap on output lengths (tokens)."),
+    SEED,
+    click.option("--start-at", type=float, metavar="UNIX_TIME",
+                 help="Wall-clock start, so several api processes burst together."),
+    ("--drain-timeout", FiniteFloat(0, 3600), 10.0,
+     "After the load, wait this long for completions."),
+    ("--wait-engines", FiniteFloat(0, 3600), 10.0, "Wait this long for a first snapshot."),
+    stats_out_option("Write per-router figures as JSON here at the end."),
+    click.option("--quiet", "-q", is_flag=True, help="No progress lines."),
+)
+DEMO_OPTIONS = options(
+    ("--engines", click.IntRange(1, 64), 8, "Simulated engines."),
+    ("--api-servers", click.IntRange(1, 16), 3, "API-server processes, one router each."),
+    ("--duration", FiniteFloat(0.5, 600), 6.0, "Seconds of load."),
+    policy_option("Routing policy of the API servers."),
+    mode_option("Engine stepping (see engine-sim)."),
+    ("--running-cap", click.IntRange(1, 10_000), 16, "Running slots per engine."),
+    ("--burst", click.IntRange(0, 1_000_000), None,
+     "Requests per burst [default: 1.5 x engines x running-cap]."),
+    ("--burst-every", FiniteFloat(0.1, 600), 2.0, "Seconds between bursts."),
+    ("--rate", FiniteFloat(0, 100_000), 0.0, "Background Poisson requests/s."),
+    slow_option("Straggler engines, e.g. 0:2.0 (repeatable)."),
+    SEED,
+    click.option("--keep-logs", is_flag=True, help="Keep the processes' log directory."),
+)
+# fmt: on
+
+
+def parse_slow(values: tuple[str, ...]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for v in values:
+        ids, sep, factor = v.rpartition(":")
+        try:
+            f = float(factor)
+        except ValueError:
+            f = -1.0
+        if not sep or not ids or not 0 < f <= 100:
+            raise click.BadParameter(
+                f"{v!r}: use ID[,ID...]:FACTOR with FACTOR in (0, 100], e.g. 3,5:2.0",
+                param_hint="'--slow'",
+            )
+        for i in ids.split(","):
+            try:
+                out[check_name(i.strip(), "engine id")] = f
+            except InvalidName as exc:
+                raise click.BadParameter(str(exc), param_hint="'--slow'") from None
+    return out
+
+
+@click.command("engine-sim")
+@common_options
+@ENGINE_SIM_OPTIONS
+def engine_sim(
+    engines: int,
+    id_prefix: str,
+    first_id: int,
+    mode: str,
+    running_cap: int,
+    base_step_ms: float,
+    per_seq_ms: float,
+    prefill_ms: float,
+    slow: tuple[str, ...],
+    duration: float | None,
+    stats_out: str | None,
+    summary: bool,
+    report_before_step: bool,
+) -> None:
+    """Run simulated continuous-batching engines that report to Redis for real.
+
+    They take requests from `redisbal api` processes (Redis lists, see
+    redisbal.sim.transport) and leave the deployment gracefully on SIGINT/SIGTERM.
+    """
+    s = settings()
+    url = s.require_url()
+    try:
+        ids = engine_ids(engines, id_prefix, first_id)
+    except InvalidName as exc:
+        raise click.BadParameter(str(exc), param_hint="'--id-prefix' / '--first-id'") from None
+    slow_map = parse_slow(slow)
+    params = EngineParams(
+        running_cap=running_cap,
+        base_step_s=base_step_ms / 1000,
+        per_seq_s=per_seq_ms / 1000,
+        prefill_s=prefill_ms / 1000,
+    )
+    try:
+        runner = EngineSimRunner(
+            url,
+            s.deployment,
+            ids,
+            mode=mode,
+            params=params,
+            slow=slow_map,
+            report_before_step=report_before_step,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    check_reachable(url)
+    with redis_errors(url):
+        stats = asyncio.run(run_until_signal(runner.run(duration), runner.stop))
+    data = stats.to_dict()
+    write_json(stats_out, data)
+    if summary:
+        click.echo(format_engine_table(data))
+
+
+@click.command()
+@common_options
+@API_OPTIONS
+def api(
+    client_index: int,
+    client_count: int | None,
+    routers: int,
+    policy: str,
+    burst: int,
+    burst_window_ms: float,
+    burst_every: float,
+    rate: float,
+    duration: float,
+    mean_output: float,
+    max_output: int,
+    seed: int,
+    start_at: float | None,
+    drain_timeout: float,
+    wait_engines: float,
+    stats_out: str | None,
+    quiet: bool,
+) -> None:
+    """Run API-server routers that send simulated load to `redisbal engine-sim` engines.
+
+    Each request is routed by an AsyncRouter, sent to the chosen engine and
+    reported finished() when the engine completes it.
+    """
+
+    s = settings()
+    url = s.require_url()
+    count = client_count if client_count is not None else client_index + routers
+    if client_index + routers > count:
+        raise click.BadParameter(
+            f"routers {client_index}..{client_index + routers - 1} do not fit in "
+            f"--client-count {count}",
+            param_hint="'--client-count'",
+        )
+    if burst == 0 and rate == 0:
+        raise click.UsageError("no load: give --burst N and/or --rate R")
+    spec = LoadSpec(
+        duration_s=duration,
+        burst=burst,
+        burst_window_ms=burst_window_ms,
+        burst_every_s=burst_every,
+        rate=rate,
+        mean_output=mean_output,
+        max_output=max_output,
+        seed=seed,
+    )
+    check_reachable(url)
+    runner = ApiSimRunner(
+        url,
+        s.deployment,
+        list(range(client_index, client_index + routers)),
+        count,
+        spec,
+        policy=policy,
+        start_at=start_at,
+        drain_timeout_s=drain_timeout,
+        wait_engines_s=wait_engines,
+        progress=None if quiet else sys.stdout,
+    )
+    try:
+        with redis_errors(url):
+            result = asyncio.run(run_until_signal(runner.run(), runner.stop))
+    except NoEngines as exc:
+        raise click.ClickException(str(exc)) from None
+    write_json(stats_out, result)
+    unfinished = sum(r["unfinished"] for r in result)
+    unroutable = sum(r["unroutable"] for r in result)
+    if unroutable:
+        raise click.ClickException(f"{unroutable} requests found no engine to route to")
+    if unfinished:
+        raise click.ClickException(
+            f"{unfinished} requests did not complete within --drain-timeout {drain_timeout:g}s"
+        )
+
+
+@click.command()
+@common_options
+@DEMO_OPTIONS
+def demo(
+    engines: int,
+    api_servers: int,
+    duration: float,
+    policy: str,
+    mode: str,
+    running_cap: int,
+    burst: int | None,
+    burst_every: float,
+    rate: float,
+    slow: tuple[str, ...],
+    seed: int,
+    keep_logs: bool,
+) -> None:
+    """Run the whole system for a few seconds and print how balanced it was.
+
+    Without --redis-url it starts its own redis-server (Debian's, or the one of
+    `pip install 'redisbal[embedded]'`); then a coordinator, ENGINES simulated
+    engines and API-SERVERS router processes under a bursty load. Every process
+    it started is stopped at the end, also on Ctrl-C.
+    """
+    s = settings()
+    parse_slow(slow)
+    if burst is None:
+        burst = int(1.5 * engines * running_cap)
+    if burst == 0 and rate == 0:
+        raise click.UsageError("no load: --burst 0 needs --rate R")
+    if s.redis_url:
+        check_reachable(s.redis_url)
+    opts = DemoOptions(
+        redis_url=s.redis_url,
+        deployment=s.deployment,
+        log_level=s.log_level,
+        engines=engines,
+        api_servers=api_servers,
+        duration=duration,
+        policy=policy,
+        mode=mode,
+        running_cap=running_cap,
+        burst=burst,
+        burst_every=burst_every,
+        rate=rate,
+        slow=list(slow),
+        seed=seed,
+        keep_logs=keep_logs,
+    )
+    code = run_demo(opts, echo=click.echo)
+    if code:
+        sys.exit(code)

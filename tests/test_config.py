@@ -1,0 +1,49 @@
+"""Coordinator settings have one home (redisbal/config.py): the CLI's options and
+CoordinatorConfig take their defaults and bounds from it."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from redisbal.cli import cli
+from redisbal.config import LEASE_TTL, SETTINGS, CoordinatorConfig
+
+
+def _options() -> dict[str, click.Option]:
+    cmd = cli.get_command(click.Context(cli), "coordinator")
+    assert cmd is not None
+    return {p.name: p for p in cmd.params if isinstance(p, click.Option) and p.name}
+
+
+@pytest.mark.parametrize("name", [*SETTINGS, "lease_ttl_ms"])
+def test_cli_option_defaults_and_bounds_come_from_config(name: str) -> None:
+    setting = LEASE_TTL if name == "lease_ttl_ms" else SETTINGS[name]
+    opt = _options()[name]
+    assert opt.default == setting.default == getattr(CoordinatorConfig(), name)
+    assert isinstance(opt.type, click.IntRange)
+    assert (opt.type.min, opt.type.max) == (setting.lo, setting.hi)
+
+
+@pytest.mark.parametrize("name", [*SETTINGS, "lease_ttl_ms"])
+def test_config_refuses_each_bound_plus_one(name: str) -> None:
+    setting = LEASE_TTL if name == "lease_ttl_ms" else SETTINGS[name]
+    for bad in (setting.lo - 1, setting.hi + 1):
+        kw = {name: bad}
+        if name == "dead_after_ms" and bad < CoordinatorConfig().stall_ms:
+            kw["stall_ms"] = 1  # so that the bound, not stall < dead_after, is what fails
+        with pytest.raises(ValueError, match=name):
+            CoordinatorConfig(**kw).check()  # type: ignore[arg-type]
+    CoordinatorConfig(**{name: setting.lo if name != "dead_after_ms" else 300}).check()  # type: ignore[arg-type]
+
+
+def test_lease_ttl_floor_is_checked_by_the_coordinator_and_the_cli() -> None:
+    from redisbal.coordinator import Coordinator
+
+    with pytest.raises(ValueError, match="lease_ttl_ms must be a whole number of ms in 200"):
+        Coordinator("redis://127.0.0.1:1", "d", lease_ttl_ms=199)
+    r = CliRunner().invoke(
+        cli, ["coordinator", "--redis-url", "redis://127.0.0.1:1", "--lease-ttl-ms", "199"]
+    )
+    assert r.exit_code == 2 and "--lease-ttl-ms" in r.output and "Traceback" not in r.output
