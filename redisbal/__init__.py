@@ -7,7 +7,14 @@ bookkeeping (``AsyncRouter`` / ``Router``); ``redisbal coordinator`` keeps
 membership, liveness and stalled barriers in order.
 """
 
-from redisbal.engine import AsyncEngineReporter, EngineReporter, InvalidReport, ReportResult
+from redisbal.engine import (
+    AsyncEngineReporter,
+    EngineReporter,
+    InvalidReport,
+    ReporterStats,
+    ReportResult,
+    ReportSender,
+)
 from redisbal.keys import DeploymentKeys, InvalidName
 from redisbal.policies import POLICIES, Decision, NoEngines, UnknownEngine
 from redisbal.router import AsyncRouter, Router
@@ -27,6 +34,8 @@ __all__ = [
     "InvalidReport",
     "NoEngines",
     "ReportResult",
+    "ReportSender",
+    "ReporterStats",
     "Router",
     "Snapshot",
     "UnknownEngine",

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
+import redis.exceptions
+
 DEFAULT_URL_ENV = "REDISBAL_REDIS_URL"
+# What a Redis outage raises (refused, reset, timed out, unreachable): retried, never fatal.
+OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    OSError,
+)
 _SCHEMES = (
     "redis",
     "rediss",
