@@ -144,15 +144,21 @@ class _Reporter:
     """The one implementation both reporters run: names, the engine's lane in a
     sender, the hand-over, stats, and the closing sequence (a coroutine)."""
 
-    sender: ReportSender
+    _threaded = False  # the blocking facade runs its sender on a private loop thread
 
     def __init__(
         self,
-        deployment: str,
-        engine_id: str,
-        mode: str,
-        heartbeat: bool,
-        heartbeat_s: float | None,
+        redis_url: str | None = None,
+        deployment: str = "default",
+        engine_id: str = "0",
+        *,
+        mode: str = "lockstep",
+        sender: ReportSender | None = None,
+        client: Any = None,
+        heartbeat: bool = True,
+        heartbeat_s: float | None = None,
+        backoff_s: float = 0.2,
+        register: bool | None = None,
     ) -> None:
         # names and mode first: bad input raises before any client, thread or key exists
         self.engine_id = check_name(engine_id, "engine_id")
@@ -161,19 +167,29 @@ class _Reporter:
             raise InvalidReport(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.heartbeat_s = _heartbeat_s(mode, heartbeat_s)
-        self._heartbeat = heartbeat
-        self._owns_sender = False
         self._closed = False
-
-    def _attach(self, sender: ReportSender, owns: bool) -> None:
-        self.sender, self._owns_sender = sender, owns
+        self._owns_sender = sender is None and client is None
+        if self._threaded and client is not None:
+            raise ValueError(
+                "EngineReporter sends from its own event loop: pass redis_url, or "
+                "sender=ReportSender(redis_url, threaded=True) to share one"
+            )
+        if self._threaded and sender is not None and sender.background is None:
+            raise ValueError("an EngineReporter's sender must be ReportSender(..., threaded=True)")
+        if sender is None:
+            sender = (
+                ReportSender.for_client(client, backoff_s=backoff_s)
+                if client is not None
+                else ReportSender(redis_url, threaded=self._threaded, backoff_s=backoff_s)
+            )
+        self.sender = sender
         self.client = sender.client
         self.url = sender.url
         self.scripts = Scripts(sender.client, self.keys, sender.pubcmd)
-        self._lane = Lane(
-            self.engine_id, self.scripts, self.heartbeat_s if self._heartbeat else None
-        )
+        self._lane = Lane(self.engine_id, self.scripts, self.heartbeat_s if heartbeat else None)
         sender.attach(self._lane)
+        if register if register is not None else self._threaded:
+            sender.submit_register(self._lane, False)
 
     def _hand_over(
         self,
@@ -288,28 +304,9 @@ class AsyncEngineReporter(_Reporter):
     their engines), or ``sender=``. ``report_nowait()`` is ``report()`` without await.
     With ``heartbeat=True`` the sender re-sends the latest counts when the engine has
     not reported for ``heartbeat_s`` (0.25 s lockstep, one tick in tick mode).
+    ``register=True`` hands over a registration at once (inside a running loop);
+    by default call ``await register()``.
     """
-
-    def __init__(
-        self,
-        redis_url: str | None = None,
-        deployment: str = "default",
-        engine_id: str = "0",
-        *,
-        mode: str = "lockstep",
-        client: Any = None,
-        sender: ReportSender | None = None,
-        heartbeat: bool = True,
-        heartbeat_s: float | None = None,
-        backoff_s: float = 0.2,
-    ) -> None:
-        super().__init__(deployment, engine_id, mode, heartbeat, heartbeat_s)
-        if sender is not None:
-            self._attach(sender, False)
-        elif client is not None:
-            self._attach(ReportSender.for_client(client, backoff_s=backoff_s), False)
-        else:
-            self._attach(ReportSender(redis_url, backoff_s=backoff_s), True)
 
     report = _expose(_awaited, _REPORT_DOC)(_Reporter._hand_over)
     report_nowait = _expose(_queued, _REPORT_DOC)(_Reporter._hand_over)
@@ -351,36 +348,12 @@ class EngineReporter(_Reporter):
     their reports travel together.
     """
 
-    def __init__(
-        self,
-        redis_url: str | None = None,
-        deployment: str = "default",
-        engine_id: str = "0",
-        *,
-        mode: str = "lockstep",
-        sender: ReportSender | None = None,
-        heartbeat: bool = True,
-        heartbeat_s: float | None = None,
-        backoff_s: float = 0.2,
-        register: bool = True,
-        client: Any = None,
-    ) -> None:
-        super().__init__(deployment, engine_id, mode, heartbeat, heartbeat_s)
-        if client is not None:
-            raise ValueError(
-                "EngineReporter sends from its own event loop: pass redis_url, or "
-                "sender=ReportSender(redis_url, threaded=True) to share one"
-            )
-        if sender is not None and sender.background is None:
-            raise ValueError("an EngineReporter's sender must be ReportSender(..., threaded=True)")
-        if sender is None:
-            self._attach(ReportSender(redis_url, threaded=True, backoff_s=backoff_s), True)
-        else:
-            self._attach(sender, False)
+    _threaded = True
+
+    @property
+    def _bg(self) -> BackgroundLoop:
         assert self.sender.background is not None
-        self._bg: BackgroundLoop = self.sender.background
-        if register:
-            self.register()
+        return self.sender.background
 
     report = _expose(_blocking, _REPORT_DOC)(_Reporter._hand_over)
 
