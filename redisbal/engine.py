@@ -177,11 +177,12 @@ class _Reporter:
         if self._threaded and sender is not None and sender.background is None:
             raise ValueError("an EngineReporter's sender must be ReportSender(..., threaded=True)")
         if sender is None:
-            sender = (
-                ReportSender.for_client(client, backoff_s=backoff_s)
-                if client is not None
-                else ReportSender(redis_url, threaded=self._threaded, backoff_s=backoff_s)
-            )
+            if client is not None:
+                sender = ReportSender.for_client(client, backoff_s=backoff_s)
+            elif self._threaded:  # one sender thread per process and Redis URL
+                sender = ReportSender.for_url(redis_url, threaded=True, backoff_s=backoff_s)
+            else:
+                sender = ReportSender(redis_url, backoff_s=backoff_s)
         self.sender = sender
         self.client = sender.client
         self.url = sender.url
@@ -228,8 +229,6 @@ class _Reporter:
             await self.sender.leave(self._lane)
         else:
             self.sender.detach(self._lane)
-        if self._owns_sender:
-            await self.sender.aclose()
 
     @property
     def stats(self) -> ReporterStats:
@@ -329,7 +328,10 @@ class AsyncEngineReporter(_Reporter):
 
     async def aclose(self, leave: bool = True, timeout: float = 2.0) -> None:
         """Deliver what is queued (up to ``timeout``) and (by default) leave gracefully."""
+        closing = not self._closed
         await self._close(leave, timeout)
+        if closing and self._owns_sender:
+            await self.sender.aclose()
 
     async def __aenter__(self) -> AsyncEngineReporter:
         return self
@@ -377,8 +379,8 @@ class EngineReporter(_Reporter):
             return
         with contextlib.suppress(TimeoutError):
             self._bg.run(self._close(leave, timeout), timeout + 5)
-        if self._owns_sender:
-            self._bg.close()
+        if self._owns_sender and self.sender.release():
+            self.sender.close()
 
     def __enter__(self) -> EngineReporter:
         return self

@@ -191,7 +191,35 @@ class ReportSender:
         self._down_since: float | None = None
         self._warned_at = 0.0
         self.closed = False
+        self._users = 0
         self.background = BackgroundLoop("redisbal-report-sender") if threaded else None
+
+    @classmethod
+    def for_url(cls, redis_url: str | None, **kwargs: Any) -> ReportSender:
+        """The process-wide sender for ``redis_url`` (and these options), made on first
+        use: blocking reporters of one process share it, one thread and one round trip
+        per round for all their engines. Each call counts a user; see ``release``."""
+        key = (redis_url, tuple(sorted(kwargs.items())))
+        with _REGISTRY_LOCK:
+            sender = _BY_URL.get(key)
+            if sender is None or sender.closed:
+                sender = cls(redis_url, **kwargs)
+                _BY_URL[key] = sender
+            sender._users += 1
+            return sender
+
+    def release(self) -> bool:
+        """One user of a ``for_url`` sender is done; True when it was the last (the caller
+        then closes the sender)."""
+        with _REGISTRY_LOCK:
+            self._users -= 1
+            if self._users > 0:
+                return False
+            for key, sender in list(_BY_URL.items()):
+                if sender is self:
+                    del _BY_URL[key]
+            self.closed = True  # no new users; close() still runs the shutdown
+            return True
 
     @classmethod
     def for_client(cls, client: Any, **kwargs: Any) -> ReportSender:
@@ -538,3 +566,5 @@ class ReportSender:
 
 
 _SHARED: weakref.WeakValueDictionary[int, ReportSender] = weakref.WeakValueDictionary()
+_BY_URL: dict[tuple[Any, ...], ReportSender] = {}
+_REGISTRY_LOCK = threading.Lock()
