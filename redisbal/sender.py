@@ -360,18 +360,22 @@ class ReportSender:
                 self._idle = False
 
     def _take(self, now: float) -> list[_Op]:
-        batch: list[_Op] = []
+        """Everything due, registrations first: an engine registered before another's
+        report was handed over is a member when that report runs, so the first
+        snapshot waits for it (as when registering was a round trip of its own)."""
+        registers: list[_Op] = []
+        reports: list[_Op] = []
         lanes = self._lanes[self._rr :] + self._lanes[: self._rr]
         self._rr = (self._rr + 1) % max(1, len(self._lanes))
         for lane in lanes:
-            if len(batch) >= MAX_BATCH:
+            if len(registers) + len(reports) >= MAX_BATCH:
                 break
             if lane.register:
-                batch.append(_Op("register", lane, [], lane.register_waiters))
+                registers.append(_Op("register", lane, [], lane.register_waiters))
                 lane.register, lane.register_waiters = False, []
                 lane.inflight += 1
             if lane.pending is not None:
-                batch.append(_Op("report", lane, lane.pending, lane.waiters))
+                reports.append(_Op("report", lane, lane.pending, lane.waiters))
                 lane.pending, lane.waiters = None, []
                 lane.inflight += 1
             elif (
@@ -379,9 +383,9 @@ class ReportSender:
                 and lane.last_args is not None
                 and now - lane.last_sent >= lane.heartbeat_s
             ):
-                batch.append(_Op("report", lane, lane.last_args, [], heartbeat=True))
+                reports.append(_Op("report", lane, lane.last_args, [], heartbeat=True))
                 lane.inflight += 1
-        return batch
+        return registers + reports
 
     def _sleep_s(self, now: float) -> float:
         if now < self._down_until:
@@ -422,13 +426,15 @@ class ReportSender:
             ):
                 return await asyncio.wait_for(self._pipelined(batch), guard)
             return await asyncio.wait_for(self._singly(batch), guard)
-        except OUTAGE_ERRORS as exc:
+        except Exception as exc:  # an outage, or a failure of the round as a whole
             return [exc] * len(batch)
 
     async def _pipelined(self, batch: list[_Op]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for op in batch:
-            op.lane.scripts.call(op.kind, *self._argv(op), client=pipe)
+            queued = op.lane.scripts.call(op.kind, *self._argv(op), client=pipe)
+            if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
+                await queued
         outs: list[Any] = list(await pipe.execute(raise_on_error=False))
         for i, (op, out) in enumerate(zip(batch, outs, strict=True)):
             if isinstance(out, Exception) and not isinstance(out, OUTAGE_ERRORS):
@@ -436,17 +442,10 @@ class ReportSender:
         return outs
 
     async def _singly(self, batch: list[_Op]) -> list[Any]:
-        """Each lane's ops in order (register before report); lanes concurrently."""
-        by_lane: dict[int, list[int]] = {}
-        for i, op in enumerate(batch):
-            by_lane.setdefault(id(op.lane), []).append(i)
-        outs: list[Any] = [None] * len(batch)
-
-        async def lane_ops(idx: list[int]) -> None:
-            for i in idx:
-                outs[i] = await self._one(batch[i])
-
-        await asyncio.gather(*(lane_ops(idx) for idx in by_lane.values()))
+        """One call per op, concurrently: every registration, then every report."""
+        outs: list[Any] = []
+        for kind in ("register", "report"):
+            outs += await asyncio.gather(*(self._one(op) for op in batch if op.kind == kind))
         return outs
 
     async def _one(self, op: _Op) -> Any:

@@ -309,3 +309,62 @@ def test_engine_sim_reports_a_step_before_running_it(
     else:  # still the report the runner makes at start: the step shows up at its end
         assert seen is not None
         assert (seen[0], seen[1]["wave"], seen[1]["step"]) == (0, 0, 0)
+
+
+def test_stats_and_metrics_count_what_the_sender_did(
+    redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """Reporter counters (attributes and the Prometheus collector) say what was queued,
+    sent, coalesced and refused; nothing is counted twice."""
+    from prometheus_client import CollectorRegistry
+
+    from redisbal.metrics import ReporterMetrics
+
+    registry = CollectorRegistry()
+    metrics = ReporterMetrics(registry)
+    bar.register("other")  # holds the barrier: no snapshot, no pruning
+    rep = metrics.bind(EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False))
+    try:
+        assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
+        assert rep.report(step=0, waiting=1, running=1).status == "stale"  # refused at once
+        for step in range(2, 40):
+            assert rep.report(step=step, waiting=step, running=1).status == "queued"
+        assert rep.flush(5)
+        st = rep.stats
+        assert st.queued == 39 and st.stale == 1 and st.errors == st.unavailable == 0
+        assert st.sent + st.coalesced == st.queued and st.sent == st.accepted
+        assert bar.history("e0")[0] == 39  # the newest counts always arrive
+        label = {"deployment": keys.deployment, "engine": "e0"}
+        for name in ("queued", "sent", "coalesced", "stale"):
+            value = registry.get_sample_value(f"redisbal_reporter_reports_{name}_total", label)
+            assert value == getattr(st, name), name
+    finally:
+        rep.close()
+
+
+def test_one_sender_carries_several_engines_in_one_pipeline(
+    redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """Reporters sharing a sender: their reports travel together (a pipeline of report
+    calls, FCALL on Redis 7, EVALSHA on 6.2) and each engine's newest counts land."""
+    from redisbal import ReportSender
+
+    sender = ReportSender(redis_url, threaded=True)
+    reps = [
+        EngineReporter(redis_url, keys.deployment, f"e{i}", sender=sender, heartbeat=False)
+        for i in range(3)
+    ]
+    try:
+        for step in range(1, 30):
+            for rep in reps:
+                rep.report(step=step, waiting=step, running=1)
+        assert all(rep.flush(5) for rep in reps)
+        assert [bar.history(f"e{i}")[0] for i in range(3)] == [29, 29, 29]
+        assert all(rep.stats.errors == 0 and rep.stats.sent >= 1 for rep in reps)
+        assert sender.batches < sum(rep.stats.sent for rep in reps)  # some went together
+        snap = bar.snapshot()
+        assert snap is not None and snap.step == 29 and not snap.forced
+    finally:
+        for rep in reps:
+            rep.close()
+        sender.close()
