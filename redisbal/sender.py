@@ -39,6 +39,7 @@ import concurrent.futures
 import contextlib
 import inspect
 import logging
+import os
 import secrets
 import threading
 import time
@@ -192,6 +193,7 @@ class ReportSender:
         self._warned_at = 0.0
         self.closed = False
         self._users = 0
+        self._pid = os.getpid()
         self.background = BackgroundLoop("redisbal-report-sender") if threaded else None
 
     @classmethod
@@ -202,7 +204,8 @@ class ReportSender:
         key = (redis_url, tuple(sorted(kwargs.items())))
         with _REGISTRY_LOCK:
             sender = _BY_URL.get(key)
-            if sender is None or sender.closed:
+            # a forked child inherits the registry, not the parent's sender thread
+            if sender is None or sender.closed or sender._pid != os.getpid():
                 sender = cls(redis_url, **kwargs)
                 _BY_URL[key] = sender
             sender._users += 1
