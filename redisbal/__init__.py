@@ -8,7 +8,14 @@ membership, liveness and stalled barriers in order. A custom routing policy is a
 ``Policy`` or a ``ScoringPolicy`` (a score per ``EngineView``, lowest wins).
 """
 
-from redisbal.engine import AsyncEngineReporter, EngineReporter, InvalidReport, ReportResult
+from redisbal.engine import (
+    AsyncEngineReporter,
+    EngineReporter,
+    InvalidReport,
+    ReporterStats,
+    ReportResult,
+    ReportSender,
+)
 from redisbal.keys import DeploymentKeys, InvalidName
 from redisbal.policies import (
     DEFAULT_POLICY,
@@ -41,6 +48,8 @@ __all__ = [
     "NoEngines",
     "Policy",
     "ReportResult",
+    "ReportSender",
+    "ReporterStats",
     "Router",
     "RoutingState",
     "ScoringPolicy",

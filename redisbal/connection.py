@@ -18,12 +18,17 @@ from urllib.parse import parse_qs, unquote
 
 import redis.exceptions
 
-# A Redis outage as a client sees it: unreachable, connection lost, or a call timed out.
-# Every component treats these alike (retry, route on local state, report degraded),
-# unlike a refusal (ResponseError), which is a bug or a permission to report.
+# A Redis outage as a client sees it: unreachable, connection lost, a call timed out,
+# or a cluster in the middle of a failover or a slot migration (CLUSTERDOWN, TRYAGAIN,
+# redirections that ran out of tries). Every component treats these alike (retry, route
+# on local state, report degraded), unlike a refusal (ResponseError), which is a bug or
+# a permission to report.
 OUTAGE_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterError,
     OSError,
 )
 

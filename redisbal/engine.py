@@ -1,11 +1,18 @@
-"""Engine side: report step-tagged counts into the deployment's barrier.
+"""Engine side: hand step-tagged counts to a sender that reports them into the barrier.
 
-One report is one FCALL (Redis 7) or EVALSHA (6.2) of ``lua/report_7.lua``: one
-round trip, atomic.
-The reporter never stalls the engine loop on a Redis outage: a failed call
-returns status "unavailable" and the reporter stays quiet for a short back-off
-(a heartbeat re-sends the latest counts once Redis is back, which re-registers
-the engine in a fresh epoch). Bad input raises InvalidReport before any I/O.
+``report()`` never waits on Redis, whatever Redis does (down, frozen, paused,
+failing over): it checks the counts (bad input raises InvalidReport before
+anything is handed over), gives them to the engine's ``ReportSender`` and
+returns ``ReportResult("queued")``. The sender coalesces per engine, sends in
+the background (one round trip for every engine it holds), retries through
+outages with a back-off and re-sends the latest counts as a heartbeat;
+``redisbal.sender`` says how it orders and coalesces. A caller that wants one
+report's outcome passes ``wait=True``; ``flush()`` waits for everything.
+
+One implementation, written with asyncio (``_Reporter`` and the sender):
+``AsyncEngineReporter`` runs it on the caller's event loop, ``EngineReporter``
+is a thin blocking facade running it on the sender's private loop in a daemon
+thread (``redisbal.background``), as ``Router`` runs ``AsyncRouter``.
 
 Two step-tag modes:
 - ``lockstep``: the engine's own (wave, step) (MoE / expert-parallel engines
@@ -18,23 +25,30 @@ Two step-tag modes:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-import logging
+import functools
 import math
-import secrets
-import threading
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-import redis.exceptions
-
-from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
+from redisbal.background import BackgroundLoop
+from redisbal.connection import OUTAGE_ERRORS
 from redisbal.keys import DeploymentKeys, check_name
-from redisbal.scripts import Scripts, report_reply
+from redisbal.scripts import Scripts
+from redisbal.sender import Lane, ReporterStats, ReportResult, ReportSender, tag_of
 
-log = logging.getLogger("redisbal.engine")
+__all__ = [
+    "OUTAGE_ERRORS",
+    "AsyncEngineReporter",
+    "EngineReporter",
+    "InvalidReport",
+    "ReportResult",
+    "ReportSender",
+    "ReporterStats",
+    "validate_report",
+]
 
 MAX_COUNT = 1_000_000_000
 MAX_STEP = 2**32 - 1
@@ -45,18 +59,6 @@ MODES = ("lockstep", "tick")
 
 class InvalidReport(ValueError):
     """A report argument that is not acceptable; names the field."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReportResult:
-    status: str  # "accepted", "stale" (older than the latest, rejected) or "unavailable"
-    version: int = 0  # version of the snapshot this report published, 0 if none
-    wave: int = 0
-    step: int = 0
-
-    @property
-    def accepted(self) -> bool:
-        return self.status == "accepted"
 
 
 def _count(name: str, value: object, hi: int = MAX_COUNT) -> int:
@@ -107,97 +109,101 @@ def validate_report(
     return [wave_s, step_s, w, r, kv, adm]
 
 
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+def _heartbeat_s(mode: str, heartbeat_s: float | None) -> float:
+    if heartbeat_s is None:
+        return 0.02 if mode == "tick" else 0.25
+    if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, int | float):
+        raise ValueError(f"heartbeat_s must be a number of seconds, got {heartbeat_s!r}")
+    if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
+        raise ValueError(f"heartbeat_s must be finite and > 0, got {heartbeat_s!r}")
+    return float(heartbeat_s)
 
 
-class _ReporterBase:
-    """What both reporters share: names, validation, arguments, back-off, heartbeat state."""
+@dataclass(frozen=True, slots=True)
+class _Wait:
+    """A report handed over with ``wait=True``: its outcome, once the sender has it."""
+
+    fut: concurrent.futures.Future[ReportResult]
+    timeout: float | None
+    queued: ReportResult  # the answer when the wait times out
+
+    def block(self) -> ReportResult:
+        try:
+            return self.fut.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            return self.queued
+
+    async def wait(self) -> ReportResult:
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self.fut), self.timeout)
+        except asyncio.TimeoutError:
+            return self.queued
+
+
+class _Reporter:
+    """The one implementation both reporters run: names, the engine's lane in a
+    sender, the hand-over, stats, and the closing sequence (a coroutine)."""
+
+    _threaded = False  # the blocking facade runs its sender on a private loop thread
 
     def __init__(
         self,
-        redis_url: str | None,
-        deployment: str,
-        engine_id: str,
+        redis_url: str | None = None,
+        deployment: str = "default",
+        engine_id: str = "0",
         *,
         mode: str = "lockstep",
+        sender: ReportSender | None = None,
         client: Any = None,
+        heartbeat: bool = True,
         heartbeat_s: float | None = None,
         backoff_s: float = 0.2,
-        asyncio: bool,
+        register: bool | None = None,
     ) -> None:
+        # names and mode first: bad input raises before any client, thread or key exists
         self.engine_id = check_name(engine_id, "engine_id")
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         if mode not in MODES:
             raise InvalidReport(f"mode must be one of {MODES}, got {mode!r}")
-        if client is None:
-            if not redis_url:
-                raise ValueError("give a redis_url (or client=)")
-            client = make_client(
-                redis_url, asyncio=asyncio, socket_connect_timeout=0.25, socket_timeout=1.0
-            )
-            self._owns_client = True
-        else:
-            self._owns_client = False
         self.mode = mode
-        self.client = client
-        self.url = redact(redis_url or "")
-        self.scripts = Scripts(client, self.keys, "SPUBLISH" if is_cluster(client) else "PUBLISH")
-        self.heartbeat_s = (
-            heartbeat_s if heartbeat_s is not None else (0.02 if mode == "tick" else 0.25)
-        )
-        self.backoff_s = backoff_s
-        self._down_until = 0.0
-        self._last_args: list[str] | None = None
-        self._last_sent = 0.0
-        self.stale_count = 0
-        self.unavailable_count = 0
-        self._had_state = False  # Redis knew this engine once: a lost state is a recovery
-
-    def _candidate(self) -> str:
-        """Epoch to create if the deployment's state is missing. "r-" tells the script
-        that state was lost (this engine had been in it), so the first snapshot of the
-        new epoch waits join_grace_ms for the other engines to re-register."""
-        return ("r-" if self._had_state else "") + secrets.token_hex(8)
-
-    def _argv(self, args: list[str]) -> list[str]:
-        return [self._candidate(), self.engine_id, *args]
-
-    def _parse(self, raw: Any, args: list[str]) -> ReportResult:
-        self._had_state = True
-        status, version, wave, step = report_reply(raw, args[0], args[1])
-        if status == "stale":
-            self.stale_count += 1
-        return ReportResult(status, version, wave, step)
-
-    def _backing_off(self) -> ReportResult | None:
-        """During the back-off after an outage: the "unavailable" result, without I/O."""
-        if time.monotonic() < self._down_until:
-            self.unavailable_count += 1
-            return ReportResult("unavailable")
-        return None
-
-    def _outage(self, exc: BaseException) -> ReportResult:
-        if self.unavailable_count == 0 or time.monotonic() >= self._down_until:
-            log.warning(
-                "engine %s: Redis unavailable (%s): %s; will retry",
-                self.engine_id,
-                self.url,
-                type(exc).__name__,
+        self.heartbeat_s = _heartbeat_s(mode, heartbeat_s)
+        self._closed = False
+        self._owns_sender = sender is None and client is None
+        if self._threaded and client is not None:
+            raise ValueError(
+                "EngineReporter sends from its own event loop: pass redis_url, or "
+                "sender=ReportSender(redis_url, threaded=True) to share one"
             )
-        self.unavailable_count += 1
-        self._down_until = time.monotonic() + self.backoff_s
-        return ReportResult("unavailable")
+        if self._threaded and sender is not None and sender.background is None:
+            raise ValueError("an EngineReporter's sender must be ReportSender(..., threaded=True)")
+        if sender is None:
+            if client is not None:
+                sender = ReportSender.for_client(client, backoff_s=backoff_s)
+            elif self._threaded:  # one sender thread per process and Redis URL
+                sender = ReportSender.for_url(redis_url, threaded=True, backoff_s=backoff_s)
+            else:
+                sender = ReportSender(redis_url, backoff_s=backoff_s)
+        self.sender = sender
+        self.client = sender.client
+        self.url = sender.url
+        self.scripts = Scripts(sender.client, self.keys, sender.pubcmd)
+        self._lane = Lane(self.engine_id, self.scripts, self.heartbeat_s if heartbeat else None)
+        sender.attach(self._lane)
+        if register if register is not None else self._threaded:
+            sender.submit_register(self._lane, False)
 
-    def _prepare(
+    def _hand_over(
         self,
-        step: int | None,
-        waiting: int,
-        running: int,
-        wave: int,
-        kv_usage: float | None,
-        admitted: Sequence[int] | None,
-    ) -> list[str]:
+        step: int | None = None,
+        waiting: int = 0,
+        running: int = 0,
+        wave: int = 0,
+        *,
+        kv_usage: float | None = None,
+        admitted: Sequence[int] | None = None,
+        wait: bool = False,
+        timeout: float | None = 10.0,
+    ) -> ReportResult | _Wait:
         args = validate_report(
             mode=self.mode,
             step=step,
@@ -207,241 +213,177 @@ class _ReporterBase:
             kv_usage=kv_usage,
             admitted=admitted,
         )
-        self._last_args = args
-        return args
+        tag = tag_of(args) if self.mode == "lockstep" else None
+        out = self.sender.submit(self._lane, args, tag, wait)
+        if isinstance(out, ReportResult):
+            return out
+        return _Wait(out, timeout, ReportResult("queued", 0, *tag_of(args)))
 
-
-class EngineReporter(_ReporterBase):
-    """Blocking reporter for one engine. ``report()`` is one round trip.
-
-    Constructing it registers the engine (one round trip; ``register=False`` to
-    skip), so that the deployment's first snapshot waits for its first report.
-
-    With ``heartbeat=True`` a daemon thread re-sends the latest counts when the
-    engine has not reported for ``heartbeat_s`` (0.25 s in lockstep mode, one
-    tick in tick mode), so an idle engine stays alive and never holds the barrier.
-    """
-
-    def __init__(
-        self,
-        redis_url: str | None = None,
-        deployment: str = "default",
-        engine_id: str = "0",
-        *,
-        mode: str = "lockstep",
-        client: Any = None,
-        heartbeat: bool = True,
-        heartbeat_s: float | None = None,
-        backoff_s: float = 0.2,
-        register: bool = True,
-    ) -> None:
-        super().__init__(
-            redis_url,
-            deployment,
-            engine_id,
-            mode=mode,
-            client=client,
-            heartbeat_s=heartbeat_s,
-            backoff_s=backoff_s,
-            asyncio=False,
-        )
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if register:  # the first snapshot waits for an engine that exists
-            self.register()
-        if heartbeat:
-            self._thread = threading.Thread(
-                target=self._heartbeat, daemon=True, name=f"redisbal-heartbeat-{engine_id}"
-            )
-            self._thread.start()
-
-    def register(self) -> bool:
-        """Announce this engine before its first report (the first snapshot waits for it)."""
-        try:
-            added = int(self.scripts.call("register", self._candidate(), self.engine_id)) == 1
-        except OUTAGE_ERRORS as exc:
-            self._outage(exc)
-            return False
-        self._had_state = True
-        return added
-
-    def report(
-        self,
-        step: int | None = None,
-        waiting: int = 0,
-        running: int = 0,
-        wave: int = 0,
-        *,
-        kv_usage: float | None = None,
-        admitted: Sequence[int] | None = None,
-    ) -> ReportResult:
-        """Record counts for (wave, step); returns whether it was accepted or stale."""
-        args = self._prepare(step, waiting, running, wave, kv_usage, admitted)
-        return self._send(args)
-
-    def _send(self, args: list[str]) -> ReportResult:
-        if (skipped := self._backing_off()) is not None:
-            return skipped
-        try:
-            with self._lock:
-                raw = self.scripts.call("report", *self._argv(args))
-                self._last_sent = time.monotonic()
-        except OUTAGE_ERRORS as exc:
-            return self._outage(exc)
-        return self._parse(raw, args)
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s / 2):
-            args = self._last_args
-            if args is not None and time.monotonic() - self._last_sent >= self.heartbeat_s:
-                try:
-                    self._send(args)
-                except redis.exceptions.RedisError as exc:  # keep beating
-                    log.warning("engine %s heartbeat failed: %s", self.engine_id, exc)
-
-    def close(self, leave: bool = True) -> None:
-        """Stop the heartbeat and (by default) leave the deployment gracefully."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-        if leave:
-            with contextlib.suppress(*OUTAGE_ERRORS):
-                self.scripts.call("leave", self.engine_id)
-        if self._owns_client:
-            self.client.close()
-
-    def __enter__(self) -> EngineReporter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class AsyncEngineReporter(_ReporterBase):
-    """asyncio twin of EngineReporter.
-
-    ``await report(...)`` sends now. ``report_nowait(...)`` never waits: it
-    stores the counts and a background task sends them, coalescing (the latest
-    counts win), which is what an engine loop that must not wait wants.
-    """
-
-    def __init__(
-        self,
-        redis_url: str | None = None,
-        deployment: str = "default",
-        engine_id: str = "0",
-        *,
-        mode: str = "lockstep",
-        client: Any = None,
-        heartbeat: bool = True,
-        heartbeat_s: float | None = None,
-        backoff_s: float = 0.2,
-    ) -> None:
-        super().__init__(
-            redis_url,
-            deployment,
-            engine_id,
-            mode=mode,
-            client=client,
-            heartbeat_s=heartbeat_s,
-            backoff_s=backoff_s,
-            asyncio=True,
-        )
-        self._heartbeat_enabled = heartbeat
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._pending: list[str] | None = None
-        self._closed = False
-
-    async def register(self) -> bool:
-        try:
-            added = int(await self.scripts.call("register", self._candidate(), self.engine_id))
-        except OUTAGE_ERRORS as exc:
-            self._outage(exc)
-            return False
-        self._had_state = True
-        return added == 1
-
-    async def report(
-        self,
-        step: int | None = None,
-        waiting: int = 0,
-        running: int = 0,
-        wave: int = 0,
-        *,
-        kv_usage: float | None = None,
-        admitted: Sequence[int] | None = None,
-    ) -> ReportResult:
-        args = self._prepare(step, waiting, running, wave, kv_usage, admitted)
-        self._ensure_task()
-        return await self._send(args)
-
-    def report_nowait(
-        self,
-        step: int | None = None,
-        waiting: int = 0,
-        running: int = 0,
-        wave: int = 0,
-        *,
-        kv_usage: float | None = None,
-        admitted: Sequence[int] | None = None,
-    ) -> None:
-        """Queue counts for sending (latest wins); validates now, sends in the background."""
-        self._pending = self._prepare(step, waiting, running, wave, kv_usage, admitted)
-        self._ensure_task()
-        self._wake.set()
-
-    async def _send(self, args: list[str]) -> ReportResult:
-        if (skipped := self._backing_off()) is not None:
-            return skipped
-        try:
-            raw = await self.scripts.call("report", *self._argv(args))
-            self._last_sent = time.monotonic()
-        except OUTAGE_ERRORS as exc:
-            return self._outage(exc)
-        return self._parse(raw, args)
-
-    def _ensure_task(self) -> None:
-        if self._task is None and not self._closed:
-            self._task = asyncio.get_running_loop().create_task(self._sender())
-
-    async def _sender(self) -> None:
-        while not self._closed:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.heartbeat_s / 2)
-            self._wake.clear()
-            args, self._pending = self._pending, None
-            if (
-                args is None
-                and self._heartbeat_enabled
-                and self._last_args is not None
-                and time.monotonic() - self._last_sent >= self.heartbeat_s
-            ):
-                args = self._last_args
-            if args is not None:
-                try:
-                    await self._send(args)
-                except redis.exceptions.RedisError as exc:
-                    log.warning("engine %s: report failed: %s", self.engine_id, exc)
-
-    async def aclose(self, leave: bool = True) -> None:
+    async def _close(self, leave: bool, timeout: float) -> None:
+        """Deliver what is queued (up to ``timeout``), then leave or just detach."""
+        if self._closed:
+            return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        if self._pending is not None:
-            with contextlib.suppress(*OUTAGE_ERRORS):
-                await self._send(self._pending)
+        await self.sender.flush(self._lane, timeout)
         if leave:
-            with contextlib.suppress(*OUTAGE_ERRORS):
-                await self.scripts.call("leave", self.engine_id)
-        if self._owns_client:
-            await self.client.aclose()
+            await self.sender.leave(self._lane)
+        else:
+            self.sender.detach(self._lane)
+
+    @property
+    def stats(self) -> ReporterStats:
+        """This engine's report counters: queued, sent, coalesced, unavailable, ..."""
+        with self.sender._lock:
+            counts = dict(self._lane.counts)
+        return ReporterStats(**{f.name: counts.get(f.name, 0) for f in fields(ReporterStats)})
+
+    @property
+    def stale_count(self) -> int:
+        return self.stats.stale
+
+    @property
+    def unavailable_count(self) -> int:
+        return self.stats.unavailable
+
+    @property
+    def coalesced_count(self) -> int:
+        return self.stats.coalesced
+
+
+S = TypeVar("S", bound=_Reporter)
+P = ParamSpec("P")
+R = TypeVar("R")
+_HandOver = Callable[Concatenate[S, P], ReportResult | _Wait]
+
+
+def _expose(
+    finish: Callable[[ReportResult | _Wait], R], doc: str
+) -> Callable[[_HandOver[S, P]], Callable[Concatenate[S, P], R]]:
+    """A public report method made from ``_Reporter._hand_over`` (its one signature)
+    and what the caller gets: a result, a blocking wait, or an awaitable."""
+
+    def make(
+        fn: Callable[Concatenate[S, P], ReportResult | _Wait],
+    ) -> Callable[Concatenate[S, P], R]:
+        @functools.wraps(fn)
+        def method(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
+            return finish(fn(self, *args, **kwargs))
+
+        method.__doc__ = doc
+        return method
+
+    return make
+
+
+def _blocking(out: ReportResult | _Wait) -> ReportResult:
+    return out if isinstance(out, ReportResult) else out.block()
+
+
+async def _awaited(out: ReportResult | _Wait) -> ReportResult:
+    return out if isinstance(out, ReportResult) else await out.wait()
+
+
+def _queued(out: ReportResult | _Wait) -> ReportResult:
+    return out if isinstance(out, ReportResult) else out.queued
+
+
+_REPORT_DOC = """Hand counts for (wave, step) to the sender; returns at once.
+
+Returns ReportResult("queued"), or "stale" at once when (wave, step) is older than
+this engine's newest report. ``wait=True`` waits (up to ``timeout``) for this
+report's outcome: "accepted", "stale", "unavailable" (Redis unreachable: the
+sender keeps the counts and retries) or "coalesced" (newer counts replaced it)."""
+
+
+class AsyncEngineReporter(_Reporter):
+    """Reports one engine's counts (asyncio); ``report()`` never waits on Redis.
+
+    The sender runs on the caller's event loop: a private one per reporter, one per
+    ``client=`` (reporters sharing a client share a sender: one round trip for all
+    their engines), or ``sender=``. ``report_nowait()`` is ``report()`` without await.
+    With ``heartbeat=True`` the sender re-sends the latest counts when the engine has
+    not reported for ``heartbeat_s`` (0.25 s lockstep, one tick in tick mode).
+    ``register=True`` hands over a registration at once (inside a running loop);
+    by default call ``await register()``.
+    """
+
+    report = _expose(_awaited, _REPORT_DOC)(_Reporter._hand_over)
+    report_nowait = _expose(_queued, _REPORT_DOC)(_Reporter._hand_over)
+
+    async def register(self, *, wait: bool = False, timeout: float = 10.0) -> bool | None:
+        """Announce this engine before its first report (the first snapshot waits for
+        it); with ``wait=True`` whether it was added (False: known already, or Redis
+        unreachable), else None at once."""
+        fut = self.sender.submit_register(self._lane, wait)
+        if fut is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    async def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every report handed over is delivered; False after ``timeout``."""
+        return await self.sender.flush(self._lane, timeout)
+
+    async def aclose(self, leave: bool = True, timeout: float = 2.0) -> None:
+        """Deliver what is queued (up to ``timeout``) and (by default) leave gracefully."""
+        closing = not self._closed
+        await self._close(leave, timeout)
+        if closing and self._owns_sender:
+            await self.sender.aclose()
 
     async def __aenter__(self) -> AsyncEngineReporter:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+class EngineReporter(_Reporter):
+    """Blocking facade of the same reporter: the sender runs on its own event loop in
+    a daemon thread, so ``report()`` never waits on Redis (``wait=True`` to wait).
+
+    Constructing it hands over a registration (``register=False`` to skip), so the
+    deployment's first snapshot waits for this engine. Share ``sender=
+    ReportSender(redis_url, threaded=True)`` between the reporters of a process and
+    their reports travel together.
+    """
+
+    _threaded = True
+
+    @property
+    def _bg(self) -> BackgroundLoop:
+        assert self.sender.background is not None
+        return self.sender.background
+
+    report = _expose(_blocking, _REPORT_DOC)(_Reporter._hand_over)
+
+    def register(self, *, wait: bool = False, timeout: float = 10.0) -> bool | None:
+        """Announce this engine (see AsyncEngineReporter.register)."""
+        fut = self.sender.submit_register(self._lane, wait)
+        if fut is None:
+            return None
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return None
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every report handed over is delivered; False after ``timeout``."""
+        return self._bg.run(self.sender.flush(self._lane, timeout), timeout + 5)
+
+    def close(self, leave: bool = True, timeout: float = 2.0) -> None:
+        """Deliver what is queued (up to ``timeout``) and (by default) leave gracefully."""
+        if self._closed or not self._bg.running:
+            return
+        with contextlib.suppress(TimeoutError):
+            self._bg.run(self._close(leave, timeout), timeout + 5)
+        if self._owns_sender and self.sender.release():
+            self.sender.close()
+
+    def __enter__(self) -> EngineReporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

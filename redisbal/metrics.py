@@ -485,3 +485,56 @@ class _RouterCollector(Collector):
             gauges["engines"].add_metric(lv, float(len(core.engines)))
         yield from counters.values()
         yield from gauges.values()
+
+
+REPORTER_COUNTERS = {
+    "queued": "Reports handed to the sender.",
+    "sent": "Reports (and heartbeats) that reached Redis.",
+    "stale": "Reports refused as older than the engine's latest.",
+    "coalesced": "Reports replaced by newer counts before they were sent.",
+    "unavailable": "Sends that failed on a Redis outage (retried by the sender).",
+    "errors": "Sends Redis refused for another reason (not retried).",
+    "dropped": "Reports never sent (handed over after close, or left at close).",
+}
+
+
+class ReporterMetrics:
+    """Engine-side reporter metrics on a registry the host application passes in:
+    ``ReporterMetrics(registry).bind(reporter)`` for each EngineReporter or
+    AsyncEngineReporter. Labels: ``deployment`` and ``engine``; read at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = "redisbal_reporter") -> None:
+        self.prefix = prefix
+        self._reporters: list[Any] = []
+        self._lock = threading.Lock()
+        registry.register(_ReporterCollector(self))
+
+    def bind(self, reporter: Any) -> Any:
+        with self._lock:
+            if reporter not in self._reporters:
+                self._reporters.append(reporter)
+        return reporter
+
+    def reporters(self) -> list[Any]:
+        with self._lock:
+            return list(self._reporters)
+
+
+class _ReporterCollector(Collector):
+    def __init__(self, owner: ReporterMetrics) -> None:
+        self.owner = owner
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        p, labels = self.owner.prefix, ["deployment", "engine"]
+        fams = {
+            k: CounterMetricFamily(f"{p}_reports_{k}", doc, labels=labels)
+            for k, doc in REPORTER_COUNTERS.items()
+        }
+        for rep in self.owner.reporters():
+            stats = rep.stats
+            for k, fam in fams.items():
+                fam.add_metric([rep.keys.deployment, rep.engine_id], float(getattr(stats, k)))
+        yield from fams.values()

@@ -8,7 +8,8 @@ state (``RouterCore``): it never waits on Redis, and with Redis gone it keeps
 routing and flags its decisions ``degraded``.
 
 ``AsyncRouter`` runs the feed as an asyncio task. ``Router`` is its blocking
-twin: the same feed, on an event loop in a background thread.
+twin: the same object, run on a private event loop in a daemon thread
+(``redisbal.background``), as ``EngineReporter`` runs ``AsyncEngineReporter``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import contextlib
 import logging
 import math
 import random
-import threading
 from typing import Any
 
 import redis.exceptions
 
+from redisbal.background import BackgroundLoop
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.policies import DEFAULT_POLICY, Decision, Policy
@@ -275,7 +276,7 @@ class AsyncRouter(_LocalRouting):
 
 
 class Router(_LocalRouting):
-    """Blocking twin of AsyncRouter: the feed runs on a background thread.
+    """Blocking twin of AsyncRouter: a thin facade running it on a ``BackgroundLoop``.
 
     ``route()`` / ``finished()`` are plain calls on local state and thread-safe.
     """
@@ -290,35 +291,25 @@ class Router(_LocalRouting):
     ) -> None:
         if kwargs.get("client") is not None:
             raise ValueError("Router makes its own asyncio client on its thread; pass redis_url")
-        self._args = (redis_url, deployment, client_index, client_count)
-        self._kwargs = kwargs
-        self._loop = asyncio.new_event_loop()
-        self._thread: threading.Thread | None = None
         # built on the caller's thread so that bad arguments raise here
-        self._inner = AsyncRouter(*self._args, **self._kwargs)
+        self._inner = AsyncRouter(redis_url, deployment, client_index, client_count, **kwargs)
         self.core = self._inner.core
+        self._bg: BackgroundLoop | None = None
 
     def start(self, wait: float = 0.0) -> None:
         """Start the feed thread; with ``wait`` > 0, wait that long for a first snapshot."""
-        if self._thread is not None:
+        if self._bg is not None:
             return
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, daemon=True, name="redisbal-router-feed"
-        )
-        self._thread.start()
-        fut = asyncio.run_coroutine_threadsafe(self._inner.start(wait), self._loop)
-        fut.result(timeout=wait + 10)
+        self._bg = BackgroundLoop("redisbal-router-feed")
+        self._bg.run(self._inner.start(wait), timeout=wait + 10)
 
     def close(self) -> None:
-        if self._thread is None:
+        if self._bg is None:
             return
-        fut = asyncio.run_coroutine_threadsafe(self._inner.aclose(), self._loop)
         with contextlib.suppress(Exception):
-            fut.result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
-        self._thread = None
+            self._bg.run(self._inner.aclose(), timeout=5)
+        self._bg.close()
+        self._bg = None
 
     def __enter__(self) -> Router:
         self.start()

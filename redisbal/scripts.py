@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Generator
-from functools import cache, partial
+from collections.abc import Awaitable, Callable, Coroutine
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -158,23 +158,25 @@ class Scripts:
             if self.mode == "functions":
                 return client.fcall(self.function_name(name), NUM_KEYS, *self._keys, *argv)
             return self._scripts[name](keys=self._keys, args=argv, client=client)
-        if self._async:
-            return self._acall(name, argv, target)
-        return self._call(name, argv, target)
+        run = self._run(name, argv, target, _awaited if self._async else _ready)
+        return run if self._async else _run_to_end(run)
 
-    def _steps(self, name: str, argv: list[Any], target: Any) -> Generator[Any, Any, Any]:
-        """One call's Redis operations, written once for both drivers below: each
-        ``yield`` hands over a zero-argument callable (the driver runs it, awaiting
-        it when asyncio) and gets its result back, or its RedisError thrown in."""
+    async def _run(
+        self, name: str, argv: list[Any], target: Any, io: Callable[[Any], Awaitable[Any]]
+    ) -> Any:
+        """One call's Redis operations, written once with asyncio. ``io`` turns what the
+        client returned into an awaitable: the client's own coroutine (asyncio client),
+        or a value that is ready at once (blocking client), so that a blocking call runs
+        this coroutine to its end without ever suspending (``_run_to_end``)."""
         fname = self.function_name(name)
         for attempt in range(2):
             try:
-                out = yield partial(target.fcall, fname, NUM_KEYS, *self._keys, *argv)
+                out = await io(target.fcall(fname, NUM_KEYS, *self._keys, *argv))
             except redis.RedisError as exc:
                 action = _classify(exc)
                 if action == "load" and attempt == 0:
                     try:
-                        yield partial(target.function_load, library()[1], replace=True)
+                        await io(target.function_load(library()[1], replace=True))
                         continue
                     except redis.RedisError as load_exc:
                         action = _classify(load_exc)
@@ -184,40 +186,25 @@ class Scripts:
                 break
             self.mode = "functions"
             return out
-        return (yield partial(self._scripts[name], keys=self._keys, args=argv, client=target))
-
-    def _call(self, name: str, argv: list[Any], target: Any) -> Any:
-        steps, result, error = self._steps(name, argv, target), None, None
-        while True:
-            done, op = _advance(steps, result, error)
-            if done:
-                return op
-            try:
-                result, error = op(), None
-            except redis.RedisError as exc:
-                result, error = None, exc
-
-    async def _acall(self, name: str, argv: list[Any], target: Any) -> Any:
-        steps, result, error = self._steps(name, argv, target), None, None
-        while True:
-            done, op = _advance(steps, result, error)
-            if done:
-                return op
-            try:
-                result, error = await op(), None
-            except redis.RedisError as exc:
-                result, error = None, exc
+        return await io(self._scripts[name](keys=self._keys, args=argv, client=target))
 
 
-def _advance(
-    steps: Generator[Any, Any, Any], result: Any, error: Exception | None
-) -> tuple[bool, Any]:
-    """Resume ``Scripts._steps`` with a result or an error: (False, next operation)
-    or (True, the call's return value)."""
+def _awaited(result: Awaitable[Any]) -> Awaitable[Any]:
+    return result
+
+
+async def _ready(value: Any) -> Any:
+    return value
+
+
+def _run_to_end(coro: Coroutine[Any, Any, Any]) -> Any:
+    """The result of a coroutine that never suspends (every await is on a ready value)."""
     try:
-        return False, steps.throw(error) if error is not None else steps.send(result)
+        coro.send(None)
     except StopIteration as done:
-        return True, done.value
+        return done.value
+    coro.close()
+    raise RuntimeError("a blocking Scripts call suspended: it was given an asyncio client")
 
 
 def _is_pipeline(client: Any) -> bool:

@@ -312,9 +312,9 @@ def bench_latency(url: str, n: int = 32, routers: int = 8, steps: int = 200) -> 
     sent: dict[int, float] = {}
     for step in range(steps):
         for rep in reps[:-1]:
-            rep.report(step=step, waiting=1, running=2)
+            rep.report(step=step, waiting=1, running=2, wait=True)
         t0 = time.time()
-        res = reps[-1].report(step=step, waiting=1, running=2)
+        res = reps[-1].report(step=step, waiting=1, running=2, wait=True)
         assert res.version, "the last report must publish"
         sent[res.version] = t0
         time.sleep(0.005)

@@ -79,7 +79,7 @@ def engine_worker(
         ]
         rng = random.Random(ids[0])
         for rep in reps:
-            await rep.register()
+            await rep.register(wait=True)
         await asyncio.sleep(max(0.0, t0 - time.time()))  # step together from t0
         counts: dict[str, int] = {}
         errors: list[str] = []
@@ -90,7 +90,9 @@ def engine_worker(
         async def one(rep: AsyncEngineReporter, step: int) -> None:
             async with sem:
                 try:
-                    res = await rep.report(step, rng.randint(0, 8), rng.randint(0, 64), 0)
+                    res = await rep.report(
+                        step, rng.randint(0, 8), rng.randint(0, 64), 0, wait=True
+                    )
                     counts[res.status] = counts.get(res.status, 0) + 1
                 except Exception as exc:  # counted: the soak must show zero
                     counts["error"] = counts.get("error", 0) + 1

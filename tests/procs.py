@@ -474,7 +474,10 @@ def _on_term(stop: threading.Event) -> None:
 
 def run_engine(a: argparse.Namespace) -> None:
     """A lockstep engine whose step is the shared clock (t0 + step * period): all engine
-    processes step together. Reports every step; counts come from --waiting/--running."""
+    processes step together. Reports every step (never waiting: the reporter's sender
+    delivers); counts come from --waiting/--running. Status lines carry the reporter's
+    own counters (accepted, stale, unavailable, coalesced) and "error": sends Redis
+    refused for another reason, plus anything a report() call raised."""
     import redis.exceptions
 
     stop = threading.Event()
@@ -485,6 +488,19 @@ def run_engine(a: argparse.Namespace) -> None:
 
     def account(status: str) -> None:
         counts[status] += 1
+
+    def status_line(rep: Any, last: int) -> dict[str, Any]:
+        st = rep.stats
+        return {
+            "id": a.id,
+            "step": last,
+            "accepted": st.accepted,
+            "stale": st.stale,
+            "unavailable": st.unavailable,
+            "coalesced": st.coalesced,
+            "error": counts["error"] + st.errors,
+            "last_error": last_error,
+        }
 
     def step_now() -> int:
         return max(0, int((time.time() - a.t0) / a.period))
@@ -504,16 +520,13 @@ def run_engine(a: argparse.Namespace) -> None:
                 if s > last:
                     last = s
                     try:
-                        res = await rep.report(
-                            s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad
-                        )
-                        account(res.status)
+                        await rep.report(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad)
                     except redis.exceptions.RedisError as exc:
                         account("error")
                         last_error = str(exc)
                 if time.monotonic() >= next_status:
                     next_status = time.monotonic() + a.status_s
-                    _emit({"id": a.id, "step": last, **counts, "last_error": last_error})
+                    _emit(status_line(rep, last))
                 await asyncio.sleep(max(0.001, a.t0 + (last + 1) * a.period - time.time()))
             await rep.aclose(leave=not a.no_leave)
 
@@ -531,14 +544,13 @@ def run_engine(a: argparse.Namespace) -> None:
         if s > last:
             last = s
             try:
-                res = rep.report(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad)
-                account(res.status)
+                rep.report(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad)
             except redis.exceptions.RedisError as exc:
                 account("error")
                 last_error = str(exc)
         if time.monotonic() >= next_status:
             next_status = time.monotonic() + a.status_s
-            _emit({"id": a.id, "step": last, **counts, "last_error": last_error})
+            _emit(status_line(rep, last))
         stop.wait(max(0.001, a.t0 + (last + 1) * a.period - time.time()))
     rep.close(leave=not a.no_leave)
 

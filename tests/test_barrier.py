@@ -565,17 +565,18 @@ def test_flushall_starts_a_new_epoch(fresh_server: RedisServer) -> None:
     keys = DeploymentKeys("dep")
     rep1 = EngineReporter(fresh_server.url, "dep", "e0", heartbeat=False)
     try:
-        rep1.report(step=1, waiting=0, running=0)
+        rep1.report(step=1, waiting=0, running=0, wait=True)
         first = c.get(keys.epoch)
         c.flushall()
-        rep1.report(step=1, waiting=0, running=0)
+        rep1.report(step=1, waiting=0, running=0, wait=True)
         second = c.get(keys.epoch)
         assert first and second and first != second
         # default config again (it was flushed too): the first snapshot waits join_grace_ms
         steps = iter(range(2, 10_000))
         raw = wait_until(
             lambda: (
-                rep1.report(step=next(steps), waiting=0, running=0).version and c.get(keys.snapshot)
+                rep1.report(step=next(steps), waiting=0, running=0, wait=True).version
+                and c.get(keys.snapshot)
             ),
             timeout=5,
             interval=0.05,

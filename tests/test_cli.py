@@ -214,9 +214,9 @@ def _two_engines(redis_url: str, deployment: str, r: redis.Redis) -> list[Engine
     r.hset(keys.config, mapping={"join_grace_ms": "0"})
     reps = [EngineReporter(redis_url, deployment, engine_id=e, heartbeat=False) for e in ("0", "1")]
     for rep in reps:
-        rep.register()  # the first snapshot waits for both
-    reps[0].report(step=1, waiting=3, running=7, kv_usage=0.25)
-    res = reps[1].report(step=1, waiting=5, running=2)
+        rep.register(wait=True)  # the first snapshot waits for both
+    reps[0].report(step=1, waiting=3, running=7, kv_usage=0.25, wait=True)
+    res = reps[1].report(step=1, waiting=5, running=2, wait=True)
     assert res.version >= 1  # the barrier completed: a snapshot exists
     return reps
 
@@ -249,9 +249,9 @@ def test_status_json_and_gone_engines(
     reps[1].close()  # graceful leave: republished without it
     # a joiner behind the published step (1) is provisional; one that only registered waits
     late = EngineReporter(redis_url, deployment, engine_id="late", heartbeat=False)
-    assert late.report(step=0, waiting=1, running=1).accepted
+    assert late.report(step=0, waiting=1, running=1, wait=True).accepted
     quiet = EngineReporter(redis_url, deployment, engine_id="quiet", heartbeat=False)
-    quiet.register()
+    quiet.register(wait=True)
     try:
         res = run(runner, "status", "--json", "--redis-url", redis_url, "--deployment", deployment)
     finally:

@@ -116,17 +116,17 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
         for c in coords:
             c.tick()  # lease + config
         for rep in sync_reps:
-            rep.register()  # idempotent (a blocking reporter registers when built)
+            rep.register(wait=True)  # idempotent (a blocking reporter registers when built)
         for arep in async_reps:
-            assert await arep.register()
+            assert await arep.register(wait=True)
         for ar in arouters:
             await ar.start()
         for sr in srouters:
             await asyncio.to_thread(sr.start)
         for step in range(1, 4):
             for rep, arep in zip(sync_reps, async_reps, strict=True):
-                assert rep.report(step=step, waiting=step, running=10).accepted
-                res = await arep.report(step=step, waiting=0, running=10 + step)
+                assert rep.report(step=step, waiting=step, running=10, wait=True).accepted
+                res = await arep.report(step=step, waiting=0, running=10 + step, wait=True)
                 assert res.accepted and res.version == step, res
 
             def all_routers_at(step: int = step) -> bool:
@@ -148,7 +148,7 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
 
         # the stall guard on the cluster: e1 goes quiet, the coordinator forces step 4
         for rep in sync_reps:
-            rep.report(step=4, waiting=4, running=10)
+            rep.report(step=4, waiting=4, running=10, wait=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             for c in coords:
@@ -205,11 +205,11 @@ def test_scripts_reload_after_script_flush_on_every_node(cluster: ClusterTopolog
     dep = f"flush{int(time.time() * 1000) % 100000}"
     rep = redisbal.EngineReporter(cluster.url, dep, "e0", heartbeat=False)
     try:
-        assert rep.report(step=1, waiting=1, running=1).accepted
+        assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
         for n in cluster.nodes:
             with n.client() as c:
                 c.script_flush()
-        assert rep.report(step=2, waiting=1, running=1).accepted
+        assert rep.report(step=2, waiting=1, running=1, wait=True).accepted
     finally:
         rep.close()
 
@@ -320,12 +320,12 @@ async def test_least_privilege_users_on_cluster(cluster: ClusterTopology) -> Non
     try:
         await asyncio.to_thread(coord.tick)
         assert coord.stats.leader
-        rep.register()  # idempotent (a blocking reporter registers when built)
-        assert await arep.register()
+        rep.register(wait=True)  # idempotent (a blocking reporter registers when built)
+        assert await arep.register(wait=True)
         await arouter.start()
         await asyncio.to_thread(router.start)
-        rep.report(step=1, waiting=1, running=1)
-        assert (await arep.report(step=1, waiting=2, running=2)).version == 1
+        rep.report(step=1, waiting=1, running=1, wait=True)
+        assert (await arep.report(step=1, waiting=2, running=2, wait=True)).version == 1
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not all(
             r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router)
@@ -333,7 +333,7 @@ async def test_least_privilege_users_on_cluster(cluster: ClusterTopology) -> Non
             await asyncio.sleep(0.02)
         assert all(r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router))
         assert arouter.last_error is None
-        rep.report(step=2, waiting=1, running=1)
+        rep.report(step=2, waiting=1, running=1, wait=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not coord.stats.forced:
             await asyncio.to_thread(coord.tick)

@@ -495,11 +495,12 @@ def _check_report(
 
 @FUZZ
 @given(args=report_args)
-def test_engine_reporter_report(target: Target, args: dict[str, Any]) -> None:
-    rep = EngineReporter(
-        client=target.r, deployment=target.keys.deployment, engine_id="e0", heartbeat=False
-    )
-    _check_report(lambda a: rep.report(**a), target, args)
+def test_engine_reporter_report(target: Target, redis_url: str, args: dict[str, Any]) -> None:
+    rep = EngineReporter(redis_url, target.keys.deployment, "e0", heartbeat=False, register=False)
+    try:
+        _check_report(lambda a: rep.report(**a, wait=True), target, args)
+    finally:
+        rep.close(leave=False)
 
 
 @pytest.fixture
@@ -519,7 +520,7 @@ def test_async_engine_reporter_report(
         try:
 
             async def call(a: dict[str, Any]) -> Any:
-                return await rep.report(**a)
+                return await rep.report(**a, wait=True)
 
             valid = report_is_valid(
                 args["step"],
@@ -553,7 +554,7 @@ names = st.one_of(bad_name, st.sampled_from(["ok", "e-1", "A.b_c", "9"]), st.int
     mode=st.one_of(st.sampled_from(["lockstep", "tick"]), any_text),
 )
 def test_reporter_constructor_checks_names_before_touching_redis(
-    target: Target, deployment: Any, engine_id: Any, mode: Any
+    target: Target, redis_url: str, deployment: Any, engine_id: Any, mode: Any
 ) -> None:
     before = target.state()
     ok = (
@@ -565,7 +566,7 @@ def test_reporter_constructor_checks_names_before_touching_redis(
     )
     if ok:  # a valid reporter may register itself: that is its job
         rep = EngineReporter(
-            client=target.r, deployment=deployment, engine_id=engine_id, mode=mode, heartbeat=False
+            redis_url, deployment=deployment, engine_id=engine_id, mode=mode, heartbeat=False
         )
         rep.close(leave=True)
         if deployment not in (target.keys.deployment, target.other.deployment):
@@ -573,7 +574,7 @@ def test_reporter_constructor_checks_names_before_touching_redis(
         return
     with pytest.raises((InvalidName, InvalidReport)):
         EngineReporter(
-            client=target.r,
+            redis_url,
             deployment=deployment,
             engine_id=engine_id,
             mode=mode,
@@ -875,12 +876,14 @@ def test_cli_float_options_reject_nan() -> None:
         assert result.exit_code == 2 and "base-step-ms" in result.output, result.output
 
 
-def test_unknown_report_field_is_refused_by_name(target: Target) -> None:
+def test_unknown_report_field_is_refused_by_name(target: Target, redis_url: str) -> None:
     """An unknown field is a TypeError naming it (Python's own check), before any I/O."""
-    rep = EngineReporter(
-        client=target.r, deployment=target.keys.deployment, engine_id="e0", heartbeat=False
-    )
-    before = target.state()
-    with pytest.raises(TypeError, match="queue_depth"):
-        rep.report(step=99, waiting=1, running=1, queue_depth=3)  # type: ignore[call-arg]
-    assert target.state() == before
+    rep = EngineReporter(redis_url, target.keys.deployment, "e0", heartbeat=False, register=False)
+    try:
+        before = target.state()
+        with pytest.raises(TypeError, match="queue_depth"):
+            rep.report(step=99, waiting=1, running=1, queue_depth=3)  # type: ignore[call-arg]
+        assert rep.flush(5)
+        assert target.state() == before
+    finally:
+        rep.close(leave=False)

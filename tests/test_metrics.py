@@ -55,19 +55,27 @@ def test_coordinator_exporter_over_http(redis_url: str, deployment: str) -> None
     d = {"deployment": deployment}
     try:
         coord.tick()
-        e0.register()  # idempotent (a blocking reporter registers when built)
-        e1.register()
-        e0.report(step=1, waiting=1, running=2)
-        assert e1.report(step=1, waiting=5, running=0).version == 1
+        e0.register(wait=True)  # idempotent (a blocking reporter registers when built)
+        e1.register(wait=True)
+        e0.report(step=1, waiting=1, running=2, wait=True)
+        assert e1.report(step=1, waiting=5, running=0, wait=True).version == 1
         coord.tick()  # samples cut 1
-        e0.report(step=2, waiting=2, running=2)
+        e0.report(step=2, waiting=2, running=2, wait=True)
         time.sleep(0.15)  # the barrier for step 2 stays open >= 150 ms
-        assert e1.report(step=2, waiting=6, running=1).version == 2
+        assert e1.report(step=2, waiting=6, running=1, wait=True).version == 2
         coord.tick()  # samples cut 2
-        assert e1.report(step=1, waiting=9, running=9).status == "stale"
-        e0.report(step=3, waiting=3, running=3)
+        # an older step: the reporter refuses it itself (never sent); a second reporter of
+        # the same engine (a leftover process) has no such memory: Redis refuses it
+        assert e1.report(step=1, waiting=9, running=9, wait=True).status == "stale"
+        leftover = redisbal.EngineReporter(
+            redis_url, deployment, "e1", heartbeat=False, register=False
+        )
+        assert leftover.report(step=1, waiting=9, running=9, wait=True).status == "stale"
+        leftover.close(leave=False)
+        e0.report(step=3, waiting=3, running=3, wait=True)
         wait_until(lambda: (coord.tick(), coord.stats.forced)[1] == 1, 10, "a forced snapshot")
-        assert e1.report(step=3, waiting=7, running=1).accepted  # late: step 3 is published
+        late = e1.report(step=3, waiting=7, running=1, wait=True)
+        assert late.accepted  # late: step 3 is published
 
         m = scrape(server.url)
         assert val(m, "redisbal_up", **d) == 1
@@ -137,7 +145,7 @@ def test_cli_coordinator_metrics_port_serves_metrics(redis_url: str, deployment:
         d = (("deployment", deployment),)
 
         def leader_with_snapshot() -> dict[Any, float] | None:
-            rep.report(step=int(time.monotonic() * 10), waiting=1, running=1)
+            rep.report(step=int(time.monotonic() * 10), waiting=1, running=1, wait=True)
             m = scrape(url)
             ok = m.get(("redisbal_coordinator_leader", d)) == 1
             ok = ok and m.get(("redisbal_barrier_wait_seconds_count", d), 0) >= 1
@@ -167,10 +175,10 @@ async def test_router_metrics_on_the_callers_registry(redis_url: str, deployment
     try:
         # the join grace (default 1 s) delays the first snapshot: configure it away
         await e0.client.hset(DeploymentKeys(deployment).config, "join_grace_ms", "0")
-        await e0.register()
-        await e1.register()
-        await e0.report(step=1, waiting=0, running=1)
-        assert (await e1.report(step=1, waiting=0, running=1)).version == 1
+        await e0.register(wait=True)
+        await e1.register(wait=True)
+        await e0.report(step=1, waiting=0, running=1, wait=True)
+        assert (await e1.report(step=1, waiting=0, running=1, wait=True)).version == 1
         await arouter.start(wait=5)
         await asyncio.to_thread(router.start, 5)
         await offline.start()

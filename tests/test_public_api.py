@@ -43,23 +43,25 @@ async def test_checker_flow(redis_url: str, deployment: str) -> None:
     await router.start()
     try:
         for i, rep in enumerate(reps[:3]):
-            assert rep.report(step=1, waiting=0, running=10 + i, wave=0).accepted
+            assert rep.report(step=1, waiting=0, running=10 + i, wave=0, wait=True).accepted
         await asyncio.sleep(0.2)
         assert router.snapshot is None, "a snapshot before every engine reported"
         # engine 0 is already at step 2 when the last engine reports step 1
-        assert reps[0].report(step=2, waiting=50, running=64, wave=0).accepted
-        assert reps[3].report(step=1, waiting=0, running=0, wave=0).accepted
+        assert reps[0].report(step=2, waiting=50, running=64, wave=0, wait=True).accepted
+        assert reps[3].report(step=1, waiting=0, running=0, wave=0, wait=True).accepted
         await await_for(lambda: router.snapshot is not None)
         snap = router.snapshot
         assert snap is not None and (snap.wave, snap.step) == (0, 1)
         assert snap.engines["0"].running == 10, "the cut holds engine 0's step-1 counts"
         assert {e: c.step for e, c in snap.engines.items()} == {str(i): 1 for i in range(4)}
         # a report older than the engine's latest is rejected and changes nothing
-        stale = reps[0].report(step=1, waiting=99, running=99, wave=0)
+        stale = reps[0].report(step=1, waiting=99, running=99, wave=0, wait=True)
         assert stale.status == "stale" and not stale.accepted
         # next step: engine 2 is loaded; the router avoids it
         for i, rep in enumerate(reps):
-            rep.report(step=3, waiting=40 if i == 2 else 0, running=64 if i == 2 else 1, wave=0)
+            rep.report(
+                step=3, waiting=40 if i == 2 else 0, running=64 if i == 2 else 1, wave=0, wait=True
+            )
         await await_for(lambda: router.snapshot is not None and router.snapshot.step == 3)
         chosen = [router.route() for _ in range(30)]
         assert "2" not in {d.engine_id for d in chosen}
@@ -88,7 +90,7 @@ def test_dead_engine_expires_and_barrier_resumes(
     router.start()
     try:
         for rep in (*live, crashed):
-            rep.report(step=1, waiting=0, running=1)
+            rep.report(step=1, waiting=0, running=1, wait=True)
         wait_for(lambda: router.snapshot is not None and "c" in router.snapshot.engines)
         t0 = time.monotonic()
         step = 2
@@ -96,7 +98,7 @@ def test_dead_engine_expires_and_barrier_resumes(
         while router.snapshot is None or "c" in router.snapshot.engines:
             assert time.monotonic() - t0 < 15, "the dead engine never expired"
             for rep in live:
-                rep.report(step=step, waiting=0, running=1)
+                rep.report(step=step, waiting=0, running=1, wait=True)
             step += 1
             time.sleep(0.05)
         assert time.monotonic() - t0 >= 4.5, "expired before dead_after"
@@ -123,7 +125,7 @@ async def test_routing_goes_on_with_redis_stopped(
     await router.start()
     try:
         for rep in reps:
-            rep.report(step=1, waiting=0, running=1)
+            rep.report(step=1, waiting=0, running=1, wait=True)
         await await_for(lambda: router.snapshot is not None)
         assert not router.route().degraded
         fresh_server.kill()
@@ -149,7 +151,7 @@ def test_the_stored_snapshot_is_the_published_one(redis_url: str, deployment: st
     ]
     try:
         for rep in reps:
-            rep.report(step=5, waiting=1, running=2, kv_usage=0.25)
+            rep.report(step=5, waiting=1, running=2, kv_usage=0.25, wait=True)
         raw = redis.Redis.from_url(redis_url).get(redisbal.DeploymentKeys(deployment).snapshot)
         snap = redisbal.Snapshot.from_json(raw)  # type: ignore[arg-type]
         assert snap.step == 5 and snap.engines["1"].kv_usage == 0.25

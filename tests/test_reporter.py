@@ -48,8 +48,10 @@ def test_every_bad_field_raises_naming_it_and_stores_nothing(
     rep = EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False)
     try:
         bar.register("e1")  # keeps the barrier open so that state is rich but stable
-        assert rep.report(**GOOD).accepted
-        assert rep.report(step=3, waiting=4, running=5, kv_usage=0.5, admitted=[1, 2]).accepted
+        assert rep.report(**GOOD, wait=True).accepted
+        assert rep.report(
+            step=3, waiting=4, running=5, kv_usage=0.5, admitted=[1, 2], wait=True
+        ).accepted
         before = bar.dump()
         for field, change in BAD_REPORTS:
             with pytest.raises(InvalidReport) as exc:
@@ -59,7 +61,7 @@ def test_every_bad_field_raises_naming_it_and_stores_nothing(
         with pytest.raises(TypeError, match="colour"):
             rep.report(**GOOD, colour=1)  # type: ignore[call-arg]
         assert bar.dump() == before
-        assert rep.report(step=4, waiting=0, running=0).accepted  # still usable
+        assert rep.report(step=4, waiting=0, running=0, wait=True).accepted  # still usable
     finally:
         rep.close()
 
@@ -111,7 +113,7 @@ def test_tick_mode_tags_with_the_server_tick_and_idle_engines_keep_the_barrier_m
     try:
         for i, rep in enumerate(reps):
             before = server_ms(r) // 50
-            res = rep.report(waiting=i + 1, running=10 * (i + 1))
+            res = rep.report(waiting=i + 1, running=10 * (i + 1), wait=True)
             after = server_ms(r) // 50
             # the tick number is the (wave, step) pair's single score: wave * 2^32 + step
             assert res.accepted and before <= score(res.wave, res.step) <= after
@@ -145,8 +147,8 @@ def test_heartbeat_keeps_an_idle_engine_alive_past_dead_after(
     beating = EngineReporter(redis_url, keys.deployment, "e0", heartbeat_s=0.05)
     silent = EngineReporter(redis_url, keys.deployment, "e1", heartbeat=False)
     try:
-        assert beating.report(step=1, waiting=0, running=0).accepted
-        assert silent.report(step=1, waiting=0, running=0).accepted
+        assert beating.report(step=1, waiting=0, running=0, wait=True).accepted
+        assert silent.report(step=1, waiting=0, running=0, wait=True).accepted
         started = time.monotonic()
         # expired by a reap, or on the way by one of e0's heartbeat reports
         wait_until(lambda: bar.reap() and "e1" not in bar.members(), timeout=5)
@@ -166,14 +168,17 @@ def test_register_is_idempotent_and_close_leaves(
     redis_url: str, keys: DeploymentKeys, bar: Barrier
 ) -> None:
     with EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False) as rep:
+        assert rep.flush(5)
         assert "e0" in bar.members(), "constructing a reporter registers its engine"
-        assert rep.register() is False  # a retry is harmless
+        assert rep.register(wait=True) is False  # a retry is harmless
     with EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False, register=False) as rep:
+        assert rep.flush(5)
         assert "e0" not in bar.members()
-        assert rep.register() is True
-        assert rep.register() is False
-        assert "e0" in bar.members()
-        assert rep.report(step=1, waiting=0, running=0).accepted
+        assert rep.register() is None  # handed over, not waited for
+        assert rep.flush(5) and "e0" in bar.members()
+        assert rep.register(wait=True) is False
+        assert rep.report(step=1, waiting=0, running=0, wait=True).accepted
+        # older than the newest handed over: refused at once, without a round trip
         assert rep.report(step=0, waiting=0, running=0).status == "stale"
         assert rep.stale_count == 1
     assert "e0" not in bar.members()
@@ -185,7 +190,7 @@ async def test_async_reporter_reports_coalesces_and_leaves(
 ) -> None:
     bar.register("other")  # never reports: no snapshot, so the history is never pruned
     rep = AsyncEngineReporter(redis_url, keys.deployment, "e0", heartbeat=False)
-    res = await rep.report(step=1, waiting=2, running=3, kv_usage=0.25)
+    res = await rep.report(step=1, waiting=2, running=3, kv_usage=0.25, wait=True)
     assert (res.status, res.version, res.wave, res.step) == ("accepted", 0, 0, 1)
     # report_nowait never waits; three calls before the sender runs: the latest wins
     for step in (2, 3, 4):
@@ -196,6 +201,7 @@ async def test_async_reporter_reports_coalesces_and_leaves(
         assert time.monotonic() < deadline, bar.history("e0")
         await asyncio.sleep(0.01)
     assert bar.history("e0") == [4, 1], "report_nowait did not coalesce"
+    assert rep.coalesced_count == 2 and rep.stats.sent == 2
     with pytest.raises(InvalidReport, match="waiting"):
         rep.report_nowait(step=5, waiting=-1, running=0)
     await rep.aclose()
@@ -213,26 +219,28 @@ async def test_async_aclose_without_leave_flushes_the_pending_report(
 
 
 def test_reporter_returns_unavailable_when_redis_is_down(fresh_server: RedisServer) -> None:
-    """A Redis outage never raises into the engine loop; after a restart the engine is
-    back in the new epoch with its next report."""
+    """A Redis outage never raises into the engine loop: report() returns at once, a
+    waiting caller hears "unavailable", and the sender retries by itself: after a
+    restart the newest counts arrive with no further call, in the new epoch."""
     rep = EngineReporter(fresh_server.url, "dep", "e0", heartbeat=False, backoff_s=0.2)
     try:
-        assert rep.report(step=1, waiting=1, running=1).accepted
+        assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
         old_epoch = fresh_server.client().get(DeploymentKeys("dep").epoch)
         fresh_server.kill()
         started = time.monotonic()
-        assert rep.report(step=2, waiting=1, running=1).status == "unavailable"
-        assert rep.report(step=3, waiting=1, running=1).status == "unavailable"  # backing off
-        assert rep.register() is False
+        assert rep.report(step=2, waiting=1, running=1, wait=True).status == "unavailable"
+        assert rep.report(step=3, waiting=1, running=1, wait=True).status == "unavailable"
+        assert rep.report(step=4, waiting=4, running=1).status == "queued"  # never waits
+        assert rep.register(wait=True) is False
         assert time.monotonic() - started < 3
-        assert rep.unavailable_count >= 3
+        assert rep.unavailable_count >= 2
+        assert rep.flush(0.3) is False  # nothing can be delivered yet
         fresh_server.start()
-        res = wait_until(
-            lambda: (x := rep.report(step=4, waiting=1, running=1)).accepted and x, timeout=5
-        )
-        assert res.step == 4
+        assert rep.flush(10), rep.stats
         c = fresh_server.client()
+        assert Barrier(c, DeploymentKeys("dep")).history("e0")[0] == 4
         assert c.get(DeploymentKeys("dep").epoch) not in (None, old_epoch)
+        assert rep.stats.coalesced >= 1  # steps 2 and 3 were replaced by newer counts
         c.close()
     finally:
         rep.close()
@@ -242,11 +250,14 @@ async def test_async_reporter_returns_unavailable_when_redis_is_down(
     fresh_server: RedisServer,
 ) -> None:
     rep = AsyncEngineReporter(fresh_server.url, "dep", "e0", heartbeat=False)
-    assert (await rep.report(step=1, waiting=0, running=0)).accepted
+    assert (await rep.report(step=1, waiting=0, running=0, wait=True)).accepted
     fresh_server.kill()
-    assert (await rep.report(step=2, waiting=0, running=0)).status == "unavailable"
-    assert await rep.register() is False
-    await rep.aclose()  # leave is attempted and fails quietly
+    assert (await rep.report(step=2, waiting=0, running=0)).status == "queued"
+    assert (await rep.report(step=3, waiting=0, running=0, wait=True)).status == "unavailable"
+    assert await rep.register(wait=True) is False
+    started = time.monotonic()
+    await rep.aclose(timeout=0.5)  # the flush gives up, leave fails quietly
+    assert time.monotonic() - started < 4
 
 
 @pytest.mark.parametrize("before", [True, False], ids=["before-and-after", "after-only"])
@@ -298,3 +309,62 @@ def test_engine_sim_reports_a_step_before_running_it(
     else:  # still the report the runner makes at start: the step shows up at its end
         assert seen is not None
         assert (seen[0], seen[1]["wave"], seen[1]["step"]) == (0, 0, 0)
+
+
+def test_stats_and_metrics_count_what_the_sender_did(
+    redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """Reporter counters (attributes and the Prometheus collector) say what was queued,
+    sent, coalesced and refused; nothing is counted twice."""
+    from prometheus_client import CollectorRegistry
+
+    from redisbal.metrics import ReporterMetrics
+
+    registry = CollectorRegistry()
+    metrics = ReporterMetrics(registry)
+    bar.register("other")  # holds the barrier: no snapshot, no pruning
+    rep = metrics.bind(EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False))
+    try:
+        assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
+        assert rep.report(step=0, waiting=1, running=1).status == "stale"  # refused at once
+        for step in range(2, 40):
+            assert rep.report(step=step, waiting=step, running=1).status == "queued"
+        assert rep.flush(5)
+        st = rep.stats
+        assert st.queued == 39 and st.stale == 1 and st.errors == st.unavailable == 0
+        assert st.sent + st.coalesced == st.queued and st.sent == st.accepted
+        assert bar.history("e0")[0] == 39  # the newest counts always arrive
+        label = {"deployment": keys.deployment, "engine": "e0"}
+        for name in ("queued", "sent", "coalesced", "stale"):
+            value = registry.get_sample_value(f"redisbal_reporter_reports_{name}_total", label)
+            assert value == getattr(st, name), name
+    finally:
+        rep.close()
+
+
+def test_one_sender_carries_several_engines_in_one_pipeline(
+    redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """Reporters sharing a sender: their reports travel together (a pipeline of report
+    calls, FCALL on Redis 7, EVALSHA on 6.2) and each engine's newest counts land."""
+    from redisbal import ReportSender
+
+    sender = ReportSender(redis_url, threaded=True)
+    reps = [
+        EngineReporter(redis_url, keys.deployment, f"e{i}", sender=sender, heartbeat=False)
+        for i in range(3)
+    ]
+    try:
+        for step in range(1, 30):
+            for rep in reps:
+                rep.report(step=step, waiting=step, running=1)
+        assert all(rep.flush(5) for rep in reps)
+        assert [bar.history(f"e{i}")[0] for i in range(3)] == [29, 29, 29]
+        assert all(rep.stats.errors == 0 and rep.stats.sent >= 1 for rep in reps)
+        assert sender.batches < sum(rep.stats.sent for rep in reps)  # some went together
+        snap = bar.snapshot()
+        assert snap is not None and snap.step == 29 and not snap.forced
+    finally:
+        for rep in reps:
+            rep.close()
+        sender.close()

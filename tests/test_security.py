@@ -97,7 +97,7 @@ def test_cli_status_with_a_password_url_works_and_never_prints_it(
     url = f"redis://app:{SECRET}@127.0.0.1:{secured.port}/0"
     with redisbal.EngineReporter(url, deployment, "e0", heartbeat=False) as rep:
         admin(secured).hset(DeploymentKeys(deployment).config, "join_grace_ms", "0")
-        assert rep.report(step=1, waiting=2, running=3).version == 1
+        assert rep.report(step=1, waiting=2, running=3, wait=True).version == 1
         for args in (["status"], ["status", "--json"], ["--log-level", "debug", "status"]):
             out = _cli("--redis-url", url, "--deployment", deployment, *args)
             assert out.returncode == 0, out.stderr
@@ -164,15 +164,15 @@ async def test_least_privilege_users_can_do_their_job(
         coord.tick()
         assert coord.stats.leader
         coord.check_identity()  # INFO is granted to the coordinator
-        reps[0].register()  # idempotent (a blocking reporter registers when built)
-        assert await reps[1].register()
+        reps[0].register(wait=True)  # idempotent (a blocking reporter registers when built)
+        assert await reps[1].register(wait=True)
         await arouter.start()
         await asyncio.to_thread(router.start)
-        assert reps[0].report(step=1, waiting=1, running=1).accepted
-        assert (await reps[1].report(step=1, waiting=2, running=2)).version == 1
+        assert reps[0].report(step=1, waiting=1, running=1, wait=True).accepted
+        assert (await reps[1].report(step=1, waiting=2, running=2, wait=True)).version == 1
         for step in (2, 3):
-            reps[0].report(step=step, waiting=step, running=1)
-            await reps[1].report(step=step, waiting=0, running=step)
+            reps[0].report(step=step, waiting=step, running=1, wait=True)
+            await reps[1].report(step=step, waiting=0, running=step, wait=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not all(
             r.snapshot is not None and r.snapshot.cut == (0, 3) for r in (arouter, router)
@@ -180,7 +180,7 @@ async def test_least_privilege_users_can_do_their_job(
             await asyncio.sleep(0.02)
         assert all(r.snapshot is not None and r.snapshot.cut == (0, 3) for r in (arouter, router))
         assert arouter.last_error is None and not arouter.degraded
-        reps[0].report(step=4, waiting=1, running=1)
+        reps[0].report(step=4, waiting=1, running=1, wait=True)
         wait_until(lambda: (coord.tick(), coord.stats.forced)[1] >= 1, 10, "a forced snapshot")
         assert coord.stats.errors == 0
         want = "functions" if functions else "scripts"
@@ -234,7 +234,7 @@ def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: 
     rep = redisbal.EngineReporter(
         f"redis://:{ADMIN_PW}@127.0.0.1:{secured.port}/0", other, "z", heartbeat=False
     )
-    assert rep.report(step=1, waiting=0, running=0).accepted
+    assert rep.report(step=1, waiting=0, running=0, wait=True).accepted
     rep.close(leave=False)
     adm = admin(secured)
     before = {k: adm.dump(k) for k in okeys.all_keys()}
@@ -272,11 +272,11 @@ def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: 
 
         # engine: its deployment only, through the scripts' commands; no EVAL, no admin
         engine_url = f"redis://{users['engine']}:engine-{SECRET}@127.0.0.1:{secured.port}/0"
-        with pytest.raises(denied):  # registering (on construction) into another deployment
-            redisbal.EngineReporter(engine_url, other, "e0", heartbeat=False)
         rep = redisbal.EngineReporter(engine_url, other, "e0", heartbeat=False, register=False)
+        with pytest.raises(denied):  # registering into another deployment
+            rep.register(wait=True)
         with pytest.raises(denied):
-            rep.report(step=1, waiting=1, running=1)
+            rep.report(step=1, waiting=1, running=1, wait=True)
         rep.close(leave=False)
         for call in (
             lambda: engine.get(okeys.snapshot),
@@ -417,10 +417,10 @@ async def test_connection_errors_never_show_the_password(
     texts: list[str] = []
     for url in urls:
         rep = redisbal.EngineReporter(url, deployment, "e0", heartbeat=False)
-        assert rep.report(step=1, waiting=1, running=1).status == "unavailable"
+        assert rep.report(step=1, waiting=1, running=1, wait=True).status == "unavailable"
         rep.close(leave=True)
         arep = redisbal.AsyncEngineReporter(url, deployment, "e1", heartbeat=False)
-        assert (await arep.report(step=1, waiting=1, running=1)).status == "unavailable"
+        assert (await arep.report(step=1, waiting=1, running=1, wait=True)).status == "unavailable"
         await arep.aclose()
         router = redisbal.AsyncRouter(url, deployment, engines=["e0"])
         await router.start()

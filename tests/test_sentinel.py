@@ -66,12 +66,12 @@ async def test_every_class_works_through_a_sentinel_url(sentinels: SentinelTopol
     try:
         await asyncio.to_thread(coord.tick)
         assert coord.stats.leader
-        rep.register()  # idempotent (a blocking reporter registers when built)
-        assert await arep.register()
+        rep.register(wait=True)  # idempotent (a blocking reporter registers when built)
+        assert await arep.register(wait=True)
         await arouter.start()
         await asyncio.to_thread(router.start)
-        assert rep.report(step=1, waiting=2, running=5).accepted
-        res = await arep.report(step=1, waiting=1, running=6)
+        assert rep.report(step=1, waiting=2, running=5, wait=True).accepted
+        res = await arep.report(step=1, waiting=1, running=6, wait=True)
         assert res.accepted and res.version >= 1
 
         def both_have_step_1() -> bool:
@@ -118,8 +118,8 @@ def test_cli_coordinator_and_status_through_a_sentinel_url(sentinels: SentinelTo
         redisbal.EngineReporter(url, dep, "0", heartbeat=False) as a,
         redisbal.EngineReporter(url, dep, "1", heartbeat=False) as b,
     ):
-        a.report(step=1, waiting=3, running=1)
-        assert b.report(step=1, waiting=0, running=4).version >= 1
+        a.report(step=1, waiting=3, running=1, wait=True)
+        assert b.report(step=1, waiting=0, running=4, wait=True).version >= 1
         out = _cli("--redis-url", url, "--deployment", dep, "status", "--json")
         assert out.returncode == 0, out.stderr
         st = json.loads(out.stdout)
@@ -158,7 +158,7 @@ def test_failover_everything_reconnects_and_versions_never_go_back() -> None:
         while not stop.is_set():
             step += 1
             for i, rep in enumerate(reps):
-                res = rep.report(step=step, waiting=i, running=step % 50)
+                res = rep.report(step=step, waiting=i, running=step % 50, wait=True)
                 if res.accepted:
                     accepted_after.append(time.monotonic())
             stop.wait(0.03)
@@ -246,7 +246,7 @@ async def test_password_protected_data_nodes_through_sentinels(
             await asyncio.to_thread(coord.tick)
             assert coord.stats.leader
             await router.start()
-            assert rep.report(step=1, waiting=1, running=1).version >= 1
+            assert rep.report(step=1, waiting=1, running=1, wait=True).version >= 1
             deadline = time.monotonic() + 10
             while router.snapshot is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
@@ -257,6 +257,6 @@ async def test_password_protected_data_nodes_through_sentinels(
             coord.release()
             coord.client.close()
         bad = redisbal.EngineReporter(f"redis+sentinel://:wrong-{secret}@{hosts}", dep, "e1")
-        assert bad.report(step=1, waiting=0, running=0).status == "unavailable"
+        assert bad.report(step=1, waiting=0, running=0, wait=True).status == "unavailable"
         bad.close(leave=False)
     assert secret not in caplog.text

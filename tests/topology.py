@@ -400,12 +400,12 @@ async def every_class_flow(
     try:
         await asyncio.to_thread(coord.tick)
         assert coord.stats.leader
-        rep.register()  # idempotent (a blocking reporter registers when built)
-        assert await arep.register()
+        rep.register(wait=True)  # idempotent (a blocking reporter registers when built)
+        assert await arep.register(wait=True)
         await arouter.start()
         await asyncio.to_thread(router.start)
-        assert rep.report(step=1, waiting=1, running=2).accepted
-        assert (await arep.report(step=1, waiting=3, running=4)).version >= 1
+        assert rep.report(step=1, waiting=1, running=2, wait=True).accepted
+        assert (await arep.report(step=1, waiting=3, running=4, wait=True)).version >= 1
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not all(
             r.snapshot is not None and r.snapshot.cut == (0, 1) for r in (arouter, router)
@@ -415,7 +415,7 @@ async def every_class_flow(
             assert r.snapshot is not None and set(r.snapshot.engines) == {"e0", "e1"}
             assert not r.degraded
         # the stall guard through the same URL
-        rep.report(step=2, waiting=1, running=2)
+        rep.report(step=2, waiting=1, running=2, wait=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not coord.stats.forced:
             await asyncio.to_thread(coord.tick)

@@ -1,0 +1,572 @@
+"""The report sender: one asyncio task that carries the reports of one or many engines.
+
+A reporter never waits on Redis: ``report()`` checks the counts, puts them in its
+engine's slot (a ``Lane``) and returns. The sender's task takes every slot that
+holds something, sends it all in one round trip (a pipeline of report calls;
+one call when it holds one engine) and starts again; a heartbeat re-sends an
+engine's latest counts when it has not reported for ``heartbeat_s``.
+
+Order and coalescing, per engine:
+- a slot holds at most one report, the newest: newer counts replace unsent
+  older ones (counted as ``coalesced``), so nothing queues up however long
+  Redis is away, and a send carries the freshest counts;
+- a lockstep report whose (wave, step) is older than the engine's newest one
+  handed over is refused at once as ``stale`` (the barrier would refuse it
+  too), so the sender never sends an older tag after a newer one;
+- sends are sequential: a round trip ends (delivered or failed) before the next
+  starts, and a failed report goes back to its slot only if nothing newer came.
+
+This never makes the barrier miss a step it waits for: the barrier publishes
+step S once every member has reported a step >= S, and the cut takes each
+engine's latest report at or before S. A report replaced by a newer one is
+replaced by one with a step >= its own, which satisfies the same wait; it is
+the engine's latest report at or before S unless the newer one is itself <= S.
+
+Failures: an outage (refused, reset, timed out) fails the round; the sender
+backs off (``backoff_s`` doubling to ``max_backoff_s``, measured from the
+start of the failed attempt, so a call that already waited out a timeout is
+retried at once) and retries; callers never retry. An error that is not an
+outage (a permission the user lacks) is counted and logged, not retried.
+Warnings are rate-limited: one when Redis goes away, one a minute while it
+stays away, one when it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import inspect
+import logging
+import os
+import secrets
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from redisbal.background import BackgroundLoop
+from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
+from redisbal.scripts import Scripts, report_reply
+
+log = logging.getLogger("redisbal.engine")
+
+Tag = tuple[int, int]
+WARN_EVERY_S = 60.0
+MAX_BATCH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ReportResult:
+    """What became of one report. ``status``: "queued" (handed to the sender, the
+    default answer), "accepted", "stale" (older than the engine's latest: refused),
+    "unavailable" (Redis unreachable: the sender keeps the counts and retries) or
+    "coalesced" (replaced by newer counts before it was sent)."""
+
+    status: str
+    version: int = 0  # version of the snapshot this report published, 0 if none
+    wave: int = 0
+    step: int = 0
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == "accepted"
+
+
+@dataclass(frozen=True, slots=True)
+class ReporterStats:
+    """One engine's report counters (since its reporter was made)."""
+
+    queued: int = 0  # reports handed to the sender
+    sent: int = 0  # reports (and heartbeats) that reached Redis
+    accepted: int = 0
+    stale: int = 0  # refused as older than the engine's latest (locally or by Redis)
+    coalesced: int = 0  # replaced by newer counts before they were sent
+    unavailable: int = 0  # sends that failed on an outage (then retried)
+    errors: int = 0  # sends refused for another reason (not retried)
+    heartbeats: int = 0  # re-sends of unchanged counts
+    dropped: int = 0  # reports never sent: handed over after close, or left at close
+
+
+@dataclass(eq=False)
+class Lane:
+    """One engine's slot in a sender. Every field is guarded by the sender's lock."""
+
+    engine_id: str
+    scripts: Scripts
+    heartbeat_s: float | None  # None: no heartbeat
+    pending: list[str] | None = None  # the newest unsent report (ARGV after engine_id)
+    waiters: list[concurrent.futures.Future[ReportResult]] = field(default_factory=list)
+    register: bool = False
+    register_waiters: list[concurrent.futures.Future[bool]] = field(default_factory=list)
+    newest: Tag | None = None  # newest lockstep tag handed over
+    last_args: list[str] | None = None  # what a heartbeat re-sends
+    last_sent: float = 0.0  # monotonic time of the last delivered report
+    inflight: int = 0
+    had_state: bool = False  # Redis knew this engine once: a lost state is a recovery
+    attached: bool = True
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def candidate(self) -> str:
+        """Epoch to create if the deployment's state is missing. "r-" tells the script
+        that state was lost (this engine had been in it), so the first snapshot of the
+        new epoch waits join_grace_ms for the other engines to re-register."""
+        return ("r-" if self.had_state else "") + secrets.token_hex(8)
+
+    @property
+    def busy(self) -> bool:
+        return self.pending is not None or self.register or self.inflight > 0
+
+
+@dataclass(eq=False, slots=True)
+class _Op:
+    kind: str  # "report" or "register"
+    lane: Lane
+    args: list[str]  # report: ARGV after engine_id; register: []
+    waiters: list[Any]
+    heartbeat: bool = False
+
+
+def tag_of(args: list[str]) -> Tag:
+    """(wave, step) of a report's ARGV; (0, 0) in tick mode (the server assigns it)."""
+    return (int(args[0]), int(args[1])) if args[1] != "tick" else (0, 0)
+
+
+def _resolve(waiters: list[Any], value: Any) -> None:
+    for fut in waiters:
+        if not fut.done():
+            fut.set_result(value)
+
+
+class ReportSender:
+    """Sends the reports of the engines attached to it, over one asyncio client.
+
+    Share one between many reporters of a process (``sender=``) and their reports
+    travel together, one round trip per round. ``threaded=True`` runs it on its own
+    event loop in a daemon thread (what ``EngineReporter`` needs); otherwise it runs
+    on the event loop of the first reporter that uses it.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        client: Any = None,
+        threaded: bool = False,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 1.0,
+        timeout_s: float = 1.0,
+    ) -> None:
+        if client is None:
+            if not redis_url:
+                raise ValueError("give a redis_url (or client=)")
+            client = make_client(
+                redis_url, asyncio=True, socket_connect_timeout=0.25, socket_timeout=timeout_s
+            )
+            self._owns_client = True
+        elif not inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
+            raise ValueError("a ReportSender needs an asyncio client (redis.asyncio)")
+        else:
+            self._owns_client = False
+        self.client = client
+        self.url = redact(redis_url or "")
+        self.pubcmd = "SPUBLISH" if is_cluster(client) else "PUBLISH"
+        self._cluster = is_cluster(client)
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max(max_backoff_s, backoff_s)
+        self.timeout_s = timeout_s
+        self.batches = 0  # round trips made
+        self.failed_batches = 0
+        self._lock = threading.Lock()
+        self._lanes: list[Lane] = []
+        self._rr = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._idle = False
+        self._failures = 0
+        self._down_until = 0.0
+        self._down_since: float | None = None
+        self._warned_at = 0.0
+        self.closed = False
+        self._users = 0
+        self._pid = os.getpid()
+        self.background = BackgroundLoop("redisbal-report-sender") if threaded else None
+
+    @classmethod
+    def for_url(cls, redis_url: str | None, **kwargs: Any) -> ReportSender:
+        """The process-wide sender for ``redis_url`` (and these options), made on first
+        use: blocking reporters of one process share it, one thread and one round trip
+        per round for all their engines. Each call counts a user; see ``release``."""
+        key = (redis_url, tuple(sorted(kwargs.items())))
+        with _REGISTRY_LOCK:
+            sender = _BY_URL.get(key)
+            # a forked child inherits the registry, not the parent's sender thread
+            if sender is None or sender.closed or sender._pid != os.getpid():
+                sender = cls(redis_url, **kwargs)
+                _BY_URL[key] = sender
+            sender._users += 1
+            return sender
+
+    def release(self) -> bool:
+        """One user of a ``for_url`` sender is done; True when it was the last (the caller
+        then closes the sender)."""
+        with _REGISTRY_LOCK:
+            self._users -= 1
+            if self._users > 0:
+                return False
+            for key, sender in list(_BY_URL.items()):
+                if sender is self:
+                    del _BY_URL[key]
+            self.closed = True  # no new users; close() still runs the shutdown
+            return True
+
+    @classmethod
+    def for_client(cls, client: Any, **kwargs: Any) -> ReportSender:
+        """The sender of ``client``: reporters made with one client share one sender."""
+        sender = _SHARED.get(id(client))
+        if sender is None or sender.client is not client or sender.closed:
+            sender = cls(client=client, **kwargs)
+            _SHARED[id(client)] = sender
+        return sender
+
+    # -- hand-over (any thread; never waits) --------------------------------------------------
+
+    def attach(self, lane: Lane) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("this ReportSender is closed")
+            self._lanes.append(lane)
+
+    def detach(self, lane: Lane) -> None:
+        """Take the engine off the sender; what it still held is dropped (counted)."""
+        with self._lock:
+            lane.attached = False
+            if lane in self._lanes:
+                self._lanes.remove(lane)
+            if lane.pending is not None:
+                lane.counts["dropped"] += 1
+                lane.pending = None
+            _resolve(lane.waiters, ReportResult("unavailable"))
+            _resolve(lane.register_waiters, False)
+            lane.waiters, lane.register_waiters, lane.register = [], [], False
+
+    def submit(
+        self, lane: Lane, args: list[str], tag: Tag | None, want_future: bool
+    ) -> ReportResult | concurrent.futures.Future[ReportResult]:
+        """Queue one report (validated by the caller); see the module docstring."""
+        wave, step = tag or (0, 0)
+        with self._lock:
+            if not lane.attached:
+                lane.counts["dropped"] += 1
+                return ReportResult("unavailable", 0, wave, step)
+            if tag is not None and lane.newest is not None and tag < lane.newest:
+                lane.counts["stale"] += 1
+                return ReportResult("stale", 0, wave, step)
+            lane.counts["queued"] += 1
+            if lane.pending is not None:
+                lane.counts["coalesced"] += 1
+                _resolve(lane.waiters, ReportResult("coalesced", 0, wave, step))
+                lane.waiters = []
+            lane.pending = lane.last_args = args
+            if tag is not None:
+                lane.newest = tag
+            out: ReportResult | concurrent.futures.Future[ReportResult]
+            if not want_future:
+                out = ReportResult("queued", 0, wave, step)
+            elif time.monotonic() < self._down_until:  # backing off: answer now, retry later
+                lane.counts["unavailable"] += 1
+                out = ReportResult("unavailable", 0, wave, step)
+            else:
+                out = concurrent.futures.Future()
+                lane.waiters.append(out)
+            self._kick()
+        self._ensure_running()
+        return out
+
+    def submit_register(
+        self, lane: Lane, want_future: bool
+    ) -> concurrent.futures.Future[bool] | None:
+        with self._lock:
+            if not lane.attached:
+                return None
+            lane.register = True
+            fut: concurrent.futures.Future[bool] | None = None
+            if want_future:
+                if time.monotonic() < self._down_until:
+                    fut = concurrent.futures.Future()
+                    fut.set_result(False)
+                else:
+                    fut = concurrent.futures.Future()
+                    lane.register_waiters.append(fut)
+            self._kick()
+        self._ensure_running()
+        return fut
+
+    def _kick(self) -> None:
+        """Wake the task if it sleeps (caller holds the lock). While it backs off or
+        sends it is not idle, so a hand-over then costs no system call."""
+        if self._idle and self._loop is not None and self._wake is not None:
+            self._idle = False
+            if threading.get_ident() == self._loop_thread:
+                self._wake.set()
+            else:
+                with contextlib.suppress(RuntimeError):  # loop closed under us
+                    self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _ensure_running(self) -> None:
+        if self._task is not None and not self._task.done():
+            return
+        if self.closed:
+            return
+        if self.background is not None:
+            self.background.call_soon(self._start)
+        else:
+            asyncio.get_running_loop()  # RuntimeError outside a loop: the caller's mistake
+            self._start()
+
+    def _start(self) -> None:
+        """Start the task on the running loop (idempotent)."""
+        if (self._task is not None and not self._task.done()) or self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
+            raise RuntimeError("this ReportSender runs on another event loop")
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._run(), name="redisbal-report-sender")
+
+    # -- the task -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while not self.closed:
+            now = time.monotonic()
+            with self._lock:
+                if not self._lanes:
+                    self._idle, self._task = False, None
+                    return  # restarted by the next hand-over (_ensure_running)
+                batch = self._take(now) if now >= self._down_until else []
+                if not batch:
+                    timeout = self._sleep_s(now)
+                    self._idle = now >= self._down_until
+            if batch:
+                await self._send(batch)
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            with self._lock:
+                self._idle = False
+
+    def _take(self, now: float) -> list[_Op]:
+        """Everything due, registrations first: an engine registered before another's
+        report was handed over is a member when that report runs, so the first
+        snapshot waits for it (as when registering was a round trip of its own)."""
+        registers: list[_Op] = []
+        reports: list[_Op] = []
+        lanes = self._lanes[self._rr :] + self._lanes[: self._rr]
+        self._rr = (self._rr + 1) % max(1, len(self._lanes))
+        for lane in lanes:
+            if len(registers) + len(reports) >= MAX_BATCH:
+                break
+            if lane.register:
+                registers.append(_Op("register", lane, [], lane.register_waiters))
+                lane.register, lane.register_waiters = False, []
+                lane.inflight += 1
+            if lane.pending is not None:
+                reports.append(_Op("report", lane, lane.pending, lane.waiters))
+                lane.pending, lane.waiters = None, []
+                lane.inflight += 1
+            elif (
+                lane.heartbeat_s is not None
+                and lane.last_args is not None
+                and now - lane.last_sent >= lane.heartbeat_s
+            ):
+                reports.append(_Op("report", lane, lane.last_args, [], heartbeat=True))
+                lane.inflight += 1
+        return registers + reports
+
+    def _sleep_s(self, now: float) -> float:
+        if now < self._down_until:
+            return self._down_until - now
+        due = [
+            lane.last_sent + lane.heartbeat_s - now
+            for lane in self._lanes
+            if lane.heartbeat_s is not None and lane.last_args is not None
+        ]
+        return max(0.001, min(due, default=1.0))
+
+    async def _send(self, batch: list[_Op]) -> None:
+        started = time.monotonic()
+        outs = await self._round_trip(batch)
+        now = time.monotonic()
+        self.batches += 1
+        outage = next((o for o in outs if isinstance(o, OUTAGE_ERRORS)), None)
+        with self._lock:
+            for op, out in zip(batch, outs, strict=True):
+                op.lane.inflight -= 1
+                self._settle(op, out, now)
+            if outage is not None:
+                self.failed_batches += 1
+                self._failures = min(self._failures + 1, 30)
+                delay = min(self.backoff_s * 2 ** (self._failures - 1), self.max_backoff_s)
+                self._down_until = started + delay
+        self._log_health(outage, now)
+
+    async def _round_trip(self, batch: list[_Op]) -> list[Any]:
+        """One result (or exception) per op. Several ops go in one pipeline once every
+        lane's Scripts knows its mode; on a cluster, one call per op, concurrently."""
+        guard = self.timeout_s + 1.0  # a client without socket timeouts must not hang us
+        try:
+            if (
+                len(batch) > 1
+                and not self._cluster
+                and all(op.lane.scripts.mode != "probe" for op in batch)
+            ):
+                return await asyncio.wait_for(self._pipelined(batch), guard)
+            return await asyncio.wait_for(self._singly(batch), guard)
+        except Exception as exc:  # an outage, or a failure of the round as a whole
+            return [exc] * len(batch)
+
+    async def _pipelined(self, batch: list[_Op]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for op in batch:
+            queued = op.lane.scripts.call(op.kind, *self._argv(op), client=pipe)
+            if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
+                await queued
+        outs: list[Any] = list(await pipe.execute(raise_on_error=False))
+        for i, (op, out) in enumerate(zip(batch, outs, strict=True)):
+            if isinstance(out, Exception) and not isinstance(out, OUTAGE_ERRORS):
+                outs[i] = await self._one(op)  # e.g. the library was flushed: reload
+        return outs
+
+    async def _singly(self, batch: list[_Op]) -> list[Any]:
+        """One call per op, concurrently: every registration, then every report."""
+        outs: list[Any] = []
+        for kind in ("register", "report"):
+            outs += await asyncio.gather(*(self._one(op) for op in batch if op.kind == kind))
+        return outs
+
+    async def _one(self, op: _Op) -> Any:
+        try:
+            return await op.lane.scripts.call(op.kind, *self._argv(op))
+        except Exception as exc:  # handed to _settle: an outage, or an error to count
+            return exc
+
+    @staticmethod
+    def _argv(op: _Op) -> list[str]:
+        return [op.lane.candidate(), op.lane.engine_id, *op.args]
+
+    def _settle(self, op: _Op, out: Any, now: float) -> None:
+        """Apply one op's outcome (caller holds the lock)."""
+        lane = op.lane
+        if isinstance(out, OUTAGE_ERRORS):
+            if op.kind == "register":
+                _resolve(op.waiters, False)
+                lane.register = lane.attached
+                return
+            lane.counts["unavailable"] += 1
+            _resolve(op.waiters, ReportResult("unavailable", 0, *tag_of(op.args)))
+            if op.heartbeat or not lane.attached:
+                return
+            if lane.pending is None:
+                lane.pending = op.args  # retried next round, unless newer counts come first
+            else:
+                lane.counts["coalesced"] += 1
+            return
+        if isinstance(out, Exception):
+            lane.counts["errors"] += 1
+            log.warning("engine %s: %s refused: %s", lane.engine_id, op.kind, redact(str(out)))
+            for fut in op.waiters:
+                if not fut.done():
+                    fut.set_exception(out)
+            return
+        lane.had_state = True
+        if op.kind == "register":
+            _resolve(op.waiters, int(out) == 1)
+            return
+        status, version, wave, step = report_reply(out, op.args[0], op.args[1])
+        lane.last_sent = now
+        lane.counts["sent"] += 1
+        lane.counts[status] += 1
+        if op.heartbeat:
+            lane.counts["heartbeats"] += 1
+        _resolve(op.waiters, ReportResult(status, version, wave, step))
+
+    def _log_health(self, outage: BaseException | None, now: float) -> None:
+        if outage is not None:
+            if self._down_since is None:
+                self._down_since = self._warned_at = now
+                log.warning(
+                    "Redis unavailable (%s): %s; reports are kept (the newest per engine) "
+                    "and retried",
+                    self.url,
+                    type(outage).__name__,
+                )
+            elif now - self._warned_at >= WARN_EVERY_S:
+                self._warned_at = now
+                log.warning(
+                    "Redis still unavailable (%s) after %.0f s; %d reports coalesced so far",
+                    self.url,
+                    now - self._down_since,
+                    sum(lane.counts["coalesced"] for lane in self._lanes),
+                )
+        elif self._down_since is not None:
+            log.warning("Redis reachable again after %.1f s (%s)", now - self._down_since, self.url)
+            self._down_since, self._failures, self._down_until = None, 0, 0.0
+        else:
+            self._failures = 0
+
+    # -- waiting and closing (coroutines; the blocking reporter runs them on its loop) ---------
+
+    async def flush(self, lane: Lane, timeout: float) -> bool:
+        """Wait until the engine's handed-over reports are delivered; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not lane.busy:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+
+    async def leave(self, lane: Lane) -> None:
+        """Detach the engine and leave the deployment (an outage is ignored: expiry
+        removes the engine instead)."""
+        self.detach(lane)
+        with contextlib.suppress(*OUTAGE_ERRORS, asyncio.TimeoutError):
+            await asyncio.wait_for(lane.scripts.call("leave", lane.engine_id), self.timeout_s + 1.0)
+
+    async def aclose(self) -> None:
+        """Stop the task and close the client if this sender made it."""
+        self.closed = True
+        task = self._task
+        if task is not None and not task.done():
+            if self._loop is asyncio.get_running_loop():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            else:
+                self._loop.call_soon_threadsafe(task.cancel)  # type: ignore[union-attr]
+        if self._owns_client:
+            with contextlib.suppress(Exception):
+                await self.client.aclose()
+
+    def close(self) -> None:
+        """Blocking close of a threaded sender."""
+        if self.background is None:
+            raise RuntimeError("close() is for threaded senders; await aclose()")
+        if not self.background.running:
+            return
+        with contextlib.suppress(Exception):
+            self.background.run(self.aclose(), timeout=5)
+        self.background.close()
+
+
+_SHARED: weakref.WeakValueDictionary[int, ReportSender] = weakref.WeakValueDictionary()
+_BY_URL: dict[tuple[Any, ...], ReportSender] = {}
+_REGISTRY_LOCK = threading.Lock()
