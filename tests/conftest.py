@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from procs import Routers
 from topology import binaries
 
 from redisbal.embedded import RedisServer
@@ -83,3 +84,13 @@ def fresh_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def routers() -> Iterator[Routers]:
+    """In-process routers with route loops (procs.Routers), stopped after the test."""
+    rs = Routers()
+    try:
+        yield rs
+    finally:
+        rs.close()

@@ -149,10 +149,13 @@ def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.05) -> 
 
 
 class ClusterTopology:
-    """Three (or ``n``) primaries, no replicas, all 16384 slots assigned.
+    """Three (or ``n``) primaries, each with ``replicas`` replicas (none by default),
+    all 16384 slots assigned.
 
     With ``certs`` every node speaks TLS only (clients, cluster bus, redis-cli) and
-    requires a client certificate; ``.url`` is then a ``rediss+cluster://`` URL."""
+    requires a client certificate; ``.url`` is then a ``rediss+cluster://`` URL.
+    ``node_timeout_ms`` is the cluster's failure-detection time: a primary that stays
+    unreachable that long is failed over to its replica."""
 
     def __init__(
         self,
@@ -160,10 +163,15 @@ class ClusterTopology:
         n: int = 3,
         ports: list[int] | None = None,
         certs: TlsCerts | None = None,
+        *,
+        replicas: int = 0,
+        node_timeout_ms: int = 3000,
     ) -> None:
         self.binary = binary or system_binary() or ""
         self.version = server_version(self.binary)
-        self.n = len(ports) if ports else n
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.n = len(ports) if ports else n * (1 + replicas)
         self.wanted_ports = list(ports or [])
         self.certs = certs
         self.dir = Path(tempfile.mkdtemp(prefix="redisbal-cluster-"))
@@ -178,14 +186,7 @@ class ClusterTopology:
         return f"redis+cluster://{hosts}"
 
     def _tls_args(self, port: int) -> list[str]:
-        c = self.certs
-        if c is None:
-            return []
-        return [
-            "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes",
-            "--tls-cert-file", c.server_cert, "--tls-key-file", c.server_key,
-            "--tls-ca-cert-file", c.ca, "--tls-auth-clients", "yes",
-        ]  # fmt: skip
+        return [] if self.certs is None else tls_server_args(self.certs, port, cluster=True)
 
     def start(self, timeout: float = 30.0) -> ClusterTopology:
         try:
@@ -203,7 +204,7 @@ class ClusterTopology:
                         "--cluster-config-file",
                         str(workdir / "nodes.conf"),
                         "--cluster-node-timeout",
-                        "3000",
+                        str(self.node_timeout_ms),
                         *self._tls_args(port),
                     ],
                 )
@@ -214,7 +215,7 @@ class ClusterTopology:
                 c = self.certs
                 cmd += ["--tls", "--cacert", c.ca, "--cert", c.client_cert, "--key", c.client_key]
             cmd += ["--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
-            cmd += ["--cluster-replicas", "0", "--cluster-yes"]
+            cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if out.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
@@ -231,17 +232,62 @@ class ClusterTopology:
                 text = info.decode() if isinstance(info, bytes) else str(info)
                 if "cluster_state:ok" not in text or f"cluster_known_nodes:{self.n}" not in text:
                     return False
+        if self.replicas:  # every replica has finished its first sync
+            for node in self.nodes:
+                with node.client(socket_timeout=2, decode_responses=True) as c:
+                    repl = c.info("replication")
+                    if repl["role"] == "slave" and repl.get("master_link_status") != "up":
+                        return False
         return True
+
+    def _live_client(self) -> redis.Redis:
+        for node in self.nodes:
+            if node.proc is not None and node.proc.poll() is None:
+                return node.client(socket_timeout=2)
+        raise RuntimeError("no cluster node is running")
+
+    def node_on(self, port: int) -> RedisServer:
+        return self.nodes[self.ports.index(port)]
+
+    def slot_of(self, key: str) -> int:
+        with self._live_client() as c:
+            return int(c.execute_command("CLUSTER", "KEYSLOT", key))
+
+    def slot_owner(self, slot: int) -> tuple[RedisServer, list[RedisServer]]:
+        """(primary, replicas) serving ``slot``, as a live node sees the cluster now."""
+        with self._live_client() as c:
+            for start, end, primary, *replicas in c.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    return (
+                        self.node_on(int(primary[1])),
+                        [self.node_on(int(r[1])) for r in replicas],
+                    )
+        raise LookupError(slot)
 
     def node_for_key(self, key: str) -> RedisServer:
         """The primary that owns key's slot (asked from the cluster itself)."""
-        with self.nodes[0].client(socket_timeout=2) as c:
-            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
-            for start, end, primary, *_ in c.execute_command("CLUSTER", "SLOTS"):
-                if start <= slot <= end:
-                    port = int(primary[1])
-                    return self.nodes[self.ports.index(port)]
-        raise LookupError(key)
+        return self.slot_owner(self.slot_of(key))[0]
+
+    def deployments_on_distinct_primaries(self, n: int, tag: str) -> list[str]:
+        """n deployment names whose slots belong to n different primaries."""
+        from redisbal.keys import DeploymentKeys
+
+        chosen: dict[int, str] = {}
+        for i in range(500):
+            name = f"{tag}-{i}"
+            node = self.nodes.index(self.node_for_key(DeploymentKeys(name).snapshot))
+            chosen.setdefault(node, name)
+            if len(chosen) == n:
+                return list(chosen.values())
+        raise AssertionError("could not spread deployments over the primaries")
+
+    def node_id(self, node: RedisServer) -> str:
+        with node.client(socket_timeout=2, decode_responses=True) as c:
+            return str(c.execute_command("CLUSTER", "MYID"))
+
+    def role(self, node: RedisServer) -> str:
+        with node.client(socket_timeout=2, decode_responses=True) as c:
+            return str(c.info("replication")["role"])
 
     def cleanup(self) -> None:
         for node in self.nodes:
@@ -269,12 +315,18 @@ class _Sentinel:
         primary_port: int,
         svc: str,
         password: str | None = None,
+        certs: TlsCerts | None = None,
     ) -> None:
         self.binary, self.port, self.dir = binary, port, workdir
+        self.certs = certs
         self.conf = workdir / "sentinel.conf"
+        listen = (
+            f"port 0\ntls-port {port}\n{_tls_conf(certs)}tls-replication yes\n"
+            if certs is not None
+            else f"port {port}\n"
+        )
         self.conf.write_text(
-            f"port {port}\n"
-            "bind 127.0.0.1\n"
+            listen + "bind 127.0.0.1\n"
             f"dir {workdir}\n"
             f"logfile {workdir / 'sentinel.log'}\n"
             f"sentinel monitor {svc} 127.0.0.1 {primary_port} 2\n"
@@ -294,7 +346,13 @@ class _Sentinel:
         )
 
     def client(self) -> redis.Redis:
-        return redis.Redis("127.0.0.1", self.port, socket_timeout=2, decode_responses=True)
+        return redis.Redis(
+            "127.0.0.1",
+            self.port,
+            socket_timeout=2,
+            decode_responses=True,
+            **(self.certs.client_kwargs() if self.certs is not None else {}),
+        )
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -312,36 +370,55 @@ class SentinelTopology:
     With ``password`` the data nodes require it (``requirepass`` / ``masterauth``,
     set once they run) and the sentinels use it (``sentinel auth-pass``); the
     sentinels themselves need none. ``.url`` carries no password: add it.
+
+    With ``certs`` every TCP port speaks TLS only and requires a client certificate:
+    the data nodes (replication too) and the sentinels, which also reach the data
+    nodes over TLS; ``.url`` is then a ``rediss+sentinel://`` URL with the CA and
+    the client certificate in its query. The unix sockets stay plain (set-up only).
     """
 
     def __init__(
-        self, binary: str | None = None, service: str = "mymaster", password: str | None = None
+        self,
+        binary: str | None = None,
+        service: str = "mymaster",
+        password: str | None = None,
+        certs: TlsCerts | None = None,
     ) -> None:
         self.binary = binary or system_binary() or ""
         self.service = service
         self.password = password
+        self.certs = certs
         self.dir = Path(tempfile.mkdtemp(prefix="redisbal-sentinel-"))
         self.servers: list[RedisServer] = []
+        self.ports: list[int] = []
         self.sentinels: list[_Sentinel] = []
 
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        if self.certs is not None:
+            return f"rediss+sentinel://{hosts}/{self.service}?{self.certs.query()}"
         return f"redis+sentinel://{hosts}/{self.service}"
+
+    def _data_args(self, port: int) -> dict[str, Any]:
+        """RedisServer arguments for a data node on ``port`` (TLS-only with certs)."""
+        if self.certs is None:
+            return {"tcp": True, "port": port}
+        return {"extra_args": tls_server_args(self.certs, port)}
 
     def start(self, timeout: float = 30.0) -> SentinelTopology:
         try:
             p_port, r_port, *s_ports = free_ports(5)
-            primary = RedisServer(self.binary, tcp=True, port=p_port, workdir=self._sub("primary"))
-            self.servers.append(primary.start())
-            replica = RedisServer(
-                self.binary,
-                tcp=True,
-                port=r_port,
-                workdir=self._sub("replica"),
-                extra_args=["--replicaof", "127.0.0.1", str(p_port)],
+            primary = RedisServer(
+                self.binary, workdir=self._sub("primary"), **self._data_args(p_port)
             )
+            self.servers.append(primary.start())
+            rargs = self._data_args(r_port)
+            rargs["extra_args"] = [*rargs.get("extra_args", []), "--replicaof", "127.0.0.1"]
+            rargs["extra_args"].append(str(p_port))
+            replica = RedisServer(self.binary, workdir=self._sub("replica"), **rargs)
             self.servers.append(replica.start())
+            self.ports = [p_port, r_port]  # what sentinels and clients use (TLS with certs)
             if self.password:
                 with replica.client() as c:
                     c.config_set("masterauth", self.password)
@@ -357,6 +434,7 @@ class SentinelTopology:
                     p_port,
                     self.service,
                     self.password,
+                    self.certs,
                 )
                 s.start()
                 self.sentinels.append(s)
@@ -396,7 +474,7 @@ class SentinelTopology:
         return server.client(socket_timeout=2, decode_responses=True, password=self.password)
 
     def server_on(self, port: int) -> RedisServer:
-        return next(s for s in self.servers if s.port == port)
+        return self.servers[self.ports.index(port)]
 
     def kill_primary(self) -> int:
         """SIGKILL the current primary; returns its port."""
@@ -441,11 +519,41 @@ class TlsCerts:
     client_cert: str
     client_key: str
 
+    def client_kwargs(self) -> dict[str, Any]:
+        """redis-py keyword arguments for a TLS client that presents its cert."""
+        return {
+            "ssl": True,
+            "ssl_ca_certs": self.ca,
+            "ssl_certfile": self.client_cert,
+            "ssl_keyfile": self.client_key,
+        }
+
     def query(self) -> str:
         """URL query string for a client that trusts the CA and presents its cert."""
         return (
             f"ssl_ca_certs={self.ca}&ssl_certfile={self.client_cert}&ssl_keyfile={self.client_key}"
         )
+
+
+def tls_server_args(certs: TlsCerts, port: int, *, cluster: bool = False) -> list[str]:
+    """redis-server arguments for a TLS-only ``port`` that requires client certificates,
+    replication (and with ``cluster`` the cluster bus) over TLS too."""
+    args = ["--tls-port", str(port), "--tls-replication", "yes"]
+    if cluster:
+        args += ["--tls-cluster", "yes"]
+    return [
+        *args,
+        *("--tls-cert-file", certs.server_cert, "--tls-key-file", certs.server_key),
+        *("--tls-ca-cert-file", certs.ca, "--tls-auth-clients", "yes"),
+    ]
+
+
+def _tls_conf(certs: TlsCerts) -> str:
+    """Config-file lines for a TLS-only server or sentinel requiring client certs."""
+    return (
+        f"tls-cert-file {certs.server_cert}\ntls-key-file {certs.server_key}\n"
+        f"tls-ca-cert-file {certs.ca}\ntls-auth-clients yes\n"
+    )
 
 
 def _openssl(*args: str, cwd: Path) -> None:
