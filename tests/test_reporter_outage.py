@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 import redis
 from helpers import Barrier
-from redisbal.embedded import RedisServer
 
 from redisbal import AsyncEngineReporter, EngineReporter, ReportSender, Snapshot
 from redisbal.keys import DeploymentKeys
+from redisbal.sim.embedded import RedisServer
 
 pytestmark = pytest.mark.slow
 

