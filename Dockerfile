@@ -35,6 +35,7 @@ RUN pip install '.[dev]'
 COPY tests ./tests
 COPY scripts ./scripts
 COPY docs ./docs
+COPY CHANGELOG.md ./
 COPY docker-compose.yml ./
 RUN chown -R redisbal /app
 USER redisbal
