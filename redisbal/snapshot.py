@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import orjson
 
 # admitted counts the reporters send are below this; the Lua script checks that an
-# admitted list is JSON integers but not their length (docs/CHOICES.md), so routers
+# admitted list is JSON integers but not their length (docs/DESIGN.md), so routers
 # read a list whose sum reaches it, which only another client can send, as not reported
 MAX_ADMITTED = 10**15
 

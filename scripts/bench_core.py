@@ -1,4 +1,4 @@
-"""Core micro-benchmarks (issue 2): route() cost, Redis time per report, report->snapshot latency.
+"""Core micro-benchmarks: route() cost, Redis time per report, report->snapshot latency.
 
 Also the router's cost to adopt one snapshot (no target; it is off the route() path).
 

@@ -1,4 +1,4 @@
-"""Invariants 1-3, 5 and 6 of DESIGN.md on the real Lua barrier scripts.
+"""Invariants 1-3, 5 and 6 of docs/DESIGN.md on the real Lua barrier scripts.
 
 Every test drives the scripts exactly as the library does (EVALSHA through
 ``Scripts``) on a real redis-server, then reads the stored keys back. Counts

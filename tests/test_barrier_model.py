@@ -1,6 +1,6 @@
 """Property test: random interleavings against a plain-Python model of the barrier.
 
-The model is written from DESIGN.md's invariants and the KEYS/ARGV/returns
+The model is written from docs/DESIGN.md's invariants and the KEYS/ARGV/returns
 headers of the Lua scripts, in its own terms (tags are (wave, step) tuples,
 membership is a dict), not by transcribing the Lua. Hypothesis drives reports
 (in order, ahead, late, stale, same-step refresh, retries, wave changes),
@@ -44,7 +44,7 @@ class Report:
 
 @dataclass
 class Model:
-    """What DESIGN.md says the barrier holds."""
+    """What docs/DESIGN.md says the barrier holds."""
 
     epoch: str
     pub: Tag = BEFORE

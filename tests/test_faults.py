@@ -3,7 +3,7 @@
 Every test runs real redis-server processes, engines and coordinators as child
 processes (tests/procs.py, public API only) and routers routing continuously
 (RouteLoop: a request every ~2 ms, each finishing 50 ms later). Each asserts
-what DESIGN.md's fault table promises and records the recovery time it
+what docs/RELIABILITY.md's fault table promises and records the recovery time it
 measured (printed, and appended to build/reliability.jsonl for
 docs/RELIABILITY.md). Waits are bounded polls with generous deadlines; every
 process is killed on the way out, also on failure.

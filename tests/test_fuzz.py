@@ -1,6 +1,6 @@
 """Bad input, fuzzed: every public entry point and every Lua script called directly.
 
-What each case must get (DESIGN.md, "Bad input and faults"): a clear error that
+What each case must get (docs/DESIGN.md, bad input): a clear error that
 names the field, and nothing stored: for the scripts the deployment's keys are
 DUMPed before and after each call and compared byte for byte, and the whole db
 is SCANned for keys that appeared. Valid input generated on the way must work.
@@ -388,7 +388,7 @@ def test_direct_callers_cannot_make_a_snapshot_that_routers_cannot_parse(target:
         target.expect_refused(
             "report", k, [d, "PUBLISH", "ep1", "e0", "0", "99", "1", "1", "", adm]
         )
-    # the script does not count an admitted entry's digits (docs/CHOICES.md): a count
+    # the script does not count an admitted entry's digits (docs/DESIGN.md): a count
     # past what the reporters send is still a JSON integer, for every spelling the
     # script takes (fast and slow path), and routers read such a list as not reported
     for waiting in ("1", "01"):

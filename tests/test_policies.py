@@ -1,6 +1,6 @@
 """Routing policies and RouterCore, without Redis (pure logic, a fake clock, seeded RNGs).
 
-The baselines are tested against their documented behaviour (DESIGN.md: vLLM
+The baselines are tested against their documented behaviour (docs/DESIGN.md: vLLM
 before PR 21617, PR 21617, latest). The default ``redisbal`` policy is tested
 for its properties, not its formula: no lost bookkeeping, no double counting,
 time-based reconciliation, unbiased ties, pinning, balanced start.

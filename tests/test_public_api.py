@@ -1,8 +1,8 @@
-"""What an outside checker can drive with only DESIGN.md's public names.
+"""What an outside checker can drive with only the public names of docs/DESIGN.md.
 
 Each test uses ``redisbal.EngineReporter`` / ``redisbal.AsyncRouter`` /
-``redisbal.Router`` exactly as the brief shows them, with default settings
-unless the brief's API offers a knob, against a real redis-server.
+``redisbal.Router`` exactly as the README shows them, with default settings
+unless the public API offers a knob, against a real redis-server.
 """
 
 from __future__ import annotations
