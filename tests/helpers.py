@@ -8,6 +8,7 @@ exactly what Redis stored, not what a Python wrapper believes it stored.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -83,6 +84,37 @@ def _probe(pred: Callable[[], T]) -> tuple[T | None, Exception | None]:
 def _timed_out(pred: Callable[[], object], timeout: float, what: str, exc: Exception | None) -> str:
     extra = f" (last probe error: {exc!r})" if exc is not None else ""
     return f"timed out after {timeout:.1f}s waiting for {what or pred}{extra}"
+
+
+class Blocking:
+    """Drive either twin of a blocking/asyncio pair (EngineReporter and
+    AsyncEngineReporter, Router and AsyncRouter) through one test flow: a coroutine a
+    method returns is run to completion on a private event loop, and ``close()``
+    calls ``aclose()`` where the object has one."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self.loop = asyncio.new_event_loop()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.obj, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = attr(*args, **kwargs)
+            return self.loop.run_until_complete(out) if inspect.isawaitable(out) else out
+
+        return call
+
+    def close(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            if hasattr(self.obj, "aclose"):
+                self.loop.run_until_complete(self.obj.aclose(*args, **kwargs))
+            else:
+                self.obj.close(*args, **kwargs)
+        finally:
+            self.loop.close()
 
 
 def server_ms(r: redis.Redis) -> int:
