@@ -478,7 +478,10 @@ def test_engine_killed(server: RedisServer, deployment: str, routers: Routers) -
     loop.stop()
     after_kill = obs.since(t_kill)
     forced = [s for s in after_kill if s.forced]
-    assert forced and all("e2" in s.laggards for s in forced if "e2" in s.engines), (
+    # (any, not all: a loaded machine can make a live engine lag for stall_ms too, so a
+    # forced snapshot published just before the kill, or while e0 lagged behind the dead
+    # e2, rightly names another laggard)
+    assert any("e2" in s.laggards for s in forced), (
         "the stall guard should have forced snapshots naming e2 while it was dying: "
         f"{[(s.version, s.step, s.forced, sorted(s.engines), s.laggards) for s in after_kill][:12]}"
         f" coordinator: {coordinator_status}"
