@@ -8,6 +8,7 @@ exactly what Redis stored, not what a Python wrapper believes it stored.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import orjson
 import redis
 
 from redisbal.keys import BARRIER_FIELDS, DeploymentKeys, is_engine_field
-from redisbal.scripts import Scripts, report_reply
+from redisbal.scripts import Scripts, report_reply, script_source
 from redisbal.snapshot import EngineCounts, Snapshot
 
 T = TypeVar("T")
@@ -115,6 +116,11 @@ class Blocking:
                 self.obj.close(*args, **kwargs)
         finally:
             self.loop.close()
+
+
+def script_sha(name: str) -> str:
+    """The SHA1 under which Redis caches the EVAL source of operation ``name``."""
+    return hashlib.sha1(script_source(name).encode()).hexdigest()
 
 
 def server_ms(r: redis.Redis) -> int:

@@ -16,7 +16,6 @@ dead_after_ms 1000-1500, stall_ms 100, join_grace_ms 300, lease TTL 1000 ms.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import signal
 import time
@@ -24,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from helpers import wait_until
+from helpers import script_sha, wait_until
 from procs import (
     ProcGroup,
     RouteLoop,
@@ -38,7 +37,7 @@ from topology import SentinelTopology, binaries
 from redisbal import Router
 from redisbal.embedded import RedisServer
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import Scripts, library, script_source
+from redisbal.scripts import Scripts, library
 from redisbal.snapshot import Snapshot
 
 BINARIES = binaries()
@@ -703,8 +702,7 @@ def test_script_flush_mid_run(
         if what == "script":
             c.script_flush()
             t_flush = time.monotonic()
-            sha = hashlib.sha1(script_source("report").encode()).hexdigest()
-            assert c.script_exists(sha) == [False]
+            assert c.script_exists(script_sha("report")) == [False]
         else:
             c.function_flush()
             t_flush = time.monotonic()
