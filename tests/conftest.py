@@ -12,8 +12,10 @@ Tests that kill or restart a server start their own with ``fresh_server``.
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -23,6 +25,12 @@ from topology import binaries
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
 
+# Tests write nothing into the checkout: Hypothesis keeps its example database (and its
+# cache of the constants it found in the code) in the temp dir, across sessions.
+os.environ.setdefault(
+    "HYPOTHESIS_STORAGE_DIRECTORY", str(Path(tempfile.gettempdir()) / "redisbal-hypothesis")
+)
+
 EXTERNAL_URL = os.environ.get("REDISBAL_REDIS_URL")
 BINARIES = list(binaries().items())
 # Helpers that look redis-server up themselves honour REDISBAL_REDIS_SERVER: point them at
@@ -30,6 +38,18 @@ BINARIES = list(binaries().items())
 if BINARIES and BINARIES[0][0] == "system":
     os.environ.setdefault("REDISBAL_REDIS_SERVER", BINARIES[0][1])
 SERVER_PARAMS = ["external"] if EXTERNAL_URL else [name for name, _ in BINARIES]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reliability_log(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Where the fault tests append their measured recovery times: the file named by
+    REDISBAL_RELIABILITY_LOG if given, else one in this session's temp dir (never the
+    checkout)."""
+    path = os.environ.get("REDISBAL_RELIABILITY_LOG") or str(
+        tmp_path_factory.getbasetemp() / "reliability.jsonl"
+    )
+    os.environ["REDISBAL_RELIABILITY_LOG"] = path
+    return path
 
 
 def binary_path(name: str) -> str:

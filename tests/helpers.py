@@ -7,6 +7,9 @@ exactly what Redis stored, not what a Python wrapper believes it stored.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -15,7 +18,7 @@ import orjson
 import redis
 
 from redisbal.keys import BARRIER_FIELDS, DeploymentKeys, is_engine_field
-from redisbal.scripts import Scripts, report_reply
+from redisbal.scripts import Scripts, report_reply, script_source
 from redisbal.snapshot import EngineCounts, Snapshot
 
 T = TypeVar("T")
@@ -37,16 +40,87 @@ def text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def wait_until(pred: Callable[[], T], timeout: float = 5.0, interval: float = 0.01) -> T:
-    """Poll pred until it returns something truthy; fail with AssertionError at timeout."""
+def wait_until(
+    pred: Callable[[], T], timeout: float = 10.0, what: str = "", interval: float = 0.01
+) -> T:
+    """Poll pred until it returns something truthy and return that.
+
+    The one way a test waits for a state: never a fixed sleep followed by an assert.
+    An exception from pred counts as "not yet" (a probe may hit a Redis that is down)
+    and is named at the timeout; an AssertionError from pred fails at once.
+    """
     deadline = time.monotonic() + timeout
     while True:
-        got = pred()
+        got, exc = _probe(pred)
         if got:
             return got
         if time.monotonic() >= deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {pred}")
+            raise AssertionError(_timed_out(pred, timeout, what, exc)) from exc
         time.sleep(interval)
+
+
+async def await_until(
+    pred: Callable[[], T], timeout: float = 10.0, what: str = "", interval: float = 0.01
+) -> T:
+    """``wait_until`` for asyncio tests: the event loop runs while it waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got, exc = _probe(pred)
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(_timed_out(pred, timeout, what, exc)) from exc
+        await asyncio.sleep(interval)
+
+
+def _probe(pred: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    try:
+        return pred(), None
+    except AssertionError:
+        raise
+    except Exception as exc:
+        return None, exc
+
+
+def _timed_out(pred: Callable[[], object], timeout: float, what: str, exc: Exception | None) -> str:
+    extra = f" (last probe error: {exc!r})" if exc is not None else ""
+    return f"timed out after {timeout:.1f}s waiting for {what or pred}{extra}"
+
+
+class Blocking:
+    """Drive either twin of a blocking/asyncio pair (EngineReporter and
+    AsyncEngineReporter, Router and AsyncRouter) through one test flow: a coroutine a
+    method returns is run to completion on a private event loop, and ``close()``
+    calls ``aclose()`` where the object has one."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self.loop = asyncio.new_event_loop()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.obj, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = attr(*args, **kwargs)
+            return self.loop.run_until_complete(out) if inspect.isawaitable(out) else out
+
+        return call
+
+    def close(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            if hasattr(self.obj, "aclose"):
+                self.loop.run_until_complete(self.obj.aclose(*args, **kwargs))
+            else:
+                self.obj.close(*args, **kwargs)
+        finally:
+            self.loop.close()
+
+
+def script_sha(name: str) -> str:
+    """The SHA1 under which Redis caches the EVAL source of operation ``name``."""
+    return hashlib.sha1(script_source(name).encode()).hexdigest()
 
 
 def server_ms(r: redis.Redis) -> int:

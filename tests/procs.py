@@ -13,8 +13,8 @@ test side: :class:`ProcGroup` (spawn, and kill everything on exit, also on
 failure), :class:`RouteLoop` (an in-process router routing continuously and
 recording every decision), :class:`SnapshotObserver` (every published snapshot
 as received on the channel), :class:`TcpProxy` (cut or stall one client's
-network path), :func:`wait_until` (bounded polling) and :func:`record`
-(measured recovery times, appended to ``build/reliability.jsonl``).
+network path) and :func:`record` (measured recovery times, appended to the file
+``$REDISBAL_RELIABILITY_LOG`` names).
 """
 
 from __future__ import annotations
@@ -36,44 +36,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from helpers import wait_until
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
-RELIABILITY_LOG = Path(
-    os.environ.get("REDISBAL_RELIABILITY_LOG", ROOT / "build" / "reliability.jsonl")
-)
+RELIABILITY_LOG_ENV = "REDISBAL_RELIABILITY_LOG"
 
 
 # -- measuring --------------------------------------------------------------------------------
 
 
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> float:
-    """Poll pred until it is truthy; return the seconds it took, or fail naming ``what``."""
-    start = time.monotonic()
-    deadline = start + timeout
-    last_exc: BaseException | None = None
-    while True:
-        try:
-            if pred():
-                return time.monotonic() - start
-        except Exception as exc:  # a probe may hit Redis while it is down
-            last_exc = exc
-        if time.monotonic() >= deadline:
-            extra = f" (last probe error: {last_exc!r})" if last_exc else ""
-            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}{extra}")
-        time.sleep(interval)
-
-
 def record(fault: str, **figures: Any) -> dict[str, Any]:
-    """Print one measurement and append it to build/reliability.jsonl (for docs/RELIABILITY.md)."""
+    """Print one measurement, and append it to $REDISBAL_RELIABILITY_LOG when set (the test
+    session points it into its temp dir unless given: tests write nothing into the checkout)."""
     row = {"fault": fault, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **figures}
     for k, v in row.items():
         if isinstance(v, float):
             row[k] = round(v, 3)
     line = json.dumps(row, sort_keys=False)
     print(f"RELIABILITY {line}")
-    with contextlib.suppress(OSError):
-        RELIABILITY_LOG.parent.mkdir(parents=True, exist_ok=True)
-        with RELIABILITY_LOG.open("a", encoding="utf-8") as f:
+    path = os.environ.get(RELIABILITY_LOG_ENV)
+    if path:
+        with Path(path).open("a", encoding="utf-8") as f:
             f.write(line + "\n")
     return row
 
@@ -140,13 +124,13 @@ class Proc:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_ready(self, timeout: float = 20.0) -> float:
+    def wait_ready(self, timeout: float = 20.0) -> None:
         def ready() -> bool:
             if not self.alive():
                 raise AssertionError(f"{self.name} exited: {self.tail()}")
             return any(x.get("ready") for x in self.lines)
 
-        return wait_until(ready, timeout, f"{self.name} ready")
+        wait_until(ready, timeout, f"{self.name} ready")
 
     def signal(self, sig: int) -> None:
         if self.alive():
@@ -224,11 +208,14 @@ class ProcGroup:
 # -- in-process probes ------------------------------------------------------------------------
 
 
+Decided = tuple[float, str, int, bool, float]
+
+
 @dataclass
 class RouteLog:
     errors: list[str] = field(default_factory=list)
-    # (monotonic time, engine id, snapshot version, degraded)
-    decisions: list[tuple[float, str, int, bool]] = field(default_factory=list)
+    # (monotonic time before route(), engine id, snapshot version, degraded, time after it)
+    decisions: list[Decided] = field(default_factory=list)
     # (monotonic time, seconds one route() call took)
     durations: list[tuple[float, float]] = field(default_factory=list)
     # (monotonic time, epoch, version, engine ids) each time the router's snapshot changed
@@ -281,7 +268,8 @@ class RouteLoop:
                 )
                 self.log.errors.append(f"{type(exc).__name__}: {exc} [{where}]")
             else:
-                self.log.decisions.append((now, d.engine_id, d.version, d.degraded))
+                done = time.monotonic()
+                self.log.decisions.append((now, d.engine_id, d.version, d.degraded, done))
                 self.log.durations.append((now, took))
                 inflight.append((now, d))
             while inflight and now - inflight[0][0] >= self.hold_s:
@@ -298,8 +286,20 @@ class RouteLoop:
         """Seconds each route() call between t0 and t1 took, sorted."""
         return sorted(d for t, d in list(self.log.durations) if t0 <= t < t1)
 
-    def decisions_since(self, t: float) -> list[tuple[float, str, int, bool]]:
+    def decisions_since(self, t: float) -> list[Decided]:
         return [d for d in list(self.log.decisions) if d[0] >= t]
+
+    def degraded_run(self, since: float) -> tuple[list[Decided], Decided | None]:
+        """The decisions from the first one flagged degraded that began at or after
+        ``since`` up to the next one that is not, and that next one (None while routing
+        is still degraded). Taken in the loop's own order from the router's own flags,
+        so no clock of another thread decides where the run starts."""
+        ds = list(self.log.decisions)
+        first = next((i for i, d in enumerate(ds) if d[0] >= since and d[3]), None)
+        if first is None:
+            return [], None
+        end = next((i for i in range(first, len(ds)) if not ds[i][3]), None)
+        return ds[first:end], None if end is None else ds[end]
 
     def versions_monotonic(self) -> list[str]:
         """Every place where the router went back to an older version within an epoch."""

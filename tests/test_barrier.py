@@ -286,18 +286,20 @@ def test_a_silence_of_the_whole_deployment_expires_nobody_at_once(bar: Barrier) 
     for e in ("e0", "e1", "e2"):
         rep(bar, e, 1)
     time.sleep(0.55)  # no call at all: the deployment was unreachable
+    t0 = time.monotonic()  # before the reap that starts the hold: no expiry before t0 + 0.4
     assert bar.reap()[1] == [], "engines expired for a silence they could not break"
     # e0 and e1 are alive and report on (as live engines do); e2 stays silent: dead
-    step, expired_at, t0 = 2, None, time.monotonic()
+    step, expired_at = 2, None
     while expired_at is None:
         assert time.monotonic() - t0 < 5, "the silent engine never expired"
         rep(bar, "e0", step)
         rep(bar, "e1", step)
-        if bar.reap()[1] == ["e2"]:
+        bar.reap()  # (or a report expired it on the way)
+        if "e2" not in bar.members():
             expired_at = time.monotonic() - t0
         step += 1
         time.sleep(0.03)
-    assert expired_at >= 0.35, "expired before the hold ended"
+    assert expired_at >= 0.39, f"expired {expired_at:.3f}s into a 0.4 s hold"
     assert set(bar.snapshot().engines) == {"e0", "e1"}  # type: ignore[union-attr]
     assert bar.counter("expired") == 1
 
@@ -400,18 +402,19 @@ def test_first_snapshot_waits_for_join_grace(r: redis.Redis, keys: DeploymentKey
     coordinator do once they had state); a fresh deployment has no grace."""
     bar = Barrier(r, keys)
     bar.epoch = "r-lost"
-    bar.configure(join_grace_ms=300)
+    bar.configure(join_grace_ms=1500)  # long: a loaded machine may pause this test a while
     assert bar.meta()["grace"] == "1"
     start = int(bar.meta()["epoch_start"])
     rep(bar, "e0", 1)
     assert bar.snapshot_raw() is None
     time.sleep(0.1)
     rep(bar, "e1", 1)  # a late re-registration within the grace
+    assert server_ms(r) - start < 1500, "the machine stalled past the grace: no check made"
     assert bar.snapshot_raw() is None
-    wait_until(lambda: bar.reap()[0] > 0 or server_ms(r) - start > 2000, timeout=5)
+    wait_until(lambda: bar.reap()[0] > 0 or server_ms(r) - start > 4000, timeout=10)
     snap = bar.snapshot()
     assert snap is not None and set(snap.engines) == {"e0", "e1"}
-    assert snap.time_ms - start >= 300
+    assert snap.time_ms - start >= 1500
 
 
 def test_fresh_deployment_has_no_join_grace(r: redis.Redis, keys: DeploymentKeys) -> None:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import orjson
 import pytest
 import redis
 from click.testing import CliRunner
+from helpers import wait_until
 
 import redisbal
 from redisbal import EngineReporter
@@ -338,10 +340,12 @@ def test_coordinator_signal_releases_the_lease_and_exits_0(
         text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while r.hget(keys.config, "lease_owner") != b"sig-test":
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout
-            time.sleep(0.05)
+
+        def leading() -> bool:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            return r.hget(keys.config, "lease_owner") == b"sig-test"
+
+        wait_until(leading, 30, "the coordinator to take the lease")
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)
     finally:
@@ -410,10 +414,24 @@ def test_status_watch_refreshes_until_ctrl_c(redis_url: str, deployment: str) ->
         stderr=subprocess.PIPE,
         text=True,
     )
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    header = f"deployment {deployment}  epoch"
     try:
-        time.sleep(2.0)
+        # Ctrl-C once it has refreshed twice (a loaded machine may take seconds to start it)
+        wait_until(lambda: "".join(lines).count(header) >= 2, 30, "two refreshes")
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        reader.join(10)
+        assert proc.stderr is not None
+        out, err = "".join(lines), proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -22,7 +22,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from topology import ClusterTopology, apply_acl_lines, binaries, every_class_flow, make_certs
+from helpers import await_until
+from topology import (
+    ClusterTopology,
+    EveryClass,
+    apply_acl_lines,
+    binaries,
+    every_class_flow,
+    make_certs,
+)
 
 import redisbal
 from redisbal.connection import BadRedisURL, is_cluster, make_client, parse_url
@@ -123,10 +131,7 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
                     for r in [*arouters, *srouters]
                 )
 
-            deadline = time.monotonic() + 10
-            while not all_routers_at() and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            assert all_routers_at(), [r.snapshot and r.snapshot.cut for r in arouters]
+            await await_until(all_routers_at, 10, f"every router at step {step}")
         for ar in arouters:
             snap = ar.snapshot
             assert snap is not None and snap.engines["e0"].waiting == 3
@@ -137,13 +142,13 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
         # the stall guard on the cluster: e1 goes quiet, the coordinator forces step 4
         for rep in sync_reps:
             rep.report(step=4, waiting=4, running=10, wait=True)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+
+        def forced_everywhere() -> bool:
             for c in coords:
-                await asyncio.to_thread(c.tick)
-            if all(r.snapshot is not None and r.snapshot.forced for r in arouters):
-                break
-            await asyncio.sleep(0.05)
+                c.tick()
+            return all(r.snapshot is not None and r.snapshot.forced for r in arouters)
+
+        await await_until(forced_everywhere, 10, "forced snapshots", interval=0.05)
         for ar in arouters:
             snap = ar.snapshot
             assert snap is not None and snap.forced and snap.cut == (0, 4)
@@ -300,46 +305,17 @@ async def test_least_privilege_users_on_cluster(cluster: ClusterTopology) -> Non
     def url(role: str) -> str:
         return f"redis+cluster://{users[role]}:{role}-{secret}@{hosts}"
 
-    coord = Coordinator(url("coordinator"), dep, CoordinatorConfig(join_grace_ms=0, stall_ms=100))
-    rep = redisbal.EngineReporter(url("engine"), dep, "e0", heartbeat=False)
-    arep = redisbal.AsyncEngineReporter(url("engine"), dep, "e1", heartbeat=False)
-    arouter = redisbal.AsyncRouter(url("router"), dep, 0, 2, poll_s=30.0)
-    router = redisbal.Router(url("router"), dep, 1, 2, poll_s=30.0)
-    try:
-        await asyncio.to_thread(coord.tick)
-        assert coord.stats.leader
-        rep.register(wait=True)  # idempotent (a blocking reporter registers when built)
-        assert await arep.register(wait=True)
-        await arouter.start()
-        await asyncio.to_thread(router.start)
-        rep.report(step=1, waiting=1, running=1, wait=True)
-        assert (await arep.report(step=1, waiting=2, running=2, wait=True)).version == 1
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(
-            r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router)
-        ):
-            await asyncio.sleep(0.02)
-        assert all(r.snapshot is not None and r.snapshot.version == 1 for r in (arouter, router))
-        assert arouter.last_error is None
-        rep.report(step=2, waiting=1, running=1, wait=True)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not coord.stats.forced:
-            await asyncio.to_thread(coord.tick)
-            await asyncio.sleep(0.03)
-        assert coord.stats.forced == 1 and coord.stats.errors == 0
+    async with EveryClass(
+        url("coordinator"), dep, engine_url=url("engine"), router_url=url("router")
+    ) as flow:
+        await flow.run()
+        assert flow.coord.stats.errors == 0
         writer = make_client(url("router"))
         try:
             with pytest.raises(redis.exceptions.NoPermissionError):
                 writer.set(DeploymentKeys(dep).snapshot, "forged")
         finally:
             writer.close()
-    finally:
-        await asyncio.to_thread(router.close)
-        await arouter.aclose()
-        rep.close()
-        await arep.aclose()
-        coord.release()
-        coord.client.close()
 
 
 def test_tls_cluster_with_client_certificates(tmp_path: Path) -> None:

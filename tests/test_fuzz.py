@@ -14,7 +14,6 @@ refuse (non-numeric, negative, huge, unicode, braces, empty, very long).
 
 from __future__ import annotations
 
-import asyncio
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import click
 import pytest
 import redis
+from helpers import Blocking
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -503,45 +503,14 @@ def test_engine_reporter_report(target: Target, redis_url: str, args: dict[str, 
         rep.close(leave=False)
 
 
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
 @FUZZ
 @given(args=report_args)
-def test_async_engine_reporter_report(
-    target: Target, redis_url: str, loop: asyncio.AbstractEventLoop, args: dict[str, Any]
-) -> None:
-    async def run() -> None:
-        rep = AsyncEngineReporter(redis_url, target.keys.deployment, "e0", heartbeat=False)
-        try:
-
-            async def call(a: dict[str, Any]) -> Any:
-                return await rep.report(**a, wait=True)
-
-            valid = report_is_valid(
-                args["step"],
-                args["waiting"],
-                args["running"],
-                args["wave"],
-                args["kv_usage"],
-                args["admitted"],
-            )
-            before = target.state()
-            if valid:
-                res = await call(args)
-                assert res.status in ("accepted", "stale"), res
-            else:
-                with pytest.raises(InvalidReport):
-                    await call(args)
-                assert target.state() == before
-        finally:
-            await rep.aclose(leave=False)
-
-    loop.run_until_complete(run())
+def test_async_engine_reporter_report(target: Target, redis_url: str, args: dict[str, Any]) -> None:
+    rep = Blocking(AsyncEngineReporter(redis_url, target.keys.deployment, "e0", heartbeat=False))
+    try:
+        _check_report(lambda a: rep.report(**a, wait=True), target, args)
+    finally:
+        rep.close(leave=False)
 
 
 names = st.one_of(bad_name, st.sampled_from(["ok", "e-1", "A.b_c", "9"]), st.integers(), st.none())

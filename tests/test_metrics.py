@@ -12,9 +12,9 @@ import urllib.request
 from typing import Any
 
 import pytest
+from helpers import wait_until
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-from topology import wait_until
 
 import redisbal
 from redisbal.coordinator import Coordinator, CoordinatorConfig

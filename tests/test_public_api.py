@@ -9,27 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 import redis
+from helpers import await_until, wait_until
 
 import redisbal
 from redisbal.sim.embedded import RedisServer
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
-async def await_for(cond: Callable[[], object], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_checker_flow(redis_url: str, deployment: str) -> None:
@@ -49,7 +35,7 @@ async def test_checker_flow(redis_url: str, deployment: str) -> None:
         # engine 0 is already at step 2 when the last engine reports step 1
         assert reps[0].report(step=2, waiting=50, running=64, wave=0, wait=True).accepted
         assert reps[3].report(step=1, waiting=0, running=0, wave=0, wait=True).accepted
-        await await_for(lambda: router.snapshot is not None)
+        await await_until(lambda: router.snapshot is not None)
         snap = router.snapshot
         assert snap is not None and (snap.wave, snap.step) == (0, 1)
         assert snap.engines["0"].running == 10, "the cut holds engine 0's step-1 counts"
@@ -62,7 +48,7 @@ async def test_checker_flow(redis_url: str, deployment: str) -> None:
             rep.report(
                 step=3, waiting=40 if i == 2 else 0, running=64 if i == 2 else 1, wave=0, wait=True
             )
-        await await_for(lambda: router.snapshot is not None and router.snapshot.step == 3)
+        await await_until(lambda: router.snapshot is not None and router.snapshot.step == 3)
         chosen = [router.route() for _ in range(30)]
         assert "2" not in {d.engine_id for d in chosen}
         for d in chosen:
@@ -89,19 +75,19 @@ def test_dead_engine_expires_and_barrier_resumes(
     router = redisbal.Router(url, deployment=deployment, client_index=0, client_count=1)
     router.start()
     try:
+        t0 = time.monotonic()  # before c's last report: expiry is dead_after after that
         for rep in (*live, crashed):
             rep.report(step=1, waiting=0, running=1, wait=True)
-        wait_for(lambda: router.snapshot is not None and "c" in router.snapshot.engines)
-        t0 = time.monotonic()
+        wait_until(lambda: router.snapshot is not None and "c" in router.snapshot.engines)
         step = 2
         # "c" crashed: it reports no more; the live engines keep stepping
         while router.snapshot is None or "c" in router.snapshot.engines:
-            assert time.monotonic() - t0 < 15, "the dead engine never expired"
+            assert time.monotonic() - t0 < 20, "the dead engine never expired"
             for rep in live:
                 rep.report(step=step, waiting=0, running=1, wait=True)
             step += 1
             time.sleep(0.05)
-        assert time.monotonic() - t0 >= 4.5, "expired before dead_after"
+        assert time.monotonic() - t0 >= 4.9, "expired before dead_after"
         snap = router.snapshot
         assert snap.gone.get("c") == "expired" or "c" not in snap.engines
         assert snap.step > 1, "the barrier did not resume past the dead engine"
@@ -126,10 +112,10 @@ async def test_routing_goes_on_with_redis_stopped(
     try:
         for rep in reps:
             rep.report(step=1, waiting=0, running=1, wait=True)
-        await await_for(lambda: router.snapshot is not None)
+        await await_until(lambda: router.snapshot is not None)
         assert not router.route().degraded
         fresh_server.kill()
-        await await_for(lambda: router.degraded, timeout=10)
+        await await_until(lambda: router.degraded, timeout=10)
         t0 = time.perf_counter()
         decisions = [router.route() for _ in range(300)]
         assert time.perf_counter() - t0 < 1.0, "route() waited on the dead server"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
 from collections import Counter
@@ -13,7 +12,7 @@ import orjson
 import pytest
 import redis
 import redis.asyncio
-from helpers import Barrier, wait_until
+from helpers import Barrier, await_until, wait_until
 
 from redisbal import AsyncRouter, Router, UnknownEngine
 from redisbal.keys import DeploymentKeys
@@ -37,13 +36,6 @@ def step_all(bar: Barrier, step: int, engines: tuple[str, ...] = ("e0", "e1")) -
     return version
 
 
-async def wait_for(pred: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {pred}"
-        await asyncio.sleep(0.01)
-
-
 # -- invariant 4: the feed ------------------------------------------------------------------------
 
 
@@ -57,7 +49,7 @@ async def test_feed_gets_the_stored_snapshot_then_follows_pubsub(
         assert router.snapshot is not None and router.snapshot.version == v1
         assert not router.degraded
         v2 = step_all(bar, 2)
-        await wait_for(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
+        await await_until(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
         assert router.snapshot.cut == (0, 2)  # type: ignore[union-attr]
     finally:
         await router.aclose()
@@ -72,11 +64,11 @@ async def test_router_ignores_older_versions_and_adopts_a_new_epoch(
     await router.start(wait=5)
     try:
         v2 = step_all(bar, 2)
-        await wait_for(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
+        await await_until(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
         r.publish(keys.channel, old_raw)  # type: ignore[arg-type]
         v3 = step_all(bar, 3)
         # messages arrive in order: by the time v3 is in, the old one was seen and ignored
-        await wait_for(lambda: router.snapshot.version == v3)  # type: ignore[union-attr]
+        await await_until(lambda: router.snapshot.version == v3)  # type: ignore[union-attr]
         assert router.core.counters["ignored_old"] >= 1
         old_epoch = router.snapshot.epoch  # type: ignore[union-attr]
         # state lost: a new epoch restarts versions at 1; the router must follow
@@ -85,7 +77,7 @@ async def test_router_ignores_older_versions_and_adopts_a_new_epoch(
         bar.configure()
         bar.register("e0", "e1")
         assert step_all(bar, 1) == 1
-        await wait_for(lambda: router.snapshot.epoch == "fresh")  # type: ignore[union-attr]
+        await await_until(lambda: router.snapshot.epoch == "fresh")  # type: ignore[union-attr]
         assert router.snapshot.version == 1 and old_epoch != "fresh"  # type: ignore[union-attr]
         assert router.core.counters["epochs"] == 1
     finally:
@@ -104,7 +96,7 @@ async def test_poll_recovers_a_snapshot_whose_message_was_lost(
         doc["version"] = v1 + 5
         doc["engines"]["e0"]["waiting"] = 99
         r.set(keys.snapshot, orjson.dumps(doc))  # stored, never published
-        await wait_for(lambda: router.snapshot.version == v1 + 5)  # type: ignore[union-attr]
+        await await_until(lambda: router.snapshot.version == v1 + 5)  # type: ignore[union-attr]
         assert router.core.by_id["e0"].waiting == 99
     finally:
         await router.aclose()
@@ -119,7 +111,7 @@ async def test_departed_engine_is_not_routed_to_after_the_next_snapshot(
     try:
         assert router.route("e1").engine_id == "e1"
         _, version = bar.leave("e1")
-        await wait_for(lambda: router.snapshot.version == version)  # type: ignore[union-attr]
+        await await_until(lambda: router.snapshot.version == version)  # type: ignore[union-attr]
         assert {router.route().engine_id for _ in range(50)} == {"e0"}
         with pytest.raises(UnknownEngine, match=r"'e1'.*it left"):
             router.route("e1")
@@ -163,7 +155,7 @@ async def test_route_does_no_io(
     await router.aclose()  # feed stopped, client closed: local state only
     assert router.route().engine_id in ("e0", "e1")
     # without a feed the snapshot ages: within stale_after_s routing says it is degraded
-    await wait_for(lambda: router.degraded, timeout=5)
+    await await_until(lambda: router.degraded, timeout=5)
     assert router.route().degraded
 
 

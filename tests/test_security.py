@@ -18,12 +18,12 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 
 import pytest
 import redis
 from topology import (
+    EveryClass,
     TlsServer,
     apply_acl_lines,
     binaries,
@@ -31,7 +31,6 @@ from topology import (
     every_class_flow,
     make_certs,
     system_binary,
-    wait_until,
 )
 
 import redisbal
@@ -153,38 +152,19 @@ async def test_least_privilege_users_can_do_their_job(
     def url(role: str) -> str:
         return f"redis://{users[role]}:{role}-{SECRET}@127.0.0.1:{port}/0"
 
-    coord = Coordinator(url("coordinator"), deployment, FAST, interval_s=0.02)
-    reps = [
-        redisbal.EngineReporter(url("engine"), deployment, "e0", heartbeat=False),
-        redisbal.AsyncEngineReporter(url("engine"), deployment, "e1", heartbeat=False),
-    ]
-    arouter = redisbal.AsyncRouter(url("router"), deployment, 0, 2, poll_s=30.0)
-    router = redisbal.Router(url("router"), deployment, 1, 2, poll_s=0.2)
-    try:
-        coord.tick()
-        assert coord.stats.leader
+    async with EveryClass(
+        url("coordinator"),
+        deployment,
+        engine_url=url("engine"),
+        router_url=url("router"),
+        config=FAST,
+    ) as flow:
+        await flow.run()
+        coord = flow.coord
         coord.check_identity()  # INFO is granted to the coordinator
-        reps[0].register(wait=True)  # idempotent (a blocking reporter registers when built)
-        assert await reps[1].register(wait=True)
-        await arouter.start()
-        await asyncio.to_thread(router.start)
-        assert reps[0].report(step=1, waiting=1, running=1, wait=True).accepted
-        assert (await reps[1].report(step=1, waiting=2, running=2, wait=True)).version == 1
-        for step in (2, 3):
-            reps[0].report(step=step, waiting=step, running=1, wait=True)
-            await reps[1].report(step=step, waiting=0, running=step, wait=True)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(
-            r.snapshot is not None and r.snapshot.cut == (0, 3) for r in (arouter, router)
-        ):
-            await asyncio.sleep(0.02)
-        assert all(r.snapshot is not None and r.snapshot.cut == (0, 3) for r in (arouter, router))
-        assert arouter.last_error is None and not arouter.degraded
-        reps[0].report(step=4, waiting=1, running=1, wait=True)
-        wait_until(lambda: (coord.tick(), coord.stats.forced)[1] >= 1, 10, "a forced snapshot")
         assert coord.stats.errors == 0
         want = "functions" if functions else "scripts"
-        assert [x.scripts.mode for x in (*reps, coord)] == [want] * 3
+        assert [x.scripts.mode for x in (flow.rep, flow.arep, coord)] == [want] * 3
         # the coordinator user can serve the metrics too (they read the same keys)
         from redisbal.metrics import serve_coordinator_metrics
 
@@ -196,13 +176,6 @@ async def test_least_privilege_users_can_do_their_job(
                 assert f'redisbal_up{{deployment="{deployment}"}} 1.0' in resp.read().decode()
         finally:
             server.shutdown()
-    finally:
-        await asyncio.to_thread(router.close)
-        await arouter.aclose()
-        reps[0].close()
-        await reps[1].aclose()
-        coord.release()
-        coord.client.close()
 
 
 def test_least_privilege_users_cannot_load_functions(secured: RedisServer, deployment: str) -> None:

