@@ -41,7 +41,7 @@ async def test_a_custom_scorer_routes_on_what_the_public_view_shows(
     await router.start()
     try:
         for rep, kv, running in zip(reps, (0.9, 0.2, 0.5), (3, 50, 7), strict=True):
-            assert rep.report(step=1, waiting=1, running=running, kv_usage=kv).accepted
+            assert rep.report(step=1, waiting=1, running=running, kv_usage=kv, wait=True).accepted
         await await_for(lambda: router.snapshot is not None and len(router.snapshot.engines) == 3)
         first = router.route()
         # "b" has the least KV in use although it runs the most: the scorer decided
