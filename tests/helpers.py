@@ -102,9 +102,16 @@ class Blocking:
         if not callable(attr):
             return attr
 
+        if not hasattr(self.obj, "aclose"):  # the blocking twin: a plain call
+            return attr
+
         def call(*args: Any, **kwargs: Any) -> Any:
-            out = attr(*args, **kwargs)
-            return self.loop.run_until_complete(out) if inspect.isawaitable(out) else out
+            # inside the loop: an asyncio twin may hand work to its loop before awaiting
+            async def run() -> Any:
+                out = attr(*args, **kwargs)
+                return await out if inspect.isawaitable(out) else out
+
+            return self.loop.run_until_complete(run())
 
         return call
 
