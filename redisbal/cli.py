@@ -235,7 +235,10 @@ def _write_json(path: str | None, data: Any) -> None:
 # Commands implemented in other modules: name -> "module:attribute". They are imported when
 # used or listed, so that one optional dependency cannot break the other commands.
 # Register a command here (one line), e.g.  "bench": "redisbal.bench:bench",
-EXTERNAL_COMMANDS: dict[str, str] = {"bench": "redisbal.bench:bench_command"}
+EXTERNAL_COMMANDS: dict[str, str] = {
+    "bench": "redisbal.bench:bench_command",
+    "scrape": "redisbal.integrations.scrape:scrape_command",
+}
 
 
 class RedisbalGroup(click.Group):
