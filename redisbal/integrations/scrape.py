@@ -36,23 +36,17 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from redisbal.cli import _run_until_signal, check_reachable, common_options, settings
 from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page
-from redisbal.integrations.sender import RateLimitedLog, ReportSender
+from redisbal.integrations.sender import RateLimitedLog, ReportSender, sanitise
 from redisbal.keys import InvalidName, check_name
 
 log = logging.getLogger("redisbal.scrape")
 
 DEFAULT_TEMPLATE = "{host}-{port}-{engine}"
 FIELDS = ("host", "port", "engine", "index")
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
 class SidecarError(Exception):
     """A configuration the sidecar cannot run with (one line, names the culprit)."""
-
-
-def sanitise(value: object) -> str:
-    """A template value made of name characters only (':' '/' '[' ']' ... become '-')."""
-    return _UNSAFE.sub("-", str(value)) or "-"
 
 
 def check_template(template: str) -> str:
@@ -226,8 +220,9 @@ class Sidecar:
                     reason = f"{type(exc).__name__}: {exc}"
                     log.warning("scrape: %s not answering yet (%s)", t.metrics_url, reason)
                     continue
-                for s in samples:
-                    self.engine_id(t, s.engine)
+                for s in samples:  # known now: they register together, before any reports
+                    eid = t.engines[s.engine] = self.engine_id(t, s.engine)
+                    self.sender.add(eid, t.engine_url)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Scrape until ``stop`` is set (forever without one)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,12 @@ from redisbal.keys import check_name
 log = logging.getLogger("redisbal.integrations")
 
 WARN_EVERY_S = 10.0
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def sanitise(value: object) -> str:
+    """A value for an engine-id template, of name characters only (':' '/' ... -> '-')."""
+    return _UNSAFE.sub("-", str(value)) or "-"
 
 
 @dataclass
@@ -209,12 +216,19 @@ class ReportSender:
                     out.append((eng, eng.last))
         return out
 
+    def _register_new(self) -> None:
+        """Register every engine added so far before any of them reports, so that the
+        first snapshot waits for all the engines this sender speaks for."""
+        with self._lock:
+            new = [e for e in self._engines.values() if not e.registered]
+        for eng in new:
+            eng.registered = eng.reporter.register()
+
     def _flush(self, batch: list[tuple[_Engine, dict[str, Any]]]) -> None:
         self.flushes += 1
+        self._register_new()
         for eng, counts in batch:
             rep = eng.reporter
-            if not eng.registered:  # the first snapshot waits for the engines we speak for
-                eng.registered = rep.register()
             eng.sent = time.monotonic()
             try:
                 res = rep.report(**counts)
