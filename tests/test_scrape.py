@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import statistics
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -382,3 +384,53 @@ def test_cli_bad_template_and_page_are_one_line_errors(redis_url: str, tmp_path:
         cli, ["scrape", "--redis-url", redis_url, "--metrics-url", "http://h/m", "--interval", "x"]
     )
     assert res.exit_code == 2 and "not a duration" in res.output
+
+
+async def test_command_reports_then_leaves_on_sigterm(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys, servers: list[MetricsServer]
+) -> None:
+    """The real `redisbal scrape` process: it reports the served counts, and a SIGTERM makes
+    its engines leave the deployment (no report means no knowledge of them)."""
+    Barrier(r, keys).configure()
+    a = await MetricsServer(engines=2).start()
+    servers.append(a)
+    a.counts = {"0": (1, 2), "1": (3, 4)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "redisbal", "scrape", "--redis-url", redis_url,
+        "--deployment", keys.deployment, "--metrics-url", a.url, "--interval", "50ms",
+        "--engine-id", "node-{index}-{engine}",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        await until(lambda: counts_of(latest(r, keys)) == {"node-0-0": (1, 2), "node-0-1": (3, 4)},
+                    timeout=10.0)  # fmt: skip
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 10)
+        assert proc.returncode == 0, err.decode()
+        assert "Traceback" not in err.decode()
+        await until(lambda: counts_of(latest(r, keys)) == {}, timeout=3.0)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_command_refuses_a_page_without_counts(
+    redis_url: str, keys: DeploymentKeys, servers: list[MetricsServer]
+) -> None:
+    a = await MetricsServer(engines=0).start()  # a page with no engine series at all
+    servers.append(a)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "redisbal", "scrape", "--redis-url", redis_url,
+        "--deployment", keys.deployment, "--metrics-url", a.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    lines = [ln for ln in err.decode().splitlines() if ln.startswith("Error")]
+    assert proc.returncode == 1
+    assert lines == [
+        f"Error: {a.url}: no engine counts on the page: expected vLLM series "
+        "(vllm:num_requests_waiting, vllm:num_requests_running) or SGLang series "
+        "(sglang:num_queue_reqs, sglang:num_running_reqs)"
+    ]
+    assert "Traceback" not in err.decode()
