@@ -434,3 +434,14 @@ async def test_command_refuses_a_page_without_counts(
         "(sglang:num_queue_reqs, sglang:num_running_reqs)"
     ]
     assert "Traceback" not in err.decode()
+
+
+def test_missing_extra_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # import aiohttp -> ImportError
+    monkeypatch.delitem(sys.modules, "redisbal.integrations.scrape", raising=False)
+    res = CliRunner().invoke(cli, ["scrape", "--metrics-url", "http://h/metrics"])
+    assert res.exit_code == 1
+    assert res.output.strip() == (
+        "Error: scrape is unavailable: redisbal scrape needs the 'scrape' extra: "
+        "pip install 'redisbal[scrape]' (missing aiohttp)"
+    )
