@@ -50,6 +50,14 @@ def test_recorded_vllm_excerpt_without_waiting_is_an_error_naming_it() -> None:
     assert str(exc.value) == "vLLM page without vllm:num_requests_waiting"
 
 
+def test_page_rendered_by_vllm_0_33_itself() -> None:
+    """900 lines from vLLM 0.33.0's own PrometheusStatLogger (see the file's header)."""
+    assert parse_page(page("vllm_0.33.0_stat_logger_generated.txt")) == [
+        EngineSample("0", waiting=4, running=7, kv_usage=0.375),
+        EngineSample("1", waiting=0, running=12, kv_usage=0.75),
+    ]
+
+
 def test_vllm_0_33_page_one_engine_per_engine_label() -> None:
     assert parse_page(page("vllm_0.33.0_two_engines_constructed.txt")) == [
         EngineSample("0", waiting=4, running=7, kv_usage=0.4375),
