@@ -22,6 +22,7 @@ import redis
 from helpers import Barrier
 
 from redisbal.coordinator import Coordinator, CoordinatorConfig
+from redisbal.embedded import RedisServer
 from redisbal.integrations import vllm_plugin
 from redisbal.integrations.vllm_plugin import PluginConfig, PluginConfigError, RedisbalStatLogger
 from redisbal.keys import DeploymentKeys
@@ -233,3 +234,37 @@ def test_per_engine_base_signature(redis_url: str, r: redis.Redis, keys: Deploym
     for i, lg in enumerate(loggers):
         lg.record(SchedulerStats(num_waiting_reqs=i + 1), None, engine_idx=i)
     until(lambda: counts(r, keys) == {"x0": (1, 0), "x1": (2, 0)})
+
+
+def test_redis_restart_costs_a_warning_and_reporting_resumes(
+    fresh_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis killed and restarted empty (no persistence): record() never waits, one
+    warning says Redis is unavailable, and the engines re-register in a new epoch."""
+    keys = DeploymentKeys("plug")
+    p = RedisbalStatLogger(
+        None, [0, 1], env=env(fresh_server.url, "plug", REDISBAL_ENGINE_ID="e{engine}")
+    )
+    r = fresh_server.client()
+    p.record(SchedulerStats(num_running_reqs=1), None, engine_idx=0)
+    p.record(SchedulerStats(num_running_reqs=2), None, engine_idx=1)
+    until(lambda: counts(r, keys) == {"e0": (0, 1), "e1": (0, 2)})
+    epoch = r.get(keys.epoch)
+    with caplog.at_level(logging.WARNING, "redisbal"):
+        fresh_server.kill()
+        t0 = time.perf_counter()
+        for i in range(500):  # vLLM keeps stepping through the outage
+            p.record(SchedulerStats(num_running_reqs=i % 7), None, engine_idx=i % 2)
+        assert time.perf_counter() - t0 < 0.2
+        time.sleep(0.5)
+        fresh_server.restart()
+        r = fresh_server.client()
+        deadline = time.monotonic() + 10
+        while counts(r, keys) != {"e0": (0, 5), "e1": (0, 6)}:  # the engines keep stepping
+            assert time.monotonic() < deadline, counts(r, keys)
+            p.record(SchedulerStats(num_running_reqs=5), None, engine_idx=0)
+            p.record(SchedulerStats(num_running_reqs=6), None, engine_idx=1)
+            time.sleep(0.01)
+    assert r.get(keys.epoch) != epoch
+    ours = [rec for rec in caplog.records if rec.name == "redisbal.integrations"]
+    assert len(ours) == 1 and "unavailable" in ours[0].getMessage(), ours
