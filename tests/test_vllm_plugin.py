@@ -118,6 +118,8 @@ def test_unconfigured_does_nothing_with_one_warning(
         ({"REDISBAL_ENGINE_ID": "{gpu}"}, "field {gpu} unknown"),
         ({"REDISBAL_MODE": "fast"}, "REDISBAL_MODE must be one of"),
         ({"REDISBAL_ENGINE_URL": "10.0.0.1:8000"}, "expected http(s)://"),
+        ({"REDISBAL_MAX_STEP_S": "nan"}, "REDISBAL_MAX_STEP_S must be seconds"),
+        ({"REDISBAL_MAX_STEP_S": "0"}, "REDISBAL_MAX_STEP_S must be seconds"),
     ],
 )
 def test_bad_settings_are_one_line_errors(extra: dict[str, str], message: str) -> None:

@@ -19,7 +19,11 @@ the first two):
   endpoint per DP rank with ``--data-parallel-rank``);
 - ``REDISBAL_MODE``: ``tick`` (default) or ``lockstep``, which tags reports with
   the stats' ``(current_wave, step_counter)``; only for vLLM versions that stamp
-  those fields on the stats the front-end receives.
+  those fields on the stats the front-end receives;
+- ``REDISBAL_MAX_STEP_S`` (default 1.0): how long a busy engine's last counts are
+  re-sent without a new step. Past it the engine stalls and, after
+  ``dead_after_ms``, expires, which is what a hung loop should do; raise it for
+  models whose single steps take longer.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class PluginConfig:
     mode: str
     host: str = ""
     port: str = ""
+    max_step_s: float = 1.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PluginConfig | None:
@@ -95,7 +100,14 @@ class PluginConfig:
                 f"REDISBAL_ENGINE_ID {template!r}: field {{{bad[0]}}} unknown or needs "
                 f"REDISBAL_ENGINE_URL; use {', '.join('{' + f + '}' for f in FIELDS)}"
             )
-        return cls(url, dep, template, engine_url, mode, host, port)
+        raw = env.get("REDISBAL_MAX_STEP_S") or "1.0"
+        try:
+            max_step_s = float(raw)
+        except ValueError:
+            max_step_s = math.nan
+        if not 0.01 <= max_step_s <= 3600:  # also refuses nan
+            raise PluginConfigError(f"REDISBAL_MAX_STEP_S must be seconds in 0.01..3600: {raw!r}")
+        return cls(url, dep, template, engine_url, mode, host, port, max_step_s)
 
     def engine_id(self, engine_index: int) -> str:
         eid = self.template.format(
@@ -109,13 +121,13 @@ class PluginConfig:
 
 # -- one sender per process, shared by every instance (and so every engine) ---------------
 
-_senders: dict[tuple[str, str, str], ReportSender] = {}
+_senders: dict[tuple[str, str, str, float], ReportSender] = {}
 _senders_lock = threading.Lock()
 _warned_unconfigured = False
 
 
 def shared_sender(cfg: PluginConfig) -> ReportSender:
-    key = (cfg.redis_url, cfg.deployment, cfg.mode)
+    key = (cfg.redis_url, cfg.deployment, cfg.mode, cfg.max_step_s)
     with _senders_lock:
         sender = _senders.get(key)
         if sender is None:
@@ -125,7 +137,7 @@ def shared_sender(cfg: PluginConfig) -> ReportSender:
                 mode=cfg.mode,
                 # steps refresh busy engines; idle ones produce no steps and stay alive
                 # on their last (idle) counts; busy counts older than this are not resent
-                max_age_s=0.5,
+                max_age_s=cfg.max_step_s,
                 idle_forever=True,
                 name="redisbal-vllm-sender",
             )
