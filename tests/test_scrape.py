@@ -392,6 +392,14 @@ def test_cli_bad_template_and_page_are_one_line_errors(redis_url: str, tmp_path:
         cli, ["scrape", "--redis-url", redis_url, "--metrics-url", "http://h/m", "--interval", "x"]
     )
     assert res.exit_code == 2 and "not a duration" in res.output
+    # options are checked before anything connects: this Redis does not exist
+    res = runner.invoke(
+        cli,
+        ["scrape", "--redis-url", "redis://127.0.0.1:9/0", "--metrics-url", "http://h:1/m",
+         "--metrics-url", "http://h:2/m", "--engine-url", "http://h:1"],
+    )  # fmt: skip
+    assert res.exit_code == 1
+    assert res.output.strip() == "Error: give one --engine-url per --metrics-url (2), got 1"
 
 
 async def test_command_reports_then_leaves_on_sigterm(

@@ -263,6 +263,19 @@ class Duration(click.ParamType):
         return secs
 
 
+def make_targets(metrics_urls: list[str], engine_urls: list[str], template: str) -> list[Target]:
+    """The checked targets (SidecarError names a bad option); no I/O."""
+    if engine_urls and len(engine_urls) != len(metrics_urls):
+        raise SidecarError(
+            f"give one --engine-url per --metrics-url ({len(metrics_urls)}), got {len(engine_urls)}"
+        )
+    check_template(template)
+    return [
+        Target.make(i, m, engine_urls[i] if engine_urls else None)
+        for i, m in enumerate(metrics_urls)
+    ]
+
+
 def build(
     redis_url: str,
     deployment: str,
@@ -273,15 +286,7 @@ def build(
     timeout_s: float,
 ) -> Sidecar:
     """The sidecar for these options (SidecarError names a bad one); starts the sender."""
-    if engine_urls and len(engine_urls) != len(metrics_urls):
-        raise SidecarError(
-            f"give one --engine-url per --metrics-url ({len(metrics_urls)}), got {len(engine_urls)}"
-        )
-    targets = [
-        Target.make(i, m, engine_urls[i] if engine_urls else None)
-        for i, m in enumerate(metrics_urls)
-    ]
-    check_template(template)
+    targets = make_targets(metrics_urls, engine_urls, template)
     sender = ReportSender(
         redis_url,
         deployment,
@@ -343,6 +348,10 @@ def scrape_command(
     """Report engines from their Prometheus /metrics (vLLM, SGLang), in tick mode."""
     s = settings()
     url = s.require_url()
+    try:  # options first: nothing connects before they are known to be good
+        make_targets(list(metrics_urls), list(engine_urls), template)
+    except SidecarError as exc:
+        raise click.ClickException(str(exc)) from None
     check_reachable(url)
     try:
         sidecar = build(
