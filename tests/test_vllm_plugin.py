@@ -270,3 +270,23 @@ def test_redis_restart_costs_a_warning_and_reporting_resumes(
     assert r.get(keys.epoch) != epoch
     ours = [rec for rec in caplog.records if rec.name == "redisbal.integrations"]
     assert len(ours) == 1 and "unavailable" in ours[0].getMessage(), ours
+
+
+def test_several_api_servers_get_one_warning_about_idle_news(
+    caplog: pytest.LogCaptureFixture, redis_url: str, keys: DeploymentKeys
+) -> None:
+    """vLLM 0.33.0 keeps --api-server-count in parallel_config._api_process_count."""
+
+    class Parallel:
+        _api_process_count = 4
+
+    class Config:
+        parallel_config = Parallel()
+
+    assert vllm_plugin.api_server_count(Config()) == 4
+    assert vllm_plugin.api_server_count(None) == 1
+    with caplog.at_level(logging.WARNING, "redisbal.vllm"):
+        RedisbalStatLogger(Config(), [0], env=env(redis_url, keys.deployment))
+        RedisbalStatLogger(None, [1], env=env(redis_url, keys.deployment))
+    msgs = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert len(msgs) == 1 and "4 API servers" in msgs[0] and "redisbal scrape" in msgs[0]

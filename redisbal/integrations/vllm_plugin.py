@@ -126,6 +126,13 @@ _senders_lock = threading.Lock()
 _warned_unconfigured = False
 
 
+def api_server_count(vllm_config: Any) -> int:
+    """How many API-server processes front the engines (``--api-server-count``)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    count = getattr(parallel, "_api_process_count", 1)
+    return count if isinstance(count, int) and count > 0 else 1
+
+
 def shared_sender(cfg: PluginConfig) -> ReportSender:
     key = (cfg.redis_url, cfg.deployment, cfg.mode, cfg.max_step_s)
     with _senders_lock:
@@ -190,6 +197,14 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
             log.warning("redisbal plugin disabled: %s", exc)
             return
         self.cfg = cfg
+        if cfg.mode == "tick" and api_server_count(vllm_config) > 1:
+            log.warning(
+                "redisbal plugin: %d API servers: each step's counts reach one of them, and "
+                "one that last saw an engine idle keeps re-sending that while another "
+                "reports it busy, so snapshots may flip between the two; prefer one API "
+                "server per DP rank, or `redisbal scrape` on /metrics",
+                api_server_count(vllm_config),
+            )
         self.sender = shared_sender(cfg)
         for eid in ids.values():
             self.sender.add(eid, cfg.engine_url)
