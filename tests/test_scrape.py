@@ -23,7 +23,7 @@ from helpers import Barrier
 
 from redisbal.cli import cli
 from redisbal.coordinator import Coordinator, CoordinatorConfig
-from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page
+from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page, relevant_text
 from redisbal.integrations.scrape import Sidecar, SidecarError, Target, build, sanitise
 from redisbal.keys import DeploymentKeys
 from redisbal.snapshot import Snapshot
@@ -126,8 +126,24 @@ def test_engine_ids_are_valid_names() -> None:
 # -- a metrics server with counts the test controls -----------------------------------------
 
 
+def _vllm_padding() -> str:
+    """Every line of vLLM 0.33.0's own page except the series the sidecar reads: served
+    around the test's counts, so that each scrape fetches and filters a real-size page."""
+    lines = [
+        ln
+        for ln in page("vllm_0.33.0_stat_logger_generated.txt").splitlines()
+        if not ln.startswith("# ") or ln.startswith(("# HELP", "# TYPE"))
+    ]
+    ours = set(relevant_text("\n".join(lines)).splitlines())
+    return "\n".join(ln for ln in lines if ln not in ours) + "\n"
+
+
+VLLM_PADDING = _vllm_padding()
+
+
 class MetricsServer:
-    """A real HTTP server serving vLLM-format (or SGLang) pages of the given counts."""
+    """A real HTTP server serving vLLM-format (or SGLang) pages of the given counts; the
+    vLLM pages carry the rest of a real vLLM 0.33.0 page (79 kB) around them."""
 
     def __init__(self, engines: int = 1, flavour: str = "vllm") -> None:
         self.counts = {str(e): (0, 0) for e in range(engines)}  # label -> (waiting, running)
@@ -150,7 +166,8 @@ class MetricsServer:
             else:
                 lab = f'{{dp_rank="{label}",tp_rank="0"}}'
                 lines += [f"sglang:num_queue_reqs{lab} {w}", f"sglang:num_running_reqs{lab} {r}"]
-        return "\n".join(lines) + "\n"
+        body = "\n".join(lines) + "\n"
+        return VLLM_PADDING + body if self.flavour == "vllm" else body
 
     async def handle(self, request: web.Request) -> web.Response:
         self.hits += 1
