@@ -57,6 +57,10 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
         "redisbal.sim.commands:engine_sim",
         "Run simulated continuous-batching engines that report to Redis for real.",
     ),
+    "scrape": (
+        "redisbal.integrations.scrape:scrape_command",
+        "Report engines from their Prometheus /metrics (vLLM, SGLang), in tick mode.",
+    ),
 }
 
 

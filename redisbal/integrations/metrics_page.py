@@ -1,0 +1,149 @@
+"""Engine counts from a Prometheus /metrics page of vLLM or SGLang.
+
+Only the few series a report needs are read; the other lines of the page (a vLLM
+page is mostly histogram buckets) are dropped before ``prometheus_client``'s parser
+sees the text, which keeps a 50 ms scrape cheap.
+
+- vLLM: ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+  ``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` on older servers);
+  one engine per value of the ``engine`` label ("0" when there is none, as on
+  servers before the V1 engine).
+- SGLang: ``sglang:num_queue_reqs``, ``sglang:num_running_reqs``,
+  ``sglang:token_usage``; one engine per value of ``dp_rank`` ("0" when absent).
+
+Several series for one engine (one per ``tp_rank``, or per ``priority`` next to
+their aggregate with ``priority=""``) describe the same queue: the largest wins,
+never their sum. KV usage is optional (``None`` when the page has neither name);
+waiting and running are required.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+try:
+    from prometheus_client.parser import text_string_to_metric_families
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "reading /metrics needs prometheus-client: pip install 'redisbal[scrape]'"
+    ) from exc
+
+
+class PageError(ValueError):
+    """A /metrics page that does not carry the counts a report needs (one line)."""
+
+
+@dataclass(frozen=True)
+class Flavour:
+    name: str
+    waiting: str
+    running: str
+    kv: tuple[str, ...]
+    engine_label: str
+
+
+VLLM = Flavour(
+    "vLLM",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "engine",
+)
+SGLANG = Flavour(
+    "SGLang",
+    "sglang:num_queue_reqs",
+    "sglang:num_running_reqs",
+    ("sglang:token_usage",),
+    "dp_rank",
+)
+FLAVOURS = (VLLM, SGLANG)
+_LABEL = {n: f.engine_label for f in FLAVOURS for n in (f.waiting, f.running, *f.kv)}
+_WANTED = set(_LABEL)
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One engine's counts on one page."""
+
+    engine: str  # the engine / dp_rank label value
+    waiting: int
+    running: int
+    kv_usage: float | None
+
+
+def _line_name(line: str) -> str:
+    if line.startswith("#"):
+        parts = line.split(None, 3)
+        return parts[2] if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") else ""
+    end = len(line)
+    for ch in "{ \t":
+        i = line.find(ch)
+        if i != -1 and i < end:
+            end = i
+    return line[:end]
+
+
+def relevant_text(text: str) -> str:
+    """The page's lines for the series we read (and their HELP/TYPE lines)."""
+    return "\n".join(ln for ln in text.splitlines() if _line_name(ln) in _WANTED) + "\n"
+
+
+def _values(text: str) -> dict[str, dict[str, list[float]]]:
+    """name -> labels-less-key -> values, for the wanted gauges only."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for fam in text_string_to_metric_families(relevant_text(text)):
+        for s in fam.samples:
+            if s.name not in _WANTED:
+                continue
+            label = _LABEL[s.name]
+            out.setdefault(s.name, {}).setdefault(s.labels.get(label, "0"), []).append(s.value)
+    return out
+
+
+def _count(flavour: Flavour, name: str, engine: str, value: float) -> int:
+    if not math.isfinite(value) or value < 0:
+        raise PageError(f"{name} for {flavour.engine_label}={engine} is {value!r}: not a count")
+    return round(value)
+
+
+def parse_page(text: str) -> list[EngineSample]:
+    """Every engine on a vLLM or SGLang /metrics page; PageError names what is missing."""
+    try:
+        vals = _values(text)
+    except ValueError as exc:  # the parser's message names the bad line
+        raise PageError(f"not Prometheus text: {str(exc)[:200]}") from None
+    for fl in FLAVOURS:
+        if fl.waiting not in vals and fl.running not in vals:
+            continue
+        missing = [n for n in (fl.waiting, fl.running) if n not in vals]
+        if missing:
+            raise PageError(f"{fl.name} page without {' and '.join(missing)}")
+        kv_name = next((n for n in fl.kv if n in vals), None)
+        engines = sorted(set(vals[fl.waiting]) | set(vals[fl.running]), key=_engine_order)
+        out = []
+        for e in engines:
+            if e not in vals[fl.waiting] or e not in vals[fl.running]:
+                gone = fl.waiting if e not in vals[fl.waiting] else fl.running
+                raise PageError(f"{fl.name} page without {gone} for {fl.engine_label}={e}")
+            kv = None
+            if kv_name is not None and e in vals[kv_name]:
+                raw = max(vals[kv_name][e])
+                kv = min(1.0, max(0.0, raw)) if math.isfinite(raw) else None
+            out.append(
+                EngineSample(
+                    e,
+                    _count(fl, fl.waiting, e, max(vals[fl.waiting][e])),
+                    _count(fl, fl.running, e, max(vals[fl.running][e])),
+                    kv,
+                )
+            )
+        return out
+    raise PageError(
+        "no engine counts on the page: expected vLLM series "
+        f"({VLLM.waiting}, {VLLM.running}) or SGLang series ({SGLANG.waiting}, {SGLANG.running})"
+    )
+
+
+def _engine_order(e: str) -> tuple[int, int | str]:
+    return (0, int(e)) if e.isdigit() else (1, e)

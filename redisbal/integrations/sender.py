@@ -1,0 +1,263 @@
+"""One background sender for the engines an integration speaks for.
+
+``submit()`` validates the counts and stores them (the latest per engine wins); a
+daemon thread sends them through the public ``EngineReporter`` API on one shared
+Redis client, so the caller (vLLM's output loop, the sidecar's event loop) never
+waits on Redis. The thread also keeps engines alive between submissions, but only
+while their counts can still be believed:
+
+- ``max_age_s``: counts submitted within this long are re-sent every heartbeat
+  (tick mode needs a report every tick, or the barrier waits for the engine);
+- ``idle_forever``: counts that say "idle" (nothing waiting, nothing running) are
+  re-sent indefinitely: an idle engine produces no steps, yet must stay routable.
+
+Busy counts older than ``max_age_s`` are not re-sent: an engine whose loop stopped
+(or whose /metrics stopped answering) falls silent, so the barrier's liveness
+rules stall and then expire it instead of routing to it on frozen counts.
+``pause()`` silences an engine at once (a failed scrape).
+
+Each flush hands the engines' reports to their reporters, which share the process's
+one sender per Redis URL (``redisbal.sender``): the reports of all the engines of a
+flush reach Redis together, in one round trip, and outages are retried there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis.exceptions
+
+from redisbal.connection import redact
+from redisbal.engine import EngineReporter, validate_report
+from redisbal.keys import check_name
+
+log = logging.getLogger("redisbal.integrations")
+
+WARN_EVERY_S = 10.0
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def sanitise(value: object) -> str:
+    """A value for an engine-id template, of name characters only (':' '/' ... -> '-')."""
+    return _UNSAFE.sub("-", str(value)) or "-"
+
+
+@dataclass
+class _Engine:
+    reporter: EngineReporter
+    pending: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+    submitted: float = 0.0  # monotonic time of the latest submit()
+    sent: float = 0.0  # monotonic time of the latest send attempt
+    paused: bool = False
+    registered: bool = False
+
+
+class RateLimitedLog:
+    """At most one warning per key every ``every_s``; says how many were held back."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = WARN_EVERY_S) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e18) < self.every_s:
+            self._held[key] = self._held.get(key, 0) + 1
+            return False
+        held = self._held.pop(key, 0)
+        self._last[key] = now
+        suffix = f" ({held} more like this since the last warning)" if held else ""
+        self.logger.warning(msg + suffix, *args)
+        return True
+
+
+def _reporter_takes_url() -> bool:
+    return "url" in inspect.signature(EngineReporter.__init__).parameters
+
+
+class CountsRelay:
+    """Non-blocking reports for several engines of one deployment, sent by one thread."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        deployment: str,
+        *,
+        mode: str = "tick",
+        heartbeat_s: float | None = None,
+        max_age_s: float = 1.0,
+        idle_forever: bool = True,
+        name: str = "redisbal-relay",
+    ) -> None:
+        self.deployment = check_name(deployment, "deployment")
+        self.mode = mode
+        self.redis_url = redis_url
+        self.url = redact(redis_url)
+        default_hb = 0.02 if mode == "tick" else 0.25
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else default_hb
+        self.max_age_s = max_age_s
+        self.idle_forever = idle_forever
+        self._engines: dict[str, _Engine] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.warn = RateLimitedLog(log)
+        self.flushes = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    # -- caller side: no I/O -------------------------------------------------------------
+
+    def add(self, engine_id: str, url: str | None = None) -> None:
+        """Speak for ``engine_id`` (checked now); ``url`` is where gateways send requests."""
+        check_name(engine_id, "engine id")
+        with self._lock:
+            if engine_id in self._engines:
+                return
+            kw: dict[str, Any] = {}
+            if url and _reporter_takes_url():
+                kw["url"] = url
+            rep = EngineReporter(
+                self.redis_url,
+                self.deployment,
+                engine_id,
+                mode=self.mode,
+                heartbeat=False,
+                register=False,
+                **kw,
+            )
+            self._engines[engine_id] = _Engine(rep)
+        self._wake.set()
+
+    def engines(self) -> list[str]:
+        with self._lock:
+            return list(self._engines)
+
+    def submit(
+        self,
+        engine_id: str,
+        *,
+        step: int | None = None,
+        waiting: int = 0,
+        running: int = 0,
+        wave: int = 0,
+        kv_usage: float | None = None,
+    ) -> None:
+        """Queue one engine's counts (validated now; raises InvalidReport); latest wins."""
+        validate_report(
+            mode=self.mode,
+            step=step,
+            waiting=waiting,
+            running=running,
+            wave=wave,
+            kv_usage=kv_usage,
+            admitted=None,
+        )
+        counts: dict[str, Any] = {"step": step, "waiting": waiting, "running": running}
+        counts.update(wave=wave, kv_usage=kv_usage)
+        with self._lock:
+            eng = self._engines.get(engine_id)
+            if eng is None:
+                raise KeyError(f"unknown engine {engine_id!r}: add() it first")
+            eng.pending = counts
+            eng.submitted = time.monotonic()
+            eng.paused = False
+        self._wake.set()
+
+    def pause(self, engine_id: str) -> None:
+        """Stop reporting ``engine_id`` until its next submit(): it stalls, then expires."""
+        with self._lock:
+            eng = self._engines.get(engine_id)
+            if eng is not None:
+                eng.paused = True
+                eng.pending = None
+
+    def stats(self, engine_id: str) -> dict[str, int]:
+        """The engine's reporter counters (queued, sent, accepted, unavailable, ...)."""
+        with self._lock:
+            rep = self._engines[engine_id].reporter
+        return dataclasses.asdict(rep.stats)
+
+    # -- the sender thread ---------------------------------------------------------------
+
+    def _due(self, now: float) -> list[tuple[_Engine, dict[str, Any]]]:
+        out = []
+        with self._lock:
+            for eng in self._engines.values():
+                if eng.pending is not None:
+                    out.append((eng, eng.pending))
+                    eng.last, eng.pending = eng.pending, None
+                elif (
+                    not eng.paused
+                    and eng.last is not None
+                    and now - eng.sent >= self.heartbeat_s
+                    and (
+                        now - eng.submitted <= self.max_age_s
+                        or (
+                            self.idle_forever
+                            and eng.last["waiting"] == 0
+                            and eng.last["running"] == 0
+                        )
+                    )
+                ):
+                    out.append((eng, eng.last))
+        return out
+
+    def _register_new(self) -> None:
+        """Register every engine added so far before any of them reports, so that the
+        first snapshot waits for all the engines this sender speaks for."""
+        with self._lock:
+            new = [e for e in self._engines.values() if not e.registered]
+        for eng in new:
+            eng.reporter.register()  # handed to the reporter's sender, which retries it
+            eng.registered = True
+
+    def _flush(self, batch: list[tuple[_Engine, dict[str, Any]]]) -> None:
+        self.flushes += 1
+        self._register_new()
+        for eng, counts in batch:
+            rep = eng.reporter
+            eng.sent = time.monotonic()
+            try:
+                rep.report(**counts)  # a hand-off: the reporter's sender delivers and retries
+            except redis.exceptions.RedisError as exc:
+                self.warn.warning("send", "redisbal: report failed (%s): %s", self.url, exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.heartbeat_s / 2)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            batch = self._due(time.monotonic())
+            if batch:
+                try:
+                    self._flush(batch)
+                except Exception as exc:  # never let the thread die on one bad reply
+                    self.warn.warning("flush", "redisbal: sender error: %r", exc)
+
+    def close(self, leave: bool = True) -> None:
+        """Send what is pending, stop the thread and (by default) leave gracefully."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2)
+        with self._lock:
+            engines = list(self._engines.values())
+            pending = [(e, e.pending) for e in engines if e.pending is not None]
+        with contextlib.suppress(Exception):
+            if pending:
+                self._flush(pending)  # type: ignore[arg-type]
+        for eng in engines:
+            with contextlib.suppress(Exception):
+                eng.reporter.close(leave=leave)

@@ -1,0 +1,267 @@
+"""vLLM stat-logger plugin: every engine step's counts reach the deployment, no patch.
+
+vLLM loads it from the entry-point group ``vllm.stat_logger_plugins`` (this package
+registers ``redisbal``) in each API-server process, and calls ``record()`` on its
+output loop once per engine step with that step's ``SchedulerStats``. ``record()``
+only validates and stores the counts; a background sender (one per process, for
+every engine the process sees) writes them to Redis, so vLLM's loop never waits on
+Redis and an outage costs a rate-limited warning.
+
+Configured by environment variables (nothing happens, with one warning, without
+the first two):
+
+- ``REDISBAL_REDIS_URL``, ``REDISBAL_DEPLOYMENT``;
+- ``REDISBAL_ENGINE_ID``: engine-id template over ``{engine}`` (vLLM's engine
+  index, the global DP rank), ``{hostname}``, and ``{host}`` / ``{port}`` of
+  ``REDISBAL_ENGINE_URL``; default ``{host}-{port}-{engine}`` with an engine URL,
+  ``{hostname}-{engine}`` without;
+- ``REDISBAL_ENGINE_URL``: where a gateway sends this server's requests (one
+  endpoint per DP rank with ``--data-parallel-rank``);
+- ``REDISBAL_MODE``: ``tick`` (default) or ``lockstep``, which tags reports with
+  the stats' ``(current_wave, step_counter)``; only for vLLM versions that stamp
+  those fields on the stats the front-end receives;
+- ``REDISBAL_MAX_STEP_S`` (default 1.0): how long a busy engine's last counts are
+  re-sent without a new step. Past it the engine stalls and, after
+  ``dead_after_ms``, expires, which is what a hung loop should do; raise it for
+  models whose single steps take longer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import socket
+import string
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from redisbal.engine import InvalidReport
+from redisbal.integrations.sender import CountsRelay, RateLimitedLog, sanitise
+from redisbal.keys import InvalidName, check_name
+
+log = logging.getLogger("redisbal.vllm")
+
+try:  # one instance per front-end for all its engines where vLLM offers it
+    from vllm.v1.metrics.loggers import AggregateStatLoggerBase as _Base  # type: ignore
+except ImportError:  # older vLLM: one instance per engine; without vLLM: plain class
+    try:
+        from vllm.v1.metrics.loggers import StatLoggerBase as _Base  # type: ignore
+    except ImportError:
+        _Base = object
+
+FIELDS = ("engine", "hostname", "host", "port")
+MODES = ("tick", "lockstep")
+
+
+class PluginConfigError(ValueError):
+    """An environment setting the plugin cannot use (one line, names the variable)."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    redis_url: str
+    deployment: str
+    template: str
+    engine_url: str | None
+    mode: str
+    host: str = ""
+    port: str = ""
+    max_step_s: float = 1.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> PluginConfig | None:
+        """None when the plugin is not configured; PluginConfigError when misconfigured."""
+        url, dep = env.get("REDISBAL_REDIS_URL"), env.get("REDISBAL_DEPLOYMENT")
+        if not url or not dep:
+            return None
+        check_name(dep, "REDISBAL_DEPLOYMENT")
+        mode = env.get("REDISBAL_MODE", "tick")
+        if mode not in MODES:
+            raise PluginConfigError(f"REDISBAL_MODE must be one of {MODES}, got {mode!r}")
+        engine_url = env.get("REDISBAL_ENGINE_URL") or None
+        host = port = ""
+        if engine_url:
+            parts = urlsplit(engine_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise PluginConfigError(f"REDISBAL_ENGINE_URL {engine_url!r}: expected http(s)://")
+            host = parts.hostname
+            port = str(parts.port or (443 if parts.scheme == "https" else 80))
+        default = "{host}-{port}-{engine}" if engine_url else "{hostname}-{engine}"
+        template = env.get("REDISBAL_ENGINE_ID") or default
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        bad = [n for n in names if n not in FIELDS or (n in ("host", "port") and not engine_url)]
+        if bad:
+            raise PluginConfigError(
+                f"REDISBAL_ENGINE_ID {template!r}: field {{{bad[0]}}} unknown or needs "
+                f"REDISBAL_ENGINE_URL; use {', '.join('{' + f + '}' for f in FIELDS)}"
+            )
+        raw = env.get("REDISBAL_MAX_STEP_S") or "1.0"
+        try:
+            max_step_s = float(raw)
+        except ValueError:
+            max_step_s = math.nan
+        if not 0.01 <= max_step_s <= 3600:  # also refuses nan
+            raise PluginConfigError(f"REDISBAL_MAX_STEP_S must be seconds in 0.01..3600: {raw!r}")
+        return cls(url, dep, template, engine_url, mode, host, port, max_step_s)
+
+    def engine_id(self, engine_index: int) -> str:
+        eid = self.template.format(
+            engine=engine_index,
+            hostname=sanitise(socket.gethostname()),
+            host=sanitise(self.host),
+            port=sanitise(self.port),
+        ).lstrip("-_.")
+        return check_name(eid, "REDISBAL_ENGINE_ID result")
+
+
+# -- one sender per process, shared by every instance (and so every engine) ---------------
+
+_senders: dict[tuple[str, str, str, float], CountsRelay] = {}
+_senders_lock = threading.Lock()
+_warned_unconfigured = False
+
+
+def api_server_count(vllm_config: Any) -> int:
+    """How many API-server processes front the engines (``--api-server-count``)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    count = getattr(parallel, "_api_process_count", 1)
+    return count if isinstance(count, int) and count > 0 else 1
+
+
+def shared_sender(cfg: PluginConfig) -> CountsRelay:
+    key = (cfg.redis_url, cfg.deployment, cfg.mode, cfg.max_step_s)
+    with _senders_lock:
+        sender = _senders.get(key)
+        if sender is None:
+            sender = _senders[key] = CountsRelay(
+                cfg.redis_url,
+                cfg.deployment,
+                mode=cfg.mode,
+                # steps refresh busy engines; idle ones produce no steps and stay alive
+                # on their last (idle) counts; busy counts older than this are not resent
+                max_age_s=cfg.max_step_s,
+                idle_forever=True,
+                name="redisbal-vllm-sender",
+            )
+            atexit.register(sender.close)
+        return sender
+
+
+def close_all(leave: bool = True) -> None:
+    """Stop every sender of this process (tests; vLLM exits through atexit)."""
+    with _senders_lock:
+        senders = list(_senders.values())
+        _senders.clear()
+    for s in senders:
+        atexit.unregister(s.close)
+        s.close(leave=leave)
+
+
+class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
+    """Reports each engine step's waiting / running / KV usage to a redisbal deployment."""
+
+    def __init__(
+        self,
+        vllm_config: Any = None,
+        engine_indexes: list[int] | None = None,
+        engine_index: int = 0,
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        global _warned_unconfigured
+        self.vllm_config = vllm_config
+        if isinstance(engine_indexes, int):  # per-engine base: vLLM passes (config, index)
+            engine_index, engine_indexes = engine_indexes, None
+        self.engine_indexes = list(engine_indexes) if engine_indexes else [engine_index]
+        self.sender: CountsRelay | None = None
+        self.ids: dict[int, str] = {}
+        self.warn = RateLimitedLog(log)
+        self._lockstep_unstamped = False
+        try:
+            cfg = PluginConfig.from_env(os.environ if env is None else env)
+            if cfg is None:
+                if not _warned_unconfigured:
+                    _warned_unconfigured = True
+                    log.warning(
+                        "redisbal plugin loaded but not configured: set REDISBAL_REDIS_URL and "
+                        "REDISBAL_DEPLOYMENT to report to redisbal; reporting nothing"
+                    )
+                return
+            ids = {i: cfg.engine_id(i) for i in self.engine_indexes}
+        except (PluginConfigError, InvalidName) as exc:
+            log.warning("redisbal plugin disabled: %s", exc)
+            return
+        self.cfg = cfg
+        if cfg.mode == "tick" and api_server_count(vllm_config) > 1:
+            log.warning(
+                "redisbal plugin: %d API servers: each step's counts reach one of them, and "
+                "one that last saw an engine idle keeps re-sending that while another "
+                "reports it busy, so snapshots may flip between the two; prefer one API "
+                "server per DP rank, or `redisbal scrape` on /metrics",
+                api_server_count(vllm_config),
+            )
+        self.sender = shared_sender(cfg)
+        for eid in ids.values():
+            self.sender.add(eid, cfg.engine_url)
+        self.ids = ids
+        log.info(
+            "redisbal plugin: engines %s report to deployment %s (%s mode)",
+            ", ".join(ids.values()),
+            cfg.deployment,
+            cfg.mode,
+        )
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        """Called on vLLM's output loop once per engine step: store the counts, no I/O."""
+        if self.sender is None or scheduler_stats is None:
+            return
+        eid = self.ids.get(engine_idx)
+        if eid is None:
+            return
+        s = scheduler_stats
+        waiting = int(s.num_waiting_reqs) + int(getattr(s, "num_skipped_waiting_reqs", 0) or 0)
+        running = int(s.num_running_reqs)
+        kv = float(getattr(s, "kv_cache_usage", 0.0) or 0.0)
+        kv_usage = min(1.0, max(0.0, kv)) if math.isfinite(kv) else None
+        step: int | None = None
+        wave = 0
+        if self.cfg.mode == "lockstep":
+            step, wave = int(s.step_counter), int(s.current_wave)
+            if step == 0 and wave == 0 and running and not self._lockstep_unstamped:
+                self._lockstep_unstamped = True
+                log.warning(
+                    "redisbal plugin: REDISBAL_MODE=lockstep but this vLLM's stats carry no "
+                    "step_counter (0 with requests running): reports will not advance the "
+                    "barrier; use REDISBAL_MODE=tick"
+                )
+        try:
+            self.sender.submit(
+                eid, step=step, waiting=waiting, running=running, wave=wave, kv_usage=kv_usage
+            )
+        except (InvalidReport, KeyError) as exc:
+            self.warn.warning("bad", "redisbal plugin: not reporting engine %s: %s", eid, exc)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
