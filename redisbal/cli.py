@@ -235,7 +235,11 @@ def _write_json(path: str | None, data: Any) -> None:
 # Commands implemented in other modules: name -> "module:attribute". They are imported when
 # used or listed, so that one optional dependency cannot break the other commands.
 # Register a command here (one line), e.g.  "bench": "redisbal.bench:bench",
-EXTERNAL_COMMANDS: dict[str, str] = {"bench": "redisbal.bench:bench_command"}
+EXTERNAL_COMMANDS: dict[str, str] = {
+    "bench": "redisbal.bench:bench_command",
+    "gateway": "redisbal.gateway.command:gateway",
+    "loadgen": "redisbal.gateway.loadgen:loadgen",
+}
 
 
 class RedisbalGroup(click.Group):

@@ -112,6 +112,16 @@ class DeploymentKeys:
         """Pub/sub channel for the vLLM-compatible view."""
         return self.key("compat-snapshots")
 
+    @property
+    def urls(self) -> str:
+        """HASH engine -> its HTTP base URL (gateways discover engines from it)."""
+        return self.key("urls")
+
+    @property
+    def clients(self) -> str:
+        """ZSET "<index>:<token>" -> lease expiry (server ms): auto client indexes."""
+        return self.key("clients")
+
     def script_keys(self) -> list[str]:
         """KEYS of the barrier scripts, in the order their headers list them."""
         return [
@@ -126,4 +136,7 @@ class DeploymentKeys:
 
     def all_keys(self) -> list[str]:
         """Every key the deployment may own (for cleanup and tests)."""
-        return [*self.script_keys()[:-1], self.lease, self.fence, self.compat]
+        return [
+            *self.script_keys()[:-1],
+            *(self.lease, self.fence, self.compat, self.urls, self.clients),
+        ]
