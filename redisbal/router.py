@@ -92,6 +92,7 @@ class AsyncRouter(_LocalRouting):
         channel: str | None = None,
         snapshot_key: str | None = None,
         rng: random.Random | None = None,
+        lease_ttl_s: float = 10.0,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
@@ -101,6 +102,7 @@ class AsyncRouter(_LocalRouting):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {value!r}")
         self.lease: ClientLease | None = None
+        self.lease_ttl_s = lease_ttl_s
         self._auto_index = client_index == "auto"
         if self._auto_index:
             client_index, client_count = 0, 1
@@ -143,7 +145,7 @@ class AsyncRouter(_LocalRouting):
                 health_check_interval=10,
             )
         if self._auto_index and self.lease is None:
-            self.lease = ClientLease(self._client, self.keys)
+            self.lease = ClientLease(self._client, self.keys, ttl_s=self.lease_ttl_s)
             self.lease.attach(self.core)
             await self.lease.start()
         self._task = asyncio.get_running_loop().create_task(self._feed())

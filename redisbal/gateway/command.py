@@ -68,6 +68,13 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     help="This API server's index, or 'auto' to lease the lowest free one in Redis.",
 )
 @click.option(
+    "--lease-ttl-s",
+    type=FiniteFloat(0.3, 3600),
+    default=10.0,
+    show_default=True,
+    help="With --client-index auto: the index lease's TTL (renewed every third of it).",
+)
+@click.option(
     "--client-count",
     type=click.IntRange(1, 4096),
     default=1,
@@ -140,6 +147,7 @@ async def _serve(
     engines: dict[str, str],
     client_index: int | str,
     client_count: int,
+    lease_ttl_s: float,
     policy: str,
     timeout_s: float,
     connect_timeout_s: float,
@@ -163,6 +171,7 @@ async def _serve(
         client_count,
         policy=policy,
         engines=sorted(engines) or None,
+        lease_ttl_s=lease_ttl_s,
     )
     redis_client = make_client(url, asyncio=True, socket_connect_timeout=1.0, socket_timeout=5.0)
     gw = Gateway(

@@ -349,9 +349,12 @@ class Gateway:
         for attempt in range(1 if pin is not None else 2):
             try:
                 d = self._route(pin, avoid)
-            except UnknownEngine as exc:
+            except UnknownEngine:
                 m.errors.labels("bad_request").inc()
-                return _json_error(400, str(exc))
+                live = sorted(self.router.core.by_id, key=lambda e: (len(e), e))
+                return _json_error(
+                    400, f"no live engine {pin!r} to pin to; live engines: {', '.join(live)}"
+                )
             except NoEngines as exc:
                 if last is not None:
                     break

@@ -95,7 +95,8 @@ class HttpEngine:
         self.deployment = deployment
         self.port = port
         self.host = host
-        self.url = endpoints.check_url(f"http://{advertise or host}:{port}")
+        self.advertise = advertise
+        self.url = endpoints.check_url(f"http://{advertise or host}:{port or 1}")
         self.model_name = model_name
         self.mean_output = mean_output
         self.rng = random.Random(seed)
@@ -364,7 +365,11 @@ class HttpEngine:
     async def start(self) -> None:
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        if self.port == 0:  # an ephemeral port (tests): advertise the one bound
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.url = endpoints.check_url(f"http://{self.advertise or self.host}:{self.port}")
         self._task = asyncio.get_running_loop().create_task(self._steps())
         if self.redis_url:
             self.reporter = AsyncEngineReporter(
