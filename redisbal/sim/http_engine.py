@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import signal
 import time
@@ -108,16 +109,25 @@ class HttpEngine:
         self.served = 0
         self.aborted = 0
         self.inflight = 0  # HTTP requests in progress at this engine
+        self.report_min_s = 0.002
+        self._reported_at = 0.0
 
     # -- model loop -----------------------------------------------------------------------------
 
     def _on_finish(self, req: SimRequest) -> None:
         self.served += 1
 
-    def _report(self) -> None:
+    def _report(self, force: bool = False) -> None:
+        """Queue the counts for the reporter; at most one report per ``report_min_s``
+        (a fast-stepping engine would otherwise spend its core on reports), except when
+        it goes idle: that report must not be skipped."""
         if self.reporter is None:
             return
         m = self.model
+        now = time.monotonic()
+        if not force and m.busy() and now - self._reported_at < self.report_min_s:
+            return
+        self._reported_at = now
         cap = max(1, m.params.running_cap)
         self.reporter.report_nowait(
             waiting=len(m.waiting),
@@ -151,7 +161,7 @@ class HttpEngine:
         with contextlib.suppress(ValueError):
             m.running.remove(req)
         self.aborted += 1
-        self._report()
+        self._report(force=True)
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -397,8 +407,8 @@ class HttpEngine:
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m redisbal.sim.http_engine", description=__doc__)
-    p.add_argument("--redis-url", default=None)
-    p.add_argument("--deployment", default="default")
+    p.add_argument("--redis-url", default=os.environ.get("REDISBAL_REDIS_URL"))
+    p.add_argument("--deployment", default=os.environ.get("REDISBAL_DEPLOYMENT", "default"))
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--first-index", type=int, default=0, help="engine ids start here")
     p.add_argument("--http-port", type=int, required=True, help="engine i serves on BASE + i")
