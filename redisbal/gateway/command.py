@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import click
 
@@ -14,6 +15,7 @@ from redisbal.policies import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger("redisbal.gateway")
 
+T = TypeVar("T")
 EXTRA_HINT = "pip install 'redisbal[gateway]'"
 
 
@@ -26,6 +28,21 @@ def require_extra() -> None:
         raise click.ClickException(
             f"the gateway needs the 'gateway' extra ({exc.name} is missing): {EXTRA_HINT}"
         ) from None
+
+
+def run_loop(main: Coroutine[Any, Any, T], kind: str = "auto") -> T:
+    """asyncio.run on uvloop when asked for or (auto) installed."""
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise click.ClickException(
+                    f"--event-loop uvloop: uvloop is not installed: {EXTRA_HINT}"
+                ) from None
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def _client_index(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
@@ -120,6 +137,13 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     show_default=True,
     help="At start, wait this long for a first snapshot.",
 )
+@click.option(
+    "--event-loop",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    default="auto",
+    show_default=True,
+    help="auto: uvloop when installed (it roughly halves the proxy's CPU per request).",
+)
 @common_options
 def gateway(**kw: Any) -> None:
     """OpenAI-compatible gateway: route every request with the shared snapshot.
@@ -133,7 +157,8 @@ def gateway(**kw: Any) -> None:
     s = settings()
     url = s.require_url()
     with redis_errors(url):
-        ok = asyncio.run(_serve(url, s.deployment, **kw))
+        loop = kw.pop("event_loop")
+        ok = run_loop(_serve(url, s.deployment, **kw), loop)
     if not ok:
         raise click.ClickException("requests were still in flight when the drain timed out")
 
