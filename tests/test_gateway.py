@@ -546,3 +546,35 @@ def test_gateway_command_without_the_extra_fails_with_one_line() -> None:
         "Error: the gateway needs the 'gateway' extra (aiohttp is missing): "
         "pip install 'redisbal[gateway]'"
     ], out.stderr
+
+
+async def test_static_engine_urls_and_vllm_style_engine_metrics(
+    redis_url: str, deployment: str
+) -> None:
+    """--engine ID=URL: an engine that never registered in Redis is routable."""
+    eng = HttpEngine("e9", redis_url=None, deployment=deployment, port=0, params=FAST)
+    await eng.start()
+    router = AsyncRouter(redis_url, deployment, "auto", engines=["e9"])
+    await router.start()
+    gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True),
+                 static_urls={"e9": eng.url})  # fmt: skip
+    await gw.start("127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{gw.ports[0]}"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(base + "/health") as r:
+                body = await r.json()
+                assert r.status == 200 and body["engines"] == ["e9"], body
+                assert body["snapshot_version"] is None  # ready on the known engine set
+            body = {"prompt": "a", "max_tokens": 3, "ignore_eos": True, "stream": True}
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers[ENGINE_HEADER] == "e9"
+                assert (await r.text()).count("data: ") == 4
+            async with s.get(eng.url + "/metrics") as r:
+                text = await r.text()
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert f'vllm:{name}{{engine="e9",model_name="{MODEL}"}} ' in text, text
+            assert f"# TYPE vllm:{name} gauge" in text
+    finally:
+        await stop_gateway(gw)
+        await eng.stop()

@@ -209,7 +209,8 @@ class Gateway:
     async def _health(self, request: web.Request) -> web.Response:
         core = self.router.core
         live = self.live_engines()
-        ready = not self.draining and bool(live) and (core.snapshot is not None or core.engines)
+        known = core.snapshot is not None or bool(core.engines)
+        ready = not self.draining and bool(live) and known
         body = {
             "ready": ready,
             "draining": self.draining,
