@@ -578,3 +578,34 @@ async def test_static_engine_urls_and_vllm_style_engine_metrics(
     finally:
         await stop_gateway(gw)
         await eng.stop()
+
+
+async def test_loadgen_replays_a_trace_through_the_gateway_and_reports_json(
+    redis_url: str, deployment: str, tmp_path: Any
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"t": i * 0.05, "prompt_tokens": 5 + i, "output_tokens": 3 + i, "key": f"u{i}"}
+             for i in range(6)]  # fmt: skip
+    trace.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+    redisbal = os.path.join(os.path.dirname(sys.executable), "redisbal")
+    async with stack(redis_url, deployment) as st:
+        for stream in ("--stream", "--no-stream"):
+            proc = await asyncio.create_subprocess_exec(
+                redisbal, "loadgen", "--url", st.url, "--trace", str(trace), stream, "--json",
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await proc.communicate()
+            assert proc.returncode == 0, err.decode()
+            got = orjson.loads(out)
+            assert (got["requests"], got["ok"], got["errors"]) == (6, 6, {}), got
+            assert got["ttft_p50_ms"] is not None and got["e2e_p99_ms"] >= got["e2e_p50_ms"]
+            # exactly the trace's output tokens: 3 + 4 + ... + 8
+            assert got["tokens_per_s"] * got["elapsed_s"] == pytest.approx(33, abs=0.5)
+            if stream == "--stream":
+                assert got["itl_p50_ms"] is not None
+        await settled(st)
+    trace.write_bytes(b'{"t": 0, "prompt_tokens": 5, "output_tokens": 3}\n{"t": -1}\n')
+    out = subprocess.run([redisbal, "loadgen", "--url", "http://127.0.0.1:1", "--trace",
+                          str(trace)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and f"{trace}:2: t must be seconds >= 0" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
