@@ -570,6 +570,13 @@ async def test_static_engine_urls_and_vllm_style_engine_metrics(
             async with s.post(base + "/v1/completions", json=body) as r:
                 assert r.status == 200 and r.headers[ENGINE_HEADER] == "e9"
                 assert (await r.text()).count("data: ") == 4
+            # pinned to an engine the router knows but that has no URL: 503, nothing leaks
+            gw.router.core.set_engines(["e9", "e8"])
+            async with s.post(base + "/v1/completions", json=body,
+                              headers={ENGINE_HEADER: "e8"}) as r:  # fmt: skip
+                msg = (await r.json())["error"]["message"]
+                assert r.status == 503 and "'e8' has no known URL" in msg, msg
+            assert [e.inflight for e in gw.router.core.engines] == [0, 0]
             async with s.get(eng.url + "/metrics") as r:
                 text = await r.text()
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):

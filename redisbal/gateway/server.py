@@ -265,6 +265,9 @@ class Gateway:
         least-loaded engine that has one. Raises NoEngines / UnknownEngine."""
         router = self.router
         d = router.route(pin)
+        if pin is not None and pin not in self.urls:
+            _unroute(router, d, "no url")
+            raise NoEngines(f"engine {pin!r} has no known URL (not registered, no --engine)")
         if pin is not None or (d.engine_id in self.urls and d.engine_id != avoid):
             return d
         _unroute(router, d, "no url" if d.engine_id not in self.urls else "retry")
