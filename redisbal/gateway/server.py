@@ -132,7 +132,11 @@ class Gateway:
         if self.redis is None:
             return
         found = await endpoints.fetch(self.redis, self.router.keys)
-        self.urls = {**found, **self.static_urls}  # --engine wins over Redis
+        # an engine the router still routes to keeps its last URL if the hash lost it
+        # (Redis restarted empty: engines register theirs again within seconds)
+        known = self.router.core.by_id
+        kept = {e: u for e, u in self.urls.items() if e in known}
+        self.urls = {**kept, **found, **self.static_urls}  # --engine wins over Redis
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -36,7 +36,7 @@ import orjson
 from aiohttp import web
 
 from redisbal import endpoints
-from redisbal.engine import AsyncEngineReporter
+from redisbal.engine import OUTAGE_ERRORS, AsyncEngineReporter
 from redisbal.keys import check_name
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
 
@@ -104,6 +104,7 @@ class HttpEngine:
         self.reporter: AsyncEngineReporter | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._url_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._rid = 0
         self.served = 0
@@ -386,13 +387,29 @@ class HttpEngine:
                 self.redis_url, self.deployment, self.engine_id, mode="tick"
             )
             await self.reporter.register()
-            await endpoints.register(
-                self.reporter.client, self.reporter.keys, self.engine_id, self.url
-            )
+            with contextlib.suppress(*OUTAGE_ERRORS):
+                await endpoints.register(
+                    self.reporter.client, self.reporter.keys, self.engine_id, self.url
+                )
             self._report()
+            self._url_task = asyncio.get_running_loop().create_task(self._keep_url())
         log.info("engine %s serving %s", self.engine_id, self.url)
 
+    async def _keep_url(self, every_s: float = 2.0) -> None:
+        """Re-register the URL now and then: a Redis that restarted empty lost it."""
+        assert self.reporter is not None
+        while True:
+            await asyncio.sleep(every_s)
+            with contextlib.suppress(*OUTAGE_ERRORS):
+                await endpoints.register(
+                    self.reporter.client, self.reporter.keys, self.engine_id, self.url
+                )
+
     async def stop(self) -> None:
+        if self._url_task is not None:
+            self._url_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._url_task
         if self.reporter is not None:
             with contextlib.suppress(Exception):
                 await endpoints.unregister(self.reporter.client, self.reporter.keys, self.engine_id)
