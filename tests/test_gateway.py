@@ -616,3 +616,36 @@ async def test_loadgen_replays_a_trace_through_the_gateway_and_reports_json(
                           str(trace)], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2 and f"{trace}:2: t must be seconds >= 0" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
+    redis_url: str, deployment: str
+) -> None:
+    async with process_engines(redis_url, deployment, 4) as procs:
+        gw = await start_gateway(redis_url, deployment)
+        try:
+            await wait_for(lambda: len(gw.live_engines()) == 4)
+            base = f"http://127.0.0.1:{gw.ports[0]}"
+            conn = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=conn) as s:
+
+                async def one(i: int) -> tuple[int, str]:
+                    await asyncio.sleep(i * 0.01)  # 100 requests/s for 2 s
+                    body = {"prompt": "a", "max_tokens": 20, "ignore_eos": True}
+                    async with s.post(base + "/v1/completions", json=body) as r:
+                        got = await r.json()
+                        assert got.get("usage", {}).get("completion_tokens") == 20 or r.status
+                        return r.status, r.headers.get(ENGINE_HEADER, "")
+
+                async def killer() -> None:
+                    await asyncio.sleep(0.7)
+                    procs[2].kill()
+
+                results, _ = await asyncio.gather(
+                    asyncio.gather(*(one(i) for i in range(200))), killer()
+                )
+            assert [st for st, _ in results] == [200] * 200
+            assert {e for _, e in results[150:]} <= {"0", "1", "3"}  # served by the live ones
+            await wait_for(lambda: sum(e.inflight for e in gw.router.core.engines) == 0)
+        finally:
+            await stop_gateway(gw)
