@@ -23,7 +23,7 @@ from typing import Any
 import click
 import orjson
 
-from redisbal.cli import FiniteFloat
+from redisbal.cli import FiniteFloat, common_options, settings
 
 MAX_TRACE_LINE = 4096
 
@@ -293,8 +293,14 @@ def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
+@common_options
 def loadgen(**kw: Any) -> None:
-    """Open-loop load against an OpenAI-compatible URL; TTFT, ITL, latency, errors."""
+    """Open-loop load against an OpenAI-compatible URL; TTFT, ITL, latency, errors.
+
+    Needs no Redis: the shared --redis-url / --deployment options are accepted
+    (every redisbal command takes them) and unused.
+    """
+    settings()  # logging
     try:
         import aiohttp  # noqa: F401
     except ImportError:
