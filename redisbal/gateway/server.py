@@ -39,15 +39,19 @@ RANK_HEADER = "X-data-parallel-rank"  # vLLM's pinning header: an engine rank
 ENGINE_HEADER = "X-Redisbal-Engine"  # pin to an engine id; also set on every answer
 CLIENT_HEADER = "X-Redisbal-Client-Index"  # tells the engine which API server sent it
 RETRY_STATUSES = (502, 503)
+# a request is retried once after a failure that may have reached its engine; one the
+# engine certainly never got (connect refused) may also try a third engine
+MAX_ATTEMPTS = 3
 PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class _Retry(Exception):
     """An attempt failed before any byte reached the client: try another engine."""
 
-    def __init__(self, reason: str, detail: str, status: int = 502) -> None:
+    def __init__(self, reason: str, detail: str, status: int = 502, unsent: bool = False) -> None:
         super().__init__(detail)
         self.reason, self.detail, self.status = reason, detail, status
+        self.unsent = unsent  # the engine certainly never got the request (connect refused)
 
 
 def _json_error(
@@ -264,19 +268,19 @@ class Gateway:
                 return _json_error(400, f"{ENGINE_HEADER}: {exc}")
         return None
 
-    def _route(self, pin: str | None, avoid: str | None) -> Decision:
-        """Route (or pin); an engine without a URL, or ``avoid``, is swapped for the
+    def _route(self, pin: str | None, avoid: set[str]) -> Decision:
+        """Route (or pin); an engine without a URL, or in ``avoid``, is swapped for the
         least-loaded engine that has one. Raises NoEngines / UnknownEngine."""
         router = self.router
         d = router.route(pin)
         if pin is not None and pin not in self.urls:
             _unroute(router, d, "no url")
             raise NoEngines(f"engine {pin!r} has no known URL (not registered, no --engine)")
-        if pin is not None or (d.engine_id in self.urls and d.engine_id != avoid):
+        if pin is not None or (d.engine_id in self.urls and d.engine_id not in avoid):
             return d
         _unroute(router, d, "no url" if d.engine_id not in self.urls else "retry")
         loads = router.core.loads()
-        ok = [e for e in loads if e in self.urls and e != avoid]
+        ok = [e for e in loads if e in self.urls and e not in avoid]
         if not ok:
             raise NoEngines("no engine with a known URL")
         d = router.route(min(ok, key=loads.__getitem__))
@@ -352,9 +356,10 @@ class Gateway:
         headers = {"Content-Type": "application/json"}
         if (auth := request.headers.get("Authorization")) is not None:
             headers["Authorization"] = auth
-        avoid: str | None = None
+        avoid: set[str] = set()
         last: _Retry | None = None
-        for attempt in range(1 if pin is not None else 2):
+        reached = 0  # failures after which the engine may have had the request
+        for attempt in range(1 if pin is not None else MAX_ATTEMPTS):
             try:
                 d = self._route(pin, avoid)
             except UnknownEngine:
@@ -376,14 +381,18 @@ class Gateway:
                 return await self._attempt(request, d, raw, headers, stream, t0)
             except _Retry as exc:
                 last = exc
-                avoid = d.engine_id
+                avoid.add(d.engine_id)
+                reached += not exc.unsent
                 m.errors.labels(exc.reason).inc()
+                again = pin is None and attempt + 1 < MAX_ATTEMPTS and reached <= 1
                 log.info(
                     "gateway: engine %s failed (%s); %s",
                     d.engine_id,
                     exc.detail,
-                    "retrying" if attempt == 0 and pin is None else "giving up",
+                    "retrying" if again else "giving up",
                 )
+                if not again:
+                    break
         assert last is not None
         return _json_error(last.status, last.detail, "upstream_error")
 
@@ -408,7 +417,9 @@ class Gateway:
                 up = await self.session.post(url, data=raw, headers=headers)
             except aiohttp.ClientConnectorError as exc:
                 outcome = "unrouted"
-                raise _Retry("connect", f"engine {d.engine_id} unreachable: {exc}") from None
+                raise _Retry(
+                    "connect", f"engine {d.engine_id} unreachable: {exc}", unsent=True
+                ) from None
             except aiohttp.ClientError as exc:
                 raise _Retry("connect", f"engine {d.engine_id} failed: {exc}") from None
             except asyncio.TimeoutError:
