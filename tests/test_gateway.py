@@ -272,14 +272,28 @@ async def test_no_inflight_leak_after_many_random_disconnects(
                 req = s.post(st.url + "/v1/completions", json=body)
                 if drop_after is None:
                     async with req as r:
-                        await r.read()
+                        try:
+                            await asyncio.wait_for(r.read(), 30)
+                        except asyncio.TimeoutError:
+                            raise AssertionError(
+                                f"request {i} hung: {r.status} {r.headers} gateway inflight "
+                                f"{st.gateways[0].inflight} router {st.router_inflight()} "
+                                f"engines {[(e.inflight, e.model.load) for e in st.engines]}"
+                            ) from None
                         assert r.status == 200
                     complete[0] += 1
                     return
                 with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
                     await asyncio.wait_for(_read_all(req), drop_after or 0.001)
 
-            await asyncio.gather(*(one(i) for i in range(300)))
+            try:
+                await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(300))), 90)
+            except asyncio.TimeoutError:
+                raise AssertionError(
+                    f"requests hung: gateway inflight {st.gateways[0].inflight} router "
+                    f"{st.router_inflight()} engines "
+                    f"{[(e.inflight, e.model.load) for e in st.engines]}"
+                ) from None
         await settled(st)
         core = st.gateways[0].router.core
         routed = sum(e.routed for e in core.engines)
