@@ -116,6 +116,14 @@ def one_run(url: str, rate: float, duration: float, stream: bool, seed: int) -> 
     return asyncio.run(run(url, planned, opts))
 
 
+def listen_overflows() -> int:
+    """The host's TcpExt ListenOverflows: connects dropped on a full accept queue (each
+    costs the client a 1 s SYN retransmit), whoever's socket it was."""
+    with open("/proc/net/netstat") as fh:
+        lines = [ln.split() for ln in fh if ln.startswith("TcpExt:")]
+    return int(dict(zip(lines[0], lines[1], strict=True)).get("ListenOverflows", 0))
+
+
 def schedstat(pid: int) -> tuple[float, float]:
     """(CPU seconds, seconds spent runnable but waiting for a CPU) of a process."""
     with open(f"/proc/{pid}/schedstat") as fh:
@@ -203,7 +211,9 @@ def measure(
     gateway = name != "direct"
     h0 = added_hist(url, stream) if gateway else {}
     (c0, w0), t0 = schedstat(pid) if gateway else (0.0, 0.0), time.monotonic()
+    o0 = listen_overflows()
     res = one_run(url, rate, a.duration, stream, seed=rep)
+    res["listen_overflows"] = listen_overflows() - o0
     (c1, w1), el = schedstat(pid) if gateway else (0.0, 0.0), time.monotonic() - t0
     row = {"target": name, "rate": rate, "stream": stream, "rep": rep, **res}
     if gateway:
@@ -225,8 +235,9 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     the difference (what the gateway adds), and the gateway's own figures."""
     out = [
         "| mode | rate | gateway | metric | direct ms | gateway ms | added ms | gateway cores "
-        "| CPU ms/req | run-queue wait ms/req | inside p50 / p99 ms (bucket bound) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU ms/req | run-queue wait ms/req | inside p50 / p99 ms (bucket bound) "
+        "| host listen overflows (direct / gateway) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = sorted({r["target"] for r in rows} - {"direct"})
     for stream, rate in sorted({(r["stream"], r["rate"]) for r in rows}):
@@ -242,10 +253,12 @@ def summarize(rows: list[dict[str, Any]]) -> str:
                 wait = _median([r["runq_wait_ms_per_request"] for r in gsel])
                 i50 = _median([r["inside_p50_ms"] for r in gsel if r.get("inside_p50_ms")])
                 i99 = _median([r["inside_p99_ms"] for r in gsel if r.get("inside_p99_ms")])
+                od = sum(r["listen_overflows"] for r in sel if r["target"] == "direct")
+                og = sum(r["listen_overflows"] for r in gsel)
                 out.append(
                     f"| {'stream' if stream else 'whole'} | {rate:g} | {name} | {m} | {d:.2f} "
                     f"| {g:.2f} | {g - d:+.2f} | {cores:.2f} | {cpu:.3f} | {wait:.3f} "
-                    f"| {i50:.2f} / {i99:.2f} |"
+                    f"| {i50:.2f} / {i99:.2f} | {od} / {og} |"
                 )
     return "\n".join(out)
 

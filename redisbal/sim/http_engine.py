@@ -376,7 +376,7 @@ class HttpEngine:
     async def start(self) -> None:
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await site.start()
         if self.port == 0:  # an ephemeral port (tests): advertise the one bound
             self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
