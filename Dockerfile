@@ -21,11 +21,11 @@ RUN apt-get update \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY redisbal ./redisbal
-RUN pip install '.[metrics]'
+RUN pip install '.[metrics,gateway]'
 
 RUN useradd --create-home --uid 10001 redisbal
 USER redisbal
-EXPOSE 9100
+EXPOSE 9100 8310 8311 8400-8403
 ENTRYPOINT []
 CMD ["redisbal", "--help"]
 

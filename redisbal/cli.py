@@ -53,6 +53,14 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
         "redisbal.sim.commands:demo",
         "Run the whole system for a few seconds and print how balanced it was.",
     ),
+    "gateway": (
+        "redisbal.gateway.command:gateway",
+        "OpenAI-compatible gateway: route every request with the shared snapshot.",
+    ),
+    "loadgen": (
+        "redisbal.gateway.loadgen:loadgen",
+        "Open-loop load against an OpenAI-compatible URL; TTFT, ITL, latency, errors.",
+    ),
     "engine-sim": (
         "redisbal.sim.commands:engine_sim",
         "Run simulated continuous-batching engines that report to Redis for real.",

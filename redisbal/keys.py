@@ -93,6 +93,16 @@ class DeploymentKeys:
         """Pub/sub channel on which every snapshot is published."""
         return self.key("snapshots")
 
+    @property
+    def urls(self) -> str:
+        """HASH engine -> its HTTP base URL (gateways discover engines from it)."""
+        return self.key("urls")
+
+    @property
+    def clients(self) -> str:
+        """ZSET "<index>:<token>" -> lease expiry (server ms): auto client indexes."""
+        return self.key("clients")
+
     def script_keys(self) -> list[str]:
         """KEYS of the barrier scripts, in the order their headers list them."""
         return [
@@ -107,4 +117,4 @@ class DeploymentKeys:
 
     def all_keys(self) -> list[str]:
         """Every key the deployment may own (for cleanup and tests)."""
-        return self.script_keys()[:-1]
+        return [*self.script_keys()[:-1], self.urls, self.clients]

@@ -19,11 +19,12 @@ import contextlib
 import logging
 import math
 import random
-from typing import Any
+from typing import Any, cast
 
 import redis.exceptions
 
 from redisbal.background import BackgroundLoop
+from redisbal.client_lease import ClientLease
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.policies import DEFAULT_POLICY, Decision, Policy
@@ -66,14 +67,16 @@ class AsyncRouter(_LocalRouting):
     """Routes requests for one API server of a deployment (asyncio).
 
     ``client_index`` / ``client_count`` say which of how many API servers this
-    is. ``policy`` is a name from ``redisbal.policies.POLICIES`` or a Policy.
+    is; ``client_index="auto"`` leases the lowest free index in Redis and lets
+    ``client_count`` follow the live leases (redisbal.client_lease). ``policy``
+    is a name from ``redisbal.policies.POLICIES`` or a Policy.
     """
 
     def __init__(
         self,
         redis_url: str | None = None,
         deployment: str = "default",
-        client_index: int = 0,
+        client_index: int | str = 0,
         client_count: int = 1,
         *,
         policy: str | Policy = DEFAULT_POLICY,
@@ -82,6 +85,7 @@ class AsyncRouter(_LocalRouting):
         poll_s: float = 1.0,
         engines: list[str] | None = None,
         rng: random.Random | None = None,
+        lease_ttl_s: float = 10.0,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
@@ -90,8 +94,13 @@ class AsyncRouter(_LocalRouting):
                 raise ValueError(f"{name} must be a number of seconds, got {value!r}")
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+        self.lease: ClientLease | None = None
+        self.lease_ttl_s = lease_ttl_s
+        self._auto_index = client_index == "auto"
+        if self._auto_index:
+            client_index, client_count = 0, 1
         self.core = RouterCore(
-            client_index, client_count, policy, stale_after_s=stale_after_s, rng=rng
+            cast(int, client_index), client_count, policy, stale_after_s=stale_after_s, rng=rng
         )
         if engines:
             self.core.set_engines([check_name(e, "engine_id") for e in engines])
@@ -127,6 +136,10 @@ class AsyncRouter(_LocalRouting):
                 socket_timeout=5.0,
                 health_check_interval=10,
             )
+        if self._auto_index and self.lease is None:
+            self.lease = ClientLease(self._client, self.keys, ttl_s=self.lease_ttl_s)
+            self.lease.attach(self.core)
+            await self.lease.start()
         self._task = asyncio.get_running_loop().create_task(self._feed())
         # learn the engines (members, stored snapshot) before the first route if Redis is up
         with contextlib.suppress(asyncio.TimeoutError):
@@ -141,6 +154,8 @@ class AsyncRouter(_LocalRouting):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        if self.lease is not None:
+            await self.lease.aclose()
         self.core.connected = False  # routes after close are made without a feed: degraded
         if self._owns_client and self._client is not None:
             with contextlib.suppress(Exception):

@@ -145,7 +145,7 @@ def test_tests_service_runs_the_suite_and_the_dockerfile_can_build_it() -> None:
     docker = DOCKERFILE.read_text(encoding="utf-8")
     stages = re.findall(r"^FROM\s+\S+(?:\s+AS\s+(\S+))?", docker, re.M | re.I)
     assert "runtime" in stages and "test" in stages, stages
-    assert ".[metrics]" in docker and ".[dev]" in docker
+    assert ".[metrics,gateway]" in docker and ".[dev]" in docker
     for path in re.findall(r"^COPY\s+(\S+)\s", docker, re.M):
         assert (ROOT / path).exists(), f"Dockerfile copies missing {path}"
     for name in redisbal_services():
@@ -173,3 +173,108 @@ def test_conftest_honours_redisbal_redis_url() -> None:
         # and they really used that server: their deployments' keys are there
         with server.client() as c:
             assert any(k.startswith(b"redisbal:{") for k in c.keys("redisbal:*"))
+
+
+HTTP_PATH = ("coordinator-http", "http-engines", "gateway-a", "gateway-b")
+
+
+def _free_ports(n: int) -> list[int]:
+    """n consecutive free ports (best effort: bound and released)."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base = random.randint(20000, 40000)
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def _local(argv: list[str], ports: dict[str, str]) -> list[str]:
+    """A service's command for this host: compose's host names and ports swapped for
+    local ones (the ports the compose file uses may be taken here)."""
+    out = []
+    for tok in argv:
+        tok = {"0.0.0.0": "127.0.0.1", "http-engines": "127.0.0.1"}.get(tok, tok)
+        out.append(ports.get(tok, tok))
+    if out[:3] == ["python", "-m", "redisbal.sim.http_engine"]:
+        out[0] = sys.executable
+    elif out[0] == "redisbal":
+        out[0] = REDISBAL
+    return out
+
+
+def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> None:
+    """The compose file's HTTP path (coordinator, 4 HTTP engines, 2 gateways), each
+    service's own command and environment run as a process against a local Redis;
+    an OpenAI client request goes through each gateway."""
+    import openai
+
+    svcs = services()
+    for name in HTTP_PATH:
+        assert name in svcs, name
+        assert "healthcheck" in svcs[name] or name == "coordinator-http", name
+    for name in ("gateway-a", "gateway-b"):
+        port = command(svcs[name])[command(svcs[name]).index("--port") + 1]
+        assert svcs[name]["ports"] == [f"127.0.0.1:{port}:{port}"]
+        assert "http-engines" in svcs[name]["depends_on"]
+    eng = command(svcs["http-engines"])
+    n = int(eng[eng.index("--engines") + 1])
+    coord = command(svcs["coordinator-http"])
+    assert coord[coord.index("--expect") + 1] == str(n) == "4"
+    base = eng[eng.index("--http-port") + 1]
+    free = _free_ports(n + 2)  # the engines' ports, then the gateways'
+    ports = {base: str(free[0])}
+    for name, p in zip(("gateway-a", "gateway-b"), free[n:], strict=True):
+        argv = command(svcs[name])
+        ports[argv[argv.index("--port") + 1]] = str(p)
+    procs: list[subprocess.Popen[str]] = []
+    with RedisServer(tcp=True) as server:
+        try:
+            for name in HTTP_PATH:
+                env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+                env.update({k: str(v) for k, v in svcs[name]["environment"].items()})
+                env["REDISBAL_REDIS_URL"] = server.url
+                procs.append(subprocess.Popen(
+                    _local(command(svcs[name]), ports), env=env, text=True,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                ))  # fmt: skip
+            for name in ("gateway-a", "gateway-b"):
+                argv = command(svcs[name])
+                url = f"http://127.0.0.1:{ports[argv[argv.index('--port') + 1]]}"
+                _wait_ready(url + "/health", 30)
+                client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=2)
+                c = client.completions.create(model="redisbal-sim", prompt="hi", max_tokens=3)
+                assert c.usage is not None and 1 <= c.usage.completion_tokens <= 3
+                client.close()
+        finally:
+            for p in procs:
+                p.terminate()
+            codes = [p.wait(20) for p in procs]
+        assert codes == [0, 0, 0, 0], [p.stderr.read()[-500:] for p in procs if p.stderr]
+
+
+def _wait_ready(url: str, timeout: float) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not ready in {timeout}s"
+        time.sleep(0.2)

@@ -1,0 +1,5 @@
+"""The OpenAI-compatible gateway (``redisbal gateway``) and its load generator.
+
+Needs the ``gateway`` extra (aiohttp, prometheus-client); the command modules
+import it lazily so that ``redisbal --help`` works without it.
+"""

@@ -1,0 +1,235 @@
+"""``redisbal gateway``: the OpenAI-compatible gateway as a command (click)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import click
+
+from redisbal.cli_common import FiniteFloat, common_options, redis_errors, settings
+from redisbal.policies import DEFAULT_POLICY, POLICIES
+
+log = logging.getLogger("redisbal.gateway")
+
+T = TypeVar("T")
+EXTRA_HINT = "pip install 'redisbal[gateway]'"
+
+
+def require_extra() -> None:
+    """One clear line when the gateway extra is missing (no traceback)."""
+    try:
+        import aiohttp  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the gateway needs the 'gateway' extra ({exc.name} is missing): {EXTRA_HINT}"
+        ) from None
+
+
+def run_loop(main: Coroutine[Any, Any, T], kind: str = "auto") -> T:
+    """asyncio.run on uvloop when asked for or (auto) installed."""
+    if kind != "asyncio":
+        try:
+            import uvloop  # type: ignore[import-not-found, unused-ignore]
+        except ImportError:
+            if kind == "uvloop":
+                raise click.ClickException(
+                    f"--event-loop uvloop: uvloop is not installed: {EXTRA_HINT}"
+                ) from None
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
+def _client_index(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
+    if value == "auto":
+        return "auto"
+    if value.isdigit() and int(value) < 4096:
+        return int(value)
+    raise click.BadParameter(f"must be 'auto' or a whole number in 0..4095, got {value!r}")
+
+
+def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    from redisbal.endpoints import InvalidURL, parse_engine_arg
+
+    out: dict[str, str] = {}
+    for v in values:
+        try:
+            eid, url = parse_engine_arg(v)
+        except InvalidURL as exc:
+            raise click.BadParameter(str(exc)) from None
+        out[eid] = url
+    return out
+
+
+@click.command("gateway")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8310, show_default=True)
+@click.option(
+    "--engine",
+    "engines",
+    multiple=True,
+    callback=_engines,
+    metavar="ID=URL",
+    help="An engine and its base URL (repeatable); engines also register theirs in Redis.",
+)
+@click.option(
+    "--client-index",
+    default="auto",
+    show_default=True,
+    callback=_client_index,
+    help="This API server's index, or 'auto' to lease the lowest free one in Redis.",
+)
+@click.option(
+    "--lease-ttl-s",
+    type=FiniteFloat(0.3, 3600),
+    default=10.0,
+    show_default=True,
+    help="With --client-index auto: the index lease's TTL (renewed every third of it).",
+)
+@click.option(
+    "--client-count",
+    type=click.IntRange(1, 4096),
+    default=1,
+    show_default=True,
+    help="API servers of the deployment (with a fixed --client-index).",
+)
+@click.option(
+    "--policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY, show_default=True
+)
+@click.option(
+    "--timeout-s",
+    type=FiniteFloat(0.1, 86400),
+    default=600.0,
+    show_default=True,
+    help="Per-request timeout (whole response).",
+)
+@click.option("--connect-timeout-s", type=FiniteFloat(0.01, 60), default=2.0, show_default=True)
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(1024, 1 << 30),
+    default=4 << 20,
+    show_default=True,
+    help="Larger request bodies get a 413.",
+)
+@click.option(
+    "--drain-s",
+    type=FiniteFloat(0, 3600),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM: how long to let in-flight requests finish.",
+)
+@click.option(
+    "--refresh-s",
+    type=FiniteFloat(0.05, 3600),
+    default=1.0,
+    show_default=True,
+    help="How often to re-read the engine URLs from Redis.",
+)
+@click.option(
+    "--wait-s",
+    type=FiniteFloat(0, 3600),
+    default=5.0,
+    show_default=True,
+    help="At start, wait this long for a first snapshot.",
+)
+@click.option(
+    "--event-loop",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    default="auto",
+    show_default=True,
+    help="auto: uvloop when installed (it roughly halves the proxy's CPU per request).",
+)
+@common_options
+def gateway(**kw: Any) -> None:
+    """OpenAI-compatible gateway: route every request with the shared snapshot.
+
+    Proxies POST /v1/completions and /v1/chat/completions (streamed or not) to
+    the chosen engine, serves GET /v1/models, /health and /metrics. Pin with the
+    X-data-parallel-rank (rank) or X-Redisbal-Engine (engine id) header. SIGTERM
+    stops accepting, drains in-flight requests for --drain-s, then exits 0.
+    """
+    require_extra()
+    s = settings()
+    url = s.require_url()
+    with redis_errors(url):
+        loop = kw.pop("event_loop")
+        ok = run_loop(_serve(url, s.deployment, **kw), loop)
+    if not ok:
+        raise click.ClickException("requests were still in flight when the drain timed out")
+
+
+async def _serve(
+    url: str,
+    deployment: str,
+    *,
+    host: str,
+    port: int,
+    engines: dict[str, str],
+    client_index: int | str,
+    client_count: int,
+    lease_ttl_s: float,
+    policy: str,
+    timeout_s: float,
+    connect_timeout_s: float,
+    max_body_bytes: int,
+    drain_s: float,
+    refresh_s: float,
+    wait_s: float,
+) -> bool:
+    from redisbal.connection import make_client
+    from redisbal.gateway.server import Gateway
+    from redisbal.router import AsyncRouter
+
+    if client_index != "auto" and not int(client_index) < client_count:
+        raise click.BadParameter(
+            f"--client-index {client_index} must be below --client-count {client_count}"
+        )
+    router = AsyncRouter(
+        url,
+        deployment,
+        client_index,
+        client_count,
+        policy=policy,
+        engines=sorted(engines) or None,
+        lease_ttl_s=lease_ttl_s,
+    )
+    redis_client = make_client(url, asyncio=True, socket_connect_timeout=1.0, socket_timeout=5.0)
+    gw = Gateway(
+        router,
+        redis_client=redis_client,
+        static_urls=engines,
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        max_body=max_body_bytes,
+        refresh_s=refresh_s,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await router.start(wait=wait_s)
+        try:
+            await gw.start(host, port)
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        core = router.core
+        click.echo(
+            f"gateway listening on http://{host}:{gw.ports[0] if gw.ports else port} "
+            f"(client {core.client_index} of {core.client_count}, "
+            f"{len(gw.live_engines())} engines with URLs)",
+            err=True,
+        )
+        await stop.wait()
+        log.info("gateway: draining %d in-flight requests (up to %.0fs)", gw.inflight, drain_s)
+        ok = await gw.drain(drain_s)
+        return ok
+    finally:
+        await gw.close()
+        await router.aclose()
+        await redis_client.aclose()

@@ -1,0 +1,349 @@
+"""``redisbal loadgen``: an open-loop load generator for any OpenAI-compatible URL.
+
+Open loop: requests are sent on a schedule (Poisson arrivals at ``--rate``, or
+bursts of ``--burst`` requests every ``--burst-every-s``), never waiting for
+earlier answers, so a slow server sees its queue grow as it would in production.
+Prompt and output lengths are heavy-tailed (lognormal); a trace file of JSON
+lines ``{"t", "prompt_tokens", "output_tokens", "key"}`` replays a recorded
+schedule instead. Reports TTFT, inter-token latency and end-to-end latency
+(p50/p99), throughput and errors; ``--json`` for machines. ``lag_p99_ms`` says
+how late the generator itself sent requests (if it is large, the figures
+measure the generator, not the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+import orjson
+
+from redisbal.cli_common import FiniteFloat, common_options, settings
+
+MAX_TRACE_LINE = 4096
+
+
+@dataclass(slots=True)
+class Planned:
+    t: float  # seconds from the start
+    prompt_tokens: int
+    output_tokens: int
+    key: str | None = None
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool
+    status: int
+    lag: float  # how late it was sent, s
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def lognormal_int(rng: random.Random, mean: float, sigma: float, cap: int) -> int:
+    mu = math.log(max(mean, 1.0)) - sigma * sigma / 2
+    return max(1, min(cap, int(rng.lognormvariate(mu, sigma))))
+
+
+def plan(
+    *,
+    rate: float,
+    duration: float,
+    arrival: str,
+    burst: int,
+    burst_every: float,
+    prompt_mean: float,
+    output_mean: float,
+    sigma: float,
+    seed: int,
+) -> list[Planned]:
+    """The schedule: Poisson arrivals at ``rate``, or ``burst`` requests at once every
+    ``burst_every`` seconds; heavy-tailed lengths."""
+    rng = random.Random(seed)
+    times: list[float] = []
+    if arrival == "poisson":
+        t = rng.expovariate(rate)
+        while t < duration:
+            times.append(t)
+            t += rng.expovariate(rate)
+    else:
+        t = 0.0
+        while t < duration:
+            times += [t] * burst
+            t += burst_every
+    return [
+        Planned(
+            t,
+            lognormal_int(rng, prompt_mean, sigma, 32768),
+            lognormal_int(rng, output_mean, sigma, 8192),
+        )
+        for t in times
+    ]
+
+
+def read_trace(path: str) -> list[Planned]:
+    """JSON lines {"t", "prompt_tokens", "output_tokens", "key"?}; errors name the line."""
+    out: list[Planned] = []
+    with open(path, "rb") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            if len(line) > MAX_TRACE_LINE:
+                raise click.BadParameter(f"{where}: line longer than {MAX_TRACE_LINE} bytes")
+            try:
+                d = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                raise click.BadParameter(f"{where}: not JSON: {exc}") from None
+            if not isinstance(d, dict):
+                raise click.BadParameter(f"{where}: each line must be a JSON object")
+            t = d.get("t")
+            if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < 1e7:
+                raise click.BadParameter(f"{where}: t must be seconds >= 0, got {t!r}")
+            vals = []
+            for name in ("prompt_tokens", "output_tokens"):
+                v = d.get(name)
+                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1_000_000:
+                    raise click.BadParameter(f"{where}: {name} must be in 1..1000000, got {v!r}")
+                vals.append(v)
+            key = d.get("key")
+            if key is not None and not (isinstance(key, str) and len(key) <= 256):
+                raise click.BadParameter(f"{where}: key must be a string of <= 256 characters")
+            out.append(Planned(float(t), vals[0], vals[1], key))
+    out.sort(key=lambda p: p.t)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+async def _one(session: Any, url: str, p: Planned, start: float, opts: dict[str, Any]) -> Result:
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    delay = start + p.t - loop.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    t0 = loop.time()
+    lag = max(0.0, t0 - (start + p.t))
+    body: dict[str, Any] = {
+        "model": opts["model"],
+        "max_tokens": p.output_tokens,
+        "stream": opts["stream"],
+        "ignore_eos": opts["ignore_eos"],
+    }
+    text = "x" * (4 * p.prompt_tokens - 1)
+    if opts["chat"]:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    if p.key is not None:
+        body["user"] = p.key
+    try:
+        async with session.post(url, data=orjson.dumps(body), headers=opts["headers"]) as r:
+            if r.status != 200:
+                await r.read()
+                return Result(False, r.status, lag, e2e=loop.time() - t0, error=f"http {r.status}")
+            if not opts["stream"]:
+                data = orjson.loads(await r.read())
+                e2e = loop.time() - t0
+                usage = data.get("usage") or {}
+                return Result(
+                    True, 200, lag, ttft=e2e, e2e=e2e, tokens=int(usage.get("completion_tokens", 0))
+                )
+            res = Result(True, 200, lag)
+            last = None
+            async for line in r.content:
+                if not line.startswith(b"data: "):
+                    continue
+                now = loop.time()
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    break
+                if b'"error"' in payload and b'"choices"' not in payload:
+                    res.ok, res.error = False, "error event"
+                    break
+                if b'"choices":[]' in payload:  # the usage chunk
+                    continue
+                res.tokens += 1
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.gaps.append(now - last)
+                last = now
+            res.e2e = loop.time() - t0
+            return res
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return Result(False, 0, lag, e2e=loop.time() - t0, error=type(exc).__name__)
+
+
+async def run(url: str, planned: list[Planned], opts: dict[str, Any]) -> dict[str, Any]:
+    import aiohttp
+
+    path = "/v1/chat/completions" if opts["chat"] else "/v1/completions"
+    target = url.rstrip("/") + path
+    timeout = aiohttp.ClientTimeout(total=opts["timeout"])
+    conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    loop = asyncio.get_running_loop()
+    results: list[Result] = []
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        start = loop.time() + 0.05
+        tasks = [loop.create_task(_one(session, target, p, start, opts)) for p in planned]
+        total = len(tasks)
+        pending = set(tasks)
+        next_progress = loop.time() + 5
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=1.0)
+            results += [t.result() for t in done]
+            if opts["progress"] and loop.time() >= next_progress:
+                next_progress = loop.time() + 5
+                errs = sum(not r.ok for r in results)
+                print(
+                    f"loadgen: {len(results)}/{total} done, {errs} errors",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        elapsed = loop.time() - start
+    return summarize(results, elapsed)
+
+
+def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1000, 3)
+
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    gaps = [g for r in ok for g in r.gaps]
+    e2e = [r.e2e for r in ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": errors,
+        "elapsed_s": round(elapsed, 3),
+        "throughput_rps": round(len(ok) / elapsed, 2) if elapsed > 0 else None,
+        "tokens_per_s": round(sum(r.tokens for r in ok) / elapsed, 1) if elapsed > 0 else None,
+        "ttft_p50_ms": ms(percentile(ttft, 0.5)),
+        "ttft_p99_ms": ms(percentile(ttft, 0.99)),
+        "itl_p50_ms": ms(percentile(gaps, 0.5)),
+        "itl_p99_ms": ms(percentile(gaps, 0.99)),
+        "e2e_p50_ms": ms(percentile(e2e, 0.5)),
+        "e2e_p99_ms": ms(percentile(e2e, 0.99)),
+        "lag_p99_ms": ms(percentile([r.lag for r in results], 0.99)),
+    }
+
+
+@click.command("loadgen")
+@click.option("--url", required=True, help="Base URL of an OpenAI-compatible server.")
+@click.option(
+    "--rate",
+    type=FiniteFloat(0.01, 100000),
+    default=50.0,
+    show_default=True,
+    help="Mean requests per second (Poisson).",
+)
+@click.option("--duration", type=FiniteFloat(0.1, 86400), default=10.0, show_default=True)
+@click.option(
+    "--arrival", type=click.Choice(["poisson", "bursts"]), default="poisson", show_default=True
+)
+@click.option("--burst", type=click.IntRange(1, 100000), default=100, show_default=True)
+@click.option("--burst-every-s", type=FiniteFloat(0.001, 3600), default=1.0, show_default=True)
+@click.option("--prompt-mean", type=FiniteFloat(1, 100000), default=200.0, show_default=True)
+@click.option("--output-mean", type=FiniteFloat(1, 100000), default=40.0, show_default=True)
+@click.option(
+    "--sigma",
+    type=FiniteFloat(0, 3),
+    default=1.0,
+    show_default=True,
+    help="Lognormal sigma of both lengths (0: fixed lengths).",
+)
+@click.option(
+    "--trace",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help='JSON lines {"t", "prompt_tokens", "output_tokens", "key"} to replay.',
+)
+@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--chat/--completions", default=False, show_default=True)
+@click.option("--model", default="redisbal-sim", show_default=True)
+@click.option(
+    "--ignore-eos/--no-ignore-eos",
+    default=True,
+    show_default=True,
+    help="Ask for exactly the output length (vLLM's ignore_eos).",
+)
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None)
+@click.option("--timeout-s", type=FiniteFloat(0.1, 86400), default=600.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@common_options
+def loadgen(**kw: Any) -> None:
+    """Open-loop load against an OpenAI-compatible URL; TTFT, ITL, latency, errors.
+
+    Needs no Redis: the shared --redis-url / --deployment options are accepted
+    (every redisbal command takes them) and unused.
+    """
+    settings()  # logging
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise click.ClickException(
+            "loadgen needs the 'gateway' extra (aiohttp is missing): "
+            "pip install 'redisbal[gateway]'"
+        ) from None
+    from redisbal.endpoints import InvalidURL, check_url
+
+    try:
+        url = check_url(kw["url"], "--url")
+    except InvalidURL as exc:
+        raise click.BadParameter(str(exc)) from None
+    if kw["trace"]:
+        planned = read_trace(kw["trace"])
+    else:
+        planned = plan(
+            rate=kw["rate"],
+            duration=kw["duration"],
+            arrival=kw["arrival"],
+            burst=kw["burst"],
+            burst_every=kw["burst_every_s"],
+            prompt_mean=kw["prompt_mean"],
+            output_mean=kw["output_mean"],
+            sigma=kw["sigma"],
+            seed=kw["seed"],
+        )
+    headers = {"Content-Type": "application/json"}
+    if kw["api_key"]:
+        headers["Authorization"] = f"Bearer {kw['api_key']}"
+    opts = {
+        "model": kw["model"],
+        "stream": kw["stream"],
+        "chat": kw["chat"],
+        "ignore_eos": kw["ignore_eos"],
+        "headers": headers,
+        "timeout": kw["timeout_s"],
+        "progress": kw["progress"] and not kw["as_json"],
+    }
+    summary = asyncio.run(run(url, planned, opts))
+    summary["url"] = url
+    if kw["as_json"]:
+        click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+        return
+    for k, v in summary.items():
+        click.echo(f"{k:>16}: {v}")

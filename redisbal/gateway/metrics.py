@@ -1,0 +1,106 @@
+"""The gateway's Prometheus metrics (its own registry, served on ``GET /metrics``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# added latency is sub-millisecond when all is well: fine buckets there
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.00075,
+    0.001,
+    0.0015,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    """Counters the proxy bumps, and gauges read from the router when scraped."""
+
+    def __init__(
+        self,
+        snapshot_age: Callable[[], float],
+        client_index: Callable[[], float],
+        client_count: Callable[[], float],
+        inflight: Callable[[], float],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "redisbal_gateway_requests",
+            "Requests answered, by path and HTTP status.",
+            ["path", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "redisbal_gateway_errors",
+            "Failed requests by reason (connect, upstream_status, timeout, stream, "
+            "client_disconnect, no_engine, bad_request, too_large).",
+            ["reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "redisbal_gateway_retries", "Requests retried on another engine.", registry=r
+        )
+        self.decisions = Counter(
+            "redisbal_gateway_decisions", "Route decisions per engine.", ["engine"], registry=r
+        )
+        self.added = Histogram(
+            "redisbal_gateway_added_latency_seconds",
+            "Time the gateway itself adds: before the upstream request and between the "
+            "upstream's first byte and the client's (non-streaming: the whole response).",
+            ["stream"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        Gauge(
+            "redisbal_gateway_snapshot_age_seconds",
+            "Seconds since the router adopted its latest snapshot (-1: none yet).",
+            registry=r,
+        ).set_function(snapshot_age)
+        Gauge(
+            "redisbal_gateway_client_index", "This gateway's API-server index.", registry=r
+        ).set_function(client_index)
+        Gauge(
+            "redisbal_gateway_client_count", "API servers of the deployment.", registry=r
+        ).set_function(client_count)
+        Gauge("redisbal_gateway_inflight", "Requests being proxied now.", registry=r).set_function(
+            inflight
+        )
+        # children resolved once: labels() costs a dict lookup and a lock per call
+        self._added = {True: self.added.labels("true"), False: self.added.labels("false")}
+        self._engines: dict[str, Counter] = {}
+
+    def decision(self, engine_id: str) -> None:
+        c = self._engines.get(engine_id)
+        if c is None:
+            c = self._engines[engine_id] = self.decisions.labels(engine_id)
+        c.inc()
+
+    def observe_added(self, stream: bool, seconds: float) -> None:
+        self._added[stream].observe(max(0.0, seconds))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def monotonic_age(applied_at: float) -> float:
+    """Age of something applied at ``applied_at`` (time.monotonic), -1 if never."""
+    return -1.0 if applied_at == float("-inf") else time.monotonic() - applied_at

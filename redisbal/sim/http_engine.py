@@ -1,0 +1,485 @@
+"""Simulated engines served over OpenAI-compatible HTTP (tests, demos, benchmarks).
+
+Engine i listens on ``BASE + i`` and serves ``POST /v1/completions`` and
+``POST /v1/chat/completions`` (streamed as server-sent events at the model's
+step pace, or whole), ``GET /v1/models``, ``GET /metrics`` in vLLM's Prometheus
+names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``, labelled ``model_name`` and ``engine``) and
+``GET /sim/state`` (what the tests read: requests in flight at the engine).
+
+Each engine is a ``SimEngine`` (redisbal.sim.model) stepping on its own clock
+("tick" mode), reports through the real ``AsyncEngineReporter`` and registers
+its base URL in the deployment (redisbal.endpoints). The output length is the
+model's heavy-tailed draw capped by ``max_tokens`` (exactly ``max_tokens`` with
+vLLM's ``ignore_eos``). A request whose client goes away leaves the engine at
+once, as vLLM aborts it. The gateway's API-server index arrives in the
+``X-Redisbal-Client-Index`` header, so the engine's ``admitted`` counts are exact.
+
+Run: ``python -m redisbal.sim.http_engine --engines 4 --http-port 8400``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from redisbal import endpoints
+from redisbal.connection import OUTAGE_ERRORS
+from redisbal.engine import AsyncEngineReporter
+from redisbal.keys import check_name
+from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
+
+log = logging.getLogger("redisbal.sim.http_engine")
+
+MAX_TOKENS_CAP = 32768
+MAX_BODY = 4 * 1024 * 1024
+CLIENT_HEADER = "X-Redisbal-Client-Index"
+
+
+@dataclass(eq=False)
+class _Stream:
+    """The HTTP side of one simulated request: woken after every step that touches it."""
+
+    req: SimRequest
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    prompt_tokens: int = 0
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}, "object": "error"}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
+    """A rough token count (4 characters a token), as the usage figures need."""
+    if chat:
+        msgs = body.get("messages") or []
+        chars = sum(len(str(m.get("content", ""))) for m in msgs if isinstance(m, dict))
+    else:
+        p = body.get("prompt", "")
+        chars = sum(len(str(x)) for x in p) if isinstance(p, list) else len(str(p))
+    return max(1, chars // 4)
+
+
+class HttpEngine:
+    """One simulated engine: model, step loop, reporter and HTTP app."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        redis_url: str | None,
+        deployment: str,
+        port: int,
+        host: str = "127.0.0.1",
+        advertise: str | None = None,
+        params: EngineParams | None = None,
+        model_name: str = "redisbal-sim",
+        mean_output: float = 40.0,
+        seed: int | None = None,
+    ) -> None:
+        self.engine_id = check_name(engine_id, "engine_id")
+        self.model = SimEngine(self.engine_id, params or EngineParams(), num_clients=1)
+        self.model.on_finish = self._on_finish
+        self.redis_url = redis_url
+        self.deployment = deployment
+        self.port = port
+        self.host = host
+        self.advertise = advertise
+        self.url = endpoints.check_url(f"http://{advertise or host}:{port or 1}")
+        self.model_name = model_name
+        self.mean_output = mean_output
+        self.rng = random.Random(seed)
+        self.reporter: AsyncEngineReporter | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._url_task: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self._rid = 0
+        self.served = 0
+        self.aborted = 0
+        self.inflight = 0  # HTTP requests in progress at this engine
+        self.report_min_s = 0.002
+        self._reported_at = 0.0
+
+    # -- model loop -----------------------------------------------------------------------------
+
+    def _on_finish(self, req: SimRequest) -> None:
+        self.served += 1
+
+    def _report(self, force: bool = False) -> None:
+        """Queue the counts for the reporter; at most one report per ``report_min_s``
+        (a fast-stepping engine would otherwise spend its core on reports), except when
+        it goes idle: that report must not be skipped."""
+        if self.reporter is None:
+            return
+        m = self.model
+        now = time.monotonic()
+        if not force and m.busy() and now - self._reported_at < self.report_min_s:
+            return
+        self._reported_at = now
+        cap = max(1, m.params.running_cap)
+        self.reporter.report_nowait(
+            waiting=len(m.waiting),
+            running=len(m.running),
+            kv_usage=min(1.0, len(m.running) / cap),
+            admitted=list(m.admitted),
+        )
+
+    async def _steps(self) -> None:
+        loop = asyncio.get_running_loop()
+        m = self.model
+        while True:
+            if not m.busy():
+                self._wake.clear()
+                await self._wake.wait()
+            dur = m.begin_step(loop.time())
+            self._report()  # counts after taking the input queue (vLLM reports then too)
+            await asyncio.sleep(dur)
+            stepped = list(m.running)
+            m.end_step(loop.time())
+            for req in stepped:
+                st: _Stream = req.decision  # type: ignore[assignment]
+                st.event.set()
+            self._report()
+
+    def _abort(self, req: SimRequest) -> None:
+        m = self.model
+        for q in (m.inbox, m.waiting):
+            with contextlib.suppress(ValueError):
+                q.remove(req)
+        with contextlib.suppress(ValueError):
+            m.running.remove(req)
+        self.aborted += 1
+        self._report(force=True)
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/sim/state", self._state)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _state(self, request: web.Request) -> web.Response:
+        m = self.model
+        state = {
+            "engine": self.engine_id,
+            "inflight": self.inflight,
+            "queued": len(m.inbox) + len(m.waiting),
+            "running": len(m.running),
+            "served": self.served,
+            "aborted": self.aborted,
+            "admitted": list(m.admitted),
+        }
+        return web.Response(body=orjson.dumps(state), content_type="application/json")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = {
+            "object": "list",
+            "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "redisbal"}
+            ],
+        }
+        return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        m = self.model
+        labels = f'engine="{self.engine_id}",model_name="{self.model_name}"'
+        kv = min(1.0, len(m.running) / max(1, m.params.running_cap))
+        rows = [
+            (
+                "num_requests_running",
+                "Number of requests in model execution batches.",
+                len(m.running),
+            ),
+            (
+                "num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                len(m.waiting) + len(m.inbox),
+            ),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv),
+        ]
+        out = []
+        for name, doc, value in rows:
+            out += [
+                f"# HELP vllm:{name} {doc}",
+                f"# TYPE vllm:{name} gauge",
+                f"vllm:{name}{{{labels}}} {float(value)}",
+            ]
+        return web.Response(text="\n".join(out) + "\n", content_type="text/plain")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _parse(self, body: Any, chat: bool) -> tuple[int, bool, bool, str] | web.Response:
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        if chat and not isinstance(body.get("messages"), list):
+            return _error(400, "messages: a list of messages is required")
+        if not chat and not isinstance(body.get("prompt", ""), str | list):
+            return _error(400, "prompt: a string or a list is required")
+        mt = body.get("max_completion_tokens") if chat else None
+        mt = body.get("max_tokens") if mt is None else mt
+        if mt is None:
+            mt = MAX_TOKENS_CAP if chat else 16  # vLLM's completions default is 16
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= MAX_TOKENS_CAP:
+            return _error(400, f"max_tokens must be a whole number in 1..{MAX_TOKENS_CAP}")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            return _error(400, "stream must be true or false")
+        opts = body.get("stream_options")
+        usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        natural = (
+            mt if body.get("ignore_eos") is True else output_length(self.rng, self.mean_output)
+        )
+        return min(mt, natural), stream, usage, "length" if natural >= mt else "stop"
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = orjson.loads(await request.read())
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the body exceeds {MAX_BODY} bytes")
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"malformed JSON: {exc}")
+        parsed = self._parse(body, chat)
+        if isinstance(parsed, web.Response):
+            return parsed
+        n_out, stream, include_usage, reason = parsed
+        try:
+            ci = int(request.headers.get(CLIENT_HEADER, "0"))
+        except ValueError:
+            ci = 0
+        ci = ci if 0 <= ci < 4096 else 0
+        loop = asyncio.get_running_loop()
+        self._rid += 1
+        req = SimRequest(self._rid, ci, n_out, loop.time(), engine_id=self.engine_id)
+        st = _Stream(req, prompt_tokens=_prompt_tokens(body, chat))
+        req.decision = st
+        self.inflight += 1
+        finished = False
+        try:
+            self.model.arrive(req, loop.time())
+            self._wake.set()
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+            if not stream:
+                while req.finished_at < 0:
+                    await st.event.wait()
+                    st.event.clear()
+                finished = True
+                return web.Response(
+                    body=orjson.dumps(self._whole(rid, chat, st, reason)),
+                    content_type="application/json",
+                )
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            resp.headers["Cache-Control"] = "no-cache"
+            await resp.prepare(request)
+            sent = 0
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                chunks = []
+                while sent < req.produced:
+                    last = sent + 1 == req.produced and req.finished_at >= 0
+                    chunks.append(self._chunk(rid, chat, sent, reason if last else None))
+                    sent += 1
+                if req.finished_at >= 0:
+                    if include_usage:
+                        chunks.append(self._usage_chunk(rid, chat, st))
+                    chunks.append(b"data: [DONE]\n\n")
+                    finished = True
+                await resp.write(b"".join(chunks))
+                if finished:
+                    break
+            await resp.write_eof()
+            return resp
+        finally:
+            self.inflight -= 1
+            if not finished:  # the client went away (or the write failed): abort
+                self._abort(req)
+
+    def _base(self, rid: str, chat: bool) -> dict[str, Any]:
+        kind = "chat.completion" if chat else "text_completion"
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+    def _usage(self, st: _Stream) -> dict[str, int]:
+        n = st.req.produced
+        return {
+            "prompt_tokens": st.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": st.prompt_tokens + n,
+        }
+
+    def _whole(self, rid: str, chat: bool, st: _Stream, reason: str) -> dict[str, Any]:
+        text = "".join(f" t{i}" for i in range(st.req.produced))
+        d = self._base(rid, chat)
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "finish_reason": reason,
+                "message": {"role": "assistant", "content": text},
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        d["choices"] = [choice]
+        d["usage"] = self._usage(st)
+        return d
+
+    def _chunk(self, rid: str, chat: bool, i: int, reason: str | None) -> bytes:
+        d = self._base(rid, chat)
+        if chat:
+            d["object"] = "chat.completion.chunk"
+            delta: dict[str, Any] = {"content": f" t{i}"}
+            if i == 0:
+                delta["role"] = "assistant"
+            d["choices"] = [{"index": 0, "delta": delta, "finish_reason": reason}]
+        else:
+            d["choices"] = [
+                {"index": 0, "text": f" t{i}", "logprobs": None, "finish_reason": reason}
+            ]
+        return b"data: " + orjson.dumps(d) + b"\n\n"
+
+    def _usage_chunk(self, rid: str, chat: bool, st: _Stream) -> bytes:
+        d = self._base(rid, chat)
+        if chat:
+            d["object"] = "chat.completion.chunk"
+        d["choices"] = []
+        d["usage"] = self._usage(st)
+        return b"data: " + orjson.dumps(d) + b"\n\n"
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
+        await site.start()
+        if self.port == 0:  # an ephemeral port (tests): advertise the one bound
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.url = endpoints.check_url(f"http://{self.advertise or self.host}:{self.port}")
+        self._task = asyncio.get_running_loop().create_task(self._steps())
+        if self.redis_url:
+            self.reporter = AsyncEngineReporter(
+                self.redis_url, self.deployment, self.engine_id, mode="tick"
+            )
+            await self.reporter.register()
+            with contextlib.suppress(*OUTAGE_ERRORS):
+                await endpoints.register(
+                    self.reporter.client, self.reporter.keys, self.engine_id, self.url
+                )
+            self._report()
+            self._url_task = asyncio.get_running_loop().create_task(self._keep_url())
+        log.info("engine %s serving %s", self.engine_id, self.url)
+
+    async def _keep_url(self, every_s: float = 2.0) -> None:
+        """Re-register the URL now and then: a Redis that restarted empty lost it."""
+        assert self.reporter is not None
+        while True:
+            await asyncio.sleep(every_s)
+            with contextlib.suppress(*OUTAGE_ERRORS):
+                await endpoints.register(
+                    self.reporter.client, self.reporter.keys, self.engine_id, self.url
+                )
+
+    async def stop(self) -> None:
+        if self._url_task is not None:
+            self._url_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._url_task
+        if self.reporter is not None:
+            with contextlib.suppress(Exception):
+                await endpoints.unregister(self.reporter.client, self.reporter.keys, self.engine_id)
+            await self.reporter.aclose(leave=True)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m redisbal.sim.http_engine", description=__doc__)
+    p.add_argument("--redis-url", default=os.environ.get("REDISBAL_REDIS_URL"))
+    p.add_argument("--deployment", default=os.environ.get("REDISBAL_DEPLOYMENT", "default"))
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--first-index", type=int, default=0, help="engine ids start here")
+    p.add_argument("--http-port", type=int, required=True, help="engine i serves on BASE + i")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--advertise-host", default=None, help="host in the registered URLs")
+    p.add_argument("--model-name", default="redisbal-sim")
+    p.add_argument("--running-cap", type=int, default=64)
+    p.add_argument("--base-step-ms", type=float, default=12.0)
+    p.add_argument("--mean-output", type=float, default=40.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    if not 1 <= a.engines <= 256:
+        p.error("--engines must be in 1..256")
+    if not 1 <= a.http_port <= 65535 - a.first_index - a.engines:
+        p.error("--http-port out of range")
+    return a
+
+
+async def serve(a: argparse.Namespace) -> None:
+    params = EngineParams(running_cap=a.running_cap, base_step_s=a.base_step_ms / 1000)
+    engines = [
+        HttpEngine(
+            str(i),
+            redis_url=a.redis_url,
+            deployment=a.deployment,
+            port=a.http_port + i,
+            host=a.host,
+            advertise=a.advertise_host,
+            params=params,
+            model_name=a.model_name,
+            mean_output=a.mean_output,
+            seed=None if a.seed is None else a.seed + i,
+        )
+        for i in range(a.first_index, a.first_index + a.engines)
+    ]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    for e in engines:
+        await e.start()
+    print(f"http engines ready: {' '.join(e.url for e in engines)}", flush=True)
+    await stop.wait()
+    for e in engines:
+        await e.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = _args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(serve(a))
+
+
+if __name__ == "__main__":
+    main()

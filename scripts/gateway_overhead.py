@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""What one gateway adds: the same open-loop load straight to an engine and through
+the gateway, interleaved in one run, so that host noise hits both alike.
+
+Starts a redis-server, one HTTP engine simulator (1 ms steps: it answers within a
+millisecond or two and does not spin) and one ``redisbal gateway`` process per
+``--loops`` kind (asyncio, uvloop), then for each rate runs ``redisbal loadgen``'s
+generator against the engine and against each gateway, ``--reps`` times each,
+alternating. Non-streamed
+small bodies (one output token) give added end-to-end latency; streamed requests
+give added time to first token. The gateway's CPU time and its run-queue wait (time
+runnable but not running: what a contended host adds) come from
+/proc/<pid>/schedstat; "inside" is the gateway's own added-latency histogram.
+
+    python scripts/gateway_overhead.py --rates 100,200,500 --duration 5 --reps 2 \
+        --loops asyncio,uvloop --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import orjson
+
+from redisbal.gateway.loadgen import plan, run
+from redisbal.sim.embedded import RedisServer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_http(url: str, timeout: float = 20.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready")
+        time.sleep(0.2)
+
+
+def added_hist(base: str, stream: bool) -> dict[float, float]:
+    """The gateway's own added-latency histogram (cumulative bucket counts)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    want = "true" if stream else "false"
+    pat = r'^redisbal_gateway_added_latency_seconds_bucket\{le="([^"]+)",stream="(\w+)"\} (\S+)$'
+    out = {}
+    for le, st, v in re.findall(pat, text, re.M):
+        if st == want:
+            out[float(le)] = float(v)
+    return out
+
+
+def hist_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The upper bound (ms) of the bucket holding the q-quantile."""
+    total = buckets.get(float("inf"), 0)
+    if total <= 0:
+        return None
+    for le in sorted(buckets):
+        if buckets[le] >= q * total:
+            return le * 1000
+    return None
+
+
+def one_run(url: str, rate: float, duration: float, stream: bool, seed: int) -> dict[str, Any]:
+    planned = plan(
+        rate=rate,
+        duration=duration,
+        arrival="poisson",
+        burst=1,
+        burst_every=1.0,
+        prompt_mean=8,
+        output_mean=8 if stream else 1,
+        sigma=0.0,
+        seed=seed,
+    )
+    opts = {
+        "model": "redisbal-sim",
+        "stream": stream,
+        "chat": False,
+        "ignore_eos": True,
+        "headers": {"Content-Type": "application/json"},
+        "timeout": 30.0,
+        "progress": False,
+    }
+    return asyncio.run(run(url, planned, opts))
+
+
+def listen_overflows() -> int:
+    """The host's TcpExt ListenOverflows: connects dropped on a full accept queue (each
+    costs the client a 1 s SYN retransmit), whoever's socket it was."""
+    with open("/proc/net/netstat") as fh:
+        lines = [ln.split() for ln in fh if ln.startswith("TcpExt:")]
+    return int(dict(zip(lines[0], lines[1], strict=True)).get("ListenOverflows", 0))
+
+
+def schedstat(pid: int) -> tuple[float, float]:
+    """(CPU seconds, seconds spent runnable but waiting for a CPU) of a process."""
+    with open(f"/proc/{pid}/schedstat") as fh:
+        cpu_ns, wait_ns, _ = fh.read().split()
+    return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rates", default="200,500")
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--modes", default="whole,stream")
+    ap.add_argument("--loops", default="uvloop", help="one gateway per event loop kind")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the finally runs
+    rates = [float(r) for r in a.rates.split(",")]
+    modes = [m == "stream" for m in a.modes.split(",")]
+    procs: list[subprocess.Popen[bytes]] = []
+    rows: list[dict[str, Any]] = []
+    with RedisServer(tcp=True) as server:
+        eport = free_port()
+        env = {**os.environ, "REDISBAL_REDIS_URL": server.url, "REDISBAL_DEPLOYMENT": "ovh"}
+        engine = [
+            sys.executable,
+            "-m",
+            "redisbal.sim.http_engine",
+            "--http-port",
+            str(eport),
+            "--base-step-ms",
+            "1",
+            "--running-cap",
+            "1024",
+            "--log-level",
+            "warning",
+        ]
+        try:
+            procs.append(subprocess.Popen(engine, env=env))
+            wait_http(f"http://127.0.0.1:{eport}/health")
+            gws: dict[str, tuple[str, int]] = {}
+            for kind in a.loops.split(","):
+                port = free_port()
+                cmd = [
+                    REDISBAL,
+                    "gateway",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                    "--event-loop",
+                    kind,
+                    "--client-index",
+                    "auto",
+                ]
+                procs.append(subprocess.Popen(cmd, env=env))
+                gws[f"gateway-{kind}"] = (f"http://127.0.0.1:{port}", procs[-1].pid)
+            for url, _ in gws.values():
+                wait_http(url + "/health")
+            targets = [
+                ("direct", f"http://127.0.0.1:{eport}", 0),
+                *((n, u, p) for n, (u, p) in gws.items()),
+            ]
+            for stream in modes:
+                for rate in rates:
+                    for rep in range(a.reps):
+                        for name, url, pid in targets:
+                            rows.append(measure(name, url, pid, rate, stream, rep, a))
+                            print(orjson.dumps(rows[-1]).decode(), flush=True)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(10)
+    print(orjson.dumps({"load_average": os.getloadavg()}).decode())
+    print(summarize(rows))
+    if a.json:
+        with open(a.json, "wb") as fh:
+            fh.write(orjson.dumps({"rows": rows}, option=orjson.OPT_INDENT_2))
+
+
+def measure(
+    name: str, url: str, pid: int, rate: float, stream: bool, rep: int, a: Any
+) -> dict[str, Any]:
+    gateway = name != "direct"
+    h0 = added_hist(url, stream) if gateway else {}
+    (c0, w0), t0 = schedstat(pid) if gateway else (0.0, 0.0), time.monotonic()
+    o0 = listen_overflows()
+    res = one_run(url, rate, a.duration, stream, seed=rep)
+    res["listen_overflows"] = listen_overflows() - o0
+    (c1, w1), el = schedstat(pid) if gateway else (0.0, 0.0), time.monotonic() - t0
+    row = {"target": name, "rate": rate, "stream": stream, "rep": rep, **res}
+    if gateway:
+        h1 = added_hist(url, stream)
+        delta = {le: h1[le] - h0.get(le, 0) for le in h1}
+        n = max(1, res["requests"])
+        row.update(
+            gateway_cores=round((c1 - c0) / el, 3),
+            cpu_ms_per_request=round(1000 * (c1 - c0) / n, 3),
+            runq_wait_ms_per_request=round(1000 * (w1 - w0) / n, 3),
+            inside_p50_ms=hist_quantile(delta, 0.5),
+            inside_p99_ms=hist_quantile(delta, 0.99),
+        )
+    return row
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """Markdown: per (mode, rate, gateway), medians over reps of direct and gateway,
+    the difference (what the gateway adds), and the gateway's own figures."""
+    out = [
+        "| mode | rate | gateway | metric | direct ms | gateway ms | added ms | gateway cores "
+        "| CPU ms/req | run-queue wait ms/req | inside p50 / p99 ms (bucket bound) "
+        "| host listen overflows (direct / gateway) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    names = sorted({r["target"] for r in rows} - {"direct"})
+    for stream, rate in sorted({(r["stream"], r["rate"]) for r in rows}):
+        sel = [r for r in rows if r["stream"] == stream and r["rate"] == rate]
+        metrics = ("ttft_p50_ms", "ttft_p99_ms") if stream else ("e2e_p50_ms", "e2e_p99_ms")
+        for name in names:
+            gsel = [r for r in sel if r["target"] == name]
+            for m in metrics:
+                d = _median([r[m] for r in sel if r["target"] == "direct" and r[m] is not None])
+                g = _median([r[m] for r in gsel if r[m] is not None])
+                cores = _median([r["gateway_cores"] for r in gsel])
+                cpu = _median([r["cpu_ms_per_request"] for r in gsel])
+                wait = _median([r["runq_wait_ms_per_request"] for r in gsel])
+                i50 = _median([r["inside_p50_ms"] for r in gsel if r.get("inside_p50_ms")])
+                i99 = _median([r["inside_p99_ms"] for r in gsel if r.get("inside_p99_ms")])
+                od = sum(r["listen_overflows"] for r in sel if r["target"] == "direct")
+                og = sum(r["listen_overflows"] for r in gsel)
+                out.append(
+                    f"| {'stream' if stream else 'whole'} | {rate:g} | {name} | {m} | {d:.2f} "
+                    f"| {g:.2f} | {g - d:+.2f} | {cores:.2f} | {cpu:.3f} | {wait:.3f} "
+                    f"| {i50:.2f} / {i99:.2f} | {od} / {og} |"
+                )
+    return "\n".join(out)
+
+
+def _median(v: list[float]) -> float:
+    s = sorted(v)
+    return s[len(s) // 2] if s else float("nan")
+
+
+if __name__ == "__main__":
+    main()

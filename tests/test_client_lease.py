@@ -1,0 +1,68 @@
+"""Auto client indexes (redisbal.client_lease) against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from redisbal.client_lease import ClientLease, apply_lease
+from redisbal.connection import make_client
+from redisbal.keys import DeploymentKeys
+from redisbal.routing import RouterCore
+from redisbal.router import AsyncRouter
+
+
+async def test_lowest_free_index_count_follows_live_leases(redis_url: str, deployment: str) -> None:
+    keys = DeploymentKeys(deployment)
+    client = make_client(redis_url, asyncio=True)
+    try:
+        a, b, c = (ClientLease(client, keys, ttl_s=0.5) for _ in range(3))
+        assert await a.renew() == (0, 1)
+        assert await b.renew() == (1, 2)
+        assert await c.renew() == (2, 3)
+        assert await a.renew() == (0, 3)  # renewing keeps the index
+        await b.aclose()  # released: index 1 is free again
+        d = ClientLease(client, keys, ttl_s=0.5)
+        assert await d.renew() == (1, 3)
+        await c.aclose()
+        # the highest left: the count drops to the live leases
+        assert await a.renew() == (0, 2)
+        await asyncio.sleep(0.6)  # d stops renewing: its lease expires
+        assert await a.renew() == (0, 1)
+        # an index is never moved while its lease lives: a lone index 1 counts as 2
+        e = ClientLease(client, keys, ttl_s=0.5)
+        assert await e.renew() == (1, 2)
+        await a.aclose()
+        assert await e.renew() == (1, 2)
+    finally:
+        await client.aclose()
+
+
+def test_apply_lease_moves_the_core_and_restarts_the_share_estimate() -> None:
+    core = RouterCore(0, 1)
+    apply_lease(core, 2, 3)
+    assert (core.client_index, core.client_count) == (2, 3)
+    assert core.share == pytest.approx(1 / 3) and core.pending_weight == 3.0
+    apply_lease(core, 2, 1)  # a count below index + 1 is raised to it
+    assert core.client_count == 3
+
+
+async def test_router_with_auto_index(redis_url: str, deployment: str) -> None:
+    r1 = AsyncRouter(redis_url, deployment, "auto", lease_ttl_s=0.6)
+    r2 = AsyncRouter(redis_url, deployment, "auto", lease_ttl_s=0.6)
+    await r1.start()
+    await r2.start()
+    try:
+        assert r1.client_index == 0 and r2.client_index == 1
+        assert r2.core.client_count == 2
+        for _ in range(50):  # r1 learns the count at its next renewal
+            if r1.core.client_count == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert r1.core.client_count == 2
+    finally:
+        await r2.aclose()
+        await r1.aclose()
+    with pytest.raises(ValueError, match="client_index"):
+        AsyncRouter(redis_url, deployment, "automatic")

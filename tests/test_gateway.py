@@ -1,0 +1,333 @@
+"""The gateway end to end: the official ``openai`` client and raw HTTP (aiohttp)
+against a real gateway, in front of real HTTP engines (redisbal.sim.http_engine)
+reporting into a real redis-server. Engines and gateways run in the test's event
+loop, so the tests read the routers' and the engines' own counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import subprocess
+import sys
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from gateway_stack import FAST, MODEL, settled, stack, start_gateway, stop_gateway
+
+from redisbal import endpoints
+from redisbal.connection import make_client
+from redisbal.gateway.server import ENGINE_HEADER, RANK_HEADER, Gateway
+from redisbal.keys import DeploymentKeys
+from redisbal.router import AsyncRouter
+from redisbal.sim.http_engine import HttpEngine
+
+# -- the official client -------------------------------------------------------------------
+
+
+async def test_openai_client_completions_and_chat_streamed_and_not(
+    redis_url: str, deployment: str
+) -> None:
+    async with stack(redis_url, deployment) as st:
+        client = openai.AsyncOpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0)
+        try:
+            c = await client.completions.create(
+                model=MODEL, prompt="hello there", max_tokens=7, extra_body={"ignore_eos": True}
+            )
+            assert c.choices[0].text.split() == [f"t{i}" for i in range(7)]
+            assert c.usage is not None and c.usage.completion_tokens == 7
+            assert c.choices[0].finish_reason == "length"
+
+            ch = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert ch.choices[0].message.content is not None
+            assert ch.choices[0].message.content.split() == [f"t{i}" for i in range(5)]
+            assert ch.usage is not None and ch.usage.total_tokens == ch.usage.prompt_tokens + 5
+
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            parts, usage = [], None
+            async for chunk in stream:
+                if chunk.choices:
+                    parts.append(chunk.choices[0].delta.content or "")
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            assert "".join(parts).split() == [f"t{i}" for i in range(9)]
+            assert usage is not None and usage.completion_tokens == 9
+
+            cstream = await client.completions.create(
+                model=MODEL, prompt="x", max_tokens=4, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            texts = [ch.choices[0].text async for ch in cstream if ch.choices]
+            assert "".join(texts).split() == ["t0", "t1", "t2", "t3"]
+
+            models = await client.models.list()
+            assert [m.id for m in models.data] == [MODEL]
+        finally:
+            await client.close()
+        await settled(st)
+        gw = st.gateways[0]
+        assert sum(e.routed for e in gw.router.core.engines) == 4
+        assert sum(e.served for e in st.engines) == 4
+
+
+async def test_health_and_metrics(redis_url: str, deployment: str) -> None:
+    async with stack(redis_url, deployment) as st, aiohttp.ClientSession() as s:
+        async with s.get(st.url + "/health") as r:
+            assert r.status == 200
+            body = await r.json()
+            assert body["ready"] is True and sorted(body["engines"]) == ["0", "1"]
+        for _ in range(4):
+            async with s.post(st.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}):
+                pass
+        async with s.get(st.url + "/metrics") as r:
+            text = await r.text()
+        assert 'redisbal_gateway_requests_total{path="/v1/completions",status="200"} 4.0' in text
+        assert "redisbal_gateway_decisions_total{engine=" in text
+        assert 'redisbal_gateway_added_latency_seconds_count{stream="false"} 4.0' in text
+        assert "redisbal_gateway_snapshot_age_seconds" in text
+        await settled(st)
+
+
+async def test_health_is_not_ready_without_engines(redis_url: str, deployment: str) -> None:
+    gw = await start_gateway(redis_url, deployment)
+    try:
+        async with aiohttp.ClientSession() as s:
+            base = f"http://127.0.0.1:{gw.ports[0]}"
+            async with s.get(base + "/health") as r:
+                assert r.status == 503 and (await r.json())["ready"] is False
+            async with s.post(base + "/v1/completions", json={"prompt": "a"}) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                assert "no engine" in (await r.json())["error"]["message"]
+    finally:
+        await stop_gateway(gw)
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+async def test_bad_requests_get_clear_errors_and_route_nothing(
+    redis_url: str, deployment: str
+) -> None:
+    async with stack(redis_url, deployment, max_body=4096) as st, aiohttp.ClientSession() as s:
+        url = st.url + "/v1/completions"
+        async with s.post(url, data=b"x" * 5000, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 413 and "4096" in (await r.json())["error"]["message"]
+        async with s.post(url, data=b'{"prompt": "a",', headers={}) as r:
+            assert r.status == 400 and "malformed JSON" in (await r.json())["error"]["message"]
+        async with s.post(url, data=b"[1, 2]") as r:
+            assert r.status == 400 and "JSON object" in (await r.json())["error"]["message"]
+        async with s.post(url, json={"prompt": "a", "stream": "yes"}) as r:
+            assert r.status == 400 and "stream" in (await r.json())["error"]["message"]
+        async with s.post(url, json={"prompt": "a"}, headers={RANK_HEADER: "7"}) as r:
+            msg = (await r.json())["error"]["message"]
+            assert r.status == 400 and "live engines: 0, 1" in msg, msg
+        async with s.post(url, json={"prompt": "a"}, headers={RANK_HEADER: "one"}) as r:
+            assert r.status == 400 and RANK_HEADER in (await r.json())["error"]["message"]
+        async with s.post(url, json={"prompt": "a"}, headers={ENGINE_HEADER: "a{b}"}) as r:
+            assert r.status == 400 and "engine id" in (await r.json())["error"]["message"]
+        assert sum(e.routed for e in st.gateways[0].router.core.engines) == 0
+        # pinned requests land where they were pinned
+        for rank in ("0", "1", "1"):
+            async with s.post(url, json={"prompt": "a", "max_tokens": 1},
+                              headers={RANK_HEADER: rank}) as r:  # fmt: skip
+                assert r.status == 200 and r.headers[ENGINE_HEADER] == rank
+        async with s.post(url, json={"prompt": "a", "max_tokens": 1},
+                          headers={ENGINE_HEADER: "0"}) as r:  # fmt: skip
+            assert r.status == 200 and r.headers[ENGINE_HEADER] == "0"
+        assert [e.served for e in st.engines] == [2, 2]
+        await settled(st)
+
+
+# -- client disconnects ---------------------------------------------------------------------
+
+
+async def test_client_disconnect_mid_stream_finishes_everywhere(
+    redis_url: str, deployment: str
+) -> None:
+    async with stack(redis_url, deployment) as st:
+        body = {"prompt": "a", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(st.url + "/v1/completions", json=body)
+            assert r.status == 200
+            await r.content.readuntil(b"\n\n")  # one token arrived
+            assert st.router_inflight() == 1 and st.engine_inflight() >= 1
+            r.close()  # the client goes away mid-stream
+        await settled(st)
+        assert sum(e.aborted for e in st.engines) == 1
+        assert sum(e.served for e in st.engines) == 0
+        gw = st.gateways[0]
+        assert "client_disconnect" in gw.metrics.render().decode()
+
+
+async def test_no_inflight_leak_after_many_random_disconnects(
+    redis_url: str, deployment: str
+) -> None:
+    rng = random.Random(7)
+    complete = [0]
+    async with stack(redis_url, deployment, n=3) as st:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn) as s:
+
+            async def one(i: int) -> None:
+                stream = rng.random() < 0.5
+                body = {"prompt": "a", "max_tokens": rng.randint(1, 30), "stream": stream}
+                drop_after = rng.choice([None, None, 0.0, 0.01, 0.05])
+                req = s.post(st.url + "/v1/completions", json=body)
+                if drop_after is None:
+                    async with req as r:
+                        try:
+                            await asyncio.wait_for(r.read(), 30)
+                        except asyncio.TimeoutError:
+                            raise AssertionError(
+                                f"request {i} hung: {r.status} {r.headers} gateway inflight "
+                                f"{st.gateways[0].inflight} router {st.router_inflight()} "
+                                f"engines {[(e.inflight, e.model.load) for e in st.engines]}"
+                            ) from None
+                        assert r.status == 200
+                    complete[0] += 1
+                    return
+                with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+                    await asyncio.wait_for(_read_all(req), drop_after or 0.001)
+
+            try:
+                await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(300))), 90)
+            except asyncio.TimeoutError:
+                raise AssertionError(
+                    f"requests hung: gateway inflight {st.gateways[0].inflight} router "
+                    f"{st.router_inflight()} engines "
+                    f"{[(e.inflight, e.model.load) for e in st.engines]}"
+                ) from None
+        await settled(st)
+        core = st.gateways[0].router.core
+        routed = sum(e.routed for e in core.engines)
+        served = sum(e.served for e in st.engines)
+        # every request that reached the engines was served or aborted there; those
+        # dropped before the gateway routed them were never routed
+        assert complete[0] <= served <= routed <= 300
+        assert served + sum(e.aborted for e in st.engines) <= routed
+        assert served < 300  # some really were dropped
+
+
+async def _read_all(req: Any) -> None:
+    async with req as r:
+        await r.read()
+
+
+async def test_urls_registry_checks_what_it_stores_and_reads(
+    redis_url: str, deployment: str
+) -> None:
+    keys = DeploymentKeys(deployment)
+    client = make_client(redis_url, asyncio=True)
+    try:
+        for bad in ("ftp://x", "http://", "http://u:p@h:1", "http://h:1/?q", "http://h x",
+                    "x" * 600, "http://h:99999"):  # fmt: skip
+            with pytest.raises(endpoints.InvalidURL):
+                await endpoints.register(client, keys, "e0", bad)
+        with pytest.raises(ValueError, match="engine_id"):
+            await endpoints.register(client, keys, "a{b}", "http://h:1")
+        assert await client.exists(keys.urls) == 0  # nothing stored
+        assert await endpoints.register(client, keys, "e0", "http://h:8000/") == "http://h:8000"
+        await client.hset(keys.urls, "e1", "javascript:alert(1)")  # another client wrote junk
+        assert await endpoints.fetch(client, keys) == {"e0": "http://h:8000"}
+        assert endpoints.parse_engine_arg("e2=https://h:1") == ("e2", "https://h:1")
+        with pytest.raises(endpoints.InvalidURL, match="ID=URL"):
+            endpoints.parse_engine_arg("http://h:1")
+    finally:
+        await client.aclose()
+
+
+def test_gateway_command_without_the_extra_fails_with_one_line() -> None:
+    code = (
+        "import sys; sys.modules['aiohttp'] = None\n"
+        "from redisbal.cli import main\n"
+        "sys.argv = ['redisbal', 'gateway', '--redis-url', 'redis://127.0.0.1:1/0']\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "Error: the gateway needs the 'gateway' extra (aiohttp is missing): "
+        "pip install 'redisbal[gateway]'"
+    ], out.stderr
+
+
+async def test_static_engine_urls_and_vllm_style_engine_metrics(
+    redis_url: str, deployment: str
+) -> None:
+    """--engine ID=URL: an engine that never registered in Redis is routable."""
+    eng = HttpEngine("e9", redis_url=None, deployment=deployment, port=0, params=FAST)
+    await eng.start()
+    router = AsyncRouter(redis_url, deployment, "auto", engines=["e9"])
+    await router.start()
+    gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True),
+                 static_urls={"e9": eng.url})  # fmt: skip
+    await gw.start("127.0.0.1", 0)
+    try:
+        base = f"http://127.0.0.1:{gw.ports[0]}"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(base + "/health") as r:
+                body = await r.json()
+                assert r.status == 200 and body["engines"] == ["e9"], body
+                assert body["snapshot_version"] is None  # ready on the known engine set
+            body = {"prompt": "a", "max_tokens": 3, "ignore_eos": True, "stream": True}
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers[ENGINE_HEADER] == "e9"
+                assert (await r.text()).count("data: ") == 4
+            # pinned to an engine the router knows but that has no URL: 503, nothing leaks
+            gw.router.core.set_engines(["e9", "e8"])
+            async with s.post(base + "/v1/completions", json=body,
+                              headers={ENGINE_HEADER: "e8"}) as r:  # fmt: skip
+                msg = (await r.json())["error"]["message"]
+                assert r.status == 503 and "'e8' has no known URL" in msg, msg
+            assert [e.inflight for e in gw.router.core.engines] == [0, 0]
+            async with s.get(eng.url + "/metrics") as r:
+                text = await r.text()
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert f'vllm:{name}{{engine="e9",model_name="{MODEL}"}} ' in text, text
+            assert f"# TYPE vllm:{name} gauge" in text
+    finally:
+        await stop_gateway(gw)
+        await eng.stop()
+
+
+async def test_loadgen_replays_a_trace_through_the_gateway_and_reports_json(
+    redis_url: str, deployment: str, tmp_path: Any
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"t": i * 0.05, "prompt_tokens": 5 + i, "output_tokens": 3 + i, "key": f"u{i}"}
+             for i in range(6)]  # fmt: skip
+    trace.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
+    redisbal = os.path.join(os.path.dirname(sys.executable), "redisbal")
+    async with stack(redis_url, deployment) as st:
+        for stream in ("--stream", "--no-stream"):
+            proc = await asyncio.create_subprocess_exec(
+                redisbal, "loadgen", "--url", st.url, "--trace", str(trace), stream, "--json",
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await proc.communicate()
+            assert proc.returncode == 0, err.decode()
+            got = orjson.loads(out)
+            assert (got["requests"], got["ok"], got["errors"]) == (6, 6, {}), got
+            assert got["ttft_p50_ms"] is not None and got["e2e_p99_ms"] >= got["e2e_p50_ms"]
+            # exactly the trace's output tokens: 3 + 4 + ... + 8
+            assert got["tokens_per_s"] * got["elapsed_s"] == pytest.approx(33, abs=0.5)
+            if stream == "--stream":
+                assert got["itl_p50_ms"] is not None
+        await settled(st)
+    trace.write_bytes(b'{"t": 0, "prompt_tokens": 5, "output_tokens": 3}\n{"t": -1}\n')
+    out = subprocess.run([redisbal, "loadgen", "--url", "http://127.0.0.1:1", "--trace",
+                          str(trace)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and f"{trace}:2: t must be seconds >= 0" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
