@@ -293,7 +293,9 @@ def test_a_silence_of_the_whole_deployment_expires_nobody_at_once(bar: Barrier) 
         assert time.monotonic() - t0 < 5, "the silent engine never expired"
         rep(bar, "e0", step)
         rep(bar, "e1", step)
-        if bar.reap()[1] == ["e2"]:
+        bar.reap()
+        # the coordinator's reap or a report on the way (they race) expires it
+        if "e2" not in bar.members():
             expired_at = time.monotonic() - t0
         step += 1
         time.sleep(0.03)

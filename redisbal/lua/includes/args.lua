@@ -2,8 +2,9 @@
   args: checking what a caller sent in ARGV.
 
   ARGV entries are always strings. Every check returns the value to use (a
-  number, or the text to store) or nil when the argument is refused; the operation then returns fail('bad <field>: ...')
-  before it has written anything. The scripts check everything themselves: a
+  number, or the text to store) or nil when the argument is refused; the
+  operation then returns fail('bad <field>: ...') before it has written
+  anything. The scripts check everything themselves: a
   client that bypasses the Python checks (another language, a bug, an attacker
   with access to Redis) gets the same refusals.
 ]]

@@ -5,7 +5,8 @@
   counts the barrier members whose latest report is at or before the published
   score. A report that moves a member past it decrements the counter; at 0
   every member has reported a newer step and the snapshot for the lowest of
-  their steps is published: O(1) per report, O(N) once per step.
+  their steps is published: O(1) per report, O(N) once per step. The protocol
+  and its invariants: docs/DESIGN.md.
 ]]
 --- @include "deployment"
 --- @include "generation"

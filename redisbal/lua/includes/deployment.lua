@@ -1,6 +1,7 @@
 --[[
   deployment: the keys of one deployment, the checks every operation makes
-  before touching them, the deployment's settings and the barrier's fields.
+  before touching them, the deployment's settings and the barrier's fields
+  (docs/DESIGN.md has the key layout).
 
   Every operation gets the same seven KEYS, all in one hash slot (they share
   the hash tag "{<deployment>}"; redisbal/keys.py builds them):

@@ -10,7 +10,7 @@
      "gone": {id: "expired"|"left", ...} (since the previous snapshot),
      "joining": [id, ...] (members without a report at or before the cut),
      "time_ms": server ms, "engines": {id: report json (includes/record.lua), ...}}
-  redisbal/snapshot.py reads it.
+  redisbal/snapshot.py reads it; docs/DESIGN.md describes it.
 ]]
 --- @include "args"
 --- @include "deployment"

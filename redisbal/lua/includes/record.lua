@@ -1,6 +1,7 @@
 --[[
   record: an engine's record, the value of its field in the reports hash, read
-  and written only here (and, for Python, only by redisbal/record.py).
+  and written only here (and, for Python, only by redisbal/record.py; the
+  format is in docs/DESIGN.md).
 
     <flag><heartbeat due ms>
     <score>\t<report ms>\t<json>        the newest report
