@@ -1,15 +1,15 @@
 """The coordinator: off the request path, keeps a deployment in order.
 
 Every ``interval_s`` the lease holder:
-- renews its lease (``lua/lease_7.lua``); a standby keeps trying and takes
+- renews its lease (``lua/lease.lua``); a standby keeps trying and takes
   over when the lease expires, with a higher fence, so an old holder that
   comes back is refused by the scripts;
 - writes the deployment config when it is missing or differs (after a Redis
   restart without persistence, or when it takes over), and registers the
   engines the config expects, so the first snapshot of every epoch waits for them;
-- expires engines past ``dead_after_ms`` and republishes (``reap_7.lua``),
+- expires engines past ``dead_after_ms`` and republishes (``lua/reap.lua``),
   which also sends an idle heartbeat snapshot every ``idle_publish_ms``;
-- force-publishes when the barrier has waited ``stall_ms`` (``force_7.lua``);
+- force-publishes when the barrier has waited ``stall_ms`` (``lua/force.lua``);
 - watches the server's identity (run_id, replication id): when it changes
   while the state survived (failover to a replica), it starts a new epoch so
   routers resynchronise instead of ignoring repeated versions.

@@ -79,7 +79,7 @@ def validate_report(
     kv_usage: float | None,
     admitted: Sequence[int] | None,
 ) -> list[str]:
-    """Check one report and return ARGV[5..10] for report_7.lua."""
+    """Check one report and return ARGV[5..10] for lua/report.lua."""
     if mode == "lockstep":
         if step is None:
             raise InvalidReport("step is required in lockstep mode (or use mode='tick')")

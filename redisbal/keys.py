@@ -17,8 +17,8 @@ NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or d
 
 
 # The barrier's hot fields, kept in the reports hash next to the engine records so
-# that a report is one read and one write (lua/common.lua). An engine id starts
-# with a letter or digit, so these never clash with one.
+# that a report is one read and one write (lua/includes/deployment.lua; docs/DESIGN.md).
+# An engine id starts with a letter or digit, so these never clash with one.
 BARRIER_FIELDS = (".epoch", ".pub", ".behind", ".since", ".next_reap")
 
 
@@ -59,7 +59,7 @@ class DeploymentKeys:
     @property
     def config(self) -> str:
         """HASH: settings written by the coordinator (dead_after_ms, stall_ms, ...) and
-        the coordinator lease (lease_owner, lease_until_ms, fence: lua/lease_7.lua)."""
+        the coordinator lease (lease_owner, lease_until_ms, fence: lua/lease.lua)."""
         return self.key("config")
 
     @property
@@ -75,7 +75,7 @@ class DeploymentKeys:
     @property
     def reports(self) -> str:
         """HASH engine -> its record: barrier flag, heartbeat, recent reports; plus the
-        barrier's hot fields ``BARRIER_FIELDS`` (lua/common.lua)."""
+        barrier's fields ``BARRIER_FIELDS`` (lua/includes/record.lua, docs/DESIGN.md)."""
         return self.key("reports")
 
     @property

@@ -250,7 +250,7 @@ class AsyncRouter(_LocalRouting):
         """Subscribe to the snapshot channel; returns (pubsub, sharded).
 
         On Redis Cluster the scripts SPUBLISH when the server has it (7.0+) and
-        PUBLISH otherwise (lua/common.lua), so the router tries SSUBSCRIBE first and
+        PUBLISH otherwise (lua/includes/publish.lua), so the router tries SSUBSCRIBE first and
         falls back to SUBSCRIBE on "unknown command" (6.2), at every (re)connect: no
         INFO call, so a least-privilege router user needs no extra permission.
         Returns once the subscription is confirmed, so that the GET that follows

@@ -1,17 +1,17 @@
-"""The Lua scripts, loaded from package data and run as Redis 7 functions or EVALSHA.
+"""Running the Lua operations: as Redis 7 functions (FCALL) or scripts (EVALSHA).
 
-Each ``lua/<name>_<nkeys>.lua`` file is one operation; ``lua/common.lua`` holds
-the shared barrier logic, so it exists once in source while every call stays one
-atomic server-side operation. Two ways to run them, same source, same results:
+Each operation is one file ``lua/<name>.lua`` with the includes it needs
+(redisbal/lua_source.py builds the sources), so it exists once in source while
+every call stays one atomic server-side operation. Two ways to run them, same
+source, same results:
 
 - **Functions (Redis >= 7.0, preferred).** All operations form one library,
   ``redisbal_<hash>``, defined once by ``FUNCTION LOAD``; a call is ``FCALL``.
-  The shared helpers are defined at load time instead of on every call, which
-  is most of what a report costs beyond its few Redis commands (see
-  docs/BENCHMARKS.md, "Core micro-benchmarks"). The hash of the library text
-  is in its name, so two redisbal versions on one server never clash.
-- **Scripts (Redis 6.2, or a user without ``+fcall``).** Each operation is
-  common.lua followed by its own file, run with ``EVALSHA`` through
+  The shared helpers are defined at load time instead of on every call. The
+  hash of the library text is in its name, so two redisbal versions on one
+  server never clash.
+- **Scripts (Redis 6.2, or a user without ``+fcall``).** Each operation is its
+  includes followed by its own file, run with ``EVALSHA`` through
   ``register_script`` (redis-py reloads it after NOSCRIPT by itself).
 
 ``Scripts`` picks by itself: it tries FCALL, loads the library when the server
@@ -22,76 +22,23 @@ functions or the user may not call or load them. Callers never see any of it.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine
-from functools import cache
-from importlib import resources
 from typing import Any
 
 import redis
 
 from redisbal.keys import DeploymentKeys
-
-SCRIPT_NAMES = (
-    "report",
-    "leave",
-    "register",
-    "reap",
-    "force",
-    "configure",
-    "new_epoch",
-    "lease",
-)
-NUM_KEYS = 7
+from redisbal.lua_source import NUM_KEYS, SCRIPT_NAMES, library, script_source
 
 
-def _lua(name: str) -> str:
-    return (resources.files("redisbal") / "lua" / name).read_text(encoding="utf-8")
-
-
-def _body(name: str) -> str:
-    if name not in SCRIPT_NAMES:
-        raise KeyError(f"unknown script {name!r}; known: {', '.join(SCRIPT_NAMES)}")
-    return _lua(f"{name}_{NUM_KEYS}.lua")
-
-
-@cache
-def script_source(name: str) -> str:
-    """EVAL source of one operation: common.lua, the binding of KEYS/ARGV, the operation."""
-    return f"{_lua('common.lua')}\nbind(KEYS, ARGV)\n{_body(name)}"
-
-
-@cache
-def library() -> tuple[str, str]:
-    """(name, source) of the function library holding every operation (Redis >= 7.0).
-
-    Each operation file becomes the body of a local function whose parameters are
-    named KEYS and ARGV, after the same ``bind(KEYS, ARGV)`` as in script_source, so
-    the same text runs unchanged in both modes; the function is registered as it is
-    (a wrapper would be one more Lua call per FCALL). lua/library.lua runs once,
-    after common.lua: what a library keeps between calls."""
-    parts = [_lua("common.lua"), "\n", _lua("library.lua"), "\n"]
-    for name in SCRIPT_NAMES:
-        op = f"\nlocal function op_{name}(KEYS, ARGV)\nbind(KEYS, ARGV)\n{_body(name)}\nend\n"
-        parts.append(op)
-    code = "".join(parts)
-    lib = "redisbal_" + hashlib.sha1(code.encode()).hexdigest()[:12]
-    regs = "".join(f"redis.register_function('{lib}_{name}', op_{name})\n" for name in SCRIPT_NAMES)
-    return lib, f"#!lua name={lib}\n{code}\n{regs}"
-
-
-def report_reply(raw: Any, wave: int | str, step: int | str) -> tuple[str, int, int, int]:
-    """(status, version, wave, step) from what report_7.lua returns: an integer in
-    lockstep mode (version, or -1 when stale), an array in tick mode."""
-    if isinstance(raw, int):
-        return (
-            ("stale", 0, int(wave), int(step))
-            if raw < 0
-            else ("accepted", raw, int(wave), int(step))
-        )
-    status, version, w, s = (x.decode() if isinstance(x, bytes) else x for x in raw)
-    return str(status), int(version), int(w), int(s)
+def report_reply(raw: Any, *_unused: Any) -> tuple[str, int, int, int]:
+    """(status, version, wave, step) from what lua/report.lua returns. Any further
+    arguments are ignored (the reply names the tag it was recorded under)."""
+    status, version, wave, step = raw
+    if isinstance(status, bytes):
+        status = status.decode()
+    return str(status), int(version), int(wave), int(step)
 
 
 def load_library(client: redis.Redis) -> str:

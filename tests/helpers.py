@@ -12,13 +12,16 @@ import hashlib
 import inspect
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
 import redis
 
 from redisbal.keys import BARRIER_FIELDS, DeploymentKeys, is_engine_field
-from redisbal.scripts import Scripts, report_reply, script_source
+from redisbal.lua_source import script_source
+from redisbal.record import format_record, parse_record
+from redisbal.scripts import Scripts, report_reply
 from redisbal.snapshot import EngineCounts, Snapshot
 
 T = TypeVar("T")
@@ -164,7 +167,7 @@ class Barrier:
         adm: str = "",
     ) -> tuple[str, int, int, int]:
         out = self.scripts.call("report", self.epoch, engine, wave, step, waiting, running, kv, adm)
-        return report_reply(out, wave, step)
+        return report_reply(out)
 
     def register(self, *engines: str) -> int:
         return int(self.scripts.call("register", self.epoch, *engines))
@@ -186,13 +189,13 @@ class Barrier:
         past (the reap script checks both), as if it had been silent for ages."""
         assert self.r.zscore(self.keys.members, engine) is not None, f"{engine} is no member"
         self.r.zadd(self.keys.members, {engine: 0}, xx=True)
-        rec = self.r.hget(self.keys.reports, engine)
-        if rec is not None:
-            head, *lines = text(rec).split("\n")
-            if lines:  # "<score>\t<ms>\t<json>": age the newest report, same width
-                sc, _ms, rest = lines[0].split("\t", 2)
-                lines[0] = f"{sc}\t{LONG_AGO_MS}\t{rest}"
-                self.r.hset(self.keys.reports, engine, "\n".join([head, *lines]))
+        raw = self.r.hget(self.keys.reports, engine)
+        if raw is not None:  # age the newest report
+            rec = parse_record(text(raw))
+            if rec.latest is not None:
+                aged = replace(rec.latest, ms=LONG_AGO_MS)
+                rec = replace(rec, reports=(aged, *rec.reports[1:]))
+                self.r.hset(self.keys.reports, engine, format_record(rec))
 
     def set_opportunistic_reap(self, engine: str, due: bool) -> None:
         """Reports expire dead engines on the way when they refresh their heartbeat (every
@@ -203,10 +206,9 @@ class Barrier:
             return
         self.r.hdel(self.keys.reports, ".next_reap")
         raw = self.r.hget(self.keys.reports, engine)
-        if raw is not None:  # heartbeat due at "0": refreshed by the next report
-            rec = text(raw)
-            nl = rec.find("\n")
-            self.r.hset(self.keys.reports, engine, rec[0] + "0" + (rec[nl:] if nl >= 0 else ""))
+        if raw is not None:  # heartbeat due at 0: refreshed by the next report
+            rec = replace(parse_record(text(raw)), due_ms=0)
+            self.r.hset(self.keys.reports, engine, format_record(rec))
 
     # -- reading state -----------------------------------------------------------------------
 
@@ -232,18 +234,13 @@ class Barrier:
         return {text(k): v for k, v in self.r.zrange(self.keys.members, 0, -1, withscores=True)}
 
     def records(self) -> dict[str, tuple[str, list[int]]]:
-        """engine -> (flag, scores of its stored reports, newest first).
-
-        Each record in the reports hash is a head line (flag "b": barrier member,
-        "p": provisional joiner; then the heartbeat due time), followed by
-        "<score>\t<ms>\t<json>" report lines, newest first (see lua/common.lua).
-        """
+        """engine -> (flag, scores of its stored reports, newest first): flag "b" is a
+        barrier member, "p" a provisional joiner (redisbal.record)."""
         out: dict[str, tuple[str, list[int]]] = {}
         for k, v in self.r.hgetall(self.keys.reports).items():
-            if not is_engine_field(text(k)):
-                continue
-            head, *lines = text(v).split("\n")
-            out[text(k)] = (head[:1], [int(line.split("\t", 1)[0]) for line in lines])
+            if is_engine_field(text(k)):
+                rec = parse_record(text(v))
+                out[text(k)] = (rec.flag, rec.scores)
         return out
 
     def history(self, engine: str) -> list[int]:

@@ -9,8 +9,8 @@ import pytest
 from redisbal.client_lease import ClientLease, apply_lease
 from redisbal.connection import make_client
 from redisbal.keys import DeploymentKeys
-from redisbal.routing import RouterCore
 from redisbal.router import AsyncRouter
+from redisbal.routing import RouterCore
 
 
 async def test_lowest_free_index_count_follows_live_leases(redis_url: str, deployment: str) -> None:

@@ -91,7 +91,7 @@ weird_text = st.one_of(
 
 
 def is_int_in(s: str, lo: int, hi: int) -> bool:
-    """What int_arg in common.lua accepts."""
+    """What int_arg in lua/includes/args.lua accepts."""
     return bool(re.fullmatch(r"-?[0-9]+", s)) and len(s) <= 16 and lo <= int(s) <= hi
 
 

@@ -1,10 +1,11 @@
 """Invariant 7 (cluster-safe) and the name checks that guard every key.
 
 Statically: every key of a deployment hashes to one slot, and no Lua file
-builds a key name (each redis.call names a key only through KEYS, via the K
-table of common.lua). Dynamically, on a real server: MONITOR shows every
-command the scripts issue, and COMMAND GETKEYS says which of its arguments
-are keys; each must be one of the KEYS the script was given. And the scripts
+builds a key name (each redis.call names a key only through KEYS, via the
+deployment table ``d`` that lua/includes/deployment.lua fills from KEYS).
+Dynamically, on a real server: MONITOR shows every command the scripts
+issue, and COMMAND GETKEYS says which of its arguments are keys; each must be
+one of the KEYS the script was given. And the scripts
 run through register_script (EVALSHA), recovering from SCRIPT FLUSH.
 """
 
@@ -20,7 +21,7 @@ from helpers import Barrier, script_sha, text
 from redis.crc import key_slot
 
 from redisbal.keys import DeploymentKeys, InvalidName, check_name
-from redisbal.scripts import NUM_KEYS, SCRIPT_NAMES, library
+from redisbal.lua_source import NUM_KEYS, SCRIPT_NAMES, include_order, library
 
 LUA_DIR = Path(str(resources.files("redisbal") / "lua"))
 
@@ -99,7 +100,11 @@ def test_all_keys_covers_every_stored_key(r: redis.Redis, keys: DeploymentKeys) 
 
 
 def _lua_files() -> dict[str, str]:
-    return {p.name: p.read_text(encoding="utf-8") for p in sorted(LUA_DIR.glob("*.lua"))}
+    """Every Lua file of the package, by its path under lua/."""
+    return {
+        p.relative_to(LUA_DIR).as_posix(): p.read_text(encoding="utf-8")
+        for p in sorted(LUA_DIR.rglob("*.lua"))
+    }
 
 
 def _strip_comments(src: str) -> str:
@@ -140,47 +145,37 @@ def _calls(src: str) -> list[list[str]]:
     return out
 
 
-def _key_variables(common: str) -> dict[str, int]:
-    """Lua names bound to KEYS[i] in common.lua (``K.x = KEYS[i]`` tables, or
-    ``K_X, K_Y = keys[1], keys[2]`` in bind()) -> i."""
-    out: dict[str, int] = {}
-    for m in re.finditer(r"(\w+)\s*=\s*KEYS\[(\d+)\]", common):  # table fields
-        out[f"K.{m.group(1)}"] = int(m.group(2))
-    key = r"(?:KEYS|keys)\[\d+\]"
-    pattern = rf"(?:local\s+)?((?:K_\w+\s*,\s*)*K_\w+)\s*=\s*({key}(?:\s*,\s*{key})*)"
-    for m in re.finditer(pattern, common):
-        names = [n.strip() for n in m.group(1).split(",")]
-        idx = [int(i) for i in re.findall(r"(?:KEYS|keys)\[(\d+)\]", m.group(2))]
-        out.update(zip(names, idx, strict=True))
-        for n in names:
-            out.pop(f"K.{n}", None)
-    return out
-
-
 def test_lua_names_keys_only_through_keys() -> None:
     files = _lua_files()
-    assert set(files) == {
-        "common.lua",
-        "library.lua",
-        *(f"{n}_{NUM_KEYS}.lua" for n in SCRIPT_NAMES),
-    }
-    common = _strip_comments(files["common.lua"])
-    # each script key is bound once, in DeploymentKeys.script_keys() order
-    bound = _key_variables(common)
+    operations = [f"{n}.lua" for n in SCRIPT_NAMES]
+    # every file is an operation or an include that some operation uses
+    assert set(files) == {*operations, *include_order(operations)}
+    # KEYS are bound once, in deployment.lua: KEYS[i] becomes the field d.<name> of the
+    # deployment table, after a check that it is the key DeploymentKeys names so
+    deployment = _strip_comments(files["includes/deployment.lua"])
+    suffixes = re.search(r"local KEY_SUFFIXES = \{([^}]*)\}", deployment)
+    assert suffixes is not None
     keys = DeploymentKeys("d")
-    assert sorted(bound.values()) == list(range(1, len(keys.script_keys()) + 1))
-    assert len(keys.script_keys()) == NUM_KEYS
-    for name, i in bound.items():
-        prop = name.removeprefix("K.").removeprefix("K_").lower()
-        assert getattr(keys, prop) == keys.script_keys()[i - 1], f"{name} is KEYS[{i}]"
-    key_var = "|".join(re.escape(n) for n in bound)
+    expected = [keys.key(s) for s in re.findall(r"'([\w-]+)'", suffixes.group(1))]
+    assert expected == keys.script_keys() and len(expected) == NUM_KEYS
+    assert "if keys[i] ~= expected then return nil" in deployment
+    bound = {int(i): f for f, i in re.findall(r"(\w+) = keys\[(\d+)\]", deployment)}
+    assert sorted(bound) == list(range(1, NUM_KEYS + 1))
+    for i, field in bound.items():
+        assert getattr(keys, field) == keys.script_keys()[i - 1], f"{field} is KEYS[{i}]"
+    assert len(re.findall(r"\bkeys\[", deployment)) == NUM_KEYS + 1  # the check, the fields
+    key_var = r"d\.(?:" + "|".join(bound.values()) + ")"
     n_calls = 0
     for name, raw in files.items():
         src = _strip_comments(raw)
-        if name != "common.lua":
-            assert "KEYS" not in src, f"{name} reads KEYS directly instead of the bound names"
-        rebinds = re.findall(r"\bK(?:_\w+|\.\w+)\s*=(?!=)(?!\s*(?:KEYS|keys)\[)", src)
-        assert not rebinds, f"{name} rebinds a key variable: {rebinds}"
+        if name in operations:  # KEYS only goes to open_deployment, which checks them
+            assert re.findall(r"\bKEYS\b", src) == ["KEYS"], name
+            assert "local d, err = open_deployment(KEYS, ARGV, " in src, name
+        else:
+            assert not re.search(r"\bKEYS\b", src), f"{name} reads KEYS"
+        # d is the deployment table: never rebound, no field set outside deployment.lua
+        rebinds = re.findall(r"\bd(?:\.\w+|\[.*?\])?\s*=(?!=)[^\n]*", src)
+        assert not rebinds, f"{name} rebinds d: {rebinds}"
         for args in _calls(src):
             n_calls += 1
             cmd = args[0].strip("'\"").upper()

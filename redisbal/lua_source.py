@@ -1,0 +1,130 @@
+"""The Lua operations as Redis runs them: one EVAL source per operation, and one
+Redis 7 function library holding them all.
+
+``lua/<operation>.lua`` is one operation: a header (what it does, KEYS, ARGV,
+returns, errors), then a body that reads ``KEYS`` and ``ARGV``. What operations
+share lives in small files in ``lua/includes/``, pulled in by lines
+``--- @include "<name>"`` at the top of a file (an include may include others).
+Building a source puts each include once, after the includes it names itself,
+then the operation: a missing include or a cycle is a :class:`LuaSourceError`
+naming the files. Includes only define constants and functions, so they can run
+once when a library loads, where nothing may read KEYS or call Redis.
+
+- **EVAL source** of an operation: its includes, then its body (``KEYS`` and
+  ``ARGV`` are the script's globals).
+- **Function library** ``redisbal_<hash>``: every include of every operation,
+  once, then each operation's body as ``local function op_<name>(KEYS, ARGV)``,
+  registered as ``redisbal_<hash>_<name>``, so the same text runs in both modes.
+  The hash of the text is in the name: two redisbal versions never clash.
+
+The files are package data, read with importlib.resources; see docs/DESIGN.md
+for the barrier they implement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Iterable
+from functools import cache
+from importlib import resources
+
+# The operations, each lua/<name>.lua; scripts.Scripts.call takes these names.
+SCRIPT_NAMES = (
+    "report",
+    "leave",
+    "register",
+    "reap",
+    "force",
+    "configure",
+    "new_epoch",
+    "lease",
+)
+NUM_KEYS = 7  # every operation gets the deployment's seven keys (keys.script_keys())
+
+INCLUDE_DIR = "includes"
+INCLUDE_RE = re.compile(r'^--- @include "([A-Za-z0-9_]+)"[ \t]*$', re.M)
+
+
+class LuaSourceError(Exception):
+    """A Lua file that is missing, or includes that form a cycle."""
+
+
+def read_lua(path: str) -> str:
+    """The text of ``lua/<path>`` in the installed package."""
+    try:
+        return (resources.files("redisbal") / "lua" / path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LuaSourceError(f"lua/{path} is missing") from None
+
+
+def include_path(name: str) -> str:
+    return f"{INCLUDE_DIR}/{name}.lua"
+
+
+def includes_of(text: str) -> list[str]:
+    """The include names a file asks for, in the order of its ``--- @include`` lines."""
+    return INCLUDE_RE.findall(text)
+
+
+def include_order(roots: Iterable[str], read: Callable[[str], str] = read_lua) -> list[str]:
+    """Paths of every include the files ``roots`` need, each once, every include
+    after those it includes (depth first, in the order of the include lines)."""
+    order: list[str] = []
+    done: set[str] = set()
+
+    def visit(path: str, chain: tuple[str, ...]) -> None:
+        """chain: the files whose include lines led to path, outermost first."""
+        try:
+            text = read(path)
+        except LuaSourceError:
+            if not chain:
+                raise
+            raise LuaSourceError(f"lua/{path} is missing (included by lua/{chain[-1]})") from None
+        stack = (*chain, path)
+        for name in includes_of(text):
+            inc = include_path(name)
+            if inc in stack:
+                loop = (*stack[stack.index(inc) :], inc)
+                raise LuaSourceError("include cycle: " + " -> ".join(f"lua/{p}" for p in loop))
+            if inc not in done:
+                visit(inc, stack)
+        if chain:  # an include (a root is an operation)
+            done.add(path)
+            order.append(path)
+
+    for root in roots:
+        visit(root, ())
+    return order
+
+
+def _check(name: str) -> None:
+    if name not in SCRIPT_NAMES:
+        raise KeyError(f"unknown script {name!r}; known: {', '.join(SCRIPT_NAMES)}")
+
+
+def _piece(path: str, read: Callable[[str], str]) -> str:
+    """One file, headed by its path so that a Lua error's line leads to the file."""
+    return f"-- lua/{path}\n{read(path)}\n"
+
+
+@cache
+def script_source(name: str) -> str:
+    """EVAL source of one operation: its includes, then its own file."""
+    _check(name)
+    root = f"{name}.lua"
+    return "".join(_piece(p, read_lua) for p in (*include_order([root]), root))
+
+
+@cache
+def library() -> tuple[str, str]:
+    """(name, source) of the function library holding every operation (Redis >= 7.0)."""
+    roots = [f"{n}.lua" for n in SCRIPT_NAMES]
+    parts = [_piece(p, read_lua) for p in include_order(roots)]
+    for name in SCRIPT_NAMES:
+        body = _piece(f"{name}.lua", read_lua)
+        parts.append(f"local function op_{name}(KEYS, ARGV)\n{body}end\n")
+    code = "".join(parts)
+    lib = "redisbal_" + hashlib.sha1(code.encode()).hexdigest()[:12]
+    regs = "".join(f"redis.register_function('{lib}_{name}', op_{name})\n" for name in SCRIPT_NAMES)
+    return lib, f"#!lua name={lib}\n{code}{regs}"

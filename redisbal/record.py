@@ -1,0 +1,92 @@
+"""An engine's record, the value of its field in the reports hash: parse and format.
+
+The Lua side is ``lua/includes/record.lua``; this module and that file are the
+only two that know the format (docs/DESIGN.md)::
+
+    <flag><heartbeat due ms>
+    <score>\\t<report ms>\\t<json>      the newest report
+    <score>\\t<report ms>\\t<json>      older ones, newest first
+
+flag ``b`` is a barrier member, ``p`` a provisional joiner (joined behind the
+published step: in snapshots, not waited for). A registered engine that has not
+reported yet has the head line only. ``score`` is ``wave * 2**32 + step``;
+``json`` is what a snapshot shows for the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+STEP_SPAN = 2**32  # score = wave * STEP_SPAN + step
+BARRIER_MEMBER = "b"
+PROVISIONAL = "p"
+_HEAD = re.compile(r"([bp])([0-9]*)")
+_LINE = re.compile(r"([0-9]+)\t([0-9]+)\t(.*)", re.S)
+
+
+@dataclass(frozen=True)
+class ReportLine:
+    """One stored report: its score, the server ms it arrived, its snapshot JSON."""
+
+    score: int
+    ms: int
+    json: str
+
+    @property
+    def wave(self) -> int:
+        return self.score // STEP_SPAN
+
+    @property
+    def step(self) -> int:
+        return self.score % STEP_SPAN
+
+    def counts(self) -> dict[str, Any]:
+        """The JSON decoded: wave, step, waiting, running, kv, t and maybe adm."""
+        out: dict[str, Any] = orjson.loads(self.json)
+        return out
+
+
+@dataclass(frozen=True)
+class Record:
+    """An engine's record: barrier flag, heartbeat due ms, reports newest first."""
+
+    flag: str
+    due_ms: int
+    reports: tuple[ReportLine, ...] = ()
+
+    @property
+    def latest(self) -> ReportLine | None:
+        """The newest report, None for an engine that only registered."""
+        return self.reports[0] if self.reports else None
+
+    @property
+    def scores(self) -> list[int]:
+        return [r.score for r in self.reports]
+
+
+def parse_record(text: str | bytes) -> Record:
+    """The Record of a record's text; ValueError when it is not one."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    head, *lines = text.split("\n")
+    m = _HEAD.fullmatch(head)
+    if m is None:
+        raise ValueError(f"not a record head line: {head!r}")
+    reports = []
+    for line in lines:
+        r = _LINE.fullmatch(line)
+        if r is None:
+            raise ValueError(f"not a record report line: {line!r}")
+        reports.append(ReportLine(int(r[1]), int(r[2]), r[3]))
+    return Record(m[1], int(m[2] or 0), tuple(reports))
+
+
+def format_record(record: Record) -> str:
+    """The text of a Record, as the Lua side writes it."""
+    lines = [f"{record.flag}{record.due_ms}"]
+    lines += [f"{r.score}\t{r.ms}\t{r.json}" for r in record.reports]
+    return "\n".join(lines)
