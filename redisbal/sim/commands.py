@@ -58,6 +58,13 @@ ENGINE_SIM_OPTIONS = options(
     ("--report-before-step/--report-after-step-only", None, True,
      "Also report right before each step, once the step has taken the requests "
      "that arrived (vLLM's engines do since PR 41626), not only after it."),
+    ("--http-port", click.IntRange(1, 65535), None,
+     "Serve engine k over the OpenAI API (and vLLM-format /metrics) on port BASE+k and "
+     "register its URL, instead of taking requests from `redisbal api` (needs the "
+     "gateway extra)."),
+    ("--host", None, "127.0.0.1", "Address the HTTP engines listen on (with --http-port)."),
+    ("--advertise-host", None, None,
+     "Host name in the URLs the HTTP engines register [default: --host]."),
 )
 API_OPTIONS = options(
     ("--client-index", click.IntRange(0, 4095), 0,
@@ -142,11 +149,15 @@ def engine_sim(
     stats_out: str | None,
     summary: bool,
     report_before_step: bool,
+    http_port: int | None,
+    host: str,
+    advertise_host: str | None,
 ) -> None:
     """Run simulated continuous-batching engines that report to Redis for real.
 
     They take requests from `redisbal api` processes (Redis lists, see
-    redisbal.sim.transport) and leave the deployment gracefully on SIGINT/SIGTERM.
+    redisbal.sim.transport), or with --http-port over the OpenAI API from any client
+    or `redisbal gateway`, and leave the deployment gracefully on SIGINT/SIGTERM.
     """
     s = settings()
     url = s.require_url()
@@ -161,6 +172,13 @@ def engine_sim(
         per_seq_s=per_seq_ms / 1000,
         prefill_s=prefill_ms / 1000,
     )
+    if http_port is not None:
+        if http_port + len(ids) - 1 > 65535:
+            raise click.BadParameter(
+                "BASE + engines - 1 must be <= 65535", param_hint="'--http-port'"
+            )
+        _serve_http(url, s.deployment, ids, http_port, host, advertise_host, params, duration)
+        return
     try:
         runner = EngineSimRunner(
             url,
@@ -180,6 +198,39 @@ def engine_sim(
     write_json(stats_out, data)
     if summary:
         click.echo(format_engine_table(data))
+
+
+def _serve_http(
+    url: str,
+    deployment: str,
+    ids: list[str],
+    port_base: int,
+    host: str,
+    advertise: str | None,
+    params: EngineParams,
+    duration: float | None,
+) -> None:
+    try:
+        from redisbal.sim.http_engine import serve_engines
+    except ImportError as exc:
+        raise click.ClickException(
+            f"engine-sim --http-port needs the gateway extra: pip install 'redisbal[gateway]' "
+            f"(missing {exc.name})"
+        ) from None
+    check_reachable(url)
+    with redis_errors(url):
+        asyncio.run(
+            serve_engines(
+                ids,
+                redis_url=url,
+                deployment=deployment,
+                port_base=port_base,
+                host=host,
+                advertise=advertise,
+                params=params,
+                duration=duration,
+            )
+        )
 
 
 @click.command()

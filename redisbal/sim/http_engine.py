@@ -448,20 +448,51 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 async def serve(a: argparse.Namespace) -> None:
     params = EngineParams(running_cap=a.running_cap, base_step_s=a.base_step_ms / 1000)
+    ids = [str(i) for i in range(a.first_index, a.first_index + a.engines)]
+    await serve_engines(
+        ids,
+        redis_url=a.redis_url,
+        deployment=a.deployment,
+        port_base=a.http_port,
+        host=a.host,
+        advertise=a.advertise_host,
+        params=params,
+        model_name=a.model_name,
+        mean_output=a.mean_output,
+        seed=a.seed,
+    )
+
+
+async def serve_engines(
+    ids: list[str],
+    *,
+    redis_url: str | None,
+    deployment: str,
+    port_base: int,
+    host: str = "127.0.0.1",
+    advertise: str | None = None,
+    params: EngineParams | None = None,
+    model_name: str = "redisbal-sim",
+    mean_output: float = 40.0,
+    seed: int | None = None,
+    duration: float | None = None,
+) -> None:
+    """Serve engine ``ids[k]`` on ``port_base + k`` until SIGTERM/SIGINT (or ``duration``
+    seconds), then leave the deployment."""
     engines = [
         HttpEngine(
-            str(i),
-            redis_url=a.redis_url,
-            deployment=a.deployment,
-            port=a.http_port + i,
-            host=a.host,
-            advertise=a.advertise_host,
+            engine_id,
+            redis_url=redis_url,
+            deployment=deployment,
+            port=port_base + k,
+            host=host,
+            advertise=advertise,
             params=params,
-            model_name=a.model_name,
-            mean_output=a.mean_output,
-            seed=None if a.seed is None else a.seed + i,
+            model_name=model_name,
+            mean_output=mean_output,
+            seed=None if seed is None else seed + k,
         )
-        for i in range(a.first_index, a.first_index + a.engines)
+        for k, engine_id in enumerate(ids)
     ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -470,7 +501,8 @@ async def serve(a: argparse.Namespace) -> None:
     for e in engines:
         await e.start()
     print(f"http engines ready: {' '.join(e.url for e in engines)}", flush=True)
-    await stop.wait()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), duration)
     for e in engines:
         await e.stop()
 
