@@ -207,9 +207,7 @@ def _local(argv: list[str], ports: dict[str, str]) -> list[str]:
     for tok in argv:
         tok = {"0.0.0.0": "127.0.0.1", "http-engines": "127.0.0.1"}.get(tok, tok)
         out.append(ports.get(tok, tok))
-    if out[:3] == ["python", "-m", "redisbal.sim.http_engine"]:
-        out[0] = sys.executable
-    elif out[0] == "redisbal":
+    if out[0] == "redisbal":
         out[0] = REDISBAL
     return out
 
