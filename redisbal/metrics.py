@@ -398,6 +398,7 @@ ROUTER_COUNTERS = {
     "snapshots": "Snapshots adopted.",
     "ignored_old": "Snapshots ignored as older than the current one within its epoch.",
     "epochs": "Epoch changes adopted (Redis state was reset).",
+    "rejoin_dropped": "Engines known before an epoch change that did not re-register in time.",
 }
 
 

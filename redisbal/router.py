@@ -5,7 +5,8 @@ snapshot after every (re)subscribe and every ``poll_s`` (pub/sub drops
 messages across disconnects). Older versions within an epoch are ignored; a
 new epoch is adopted whatever its version. ``route()`` only touches local
 state (``RouterCore``): it never waits on Redis, and with Redis gone it keeps
-routing and flags its decisions ``degraded``.
+routing and flags its decisions ``degraded``. After an epoch change it also keeps
+routing to the engines it knew until they re-register (``RouterCore._carry``).
 
 ``AsyncRouter`` runs the feed as an asyncio task. ``Router`` is its blocking
 twin: the same object, run on a private event loop in a daemon thread
@@ -179,13 +180,27 @@ class AsyncRouter(_LocalRouting):
             log.warning("router: ignoring malformed snapshot: %s", exc)
             return
         cur = self.core.snapshot
+        dropped = self.core.counters["rejoin_dropped"]
         if self.core.apply_snapshot(snap):
             if cur is not None and cur.epoch != snap.epoch:
+                carried = sorted(self.core.carried)
                 log.warning(
-                    "router %d: new epoch %s (was %s): Redis state was reset; resynced",
+                    "router %d: new epoch %s (was %s): Redis state was reset; resynced%s",
                     self.core.client_index,
                     snap.epoch,
                     cur.epoch,
+                    f"; still routing to {', '.join(carried)} until they re-register"
+                    if carried
+                    else "",
+                )
+            if (n := self.core.counters["rejoin_dropped"] - dropped) > 0:
+                log.warning(
+                    "router %d: %d engine(s) known before epoch %s did not re-register "
+                    "within %.1fs of its first snapshot; no longer routed to",
+                    self.core.client_index,
+                    n,
+                    snap.epoch,
+                    self.core.rejoin_grace_s,
                 )
             self._first.set()
 

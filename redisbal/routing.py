@@ -17,6 +17,7 @@ includes them does not count them twice.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import threading
 import time
@@ -54,6 +55,7 @@ class RouterCore:
         share_halflife: int = 2000,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        rejoin_grace_s: float = 1.0,
     ) -> None:
         if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
             raise ValueError(f"client_count must be a whole number >= 1, got {client_count!r}")
@@ -63,6 +65,9 @@ class RouterCore:
             or not 0 <= client_index < client_count
         ):
             raise ValueError(f"client_index must be in 0..{client_count - 1}, got {client_index!r}")
+        g = rejoin_grace_s
+        if isinstance(g, bool) or not (isinstance(g, int | float) and 0 <= g < math.inf):
+            raise ValueError(f"rejoin_grace_s must be finite and >= 0, got {rejoin_grace_s!r}")
         self.client_index = client_index
         self.client_count = client_count
         self.policy = make_policy(policy)
@@ -73,9 +78,16 @@ class RouterCore:
         self.lock = threading.Lock()
         self.engines: list[EngineView] = []
         self.by_id: dict[str, EngineView] = {}
+        self._knew_any = False
         self.snapshot: Snapshot | None = None
         self.snapshot_at = float("-inf")  # local clock when the snapshot was applied
         self.connected = False
+        self.rejoin_grace_s = rejoin_grace_s
+        self.carried: set[str] = set()  # known before this epoch, not shown by it yet (_carry)
+        self._settle_ms = 0
+        self._rejoin = False
+        # epoch -> the highest version adopted in it (8 latest epochs): never back in one
+        self._versions: dict[str, int] = {}
         self.seq = itertools.count(1)
         # share of traffic: EWMA of (mine, all) admitted deltas
         self.share = 1.0 / client_count
@@ -90,16 +102,19 @@ class RouterCore:
             "snapshots": 0,
             "ignored_old": 0,
             "epochs": 0,
+            "rejoin_dropped": 0,
         }
 
     # -- state -------------------------------------------------------------------------------
 
     @property
     def degraded(self) -> bool:
-        """True when routing without a fresh snapshot (none yet, stale, or feed down)."""
+        """True when routing without a fresh snapshot (none yet, stale, or feed down),
+        or to engines a new epoch has not shown yet (``carried``)."""
         return (
             not self.connected
             or self.snapshot is None
+            or bool(self.carried)
             or self.clock() - self.snapshot_at > self.stale_after_s
         )
 
@@ -113,13 +128,13 @@ class RouterCore:
 
     def _set_engines(self, ids: list[str]) -> None:
         old = self.by_id
+        self._knew_any = self._knew_any or bool(ids)
         self.by_id = {i: old.get(i) or EngineView(i) for i in ids}
         self.engines = list(self.by_id.values())
 
     def accepts(self, snap: Snapshot) -> bool:
-        """Whether snap is newer than ours (or of a new epoch)."""
-        cur = self.snapshot
-        return cur is None or snap.epoch != cur.epoch or snap.version > cur.version
+        """Whether snap is newer than any we adopted in its epoch (or of a new epoch)."""
+        return snap.version > self._versions.get(snap.epoch, -1)
 
     def apply_snapshot(self, snap: Snapshot) -> bool:
         """Adopt snap unless it is older than ours within the same epoch (invariant 4)."""
@@ -133,11 +148,16 @@ class RouterCore:
             now = self.clock()
             self.snapshot, self.snapshot_at = snap, now
             self.counters["snapshots"] += 1
+            self._versions.pop(snap.epoch, None)
+            self._versions[snap.epoch] = snap.version
+            if len(self._versions) > 8:
+                del self._versions[next(iter(self._versions))]
             # an engine this router knows that the cut cannot hold yet (it reported only
             # steps past it, e.g. re-registering after a state loss) stays routable
             # with its last counts instead of vanishing for a snapshot
             kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
-            self._set_engines([*snap.engines, *kept])
+            carried = self._carry(snap, cur)
+            self._set_engines([*snap.engines, *kept, *carried])
             ci = self.client_index
             mine = total = 0
             exact = False
@@ -146,7 +166,11 @@ class RouterCore:
             age_on = getattr(self.policy, "use_age", False)
             for e in self.engines:
                 c = snap.engines.get(e.engine_id)
-                if c is None:
+                if c is None:  # kept or carried: no report says which routes it has done,
+                    if e.pending > e.inflight:  # but the finished ones are no load any more
+                        e.pending = e.inflight
+                        while len(e.times) > e.inflight:
+                            e.times.popleft()
                     continue
                 e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
                 e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
@@ -179,6 +203,34 @@ class RouterCore:
                     self._update_aged(snap)
             self.policy.reset(self)
             return True
+
+    def _carry(self, snap: Snapshot, cur: Snapshot | None) -> list[str]:
+        """The known engines snap does not hold that stay routable (in known order).
+
+        A new epoch means Redis lost its state: the engines re-register one by one,
+        so a snapshot of it that lacks an engine says nothing about that engine yet.
+        Every engine known then is carried until the epoch holds it (in its engines
+        or joining), reports it gone (left, expired), or publishes a snapshot with
+        engines rejoin_grace_s after the first of its snapshots this router adopted
+        (by the snapshots' Redis time): one missing then did not come back. Engines
+        known before any snapshot (``set_engines``) go at the first snapshot with
+        engines, which waits for every registered engine.
+        """
+        if cur is None or snap.epoch != cur.epoch:
+            self.carried.update(self.by_id)
+            self._rejoin = cur is not None  # (else the engines were given, not seen)
+            grace_ms = int(self.rejoin_grace_s * 1000) if self._rejoin else 0
+            self._settle_ms = snap.time_ms + grace_ms
+        carried = self.carried
+        if not carried:
+            return []
+        carried.difference_update(snap.engines)
+        carried.difference_update(snap.joining)
+        carried.difference_update(snap.gone)
+        if carried and snap.engines and snap.time_ms >= self._settle_ms:
+            self.counters["rejoin_dropped"] += len(carried) if self._rejoin else 0
+            carried.clear()
+        return [e for e in self.by_id if e in carried]
 
     def _observe_speed(self, e: EngineView, done: int, t_ms: int, running: int) -> None:
         """Accumulate an engine's completions and running-request-seconds (decayed)."""
@@ -246,6 +298,11 @@ class RouterCore:
         """Pick an engine (or take the pinned one) and record the route. No I/O."""
         with self.lock:
             if not self.engines:
+                if self.snapshot is not None and self.snapshot.engines == {} and self._knew_any:
+                    raise NoEngines(
+                        "no engine left: every engine this router knew left or expired, "
+                        "and none has joined since"
+                    )
                 raise NoEngines(
                     "no engine known yet: wait for the first snapshot (router.start(wait=...)) "
                     "or check that engines report to this deployment"

@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
 from helpers import wait_until
+
+from redisbal.keys import DeploymentKeys
+from redisbal.snapshot import Snapshot
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
@@ -357,6 +361,35 @@ def assert_routing_never_failed(*loops: RouteLoop) -> None:
         history = [(round(t, 3), e, v, len(en)) for t, e, v, en in loop.log.snapshots]
         assert loop.log.errors == [], f"route() raised: {loop.log.errors[:3]}; history {history}"
         assert loop.versions_monotonic() == [], "a router went back to an older version"
+
+
+# the engines start_deployment() runs; the fault tests use them
+ENGINES = ("e0", "e1", "e2")
+
+# A Sentinel failover here takes 1.3-2.5 s (down-after 1000 ms, election, promotion); engines
+# cannot report meanwhile. These tests keep dead_after_ms above it (the default is 5000);
+# test_failover_longer_than_dead_after_expires_no_engine covers the other case.
+FAILOVER_DEAD_AFTER_MS = 5000
+
+
+def start_deployment(
+    g: ProcGroup,
+    engines: tuple[str, ...] = ENGINES,
+    coordinators: tuple[str, ...] = ("c1",),
+    **coord_opts: object,
+) -> dict[str, object]:
+    """A coordinator (or several) and lockstep engines stepping on a shared 50 ms clock."""
+    t0 = time.time()
+    procs = {c: g.coordinator(c, **coord_opts) for c in coordinators}
+    procs.update({e: g.engine(e, t0) for e in engines})
+    for p in procs.values():
+        p.wait_ready()  # type: ignore[attr-defined]
+    return procs
+
+
+def stored(c: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
+    raw = c.get(keys.snapshot)
+    return Snapshot.from_json(raw) if raw else None  # type: ignore[arg-type]
 
 
 class SnapshotObserver:

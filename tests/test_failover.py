@@ -80,7 +80,7 @@ def max_gap(loop: RouteLoop, t0: float, t1: float) -> float:
 
 
 def degraded_between(loop: RouteLoop, t0: float, t1: float) -> int:
-    return sum(1 for t, _e, _v, deg in list(loop.log.decisions) if t0 <= t < t1 and deg)
+    return sum(1 for t, _e, _v, deg, _done in list(loop.log.decisions) if t0 <= t < t1 and deg)
 
 
 def first_snapshot_after(loop: RouteLoop, t: float, after: tuple[str, int]) -> float | None:

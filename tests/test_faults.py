@@ -25,6 +25,8 @@ import pytest
 import redis
 from helpers import script_sha, wait_until
 from procs import (
+    ENGINES,
+    FAILOVER_DEAD_AFTER_MS,
     ProcGroup,
     RouteLoop,
     Routers,
@@ -33,6 +35,8 @@ from procs import (
     assert_routing_never_failed,
     hold_port,
     record,
+    start_deployment,
+    stored,
     synced,
 )
 from topology import SentinelTopology, binaries
@@ -43,14 +47,8 @@ from redisbal.sim.embedded import RedisServer
 from redisbal.snapshot import Snapshot
 
 BINARIES = binaries()
-ENGINES = ("e0", "e1", "e2")
 
 pytestmark = pytest.mark.timeout(180)
-
-# A Sentinel failover here takes 1.3-2.5 s (down-after 1000 ms, election, promotion); engines
-# cannot report meanwhile. These tests keep dead_after_ms above it (the default is 5000);
-# test_failover_longer_than_dead_after_expires_no_engine covers the other case.
-FAILOVER_DEAD_AFTER_MS = 5000
 
 
 @pytest.fixture(params=sorted(BINARIES))
@@ -71,26 +69,6 @@ def system_server() -> Iterator[RedisServer]:
         yield srv
     finally:
         srv.cleanup()
-
-
-def start_deployment(
-    g: ProcGroup,
-    engines: tuple[str, ...] = ENGINES,
-    coordinators: tuple[str, ...] = ("c1",),
-    **coord_opts: object,
-) -> dict[str, object]:
-    """A coordinator (or several) and lockstep engines stepping on a shared 50 ms clock."""
-    t0 = time.time()
-    procs = {c: g.coordinator(c, **coord_opts) for c in coordinators}
-    procs.update({e: g.engine(e, t0) for e in engines})
-    for p in procs.values():
-        p.wait_ready()  # type: ignore[attr-defined]
-    return procs
-
-
-def stored(c: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
-    raw = c.get(keys.snapshot)
-    return Snapshot.from_json(raw) if raw else None  # type: ignore[arg-type]
 
 
 # -- Redis killed and restarted empty ---------------------------------------------------------
