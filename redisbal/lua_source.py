@@ -18,7 +18,10 @@ once when a library loads, where nothing may read KEYS or call Redis.
   The hash of the text is in the name: two redisbal versions never clash.
 
 The files are package data, read with importlib.resources; see docs/DESIGN.md
-for the barrier they implement.
+for the barrier they implement. One include is generated instead of read:
+``settings``, the deployment settings' defaults and bounds and the lease TTL's
+bounds from :mod:`redisbal.config`, so the Lua and the Python check the same
+numbers from one home.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import re
 from collections.abc import Callable, Iterable
 from functools import cache
 from importlib import resources
+
+from redisbal.config import LEASE_TTL, SETTINGS
 
 # The operations, each lua/<name>.lua; scripts.Scripts.call takes these names.
 SCRIPT_NAMES = (
@@ -50,8 +55,27 @@ class LuaSourceError(Exception):
     """A Lua file that is missing, or includes that form a cycle."""
 
 
+def settings_lua() -> str:
+    """The ``settings`` include, generated from redisbal/config.py."""
+    rows = "".join(
+        f"  {name} = {{default = {s.default}, lo = {s.lo}, hi = {s.hi}}},\n"
+        for name, s in SETTINGS.items()
+    )
+    return (
+        "-- settings: generated from redisbal/config.py by redisbal/lua_source.py\n"
+        "-- (defaults and inclusive bounds, whole ms); edit config.py, not this text\n"
+        f"local SETTINGS = {{\n{rows}}}\n"
+        f"local LEASE_TTL = {{lo = {LEASE_TTL.lo}, hi = {LEASE_TTL.hi}}}\n"
+    )
+
+
+GENERATED = {f"{INCLUDE_DIR}/settings.lua": settings_lua}
+
+
 def read_lua(path: str) -> str:
-    """The text of ``lua/<path>`` in the installed package."""
+    """The text of ``lua/<path>`` in the installed package (or a generated include)."""
+    if path in GENERATED:
+        return GENERATED[path]()
     try:
         return (resources.files("redisbal") / "lua" / path).read_text(encoding="utf-8")
     except FileNotFoundError:

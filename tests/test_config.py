@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import click
 import pytest
+import redis
 from click.testing import CliRunner
+from helpers import Barrier
 
 from redisbal.cli import cli
 from redisbal.config import LEASE_TTL, SETTINGS, CoordinatorConfig
+from redisbal.keys import DeploymentKeys
+
+
+@pytest.fixture
+def bar(r: redis.Redis, keys: DeploymentKeys) -> Barrier:
+    return Barrier(r, keys)
 
 
 def _options() -> dict[str, click.Option]:
@@ -47,3 +55,24 @@ def test_lease_ttl_floor_is_checked_by_the_coordinator_and_the_cli() -> None:
         cli, ["coordinator", "--redis-url", "redis://127.0.0.1:1", "--lease-ttl-ms", "199"]
     )
     assert r.exit_code == 2 and "--lease-ttl-ms" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_the_lua_checks_the_same_bounds(bar: Barrier, name: str) -> None:
+    """The scripts take their defaults and bounds from config.py (a generated include):
+    configure accepts each bound and refuses one past it, like CoordinatorConfig."""
+    s = SETTINGS[name]
+    bar.configure(**{name: s.lo})
+    bar.configure(**{name: s.hi})
+    for bad in (s.lo - 1, s.hi + 1):
+        with pytest.raises(redis.ResponseError, match=f"bad {name}"):
+            bar.configure(**{name: bad})
+
+
+def test_the_lua_lease_refuses_a_ttl_below_the_floor(bar: Barrier) -> None:
+    def lease(ttl: int) -> object:
+        return bar.scripts.call("lease", "c1", ttl, "acquire")
+
+    lease(LEASE_TTL.lo)
+    with pytest.raises(redis.ResponseError, match="bad ttl_ms"):
+        lease(LEASE_TTL.lo - 1)

@@ -21,7 +21,7 @@ from helpers import Barrier, script_sha, text
 from redis.crc import key_slot
 
 from redisbal.keys import DeploymentKeys, InvalidName, check_name
-from redisbal.lua_source import NUM_KEYS, SCRIPT_NAMES, include_order, library
+from redisbal.lua_source import GENERATED, NUM_KEYS, SCRIPT_NAMES, include_order, library
 
 LUA_DIR = Path(str(resources.files("redisbal") / "lua"))
 
@@ -100,11 +100,13 @@ def test_all_keys_covers_every_stored_key(r: redis.Redis, keys: DeploymentKeys) 
 
 
 def _lua_files() -> dict[str, str]:
-    """Every Lua file of the package, by its path under lua/."""
-    return {
+    """Every Lua file of the package, by its path under lua/, and the generated
+    includes (lua_source.GENERATED), which must obey the same rules."""
+    files = {
         p.relative_to(LUA_DIR).as_posix(): p.read_text(encoding="utf-8")
         for p in sorted(LUA_DIR.rglob("*.lua"))
     }
+    return {**files, **{path: make() for path, make in GENERATED.items()}}
 
 
 def _strip_comments(src: str) -> str:

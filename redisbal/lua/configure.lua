@@ -7,7 +7,7 @@
   ARGV[3] epoch candidate (includes/generation.lua)
   ARGV[4..] field, value pairs; the fields:
     dead_after_ms, stall_ms, tick_ms, join_grace_ms, idle_publish_ms
-        whole ms, within BOUNDS below
+        whole ms, within the bounds of redisbal/config.py (includes "settings")
     expected   comma-separated engine ids, may be ""
     owner      the coordinator's id
   Returns: the epoch (started if the state was new or lost).
@@ -19,25 +19,17 @@
 --- @include "time"
 --- @include "generation"
 
--- the whole-ms settings: lowest, highest
-local BOUNDS = {
-  dead_after_ms = {100, 86400000},
-  stall_ms = {1, 86400000},
-  tick_ms = {1, 60000},
-  join_grace_ms = {0, 600000},
-  idle_publish_ms = {10, 3600000},
-}
 
 local d, err = open_deployment(KEYS, ARGV, 3, nil)
 if not d then return fail(err) end
 if (#ARGV - 3) % 2 ~= 0 then return fail('config needs field, value pairs') end
 for i = 4, #ARGV, 2 do
   local field, value = ARGV[i], ARGV[i + 1]
-  local bounds = BOUNDS[field]
-  if bounds then
-    if not int_arg(value, bounds[1], bounds[2]) then
+  local setting = SETTINGS[field]
+  if setting then
+    if not int_arg(value, setting.lo, setting.hi) then
       return fail('bad ' .. field .. ': ' .. value ..
-        ' (whole ms in ' .. bounds[1] .. '..' .. bounds[2] .. ')')
+        ' (whole ms in ' .. setting.lo .. '..' .. setting.hi .. ')')
     end
   elseif field == 'expected' then
     if #value > 65536 or string.find(value, '[^A-Za-z0-9_.,%-]') then

@@ -11,7 +11,7 @@
   ARGV[1] deployment name
   ARGV[2] "PUBLISH" or "SPUBLISH"
   ARGV[3] owner id
-  ARGV[4] ttl_ms (100..600000)
+  ARGV[4] ttl_ms (within LEASE_TTL of redisbal/config.py)
   ARGV[5] "acquire" or "release"
   Returns: {held (1 or 0), fence, current owner ("" if none), ms left on the
   lease (0 after a release)}.
@@ -25,7 +25,7 @@ local d, err = open_deployment(KEYS, ARGV, 5, 5)
 if not d then return fail(err) end
 local owner = name_arg(ARGV[3])
 if not owner then return fail('bad owner: ' .. ARGV[3]) end
-local ttl = int_arg(ARGV[4], 100, 600000)
+local ttl = int_arg(ARGV[4], LEASE_TTL.lo, LEASE_TTL.hi)
 if not ttl then return fail('bad ttl_ms: ' .. ARGV[4]) end
 local action = ARGV[5]
 if action ~= 'acquire' and action ~= 'release' then

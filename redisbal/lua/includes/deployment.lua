@@ -30,20 +30,12 @@
     .since      ms when the first member moved past .pub (the stall clock)
     .next_reap  ms when a report next expires dead engines on the way
 ]]
+--- @include "settings"
 --- @include "args"
 
 -- KEYS[i] must be "redisbal:{<deployment>}:" .. KEY_SUFFIXES[i]
 local KEY_SUFFIXES = {'config', 'epoch', 'members', 'reports', 'meta', 'snapshot', 'snapshots'}
 
--- The settings of a deployment nobody configured (the coordinator writes them,
--- configure.lua checks their bounds).
-local DEFAULT_CONFIG = {
-  dead_after_ms = 5000,
-  stall_ms = 250,
-  tick_ms = 20,
-  join_grace_ms = 1000,
-  idle_publish_ms = 1000,
-}
 
 -- The deployment an operation works on, after the checks every operation makes
 -- before it touches anything: the number of arguments (nmin..nmax; nmax nil for
@@ -79,7 +71,7 @@ end
 
 -- One setting (a number), its default when unset.
 local function config_value(d, field)
-  return tonumber(redis.call('HGET', d.config, field)) or DEFAULT_CONFIG[field]
+  return tonumber(redis.call('HGET', d.config, field)) or SETTINGS[field].default
 end
 
 -- Nil when token is "" (an unfenced call) or the config's current fence (the
