@@ -453,7 +453,7 @@ async def serve(a: argparse.Namespace) -> None:
         ids,
         redis_url=a.redis_url,
         deployment=a.deployment,
-        port_base=a.http_port,
+        port_base=a.http_port + a.first_index,  # engine i serves on BASE + i
         host=a.host,
         advertise=a.advertise_host,
         params=params,
