@@ -213,3 +213,14 @@ def is_cluster(client: Any) -> bool:
     from redis.cluster import RedisCluster as SRC
 
     return isinstance(client, SRC | ARC)
+
+
+def refresh_slots(client: Any) -> Any:
+    """Ask a Redis Cluster for its slot map again; None for another client, and an
+    awaitable for an asyncio one. redis-py refreshes the map by itself after a
+    failed call, but a client whose calls keep failing on a dead primary after a
+    failover was seen to keep the stale map under load; callers use this after an
+    outage so that the next call goes to the promoted replica."""
+    if not is_cluster(client):
+        return None
+    return client.nodes_manager.initialize()

@@ -21,6 +21,7 @@ heartbeats, expected membership and metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -34,7 +35,7 @@ from typing import Any
 import redis.exceptions
 
 from redisbal.config import LEASE_TTL, CoordinatorConfig
-from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
+from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.scripts import Scripts
 
@@ -233,6 +234,8 @@ class Coordinator:
                 self._error(f"Redis unavailable: {type(exc).__name__}")
                 self.stats.leader = False
                 backoff = min(backoff * 2, 1.0)
+                with contextlib.suppress(Exception):  # a cluster: find a promoted replica
+                    refresh_slots(self.client)
             except redis.exceptions.ResponseError as exc:
                 if "fenced" in str(exc):
                     self.stats.leader = False

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redisbal.background import BackgroundLoop
-from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
+from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
 from redisbal.scripts import Scripts, report_reply
 
 log = logging.getLogger("redisbal.engine")
@@ -416,6 +416,9 @@ class ReportSender:
                 delay = min(self.backoff_s * 2 ** (self._failures - 1), self.max_backoff_s)
                 self._down_until = started + delay
         self._log_health(outage, now)
+        if outage is not None and self._cluster:  # find a promoted replica before the retry
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(refresh_slots(self.client), self.timeout_s + 1.0)
 
     async def _round_trip(self, batch: list[_Op]) -> list[Any]:
         """One result (or exception) per op. Several ops go in one pipeline once every

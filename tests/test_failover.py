@@ -106,9 +106,9 @@ def engine_outcomes(g: ProcGroup) -> dict[str, int]:
 
 @pytest.mark.skipif(
     os.environ.get("REDISBAL_TEST_CLUSTER_KILL") != "1",
-    reason="known issue: after a cluster primary is SIGKILLed, the engines' and the "
-    "coordinator's cluster clients sometimes never leave the dead node (about half of the "
-    "runs on a loaded 2-core machine); opt in with REDISBAL_TEST_CLUSTER_KILL=1",
+    reason="opt-in (REDISBAL_TEST_CLUSTER_KILL=1) until it passes reliably: after the kill, "
+    "another deployment's router was seen degraded for up to 0.7 s (2 runs in 4) or its "
+    "snapshots paused for seconds, which this scenario must never show",
 )
 def test_cluster_primary_killed_then_manual_failover(
     cluster: ClusterTopology, routers: Routers

@@ -201,11 +201,14 @@ class ClusterTopology:
             text = info.decode() if isinstance(info, bytes) else str(info)
             if "cluster_state:ok" not in text or f"cluster_known_nodes:{self.n}" not in text:
                 return False
-        if self.replicas:  # every replica has finished its first sync
+        if self.replicas:  # every replica has finished its first sync, every node sees it
             for node in self.nodes:
                 with node.client(socket_timeout=2, decode_responses=True) as c:
                     repl = c.info("replication")
                     if repl["role"] == "slave" and repl.get("master_link_status") != "up":
+                        return False
+                    slots = c.execute_command("CLUSTER", "SLOTS")
+                    if any(len(r) - 3 < self.replicas for r in slots):
                         return False
         return True
 
