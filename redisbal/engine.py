@@ -35,6 +35,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from redisbal.background import BackgroundLoop
 from redisbal.connection import OUTAGE_ERRORS
+from redisbal.endpoints import check_url
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.scripts import Scripts
 from redisbal.sender import Lane, ReporterStats, ReportResult, ReportSender, tag_of
@@ -159,9 +160,13 @@ class _Reporter:
         heartbeat_s: float | None = None,
         backoff_s: float = 0.2,
         register: bool | None = None,
+        url: str | None = None,
     ) -> None:
         # names and mode first: bad input raises before any client, thread or key exists
         self.engine_id = check_name(engine_id, "engine_id")
+        # where gateways send this engine's requests: written to the deployment's urls
+        # hash by the sender (and again every few seconds, so it survives a state loss)
+        self.engine_url = check_url(url) if url is not None else None
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         if mode not in MODES:
             raise InvalidReport(f"mode must be one of {MODES}, got {mode!r}")
@@ -188,6 +193,7 @@ class _Reporter:
         self.url = sender.url
         self.scripts = Scripts(sender.client, self.keys, sender.pubcmd)
         self._lane = Lane(self.engine_id, self.scripts, self.heartbeat_s if heartbeat else None)
+        self._lane.url = self.engine_url
         sender.attach(self._lane)
         if register if register is not None else self._threaded:
             sender.submit_register(self._lane, False)

@@ -52,6 +52,9 @@ from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, 
 from redisbal.scripts import Scripts, report_reply
 
 log = logging.getLogger("redisbal.engine")
+# how often an engine's URL is written again: it comes back within this after a
+# state loss (restart without persistence, flush, failover to a lagging replica)
+URL_REFRESH_S = 5.0
 
 Tag = tuple[int, int]
 WARN_EVERY_S = 60.0
@@ -106,6 +109,8 @@ class Lane:
     last_sent: float = 0.0  # monotonic time of the last delivered report
     inflight: int = 0
     had_state: bool = False  # Redis knew this engine once: a lost state is a recovery
+    url: str | None = None  # where gateways send this engine's requests (endpoints.py)
+    url_due: float = 0.0  # monotonic time the URL is next written (after a loss too)
     attached: bool = True
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -122,7 +127,7 @@ class Lane:
 
 @dataclass(eq=False, slots=True)
 class _Op:
-    kind: str  # "report" or "register"
+    kind: str  # "report", "register" or "url"
     lane: Lane
     args: list[str]  # report: ARGV after engine_id; register: []
     waiters: list[Any]
@@ -377,6 +382,10 @@ class ReportSender:
                 registers.append(_Op("register", lane, [], lane.register_waiters))
                 lane.register, lane.register_waiters = False, []
                 lane.inflight += 1
+            if lane.url is not None and lane.attached and now >= lane.url_due:
+                registers.append(_Op("url", lane, [], []))
+                lane.url_due = now + URL_REFRESH_S  # (a failed write makes it due again)
+                lane.inflight += 1
             if lane.pending is not None:
                 reports.append(_Op("report", lane, lane.pending, lane.waiters))
                 lane.pending, lane.waiters = None, []
@@ -438,7 +447,10 @@ class ReportSender:
     async def _pipelined(self, batch: list[_Op]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for op in batch:
-            queued = op.lane.scripts.call(op.kind, *self._argv(op), client=pipe)
+            if op.kind == "url":
+                queued = pipe.hset(op.lane.scripts.keys.urls, op.lane.engine_id, op.lane.url)
+            else:
+                queued = op.lane.scripts.call(op.kind, *self._argv(op), client=pipe)
             if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
                 await queued
         outs: list[Any] = list(await pipe.execute(raise_on_error=False))
@@ -450,12 +462,15 @@ class ReportSender:
     async def _singly(self, batch: list[_Op]) -> list[Any]:
         """One call per op, concurrently: every registration, then every report."""
         outs: list[Any] = []
-        for kind in ("register", "report"):
+        for kind in ("register", "url", "report"):
             outs += await asyncio.gather(*(self._one(op) for op in batch if op.kind == kind))
         return outs
 
     async def _one(self, op: _Op) -> Any:
         try:
+            if op.kind == "url":
+                lane = op.lane
+                return await self.client.hset(lane.scripts.keys.urls, lane.engine_id, lane.url)
             return await op.lane.scripts.call(op.kind, *self._argv(op))
         except Exception as exc:  # handed to _settle: an outage, or an error to count
             return exc
@@ -467,6 +482,12 @@ class ReportSender:
     def _settle(self, op: _Op, out: Any, now: float) -> None:
         """Apply one op's outcome (caller holds the lock)."""
         lane = op.lane
+        if op.kind == "url":  # the engine's URL: written again when due, never awaited
+            if isinstance(out, OUTAGE_ERRORS):
+                lane.url_due = 0.0  # write it as soon as Redis is back
+            elif isinstance(out, Exception):
+                log.warning("engine %s: url refused: %s", lane.engine_id, redact(str(out)))
+            return
         if isinstance(out, OUTAGE_ERRORS):
             if op.kind == "register":
                 _resolve(op.waiters, False)
@@ -543,6 +564,10 @@ class ReportSender:
         self.detach(lane)
         with contextlib.suppress(*OUTAGE_ERRORS, asyncio.TimeoutError):
             await asyncio.wait_for(lane.scripts.call("leave", lane.engine_id), self.timeout_s + 1.0)
+            if lane.url is not None:  # gateways stop sending to a URL nobody serves
+                await asyncio.wait_for(
+                    self.client.hdel(lane.scripts.keys.urls, lane.engine_id), self.timeout_s + 1.0
+                )
 
     async def aclose(self) -> None:
         """Stop the task and close the client if this sender made it."""

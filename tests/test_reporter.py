@@ -359,3 +359,37 @@ def test_one_sender_carries_several_engines_in_one_pipeline(
         for rep in reps:
             rep.close()
         sender.close()
+
+
+@pytest.mark.parametrize("cls", [EngineReporter, AsyncEngineReporter], ids=["sync", "async"])
+def test_url_is_registered_kept_after_a_state_loss_and_removed_on_leave(
+    r: redis.Redis,
+    redis_url: str,
+    keys: DeploymentKeys,
+    cls: type,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``url=`` is where gateways send the engine's requests: the sender writes it to
+    the deployment's urls hash, again every URL_REFRESH_S (so a flushed or restarted
+    Redis gets it back), and a graceful leave removes it. A bad URL raises at once."""
+    from redisbal import sender
+
+    monkeypatch.setattr(sender, "URL_REFRESH_S", 0.2)
+    with pytest.raises(ValueError, match="url"):
+        cls(redis_url, keys.deployment, "e0", url="ftp://nowhere")
+    rep = Blocking(cls(redis_url, keys.deployment, "e0", url="http://127.0.0.1:8400"))
+    try:
+        rep.register()
+        steps = iter(range(1, 10**6))
+
+        def url_after_a_step() -> bool:
+            # (a report waited for: the asyncio twin's sender runs while it is awaited)
+            rep.report(step=next(steps), waiting=0, running=1, wait=True)
+            return r.hget(keys.urls, "e0") == b"http://127.0.0.1:8400"
+
+        wait_until(url_after_a_step, 5, "the url written")
+        r.delete(keys.urls)  # the state lost
+        wait_until(url_after_a_step, 5, "the url written again")
+    finally:
+        rep.close()
+    assert r.hget(keys.urls, "e0") is None, "a graceful leave keeps the url"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import re
 import threading
@@ -82,10 +81,6 @@ class RateLimitedLog:
         return True
 
 
-def _reporter_takes_url() -> bool:
-    return "url" in inspect.signature(EngineReporter.__init__).parameters
-
-
 class CountsRelay:
     """Non-blocking reports for several engines of one deployment, sent by one thread."""
 
@@ -126,8 +121,8 @@ class CountsRelay:
             if engine_id in self._engines:
                 return
             kw: dict[str, Any] = {}
-            if url and _reporter_takes_url():
-                kw["url"] = url
+            if url:
+                kw["url"] = url  # the reporter's sender writes it to the urls hash
             rep = EngineReporter(
                 self.redis_url,
                 self.deployment,
