@@ -57,7 +57,6 @@ class _Engine:
     submitted: float = 0.0  # monotonic time of the latest submit()
     sent: float = 0.0  # monotonic time of the latest send attempt
     paused: bool = False
-    registered: bool = False
 
 
 class RateLimitedLog:
@@ -129,9 +128,8 @@ class CountsRelay:
                 engine_id,
                 mode=self.mode,
                 heartbeat=False,
-                register=False,
                 **kw,
-            )
+            )  # registers at once: the shared sender sends registrations before reports
             self._engines[engine_id] = _Engine(rep)
         self._wake.set()
 
@@ -209,18 +207,8 @@ class CountsRelay:
                     out.append((eng, eng.last))
         return out
 
-    def _register_new(self) -> None:
-        """Register every engine added so far before any of them reports, so that the
-        first snapshot waits for all the engines this sender speaks for."""
-        with self._lock:
-            new = [e for e in self._engines.values() if not e.registered]
-        for eng in new:
-            eng.reporter.register()  # handed to the reporter's sender, which retries it
-            eng.registered = True
-
     def _flush(self, batch: list[tuple[_Engine, dict[str, Any]]]) -> None:
         self.flushes += 1
-        self._register_new()
         for eng, counts in batch:
             rep = eng.reporter
             eng.sent = time.monotonic()
