@@ -142,7 +142,7 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     type=click.Choice(["auto", "uvloop", "asyncio"]),
     default="auto",
     show_default=True,
-    help="auto: uvloop when installed (it roughly halves the proxy's CPU per request).",
+    help="auto: uvloop when installed, else asyncio's own loop.",
 )
 @common_options
 def gateway(**kw: Any) -> None:
