@@ -40,6 +40,12 @@ SETTINGS: dict[str, Setting] = {
     "tick_ms": Setting(20, 1, 60_000, "Shared tick of independent (tick-mode) engines."),
     "join_grace_ms": Setting(1000, 0, 600_000, "The first snapshot of an epoch waits this long."),
     "idle_publish_ms": Setting(1000, 10, 3_600_000, "Republish a quiet deployment this often."),
+    "stall_after_ms": Setting(
+        2000, 100, 86_400_000, "An engine with work and no progress this long is stalled."
+    ),
+    "suspect_ms": Setting(
+        2000, 100, 600_000, "A failed() mark holds this long unless the engine progresses."
+    ),
 }
 # The coordinator's own lease (not a deployment setting: each coordinator passes it to
 # the lease script). The floor leaves a standby time to see a live holder renew.
@@ -55,6 +61,8 @@ class CoordinatorConfig:
     tick_ms: int = SETTINGS["tick_ms"].default
     join_grace_ms: int = SETTINGS["join_grace_ms"].default
     idle_publish_ms: int = SETTINGS["idle_publish_ms"].default
+    stall_after_ms: int = SETTINGS["stall_after_ms"].default
+    suspect_ms: int = SETTINGS["suspect_ms"].default
     expected: list[str] = field(default_factory=list)
     lease_ttl_ms: int = LEASE_TTL.default
 

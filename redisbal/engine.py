@@ -29,6 +29,8 @@ import concurrent.futures
 import contextlib
 import functools
 import math
+import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -48,6 +50,7 @@ __all__ = [
     "ReportResult",
     "ReportSender",
     "ReporterStats",
+    "new_incarnation",
     "validate_report",
 ]
 
@@ -108,6 +111,22 @@ def validate_report(
             raise InvalidReport(f"admitted must be a list of at most {MAX_CLIENTS} counts")
         adm = ",".join(str(_count(f"admitted[{i}]", a, 10**15 - 1)) for i, a in enumerate(admitted))
     return [wave_s, step_s, w, r, kv, adm]
+
+
+def new_incarnation(now_ms: int | None = None) -> str:
+    """A name for one reporting process: its start time (ms, base 36) and a random
+    part, so that the barrier orders a restarted process after the one it replaces
+    (lua/includes/incarnation.lua). Clocks of the hosts must agree to within the
+    time a restart takes; a process whose clock is behind is refused as a conflict
+    until the record it would replace expires."""
+    ms = int(time.time() * 1000) if now_ms is None else now_ms
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    text = ""
+    while True:
+        ms, d = divmod(ms, 36)
+        text = digits[d] + text
+        if ms == 0:
+            return f"{text}-{secrets.token_hex(4)}"
 
 
 def _heartbeat_s(mode: str, heartbeat_s: float | None) -> float:
@@ -192,7 +211,15 @@ class _Reporter:
         self.client = sender.client
         self.url = sender.url
         self.scripts = Scripts(sender.client, self.keys, sender.pubcmd)
-        self._lane = Lane(self.engine_id, self.scripts, self.heartbeat_s if heartbeat else None)
+        # this process's name in the barrier: a later reporter of the same engine id
+        # replaces this one's record (a restart); this one's reports are then refused
+        self.incarnation = new_incarnation()
+        self._lane = Lane(
+            self.engine_id,
+            self.scripts,
+            self.heartbeat_s if heartbeat else None,
+            incarnation=self.incarnation,
+        )
         self._lane.url = self.engine_url
         sender.attach(self._lane)
         if register if register is not None else self._threaded:
@@ -207,6 +234,7 @@ class _Reporter:
         *,
         kv_usage: float | None = None,
         admitted: Sequence[int] | None = None,
+        progress: bool = True,
         wait: bool = False,
         timeout: float | None = 10.0,
     ) -> ReportResult | _Wait:
@@ -219,6 +247,7 @@ class _Reporter:
             kv_usage=kv_usage,
             admitted=admitted,
         )
+        args.append("1" if progress else "0")
         tag = tag_of(args) if self.mode == "lockstep" else None
         out = self.sender.submit(self._lane, args, tag, wait)
         if isinstance(out, ReportResult):
@@ -297,8 +326,13 @@ _REPORT_DOC = """Hand counts for (wave, step) to the sender; returns at once.
 
 Returns ReportResult("queued"), or "stale" at once when (wave, step) is older than
 this engine's newest report. ``wait=True`` waits (up to ``timeout``) for this
-report's outcome: "accepted", "stale", "unavailable" (Redis unreachable: the
-sender keeps the counts and retries) or "coalesced" (newer counts replaced it)."""
+report's outcome: "accepted", "stale", "conflict" (a process started later reports
+under this engine id), "unavailable" (Redis unreachable: the sender keeps the
+counts and retries) or "coalesced" (newer counts replaced it).
+
+``progress=False`` says the engine's loop did not move since its last report (a
+re-send of unchanged counts, as the heartbeat is): an engine with work queued or
+running that makes no progress for ``stall_after_ms`` is stalled (not routed to)."""
 
 
 class AsyncEngineReporter(_Reporter):

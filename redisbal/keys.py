@@ -19,7 +19,16 @@ NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or d
 # The barrier's hot fields, kept in the reports hash next to the engine records so
 # that a report is one read and one write (lua/includes/deployment.lua; docs/DESIGN.md).
 # An engine id starts with a letter or digit, so these never clash with one.
-BARRIER_FIELDS = (".epoch", ".pub", ".behind", ".since", ".next_reap")
+BARRIER_FIELDS = (
+    ".epoch",
+    ".pub",
+    ".behind",
+    ".since",
+    ".next_reap",
+    ".pub_at",
+    ".rebase",
+    ".rebase_ms",
+)
 
 
 def is_engine_field(name: str) -> bool:

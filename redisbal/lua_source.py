@@ -44,6 +44,7 @@ SCRIPT_NAMES = (
     "configure",
     "new_epoch",
     "lease",
+    "suspect",
 )
 NUM_KEYS = 7  # every operation gets the deployment's seven keys (keys.script_keys())
 

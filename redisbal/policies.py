@@ -71,6 +71,8 @@ class EngineView:
     running: int = 0
     kv_usage: float | None = None
     routed: int = 0  # cumulative routes by this router
+    routed_before: int = 0  # of those, the ones to earlier incarnations (restarts)
+    incarnation: str | None = None  # the engine's reporting process, when it names it
     inflight: int = 0  # routed and not finished
     pending: int = 0  # routed and not yet in the snapshot
     age_s: float = 0.0  # age of the engine's report at the snapshot
@@ -92,7 +94,8 @@ class EngineView:
 class RoutingState(Protocol):
     """What a policy may read of its router (``RouterCore`` is one).
 
-    ``engines`` (never empty when ``pick`` is called) and ``client_index`` of
+    ``engines``, the engines to choose from (never empty when ``pick`` is called;
+    stalled and suspect ones are left out), and ``client_index`` of
     ``client_count`` API servers; ``pending_weight``, how many routes of all routers
     one route of this one stands for (1 / its estimated share of the traffic);
     ``running_cap``, the largest running count seen on an engine with a queue (0

@@ -3,14 +3,16 @@
 The Lua side is ``lua/includes/record.lua``; this module and that file are the
 only two that know the format (docs/DESIGN.md)::
 
-    <flag><heartbeat due ms>
+    <flag><heartbeat due ms> <incarnation> <offset> <progress ms> <suspect until ms>
     <score>\\t<report ms>\\t<json>      the newest report
     <score>\\t<report ms>\\t<json>      older ones, newest first
 
 flag ``b`` is a barrier member, ``p`` a provisional joiner (joined behind the
-published step: in snapshots, not waited for). A registered engine that has not
-reported yet has the head line only. ``score`` is ``wave * 2**32 + step``;
-``json`` is what a snapshot shows for the engine.
+published step: in snapshots, not waited for), ``s`` stalled (work and no
+progress for ``stall_after_ms``). A registered engine that has not reported yet
+has the head line only, and only flag and due ms. ``score`` is the engine's
+``wave * 2**32 + step`` plus its ``offset`` (the deployment's order); ``json``
+is what a snapshot shows for the engine.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import orjson
 STEP_SPAN = 2**32  # score = wave * STEP_SPAN + step
 BARRIER_MEMBER = "b"
 PROVISIONAL = "p"
-_HEAD = re.compile(r"([bp])([0-9]*)")
+STALLED = "s"
+NO_INCARNATION = "-"
+_HEAD = re.compile(r"([bps])([0-9]*)(?: (\S+) ([0-9]+) ([0-9]+) ([0-9]+))?")
 _LINE = re.compile(r"([0-9]+)\t([0-9]+)\t(.*)", re.S)
 
 
@@ -52,11 +56,17 @@ class ReportLine:
 
 @dataclass(frozen=True)
 class Record:
-    """An engine's record: barrier flag, heartbeat due ms, reports newest first."""
+    """An engine's record: barrier flag, heartbeat due ms, reports newest first, and
+    the lifecycle fields: incarnation, score offset, last progress and suspect mark
+    (server ms; 0 when none)."""
 
     flag: str
     due_ms: int
     reports: tuple[ReportLine, ...] = ()
+    incarnation: str = NO_INCARNATION
+    offset: int = 0
+    progress_ms: int = 0
+    suspect_until_ms: int = 0
 
     @property
     def latest(self) -> ReportLine | None:
@@ -82,11 +92,17 @@ def parse_record(text: str | bytes) -> Record:
         if r is None:
             raise ValueError(f"not a record report line: {line!r}")
         reports.append(ReportLine(int(r[1]), int(r[2]), r[3]))
-    return Record(m[1], int(m[2] or 0), tuple(reports))
+    if m[3] is None:
+        return Record(m[1], int(m[2] or 0), tuple(reports))
+    return Record(m[1], int(m[2] or 0), tuple(reports), m[3], int(m[4]), int(m[5]), int(m[6]))
 
 
 def format_record(record: Record) -> str:
     """The text of a Record, as the Lua side writes it."""
-    lines = [f"{record.flag}{record.due_ms}"]
+    head = f"{record.flag}{record.due_ms}"
+    rest = (record.incarnation, record.offset, record.progress_ms, record.suspect_until_ms)
+    if rest != (NO_INCARNATION, 0, 0, 0):
+        head += " " + " ".join(str(v) for v in rest)
+    lines = [head]
     lines += [f"{r.score}\t{r.ms}\t{r.json}" for r in record.reports]
     return "\n".join(lines)

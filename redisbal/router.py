@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import random
+import re
 from typing import Any, cast
 
 import redis.exceptions
@@ -30,9 +31,11 @@ from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.policies import DEFAULT_POLICY, Decision, Policy
 from redisbal.routing import RouterCore
+from redisbal.scripts import Scripts
 from redisbal.snapshot import Snapshot
 
 log = logging.getLogger("redisbal.router")
+_REASON_CTRL = re.compile(r"[\x00-\x1f\x7f]")
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
 
 
@@ -63,6 +66,24 @@ class _LocalRouting:
         """Tell the router the request of ``decision`` ended."""
         self.core.finished(decision)
 
+    def failed(self, decision: Decision, reason: str = "") -> None:
+        """The engine of ``decision`` did not serve it (connection refused or reset, a
+        timeout, a 5xx): the request ends (no ``finished()`` needed; route it again to
+        retry), this router stops choosing the engine at once for ``suspect_s``, and
+        the deployment is told (at most twice per ``suspect_s`` per engine, never
+        waiting on Redis), so that every router stops choosing it within one
+        snapshot. The mark there ends with the engine's next progress or after
+        ``suspect_ms``, and never covers more than half of the engines. ``reason``
+        (what the caller saw) shows in ``redisbal status``; control characters are
+        replaced and it is cut to 200 characters."""
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
+        if self.core.failed(decision):
+            self._tell_suspect(decision.engine_id, _REASON_CTRL.sub(" ", reason)[:200])
+
+    def _tell_suspect(self, engine_id: str, reason: str) -> None:
+        raise NotImplementedError
+
 
 class AsyncRouter(_LocalRouting):
     """Routes requests for one API server of a deployment (asyncio).
@@ -87,6 +108,7 @@ class AsyncRouter(_LocalRouting):
         engines: list[str] | None = None,
         rng: random.Random | None = None,
         lease_ttl_s: float = 10.0,
+        suspect_s: float = 2.0,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
@@ -101,7 +123,12 @@ class AsyncRouter(_LocalRouting):
         if self._auto_index:
             client_index, client_count = 0, 1
         self.core = RouterCore(
-            cast(int, client_index), client_count, policy, stale_after_s=stale_after_s, rng=rng
+            cast(int, client_index),
+            client_count,
+            policy,
+            stale_after_s=stale_after_s,
+            rng=rng,
+            suspect_s=suspect_s,
         )
         if engines:
             self.core.set_engines([check_name(e, "engine_id") for e in engines])
@@ -118,6 +145,9 @@ class AsyncRouter(_LocalRouting):
         self._attempted = asyncio.Event()  # the feed's first connection attempt ended
         self._subscribed_before = False  # a cluster feed re-reads the slot map after that
         self.last_error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the feed's (start())
+        self._marks: set[asyncio.Task[None]] = set()  # suspect marks on their way
+        self._scripts: Scripts | None = None  # made with the first mark
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -137,6 +167,7 @@ class AsyncRouter(_LocalRouting):
                 socket_timeout=5.0,
                 health_check_interval=10,
             )
+        self._loop = asyncio.get_running_loop()
         if self._auto_index and self.lease is None:
             self.lease = ClientLease(self._client, self.keys, ttl_s=self.lease_ttl_s)
             self.lease.attach(self.core)
@@ -165,6 +196,44 @@ class AsyncRouter(_LocalRouting):
     async def __aenter__(self) -> AsyncRouter:
         await self.start()
         return self
+
+    def _tell_suspect(self, engine_id: str, reason: str) -> None:
+        """Send the suspect mark from the feed's loop (any thread may call this)."""
+        loop = self._loop
+        if loop is None or self._closed or loop.is_closed():
+            return  # not started: the local exclusion is all there is
+        with contextlib.suppress(RuntimeError):  # the loop closed under us
+            loop.call_soon_threadsafe(self._spawn_mark, engine_id, reason)
+
+    def _spawn_mark(self, engine_id: str, reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._mark(engine_id, reason))
+        self._marks.add(task)
+        task.add_done_callback(self._marks.discard)
+
+    async def _mark(self, engine_id: str, reason: str) -> None:
+        if self._scripts is None:
+            pubcmd = "SPUBLISH" if is_cluster(self._client) else "PUBLISH"
+            self._scripts = Scripts(self._client, self.keys, pubcmd)
+        try:
+            out = await asyncio.wait_for(
+                self._scripts.call("suspect", engine_id, self.core.client_index, reason), 5.0
+            )
+        except (redis.exceptions.RedisError, asyncio.TimeoutError) as exc:
+            log.warning(
+                "router %d: could not mark engine %s suspect in Redis (%s); avoiding it here",
+                self.core.client_index,
+                engine_id,
+                redact(str(exc)) or type(exc).__name__,
+            )
+            return
+        status = out[0].decode() if isinstance(out[0], bytes) else str(out[0])
+        if status == "capped":
+            log.warning(
+                "router %d: engine %s not marked suspect for the deployment: half of the "
+                "engines are suspect already; avoiding it here",
+                self.core.client_index,
+                engine_id,
+            )
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
@@ -332,6 +401,9 @@ class Router(_LocalRouting):
         self._inner = AsyncRouter(redis_url, deployment, client_index, client_count, **kwargs)
         self.core = self._inner.core
         self._bg: BackgroundLoop | None = None
+
+    def _tell_suspect(self, engine_id: str, reason: str) -> None:
+        self._inner._tell_suspect(engine_id, reason)
 
     def start(self, wait: float = 0.0) -> None:
         """Start the feed thread; with ``wait`` > 0, wait that long for a first snapshot."""

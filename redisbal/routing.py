@@ -12,6 +12,14 @@ Pending is reconciled with each snapshot, never simply wiped:
   allowance) are taken to be in it.
 So a snapshot that predates recent routes loses no bookkeeping, and one that
 includes them does not count them twice.
+
+Engines the router should not choose are kept known but left out of
+``engines``, the list policies pick from: those the snapshot names stalled
+(work and no progress) or suspect (some router could not reach them), and
+those this router could not reach itself (``failed()``, for ``suspect_s``).
+A pinned request may still go to them; when every engine is excluded the
+router chooses among all of them rather than fail: an exclusion is a
+preference, never a way to empty the deployment.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class RouterCore:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         rejoin_grace_s: float = 1.0,
+        suspect_s: float = 2.0,
     ) -> None:
         if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
             raise ValueError(f"client_count must be a whole number >= 1, got {client_count!r}")
@@ -68,6 +77,9 @@ class RouterCore:
         g = rejoin_grace_s
         if isinstance(g, bool) or not (isinstance(g, int | float) and 0 <= g < math.inf):
             raise ValueError(f"rejoin_grace_s must be finite and >= 0, got {rejoin_grace_s!r}")
+        g = suspect_s
+        if isinstance(g, bool) or not (isinstance(g, int | float) and 0 < g < math.inf):
+            raise ValueError(f"suspect_s must be finite and > 0, got {suspect_s!r}")
         self.client_index = client_index
         self.client_count = client_count
         self.policy = make_policy(policy)
@@ -76,8 +88,16 @@ class RouterCore:
         self.clock = clock
         self.rng = rng or random.Random()
         self.lock = threading.Lock()
-        self.engines: list[EngineView] = []
+        self.known: list[EngineView] = []  # every engine, in snapshot order
+        self.engines: list[EngineView] = []  # the ones policies choose from (module doc)
         self.by_id: dict[str, EngineView] = {}
+        self.suspect_s = suspect_s
+        # engine -> local clock until which it is not chosen (inf: until the next snapshot)
+        self._excluded_by_snapshot: dict[str, float] = {}
+        self._excluded_here: dict[str, float] = {}  # failed() on this router
+        self._recheck_at = math.inf  # when the next exclusion runs out
+        self._all_excluded = False  # every known engine is excluded: choose among all
+        self._tell_after: dict[str, float] = {}  # failed(): next time Redis is told
         self._knew_any = False
         self.snapshot: Snapshot | None = None
         self.snapshot_at = float("-inf")  # local clock when the snapshot was applied
@@ -103,6 +123,9 @@ class RouterCore:
             "ignored_old": 0,
             "epochs": 0,
             "rejoin_dropped": 0,
+            "failed": 0,  # failed() calls
+            "restarts": 0,  # engines seen with a new incarnation
+            "all_excluded_routes": 0,  # routes made while every engine was excluded
         }
 
     # -- state -------------------------------------------------------------------------------
@@ -130,7 +153,33 @@ class RouterCore:
         old = self.by_id
         self._knew_any = self._knew_any or bool(ids)
         self.by_id = {i: old.get(i) or EngineView(i) for i in ids}
-        self.engines = list(self.by_id.values())
+        self.known = list(self.by_id.values())
+        self._choosable(self.clock())
+
+    def _choosable(self, now: float) -> None:
+        """Set ``engines``: the known ones not excluded at ``now`` (all of them when
+        every one is), and when to look again. The caller resets the policy."""
+        here = self._excluded_here
+        for e in [e for e, until in here.items() if until <= now]:
+            del here[e]
+        excluded = {e for e, until in self._excluded_by_snapshot.items() if until > now}
+        excluded.update(here)
+        choosable = [e for e in self.known if e.engine_id not in excluded]
+        self._all_excluded = not choosable and bool(self.known)
+        self.engines = choosable or self.known
+        untils = [t for t in (*self._excluded_by_snapshot.values(), *here.values()) if t > now]
+        self._recheck_at = min(untils, default=math.inf)
+
+    def excluded(self) -> dict[str, str]:
+        """Known engines this router does not choose now -> why ("stalled", "suspect")."""
+        with self.lock:
+            now = self.clock()
+            snap = self.snapshot
+            out = {e: "suspect" for e, t in self._excluded_here.items() if t > now}
+            for e, t in self._excluded_by_snapshot.items():
+                if t > now:
+                    out[e] = "stalled" if snap is not None and e in snap.stalled else "suspect"
+            return out
 
     def accepts(self, snap: Snapshot) -> bool:
         """Whether snap is newer than any we adopted in its epoch (or of a new epoch)."""
@@ -157,6 +206,10 @@ class RouterCore:
             # with its last counts instead of vanishing for a snapshot
             kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
             carried = self._carry(snap, cur)
+            excluded = dict.fromkeys(snap.stalled, math.inf)  # until the next snapshot
+            for eid, ms_left in snap.suspect.items():
+                excluded[eid] = now + ms_left / 1000.0
+            self._excluded_by_snapshot = excluded
             self._set_engines([*snap.engines, *kept, *carried])
             ci = self.client_index
             mine = total = 0
@@ -164,7 +217,7 @@ class RouterCore:
             # the speed estimate only feeds a policy that uses it (off by default)
             speed_on = getattr(self.policy, "use_speed", False)
             age_on = getattr(self.policy, "use_age", False)
-            for e in self.engines:
+            for e in self.known:
                 c = snap.engines.get(e.engine_id)
                 if c is None:  # kept or carried: no report says which routes it has done,
                     if e.pending > e.inflight:  # but the finished ones are no load any more
@@ -175,10 +228,17 @@ class RouterCore:
                 e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
                 e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
                 adm = c.admitted
+                if c.incarnation != e.incarnation:
+                    if e.incarnation is not None:  # a restart: its counts start again
+                        self.counters["restarts"] += 1
+                        got = adm[ci] if adm is not None and ci < len(adm) else 0
+                        e.routed_before = e.routed - got  # the old process's routes are gone
+                        e.t_prev = -1
+                    e.incarnation = c.incarnation
                 # (a sum past MAX_ADMITTED: counts none of our reporters sends, read as none)
                 if adm is not None and (all_adm := sum(adm)) < MAX_ADMITTED:
                     got = adm[ci] if ci < len(adm) else 0
-                    e.pending = max(0, e.routed - got)
+                    e.pending = max(0, e.routed - e.routed_before - got)
                     e.exact = exact = True
                     e.times.clear()
                     mine += got
@@ -248,16 +308,16 @@ class RouterCore:
         """speed = completion rate per running request / the median engine's, clamped to
         [0.25, 4]; 1.0 inside the dead band or without enough observations."""
         rates = {}
-        for e in self.engines:
+        for e in self.known:
             if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
                 rates[e.engine_id] = e.done_acc / e.exposure_acc
         if len(rates) < 3:
-            for e in self.engines:
+            for e in self.known:
                 e.speed = 1.0
             return
         mid = sorted(rates.values())[len(rates) // 2]
         lo, hi = self.speed_band
-        for e in self.engines:
+        for e in self.known:
             r = rates.get(e.engine_id)
             sp = 1.0 if r is None or mid <= 0 else min(4.0, max(0.25, r / mid))
             e.speed = 1.0 if lo < sp < hi else sp
@@ -267,11 +327,11 @@ class RouterCore:
         its completion rate per running request (decayed, as for the speed estimate;
         the median engine's until known) x the report's age at the snapshot."""
         rates = {}
-        for e in self.engines:
+        for e in self.known:
             if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
                 rates[e.engine_id] = e.done_acc / e.exposure_acc
         mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
-        for e in self.engines:
+        for e in self.known:
             c = snap.engines.get(e.engine_id)
             if c is None:
                 e.aged = 0.0
@@ -296,7 +356,15 @@ class RouterCore:
 
     def route(self, engine_id: str | None = None) -> Decision:
         """Pick an engine (or take the pinned one) and record the route. No I/O."""
+        if engine_id is not None and not isinstance(engine_id, str):
+            if isinstance(engine_id, int) and not isinstance(engine_id, bool):
+                engine_id = str(engine_id)  # an engine id is text: 3 means "3"
+            else:
+                raise TypeError(f"engine_id must be a str, got {type(engine_id).__name__}")
         with self.lock:
+            if self._recheck_at <= self.clock():  # an exclusion ran out
+                self._choosable(self.clock())
+                self.policy.reset(self)
             if not self.engines:
                 if self.snapshot is not None and self.snapshot.engines == {} and self._knew_any:
                     raise NoEngines(
@@ -310,6 +378,8 @@ class RouterCore:
             if engine_id is None:
                 eng = self.policy.pick(self)
                 pinned = False
+                if self._all_excluded:
+                    self.counters["all_excluded_routes"] += 1
             else:
                 eng = self.by_id.get(engine_id)  # type: ignore[assignment]
                 if eng is None:
@@ -348,16 +418,52 @@ class RouterCore:
     def finished(self, decision: Decision) -> None:
         """The request of ``decision`` ended (idempotent)."""
         with self.lock:
-            if decision.done:
-                return
-            decision.done = True
+            self._finish(decision)
+
+    def _finish(self, decision: Decision) -> None:
+        if decision.done:
+            return
+        decision.done = True
+        eng = self.by_id.get(decision.engine_id)
+        if eng is not None and eng.inflight > 0:
+            eng.inflight -= 1
+            self.policy.finished(self, eng)
+
+    def unroute(self, decision: Decision) -> None:
+        """The request of ``decision`` never reached its engine: take the route out of
+        the bookkeeping (routed, pending: exact reconciliation compares them with the
+        engine's admitted count) and end it."""
+        with self.lock:
             eng = self.by_id.get(decision.engine_id)
-            if eng is not None and eng.inflight > 0:
-                eng.inflight -= 1
-                self.policy.finished(self, eng)
+            if eng is not None and not decision.done:
+                eng.routed = max(0, eng.routed - 1)
+                eng.pending = max(0, eng.pending - 1)
+                if eng.times:
+                    eng.times.pop()
+            self._finish(decision)
+
+    def failed(self, decision: Decision) -> bool:
+        """The engine of ``decision`` could not serve it (unreachable, 5xx): the request
+        ends, and this router does not choose the engine for ``suspect_s``. Returns
+        whether to tell the deployment (at most once per engine per half of
+        ``suspect_s``: the mark lasts suspect_ms there)."""
+        with self.lock:
+            self._finish(decision)
+            engine = decision.engine_id
+            if engine not in self.by_id:
+                return False
+            self.counters["failed"] += 1
+            now = self.clock()
+            self._excluded_here[engine] = now + self.suspect_s
+            self._choosable(now)
+            self.policy.reset(self)
+            if now < self._tell_after.get(engine, -math.inf):
+                return False
+            self._tell_after[engine] = now + self.suspect_s / 2
+            return True
 
     def loads(self) -> dict[str, float]:
         """Each engine's estimated load as this router sees it (for status/debug)."""
         with self.lock:
             w = self.pending_weight
-            return {e.engine_id: e.waiting + e.running + e.pending * w for e in self.engines}
+            return {e.engine_id: e.waiting + e.running + e.pending * w for e in self.known}

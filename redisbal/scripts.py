@@ -32,10 +32,10 @@ from redisbal.keys import DeploymentKeys
 from redisbal.lua_source import NUM_KEYS, SCRIPT_NAMES, library, script_source
 
 
-def report_reply(raw: Any, *_unused: Any) -> tuple[str, int, int, int]:
-    """(status, version, wave, step) from what lua/report.lua returns. Any further
-    arguments are ignored (the reply names the tag it was recorded under)."""
-    status, version, wave, step = raw
+def report_reply(raw: Any) -> tuple[str, int, int, int]:
+    """(status, version, wave, step) from what lua/report.lua returns (a "conflict"
+    reply also names the record's incarnation: ``raw[4]``)."""
+    status, version, wave, step = raw[:4]
     if isinstance(status, bytes):
         status = status.decode()
     return str(status), int(version), int(wave), int(step)

@@ -65,6 +65,7 @@ MAX_BATCH = 256
 class ReportResult:
     """What became of one report. ``status``: "queued" (handed to the sender, the
     default answer), "accepted", "stale" (older than the engine's latest: refused),
+    "conflict" (a process started later reports under this engine id: refused),
     "unavailable" (Redis unreachable: the sender keeps the counts and retries) or
     "coalesced" (replaced by newer counts before it was sent)."""
 
@@ -86,6 +87,7 @@ class ReporterStats:
     sent: int = 0  # reports (and heartbeats) that reached Redis
     accepted: int = 0
     stale: int = 0  # refused as older than the engine's latest (locally or by Redis)
+    conflict: int = 0  # refused: a later process reports under this engine id
     coalesced: int = 0  # replaced by newer counts before they were sent
     unavailable: int = 0  # sends that failed on an outage (then retried)
     errors: int = 0  # sends refused for another reason (not retried)
@@ -100,7 +102,9 @@ class Lane:
     engine_id: str
     scripts: Scripts
     heartbeat_s: float | None  # None: no heartbeat
-    pending: list[str] | None = None  # the newest unsent report (ARGV after engine_id)
+    incarnation: str = "-"  # this reporting process (lua/includes/incarnation.lua)
+    # the newest unsent report: ARGV 5..10 of lua/report.lua and its progress flag
+    pending: list[str] | None = None
     waiters: list[concurrent.futures.Future[ReportResult]] = field(default_factory=list)
     register: bool = False
     register_waiters: list[concurrent.futures.Future[bool]] = field(default_factory=list)
@@ -112,6 +116,7 @@ class Lane:
     url: str | None = None  # where gateways send this engine's requests (endpoints.py)
     url_due: float = 0.0  # monotonic time the URL is next written (after a loss too)
     attached: bool = True
+    conflict_with: str | None = None  # the incarnation that replaced this one (logged once)
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def candidate(self) -> str:
@@ -129,7 +134,7 @@ class Lane:
 class _Op:
     kind: str  # "report", "register" or "url"
     lane: Lane
-    args: list[str]  # report: ARGV after engine_id; register: []
+    args: list[str]  # report: Lane.pending's form; register: []
     waiters: list[Any]
     heartbeat: bool = False
 
@@ -276,6 +281,8 @@ class ReportSender:
                 lane.counts["coalesced"] += 1
                 _resolve(lane.waiters, ReportResult("coalesced", 0, wave, step))
                 lane.waiters = []
+                if lane.pending[-1] == "1":  # the replaced report's progress is not lost
+                    args[-1] = "1"
             lane.pending = lane.last_args = args
             if tag is not None:
                 lane.newest = tag
@@ -395,7 +402,8 @@ class ReportSender:
                 and lane.last_args is not None
                 and now - lane.last_sent >= lane.heartbeat_s
             ):
-                reports.append(_Op("report", lane, lane.last_args, [], heartbeat=True))
+                beat = [*lane.last_args[:-1], "0"]  # unchanged counts: no progress
+                reports.append(_Op("report", lane, beat, [], heartbeat=True))
                 lane.inflight += 1
         return registers + reports
 
@@ -477,7 +485,12 @@ class ReportSender:
 
     @staticmethod
     def _argv(op: _Op) -> list[str]:
-        return [op.lane.candidate(), op.lane.engine_id, *op.args]
+        """ARGV after deployment and publish command: a report's carries the counts, the
+        incarnation and the progress flag (lua/report.lua); a registration's, the id."""
+        lane = op.lane
+        if op.kind == "report":
+            return [lane.candidate(), lane.engine_id, *op.args[:-1], lane.incarnation, op.args[-1]]
+        return [lane.candidate(), lane.engine_id]
 
     def _settle(self, op: _Op, out: Any, now: float) -> None:
         """Apply one op's outcome (caller holds the lock)."""
@@ -513,13 +526,32 @@ class ReportSender:
         if op.kind == "register":
             _resolve(op.waiters, int(out) == 1)
             return
-        status, version, wave, step = report_reply(out, op.args[0], op.args[1])
+        status, version, wave, step = report_reply(out)
         lane.last_sent = now
         lane.counts["sent"] += 1
         lane.counts[status] += 1
+        if status == "conflict":
+            self._log_conflict(lane, out)
         if op.heartbeat:
             lane.counts["heartbeats"] += 1
         _resolve(op.waiters, ReportResult(status, version, wave, step))
+
+    @staticmethod
+    def _log_conflict(lane: Lane, out: Any) -> None:
+        """One error per lane and replacing incarnation: two processes report under one
+        engine id (or this one was replaced and keeps running)."""
+        other = out[4].decode() if isinstance(out[4], bytes) else str(out[4])
+        if lane.conflict_with == other:
+            return
+        lane.conflict_with = other
+        log.error(
+            "engine %s: reports refused: another process (incarnation %s, started later) "
+            "reports under this engine id; this one is %s. Give each engine process its "
+            "own engine_id, or stop the old process",
+            lane.engine_id,
+            other,
+            lane.incarnation,
+        )
 
     def _log_health(self, outage: BaseException | None, now: float) -> None:
         if outage is not None:
@@ -563,7 +595,9 @@ class ReportSender:
         removes the engine instead)."""
         self.detach(lane)
         with contextlib.suppress(*OUTAGE_ERRORS, asyncio.TimeoutError):
-            await asyncio.wait_for(lane.scripts.call("leave", lane.engine_id), self.timeout_s + 1.0)
+            await asyncio.wait_for(
+                lane.scripts.call("leave", lane.engine_id, lane.incarnation), self.timeout_s + 1.0
+            )
             if lane.url is not None:  # gateways stop sending to a URL nobody serves
                 await asyncio.wait_for(
                     self.client.hdel(lane.scripts.keys.urls, lane.engine_id), self.timeout_s + 1.0

@@ -31,6 +31,8 @@ class EngineCounts(NamedTuple):
     reported_ms: int
     # cumulative requests received from each API-server index (None: not reported)
     admitted: tuple[int, ...] | None = None
+    # the reporting process (None: the report named none); a new one is a restart
+    incarnation: str | None = None
 
     @property
     def load(self) -> int:
@@ -51,6 +53,10 @@ class Snapshot:
     time_ms: int  # Redis server time at publication
     engines: dict[str, EngineCounts] = field(default_factory=dict)
     raw: bytes = b""
+    # not to be routed to: engines with work and no progress -> ms since their last
+    # progress; engines a router could not reach (failed()) -> ms the mark has left
+    stalled: dict[str, int] = field(default_factory=dict)
+    suspect: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Snapshot:
@@ -70,6 +76,7 @@ class Snapshot:
                     c["step"],
                     c["t"],
                     tuple(adm) if (adm := c.get("adm")) is not None else None,
+                    c.get("inc"),
                 ),
             )
             for e, c in d["engines"].items()
@@ -87,6 +94,8 @@ class Snapshot:
             time_ms=d["time_ms"],
             engines=engines,
             raw=raw,
+            stalled=d.get("stalled", {}),
+            suspect=d.get("suspect", {}),
         )
 
     @property

@@ -1,16 +1,24 @@
 """``redisbal status``: what a deployment looks like right now, read from Redis.
 
 One pipeline reads the snapshot, the members (heartbeats), every engine's
-record (barrier flag and latest report) and the meta counters; nothing is
-written. The age shown is that of the engine's latest report. Engine states:
+record (barrier flag, lifecycle fields, latest report) and the meta counters;
+nothing is written. Per engine it shows the age of its latest report and of
+its last progress (a report its loop made, not a heartbeat). Engine states:
 
 - ``live``: a member that holds the barrier (reports every step);
 - ``provisional``: a member that joined behind the published step: it is in
   snapshots but does not hold the barrier back yet;
+- ``stalled``: work queued or running and no progress for ``stall_after_ms``:
+  routers do not choose it and the barrier does not wait for it;
+- ``suspect``: an API server could not reach it (``router.failed()``):
+  routers do not choose it until it progresses or the mark runs out;
+- ``conflict``: a process started earlier still reports under its id (two
+  processes, one engine id): its reports are refused; both incarnations shown;
 - ``registered``: announced (by itself or by the coordinator's expected
   list) but not reported yet: the first snapshot waits for it;
-- ``expired`` / ``left``: gone since the previous snapshot (the snapshot says
-  why), ``gone``: in the snapshot or seen before but no longer a member.
+- ``expired`` / ``left``: removed, shown for ``RECENT_S`` after it (the
+  deployment remembers the last 64 removals), ``gone``: seen before (``--watch``)
+  but no longer a member.
 """
 
 from __future__ import annotations
@@ -18,12 +26,27 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from redisbal.config import SETTINGS
 from redisbal.keys import DeploymentKeys, is_engine_field
-from redisbal.record import parse_record
+from redisbal.record import PROVISIONAL, STALLED, Record, parse_record
 from redisbal.snapshot import Snapshot
 from redisbal.table import render_table
 
-COUNTERS = ("published", "forced", "stale", "late", "joined", "expired", "left")
+COUNTERS = (
+    "published",
+    "forced",
+    "stale",
+    "late",
+    "joined",
+    "restarted",
+    "conflicts",
+    "stalled",
+    "suspected",
+    "expired",
+    "left",
+)
+RECENT_S = 600  # removed engines stay in the table this long
+DEFAULT_DEAD_AFTER_MS = SETTINGS["dead_after_ms"].default
 
 
 def _s(v: Any) -> str:
@@ -34,15 +57,52 @@ def _natural(name: str) -> tuple[Any, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def _engine_record(text: str) -> tuple[str, dict[str, Any] | None]:
-    """(barrier flag, latest report decoded) of an engine's record (redisbal.record);
-    the report is None when the engine only registered, or when the record is not
-    readable (status shows what it can)."""
+def _engine_record(text: str) -> tuple[Record | None, dict[str, Any] | None]:
+    """(record, latest report decoded) of an engine's record (redisbal.record); the
+    report is None when the engine only registered, both are None when the record is
+    not readable (status shows what it can)."""
     try:
         rec = parse_record(text)
-        return rec.flag, rec.latest.counts() if rec.latest else None
+        return rec, rec.latest.counts() if rec.latest else None
     except ValueError:  # orjson.JSONDecodeError is a ValueError too
-        return text[:1], None
+        return None, None
+
+
+def _recent(meta: dict[str, str], now_ms: int) -> dict[str, tuple[str, int, str]]:
+    """Engines removed within RECENT_S: id -> (why, ms ago, incarnation), newest first."""
+    out: dict[str, tuple[str, int, str]] = {}
+    for line in meta.get("recent", "").split("\n"):
+        parts = line.split(" ")
+        if len(parts) != 4 or not parts[2].isdigit():
+            continue
+        ago = max(0, now_ms - int(parts[2]))
+        if ago <= RECENT_S * 1000 and parts[0] not in out:
+            out[parts[0]] = (parts[1], ago, parts[3])
+    return out
+
+
+def _state(
+    e: str, rec: Record | None, rep: dict[str, Any] | None, meta: dict[str, str], now_ms: int
+) -> tuple[str, dict[str, Any]]:
+    """An engine's state (module docstring) and the fields that explain it."""
+    extra: dict[str, Any] = {}
+    if rec is None or rep is None:
+        return "registered", extra
+    extra["incarnation"] = None if rec.incarnation == "-" else rec.incarnation
+    extra["progress_age_ms"] = max(0, now_ms - rec.progress_ms) if rec.progress_ms else None
+    dead_after = int(meta.get("dead_after_ms") or DEFAULT_DEAD_AFTER_MS)
+    conflict = meta.get(f"conflict:{e}", "").split(" ")
+    if len(conflict) == 3 and conflict[0].isdigit() and now_ms - int(conflict[0]) < dead_after:
+        extra["conflict"] = {"refused": conflict[1], "current": conflict[2]}
+        return "conflict", extra
+    if rec.flag == STALLED:
+        return "stalled", extra
+    if rec.suspect_until_ms > now_ms:
+        mark = meta.get(f"suspect:{e}", "").split(" ", 2)
+        if len(mark) == 3:
+            extra["suspect"] = {"client_index": int(mark[1]), "reason": mark[2]}
+        return "suspect", extra
+    return ("provisional" if rec.flag == PROVISIONAL else "live"), extra
 
 
 def gather_status(client: Any, deployment: str, seen: set[str] | None = None) -> dict[str, Any]:
@@ -66,10 +126,12 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
     meta = {_s(k): _s(v) for k, v in meta.items()}
     config = {_s(k): _s(v) for k, v in config.items()}
     gone = dict(snap.gone) if snap else {}
+    recent = _recent(meta, now_ms)
     names = (
         set(members_ms)
         | set(records)
         | set(gone)
+        | set(recent)
         | (set(snap.engines) if snap else set())
         | (seen or set())
     )
@@ -77,7 +139,7 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
     for e in sorted(names, key=_natural):
         row: dict[str, Any] = {"engine": e}
         counts = snap.engines.get(e) if snap else None
-        flag, rep = records.get(e, ("", None))
+        rec, rep = records.get(e, (None, None))
         if counts is not None:
             row.update(
                 source="snapshot",
@@ -98,15 +160,16 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
             )
         else:
             row.update(source=None, waiting=None, running=None, kv=None, wave=None, step=None)
+        row.update(incarnation=None, progress_age_ms=None)
         if e in members_ms or e in records:
             seen_ms = rep["t"] if rep is not None else members_ms.get(e)
             row["age_ms"] = None if seen_ms is None else max(0, now_ms - int(seen_ms))
-            if rep is None:
-                row["state"] = "registered"
-            elif flag == "p":
-                row["state"] = "provisional"
-            else:
-                row["state"] = "live"
+            row["state"], extra = _state(e, rec, rep, {**config, **meta}, now_ms)
+            row.update(extra)
+        elif e in recent:
+            row["state"], row["removed_ms_ago"], inc = recent[e]
+            row["incarnation"] = None if inc == "-" else inc
+            row["age_ms"] = None
         else:
             row["age_ms"] = None
             row["state"] = gone.get(e, "gone")
@@ -125,6 +188,8 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
             "forced": snap.forced,
             "laggards": snap.laggards,
             "joining": list(snap.joining),
+            "stalled": snap.stalled,
+            "suspect": snap.suspect,
             "age_ms": max(0, now_ms - snap.time_ms),
             "engines": len(snap.engines),
         },
@@ -146,6 +211,19 @@ def _fmt_age(ms: int | None) -> str:
     if ms is None:
         return "-"
     return f"{ms}ms" if ms < 10_000 else f"{ms / 1000:.0f}s"
+
+
+def _state_text(e: dict[str, Any]) -> str:
+    """The state column: the state and what explains it."""
+    state = str(e["state"])
+    if "conflict" in e:
+        c = e["conflict"]
+        return f"conflict ({c['current']} replaced {c['refused']}, which still reports)"
+    if "suspect" in e:
+        return f"suspect (router {e['suspect']['client_index']}: {e['suspect']['reason']})"
+    if "removed_ms_ago" in e:
+        return f"{state} {_fmt_age(e['removed_ms_ago'])} ago"
+    return state
 
 
 def _dash(v: Any) -> str:
@@ -176,7 +254,7 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("no engines")
         return "\n".join(lines)
     rows: list[tuple[str, ...]] = [
-        ("engine", "waiting", "running", "kv", "step", "age", "state", "stale")
+        ("engine", "waiting", "running", "kv", "step", "age", "progress", "state", "stale")
     ]
     for e in st["engines"]:
         step = "-" if e["step"] is None else f"{e['wave']}:{e['step']}"
@@ -191,7 +269,8 @@ def format_status(st: dict[str, Any]) -> str:
                 kv,
                 step,
                 _fmt_age(e["age_ms"]),
-                e["state"],
+                _fmt_age(e["progress_age_ms"]),
+                _state_text(e),
                 str(e["stale_reports"]),
             )
         )

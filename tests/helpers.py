@@ -165,16 +165,26 @@ class Barrier:
         wave: int = 0,
         kv: str = "",
         adm: str = "",
+        inc: str | None = None,
+        progress: bool = True,
     ) -> tuple[str, int, int, int]:
-        out = self.scripts.call("report", self.epoch, engine, wave, step, waiting, running, kv, adm)
-        return report_reply(out)
+        """One report; ``inc`` names the reporting process's incarnation (None: the
+        report carries no lifecycle arguments, as older clients send it)."""
+        args: list[str | int] = [self.epoch, engine, wave, step, waiting, running, kv, adm]
+        if inc is not None or not progress:
+            args += [inc or "-", "1" if progress else "0"]
+        return report_reply(self.scripts.call("report", *args))
 
     def register(self, *engines: str) -> int:
         return int(self.scripts.call("register", self.epoch, *engines))
 
-    def leave(self, engine: str) -> tuple[int, int]:
-        removed, version = self.scripts.call("leave", engine)
+    def leave(self, engine: str, inc: str = "-") -> tuple[int, int]:
+        removed, version = self.scripts.call("leave", engine, inc)
         return int(removed), int(version)
+
+    def suspect(self, engine: str, client: int = 0, reason: str = "test") -> tuple[str, int]:
+        status, version = self.scripts.call("suspect", engine, client, reason)
+        return text(status), int(version)
 
     def reap(self, limit: int = 1000, fence: str = "") -> tuple[int, list[str]]:
         out = self.scripts.call("reap", limit, fence)

@@ -238,10 +238,13 @@ def test_status_table_shows_each_engine(
     assert "snapshot v1 wave 0 step 1" in lines[0] and "forced no" in lines[0]
     assert "stale 0" in lines[1] and "expired 0" in lines[1]
     rows = {ln.split()[0]: ln.split() for ln in lines if ln[:2] in ("0 ", "1 ")}
-    # engine, waiting, running, kv, step, age, state, stale
+    # engine, waiting, running, kv, step, age, progress, state, stale
+    assert lines[3].split() == [
+        "engine", "waiting", "running", "kv", "step", "age", "progress", "state", "stale"
+    ]  # fmt: skip
     assert rows["0"][1:5] == ["3", "7", "0.25", "0:1"]
     assert rows["1"][1:5] == ["5", "2", "-", "0:1"]
-    assert rows["0"][6] == rows["1"][6] == "live"
+    assert rows["0"][7] == rows["1"][7] == "live"
 
 
 def test_status_json_and_gone_engines(
@@ -249,7 +252,8 @@ def test_status_json_and_gone_engines(
 ) -> None:
     reps = _two_engines(redis_url, deployment, r)
     reps[1].close()  # graceful leave: republished without it
-    # a joiner behind the published step (1) is provisional; one that only registered waits
+    # a new process behind the published step (1) starts a new step sequence: live at
+    # once; one that only registered waits
     late = EngineReporter(redis_url, deployment, engine_id="late", heartbeat=False)
     assert late.report(step=0, waiting=1, running=1, wait=True).accepted
     quiet = EngineReporter(redis_url, deployment, engine_id="quiet", heartbeat=False)
@@ -268,7 +272,8 @@ def test_status_json_and_gone_engines(
     assert (by_id["0"]["waiting"], by_id["0"]["running"], by_id["0"]["kv"]) == (3, 7, 0.25)
     assert 0 <= by_id["0"]["age_ms"] < 60_000
     assert by_id["1"]["state"] == "left" and by_id["1"]["age_ms"] is None
-    assert by_id["late"]["state"] == "provisional"
+    assert by_id["1"]["incarnation"] == reps[1].incarnation
+    assert by_id["late"]["state"] == "live" and by_id["late"]["incarnation"] == late.incarnation
     assert by_id["late"]["source"] == "report" and by_id["late"]["step"] == 0
     assert by_id["quiet"]["state"] == "registered" and by_id["quiet"]["waiting"] is None
 

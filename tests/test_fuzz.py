@@ -225,16 +225,22 @@ def valid_argv(t: Target, name: str) -> list[str]:
     """A well-formed ARGV for each script (never executed as is: one field gets broken)."""
     d = t.keys.deployment
     return {
-        "report": [d, "PUBLISH", "ep1", "e0", "0", "3", "1", "2", "0.25", "5,6"],
-        "leave": [d, "PUBLISH", "e0"],
+        "report": [d, "PUBLISH", "ep1", "e0", "0", "3", "1", "2", "0.25", "5,6", INC, "1"],
+        "leave": [d, "PUBLISH", "e0", INC],
         "register": [d, "PUBLISH", "ep1", "e7"],
         "reap": [d, "PUBLISH", "10", FENCE],
         "force": [d, "PUBLISH", "", FENCE],
         "configure": [d, "PUBLISH", "ep1", "stall_ms", "100"],
         "new_epoch": [d, "PUBLISH", "ep2"],
         "lease": [d, "PUBLISH", "c1", "1000", "acquire"],
+        "suspect": [d, "PUBLISH", "e0", "3", "connect refused"],
     }[name]
 
+
+INC = "lq0k1x2a-0f3c"  # a valid incarnation (lua/includes/incarnation.lua)
+bad_incarnation = weird_text.filter(
+    lambda s: s != "-" and (len(s) > 40 or not re.fullmatch(r"[A-Za-z0-9]{1,12}-[0-9A-Fa-f]+", s))
+)
 
 # field index -> strategy of values that field must refuse (while the rest stays valid)
 BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
@@ -248,8 +254,10 @@ BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
         7: bad_int(0, MAX_COUNT),
         8: bad_kv,
         9: bad_admitted,
+        10: bad_incarnation,
+        11: weird_text.filter(lambda s: s not in ("0", "1")),
     },
-    "leave": {0: bad_name, 1: bad_pubcmd, 2: bad_name},
+    "leave": {0: bad_name, 1: bad_pubcmd, 2: bad_name, 3: bad_incarnation},
     "register": {0: bad_name, 1: bad_pubcmd, 3: bad_name},
     "reap": {
         0: bad_name,
@@ -275,6 +283,8 @@ BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
                     "tick_ms",
                     "join_grace_ms",
                     "idle_publish_ms",
+                    "stall_after_ms",
+                    "suspect_ms",
                     "expected",
                     "owner",
                 )
@@ -289,6 +299,15 @@ BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
         2: bad_name,
         3: bad_int(100, 600000),
         4: weird_text.filter(lambda s: s not in ("acquire", "release")),
+    },
+    "suspect": {
+        0: bad_name,
+        1: bad_pubcmd,
+        2: bad_name,
+        3: bad_int(0, 4095),
+        4: st.one_of(
+            st.text(min_size=201, max_size=300), st.sampled_from(["a\nb", "\x00", "\x7f"])
+        ),
     },
 }
 
@@ -335,8 +354,17 @@ MIN_ARGS = {
     "configure": 3,
     "new_epoch": 3,
     "lease": 5,
+    "suspect": 5,
 }
-MAX_ARGS = {"report": 10, "leave": 3, "reap": 4, "force": 4, "new_epoch": 3, "lease": 5}
+MAX_ARGS = {
+    "report": 12,
+    "leave": 4,
+    "reap": 4,
+    "force": 4,
+    "new_epoch": 3,
+    "lease": 5,
+    "suspect": 5,
+}
 
 
 @pytest.mark.parametrize("name", SCRIPT_NAMES)

@@ -223,6 +223,7 @@ def test_scripts_touch_only_their_keys_on_a_real_server(
         bar.report("e0", 3, 0, 0)
         bar.report("e1", "tick", 0, 0)
         bar.force("0")
+        bar.suspect("e0")
         bar.leave("e2")
         bar.expire_now("e1")
         bar.reap()
@@ -296,6 +297,7 @@ def test_scripts_are_registered_and_recover_from_script_flush(
     assert bar.register("e1") == 1
     bar.reap()
     bar.force("0")
+    assert bar.suspect("e0")[0] == "capped"  # (one engine that reported: never marked)
     bar.leave("e1")
     bar.configure()
     bar.scripts.call("lease", "c1", 1000, "acquire")

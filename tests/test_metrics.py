@@ -21,6 +21,7 @@ from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
 from redisbal.metrics import RouterMetrics, imbalance, serve_coordinator_metrics
 from redisbal.sim.embedded import RedisServer, free_port
+from redisbal.scripts import Scripts, report_reply
 from redisbal.snapshot import Snapshot
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
@@ -64,14 +65,13 @@ def test_coordinator_exporter_over_http(redis_url: str, deployment: str) -> None
         time.sleep(0.15)  # the barrier for step 2 stays open >= 150 ms
         assert e1.report(step=2, waiting=6, running=1, wait=True).version == 2
         coord.tick()  # samples cut 2
-        # an older step: the reporter refuses it itself (never sent); a second reporter of
-        # the same engine (a leftover process) has no such memory: Redis refuses it
+        # an older step: the reporter refuses it itself (never sent); sent around it, by
+        # the same process (its incarnation), the barrier refuses it
         assert e1.report(step=1, waiting=9, running=9, wait=True).status == "stale"
-        leftover = redisbal.EngineReporter(
-            redis_url, deployment, "e1", heartbeat=False, register=False
+        raw = Scripts(coord.client, DeploymentKeys(deployment)).call(
+            "report", "ep", "e1", 0, 1, 9, 9, "", "", e1.incarnation, "1"
         )
-        assert leftover.report(step=1, waiting=9, running=9, wait=True).status == "stale"
-        leftover.close(leave=False)
+        assert report_reply(raw)[0] == "stale"
         e0.report(step=3, waiting=3, running=3, wait=True)
         wait_until(lambda: (coord.tick(), coord.stats.forced)[1] == 1, 10, "a forced snapshot")
         late = e1.report(step=3, waiting=7, running=1, wait=True)

@@ -63,35 +63,13 @@ def _json_error(
     )
 
 
-def _unroute(router: AsyncRouter, decision: Decision, reason: str) -> None:
-    """The request of ``decision`` never reached its engine: undo the route.
-
-    Uses the router's ``failed()`` where it exists; otherwise takes the route out of
-    the core's bookkeeping here (routed and pending, which exact reconciliation
-    compares with the engine's admitted count) and finishes it.
-    """
-    failed = getattr(router, "failed", None)
-    if failed is not None:
-        failed(decision, reason)
-        return
-    core = router.core
-    with core.lock:
-        eng = core.by_id.get(decision.engine_id)
-        if eng is not None and not decision.done:
-            eng.routed = max(0, eng.routed - 1)
-            eng.pending = max(0, eng.pending - 1)
-            if eng.times:
-                eng.times.pop()
-    router.finished(decision)
-
-
-def _failed(router: AsyncRouter, decision: Decision, reason: str) -> None:
-    """The request reached the engine (or may have) and failed there."""
-    failed = getattr(router, "failed", None)
-    if failed is not None:
-        failed(decision, reason)
-    else:
-        router.finished(decision)
+def _unroute(router: AsyncRouter, decision: Decision, reason: str | None = None) -> None:
+    """The request of ``decision`` never reached its engine: take the route back (the
+    engine's admitted count will not include it), and with a ``reason`` tell the router
+    the engine failed (``failed()``: it avoids the engine and tells the deployment)."""
+    router.core.unroute(decision)
+    if reason is not None:
+        router.failed(decision, reason)
 
 
 class Gateway:
@@ -274,11 +252,11 @@ class Gateway:
         router = self.router
         d = router.route(pin)
         if pin is not None and pin not in self.urls:
-            _unroute(router, d, "no url")
+            _unroute(router, d)
             raise NoEngines(f"engine {pin!r} has no known URL (not registered, no --engine)")
         if pin is not None or (d.engine_id in self.urls and d.engine_id not in avoid):
             return d
-        _unroute(router, d, "no url" if d.engine_id not in self.urls else "retry")
+        _unroute(router, d)  # no URL, or it failed this request already: another one
         loads = router.core.loads()
         ok = [e for e in loads if e in self.urls and e not in avoid]
         if not ok:
@@ -410,6 +388,7 @@ class Gateway:
         router, m = self.router, self.metrics
         url = self.urls[d.engine_id] + request.path
         outcome = "failed"
+        failure: str | None = None  # what the router's failed() is told
         up: aiohttp.ClientResponse | None = None
         t_up = time.perf_counter()
         try:
@@ -448,6 +427,9 @@ class Gateway:
                 return whole
             resp, outcome = await self._relay(request, d, up, t0, t_up)
             return resp
+        except _Retry as exc:
+            failure = exc.detail
+            raise
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -460,9 +442,9 @@ class Gateway:
             if outcome in ("ok", "cancelled"):
                 router.finished(d)
             elif outcome == "unrouted":
-                _unroute(router, d, "unreachable")
+                _unroute(router, d, failure or "unreachable")
             else:
-                _failed(router, d, outcome)
+                router.failed(d, failure or outcome)
 
     async def _relay(
         self,

@@ -146,8 +146,11 @@ class CountsRelay:
         running: int = 0,
         wave: int = 0,
         kv_usage: float | None = None,
+        progress: bool = True,
     ) -> None:
-        """Queue one engine's counts (validated now; raises InvalidReport); latest wins."""
+        """Queue one engine's counts (validated now; raises InvalidReport); latest wins.
+        ``progress=False``: the engine did not move since its last counts (a stalled
+        engine with work is not routed to: EngineReporter.report)."""
         validate_report(
             mode=self.mode,
             step=step,
@@ -158,7 +161,7 @@ class CountsRelay:
             admitted=None,
         )
         counts: dict[str, Any] = {"step": step, "waiting": waiting, "running": running}
-        counts.update(wave=wave, kv_usage=kv_usage)
+        counts.update(wave=wave, kv_usage=kv_usage, progress=progress)
         with self._lock:
             eng = self._engines.get(engine_id)
             if eng is None:
@@ -185,6 +188,7 @@ class CountsRelay:
     # -- the sender thread ---------------------------------------------------------------
 
     def _due(self, now: float) -> list[tuple[_Engine, dict[str, Any]]]:
+        """What to send now: new counts, and re-sends of the last ones (no progress)."""
         out = []
         with self._lock:
             for eng in self._engines.values():
@@ -204,7 +208,7 @@ class CountsRelay:
                         )
                     )
                 ):
-                    out.append((eng, eng.last))
+                    out.append((eng, {**eng.last, "progress": False}))
         return out
 
     def _flush(self, batch: list[tuple[_Engine, dict[str, Any]]]) -> None:

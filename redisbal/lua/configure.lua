@@ -6,7 +6,8 @@
   ARGV[2] "PUBLISH" or "SPUBLISH"
   ARGV[3] epoch candidate (includes/generation.lua)
   ARGV[4..] field, value pairs; the fields:
-    dead_after_ms, stall_ms, tick_ms, join_grace_ms, idle_publish_ms
+    dead_after_ms, stall_ms, tick_ms, join_grace_ms, idle_publish_ms,
+    stall_after_ms, suspect_ms
         whole ms, within the bounds of redisbal/config.py (includes "settings")
     expected   comma-separated engine ids, may be ""
     owner      the coordinator's id

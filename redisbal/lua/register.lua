@@ -31,7 +31,7 @@ local now, now_text = now_ms()
 if not ensure_epoch(d, ARGV[3], now) then return fail('bad epoch candidate') end
 local pub = published_score(d)
 -- a registered engine's record: its head line only, the heartbeat due now
-local head = format_record(pub < 0 and 'b' or 'p', now_text)
+local head = (pub < 0 and 'b' or 'p') .. now_text
 local added = 0
 for i = 4, #ARGV do
   if redis.call('HSETNX', d.reports, ARGV[i], head) == 1 then

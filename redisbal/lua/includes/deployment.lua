@@ -29,6 +29,9 @@
                 snapshot is due when it reaches 0
     .since      ms when the first member moved past .pub (the stall clock)
     .next_reap  ms when a report next expires dead engines on the way
+    .pub_at     ms when .pub last moved forward
+    .rebase     the offset of the step sequence that lockstep engines joining
+                behind .pub started last (report.lua), and .rebase_ms when
 ]]
 --- @include "settings"
 --- @include "args"

@@ -10,22 +10,35 @@
 --- @include "deployment"
 --- @include "record"
 
+local MAX_RECENT = 64 -- removed engines remembered for `redisbal status`
+
 -- Remove an engine (why: "left" or "expired"): its record, its heartbeat and
--- its place in the barrier count; count it and note it for the next snapshot's
--- "gone". Returns 1 if it was there, else 0.
-local function remove_engine(d, engine, why)
+-- its place in the barrier count; count it, note it for the next snapshot's
+-- "gone" and in meta's "recent" ("<id> <why> <ms> <incarnation>" lines, newest
+-- first, MAX_RECENT at most). Returns 1 if it was there, else 0.
+local function remove_engine(d, engine, why, now)
   local text = redis.call('HGET', d.reports, engine)
   local removed = redis.call('ZREM', d.members, engine)
+  local inc = '-'
   if text then
     redis.call('HDEL', d.reports, engine)
     local rec = parse_record(text)
+    inc = rec.inc
     if rec.flag == 'b' and (not rec.score or rec.score <= published_score(d)) then
       redis.call('HINCRBY', d.reports, '.behind', -1)
     end
   end
-  redis.call('HDEL', d.meta, 'stale:' .. engine)
+  redis.call('HDEL', d.meta, 'stale:' .. engine, 'suspect:' .. engine)
   if removed == 0 and not text then return 0 end
   redis.call('HINCRBY', d.meta, why, 1)
+  local recent = engine .. ' ' .. why .. ' ' .. int_text(now) .. ' ' .. inc
+  local kept = redis.call('HGET', d.meta, 'recent')
+  if kept and kept ~= '' then
+    local _, lines = string.gsub(kept, '\n', '')
+    if lines + 1 >= MAX_RECENT then kept = string.match(kept, '^(.*)\n[^\n]*$') end
+    recent = recent .. '\n' .. kept
+  end
+  redis.call('HSET', d.meta, 'recent', recent)
   local gone = redis.call('HGET', d.meta, 'gone')
   local item = '"' .. engine .. '":"' .. why .. '"'
   if gone and gone ~= '' then item = gone .. ',' .. item end
@@ -59,7 +72,7 @@ local function expire_engines(d, dead_after, now, limit)
     if now - reported < dead_after then
       redis.call('ZADD', d.members, reported, engine)
     else
-      remove_engine(d, engine, 'expired')
+      remove_engine(d, engine, 'expired', now)
       dead[#dead + 1] = engine
     end
   end

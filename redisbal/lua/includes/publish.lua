@@ -9,6 +9,8 @@
      "laggards": {id: ms since its last report, ...} (forced only),
      "gone": {id: "expired"|"left", ...} (since the previous snapshot),
      "joining": [id, ...] (members without a report at or before the cut),
+     "stalled": {id: ms since its last progress, ...} (not to be routed to),
+     "suspect": {id: ms the mark has left, ...} (not to be routed to),
      "time_ms": server ms, "engines": {id: report json (includes/record.lua), ...}}
   redisbal/snapshot.py reads it; docs/DESIGN.md describes it.
 ]]
@@ -17,14 +19,16 @@
 --- @include "score"
 --- @include "record"
 
-local function snapshot_json(d, epoch, version, cut, forced, laggards, gone, joining, now, engines)
+local function snapshot_json(d, epoch, version, cut, forced, laggards, gone, joining, stalled,
+    suspect, now, engines)
   local wave, step = from_score(cut)
   return '{"deployment":"' .. d.name .. '","epoch":"' .. epoch .. '","version":' .. version ..
     ',"wave":' .. int_text(wave) .. ',"step":' .. int_text(step) ..
     ',"forced":' .. (forced and 'true' or 'false') ..
     ',"laggards":{' .. table.concat(laggards, ',') .. '},"gone":{' .. gone ..
-    '},"joining":[' .. table.concat(joining, ',') .. '],"time_ms":' .. int_text(now) ..
-    ',"engines":{' .. table.concat(engines, ',') .. '}}'
+    '},"joining":[' .. table.concat(joining, ',') .. '],"stalled":{' ..
+    table.concat(stalled, ',') .. '},"suspect":{' .. table.concat(suspect, ',') ..
+    '},"time_ms":' .. int_text(now) .. ',"engines":{' .. table.concat(engines, ',') .. '}}'
 end
 
 -- The score to cut at: the lowest newest score of the barrier members, in mode
@@ -54,14 +58,23 @@ end
 -- Returns the version published (0 if none) and the laggards' ids.
 local function publish(d, mode, now)
   local flat = redis.call('HGETALL', d.reports)
-  -- per engine i: its id, record text, flag, newest score and that report's JSON
+  -- per engine i: its id, record text, flag, newest score and that report's JSON;
+  -- the stalled and suspect engines as the snapshot lists them
   local ids, texts, flags, scores, jsons, barrier = {}, {}, {}, {}, {}, {}
+  local stalled, suspect = {}, {}
   local n = 0
   for i = 1, #flat, 2 do
     if is_engine_field(flat[i]) then
       n = n + 1
       ids[n], texts[n] = flat[i], flat[i + 1]
-      flags[n], scores[n], jsons[n] = read_newest(texts[n])
+      local progress, suspect_until
+      flags[n], scores[n], jsons[n], progress, suspect_until = read_newest(texts[n])
+      if flags[n] == 's' then
+        stalled[#stalled + 1] = '"' .. ids[n] .. '":' .. int_text(now - tonumber(progress))
+      end
+      if suspect_until > now then
+        suspect[#suspect + 1] = '"' .. ids[n] .. '":' .. int_text(suspect_until - now)
+      end
     else
       barrier[flat[i]] = flat[i + 1]
     end
@@ -98,7 +111,7 @@ local function publish(d, mode, now)
   local version = redis.call('HINCRBY', d.meta, 'version', 1)
   local gone = redis.call('HGET', d.meta, 'gone') or ''
   local json = snapshot_json(d, barrier['.epoch'] or '', version, cut, forced, laggards, gone,
-    joining, now, engines)
+    joining, stalled, suspect, now, engines)
   redis.call('SET', d.snapshot, json)
   -- SPUBLISH exists from Redis 7.0, which also added redis.REDIS_VERSION_NUM: a
   -- 6.2 cluster gets PUBLISH (routers subscribe the same way: router.py)
@@ -108,6 +121,7 @@ local function publish(d, mode, now)
   redis.call('HINCRBY', d.meta, forced and 'forced' or 'published', 1)
   redis.call('HSET', d.meta, 'pub_ms', int_text(now), 'gone', '')
   redis.call('HSET', d.reports, '.pub', int_text(cut), '.behind', behind)
+  if cut > pub then redis.call('HSET', d.reports, '.pub_at', int_text(now)) end
   if ahead then
     redis.call('HSET', d.reports, '.since', int_text(now))
   else

@@ -3,30 +3,42 @@
   and written only here (and, for Python, only by redisbal/record.py; the
   format is in docs/DESIGN.md).
 
-    <flag><heartbeat due ms>
+    <flag><heartbeat due ms> <incarnation> <offset> <progress ms> <suspect until ms>
     <score>\t<report ms>\t<json>        the newest report
     <score>\t<report ms>\t<json>        older ones, newest first
 
   flag "b": a barrier member; "p": a provisional joiner (it joined behind the
-  published step: it is in snapshots but the barrier does not wait for it).
-  The heartbeat due ms is when a report next refreshes the engine's heartbeat
-  in the members zset. A registered engine that has not reported yet has the
-  head line only. <score> is the report's tag (includes/score.lua), <report ms>
-  the server time it arrived, <json> what a snapshot shows for the engine:
-    {"wave":W,"step":S,"waiting":N,"running":N,"kv":X,"t":MS,"adm":[N,...]}
-  (kv is a number in [0, 1] or null; "adm", the admitted counts per API
-  server, only when the engine sent them).
+  published step: it is in snapshots but the barrier does not wait for it);
+  "s": stalled (work queued or running and no progress for stall_after_ms:
+  in snapshots, named as stalled, not waited for). The heartbeat due ms is when
+  a report next refreshes the engine's heartbeat in the members zset. The rest
+  of the head line may be missing (a registered engine: "-" 0 0 0):
+  incarnation  the reporting process ("-": unknown; includes/incarnation.lua)
+  offset       added to the engine's own (wave, step) score to place it in the
+               deployment's order (a restarted lockstep engine starts a new step
+               sequence after the published step)
+  progress ms  server ms of the engine's last report that was not a heartbeat
+  suspect ms   server ms until which the engine is suspect (router.failed), 0
+  A registered engine that has not reported yet has the head line only.
+  <score> is the report's tag in the deployment's order (includes/score.lua,
+  plus the offset), <report ms> the server time it arrived, <json> what a
+  snapshot shows for the engine:
+    {"wave":W,"step":S,"waiting":N,"running":N,"kv":X,"t":MS,"adm":[N,...],"inc":"I"}
+  (W and S are the engine's own; kv is a number in [0, 1] or null; "adm", the
+  admitted counts per API server, only when the engine sent them; "inc" only
+  when the report named its incarnation).
 
   Kept: every report newer than the published score and the newest one at or
   before it, which is exactly what any future cut can need (MAX_HISTORY at most).
 
   In Lua, parse_record gives a read-only view of a record's text:
-    {flag = 'b', due = text, score = number, line = text, text = text, older_at = n}
-  due: the heartbeat due ms as text; score and line: the newest report's score
-  and line (nil before the first report); older_at: where the older lines start
-  in text (nil if none). An operation takes a record apart only as far as it
-  needs and writes a new text with format_record: texts are kept as read (a
-  number's text costs a sprintf).
+    {flag = 'b', due = text, inc = text, offset = text, progress = text,
+     suspect = number, score = number, line = text, text = text, older_at = n}
+  due, offset and progress as text (kept as read: a number's text costs a
+  sprintf); score and line: the newest report's score and line (nil before the
+  first report); older_at: where the older lines start in text (nil if none).
+  An operation takes a record apart only as far as it needs and writes a new
+  text with format_head and format_record.
 ]]
 --- @include "args"
 
@@ -50,28 +62,43 @@ local function line_json(line)
   return string.sub(line, string.find(line, '\t', tab1 + 1, true) + 1)
 end
 
+-- The head line's fields after flag and due (a short head: the defaults).
+local function head_fields(rest)
+  local inc, offset, progress, suspect = string.match(rest, '^ (%S+) (%d+) (%d+) (%d+)$')
+  if not inc then return '-', '0', '0', 0 end
+  return inc, offset, progress, tonumber(suspect)
+end
+
 -- The view of a record's text (above).
 local function parse_record(text)
-  -- the head line, where the newest report's line starts, and its score
-  local flag, due, line_start, score = string.match(text, '^(.)(%d*)\n()(%d+)\t')
-  if not flag then -- registered, no report yet
-    return {flag = string.sub(text, 1, 1), due = string.sub(text, 2), text = text}
-  end
+  local head_end = string.find(text, '\n', 1, true)
+  local flag, due, rest = string.match(head_end and string.sub(text, 1, head_end - 1) or text,
+    '^(%a)(%d*)(.*)$')
+  local inc, offset, progress, suspect = head_fields(rest)
+  local rec = {flag = flag, due = due, inc = inc, offset = offset, progress = progress,
+    suspect = suspect, text = text}
+  if not head_end then return rec end -- registered, no report yet
+  local line_start = head_end + 1
+  rec.score = tonumber(string.match(text, '^(%d+)\t', line_start))
   local line_end = string.find(text, '\n', line_start, true)
-  return {
-    flag = flag, due = due, score = tonumber(score), text = text,
-    line = string.sub(text, line_start, (line_end or #text + 1) - 1),
-    older_at = line_end and line_end + 1,
-  }
+  rec.line = string.sub(text, line_start, (line_end or #text + 1) - 1)
+  rec.older_at = line_end and line_end + 1
+  return rec
 end
 
 -- What a publish reads of every engine, without taking its record apart: the
--- flag, the newest report's score and its JSON (nil, nil before a report).
+-- flag, the newest report's score and its JSON (nil, nil before a report), the
+-- progress ms (text) and the suspect-until ms (number, 0 when none).
 local function read_newest(text)
-  local flag, score, json_start = string.match(text, '^(.)%d*\n(%d+)\t%d+\t()')
-  if not flag then return string.sub(text, 1, 1), nil, nil end
+  local flag, rest, score, json_start = string.match(text, '^(%a)%d*([^\n]*)\n(%d+)\t%d+\t()')
+  if not flag then
+    local _, _, progress, suspect = head_fields(string.match(text, '^%a%d*(.*)$'))
+    return string.sub(text, 1, 1), nil, nil, progress, suspect
+  end
   local line_end = string.find(text, '\n', json_start, true)
-  return flag, tonumber(score), string.sub(text, json_start, (line_end or #text + 1) - 1)
+  local _, _, progress, suspect = head_fields(rest)
+  return flag, tonumber(score), string.sub(text, json_start, (line_end or #text + 1) - 1),
+    progress, suspect
 end
 
 -- The reports of a record, newest first:
@@ -118,22 +145,32 @@ local function older_to_keep(rec, score, pub)
   return table.concat(kept, '\n')
 end
 
--- A record's text: flag, heartbeat due ms (text), then the newest report's line
--- and the older lines (text), or no report line (line nil).
-local function format_record(flag, due, line, older)
-  if not line then return flag .. due end
-  if older == '' then return flag .. due .. '\n' .. line end
-  return flag .. due .. '\n' .. line .. '\n' .. older
+-- A record's head line, from texts: a registered engine's (no incarnation, no
+-- offset, progress or suspect mark) is flag and due only.
+local function format_head(flag, due, inc, offset, progress, suspect)
+  if inc == '-' and offset == '0' and progress == '0' and suspect == '0' then
+    return flag .. due
+  end
+  return flag .. due .. ' ' .. inc .. ' ' .. offset .. ' ' .. progress .. ' ' .. suspect
+end
+
+-- A record's text: its head line, then the newest report's line and the older
+-- lines (text), or no report line (line nil).
+local function format_record(head, line, older)
+  if not line then return head end
+  if older == '' then return head .. '\n' .. line end
+  return head .. '\n' .. line .. '\n' .. older
 end
 
 -- A new report's line, from texts: its score, the arrival ms, then the JSON
 -- snapshots show: wave and step as includes/args.lua int_arg returns them,
 -- waiting, running, kv and admitted as the other checks return them ("" admitted
--- is left out).
-local function format_line(score, ms, wave, step, waiting, running, kv, admitted)
-  local adm = ''
+-- is left out), and the incarnation ("-" is left out).
+local function format_line(score, ms, wave, step, waiting, running, kv, admitted, inc)
+  local adm, incarnation = '', ''
   if admitted ~= '' then adm = ',"adm":[' .. admitted .. ']' end
+  if inc ~= '-' then incarnation = ',"inc":"' .. inc .. '"' end
   return score .. '\t' .. ms .. '\t{"wave":' .. wave .. ',"step":' .. step ..
     ',"waiting":' .. waiting .. ',"running":' .. running .. ',"kv":' .. kv ..
-    ',"t":' .. ms .. adm .. '}'
+    ',"t":' .. ms .. adm .. incarnation .. '}'
 end
