@@ -20,8 +20,8 @@ import redisbal
 from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
 from redisbal.metrics import RouterMetrics, imbalance, serve_coordinator_metrics
-from redisbal.sim.embedded import RedisServer, free_port
 from redisbal.scripts import Scripts, report_reply
+from redisbal.sim.embedded import RedisServer, free_port
 from redisbal.snapshot import Snapshot
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
