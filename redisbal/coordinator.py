@@ -12,7 +12,10 @@ Every ``interval_s`` the lease holder:
 - force-publishes when the barrier has waited ``stall_ms`` (``lua/force.lua``);
 - watches the server's identity (run_id, replication id): when it changes
   while the state survived (failover to a replica), it starts a new epoch so
-  routers resynchronise instead of ignoring repeated versions.
+  routers resynchronise instead of ignoring repeated versions;
+- logs the deployment's health once per change (``HealthLog``): a barrier
+  stalled on laggards, stalled and suspect engines, two processes under one
+  engine id; not one line per forced snapshot.
 
 Nothing here is needed for routing: engines' reports publish snapshots and
 expire the dead by themselves; the coordinator adds the stall guard, idle
@@ -38,8 +41,79 @@ from redisbal.config import LEASE_TTL, CoordinatorConfig
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.scripts import Scripts
+from redisbal.snapshot import Snapshot
 
 log = logging.getLogger("redisbal.coordinator")
+HEALTH_EVERY_S = 0.5
+
+
+class HealthLog:
+    """What the coordinator logs about the deployment's health: each change once."""
+
+    def __init__(self) -> None:
+        self.laggards: frozenset[str] = frozenset()
+        self.forced_since = 0  # forced snapshots since the barrier stalled
+        self.excluded: dict[str, frozenset[str]] = {"stalled": frozenset(), "suspect": frozenset()}
+        self.conflicts = 0
+        self.conflicts_seen: set[tuple[str, str, str]] = set()  # (engine, refused, current)
+
+    def snapshot(self, snap: Snapshot | None, forced_total: int, stall_ms: int) -> None:
+        if snap is None:
+            return
+        laggards = frozenset(snap.laggards) if snap.forced else frozenset()
+        if laggards != self.laggards:
+            if laggards:
+                log.warning(
+                    "coordinator: barrier stalled on %s; forcing a snapshot every %d ms "
+                    "until they report",
+                    ", ".join(
+                        f"{e} (last report {ms} ms ago)" for e, ms in sorted(snap.laggards.items())
+                    ),
+                    stall_ms,
+                )
+                self.forced_since = forced_total
+            else:
+                log.warning(
+                    "coordinator: barrier complete again after %d forced snapshots",
+                    forced_total - self.forced_since,
+                )
+            self.laggards = laggards
+        for kind, now in (("stalled", snap.stalled), ("suspect", snap.suspect)):
+            ids = frozenset(now)
+            if ids == self.excluded[kind]:
+                continue
+            if ids - self.excluded[kind]:
+                why = "work and no progress" if kind == "stalled" else "a router failed to reach it"
+                log.warning(
+                    "coordinator: %s now %s (%s): routers do not choose it",
+                    ", ".join(sorted(ids - self.excluded[kind])),
+                    kind,
+                    why,
+                )
+            if self.excluded[kind] - ids:
+                log.warning(
+                    "coordinator: %s no longer %s",
+                    ", ".join(sorted(self.excluded[kind] - ids)),
+                    kind,
+                )
+            self.excluded[kind] = ids
+
+    def conflict(self, meta: dict[str, str]) -> None:
+        for key, value in meta.items():
+            parts = value.split(" ")
+            if not key.startswith("conflict:") or len(parts) != 3:
+                continue
+            engine, refused, current = key[len("conflict:") :], parts[1], parts[2]
+            if (engine, refused, current) not in self.conflicts_seen:
+                self.conflicts_seen.add((engine, refused, current))
+                log.error(
+                    "coordinator: two processes report as engine %s: incarnation %s "
+                    "(started later) replaced %s, which still reports; give each engine "
+                    "process its own engine id",
+                    engine,
+                    current,
+                    refused,
+                )
 
 
 def _s(v: Any) -> str:
@@ -105,6 +179,8 @@ class Coordinator:
         self._identity_epoch = ""  # the epoch at the last identity check
         self._last_identity_check = 0.0
         self._last_config_check = 0.0
+        self._last_health_check = 0.0
+        self.health = HealthLog()
 
     # -- one round --------------------------------------------------------------------------------
 
@@ -211,13 +287,27 @@ class Coordinator:
         out = self.scripts.call("force", "", fence)
         if int(out[0]):
             self.stats.forced += 1
-            log.info(
-                "coordinator: forced snapshot v%s; laggards: %s",
-                int(out[0]),
-                ", ".join(_s(e) for e in out[1:]),
-            )
+        if now - self._last_health_check >= HEALTH_EVERY_S:
+            self._last_health_check = now
+            self.watch_health()
         if self.on_tick is not None:
             self.on_tick(self)
+
+    def watch_health(self) -> None:
+        """Read the snapshot and the conflict counter; log what changed (HealthLog)."""
+        raw, conflicts = (
+            self.client.pipeline(transaction=False)
+            .get(self.keys.snapshot)
+            .hget(self.keys.meta, "conflicts")
+            .execute()
+        )
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # unreadable: skip
+            snap = Snapshot.from_json(raw) if raw else None
+            self.health.snapshot(snap, self.stats.forced, self.config.stall_ms)
+        if int(conflicts or 0) > self.health.conflicts:
+            self.health.conflicts = int(conflicts)
+            meta = self.client.hgetall(self.keys.meta)
+            self.health.conflict({_s(k): _s(v) for k, v in meta.items()})
 
     # -- loop -------------------------------------------------------------------------------------
 

@@ -82,6 +82,17 @@ META_COUNTERS = {
     "joined": ("engines_joined", "Engines that joined (first report in the epoch)."),
     "expired": ("engines_expired", "Engines expired after dead_after_ms without a report."),
     "left": ("engines_left", "Engines that left gracefully."),
+    "restarted": ("engines_restarted", "Engines whose record a later process replaced."),
+    "conflicts": (
+        "reports_conflict",
+        "Reports refused: an earlier process reports under an engine id a later one took.",
+    ),
+    "stalled": ("engines_stalled", "Times an engine with work stopped progressing."),
+    "suspected": ("engines_suspected", "Suspect marks set by routers (failed())."),
+    "suspect_capped": (
+        "suspect_capped",
+        "Suspect marks refused because half of the engines were suspect already.",
+    ),
 }
 
 
@@ -399,6 +410,9 @@ ROUTER_COUNTERS = {
     "ignored_old": "Snapshots ignored as older than the current one within its epoch.",
     "epochs": "Epoch changes adopted (Redis state was reset).",
     "rejoin_dropped": "Engines known before an epoch change that did not re-register in time.",
+    "failed": "Requests the caller reported failed at their engine (failed()).",
+    "restarts": "Engines seen with a new incarnation (a restarted process).",
+    "all_excluded_routes": "Requests routed while every engine was stalled or suspect.",
 }
 
 
@@ -492,6 +506,7 @@ REPORTER_COUNTERS = {
     "queued": "Reports handed to the sender.",
     "sent": "Reports (and heartbeats) that reached Redis.",
     "stale": "Reports refused as older than the engine's latest.",
+    "conflict": "Reports refused: a process started later reports under this engine id.",
     "coalesced": "Reports replaced by newer counts before they were sent.",
     "unavailable": "Sends that failed on a Redis outage (retried by the sender).",
     "errors": "Sends Redis refused for another reason (not retried).",

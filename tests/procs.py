@@ -611,16 +611,23 @@ def run_engine(a: argparse.Namespace) -> None:
 
     from redisbal import EngineReporter
 
-    rep = EngineReporter(a.url, a.deployment, a.id)
+    # SIGUSR1: the engine's loop hangs (no more reports) while the process and its
+    # reporter's heartbeat live on: a hung engine, not a dead one
+    hung = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: hung.set())
+    rep = EngineReporter(a.url, a.deployment, a.id, mode="tick" if a.tick else "lockstep")
     rep.register()
-    _emit({"ready": True, "id": a.id})
+    _emit({"ready": True, "id": a.id, "incarnation": rep.incarnation})
     last, next_status = -1, 0.0
     while not stop.is_set():
         s = step_now()
-        if s > last:
+        if s > last and not hung.is_set():
             last = s
             try:
-                rep.report(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad)
+                if a.tick:
+                    rep.report(waiting=a.waiting, running=a.running, kv_usage=0.25)
+                else:
+                    rep.report(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad)
             except redis.exceptions.RedisError as exc:
                 account("error")
                 last_error = str(exc)
@@ -639,6 +646,7 @@ def run_coordinator(a: argparse.Namespace) -> None:
         stall_ms=a.stall_ms,
         join_grace_ms=a.join_grace_ms,
         idle_publish_ms=a.idle_publish_ms,
+        stall_after_ms=a.stall_after_ms,
         expected=[e for e in a.expected.split(",") if e],
     )
     coord = Coordinator(a.url, a.deployment, cfg, coordinator_id=a.id, lease_ttl_ms=a.lease_ttl_ms)
@@ -734,6 +742,7 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--pad", type=int, default=0, help="admitted list length (bigger snapshots)")
     e.add_argument("--use-async", action="store_true", help="AsyncEngineReporter")
     e.add_argument("--no-leave", action="store_true")
+    e.add_argument("--tick", action="store_true", help="an independent engine (tick mode)")
     c = sub.choices["coordinator"]
     c.add_argument("--id", required=True)
     c.add_argument("--dead-after-ms", type=int, default=1500)
@@ -742,6 +751,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--idle-publish-ms", type=int, default=200)
     c.add_argument("--lease-ttl-ms", type=int, default=1000)
     c.add_argument("--expected", default="")
+    c.add_argument("--stall-after-ms", type=int, default=2000)
     r = sub.choices["router"]
     r.add_argument("--index", type=int, default=0)
     r.add_argument("--count", type=int, default=1)

@@ -138,8 +138,9 @@ class Model:
                 self.bump("late")
             hist.insert(0, rep)
         self.members[engine] = True
-        # a joiner behind the published step does not hold the barrier (invariant 5)
-        if self.pub == BEFORE or rep.tag > self.pub or engine in self.barrier:
+        # a joiner behind the published step does not hold the barrier (invariant 5); once
+        # it reaches the published step it is a member like the others
+        if self.pub == BEFORE or rep.tag >= self.pub or engine in self.barrier:
             self.barrier[engine] = rep.tag
         if reap_due and self.reap_dead():
             return "accepted", self.after_membership_change()

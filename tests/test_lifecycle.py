@@ -135,10 +135,12 @@ def test_joiners_in_one_restart_window_share_one_new_sequence(bar: Barrier) -> N
     bar.report("e1", 0, inc=NEW)  # joins the same sequence: behind the cut, provisional
     assert record(bar, "e1").offset == record(bar, "e0").offset
     assert record(bar, "e1").flag == "p"
-    bar.report("e1", 1, inc=NEW)  # at the cut: still provisional (docs/DESIGN.md)
-    bar.report("e1", 2, inc=NEW)  # past it: a member, aligned with e0's steps
+    bar.report("e1", 1, inc=NEW)  # it reached the cut: a member, aligned with e0's steps
     assert record(bar, "e1").flag == "b"
     bar.report("e0", 2, inc=NEW)
+    snap = bar.snapshot()  # the barrier waits for e1: still the cut of step 1
+    assert snap is not None and snap.engines["e0"].step == 1
+    bar.report("e1", 2, inc=NEW)
     snap = bar.snapshot()
     assert snap is not None and not snap.forced
     assert {e: c.step for e, c in snap.engines.items()} == {"e0": 2, "e1": 2}

@@ -123,20 +123,21 @@ end
 
 -- the offset into the deployment's order: the record's, or a new step sequence
 -- for a lockstep process whose counter cannot be part of the published one: a
--- restart, or a joiner started after pub was reached (a group member that joins
--- a few steps late, or an engine that comes back, keeps its steps: provisional)
+-- restart, or a process started after pub was reached. The engines that do so
+-- within dead_after_ms of each other share one sequence (a group restarting
+-- together stays aligned), as long as it keeps them at or behind pub + 1. A
+-- process that was part of the published sequence (a group member joining a
+-- few steps late, an engine that comes back) keeps its steps: provisional.
 local offset = rec and rec.offset or '0'
 if (not rec or not rec.score) and inc ~= '-' and not tick_mode and pub >= 0 and raw <= pub then
   local r = redis.call('HMGET', d.reports, '.rebase', '.rebase_ms', '.pub_at')
-  if restarted or started_ms(inc) > (tonumber(r[3]) or now) then
-    local shared = tonumber(r[1])
-    if shared and now - tonumber(r[2]) < config_value(d, 'dead_after_ms')
-      and shared + raw <= pub + 1 then
-      offset = r[1] -- the sequence that the engines restarting with it started
-    else
-      offset = int_text(pub + 1 - raw)
-      redis.call('HSET', d.reports, '.rebase', offset, '.rebase_ms', now_text)
-    end
+  local shared = tonumber(r[1])
+  if shared and now - tonumber(r[2]) < config_value(d, 'dead_after_ms')
+    and shared + raw <= pub + 1 then
+    offset = r[1]
+  elseif restarted or started_ms(inc) > (tonumber(r[3]) or now) then
+    offset = int_text(pub + 1 - raw)
+    redis.call('HSET', d.reports, '.rebase', offset, '.rebase_ms', now_text)
   end
 end
 local score = raw + tonumber(offset)
@@ -152,9 +153,9 @@ end
 -- the new record's head and its older lines
 local flag, due, older, last_progress, suspect = 'b', '0', '', now_text, '0'
 if not rec then
-  -- a joiner: a barrier member, unless it is at or behind the published step,
-  -- when it stays provisional so that it cannot hold the barrier back
-  if pub >= 0 and score <= pub then flag = 'p' end
+  -- a joiner: a barrier member, unless it is behind the published step, when it
+  -- stays provisional so that it cannot hold the barrier back
+  if score < pub then flag = 'p' end
   redis.call('HINCRBY', d.meta, 'joined', 1)
 else
   if counted(rec.flag, rec.score) then behind = behind - 1 end
@@ -171,10 +172,10 @@ else
   end
   if flag == 's' then
     if progress == '1' then -- it stepped again
-      flag, changed = score > pub and 'b' or 'p', true
+      flag, changed = score >= pub and 'b' or 'p', true
     end
-  elseif score > pub then
-    flag = 'b' -- a provisional joiner that gets past pub joins the barrier
+  elseif score >= pub then
+    flag = 'b' -- a provisional joiner that reaches pub joins the barrier
   end
   if rec.score and score ~= rec.score and score <= pub then
     redis.call('HINCRBY', d.meta, 'late', 1)
