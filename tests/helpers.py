@@ -128,6 +128,30 @@ class Blocking:
             self.loop.close()
 
 
+def contents(r: redis.Redis, keys: list[str]) -> dict[str, object]:
+    """Each key's type and contents, to compare state before and after a call. Not DUMP:
+    Redis rehashes a hash table incrementally (on reads, and in the background), so the
+    DUMP of an unchanged hash can list its fields in another order."""
+    out: dict[str, object] = {}
+    for k in keys:
+        kind = text(r.type(k))
+        value: object
+        if kind == "string":
+            value = r.get(k)
+        elif kind == "hash":
+            value = r.hgetall(k)
+        elif kind == "zset":
+            value = r.zrange(k, 0, -1, withscores=True)
+        elif kind == "set":
+            value = r.smembers(k)
+        elif kind == "list":
+            value = r.lrange(k, 0, -1)
+        else:
+            value = None
+        out[k] = (kind, value)
+    return out
+
+
 def script_sha(name: str) -> str:
     """The SHA1 under which Redis caches the EVAL source of operation ``name``."""
     return hashlib.sha1(script_source(name).encode()).hexdigest()
@@ -265,9 +289,9 @@ class Barrier:
             if flag == "b"
         }
 
-    def dump(self) -> dict[str, bytes | None]:
-        """DUMP of every deployment key: byte-for-byte state to compare before/after."""
-        return {k: self.r.dump(k) for k in self.keys.all_keys()}
+    def dump(self) -> dict[str, object]:
+        """Every deployment key's contents: state to compare before/after (contents)."""
+        return contents(self.r, self.keys.all_keys())
 
 
 def score(wave: int, step: int) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import click
 import pytest
 import redis
-from helpers import Blocking
+from helpers import Blocking, contents
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -188,8 +188,8 @@ class Target:
     def call(self, name: str, keys: list[str], argv: list[Any]) -> Any:
         return self.scripts[name](keys=keys, args=argv)
 
-    def state(self) -> tuple[dict[str, bytes | None], set[bytes]]:
-        dumps = {k: self.r.dump(k) for k in [*self.keys.all_keys(), *self.other.all_keys()]}
+    def state(self) -> tuple[dict[str, object], set[bytes]]:
+        dumps = contents(self.r, [*self.keys.all_keys(), *self.other.all_keys()])
         return dumps, set(self.r.scan_iter(count=1000))
 
     def expect_refused(self, name: str, keys: list[str], argv: list[Any], why: str = "") -> str:
