@@ -224,19 +224,34 @@ class RouteLog:
     durations: list[tuple[float, float]] = field(default_factory=list)
     # (monotonic time, epoch, version, engine ids) each time the router's snapshot changed
     snapshots: list[tuple[float, str, int, frozenset[str]]] = field(default_factory=list)
+    # (monotonic time, engine id) of each decision for an unreachable engine (RouteLoop)
+    failed: list[tuple[float, str]] = field(default_factory=list)
+    lost: int = 0  # requests that found an unreachable engine on every try
 
 
 class RouteLoop:
     """Routes through ``router`` continuously on a thread and records what happened.
 
     Requests finish ``hold_s`` after they were routed, so the router has
-    in-flight bookkeeping to keep across faults.
+    in-flight bookkeeping to keep across faults. With ``unreachable``, a request routed
+    to an engine it names fails as a connection error would: the loop calls
+    ``failed()`` and routes it again, up to ``tries`` times (``log.failed``: every
+    such decision; ``log.lost``: requests that failed every try).
     """
 
-    def __init__(self, router: Any, interval_s: float = 0.002, hold_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        router: Any,
+        interval_s: float = 0.002,
+        hold_s: float = 0.05,
+        unreachable: Callable[[str], bool] | None = None,
+        tries: int = 3,
+    ) -> None:
         self.router = router
         self.interval_s = interval_s
         self.hold_s = hold_s
+        self.unreachable = unreachable
+        self.tries = tries
         self.log = RouteLog()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="route-loop")
@@ -263,6 +278,15 @@ class RouteLoop:
                 t = time.perf_counter()
                 d = self.router.route()
                 took = time.perf_counter() - t
+                tries = 1
+                while self.unreachable is not None and self.unreachable(d.engine_id):
+                    self.log.failed.append((now, d.engine_id))
+                    self.router.failed(d, "connection refused")
+                    if tries == self.tries:
+                        self.log.lost += 1
+                        break
+                    tries += 1
+                    d = self.router.route()
             except Exception as exc:  # the point: route() must never raise
                 snap = self.router.snapshot
                 where = (
@@ -275,7 +299,8 @@ class RouteLoop:
                 done = time.monotonic()
                 self.log.decisions.append((now, d.engine_id, d.version, d.degraded, done))
                 self.log.durations.append((now, took))
-                inflight.append((now, d))
+                if not d.done:  # (not failed on its last try)
+                    inflight.append((now, d))
             while inflight and now - inflight[0][0] >= self.hold_s:
                 self.router.finished(inflight.popleft()[1])
             self._stop.wait(self.interval_s)
@@ -328,13 +353,21 @@ class Routers:
         self.routers: list[Any] = []
         self.loops: list[RouteLoop] = []
 
-    def add(self, url: str, deployment: str, index: int, count: int, **kw: object) -> RouteLoop:
+    def add(
+        self,
+        url: str,
+        deployment: str,
+        index: int,
+        count: int,
+        unreachable: Callable[[str], bool] | None = None,
+        **kw: object,
+    ) -> RouteLoop:
         from redisbal import Router
 
         router = Router(url, deployment, index, count, **kw)  # type: ignore[arg-type]
         self.routers.append(router)
         router.start(wait=10.0)
-        loop = RouteLoop(router).start()
+        loop = RouteLoop(router, unreachable=unreachable).start()
         self.loops.append(loop)
         return loop
 
@@ -612,9 +645,9 @@ def run_engine(a: argparse.Namespace) -> None:
     from redisbal import EngineReporter
 
     # SIGUSR1: the engine's loop hangs (no more reports) while the process and its
-    # reporter's heartbeat live on: a hung engine, not a dead one
+    # reporter's heartbeat live on: a hung engine, not a dead one; again: it steps again
     hung = threading.Event()
-    signal.signal(signal.SIGUSR1, lambda *_: hung.set())
+    signal.signal(signal.SIGUSR1, lambda *_: hung.clear() if hung.is_set() else hung.set())
     rep = EngineReporter(a.url, a.deployment, a.id, mode="tick" if a.tick else "lockstep")
     rep.register()
     _emit({"ready": True, "id": a.id, "incarnation": rep.incarnation})
