@@ -276,7 +276,8 @@ def status(watch: float | None, as_json: bool) -> None:
 
     s = settings()
     url = s.require_url()
-    client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    with redis_errors(url):  # a sync cluster client connects when made
+        client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
     seen: set[str] = set()
     try:
         with redis_errors(url):
@@ -318,7 +319,8 @@ def load_functions() -> None:
 
     s = settings()
     url = s.require_url()
-    client = make_client(url, socket_connect_timeout=2.0, socket_timeout=5.0)
+    with redis_errors(url):  # a sync cluster client connects when made
+        client = make_client(url, socket_connect_timeout=2.0, socket_timeout=5.0)
     try:
         with redis_errors(url):
             major = int(str(client.info("server")["redis_version"]).split(".")[0])
