@@ -1,6 +1,6 @@
 """Common configuration mistakes get one clear line, on real processes: a Redis URL that
 points at an HTTP server, ``redis+cluster://`` at a single server, a server that wants a
-password the URL lacks (or refuses the one it has).
+password the URL lacks (or refuses the one it has), and bad ``--expect`` lists.
 
 The library raises ``WrongServer`` (not Redis, not a cluster: a refusal, never an
 outage) or ``PasswordError`` (still an outage, as before: reporters and routers retry);
@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from click.testing import CliRunner
 from helpers import wait_until
 from redis._parsers import (
     _AsyncHiredisParser,
@@ -31,6 +32,7 @@ from redis._parsers import (
 from topology import binaries
 
 import redisbal
+from redisbal.cli import cli
 from redisbal.connection import (
     OUTAGE_ERRORS,
     BadRedisURL,
@@ -290,3 +292,32 @@ async def test_password_errors_stay_outages_with_a_clear_message(
     good = f"redis://:{SECRET}@127.0.0.1:{secured.port}/0"
     with redisbal.EngineReporter(good, deployment, "e0", heartbeat=False) as ok:
         assert ok.report(step=1, waiting=1, running=1, wait=True).status != "unavailable"
+
+
+# -- bad --expect lists ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("a,,b", "item 2 of 'a,,b' is empty (a stray comma?)"),
+        ("a,b,", "item 3 of 'a,b,' is empty (a stray comma?)"),
+        (",", "item 1 of ',' is empty (a stray comma?)"),
+        ("", "no engines given: a count N (engines 0..N-1) or ids, e.g. a,b"),
+        ("  ", "no engines given: a count N (engines 0..N-1) or ids, e.g. a,b"),
+        ("e0,e1,e0", "engine id 'e0' is listed twice in 'e0,e1,e0'"),
+        ("e0,{x}", "item 2 of 'e0,{x}': invalid engine id '{x}'"),
+        ("a b,c", "item 1 of 'a b,c': invalid engine id 'a b'"),
+        ("²", "item 1 of '²': invalid engine id '²'"),  # isdigit(), but not a count
+        ("0", "expected engine count must be in 1..4096, got 0"),
+    ],
+)
+def test_cli_bad_expect_names_the_bad_item(value: str, message: str) -> None:
+    # an unreachable URL: a list that got through would fail later, with exit status 1
+    args = ["--redis-url", f"redis://127.0.0.1:{free_port()}/0", "coordinator"]
+    env = {k: None for k in ("REDISBAL_REDIS_URL", "REDISBAL_DEPLOYMENT", "REDISBAL_LOG_LEVEL")}
+    res = CliRunner().invoke(cli, [*args, "--expect", value, "--duration", "0.1"], env=env)
+    assert res.exit_code == 2, res.output
+    errors = [x for x in res.output.splitlines() if x.startswith("Error:")]
+    assert len(errors) == 1 and f"Invalid value for '--expect': {message}" in errors[0], res.output
+    assert "Traceback" not in res.output
