@@ -136,22 +136,29 @@ def cli() -> None:
 
 
 def _parse_expect(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
-    if not value:
+    """--expect N (ids 0..N-1) or ID,ID,...: every item is checked, and the bad one named
+    (a stray comma is a mistake, not an item to drop)."""
+    if value is None:
         return []
-    value = value.strip()
-    if value.isdigit():
-        n = int(value)
+    text = value.strip()
+    if not text:
+        raise click.BadParameter("no engines given: a count N (engines 0..N-1) or ids, e.g. a,b")
+    if text.isascii() and text.isdigit():  # not "²", which isdigit() but int() refuses
+        n = int(text)
         if not 1 <= n <= 4096:
             raise click.BadParameter(f"expected engine count must be in 1..4096, got {n}")
         return [str(i) for i in range(n)]
-    ids = [x.strip() for x in value.split(",") if x.strip()]
-    for i in ids:
+    ids = [x.strip() for x in text.split(",")]
+    for pos, i in enumerate(ids, 1):
+        if not i:
+            raise click.BadParameter(f"item {pos} of {value!r} is empty (a stray comma?)")
         try:
             check_name(i, "engine id")
         except InvalidName as exc:
-            raise click.BadParameter(str(exc)) from None
-    if len(set(ids)) != len(ids):
-        raise click.BadParameter("engine ids must be unique")
+            raise click.BadParameter(f"item {pos} of {value!r}: {exc}") from None
+    dup = next((i for n, i in enumerate(ids) if i in ids[:n]), None)
+    if dup is not None:
+        raise click.BadParameter(f"engine id {dup!r} is listed twice in {value!r}")
     return ids
 
 
@@ -276,7 +283,8 @@ def status(watch: float | None, as_json: bool) -> None:
 
     s = settings()
     url = s.require_url()
-    client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    with redis_errors(url):  # a sync cluster client connects when made
+        client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
     seen: set[str] = set()
     try:
         with redis_errors(url):
@@ -318,7 +326,8 @@ def load_functions() -> None:
 
     s = settings()
     url = s.require_url()
-    client = make_client(url, socket_connect_timeout=2.0, socket_timeout=5.0)
+    with redis_errors(url):  # a sync cluster client connects when made
+        client = make_client(url, socket_connect_timeout=2.0, socket_timeout=5.0)
     try:
         with redis_errors(url):
             major = int(str(client.info("server")["redis_version"]).split(".")[0])

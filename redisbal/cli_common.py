@@ -27,8 +27,16 @@ import click
 import orjson
 import redis.exceptions
 from click.core import ParameterSource
+from redis.exceptions import RedisClusterException
 
-from redisbal.connection import OUTAGE_ERRORS, BadRedisURL, make_client, parse_url, redact
+from redisbal.connection import (
+    OUTAGE_ERRORS,
+    BadRedisURL,
+    explain,
+    make_client,
+    parse_url,
+    redact,
+)
 from redisbal.keys import InvalidName, check_name
 from redisbal.policies import DEFAULT_POLICY, POLICIES
 
@@ -167,23 +175,35 @@ def settings(ctx: click.Context | None = None) -> Settings:
     return s
 
 
+class ConfigError(click.ClickException):
+    """A mistake in the configuration found by talking to Redis (not Redis there, not a
+    cluster, a missing or refused password): one line and exit status 2, like a bad
+    option, where an outage exits 1."""
+
+    exit_code = 2
+
+
 @contextlib.contextmanager
 def redis_errors(url: str | None) -> Iterator[None]:
-    """Turn a Redis outage or refusal into one clear line (password redacted)."""
+    """Turn a configuration mistake, a Redis outage or a refusal into one clear line
+    (password redacted)."""
     try:
         yield
-    except OUTAGE_ERRORS as exc:
-        raise click.ClickException(
-            f"cannot reach Redis at {redact(url or '')}: {redact(str(exc)) or type(exc).__name__}"
-        ) from None
-    except redis.exceptions.ResponseError as exc:
-        raise click.ClickException(
-            f"Redis at {redact(url or '')} refused: {redact(str(exc))}"
-        ) from None
+    except (BadRedisURL, OSError, redis.exceptions.RedisError, RedisClusterException) as exc:
+        safe = redact(url or "")
+        mistake = exc if isinstance(exc, BadRedisURL) else explain(exc, url or "")
+        if mistake is not None:
+            raise ConfigError(str(mistake)) from None  # its URL is redacted already
+        if isinstance(exc, (*OUTAGE_ERRORS, RedisClusterException)):  # no node answered
+            detail = redact(str(exc)) or type(exc).__name__
+            raise click.ClickException(f"cannot reach Redis at {safe}: {detail}") from None
+        if isinstance(exc, redis.exceptions.ResponseError):
+            raise click.ClickException(f"Redis at {safe} refused: {redact(str(exc))}") from None
+        raise
 
 
 def check_reachable(url: str) -> None:
-    """Fail fast, with the redacted URL, when Redis does not answer."""
+    """Fail fast, with the redacted URL, when Redis does not answer or is misconfigured."""
     with redis_errors(url):
         client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
         try:

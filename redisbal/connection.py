@@ -12,8 +12,10 @@ ssl_cert_reqs=none) go in the query string as with redis-py.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -48,6 +50,19 @@ _SCHEMES = (
 
 class BadRedisURL(ValueError):
     """A Redis URL that redisbal cannot use."""
+
+
+class WrongServer(redis.exceptions.ResponseError, BadRedisURL):
+    """The URL reaches a server that cannot be used as the URL says: not Redis at all, or
+    not a Redis Cluster. A configuration error, not an outage: handled as a refusal (a
+    ResponseError, which every component reports), never as a reason to route on local
+    state; a RedisError, so redis-py drops the half-open connection."""
+
+
+class PasswordError(redis.exceptions.AuthenticationError, BadRedisURL):
+    """The server wants a password the URL does not give, or refused the one it gives.
+    Still redis-py's AuthenticationError, so an outage as before: reporters and routers
+    keep retrying, and recover once the server's password or ACL is put right."""
 
 
 _USERINFO_SECRET = re.compile(r"(//[^:/@\s]*:)[^@\s]*@")
@@ -96,7 +111,7 @@ def parse_url(url: str) -> RedisTarget:
         from redis.connection import parse_url as redis_parse_url
 
         try:  # a bad port or db would otherwise fail later, as a raw ValueError
-            redis_parse_url(url)
+            parts = redis_parse_url(url)
         except ValueError as exc:
             detail = str(exc)
             if "@" in url.split("://", 1)[1]:
@@ -104,7 +119,13 @@ def parse_url(url: str) -> RedisTarget:
                 # or port, and the parser's message quotes those: never echo it
                 detail = "bad host, port or db (percent-encode / @ : in a password)"
             raise BadRedisURL(f"bad Redis URL {redact(url)!r}: {detail}") from None
-        return RedisTarget(url=url, kind="single", tls=scheme == "rediss")
+        return RedisTarget(
+            url=url,
+            kind="single",
+            username=parts.get("username") or None,
+            password=parts.get("password") or None,
+            tls=scheme == "rediss",
+        )
     base, kind = scheme.split("+")
     rest = url.split("://", 1)[1]
     userinfo, _, hostpart = rest.rpartition("@")
@@ -164,30 +185,128 @@ def _sentinel_tls(t: RedisTarget) -> bool:
     return t.tls and flag in ("yes", "1", "true")
 
 
+# the first byte of a reply that is not RESP, as redis-py's parsers quote it (hiredis,
+# then the pure-Python one): "H" starts an HTTP status line, "<" the HTML page that a
+# server speaking HTTP/0.9 sends back without one
+_REPLY_BYTE = re.compile(r"""got "(.)" as reply type byte|Protocol Error: b['"](.)""", re.S)
+
+
+def explain(exc: BaseException, url: str) -> WrongServer | PasswordError | None:
+    """The configuration mistake behind a failed connection to ``url``, as one clear
+    error (password redacted), or None when there is none to name (an outage, a refusal).
+    Looks through the causes too: a cluster client wraps its nodes' errors."""
+    e: BaseException | None = exc
+    for _ in range(8):
+        if e is None:
+            return None
+        if isinstance(e, WrongServer | PasswordError):
+            return e
+        if isinstance(e, redis.exceptions.InvalidResponse):
+            m = _REPLY_BYTE.search(str(e))
+            first = (m.group(1) or m.group(2)) if m else ""
+            got = "got an HTTP response" if first in ("H", "<") else "got a reply that is not RESP"
+            return WrongServer(
+                f"{redact(url)} does not speak the Redis protocol ({got}): check the Redis URL"
+            )
+        if isinstance(e, redis.exceptions.AuthenticationError):
+            return _password_error(url, str(e))
+        if "cluster support disabled" in str(e).lower():
+            return WrongServer(
+                f"{redact(url)} is not a Redis Cluster (cluster support is disabled on the "
+                "server): use redis:// for a single server"
+            )
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _password_error(url: str, reason: str) -> PasswordError:
+    try:
+        given = parse_url(url).password is not None
+    except BadRedisURL:
+        given = True  # say "refused" rather than build an example from a bad URL
+    if given:
+        return PasswordError(
+            f"the server at {redact(url)} refused the password ({reason.rstrip('.')}): "
+            "check the user name and password in the Redis URL"
+        )
+    scheme, _, rest = redact(url).partition("://")  # redacts a sentinel_password=
+    user, _, hostpart = rest.rpartition("@")
+    return PasswordError(
+        f"the server requires a password: {scheme}://{user}:PASSWORD@{hostpart} "
+        "(percent-encode / @ : in it)"
+    )
+
+
+def _handshake(url: str, asyncio: bool) -> Callable[[Any], Any]:
+    """A redis-py ``redis_connect_func``: its own handshake (HELLO, AUTH, SELECT), whose
+    failures that are configuration mistakes become clear errors (explain()). It runs
+    once per new connection, never per command, and adds no round trip."""
+    if asyncio:
+
+        async def checked_async(conn: Any) -> None:
+            try:
+                await conn.on_connect()
+            except redis.exceptions.RedisError as exc:
+                raise (explain(exc, url) or exc) from exc
+
+        return checked_async
+
+    def checked(conn: Any) -> None:
+        try:
+            conn.on_connect()
+        except redis.exceptions.RedisError as exc:
+            raise (explain(exc, url) or exc) from exc
+
+    return checked
+
+
+@functools.cache
+def _async_cluster_class() -> type:
+    """redis-py's asyncio cluster client whose first connection (initialize(), made
+    lazily by the first call) names configuration mistakes like the other clients."""
+    from redis.asyncio.cluster import RedisCluster
+
+    class CheckedRedisCluster(RedisCluster):
+        redisbal_url = ""
+
+        async def initialize(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await super().initialize(*args, **kwargs)
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+                raise (explain(exc, self.redisbal_url) or exc) from exc
+
+    return CheckedRedisCluster
+
+
 def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
     """A redis-py client (sync or asyncio) for any supported URL."""
     t = parse_url(url)
     if asyncio:
         import redis.asyncio as r
-        from redis.asyncio.cluster import RedisCluster
         from redis.asyncio.sentinel import Sentinel
     else:
         import redis as r  # type: ignore[no-redef]
-        from redis.cluster import RedisCluster  # type: ignore[assignment]
         from redis.sentinel import Sentinel  # type: ignore[assignment]
+    # single and Sentinel data connections: the checked handshake (unless the caller has one)
+    checked = {"redis_connect_func": _handshake(url, asyncio), **kw}
     if t.kind == "single":
-        return r.Redis.from_url(url, **kw)
+        return r.Redis.from_url(url, **checked)
     auth: dict[str, Any] = {"username": t.username, "password": t.password}
     if t.kind == "cluster":
-        from redis.cluster import ClusterNode
+        from redis.cluster import ClusterNode, RedisCluster
 
         if asyncio:
             from redis.asyncio.cluster import ClusterNode as AClusterNode
 
-            nodes: list[Any] = [AClusterNode(h, p) for h, p in t.hosts]
-        else:
-            nodes = [ClusterNode(h, p) for h, p in t.hosts]
-        return RedisCluster(startup_nodes=nodes, **auth, **_tls_kwargs(t), **kw)
+            anodes = [AClusterNode(h, p) for h, p in t.hosts]
+            client = _async_cluster_class()(startup_nodes=anodes, **auth, **_tls_kwargs(t), **kw)
+            client.redisbal_url = url
+            return client
+        nodes: list[Any] = [ClusterNode(h, p) for h, p in t.hosts]
+        try:  # the sync client asks for the slot map here, at construction
+            return RedisCluster(startup_nodes=nodes, **auth, **_tls_kwargs(t), **kw)
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise (explain(exc, url) or exc) from exc
     # connections to the sentinels themselves: their own (optional) credentials, and
     # the same socket timeouts as the data connections, so a dead sentinel is skipped
     sentinel_kw: dict[str, Any] = {
@@ -205,7 +324,7 @@ def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
         sentinel_kwargs=sentinel_kw,
         socket_timeout=kw.get("socket_timeout", 2.0),
     )
-    return sentinel.master_for(t.service, db=t.db, **auth, **_tls_kwargs(t), **kw)
+    return sentinel.master_for(t.service, db=t.db, **auth, **_tls_kwargs(t), **checked)
 
 
 def is_cluster(client: Any) -> bool:
