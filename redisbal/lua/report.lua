@@ -135,7 +135,7 @@ if (not rec or not rec.score) and inc ~= '-' and not tick_mode and pub >= 0 and 
   if shared and now - tonumber(r[2]) < config_value(d, 'dead_after_ms')
     and shared + raw <= pub + 1 then
     offset = r[1]
-  elseif restarted or started_ms(inc) > (tonumber(r[3]) or now) then
+  elseif restarted or started_ms(inc) >= (tonumber(r[3]) or now) then
     offset = int_text(pub + 1 - raw)
     redis.call('HSET', d.reports, '.rebase', offset, '.rebase_ms', now_text)
   end
