@@ -231,6 +231,14 @@ class Barrier:
                 rec = replace(rec, reports=(aged, *rec.reports[1:]))
                 self.r.hset(self.keys.reports, engine, format_record(rec))
 
+    def age_progress(self, engine: str) -> None:
+        """The engine's last progress long ago (its loop hung): its next heartbeat with
+        work queued or running finds it stalled."""
+        raw = self.r.hget(self.keys.reports, engine)
+        assert raw is not None, f"{engine} has no record"
+        rec = parse_record(text(raw))
+        self.r.hset(self.keys.reports, engine, format_record(replace(rec, progress_ms=1)))
+
     def set_opportunistic_reap(self, engine: str, due: bool) -> None:
         """Reports expire dead engines on the way when they refresh their heartbeat (every
         dead_after_ms / 8) and a reap is due (every dead_after_ms / 4); make the next

@@ -6,8 +6,13 @@ membership is a dict), not by transcribing the Lua. Hypothesis drives reports
 (in order, ahead, late, stale, same-step refresh, retries, wave changes),
 registrations, leaves, expiries (an engine's liveness score lowered to the
 distant past, then a reap, or another engine's report that reaps it on the
-way), forced publications and state loss; after every step the real stored
-snapshot, barrier, membership and counters must equal the model's.
+way), forced publications, state loss, and the engine lifecycle: restarts (a
+later incarnation from step 0..3, whose steps continue after the published
+one), zombies (an earlier incarnation: refused), hangs (the record's last
+progress moved to the distant past) and heartbeats (unchanged counts, no
+progress: a hung engine with work is stalled until its next progress); after
+every step the real stored snapshot, barrier, membership and counters must
+equal the model's.
 
 Time is kept out of the model: no join grace, dead_after_ms and idle publish
 far away, the stall guard called with stall_ms 0.
@@ -26,20 +31,44 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
 
 Tag = tuple[int, int]  # (wave, step)
 BEFORE: Tag = (-1, 0)  # before every real tag: "nothing published" / "registered, no report"
 ENGINES = ["e0", "e1", "e2", "e3"]
-COUNTERS = ("stale", "late", "published", "forced", "left", "expired")
+COUNTERS = (
+    "stale",
+    "late",
+    "published",
+    "forced",
+    "left",
+    "expired",
+    "restarted",
+    "conflicts",
+    "stalled",
+)
+STEP_SPAN = 2**32
+
+
+def tag_of(score: int) -> Tag:
+    return divmod(score, STEP_SPAN)  # type: ignore[return-value]
+
+
+def raw_score(tag: Tag) -> int:
+    return tag[0] * STEP_SPAN + tag[1]
 
 
 @dataclass
 class Report:
-    tag: Tag
+    tag: Tag  # in the deployment's order: the engine's own (wave, step) plus its offset
     waiting: int
     running: int
     kv: float | None
+    raw: Tag = BEFORE  # the engine's own (wave, step) (BEFORE: the same as tag)
+
+    def own(self) -> Tag:
+        return self.tag if self.raw == BEFORE else self.raw
 
 
 @dataclass
@@ -56,6 +85,13 @@ class Model:
     stale: dict[str, int] = field(default_factory=dict)
     gone: dict[str, str] = field(default_factory=dict)  # removed since the last snapshot
     snapshot: dict[str, Any] | None = None
+    # the lifecycle: each record's incarnation (a number: later is greater) and offset,
+    # the step sequence restarts share, engines that stopped progressing, stalled ones
+    inc: dict[str, int] = field(default_factory=dict)
+    offset: dict[str, int] = field(default_factory=dict)
+    rebase: int | None = None
+    hung: set[str] = field(default_factory=set)
+    stalled: set[str] = field(default_factory=set)
 
     def bump(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -70,7 +106,7 @@ class Model:
             older = [h for h in hist if h.tag <= cut]
             if older:
                 h = older[0]
-                engines[e] = (h.tag[0], h.tag[1], h.waiting, h.running, h.kv)
+                engines[e] = (*h.own(), h.waiting, h.running, h.kv)
             else:
                 joining.add(e)
         self.snapshot = {
@@ -83,6 +119,7 @@ class Model:
             # registered, no report yet: whether these count as joining is not specified
             "registered_only": {e for e in self.members if e not in self.history},
             "engines": engines,
+            "stalled": set(self.stalled),
         }
         self.gone.clear()
         self.pub = cut
@@ -103,10 +140,18 @@ class Model:
             v = self.publish(self.pub)
         return v
 
-    def remove(self, engine: str, why: str) -> bool:
+    def forget(self, engine: str) -> None:
+        """The engine's record and its place in the barrier go (a removal, a restart)."""
         self.barrier.pop(engine, None)
         self.history.pop(engine, None)
         self.stale.pop(engine, None)
+        for d in (self.inc, self.offset):
+            d.pop(engine, None)
+        self.hung.discard(engine)
+        self.stalled.discard(engine)
+
+    def remove(self, engine: str, why: str) -> bool:
+        self.forget(engine)
         if self.members.pop(engine, None) is None:
             return False
         self.bump(why)
@@ -121,16 +166,47 @@ class Model:
 
     # -- operations ---------------------------------------------------------------------------
 
-    def report(self, engine: str, rep: Report, reap_due: bool) -> tuple[str, int]:
+    def report(
+        self,
+        engine: str,
+        rep: Report,
+        reap_due: bool,
+        inc: int | None = None,
+        progress: bool = True,
+    ) -> tuple[str, int]:
         """reap_due: whether this report also expires dead engines on the way (reports
-        do that at most every dead_after_ms / 4; the test decides which happens)."""
+        do that at most every dead_after_ms / 4; the test decides which happens). ``inc``:
+        the reporting process's incarnation (None: the report names none); ``progress``:
+        False for a heartbeat. ``rep.tag`` is the engine's own (wave, step) here."""
+        changed = restarted = False
+        current = self.inc.get(engine)
+        if inc is not None and current is not None and inc != current:
+            if inc < current:  # invariant 6: a process older than the record's: refused
+                self.bump("conflicts")
+                return "conflict", 0
+            self.forget(engine)  # a restart: a leave and a join in one step
+            self.bump("restarted")
+            changed = restarted = True
+        raw = rep.tag
         hist = self.history.get(engine)
+        offset = self.offset.get(engine, 0)
+        pub = score(self.pub)
+        if not hist and inc is not None and self.pub != BEFORE and raw_score(raw) <= pub:
+            # a restart starts a new step sequence right after the published step; a
+            # process joining while that sequence keeps it at or behind the next step
+            # joins it (the test's processes all started before pub was reached)
+            if self.rebase is not None and self.rebase + raw_score(raw) <= pub + 1:
+                offset = self.rebase
+            elif restarted:
+                offset = self.rebase = int(pub) + 1 - raw_score(raw)
+        rep = Report(tag_of(raw_score(raw) + offset), rep.waiting, rep.running, rep.kv, raw)
         if hist and rep.tag < hist[0].tag:  # invariant 3: older than its latest
             self.bump("stale")
             self.stale[engine] = self.stale.get(engine, 0) + 1
             return "stale", 0
         if not hist:
             self.history[engine] = [rep]
+            self.offset[engine] = offset
         elif rep.tag == hist[0].tag:
             hist[0] = rep  # same-step refresh
         else:
@@ -138,13 +214,33 @@ class Model:
                 self.bump("late")
             hist.insert(0, rep)
         self.members[engine] = True
+        if inc is not None:
+            self.inc[engine] = inc
+        if progress:
+            self.hung.discard(engine)
+        if engine in self.stalled:
+            if progress:  # it progressed: back, a member unless behind the published step
+                self.stalled.discard(engine)
+                changed = True
+                if rep.tag >= self.pub:
+                    self.barrier[engine] = rep.tag
         # a joiner behind the published step does not hold the barrier (invariant 5); once
         # it reaches the published step it is a member like the others
-        if self.pub == BEFORE or rep.tag >= self.pub or engine in self.barrier:
+        elif self.pub == BEFORE or rep.tag >= self.pub or engine in self.barrier:
             self.barrier[engine] = rep.tag
+        if (
+            not progress
+            and engine in self.hung
+            and engine not in self.stalled
+            and (rep.waiting or rep.running)
+        ):  # invariant 9: work and no progress: stalled, not waited for
+            self.stalled.add(engine)
+            self.barrier.pop(engine, None)
+            self.bump("stalled")
+            changed = True
         if reap_due and self.reap_dead():
-            return "accepted", self.after_membership_change()
-        return "accepted", self.complete()
+            changed = True
+        return "accepted", self.after_membership_change() if changed else self.complete()
 
     def register(self, engines: list[str]) -> int:
         added = 0
@@ -176,6 +272,16 @@ class Model:
         return self.publish(cut, laggards), laggards
 
 
+_INCARNATIONS: dict[int, str] = {}
+
+
+def incarnation(n: int) -> str:
+    """The n-th process's incarnation: started one second after the (n-1)-th."""
+    if n not in _INCARNATIONS:
+        _INCARNATIONS[n] = new_incarnation(1_700_000_000_000 + n * 1000)
+    return _INCARNATIONS[n]
+
+
 def score(tag: Tag) -> float:
     return -1.0 if tag == BEFORE else float(tag[0] * 2**32 + tag[1])
 
@@ -192,6 +298,7 @@ class BarrierMachine(RuleBasedStateMachine):
         self.model = Model(epoch="ep1")
         self.last_args: dict[str, tuple[Tag, int, int, str]] = {}
         self.expired_seen = 0
+        self.processes = 0  # incarnations handed out (restart), each later than the last
 
     def teardown(self) -> None:
         self.client.delete(*self.keys.all_keys())
@@ -201,7 +308,7 @@ class BarrierMachine(RuleBasedStateMachine):
     def _tag_for(self, engine: str, wave_move: int, step_move: int) -> Tag:
         hist = self.model.history.get(engine)
         if hist:
-            base = hist[0].tag
+            base = hist[0].own()
         elif self.model.pub != BEFORE:
             base = self.model.pub  # joiners land around the published step
         else:
@@ -211,23 +318,50 @@ class BarrierMachine(RuleBasedStateMachine):
         return (wave, step)
 
     def _report(
-        self, engine: str, tag: Tag, waiting: int, running: int, kv: str, reap_due: bool
+        self,
+        engine: str,
+        tag: Tag,
+        waiting: int,
+        running: int,
+        kv: str,
+        reap_due: bool,
+        inc: int | None = None,
+        progress: bool = True,
     ) -> None:
+        """One report, as the engine's current process (its incarnation, if it named
+        one) unless ``inc`` says which; the real barrier and the model must agree."""
+        if inc is None:
+            inc = self.model.inc.get(engine)
         self.last_args[engine] = (tag, waiting, running, kv)
         self.bar.set_opportunistic_reap(engine, reap_due)
-        got = self.bar.report(engine, tag[1], waiting, running, tag[0], kv=kv)
+        got = self.bar.report(
+            engine,
+            tag[1],
+            waiting,
+            running,
+            tag[0],
+            kv=kv,
+            inc=None if inc is None else incarnation(inc),
+            progress=progress,
+        )
         want_status, want_version = self.model.report(
-            engine, Report(tag, waiting, running, float(kv) if kv else None), reap_due
+            engine,
+            Report(tag, waiting, running, float(kv) if kv else None),
+            reap_due,
+            inc,
+            progress,
         )
         assert got == (want_status, want_version, tag[0], tag[1])
         m = self.model
         if m.counters.get("expired", 0) > self.expired_seen:
             self.expired_seen = m.counters["expired"]
             event("report: reaped an expired engine")
-        if want_status == "stale":
-            event("report: stale")
+        if want_status in ("stale", "conflict"):
+            event(f"report: {want_status}")
         elif want_version:
             event("report: published")
+        elif engine in m.stalled:
+            event("report: stalled")
         elif engine not in m.barrier:
             event("report: provisional joiner")
         elif tag <= m.pub:
@@ -261,6 +395,35 @@ class BarrierMachine(RuleBasedStateMachine):
     def report_next_step(self, engine: str, waiting: int, reap_due: bool) -> None:
         """The common case, so that barriers complete often: the engine's next step."""
         self._report(engine, self._tag_for(engine, 0, 1), waiting, waiting // 2, "", reap_due)
+
+    @rule(engine=st.sampled_from(ENGINES), step=st.integers(0, 3), waiting=st.integers(0, 9))
+    def restart(self, engine: str, step: int, waiting: int) -> None:
+        """Invariant 6: a new process of the engine, its steps from (0, step)."""
+        self.processes += 1
+        self._report(engine, (0, step), waiting, 1, "", False, inc=self.processes)
+
+    @rule(engine=st.sampled_from(ENGINES))
+    def zombie(self, engine: str) -> None:
+        """A process started before the engine's current one reports: refused."""
+        current = self.model.inc.get(engine)
+        if current is not None:
+            self._report(engine, (0, 1), 5, 5, "", False, inc=current - 1)
+
+    @rule(engine=st.sampled_from(ENGINES), beat=st.booleans())
+    def hang(self, engine: str, beat: bool) -> None:
+        """The engine's loop stops: its last progress is now long ago (and its heartbeat
+        comes at once, or later)."""
+        if engine in self.model.history:
+            self.bar.age_progress(engine)
+            self.model.hung.add(engine)
+            if beat:
+                self.heartbeat(engine)
+
+    @rule(engine=st.sampled_from(ENGINES))
+    def heartbeat(self, engine: str) -> None:
+        """Invariant 9: its last counts again, without progress."""
+        if engine in self.last_args and engine in self.model.history:
+            self._report(engine, *self.last_args[engine], reap_due=False, progress=False)
 
     @rule(engine=st.sampled_from(ENGINES))
     def retry_last_report(self, engine: str) -> None:
@@ -354,6 +517,7 @@ class BarrierMachine(RuleBasedStateMachine):
             for e, c in d["engines"].items()
         }
         assert got == want["engines"]
+        assert set(d["stalled"]) == want["stalled"]
 
 
 def test_barrier_matches_the_model(r: redis.Redis) -> None:
