@@ -40,7 +40,8 @@ def page(name: str) -> str:
 
 def test_recorded_sglang_page_from_the_docs() -> None:
     assert parse_page(page("sglang_docs_production_metrics.txt")) == [
-        EngineSample("0", waiting=2826, running=162, kv_usage=0.28)
+        # progress: its prompt + generation token counters
+        EngineSample("0", waiting=2826, running=162, kv_usage=0.28, progress=8128902 + 7557572)
     ]
 
 
@@ -53,8 +54,9 @@ def test_recorded_vllm_excerpt_without_waiting_is_an_error_naming_it() -> None:
 def test_page_rendered_by_vllm_0_33_itself() -> None:
     """900 lines from vLLM 0.33.0's own PrometheusStatLogger (see the file's header)."""
     assert parse_page(page("vllm_0.33.0_stat_logger_generated.txt")) == [
-        EngineSample("0", waiting=4, running=7, kv_usage=0.375),
-        EngineSample("1", waiting=0, running=12, kv_usage=0.75),
+        # the iteration and token counters are on the page (0: nothing ran yet)
+        EngineSample("0", waiting=4, running=7, kv_usage=0.375, progress=0.0),
+        EngineSample("1", waiting=0, running=12, kv_usage=0.75, progress=0.0),
     ]
 
 
@@ -147,6 +149,7 @@ class MetricsServer:
 
     def __init__(self, engines: int = 1, flavour: str = "vllm") -> None:
         self.counts = {str(e): (0, 0) for e in range(engines)}  # label -> (waiting, running)
+        self.tokens: float | None = None  # vLLM's generation token counter, when served
         self.flavour = flavour
         self.hang = False
         self.runner: web.AppRunner | None = None
@@ -163,6 +166,8 @@ class MetricsServer:
                     f"vllm:num_requests_running{lab} {r}.0",
                     f"vllm:kv_cache_usage_perc{lab} 0.5",
                 ]
+                if self.tokens is not None:
+                    lines.append(f"vllm:generation_tokens_total{lab} {self.tokens}")
             else:
                 lab = f'{{dp_rank="{label}",tp_rank="0"}}'
                 lines += [f"sglang:num_queue_reqs{lab} {w}", f"sglang:num_running_reqs{lab} {r}"]
@@ -316,6 +321,45 @@ async def test_killed_metrics_server_leaves_routing_not_reported_idle(
         await until(lambda: counts_of(latest(r, keys)).get(eb) == (9, 9), timeout=2.0)
         assert sc.failures > 0
     finally:
+        stop.set()
+        await task
+        sc.sender.close()
+        stack.close()
+
+
+async def test_engine_whose_counters_stand_still_stalls_and_comes_back(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys, servers: list[MetricsServer]
+) -> None:
+    """Progress, not pulse: /metrics keeps answering (the API server lives) but the
+    engine's token counter stands still while it has work: stalled, then back when the
+    counter moves."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(coordinator(redis_url, keys.deployment, stall_after_ms=300))
+    a = await MetricsServer().start()
+    b = await MetricsServer().start()
+    servers += [a, b]
+    a.counts, b.counts = {"0": (6, 2)}, {"0": (1, 2)}
+    a.tokens = b.tokens = 10.0
+    sc, stop, task = await start_sidecar(redis_url, keys.deployment, [a.url, b.url])
+    ea, eb = f"127.0.0.1-{a.port}-0", f"127.0.0.1-{b.port}-0"
+
+    def stalled() -> set[str]:
+        snap = latest(r, keys)
+        return set() if snap is None else set(snap.stalled)
+
+    async def tick_b() -> None:  # b keeps generating
+        while True:
+            b.tokens = (b.tokens or 0) + 1
+            await asyncio.sleep(0.02)
+
+    ticker = asyncio.create_task(tick_b())
+    try:
+        await until(lambda: set(counts_of(latest(r, keys))) == {ea, eb})
+        await until(lambda: stalled() == {ea}, timeout=5.0)  # a's counter stood still
+        a.tokens = 11.0  # it decodes again
+        await until(lambda: stalled() == set(), timeout=5.0)
+    finally:
+        ticker.cancel()
         stop.set()
         await task
         sc.sender.close()

@@ -118,8 +118,6 @@ def test_unconfigured_does_nothing_with_one_warning(
         ({"REDISBAL_ENGINE_ID": "{gpu}"}, "field {gpu} unknown"),
         ({"REDISBAL_MODE": "fast"}, "REDISBAL_MODE must be one of"),
         ({"REDISBAL_ENGINE_URL": "10.0.0.1:8000"}, "expected http(s)://"),
-        ({"REDISBAL_MAX_STEP_S": "nan"}, "REDISBAL_MAX_STEP_S must be seconds"),
-        ({"REDISBAL_MAX_STEP_S": "0"}, "REDISBAL_MAX_STEP_S must be seconds"),
     ],
 )
 def test_bad_settings_are_one_line_errors(extra: dict[str, str], message: str) -> None:
@@ -188,24 +186,31 @@ def test_record_never_waits_on_redis(caplog: pytest.LogCaptureFixture) -> None:
     assert any("unavailable" in rec.getMessage() for rec in caplog.records)
 
 
-def test_idle_engine_stays_busy_silent_engine_expires(
+def test_idle_engine_stays_hung_engine_stalls_and_comes_back(
     redis_url: str, r: redis.Redis, keys: DeploymentKeys
 ) -> None:
     """vLLM sends no stats while an engine is idle: its last idle counts keep it routable.
-    An engine whose last counts showed work and whose steps stopped (a hung loop) is not
-    kept alive on frozen counts: it is stalled past, then expires."""
-    with coordinator(redis_url, keys.deployment, dead_after_ms=700, stall_ms=100):
+    An engine whose last counts showed work and whose steps stopped (a hung loop) is
+    stalled: not routed to, not waited for, but not expired while its process lives;
+    its next step brings it back."""
+    with coordinator(redis_url, keys.deployment, dead_after_ms=700, stall_after_ms=300):
         p = RedisbalStatLogger(
             None, [0, 1], env=env(redis_url, keys.deployment, REDISBAL_ENGINE_ID="e{engine}")
         )
         p.record(SchedulerStats(), None, engine_idx=0)  # idle
         p.record(SchedulerStats(num_running_reqs=4), None, engine_idx=1)  # busy, then hangs
         until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 4)})
-        until(lambda: "e1" not in counts(r, keys), timeout=3.0)
-        time.sleep(1.0)  # more than dead_after_ms: the idle engine is still there
-        assert counts(r, keys) == {"e0": (0, 0)}
+        until(lambda: stalled(r, keys) == {"e1"}, timeout=3.0)
+        time.sleep(1.0)  # more than dead_after_ms: both still members, e1 still stalled
+        assert counts(r, keys) == {"e0": (0, 0), "e1": (0, 4)}
+        assert stalled(r, keys) == {"e1"}
         p.record(SchedulerStats(num_running_reqs=2), None, engine_idx=1)  # it steps again
-        until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 2)})
+        until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 2)} and not stalled(r, keys))
+
+
+def stalled(r: redis.Redis, keys: DeploymentKeys) -> set[str]:
+    snap = latest(r, keys)
+    return set() if snap is None else set(snap.stalled)
 
 
 def test_lockstep_mode_tags_reports_with_wave_and_step(

@@ -41,6 +41,9 @@ class Flavour:
     running: str
     kv: tuple[str, ...]
     engine_label: str
+    # counters that move when the engine's loop makes progress (a step, a token): the
+    # sidecar reports "no progress" while they stand still, so a hung engine stalls
+    progress: tuple[str, ...] = ()
 
 
 VLLM = Flavour(
@@ -49,6 +52,11 @@ VLLM = Flavour(
     "vllm:num_requests_running",
     ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "engine",
+    (
+        "vllm:iteration_tokens_total_count",  # one observation per engine step
+        "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
+    ),
 )
 SGLANG = Flavour(
     "SGLang",
@@ -56,9 +64,12 @@ SGLANG = Flavour(
     "sglang:num_running_reqs",
     ("sglang:token_usage",),
     "dp_rank",
+    ("sglang:generation_tokens_total", "sglang:prompt_tokens_total"),
 )
 FLAVOURS = (VLLM, SGLANG)
-_LABEL = {n: f.engine_label for f in FLAVOURS for n in (f.waiting, f.running, *f.kv)}
+_LABEL = {
+    n: f.engine_label for f in FLAVOURS for n in (f.waiting, f.running, *f.kv, *f.progress)
+}
 _WANTED = set(_LABEL)
 
 
@@ -70,6 +81,7 @@ class EngineSample:
     waiting: int
     running: int
     kv_usage: float | None
+    progress: float | None = None  # sum of the flavour's progress counters (None: none)
 
 
 def _line_name(line: str) -> str:
@@ -130,12 +142,14 @@ def parse_page(text: str) -> list[EngineSample]:
             if kv_name is not None and e in vals[kv_name]:
                 raw = max(vals[kv_name][e])
                 kv = min(1.0, max(0.0, raw)) if math.isfinite(raw) else None
+            moved = [sum(vals[n][e]) for n in fl.progress if e in vals.get(n, {})]
             out.append(
                 EngineSample(
                     e,
                     _count(fl, fl.waiting, e, max(vals[fl.waiting][e])),
                     _count(fl, fl.running, e, max(vals[fl.running][e])),
                     kv,
+                    sum(moved) if moved else None,
                 )
             )
         return out

@@ -6,6 +6,12 @@ per ``dp_rank``) and hands its counts to one :class:`CountsRelay`, which reports
 them in tick mode: a page has no step tag, so the barrier tags each report with
 the server's tick.
 
+Progress, not pulse: a page whose progress counters (vLLM's iteration and token
+counters, SGLang's token counters) did not move since the last scrape is
+reported as "no progress", so an engine whose loop hangs while its API server
+still serves /metrics stalls (not routed to) once it has work and
+``stall_after_ms`` pass. A page without those counters counts as progress.
+
 A scrape that fails (refused, HTTP error, timeout, a page without the counts) is
 never reported as idle: the engines of that URL are paused, so they stop
 reporting, the barrier stops waiting for them once the stall guard runs, and
@@ -109,6 +115,7 @@ class Sidecar:
         self.timeout_s = timeout_s
         self.warn = RateLimitedLog(log)
         self._owners: dict[str, tuple[int, str]] = {}  # engine id -> (target, label)
+        self._progress: dict[str, float | None] = {}  # engine id -> its progress counters
         self.scrapes = 0
         self.failures = 0
 
@@ -151,7 +158,12 @@ class Sidecar:
                 self.sender.add(eid, target.engine_url)
                 log.info("scrape: %s engine %s reports as %s", target.metrics_url, s.engine, eid)
             seen.add(s.engine)
-            self.sender.submit(eid, waiting=s.waiting, running=s.running, kv_usage=s.kv_usage)
+            # progress: the page's progress counters moved (unknown without them)
+            last, self._progress[eid] = self._progress.get(eid), s.progress
+            progress = s.progress is None or s.progress != last
+            self.sender.submit(
+                eid, waiting=s.waiting, running=s.running, kv_usage=s.kv_usage, progress=progress
+            )
         for label, eid in target.engines.items():
             if label not in seen:
                 self.sender.pause(eid)

@@ -3,17 +3,19 @@
 ``submit()`` validates the counts and stores them (the latest per engine wins); a
 daemon thread sends them through the public ``EngineReporter`` API on one shared
 Redis client, so the caller (vLLM's output loop, the sidecar's event loop) never
-waits on Redis. The thread also keeps engines alive between submissions, but only
-while their counts can still be believed:
+waits on Redis. The thread also keeps engines alive between submissions by
+re-sending their last counts every heartbeat (tick mode needs a report every tick,
+or the barrier waits for the engine), marked "no progress": an engine with work
+whose counts are only re-sent for ``stall_after_ms`` is stalled (not routed to)
+until new counts come. How long counts are re-sent:
 
-- ``max_age_s``: counts submitted within this long are re-sent every heartbeat
-  (tick mode needs a report every tick, or the barrier waits for the engine);
-- ``idle_forever``: counts that say "idle" (nothing waiting, nothing running) are
-  re-sent indefinitely: an idle engine produces no steps, yet must stay routable.
+- ``max_age_s`` None (the vLLM plugin): for as long as the process lives; a
+  process that dies falls silent and expires;
+- ``max_age_s`` seconds (the sidecar, whose counts are only worth one scrape):
+  counts submitted within this long, and with ``idle_forever`` idle counts
+  (nothing waiting, nothing running) indefinitely: an idle engine produces no
+  steps, yet must stay routable.
 
-Busy counts older than ``max_age_s`` are not re-sent: an engine whose loop stopped
-(or whose /metrics stopped answering) falls silent, so the barrier's liveness
-rules stall and then expire it instead of routing to it on frozen counts.
 ``pause()`` silences an engine at once (a failed scrape).
 
 Each flush hands the engines' reports to their reporters, which share the process's
@@ -90,7 +92,7 @@ class CountsRelay:
         *,
         mode: str = "tick",
         heartbeat_s: float | None = None,
-        max_age_s: float = 1.0,
+        max_age_s: float | None = 1.0,
         idle_forever: bool = True,
         name: str = "redisbal-relay",
     ) -> None:
@@ -200,7 +202,8 @@ class CountsRelay:
                     and eng.last is not None
                     and now - eng.sent >= self.heartbeat_s
                     and (
-                        now - eng.submitted <= self.max_age_s
+                        self.max_age_s is None
+                        or now - eng.submitted <= self.max_age_s
                         or (
                             self.idle_forever
                             and eng.last["waiting"] == 0

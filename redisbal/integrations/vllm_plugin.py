@@ -19,11 +19,13 @@ the first two):
   endpoint per DP rank with ``--data-parallel-rank``);
 - ``REDISBAL_MODE``: ``tick`` (default) or ``lockstep``, which tags reports with
   the stats' ``(current_wave, step_counter)``; only for vLLM versions that stamp
-  those fields on the stats the front-end receives;
-- ``REDISBAL_MAX_STEP_S`` (default 1.0): how long a busy engine's last counts are
-  re-sent without a new step. Past it the engine stalls and, after
-  ``dead_after_ms``, expires, which is what a hung loop should do; raise it for
-  models whose single steps take longer.
+  those fields on the stats the front-end receives.
+
+Between steps the last counts are re-sent as "no progress" heartbeats: an idle
+engine stays routable; a busy engine whose steps stop (a hung loop) is stalled
+by the barrier after the deployment's ``stall_after_ms`` (not routed to, not
+waited for) and comes back with its next step; a front-end process that dies
+falls silent and its engines expire.
 """
 
 from __future__ import annotations
@@ -71,7 +73,6 @@ class PluginConfig:
     mode: str
     host: str = ""
     port: str = ""
-    max_step_s: float = 1.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PluginConfig | None:
@@ -100,14 +101,7 @@ class PluginConfig:
                 f"REDISBAL_ENGINE_ID {template!r}: field {{{bad[0]}}} unknown or needs "
                 f"REDISBAL_ENGINE_URL; use {', '.join('{' + f + '}' for f in FIELDS)}"
             )
-        raw = env.get("REDISBAL_MAX_STEP_S") or "1.0"
-        try:
-            max_step_s = float(raw)
-        except ValueError:
-            max_step_s = math.nan
-        if not 0.01 <= max_step_s <= 3600:  # also refuses nan
-            raise PluginConfigError(f"REDISBAL_MAX_STEP_S must be seconds in 0.01..3600: {raw!r}")
-        return cls(url, dep, template, engine_url, mode, host, port, max_step_s)
+        return cls(url, dep, template, engine_url, mode, host, port)
 
     def engine_id(self, engine_index: int) -> str:
         eid = self.template.format(
@@ -121,7 +115,7 @@ class PluginConfig:
 
 # -- one sender per process, shared by every instance (and so every engine) ---------------
 
-_senders: dict[tuple[str, str, str, float], CountsRelay] = {}
+_senders: dict[tuple[str, str, str], CountsRelay] = {}
 _senders_lock = threading.Lock()
 _warned_unconfigured = False
 
@@ -134,7 +128,7 @@ def api_server_count(vllm_config: Any) -> int:
 
 
 def shared_sender(cfg: PluginConfig) -> CountsRelay:
-    key = (cfg.redis_url, cfg.deployment, cfg.mode, cfg.max_step_s)
+    key = (cfg.redis_url, cfg.deployment, cfg.mode)
     with _senders_lock:
         sender = _senders.get(key)
         if sender is None:
@@ -142,10 +136,10 @@ def shared_sender(cfg: PluginConfig) -> CountsRelay:
                 cfg.redis_url,
                 cfg.deployment,
                 mode=cfg.mode,
-                # steps refresh busy engines; idle ones produce no steps and stay alive
-                # on their last (idle) counts; busy counts older than this are not resent
-                max_age_s=cfg.max_step_s,
-                idle_forever=True,
+                # steps bring new counts; between them (idle, or a hung loop) the last
+                # ones are re-sent as "no progress" for as long as this process lives: a
+                # busy engine without steps is stalled by the barrier, a dead one expires
+                max_age_s=None,
                 name="redisbal-vllm-sender",
             )
             atexit.register(sender.close)

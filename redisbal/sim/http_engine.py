@@ -226,6 +226,11 @@ class HttpEngine:
                 f"# TYPE vllm:{name} gauge",
                 f"vllm:{name}{{{labels}}} {float(value)}",
             ]
+        out += [
+            "# HELP vllm:generation_tokens Number of generation tokens processed.",
+            "# TYPE vllm:generation_tokens counter",
+            f"vllm:generation_tokens_total{{{labels}}} {float(m.tokens)}",
+        ]
         return web.Response(text="\n".join(out) + "\n", content_type="text/plain")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:

@@ -72,6 +72,7 @@ class SimEngine:
     running: list[SimRequest] = field(default_factory=list)
     step_no: int = 0
     wave: int = 0
+    tokens: int = 0  # tokens decoded so far (what vLLM's generation_tokens counter counts)
     admitted: list[int] = field(init=False)
     on_finish: Callable[[SimRequest], None] | None = None
     on_start: Callable[[SimRequest], None] | None = None
@@ -139,6 +140,7 @@ class SimEngine:
         finished."""
         still = []
         done = 0
+        self.tokens += len(self.running)
         for req in self.running:
             req.produced += 1
             if req.produced >= req.output_len:
