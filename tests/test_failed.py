@@ -1,0 +1,191 @@
+"""router.failed(): an API server that cannot reach an engine stops choosing it at once,
+and every router of the deployment does within one snapshot (real Redis, real routers);
+bounded so that no caller can empty the deployment. Also: routers and engine restarts,
+and pinning by an int id."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+import redis
+from helpers import Barrier, await_until, wait_until
+
+import redisbal
+from redisbal.engine import new_incarnation
+from redisbal.keys import DeploymentKeys
+from redisbal.policies import Decision
+from redisbal.routing import RouterCore
+from redisbal.snapshot import Snapshot
+
+INC = new_incarnation(1_700_000_000_000)
+
+
+@pytest.fixture
+async def deployment_of(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys
+) -> AsyncIterator[Barrier]:
+    bar = Barrier(r, keys)
+    bar.configure()
+    yield bar
+
+
+async def routers(redis_url: str, keys: DeploymentKeys, n: int) -> list[redisbal.AsyncRouter]:
+    out = []
+    for i in range(n):
+        rt = redisbal.AsyncRouter(redis_url, keys.deployment, i, n, poll_s=5.0)
+        await rt.start(wait=5.0)
+        out.append(rt)
+    return out
+
+
+def report_all(bar: Barrier, *engines: str) -> None:
+    """Register the engines, then each reports step 1: one snapshot holds them all."""
+    bar.register(*engines)
+    for e in engines:
+        bar.report(e, 1, inc=INC)
+
+
+def routed_to(router: redisbal.AsyncRouter, engine: str) -> Decision:
+    """A decision for ``engine`` (pinned: the same bookkeeping as a chosen one)."""
+    return router.route(engine)
+
+
+async def test_failed_excludes_here_at_once_and_everywhere_within_one_snapshot(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys, deployment_of: Barrier
+) -> None:
+    bar = deployment_of
+    report_all(bar, "e0", "e1", "e2", "e3")
+    a, b = await routers(redis_url, keys, 2)
+    try:
+        await await_until(lambda: b.snapshot is not None and len(b.snapshot.engines) == 4)
+        before = b.snapshot
+        assert before is not None
+        a.failed(routed_to(a, "e0"), "connect refused")
+        assert "e0" in a.core.excluded()  # here: at once, before any Redis round trip
+        assert all(a.route().engine_id != "e0" for _ in range(200))
+        # there: the mark publishes a snapshot, the next one after what b had
+        await await_until(lambda: b.core.excluded().get("e0") == "suspect", 5, "b avoids e0")
+        snap = b.snapshot
+        assert snap is not None and snap.version == before.version + 1 and "e0" in snap.suspect
+        assert all(b.route().engine_id != "e0" for _ in range(200))
+        meta = bar.meta()
+        assert meta["suspected"] == "1"
+        assert meta["suspect:e0"].split(" ", 2)[1:] == ["0", "connect refused"]
+        # pinning still reaches it (the caller asked for it)
+        assert b.route("e0").engine_id == "e0"
+        # its next progress clears the mark for everyone
+        bar.report("e0", 2, inc=INC)
+        await await_until(lambda: "e0" not in b.core.excluded(), 5, "e0 back at b")
+        assert "e0" not in (b.snapshot.suspect if b.snapshot else {})
+    finally:
+        for rt in (a, b):
+            await rt.aclose()
+
+
+async def test_failed_tells_redis_at_most_twice_per_suspect_period(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys, deployment_of: Barrier
+) -> None:
+    bar = deployment_of
+    report_all(bar, "e0", "e1", "e2")
+    (a,) = await routers(redis_url, keys, 1)
+    try:
+        for _ in range(20):
+            a.failed(routed_to(a, "e0"), "reset by peer")
+        await await_until(lambda: bar.meta().get("suspected") == "1", 5, "one mark")
+        assert a.core.counters["failed"] == 20
+        assert a.core.by_id["e0"].inflight == 0  # every failed request ended
+    finally:
+        await a.aclose()
+
+
+async def test_no_caller_can_empty_the_deployment(
+    redis_url: str,
+    r: redis.Redis,
+    keys: DeploymentKeys,
+    deployment_of: Barrier,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bar = deployment_of
+    report_all(bar, "e0", "e1")
+    a, b = await routers(redis_url, keys, 2)
+    caplog.set_level(logging.WARNING)
+    try:
+        a.failed(routed_to(a, "e0"), "x")
+        await await_until(lambda: "e0" in b.core.excluded(), 5, "e0 suspect")
+        a.failed(routed_to(a, "e1"), "x")  # the last engine: never marked in Redis
+        await await_until(lambda: bar.meta().get("suspect_capped") == "1", 5, "capped")
+        await await_until(lambda: any("half of the" in m for m in caplog.messages), 5, "warned")
+        snap = bar.snapshot()
+        assert snap is not None and set(snap.suspect) == {"e0"}
+        # a avoids both itself, yet still routes: among all of them rather than fail
+        assert set(a.core.excluded()) == {"e0", "e1"}
+        assert {a.route().engine_id for _ in range(50)} <= {"e0", "e1"}
+        assert a.core.counters["all_excluded_routes"] == 50
+        assert b.route().engine_id == "e1"
+    finally:
+        for rt in (a, b):
+            await rt.aclose()
+
+
+def test_blocking_router_failed_and_bad_reasons(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys
+) -> None:
+    bar = Barrier(r, keys)
+    bar.configure()
+    report_all(bar, "e0", "e1", "e2")
+    with redisbal.Router(redis_url, keys.deployment, 0, 1) as rt:
+        rt.start(wait=5.0)
+        with pytest.raises(TypeError, match="reason must be a str"):
+            rt.failed(rt.route("e1"), 404)  # type: ignore[arg-type]
+        rt.failed(rt.route("e1"), "bad\ngateway\x00" + "x" * 300)
+        wait_until(lambda: "suspect:e1" in bar.meta(), 5, "the mark in Redis")
+        reason = bar.meta()["suspect:e1"].split(" ", 2)[2]
+        assert reason == ("bad gateway " + "x" * 300)[:200]
+
+
+def snap_with(engines: dict[str, dict[str, object]], version: int) -> Snapshot:
+    body = {
+        "deployment": "d",
+        "epoch": "ep",
+        "version": version,
+        "wave": 0,
+        "step": version,
+        "forced": False,
+        "laggards": {},
+        "gone": {},
+        "joining": [],
+        "time_ms": 1000 * version,
+        "engines": {
+            e: {"wave": 0, "step": version, "waiting": 0, "running": 0, "kv": None, "t": 0, **c}
+            for e, c in engines.items()
+        },
+    }
+    return Snapshot.from_json(orjson.dumps(body))
+
+
+def test_a_restarted_engine_starts_its_bookkeeping_again() -> None:
+    core = RouterCore(0, 1)
+    core.apply_snapshot(snap_with({"e0": {"adm": [0], "inc": "a-1"}}, 1))
+    for _ in range(30):
+        core.route("e0")
+    core.apply_snapshot(snap_with({"e0": {"adm": [20], "inc": "a-1"}}, 2))
+    assert core.by_id["e0"].pending == 10  # routed, not yet admitted
+    # the process restarts: its admitted counts start from 0 again
+    core.apply_snapshot(snap_with({"e0": {"adm": [0], "inc": "b-2"}}, 3))
+    assert core.by_id["e0"].pending == 0 and core.counters["restarts"] == 1
+    core.route("e0")
+    core.apply_snapshot(snap_with({"e0": {"adm": [0], "inc": "b-2"}}, 4))
+    assert core.by_id["e0"].pending == 1
+
+
+def test_pinning_takes_an_int_engine_id_as_its_text() -> None:
+    core = RouterCore(0, 1)
+    core.apply_snapshot(snap_with({"3": {}, "4": {}}, 1))
+    assert core.route(engine_id=3).engine_id == "3"  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="engine_id must be a str"):
+        core.route(engine_id=3.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="engine_id must be a str"):
+        core.route(engine_id=True)  # type: ignore[arg-type]
