@@ -71,7 +71,7 @@ class HealthLog:
                     ),
                     stall_ms,
                 )
-                self.forced_since = forced_total
+                self.forced_since = forced_total - 1  # (this snapshot was one)
             else:
                 log.warning(
                     "coordinator: barrier complete again after %d forced snapshots",

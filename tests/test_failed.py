@@ -189,3 +189,45 @@ def test_pinning_takes_an_int_engine_id_as_its_text() -> None:
         core.route(engine_id=3.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="engine_id must be a str"):
         core.route(engine_id=True)  # type: ignore[arg-type]
+
+
+def health_snap(version: int, **fields: object) -> Snapshot:
+    body: dict[str, object] = {
+        "deployment": "d",
+        "epoch": "ep",
+        "version": version,
+        "wave": 0,
+        "step": version,
+        "forced": False,
+        "laggards": {},
+        "gone": {},
+        "joining": [],
+        "time_ms": 0,
+        "engines": {},
+        **fields,
+    }
+    return Snapshot.from_json(orjson.dumps(body))
+
+
+def test_the_coordinator_logs_each_change_of_health_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from redisbal.coordinator import HealthLog
+
+    caplog.set_level(logging.WARNING, logger="redisbal.coordinator")
+    h = HealthLog()
+    for v in range(1, 11):  # ten forced snapshots on one laggard: one line
+        h.snapshot(health_snap(v, forced=True, laggards={"e2": 300 + v}), v, 250)
+    h.snapshot(health_snap(11, stalled={"e4": 2100}), 10, 250)
+    h.snapshot(health_snap(12, stalled={"e4": 2200}, suspect={"e5": 900}), 10, 250)
+    h.snapshot(health_snap(13), 10, 250)
+    lines = caplog.messages
+    assert lines == [
+        "coordinator: barrier stalled on e2 (last report 301 ms ago); forcing a snapshot "
+        "every 250 ms until they report",
+        "coordinator: barrier complete again after 10 forced snapshots",
+        "coordinator: e4 now stalled (work and no progress): routers do not choose it",
+        "coordinator: e5 now suspect (a router failed to reach it): routers do not choose it",
+        "coordinator: e4 no longer stalled",
+        "coordinator: e5 no longer suspect",
+    ]

@@ -19,11 +19,13 @@ import pytest
 import redis
 from helpers import wait_until
 from procs import ProcGroup, Routers, SnapshotObserver, record, start_deployment
+from test_metrics import scrape, val
 
 import redisbal
 from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
-from redisbal.sim.embedded import RedisServer
+from redisbal.metrics import serve_coordinator_metrics
+from redisbal.sim.embedded import RedisServer, free_port
 from redisbal.snapshot import Snapshot
 from redisbal.status import gather_status
 
@@ -268,6 +270,7 @@ def test_two_processes_under_one_engine_id_is_a_conflict_and_a_restart_is_not(
     r = redis.Redis.from_url(redis_url)
     keys = DeploymentKeys(deployment)
     coord = Coordinator(redis_url, deployment, CoordinatorConfig(dead_after_ms=5000))
+    metrics = serve_coordinator_metrics(coord, free_port())
     caplog.set_level(logging.ERROR)
     first = redisbal.EngineReporter(redis_url, deployment, "0", heartbeat_s=0.05)
     other = redisbal.EngineReporter(redis_url, deployment, "1", heartbeat_s=0.05)
@@ -306,6 +309,8 @@ def test_two_processes_under_one_engine_id_is_a_conflict_and_a_restart_is_not(
                 "current": second.incarnation,
             }
             assert int(r.hget(keys.meta, "conflicts") or 0) >= 2
+            m = scrape(metrics.url)
+            assert val(m, "redisbal_reports_conflict_total", deployment=deployment) >= 2
             errors = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]
             reporter_lines = [m for m in errors if m.startswith("engine 0: reports refused")]
             coordinator_lines = [m for m in errors if m.startswith("coordinator: two processes")]
@@ -323,4 +328,5 @@ def test_two_processes_under_one_engine_id_is_a_conflict_and_a_restart_is_not(
         for rep in (other, second):
             if rep is not None:
                 rep.close()
+        metrics.shutdown()
         coord.client.close()
