@@ -67,9 +67,7 @@ SGLANG = Flavour(
     ("sglang:generation_tokens_total", "sglang:prompt_tokens_total"),
 )
 FLAVOURS = (VLLM, SGLANG)
-_LABEL = {
-    n: f.engine_label for f in FLAVOURS for n in (f.waiting, f.running, *f.kv, *f.progress)
-}
+_LABEL = {n: f.engine_label for f in FLAVOURS for n in (f.waiting, f.running, *f.kv, *f.progress)}
 _WANTED = set(_LABEL)
 
 
