@@ -345,10 +345,16 @@ def test_one_sender_carries_several_engines_in_one_pipeline(
         EngineReporter(redis_url, keys.deployment, f"e{i}", sender=sender, heartbeat=False)
         for i in range(3)
     ]
+    async def hand_over(step: int) -> None:
+        # on the sender's own loop, with no await between them: the three reports are
+        # all waiting when its task runs next, whatever the machine's speed
+        for rep in reps:
+            rep.report(step=step, waiting=step, running=1)
+
+    assert sender.background is not None
     try:
         for step in range(1, 30):
-            for rep in reps:
-                rep.report(step=step, waiting=step, running=1)
+            sender.background.run(hand_over(step), 5)
         assert all(rep.flush(5) for rep in reps)
         assert [bar.history(f"e{i}")[0] for i in range(3)] == [29, 29, 29]
         assert all(rep.stats.errors == 0 and rep.stats.sent >= 1 for rep in reps)
