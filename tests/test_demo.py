@@ -124,7 +124,7 @@ def test_demo_http_serves_every_request_through_both_gateways_and_cleans_up() ->
     m = re.search(r"TTFT p50 (\d+\.\d) ms, p99 (\d+\.\d) ms; end-to-end p99 (\d+\.\d) ms", text)
     assert m and 0 < float(m.group(1)) <= float(m.group(2)) <= float(m.group(3))
     # every request's first token came within the (minute-long) objective
-    assert re.search(r"goodput \d+\.\d\d req/s within TTFT 60000 ms \(100\.0 % of", text)
+    assert re.search(r"goodput \d+\.\d\d req/s of load within TTFT 60000 ms \(100\.0 % of", text)
     assert re.search(r"load imbalance, time-averaged \(max-mean\)/mean:\s+\d+\.\d\d", text)
     assert "all its processes stopped" in text
     logdir = _logdir(text)

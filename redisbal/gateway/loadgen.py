@@ -7,7 +7,7 @@ Prompt and output lengths are heavy-tailed (lognormal); a trace file of JSON
 lines ``{"t", "prompt_tokens", "output_tokens", "key"}`` replays a recorded
 schedule instead. Reports TTFT, inter-token latency and end-to-end latency
 (p50/p99), throughput, errors and, with ``--slo-ttft-ms``, goodput (requests per
-second answered within that TTFT); ``--json`` for machines. Several ``--url``
+second of load answered within that TTFT); ``--json`` for machines. Several ``--url``
 (gateway replicas) share the requests in turn, and each gets its own figures too.
 ``lag_p99_ms`` says how late the generator itself sent requests (if it is large,
 the figures measure the generator, not the server).
@@ -241,18 +241,21 @@ async def run(url: str | list[str], planned: list[Planned], opts: dict[str, Any]
                     flush=True,
                 )
         elapsed = loop.time() - start
-    slo = opts.get("slo_ttft_s")
-    summary = summarize(results, elapsed, slo)
+    slo, window = opts.get("slo_ttft_s"), opts.get("window_s")
+    summary = summarize(results, elapsed, slo, window)
     if len(urls) > 1:
         summary["per_url"] = {
-            u: summarize([r for r in results if r.target == i], elapsed, slo)
+            u: summarize([r for r in results if r.target == i], elapsed, slo, window)
             for i, u in enumerate(urls)
         }
     return summary
 
 
 def summarize(
-    results: list[Result], elapsed: float, slo_ttft_s: float | None = None
+    results: list[Result],
+    elapsed: float,
+    slo_ttft_s: float | None = None,
+    window_s: float | None = None,
 ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
 
@@ -280,21 +283,23 @@ def summarize(
         "e2e_p50_ms": ms(percentile(e2e, 0.5)),
         "e2e_p99_ms": ms(percentile(e2e, 0.99)),
         "lag_p99_ms": ms(percentile([r.lag for r in results], 0.99)),
-        **_goodput(ttft, len(results), elapsed, slo_ttft_s),
+        **_goodput(ttft, len(results), window_s or elapsed, slo_ttft_s),
     }
 
 
 def _goodput(
-    ttft: list[float], requests: int, elapsed: float, slo_ttft_s: float | None
+    ttft: list[float], requests: int, window: float, slo_ttft_s: float | None
 ) -> dict[str, Any]:
     """Requests answered with their first token within the TTFT objective: per second of
-    the run and as a share of all requests sent."""
+    the load's window (``--duration``; the same for every server given the same
+    schedule, unlike the run's end, which one long answer moves) and as a share of all
+    requests sent."""
     if slo_ttft_s is None:
         return {}
     good = sum(t <= slo_ttft_s for t in ttft)
     return {
         "slo_ttft_ms": round(slo_ttft_s * 1000, 3),
-        "goodput_rps": round(good / elapsed, 2) if elapsed > 0 else None,
+        "goodput_rps": round(good / window, 2) if window > 0 else None,
         "slo_attainment": round(good / requests, 4) if requests else None,
     }
 
@@ -358,7 +363,8 @@ def _goodput(
     "--slo-ttft-ms",
     type=FiniteFloat(0.001, 86_400_000),
     default=None,
-    help="TTFT objective: also report goodput, the requests per second answered within it.",
+    help="TTFT objective: also report goodput, the requests per second of load "
+    "(--duration) answered within it.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @stats_out_option("Also write the summary as JSON here.")
@@ -411,6 +417,7 @@ def loadgen(**kw: Any) -> None:
         "timeout": kw["timeout_s"],
         "progress": kw["progress"] and not kw["as_json"],
         "slo_ttft_s": None if kw["slo_ttft_ms"] is None else kw["slo_ttft_ms"] / 1000,
+        "window_s": max((p.t for p in planned), default=0.0) if kw["trace"] else kw["duration"],
     }
     summary = asyncio.run(run(urls, planned, opts))
     summary["url"] = urls[0] if len(urls) == 1 else urls

@@ -70,6 +70,7 @@ class DemoOptions:
     slow: list[str] = field(default_factory=list)
     seed: int = 0
     slo_ttft_ms: float | None = None  # the HTTP demo's goodput objective
+    sigma: float = 1.0  # the HTTP demo's lognormal sigma of output lengths
     keep_logs: bool = False
     drain_timeout: float = 15.0
     startup_timeout: float = 30.0

@@ -105,7 +105,7 @@ class HttpDemo(Demo):
                 burst_every=o.burst_every,
                 prompt_mean=PROMPT_MEAN,
                 output_mean=o.mean_output,
-                sigma=1.0,
+                sigma=o.sigma,
                 seed=o.seed,
             )
         )
@@ -121,7 +121,7 @@ class HttpDemo(Demo):
         args = ["--arrival", arrival, "--rate", str(o.rate or 1.0), "--burst", str(o.burst or 1)]
         args += ["--burst-every-s", str(o.burst_every), "--duration", str(o.duration)]
         args += ["--output-mean", str(o.mean_output), "--max-output", str(o.max_output)]
-        args += ["--prompt-mean", str(PROMPT_MEAN), "--seed", str(o.seed)]
+        args += ["--prompt-mean", str(PROMPT_MEAN), "--sigma", str(o.sigma), "--seed", str(o.seed)]
         args += ["--timeout-s", str(o.duration + o.drain_timeout + 30)]
         if o.slo_ttft_ms:
             args += ["--slo-ttft-ms", str(o.slo_ttft_ms)]
@@ -219,7 +219,8 @@ class HttpDemo(Demo):
         ]
         if "goodput_rps" in lg:
             lines.append(
-                f"goodput {_fmt(lg['goodput_rps'])} req/s within TTFT {lg['slo_ttft_ms']:g} ms "
+                f"goodput {_fmt(lg['goodput_rps'])} req/s of load within TTFT "
+                f"{lg['slo_ttft_ms']:g} ms "
                 f"({_fmt(lg['slo_attainment'] * 100, '.1f')} % of requests)"
             )
         errors = ", ".join(f"{k} {v}" for k, v in lg["errors"].items())
