@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -478,3 +479,131 @@ def test_missing_extra_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch) ->
         "Error: scrape is unavailable: redisbal scrape needs the 'scrape' extra: "
         "pip install 'redisbal[scrape]' (missing aiohttp)"
     )
+
+
+async def test_gateway_routes_unmodified_http_engines_by_their_scraped_metrics(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys
+) -> None:
+    """The whole sidecar path: HTTP engines that know nothing of Redis (engine-sim
+    --no-report), one `redisbal scrape` per engine reporting its /metrics, a gateway
+    routing the official client's requests. An engine kept busy by requests sent to it
+    directly (the gateway never sees them) shows only in its scraped counts; the gateway
+    must route around it."""
+    import aiohttp
+    import openai
+    from gateway_stack import MODEL, start_gateway, stop_gateway
+
+    Barrier(r, keys).configure()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+    engines = subprocess.Popen(
+        [sys.executable, "-m", "redisbal", "engine-sim", "--no-report", "--http-port", "0",
+         "--engines", "3", "--base-step-ms", "4", "--per-seq-ms", "0", "--prefill-ms", "0",
+         "--no-summary", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    sidecars: list[subprocess.Popen[str]] = []
+    gw = None
+    preload: list[aiohttp.ClientResponse] = []
+    try:
+        assert engines.stdout is not None
+        seen = []
+        while not (line := await asyncio.to_thread(engines.stdout.readline)).startswith(
+            "http engines ready: "
+        ):
+            assert line and len(seen) < 20, seen  # their log lines come first
+            seen.append(line)
+        urls = line.split(": ", 1)[1].split()
+        assert len(urls) == 3
+        assert r.hlen(keys.urls) == 0 and latest(r, keys) is None  # they report nothing
+        for u in urls:
+            cmd = [sys.executable, "-m", "redisbal", "scrape", "--redis-url", redis_url,
+                   "--deployment", keys.deployment, "--metrics-url", u + "/metrics",
+                   "--engine-id", "{engine}", "--interval", "20ms"]  # fmt: skip
+            sidecars.append(
+                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            )
+        ids = ["0", "1", "2"]
+        await until(lambda: sorted(counts_of(latest(r, keys))) == ids, timeout=20.0)
+        # the sidecars registered where each engine serves: the origin of its /metrics URL
+        assert {k.decode(): v.decode() for k, v in r.hgetall(keys.urls).items()} == dict(
+            zip(ids, urls, strict=True)
+        )
+        gw = await start_gateway(redis_url, keys.deployment)
+        await until(lambda: len(gw.live_engines()) == 3, timeout=10.0)
+
+        async with aiohttp.ClientSession() as session:
+            # 24 long streams straight to engine 0, held open: it runs them all
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 30000, "stream": True,
+                    "ignore_eos": True}  # fmt: skip
+            for _ in range(24):
+                resp = await session.post(urls[0] + "/v1/completions", json=body)
+                assert resp.status == 200
+                preload.append(resp)
+
+            async def scraped() -> dict[str, tuple[int, int]]:
+                out = {}
+                for eid, u in zip(ids, urls, strict=True):
+                    async with session.get(u + "/metrics") as m:
+                        (s,) = parse_page(await m.text())
+                    out[eid] = (s.waiting, s.running)
+                return out
+
+            # the snapshot shows what the pages show
+            await until(lambda: counts_of(latest(r, keys)).get("0") == (0, 24), timeout=10.0)
+            pages = await scraped()
+            assert pages == {"0": (0, 24), "1": (0, 0), "2": (0, 0)}
+            assert counts_of(latest(r, keys)) == pages
+
+            client = openai.AsyncOpenAI(base_url=gw_url(gw) + "/v1", api_key="none", max_retries=0)
+            try:
+
+                async def one() -> str:
+                    raw = await client.completions.with_raw_response.create(
+                        model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
+                    )
+                    c = raw.parse()
+                    assert c.choices[0].text.split() == ["t0", "t1", "t2"]
+                    assert c.choices[0].finish_reason == "length"
+                    return raw.headers["x-redisbal-engine"]
+
+                went: list[str] = []
+                for _ in range(5):  # 5 waves of 6 concurrent requests
+                    went += await asyncio.gather(*(one() for _ in range(6)))
+            finally:
+                await client.close()
+            assert len(went) == 30  # every request succeeded
+            by = {e: went.count(e) for e in ids}
+            assert by["0"] < min(by["1"], by["2"]), by  # the busy engine got fewer
+            # the engines saw exactly that: the header says where each request went
+            for eid, u in zip(ids, urls, strict=True):
+                async with session.get(u + "/sim/state") as st:
+                    state = await st.json()
+                assert state["arrived"] == by[eid] + (24 if eid == "0" else 0), (eid, state)
+
+            for resp in preload:  # the client goes away: engine 0 aborts them
+                resp.close()
+            preload.clear()
+            await until(lambda: counts_of(latest(r, keys)) == dict.fromkeys(ids, (0, 0)), 10.0)
+            assert await scraped() == counts_of(latest(r, keys))
+    finally:
+        for resp in preload:
+            resp.close()
+        if gw is not None:
+            await stop_gateway(gw)
+        for p in [*sidecars, engines]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in [*sidecars, engines]:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    for p in sidecars:
+        assert p.returncode == 0
+        assert p.stderr is not None and "Traceback" not in p.stderr.read()
+    assert engines.returncode == 0
+
+
+def gw_url(gw: object) -> str:
+    return f"http://127.0.0.1:{gw.ports[0]}"  # type: ignore[attr-defined]

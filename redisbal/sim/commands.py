@@ -67,6 +67,9 @@ ENGINE_SIM_OPTIONS = options(
     ("--host", None, "127.0.0.1", "Address the HTTP engines listen on (with --http-port)."),
     ("--advertise-host", None, None,
      "Host name in the URLs the HTTP engines register [default: --host]."),
+    ("--report/--no-report", None, True,
+     "With --http-port: --no-report only serves (no Redis, no reports, no URLs), as an "
+     "unmodified engine does; a /metrics sidecar (`redisbal scrape`) reports it."),
 )
 API_OPTIONS = options(
     ("--client-index", click.IntRange(0, 4095), 0,
@@ -171,6 +174,7 @@ def engine_sim(
     http_port: int | None,
     host: str,
     advertise_host: str | None,
+    report: bool,
 ) -> None:
     """Run simulated continuous-batching engines that report to Redis for real.
 
@@ -179,7 +183,9 @@ def engine_sim(
     or `redisbal gateway`, and leave the deployment gracefully on SIGINT/SIGTERM.
     """
     s = settings()
-    url = s.require_url()
+    if not report and http_port is None:
+        raise click.UsageError("--no-report needs --http-port (engines that only serve HTTP)")
+    url = s.require_url() if report else None
     try:
         ids = engine_ids(engines, id_prefix, first_id)
     except InvalidName as exc:
@@ -204,6 +210,7 @@ def engine_sim(
         if summary:
             click.echo(format_engine_table(data))
         return
+    assert url is not None
     try:
         runner = EngineSimRunner(
             url,
@@ -226,7 +233,7 @@ def engine_sim(
 
 
 def _serve_http(
-    url: str,
+    url: str | None,
     deployment: str,
     ids: list[str],
     port_base: int,
@@ -242,8 +249,8 @@ def _serve_http(
     unknown = sorted(set(slow) - set(ids))
     if unknown:
         raise click.UsageError(f"--slow names engines this process does not run: {unknown}")
-    check_reachable(url)
-    with redis_errors(url):
+
+    def run() -> SimStats:
         return asyncio.run(
             serve_engines(
                 ids,
@@ -257,6 +264,12 @@ def _serve_http(
                 duration=duration,
             )
         )
+
+    if url is None:  # --no-report: nothing to reach
+        return run()
+    check_reachable(url)
+    with redis_errors(url):
+        return run()
 
 
 @click.command()
