@@ -139,6 +139,8 @@ def test_missing_url_says_how_to_give_one(runner: CliRunner) -> None:
         (["engine-sim", "--slow", "3:abc"], "use ID[,ID...]:FACTOR"),
         (["engine-sim", "--slow", "9:2"], "does not run: ['9']"),
         (["engine-sim", "--id-prefix", "{"], "invalid engine id"),
+        (["engine-sim", "--no-report"], "--no-report needs --http-port"),
+        (["engine-sim", "--http-port", "0", "--slow", "7:2"], "does not run: ['7']"),
         (["api", "--client-index", "3", "--client-count", "2"], "do not fit in --client-count 2"),
         (["api"], "no load: give --burst N and/or --rate R"),
         (["api", "--burst", "-5"], "Invalid value for '--burst'"),
@@ -146,6 +148,9 @@ def test_missing_url_says_how_to_give_one(runner: CliRunner) -> None:
         (["status", "--watch", "0"], "Invalid value for '--watch'"),
         (["demo", "--engines", "0"], "Invalid value for '--engines'"),
         (["demo", "--duration", "-1"], "Invalid value for '--duration'"),
+        (["demo", "--http", "--mode", "lockstep"], "--mode tick only"),
+        (["demo", "--http", "--rate", "5", "--burst", "10"], "--burst or --rate"),
+        (["demo", "--slo-ttft-ms", "100"], "--slo-ttft-ms needs --http"),
     ],
 )
 def test_bad_numbers_and_values_are_usage_errors(

@@ -97,9 +97,45 @@ def test_demo_runs_end_to_end_and_cleans_up() -> None:
     assert took < 60
 
 
-def test_demo_ctrl_c_stops_every_process() -> None:
+def test_demo_http_serves_every_request_through_both_gateways_and_cleans_up() -> None:
+    """--http: HTTP engines, two gateways leasing their indexes, loadgen through both."""
+    out = subprocess.run(
+        [*DEMO, "--http", *SMALL, "--slo-ttft-ms", "60000"],
+        capture_output=True, text=True, timeout=100, env=_env(), check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "first snapshot v" in text and "engines 0, 1, 2" in text
+    assert "2 gateways (policy redisbal) leased their indexes" in text
+    table = text.split("per engine:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert table[0].split()[:3] == ["engine", "assigned", "served"]
+    rows = {ln.split()[0]: ln.split() for ln in table[2:]}
+    assert set(rows) == {"0", "1", "2"}
+    assert all(int(r[1]) == int(r[2]) > 0 for r in rows.values())  # every engine served some
+    served = sum(int(r[2]) for r in rows.values())
+    gws = text.split("per gateway (as loadgen saw it):\n", 1)[1].split("\n\n", 1)[0]
+    gw_rows = [ln.split() for ln in gws.splitlines()[2:]]
+    assert [r[0] for r in gw_rows] == ["gateway-0", "gateway-1"]
+    assert all(int(r[2]) == int(r[3]) > 0 for r in gw_rows)  # sent == ok through each
+    sent = sum(int(r[2]) for r in gw_rows)
+    m = re.search(r"requests: (\d+) sent, (\d+) served", text)
+    assert m and int(m.group(1)) == int(m.group(2)) == served == sent > 0
+    assert f"loadgen: {sent} of {sent} ok\n" in text
+    m = re.search(r"TTFT p50 (\d+\.\d) ms, p99 (\d+\.\d) ms; end-to-end p99 (\d+\.\d) ms", text)
+    assert m and 0 < float(m.group(1)) <= float(m.group(2)) <= float(m.group(3))
+    # every request's first token came within the (minute-long) objective
+    assert re.search(r"goodput \d+\.\d\d req/s of load within TTFT 60000 ms \(100\.0 % of", text)
+    assert re.search(r"load imbalance, time-averaged \(max-mean\)/mean:\s+\d+\.\d\d", text)
+    assert "all its processes stopped" in text
+    logdir = _logdir(text)
+    assert not Path(logdir).exists()
+    assert _wait_gone(logdir) == []
+
+
+@pytest.mark.parametrize("http", [[], ["--http"]], ids=["sim", "http"])
+def test_demo_ctrl_c_stops_every_process(http: list[str]) -> None:
     proc = subprocess.Popen(
-        [*INTERRUPTIBLE_DEMO, *SMALL[:-2], "--duration", "30"],
+        [*INTERRUPTIBLE_DEMO, *http, *SMALL[:-2], "--duration", "30"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,7 +1,8 @@
 """The gateway end to end: the official ``openai`` client and raw HTTP (aiohttp)
 against a real gateway, in front of real HTTP engines (redisbal.sim.http_engine)
 reporting into a real redis-server. Engines and gateways run in the test's event
-loop, so the tests read the routers' and the engines' own counts.
+loop, so the tests read the routers' and the engines' own counts; the last one runs
+engines without reports, behind `redisbal scrape` sidecars, as processes.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -18,14 +20,18 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from gateway_stack import FAST, MODEL, settled, stack, start_gateway, stop_gateway
+import redis
+from gateway_stack import FAST, MODEL, settled, stack, start_gateway, stop_gateway, wait_for
+from helpers import Barrier
 
 from redisbal import endpoints
 from redisbal.connection import make_client
 from redisbal.gateway.server import ENGINE_HEADER, RANK_HEADER, Gateway
+from redisbal.integrations.metrics_page import parse_page
 from redisbal.keys import DeploymentKeys
 from redisbal.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
+from redisbal.snapshot import Snapshot
 
 # -- the official client -------------------------------------------------------------------
 
@@ -331,3 +337,139 @@ async def test_loadgen_replays_a_trace_through_the_gateway_and_reports_json(
                           str(trace)], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2 and f"{trace}:2: t must be seconds >= 0" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+# -- behind a /metrics sidecar ---------------------------------------------------------------
+
+
+async def test_gateway_routes_unmodified_http_engines_by_their_scraped_metrics(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys
+) -> None:
+    """The whole sidecar path: HTTP engines that know nothing of Redis (engine-sim
+    --no-report), one `redisbal scrape` per engine reporting its /metrics, a gateway
+    routing the official client's requests. An engine kept busy by requests sent to it
+    directly (the gateway never sees them) shows only in its scraped counts; the gateway
+    must route around it."""
+    Barrier(r, keys).configure()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+    engines = subprocess.Popen(
+        [sys.executable, "-m", "redisbal", "engine-sim", "--no-report", "--http-port", "0",
+         "--engines", "3", "--base-step-ms", "4", "--per-seq-ms", "0", "--prefill-ms", "0",
+         "--no-summary", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    sidecars: list[subprocess.Popen[str]] = []
+    gw = None
+    preload: list[aiohttp.ClientResponse] = []
+    try:
+        assert engines.stdout is not None
+        seen = []
+        while not (line := await asyncio.to_thread(engines.stdout.readline)).startswith(
+            "http engines ready: "
+        ):
+            assert line and len(seen) < 20, seen  # their log lines come first
+            seen.append(line)
+        urls = line.split(": ", 1)[1].split()
+        assert len(urls) == 3
+        assert r.hlen(keys.urls) == 0 and latest(r, keys) is None  # they report nothing
+        for u in urls:
+            cmd = [sys.executable, "-m", "redisbal", "scrape", "--redis-url", redis_url,
+                   "--deployment", keys.deployment, "--metrics-url", u + "/metrics",
+                   "--engine-id", "{engine}", "--interval", "20ms"]  # fmt: skip
+            sidecars.append(
+                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            )
+        ids = ["0", "1", "2"]
+        await wait_for(lambda: sorted(counts_of(latest(r, keys))) == ids, timeout=20.0)
+        # the sidecars registered where each engine serves: the origin of its /metrics URL
+        assert {k.decode(): v.decode() for k, v in r.hgetall(keys.urls).items()} == dict(
+            zip(ids, urls, strict=True)
+        )
+        gw = await start_gateway(redis_url, keys.deployment)
+        await wait_for(lambda: len(gw.live_engines()) == 3, timeout=10.0)
+
+        async with aiohttp.ClientSession() as session:
+            # 24 long streams straight to engine 0, held open: it runs them all
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 30000, "stream": True,
+                    "ignore_eos": True}  # fmt: skip
+            for _ in range(24):
+                resp = await session.post(urls[0] + "/v1/completions", json=body)
+                assert resp.status == 200
+                preload.append(resp)
+
+            async def scraped() -> dict[str, tuple[int, int]]:
+                out = {}
+                for eid, u in zip(ids, urls, strict=True):
+                    async with session.get(u + "/metrics") as m:
+                        (s,) = parse_page(await m.text())
+                    out[eid] = (s.waiting, s.running)
+                return out
+
+            # the snapshot shows what the pages show
+            await wait_for(lambda: counts_of(latest(r, keys)).get("0") == (0, 24), timeout=10.0)
+            pages = await scraped()
+            assert pages == {"0": (0, 24), "1": (0, 0), "2": (0, 0)}
+            assert counts_of(latest(r, keys)) == pages
+
+            client = openai.AsyncOpenAI(base_url=gw_url(gw) + "/v1", api_key="none", max_retries=0)
+            try:
+
+                async def one() -> str:
+                    raw = await client.completions.with_raw_response.create(
+                        model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
+                    )
+                    c = raw.parse()
+                    assert c.choices[0].text.split() == ["t0", "t1", "t2"]
+                    assert c.choices[0].finish_reason == "length"
+                    return raw.headers["x-redisbal-engine"]
+
+                went: list[str] = []
+                for _ in range(5):  # 5 waves of 6 concurrent requests
+                    went += await asyncio.gather(*(one() for _ in range(6)))
+            finally:
+                await client.close()
+            assert len(went) == 30  # every request succeeded
+            by = {e: went.count(e) for e in ids}
+            assert by["0"] < min(by["1"], by["2"]), by  # the busy engine got fewer
+            # the engines saw exactly that: the header says where each request went
+            for eid, u in zip(ids, urls, strict=True):
+                async with session.get(u + "/sim/state") as st:
+                    state = await st.json()
+                assert state["arrived"] == by[eid] + (24 if eid == "0" else 0), (eid, state)
+
+            for resp in preload:  # the client goes away: engine 0 aborts them
+                resp.close()
+            preload.clear()
+            await wait_for(lambda: counts_of(latest(r, keys)) == dict.fromkeys(ids, (0, 0)), 10.0)
+            assert await scraped() == counts_of(latest(r, keys))
+    finally:
+        for resp in preload:
+            resp.close()
+        if gw is not None:
+            await stop_gateway(gw)
+        for p in [*sidecars, engines]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in [*sidecars, engines]:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    for p in sidecars:
+        assert p.returncode == 0
+        assert p.stderr is not None and "Traceback" not in p.stderr.read()
+    assert engines.returncode == 0
+
+
+def latest(r: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
+    raw = r.get(keys.snapshot)
+    return Snapshot.from_json(raw) if raw else None
+
+
+def counts_of(snap: Snapshot | None) -> dict[str, tuple[int, int]]:
+    return {} if snap is None else {e: (c.waiting, c.running) for e, c in snap.engines.items()}
+
+
+def gw_url(gw: Gateway) -> str:
+    return f"http://127.0.0.1:{gw.ports[0]}"

@@ -6,9 +6,11 @@ earlier answers, so a slow server sees its queue grow as it would in production.
 Prompt and output lengths are heavy-tailed (lognormal); a trace file of JSON
 lines ``{"t", "prompt_tokens", "output_tokens", "key"}`` replays a recorded
 schedule instead. Reports TTFT, inter-token latency and end-to-end latency
-(p50/p99), throughput and errors; ``--json`` for machines. ``lag_p99_ms`` says
-how late the generator itself sent requests (if it is large, the figures
-measure the generator, not the server).
+(p50/p99), throughput, errors and, with ``--slo-ttft-ms``, goodput (requests per
+second of load answered within that TTFT); ``--json`` for machines. Several ``--url``
+(gateway replicas) share the requests in turn, and each gets its own figures too.
+``lag_p99_ms`` says how late the generator itself sent requests (if it is large,
+the figures measure the generator, not the server).
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from typing import Any
 import click
 import orjson
 
-from redisbal.cli_common import FiniteFloat, common_options, settings
+from redisbal.cli_common import (
+    FiniteFloat,
+    common_options,
+    settings,
+    stats_out_option,
+    write_json,
+)
 
 MAX_TRACE_LINE = 4096
 
@@ -46,6 +54,7 @@ class Result:
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)
     error: str | None = None
+    target: int = 0  # which of the URLs it went to
 
 
 def lognormal_int(rng: random.Random, mean: float, sigma: float, cap: int) -> int:
@@ -64,6 +73,7 @@ def plan(
     output_mean: float,
     sigma: float,
     seed: int,
+    output_cap: int = 8192,
 ) -> list[Planned]:
     """The schedule: Poisson arrivals at ``rate``, or ``burst`` requests at once every
     ``burst_every`` seconds; heavy-tailed lengths."""
@@ -83,7 +93,7 @@ def plan(
         Planned(
             t,
             lognormal_int(rng, prompt_mean, sigma, 32768),
-            lognormal_int(rng, output_mean, sigma, 8192),
+            lognormal_int(rng, output_mean, sigma, output_cap),
         )
         for t in times
     ]
@@ -189,18 +199,33 @@ async def _one(session: Any, url: str, p: Planned, start: float, opts: dict[str,
         return Result(False, 0, lag, e2e=loop.time() - t0, error=type(exc).__name__)
 
 
-async def run(url: str, planned: list[Planned], opts: dict[str, Any]) -> dict[str, Any]:
+async def _sent(
+    session: Any, url: str, p: Planned, start: float, opts: dict[str, Any], i: int
+) -> Result:
+    res = await _one(session, url, p, start, opts)
+    res.target = i
+    return res
+
+
+async def run(url: str | list[str], planned: list[Planned], opts: dict[str, Any]) -> dict[str, Any]:
+    """Send ``planned`` open loop, request k to ``urls[k % len(urls)]``; the summary."""
     import aiohttp
 
+    urls = [url] if isinstance(url, str) else url
     path = "/v1/chat/completions" if opts["chat"] else "/v1/completions"
-    target = url.rstrip("/") + path
+    targets = [u.rstrip("/") + path for u in urls]
     timeout = aiohttp.ClientTimeout(total=opts["timeout"])
     conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     loop = asyncio.get_running_loop()
     results: list[Result] = []
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         start = loop.time() + 0.05
-        tasks = [loop.create_task(_one(session, target, p, start, opts)) for p in planned]
+        tasks = [
+            loop.create_task(
+                _sent(session, targets[k % len(targets)], p, start, opts, k % len(targets))
+            )
+            for k, p in enumerate(planned)
+        ]
         total = len(tasks)
         pending = set(tasks)
         next_progress = loop.time() + 5
@@ -216,10 +241,22 @@ async def run(url: str, planned: list[Planned], opts: dict[str, Any]) -> dict[st
                     flush=True,
                 )
         elapsed = loop.time() - start
-    return summarize(results, elapsed)
+    slo, window = opts.get("slo_ttft_s"), opts.get("window_s")
+    summary = summarize(results, elapsed, slo, window)
+    if len(urls) > 1:
+        summary["per_url"] = {
+            u: summarize([r for r in results if r.target == i], elapsed, slo, window)
+            for i, u in enumerate(urls)
+        }
+    return summary
 
 
-def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
+def summarize(
+    results: list[Result],
+    elapsed: float,
+    slo_ttft_s: float | None = None,
+    window_s: float | None = None,
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
 
     def ms(v: float | None) -> float | None:
@@ -246,11 +283,35 @@ def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
         "e2e_p50_ms": ms(percentile(e2e, 0.5)),
         "e2e_p99_ms": ms(percentile(e2e, 0.99)),
         "lag_p99_ms": ms(percentile([r.lag for r in results], 0.99)),
+        **_goodput(ttft, len(results), window_s or elapsed, slo_ttft_s),
+    }
+
+
+def _goodput(
+    ttft: list[float], requests: int, window: float, slo_ttft_s: float | None
+) -> dict[str, Any]:
+    """Requests answered with their first token within the TTFT objective: per second of
+    the load's window (``--duration``; the same for every server given the same
+    schedule, unlike the run's end, which one long answer moves) and as a share of all
+    requests sent."""
+    if slo_ttft_s is None:
+        return {}
+    good = sum(t <= slo_ttft_s for t in ttft)
+    return {
+        "slo_ttft_ms": round(slo_ttft_s * 1000, 3),
+        "goodput_rps": round(good / window, 2) if window > 0 else None,
+        "slo_attainment": round(good / requests, 4) if requests else None,
     }
 
 
 @click.command("loadgen")
-@click.option("--url", required=True, help="Base URL of an OpenAI-compatible server.")
+@click.option(
+    "--url",
+    "urls",
+    required=True,
+    multiple=True,
+    help="Base URL of an OpenAI-compatible server (repeat: requests take the URLs in turn).",
+)
 @click.option(
     "--rate",
     type=FiniteFloat(0.01, 100000),
@@ -266,6 +327,13 @@ def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
 @click.option("--burst-every-s", type=FiniteFloat(0.001, 3600), default=1.0, show_default=True)
 @click.option("--prompt-mean", type=FiniteFloat(1, 100000), default=200.0, show_default=True)
 @click.option("--output-mean", type=FiniteFloat(1, 100000), default=40.0, show_default=True)
+@click.option(
+    "--max-output",
+    type=click.IntRange(1, 1_000_000),
+    default=8192,
+    show_default=True,
+    help="Cap on output lengths (tokens).",
+)
 @click.option(
     "--sigma",
     type=FiniteFloat(0, 3),
@@ -291,7 +359,15 @@ def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None)
 @click.option("--timeout-s", type=FiniteFloat(0.1, 86400), default=600.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--slo-ttft-ms",
+    type=FiniteFloat(0.001, 86_400_000),
+    default=None,
+    help="TTFT objective: also report goodput, the requests per second of load "
+    "(--duration) answered within it.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@stats_out_option("Also write the summary as JSON here.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @common_options
 def loadgen(**kw: Any) -> None:
@@ -311,7 +387,7 @@ def loadgen(**kw: Any) -> None:
     from redisbal.endpoints import InvalidURL, check_url
 
     try:
-        url = check_url(kw["url"], "--url")
+        urls = [check_url(u, "--url") for u in kw["urls"]]
     except InvalidURL as exc:
         raise click.BadParameter(str(exc)) from None
     if kw["trace"]:
@@ -327,6 +403,7 @@ def loadgen(**kw: Any) -> None:
             output_mean=kw["output_mean"],
             sigma=kw["sigma"],
             seed=kw["seed"],
+            output_cap=kw["max_output"],
         )
     headers = {"Content-Type": "application/json"}
     if kw["api_key"]:
@@ -339,11 +416,20 @@ def loadgen(**kw: Any) -> None:
         "headers": headers,
         "timeout": kw["timeout_s"],
         "progress": kw["progress"] and not kw["as_json"],
+        "slo_ttft_s": None if kw["slo_ttft_ms"] is None else kw["slo_ttft_ms"] / 1000,
+        "window_s": max((p.t for p in planned), default=0.0) if kw["trace"] else kw["duration"],
     }
-    summary = asyncio.run(run(url, planned, opts))
-    summary["url"] = url
+    summary = asyncio.run(run(urls, planned, opts))
+    summary["url"] = urls[0] if len(urls) == 1 else urls
+    write_json(kw["stats_out"], summary)
     if kw["as_json"]:
         click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
         return
+    per_url = summary.pop("per_url", {})
     for k, v in summary.items():
         click.echo(f"{k:>16}: {v}")
+    for u, d in per_url.items():
+        click.echo(
+            f"{u}: {d['ok']}/{d['requests']} ok, TTFT p50 {d['ttft_p50_ms']} ms, "
+            f"p99 {d['ttft_p99_ms']} ms"
+        )

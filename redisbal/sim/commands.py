@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 import click
+from click.core import ParameterSource
 
 from redisbal.cli_common import (
     DURATION_UNTIL_SIGNAL,
@@ -30,8 +31,9 @@ from redisbal.cli_common import (
 from redisbal.keys import InvalidName, check_name
 from redisbal.policies import NoEngines
 from redisbal.sim.api_sim import ApiSimRunner, LoadSpec
-from redisbal.sim.demo import DemoOptions, run_demo
-from redisbal.sim.engine_sim import EngineSimRunner, engine_ids, format_engine_table
+from redisbal.sim.demo import Demo, DemoOptions
+from redisbal.sim.demo_http import HttpDemo
+from redisbal.sim.engine_sim import EngineSimRunner, SimStats, engine_ids, format_engine_table
 from redisbal.sim.model import EngineParams
 
 # Each command's options as a table: (flags, type, default, help), or a shared option;
@@ -58,13 +60,16 @@ ENGINE_SIM_OPTIONS = options(
     ("--report-before-step/--report-after-step-only", None, True,
      "Also report right before each step, once the step has taken the requests "
      "that arrived (vLLM's engines do since PR 41626), not only after it."),
-    ("--http-port", click.IntRange(1, 65535), None,
-     "Serve engine k over the OpenAI API (and vLLM-format /metrics) on port BASE+k and "
-     "register its URL, instead of taking requests from `redisbal api` (needs the "
-     "gateway extra)."),
+    ("--http-port", click.IntRange(0, 65535), None,
+     "Serve engine k over the OpenAI API (and vLLM-format /metrics) on port BASE+k (0: "
+     "ports the system picks, printed at start) and register its URL, instead of taking "
+     "requests from `redisbal api` (needs the gateway extra; engines step in tick mode)."),
     ("--host", None, "127.0.0.1", "Address the HTTP engines listen on (with --http-port)."),
     ("--advertise-host", None, None,
      "Host name in the URLs the HTTP engines register [default: --host]."),
+    ("--report/--no-report", None, True,
+     "With --http-port: --no-report only serves (no Redis, no reports, no URLs), as an "
+     "unmodified engine does; a /metrics sidecar (`redisbal scrape`) reports it."),
 )
 API_OPTIONS = options(
     ("--client-index", click.IntRange(0, 4095), 0,
@@ -95,7 +100,9 @@ API_OPTIONS = options(
 )
 DEMO_OPTIONS = options(
     ("--engines", click.IntRange(1, 64), 8, "Simulated engines."),
-    ("--api-servers", click.IntRange(1, 16), 3, "API-server processes, one router each."),
+    ("--api-servers", click.IntRange(1, 16), None,
+     "API-server processes, one router each (gateways with --http) [default: 3; 2 with "
+     "--http]."),
     ("--duration", FiniteFloat(0.5, 600), 6.0, "Seconds of load."),
     policy_option("Routing policy of the API servers."),
     mode_option("Engine stepping (see engine-sim)."),
@@ -103,12 +110,27 @@ DEMO_OPTIONS = options(
     ("--burst", click.IntRange(0, 1_000_000), None,
      "Requests per burst [default: 1.5 x engines x running-cap]."),
     ("--burst-every", FiniteFloat(0.1, 600), 2.0, "Seconds between bursts."),
-    ("--rate", FiniteFloat(0, 100_000), 0.0, "Background Poisson requests/s."),
+    ("--rate", FiniteFloat(0, 100_000), 0.0,
+     "Background Poisson requests/s (with --http: instead of bursts)."),
     slow_option("Straggler engines, e.g. 0:2.0 (repeatable)."),
     SEED,
+    ("--http/--no-http", None, False,
+     "The real HTTP path: HTTP engines (tick mode), gateway replicas and `redisbal "
+     "loadgen` sending streamed requests (needs the gateway extra)."),
+    ("--slo-ttft-ms", FiniteFloat(0.001, 3_600_000), None,
+     "With --http: also report goodput, the requests per second with TTFT within this."),
     click.option("--keep-logs", is_flag=True, help="Keep the processes' log directory."),
 )
 # fmt: on
+
+
+def _require_gateway_extra(what: str) -> None:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError as exc:
+        raise click.ClickException(
+            f"{what} needs the gateway extra: pip install 'redisbal[gateway]' (missing {exc.name})"
+        ) from None
 
 
 def parse_slow(values: tuple[str, ...]) -> dict[str, float]:
@@ -152,6 +174,7 @@ def engine_sim(
     http_port: int | None,
     host: str,
     advertise_host: str | None,
+    report: bool,
 ) -> None:
     """Run simulated continuous-batching engines that report to Redis for real.
 
@@ -160,7 +183,9 @@ def engine_sim(
     or `redisbal gateway`, and leave the deployment gracefully on SIGINT/SIGTERM.
     """
     s = settings()
-    url = s.require_url()
+    if not report and http_port is None:
+        raise click.UsageError("--no-report needs --http-port (engines that only serve HTTP)")
+    url = s.require_url() if report else None
     try:
         ids = engine_ids(engines, id_prefix, first_id)
     except InvalidName as exc:
@@ -177,8 +202,15 @@ def engine_sim(
             raise click.BadParameter(
                 "BASE + engines - 1 must be <= 65535", param_hint="'--http-port'"
             )
-        _serve_http(url, s.deployment, ids, http_port, host, advertise_host, params, duration)
+        stats = _serve_http(
+            url, s.deployment, ids, http_port, host, advertise_host, params, slow_map, duration
+        )
+        data = stats.to_dict()
+        write_json(stats_out, data)
+        if summary:
+            click.echo(format_engine_table(data))
         return
+    assert url is not None
     try:
         runner = EngineSimRunner(
             url,
@@ -201,25 +233,25 @@ def engine_sim(
 
 
 def _serve_http(
-    url: str,
+    url: str | None,
     deployment: str,
     ids: list[str],
     port_base: int,
     host: str,
     advertise: str | None,
     params: EngineParams,
+    slow: dict[str, float],
     duration: float | None,
-) -> None:
-    try:
-        from redisbal.sim.http_engine import serve_engines
-    except ImportError as exc:
-        raise click.ClickException(
-            f"engine-sim --http-port needs the gateway extra: pip install 'redisbal[gateway]' "
-            f"(missing {exc.name})"
-        ) from None
-    check_reachable(url)
-    with redis_errors(url):
-        asyncio.run(
+) -> SimStats:
+    _require_gateway_extra("engine-sim --http-port")
+    from redisbal.sim.http_engine import serve_engines
+
+    unknown = sorted(set(slow) - set(ids))
+    if unknown:
+        raise click.UsageError(f"--slow names engines this process does not run: {unknown}")
+
+    def run() -> SimStats:
+        return asyncio.run(
             serve_engines(
                 ids,
                 redis_url=url,
@@ -228,9 +260,16 @@ def _serve_http(
                 host=host,
                 advertise=advertise,
                 params=params,
+                slow=slow,
                 duration=duration,
             )
         )
+
+    if url is None:  # --no-report: nothing to reach
+        return run()
+    check_reachable(url)
+    with redis_errors(url):
+        return run()
 
 
 @click.command()
@@ -316,7 +355,7 @@ def api(
 @DEMO_OPTIONS
 def demo(
     engines: int,
-    api_servers: int,
+    api_servers: int | None,
     duration: float,
     policy: str,
     mode: str,
@@ -326,17 +365,34 @@ def demo(
     rate: float,
     slow: tuple[str, ...],
     seed: int,
+    http: bool,
+    slo_ttft_ms: float | None,
     keep_logs: bool,
 ) -> None:
     """Run the whole system for a few seconds and print how balanced it was.
 
     Without --redis-url it starts its own redis-server (Debian's, or the one of
     `pip install 'redisbal[embedded]'`); then a coordinator, ENGINES simulated
-    engines and API-SERVERS router processes under a bursty load. Every process
-    it started is stopped at the end, also on Ctrl-C.
+    engines and API-SERVERS router processes under a bursty load; with --http,
+    HTTP engines, API-SERVERS gateways and a load generator sending OpenAI
+    requests through them. Every process it started is stopped at the end, also
+    on Ctrl-C.
     """
     s = settings()
     parse_slow(slow)
+    given = click.get_current_context().get_parameter_source
+    if http:
+        if given("mode") == ParameterSource.COMMANDLINE and mode != "tick":
+            raise click.UsageError("--http engines step on their own clocks: --mode tick only")
+        if rate and given("burst") == ParameterSource.COMMANDLINE and burst:
+            raise click.UsageError("--http sends bursts or Poisson traffic: --burst or --rate")
+        mode = "tick"
+        burst = 0 if rate and burst is None else burst
+        _require_gateway_extra("demo --http")
+    elif slo_ttft_ms is not None:
+        raise click.UsageError("--slo-ttft-ms needs --http")
+    if api_servers is None:
+        api_servers = 2 if http else 3
     if burst is None:
         burst = int(1.5 * engines * running_cap)
     if burst == 0 and rate == 0:
@@ -358,8 +414,9 @@ def demo(
         rate=rate,
         slow=list(slow),
         seed=seed,
+        slo_ttft_ms=slo_ttft_ms,
         keep_logs=keep_logs,
     )
-    code = run_demo(opts, echo=click.echo)
+    code = (HttpDemo if http else Demo)(opts, click.echo).run()
     if code:
         sys.exit(code)

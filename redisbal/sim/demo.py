@@ -69,6 +69,8 @@ class DemoOptions:
     max_output: int = 200  # keeps the demo's tail (and run time) short
     slow: list[str] = field(default_factory=list)
     seed: int = 0
+    slo_ttft_ms: float | None = None  # the HTTP demo's goodput objective
+    sigma: float = 1.0  # the HTTP demo's lognormal sigma of output lengths
     keep_logs: bool = False
     drain_timeout: float = 15.0
     startup_timeout: float = 30.0
@@ -172,6 +174,7 @@ class Demo:
         self.client: Any = None
         self.url = ""
         self.failed = False
+        self.results: dict[str, Any] = {}  # the summary's figures, for scripts
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -213,7 +216,6 @@ class Demo:
             "--idle-publish-ms",
             "500",
         )
-        slow = [a for s in o.slow for a in ("--slow", s)]
         self.children.start(
             "engine-sim",
             "engine-sim",
@@ -225,7 +227,8 @@ class Demo:
             str(o.running_cap),
             "--stats-out",
             str(self.logdir / "engines.json"),
-            *slow,
+            *[a for s in o.slow for a in ("--slow", s)],
+            *self.engine_args(),
         )
         self.echo(
             f"started coordinator and {o.engines} {o.mode} engines x {o.running_cap} slots; "
@@ -234,6 +237,10 @@ class Demo:
         snap = self.wait_first_snapshot()
         ids = ", ".join(sorted(snap.engines, key=_natural))
         self.echo(f"first snapshot v{snap.version}: engines {ids}")
+
+    def engine_args(self) -> list[str]:
+        """More engine-sim arguments (the HTTP demo's)."""
+        return []
 
     def wait_first_snapshot(self) -> Snapshot:
         assert self.children is not None
@@ -362,6 +369,7 @@ class Demo:
                 )
                 code = 1
         by_name = {c.name: c for c in self.children.children}
+        code = max(code, self.stop_front_ends())
         rc = Children.stop(by_name["engine-sim"])
         if rc not in (0, None):
             self.echo(f"engine-sim exited with {rc}:\n{by_name['engine-sim'].tail()}")
@@ -372,20 +380,58 @@ class Demo:
         self.summary(meta)
         return code
 
+    def stop_front_ends(self) -> int:
+        """Stop what stands between the load and the engines (the HTTP demo's gateways)
+        before the engines; 1 if one of them failed."""
+        return 0
+
     def summary(self, meta: dict[str, str]) -> None:
         engines_file = self.logdir / "engines.json"
         if not engines_file.exists():
             raise DemoError("engine-sim wrote no figures")
         est = orjson.loads(engines_file.read_bytes())
+        self.results = {"engines": est, "barrier": meta}
+        self.echo("")
+        self.echo("per engine:")
+        self.echo(format_engine_table(est))
+        self.echo("")
+        sent, lines = self.client_summary()
+        self.echo(f"balance (policy {self.opts.policy}):")
+        self.echo(
+            "  load imbalance, time-averaged (max-mean)/mean:  "
+            f"{_fmt(est['load_imbalance'])}   (0 = even)"
+        )
+        if est["bursts"]:
+            self.echo(
+                "  per-burst max/mean of assignments:              "
+                f"{_fmt(est['burst_max_over_mean'])}   (1.00 = even; {est['bursts']} bursts)"
+            )
+        if est["mode"] == "lockstep":
+            self.echo(
+                "  lockstep efficiency (mean/max running):         "
+                f"{_fmt(est['lockstep_efficiency'])}   (1.00 = even batches)"
+            )
+        self.echo(
+            "  barrier: "
+            + ", ".join(
+                f"{k} {meta.get(k, '0')}"
+                for k in ("published", "forced", "stale", "late", "expired")
+            )
+        )
+        for line in lines:
+            self.echo("  " + line)
+        served = sum(e["served"] for e in est["engines"])
+        self.echo(f"  requests: {sent} sent, {served} served")
+
+    def client_summary(self) -> tuple[int, list[str]]:
+        """Print the table of the load's senders; returns the requests sent and more
+        lines for the balance section."""
         apis = []
         for i in range(self.opts.api_servers):
             f = self.logdir / f"api-{i}.json"
             if f.exists():
                 apis.extend(orjson.loads(f.read_bytes()))
-        self.echo("")
-        self.echo("per engine:")
-        self.echo(format_engine_table(est))
-        self.echo("")
+        self.results["api_servers"] = apis
         self.echo("per API server:")
         rows = [("api", "sent", "completed", "degraded", "snapshots", "p50 latency", "p99 latency")]
         for a in apis:
@@ -402,30 +448,7 @@ class Demo:
             )
         self.echo(render_table(rows))
         self.echo("")
-        self.echo(f"balance (policy {self.opts.policy}):")
-        self.echo(
-            "  load imbalance, time-averaged (max-mean)/mean:  "
-            f"{_fmt(est['load_imbalance'])}   (0 = even)"
-        )
-        self.echo(
-            "  per-burst max/mean of assignments:              "
-            f"{_fmt(est['burst_max_over_mean'])}   (1.00 = even; {est['bursts']} bursts)"
-        )
-        if est["mode"] == "lockstep":
-            self.echo(
-                "  lockstep efficiency (mean/max running):         "
-                f"{_fmt(est['lockstep_efficiency'])}   (1.00 = even batches)"
-            )
-        self.echo(
-            "  barrier: "
-            + ", ".join(
-                f"{k} {meta.get(k, '0')}"
-                for k in ("published", "forced", "stale", "late", "expired")
-            )
-        )
-        served = sum(e["served"] for e in est["engines"])
-        sent = sum(a["sent"] for a in apis)
-        self.echo(f"  requests: {sent} sent, {served} served")
+        return sum(a["sent"] for a in apis), []
 
     # -- all of it --------------------------------------------------------------------------
 

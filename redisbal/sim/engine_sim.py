@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,28 @@ class SimStats:
     steps: int = 0
     efficiency_sum: float = 0.0  # sum over busy lockstep steps of mean / max running
     efficiency_steps: int = 0
+    last_sample: float | None = None
+
+    def sample(self, engines: Iterable[SimEngine], now: float) -> None:
+        """Accumulate time-weighted loads since the previous sample (state held since then)."""
+        engs = list(engines)
+        prev, self.last_sample = self.last_sample, now
+        loads = [e.load for e in engs]
+        if prev is not None:
+            dt = now - prev
+            if dt > 0:
+                self.elapsed += dt
+                for eng in engs:
+                    tally = self.engines[eng.engine_id]
+                    tally.load_area += eng.load * dt
+                    tally.running_area += len(eng.running) * dt
+                mean = sum(loads) / len(loads)
+                if mean >= 1:
+                    self.imbalance_area += (max(loads) - mean) / mean * dt
+                    self.imbalance_time += dt
+        for eng, load in zip(engs, loads, strict=True):
+            tally = self.engines[eng.engine_id]
+            tally.max_load = max(tally.max_load, load)
 
     @property
     def load_imbalance(self) -> float | None:
@@ -180,7 +203,6 @@ class EngineSimRunner:
             self.stats.engines[eid] = EngineTally(eid, slow=p.slow)
         self._req_keys = {eid: self.keys.requests(eid) for eid in ids}
         self._stop = asyncio.Event()
-        self._last_sample: float | None = None
         self._last_pull = float("-inf")
         self.client: Any = None
         self.reporters: dict[str, AsyncEngineReporter] = {}
@@ -245,28 +267,6 @@ class EngineSimRunner:
         else:
             rep.report_nowait(None, w, r, admitted=eng.admitted)
 
-    # -- measurement --------------------------------------------------------------------------
-
-    def _sample(self, now: float) -> None:
-        """Accumulate time-weighted loads since the previous sample (state held since then)."""
-        prev, self._last_sample = self._last_sample, now
-        loads = [e.load for e in self.engines.values()]
-        if prev is not None:
-            dt = now - prev
-            if dt > 0:
-                self.stats.elapsed += dt
-                for eng in self.engines.values():
-                    tally = self.stats.engines[eng.engine_id]
-                    tally.load_area += eng.load * dt
-                    tally.running_area += len(eng.running) * dt
-                mean = sum(loads) / len(loads)
-                if mean >= 1:
-                    self.stats.imbalance_area += (max(loads) - mean) / mean * dt
-                    self.stats.imbalance_time += dt
-        for eng, load in zip(self.engines.values(), loads, strict=True):
-            tally = self.stats.engines[eng.engine_id]
-            tally.max_load = max(tally.max_load, load)
-
     # -- loops --------------------------------------------------------------------------------
 
     async def _sleep_until(self, t: float) -> None:
@@ -283,7 +283,7 @@ class EngineSimRunner:
         while not self._stop.is_set() and (end is None or loop.time() < end):
             now = loop.time()
             await self._pull(now)
-            self._sample(now)
+            self.stats.sample(self.engines.values(), now)
             if not any(e.busy() for e in engines):
                 in_wave = False  # the wave ended: every engine is idle
                 await self._sleep_until(now + self.poll_s)
@@ -305,12 +305,12 @@ class EngineSimRunner:
                 self.stats.efficiency_sum += (sum(batch) / len(batch)) / top
                 self.stats.efficiency_steps += 1
             self.stats.steps += 1
-            self._sample(loop.time())
+            self.stats.sample(self.engines.values(), loop.time())
             await self._sleep_until(now + duration)
             if self._stop.is_set():
                 break
             t_end = loop.time()
-            self._sample(t_end)
+            self.stats.sample(self.engines.values(), t_end)
             for e in engines:
                 e.end_step(t_end)
             await self._flush(list(self.engines))
@@ -324,7 +324,7 @@ class EngineSimRunner:
             now = loop.time()
             if now - self._last_pull >= self.poll_s:
                 await self._pull(now)
-            self._sample(now)
+            self.stats.sample(self.engines.values(), now)
             done = [eid for eid, t in ends.items() if t is not None and t <= now]
             if done:
                 for eid in done:
@@ -377,7 +377,7 @@ class EngineSimRunner:
                 await self._lockstep(end)
             else:
                 await self._independent(end)
-            self._sample(loop.time())
+            self.stats.sample(self.engines.values(), loop.time())
         finally:
             for rep in self.reporters.values():
                 with contextlib.suppress(Exception):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -39,6 +40,7 @@ from redisbal import endpoints
 from redisbal.connection import OUTAGE_ERRORS
 from redisbal.engine import AsyncEngineReporter
 from redisbal.keys import check_name
+from redisbal.sim.engine_sim import EngineTally, SimStats
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
 
 log = logging.getLogger("redisbal.sim.http_engine")
@@ -108,6 +110,7 @@ class HttpEngine:
         self._url_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._rid = 0
+        self.arrived = 0
         self.served = 0
         self.aborted = 0
         self.inflight = 0  # HTTP requests in progress at this engine
@@ -187,6 +190,7 @@ class HttpEngine:
             "inflight": self.inflight,
             "queued": len(m.inbox) + len(m.waiting),
             "running": len(m.running),
+            "arrived": self.arrived,
             "served": self.served,
             "aborted": self.aborted,
             "admitted": list(m.admitted),
@@ -287,6 +291,7 @@ class HttpEngine:
         st = _Stream(req, prompt_tokens=_prompt_tokens(body, chat))
         req.decision = st
         self.inflight += 1
+        self.arrived += 1
         finished = False
         try:
             self.model.arrive(req, loop.time())
@@ -477,28 +482,41 @@ async def serve_engines(
     host: str = "127.0.0.1",
     advertise: str | None = None,
     params: EngineParams | None = None,
+    slow: dict[str, float] | None = None,
     model_name: str = "redisbal-sim",
     mean_output: float = 40.0,
     seed: int | None = None,
     duration: float | None = None,
-) -> None:
-    """Serve engine ``ids[k]`` on ``port_base + k`` until SIGTERM/SIGINT (or ``duration``
-    seconds), then leave the deployment."""
+    sample_s: float = 0.01,
+) -> SimStats:
+    """Serve engine ``ids[k]`` on ``port_base + k`` (every engine on a port of its own
+    choosing when ``port_base`` is 0) until SIGTERM/SIGINT (or ``duration`` seconds), then
+    leave the deployment. Returns the run's per-engine figures, sampled every
+    ``sample_s``. Without ``redis_url`` the engines only serve: something else (a
+    /metrics sidecar) reports them."""
+    base = params or EngineParams()
+    slow = slow or {}
+    unknown = sorted(set(slow) - set(ids))
+    if unknown:
+        raise ValueError(f"--slow names engines this process does not run: {unknown}")
     engines = [
         HttpEngine(
             engine_id,
             redis_url=redis_url,
             deployment=deployment,
-            port=port_base + k,
+            port=0 if port_base == 0 else port_base + k,
             host=host,
             advertise=advertise,
-            params=params,
+            params=dataclasses.replace(base, slow=base.slow * slow.get(engine_id, 1.0)),
             model_name=model_name,
             mean_output=mean_output,
             seed=None if seed is None else seed + k,
         )
         for k, engine_id in enumerate(ids)
     ]
+    stats = SimStats(mode="tick")
+    for e in engines:
+        stats.engines[e.engine_id] = EngineTally(e.engine_id, slow=e.model.params.slow)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -506,10 +524,18 @@ async def serve_engines(
     for e in engines:
         await e.start()
     print(f"http engines ready: {' '.join(e.url for e in engines)}", flush=True)
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), duration)
+    models = [e.model for e in engines]
+    end = None if duration is None else loop.time() + duration
+    while not stop.is_set() and (end is None or loop.time() < end):
+        stats.sample(models, loop.time())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), sample_s)
+    stats.sample(models, loop.time())
     for e in engines:
+        tally = stats.engines[e.engine_id]
+        tally.assigned, tally.served = e.arrived, e.served
         await e.stop()
+    return stats
 
 
 def main(argv: list[str] | None = None) -> None:
