@@ -39,8 +39,9 @@ from redisbal.background import BackgroundLoop
 from redisbal.connection import OUTAGE_ERRORS
 from redisbal.endpoints import check_url
 from redisbal.keys import DeploymentKeys, check_name
+from redisbal.lane import Lane, ReporterStats, ReportResult, tag_of
 from redisbal.scripts import Scripts
-from redisbal.sender import Lane, ReporterStats, ReportResult, ReportSender, tag_of
+from redisbal.sender import ReportSender
 
 __all__ = [
     "OUTAGE_ERRORS",

@@ -345,6 +345,7 @@ def test_one_sender_carries_several_engines_in_one_pipeline(
         EngineReporter(redis_url, keys.deployment, f"e{i}", sender=sender, heartbeat=False)
         for i in range(3)
     ]
+
     async def hand_over(step: int) -> None:
         # on the sender's own loop, with no await between them: the three reports are
         # all waiting when its task runs next, whatever the machine's speed
