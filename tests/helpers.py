@@ -322,8 +322,11 @@ def make_snapshot(
     kv: dict[str, float] | None = None,
     gone: dict[str, str] | None = None,
     step: int = 1,
+    incarnation: dict[str, str] | None = None,
+    **fields: Any,
 ) -> Snapshot:
-    """A Snapshot built the way the Lua barrier builds one (through its JSON form)."""
+    """A Snapshot built the way the Lua barrier builds one (through its JSON form);
+    ``fields`` set top-level fields (forced, laggards, stalled, suspect, ...)."""
     frags: dict[str, Any] = {}
     for e, c in engines.items():
         if isinstance(c, EngineCounts):
@@ -349,6 +352,8 @@ def make_snapshot(
             }
             if admitted and e in admitted:
                 frag["adm"] = list(admitted[e])
+        if incarnation and e in incarnation:
+            frag["inc"] = incarnation[e]
         frags[e] = frag
     doc = {
         "deployment": "d",
@@ -362,5 +367,6 @@ def make_snapshot(
         "joining": [],
         "time_ms": time_ms,
         "engines": frags,
+        **fields,
     }
     return Snapshot.from_json(orjson.dumps(doc))

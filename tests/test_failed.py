@@ -8,10 +8,9 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-import orjson
 import pytest
 import redis
-from helpers import Barrier, await_until, wait_until
+from helpers import Barrier, await_until, make_snapshot, wait_until
 
 import redisbal
 from redisbal.engine import new_incarnation
@@ -146,67 +145,34 @@ def test_blocking_router_failed_and_bad_reasons(
         assert reason == ("bad gateway " + "x" * 300)[:200]
 
 
-def snap_with(engines: dict[str, dict[str, object]], version: int) -> Snapshot:
-    body = {
-        "deployment": "d",
-        "epoch": "ep",
-        "version": version,
-        "wave": 0,
-        "step": version,
-        "forced": False,
-        "laggards": {},
-        "gone": {},
-        "joining": [],
-        "time_ms": 1000 * version,
-        "engines": {
-            e: {"wave": 0, "step": version, "waiting": 0, "running": 0, "kv": None, "t": 0, **c}
-            for e, c in engines.items()
-        },
-    }
-    return Snapshot.from_json(orjson.dumps(body))
-
-
 def test_a_restarted_engine_starts_its_bookkeeping_again() -> None:
+    def snap(version: int, admitted: int, inc: str) -> Snapshot:
+        return make_snapshot(
+            {"e0": (0, 0)}, version=version, admitted={"e0": (admitted,)}, incarnation={"e0": inc}
+        )
+
     core = RouterCore(0, 1)
-    core.apply_snapshot(snap_with({"e0": {"adm": [0], "inc": "a-1"}}, 1))
+    core.apply_snapshot(snap(1, 0, "a-1"))
     for _ in range(30):
         core.route("e0")
-    core.apply_snapshot(snap_with({"e0": {"adm": [20], "inc": "a-1"}}, 2))
+    core.apply_snapshot(snap(2, 20, "a-1"))
     assert core.by_id["e0"].pending == 10  # routed, not yet admitted
     # the process restarts: its admitted counts start from 0 again
-    core.apply_snapshot(snap_with({"e0": {"adm": [0], "inc": "b-2"}}, 3))
+    core.apply_snapshot(snap(3, 0, "b-2"))
     assert core.by_id["e0"].pending == 0 and core.counters["restarts"] == 1
     core.route("e0")
-    core.apply_snapshot(snap_with({"e0": {"adm": [0], "inc": "b-2"}}, 4))
+    core.apply_snapshot(snap(4, 0, "b-2"))
     assert core.by_id["e0"].pending == 1
 
 
 def test_pinning_takes_an_int_engine_id_as_its_text() -> None:
     core = RouterCore(0, 1)
-    core.apply_snapshot(snap_with({"3": {}, "4": {}}, 1))
+    core.apply_snapshot(make_snapshot({"3": (0, 0), "4": (0, 0)}))
     assert core.route(engine_id=3).engine_id == "3"  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="engine_id must be a str"):
         core.route(engine_id=3.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="engine_id must be a str"):
         core.route(engine_id=True)  # type: ignore[arg-type]
-
-
-def health_snap(version: int, **fields: object) -> Snapshot:
-    body: dict[str, object] = {
-        "deployment": "d",
-        "epoch": "ep",
-        "version": version,
-        "wave": 0,
-        "step": version,
-        "forced": False,
-        "laggards": {},
-        "gone": {},
-        "joining": [],
-        "time_ms": 0,
-        "engines": {},
-        **fields,
-    }
-    return Snapshot.from_json(orjson.dumps(body))
 
 
 def test_the_coordinator_logs_each_change_of_health_once(
@@ -217,10 +183,10 @@ def test_the_coordinator_logs_each_change_of_health_once(
     caplog.set_level(logging.WARNING, logger="redisbal.coordinator")
     h = HealthLog()
     for v in range(1, 11):  # ten forced snapshots on one laggard: one line
-        h.snapshot(health_snap(v, forced=True, laggards={"e2": 300 + v}), v, 250)
-    h.snapshot(health_snap(11, stalled={"e4": 2100}), 10, 250)
-    h.snapshot(health_snap(12, stalled={"e4": 2200}, suspect={"e5": 900}), 10, 250)
-    h.snapshot(health_snap(13), 10, 250)
+        h.snapshot(make_snapshot({}, version=v, forced=True, laggards={"e2": 300 + v}), v, 250)
+    h.snapshot(make_snapshot({}, version=11, stalled={"e4": 2100}), 10, 250)
+    h.snapshot(make_snapshot({}, version=12, stalled={"e4": 2200}, suspect={"e5": 900}), 10, 250)
+    h.snapshot(make_snapshot({}, version=13), 10, 250)
     lines = caplog.messages
     assert lines == [
         "coordinator: barrier stalled on e2 (last report 301 ms ago); forcing a snapshot "

@@ -325,25 +325,36 @@ class Demo:
 
     def progress(self, apis: list[Child], total: int, start_at: float) -> None:
         keys = SimKeys(self.opts.deployment)
+
+        def counts() -> str:
+            got = {k.decode(): int(v) for k, v in self.client.hgetall(keys.progress).items()}
+            sent = sum(v for k, v in got.items() if k.startswith("sent:"))
+            done = sum(v for k, v in got.items() if k.startswith("done:"))
+            return f"sent {sent}/{total}  done {done}  in flight {sent - done}"
+
+        self.show_progress(apis, start_at, "API servers", counts)
+
+    def show_progress(
+        self, apis: list[Child], start_at: float, who: str, counts: Callable[[], str]
+    ) -> None:
+        """Until the load processes end: a progress line every 0.2 s (rewritten in
+        place on a terminal, once a second otherwise) of ``counts()`` and the latest
+        snapshot's loads."""
         dkeys = DeploymentKeys(self.opts.deployment)
         tty = sys.stdout.isatty()
         deadline = start_at + self.opts.duration + self.opts.drain_timeout + 30
         last_print = 0.0
-        line = ""
         while any(a.proc.poll() is None for a in apis):
             if time.time() > deadline:
-                raise DemoError("API servers did not finish in time")
+                raise DemoError(f"{who} did not finish in time")
             self._check_children()
-            counts = {k.decode(): int(v) for k, v in self.client.hgetall(keys.progress).items()}
-            sent = sum(v for k, v in counts.items() if k.startswith("sent:"))
-            done = sum(v for k, v in counts.items() if k.startswith("done:"))
-            raw = self.client.get(dkeys.snapshot)
-            snap = Snapshot.from_json(raw) if raw else None
             t = time.time() - start_at
             if t < 0:
                 time.sleep(0.1)
                 continue
-            line = f"[{t:5.1f}s] sent {sent}/{total}  done {done}  in flight {sent - done}"
+            line = f"[{t:5.1f}s] {counts()}"
+            raw = self.client.get(dkeys.snapshot)
+            snap = Snapshot.from_json(raw) if raw else None
             if snap is not None and snap.engines:
                 loads = [c.load for c in snap.engines.values()]
                 mean = sum(loads) / len(loads)

@@ -11,7 +11,6 @@ of the gateways saw: TTFT and end-to-end latency per gateway and overall.
 from __future__ import annotations
 
 import re
-import sys
 import time
 import urllib.request
 from typing import Any
@@ -21,7 +20,6 @@ import orjson
 from redisbal import endpoints
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.demo import Child, Children, Demo, DemoError, _fmt
-from redisbal.snapshot import Snapshot
 from redisbal.table import render_table
 
 LISTENING = re.compile(rb"gateway listening on (http://\S+) \(client (\d+) of (\d+)")
@@ -141,15 +139,9 @@ class HttpDemo(Demo):
 
     def progress(self, apis: list[Child], total: int, start_at: float) -> None:
         """Requests at the engines (their /sim/state) and the snapshot's loads."""
-        keys = DeploymentKeys(self.opts.deployment)
-        urls = endpoints.fetch_sync(self.client, keys)
-        tty = sys.stdout.isatty()
-        deadline = start_at + self.opts.duration + self.opts.drain_timeout + 30
-        last_print = 0.0
-        while any(a.proc.poll() is None for a in apis):
-            if time.time() > deadline:
-                raise DemoError("loadgen did not finish in time")
-            self._check_children()
+        urls = endpoints.fetch_sync(self.client, DeploymentKeys(self.opts.deployment))
+
+        def counts() -> str:
             arrived = done = 0
             for url in urls.values():
                 try:
@@ -158,26 +150,9 @@ class HttpDemo(Demo):
                     continue
                 arrived += st["arrived"]
                 done += st["served"]
-            raw = self.client.get(keys.snapshot)
-            snap = Snapshot.from_json(raw) if raw else None
-            line = (
-                f"[{time.time() - start_at:5.1f}s] at engines {arrived}/{total}  done {done}  "
-                f"in flight {arrived - done}"
-            )
-            if snap is not None and snap.engines:
-                loads = [c.load for c in snap.engines.values()]
-                line += (
-                    f"  snapshot v{snap.version}  engine load max {max(loads)} / "
-                    f"mean {sum(loads) / len(loads):.1f}"
-                )
-            if tty:
-                self.echo("\r" + line + "\x1b[K", nl=False)
-            elif time.monotonic() - last_print >= 1.0:
-                self.echo(line)
-                last_print = time.monotonic()
-            time.sleep(0.2)
-        if tty:
-            self.echo("")
+            return f"at engines {arrived}/{total}  done {done}  in flight {arrived - done}"
+
+        self.show_progress(apis, start_at, "loadgen", counts)
 
     def stop_front_ends(self) -> int:
         code = 0
