@@ -4,8 +4,8 @@ A router's state (``redisbal.routing.RouterCore``) holds what one API server
 knows; a ``Policy`` turns that into a choice of engine.
 
 Policies (``POLICIES``): ``redisbal`` (the default), and the baselines that the
-benchmark compares it with: ``random``, ``round-robin``, ``vllm-pre``,
-``vllm-21617``, ``vllm-latest``.
+benchmark compares it with: ``random``, ``round-robin``, ``least-inflight``,
+``vllm-pre``, ``vllm-21617``, ``vllm-latest``.
 
 Writing a policy (the public extension point, exported from ``redisbal``): a
 ``Policy`` picks an ``EngineView`` from ``core.engines``; a ``ScoringPolicy`` only
@@ -197,6 +197,18 @@ class RoundRobinPolicy(Policy):
         return eng
 
 
+class LeastInflightPolicy(ScoringPolicy):
+    """Each API server counts only its own unfinished requests per engine and sends to
+    the engine with the fewest (ties at random): what a gateway without shared state does
+    (a plain least-connections proxy). Blind to other servers' traffic and to the
+    engines' queues."""
+
+    name = "least-inflight"
+
+    def score(self, core: RoutingState, e: EngineView) -> float:
+        return e.inflight
+
+
 class VllmPrePolicy(ScoringPolicy):
     """vLLM before PR 21617: latest counts replace the view at every push; score
     waiting*4 + running; lowest index wins ties; +1 waiting locally per route.
@@ -380,6 +392,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "redisbal": RedisbalPolicy,
     "random": RandomPolicy,
     "round-robin": RoundRobinPolicy,
+    "least-inflight": LeastInflightPolicy,
     "vllm-pre": VllmPrePolicy,
     "vllm-21617": Vllm21617Policy,
     "vllm-latest": VllmLatestPolicy,

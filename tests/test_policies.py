@@ -184,6 +184,7 @@ def test_default_policy_is_redisbal() -> None:
         "redisbal",
         "random",
         "round-robin",
+        "least-inflight",
         "vllm-pre",
         "vllm-21617",
         "vllm-latest",
@@ -463,3 +464,15 @@ def test_power_of_two_choices_takes_the_lower_of_two_sampled_engines() -> None:
     assert core.route().engine_id == "e1"
     core.rng = _FixedRng([0.1, 0.1])  # the same engine twice: it wins
     assert core.route().engine_id == "e0"
+
+
+def test_least_inflight_counts_only_its_own_unfinished_requests() -> None:
+    core = RouterCore(0, 2, "least-inflight")
+    core.apply_snapshot(make_snapshot({"a": (50, 50), "b": (0, 0), "c": (0, 0)}))
+    picks = [core.route() for _ in range(6)]
+    # blind to the snapshot's queues: two each
+    assert sorted(d.engine_id for d in picks) == ["a", "a", "b", "b", "c", "c"]
+    for d in picks:
+        if d.engine_id != "c":
+            core.finished(d)
+    assert {core.route().engine_id for _ in range(4)} == {"a", "b"}
