@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import functools
 import math
+import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -114,6 +115,9 @@ def validate_report(
     return [wave_s, step_s, w, r, kv, adm]
 
 
+INCARNATION_RE = re.compile(r"[A-Za-z0-9]{1,12}-[0-9a-fA-F]{1,27}")
+
+
 def new_incarnation(now_ms: int | None = None) -> str:
     """A name for one reporting process: its start time (ms, base 36) and a random
     part, so that the barrier orders a restarted process after the one it replaces
@@ -181,9 +185,17 @@ class _Reporter:
         backoff_s: float = 0.2,
         register: bool | None = None,
         url: str | None = None,
+        incarnation: str | None = None,
     ) -> None:
         # names and mode first: bad input raises before any client, thread or key exists
         self.engine_id = check_name(engine_id, "engine_id")
+        if incarnation is not None and (
+            not isinstance(incarnation, str) or not INCARNATION_RE.fullmatch(incarnation)
+        ):
+            raise ValueError(
+                "incarnation must look like new_incarnation() makes it, "
+                f"'<start ms base 36>-<hex>', got {incarnation!r}"
+            )
         # where gateways send this engine's requests: written to the deployment's urls
         # hash by the sender (and again every few seconds, so it survives a state loss)
         self.engine_url = check_url(url) if url is not None else None
@@ -213,8 +225,9 @@ class _Reporter:
         self.url = sender.url
         self.scripts = Scripts(sender.client, self.keys, sender.pubcmd)
         # this process's name in the barrier: a later reporter of the same engine id
-        # replaces this one's record (a restart); this one's reports are then refused
-        self.incarnation = new_incarnation()
+        # replaces this one's record (a restart); this one's reports are then refused.
+        # Processes that report one engine together pass one shared incarnation.
+        self.incarnation = incarnation or new_incarnation()
         self._lane = Lane(
             self.engine_id,
             self.scripts,

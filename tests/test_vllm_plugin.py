@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +26,7 @@ from helpers import Barrier
 
 from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.integrations import vllm_plugin
+from redisbal.integrations.sender import CountsRelay
 from redisbal.integrations.vllm_plugin import PluginConfig, PluginConfigError, RedisbalStatLogger
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
@@ -298,3 +302,39 @@ def test_several_api_servers_get_one_warning_about_idle_news(
         RedisbalStatLogger(None, [1], env=env(redis_url, keys.deployment))
     msgs = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
     assert len(msgs) == 1 and "4 API servers" in msgs[0] and "redisbal scrape" in msgs[0]
+
+
+def test_the_api_servers_of_one_vllm_server_share_one_incarnation() -> None:
+    """vLLM's API-server processes are children of one server process: each computes
+    the same incarnation (from their parent), another server's differ."""
+    code = "from redisbal.integrations.vllm_plugin import server_incarnation as s; print(s())"
+    runs = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        for _ in range(2)
+    ]
+    mine = vllm_plugin.server_incarnation(os.getpid())
+    assert mine is not None
+    assert [r.stdout.strip() for r in runs] == [mine, mine]
+    assert vllm_plugin.server_incarnation() != mine  # this process's parent: another server
+
+
+def test_several_api_servers_report_one_engine_without_a_conflict(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys
+) -> None:
+    """Two API servers of one vLLM server (two relays, one shared incarnation) report the
+    same engine in turn: every report accepted; a relay of another server is a conflict."""
+    Barrier(r, keys).configure()
+    shared = vllm_plugin.server_incarnation(os.getpid())
+    assert shared is not None
+    relays = [CountsRelay(redis_url, keys.deployment, incarnation=shared) for _ in range(2)]
+    try:
+        for relay in relays:
+            relay.add("e0")
+        for i in range(10):
+            relays[i % 2].submit("e0", waiting=i, running=1)
+            until(lambda i=i: counts(r, keys).get("e0") == (i, 1))  # type: ignore[misc]
+        assert all(relay.stats("e0")["conflict"] == 0 for relay in relays)
+        assert int(r.hget(keys.meta, "conflicts") or 0) == 0
+    finally:
+        for relay in relays:
+            relay.close()

@@ -95,6 +95,7 @@ class CountsRelay:
         max_age_s: float | None = 1.0,
         idle_forever: bool = True,
         name: str = "redisbal-relay",
+        incarnation: str | None = None,
     ) -> None:
         self.deployment = check_name(deployment, "deployment")
         self.mode = mode
@@ -104,6 +105,7 @@ class CountsRelay:
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else default_hb
         self.max_age_s = max_age_s
         self.idle_forever = idle_forever
+        self.incarnation = incarnation  # shared by processes that speak for one engine
         self._engines: dict[str, _Engine] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -130,6 +132,7 @@ class CountsRelay:
                 engine_id,
                 mode=self.mode,
                 heartbeat=False,
+                incarnation=self.incarnation,
                 **kw,
             )  # registers at once: the shared sender sends registrations before reports
             self._engines[engine_id] = _Engine(rep)

@@ -31,6 +31,7 @@ falls silent and its engines expire.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import math
 import os
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from redisbal.engine import InvalidReport
+from redisbal.engine import InvalidReport, new_incarnation
 from redisbal.integrations.sender import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
 
@@ -127,7 +128,26 @@ def api_server_count(vllm_config: Any) -> int:
     return count if isinstance(count, int) and count > 0 else 1
 
 
-def shared_sender(cfg: PluginConfig) -> CountsRelay:
+def server_incarnation(pid: int | None = None) -> str | None:
+    """One incarnation for every API-server process of one vLLM server: the parent
+    they share (its start time and pid, from /proc; None where there is no /proc).
+    Several API servers report the same engines; with one name between them the
+    barrier takes their reports as one process's, not as two processes under one
+    engine id (a conflict)."""
+    ppid = os.getppid() if pid is None else pid
+    try:
+        with open(f"/proc/{ppid}/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot_s = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    start_ms = boot_s * 1000 + start_ticks * 1000 // os.sysconf("SC_CLK_TCK")
+    tag = hashlib.sha1(f"{socket.gethostname()}:{ppid}:{start_ticks}".encode()).hexdigest()
+    return f"{new_incarnation(start_ms).split('-')[0]}-{tag[:8]}"
+
+
+def shared_sender(cfg: PluginConfig, incarnation: str | None = None) -> CountsRelay:
     key = (cfg.redis_url, cfg.deployment, cfg.mode)
     with _senders_lock:
         sender = _senders.get(key)
@@ -136,6 +156,7 @@ def shared_sender(cfg: PluginConfig) -> CountsRelay:
                 cfg.redis_url,
                 cfg.deployment,
                 mode=cfg.mode,
+                incarnation=incarnation,
                 # steps bring new counts; between them (idle, or a hung loop) the last
                 # ones are re-sent as "no progress" for as long as this process lives: a
                 # busy engine without steps is stalled by the barrier, a dead one expires
@@ -199,7 +220,9 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
                 "server per DP rank, or `redisbal scrape` on /metrics",
                 api_server_count(vllm_config),
             )
-        self.sender = shared_sender(cfg)
+        # several API servers speak for the same engines: one incarnation between them
+        servers = api_server_count(vllm_config)
+        self.sender = shared_sender(cfg, server_incarnation() if servers > 1 else None)
         for eid in ids.values():
             self.sender.add(eid, cfg.engine_url)
         self.ids = ids
