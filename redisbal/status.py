@@ -99,8 +99,9 @@ def _state(
         return "stalled", extra
     if rec.suspect_until_ms > now_ms:
         mark = meta.get(f"suspect:{e}", "").split(" ", 2)
-        if len(mark) == 3:
-            extra["suspect"] = {"client_index": int(mark[1]), "reason": mark[2]}
+        if len(mark) == 3:  # client index "-": not a router (the sidecar)
+            who = int(mark[1]) if mark[1].isdigit() else None
+            extra["suspect"] = {"client_index": who, "reason": mark[2]}
         return "suspect", extra
     return ("provisional" if rec.flag == PROVISIONAL else "live"), extra
 
@@ -220,7 +221,9 @@ def _state_text(e: dict[str, Any]) -> str:
         c = e["conflict"]
         return f"conflict ({c['current']} replaced {c['refused']}, which still reports)"
     if "suspect" in e:
-        return f"suspect (router {e['suspect']['client_index']}: {e['suspect']['reason']})"
+        who = e["suspect"]["client_index"]
+        by = "" if who is None else f"router {who}: "
+        return f"suspect ({by}{e['suspect']['reason']})"
     if "removed_ms_ago" in e:
         return f"{state} {_fmt_age(e['removed_ms_ago'])} ago"
     return state

@@ -251,6 +251,10 @@ def coordinator(redis_url: str, deployment: str, **cfg: int) -> Iterator[Coordin
         th.join(timeout=5)
 
 
+def bar_meta(r: redis.Redis, keys: DeploymentKeys) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in r.hgetall(keys.meta).items()}
+
+
 def counts_of(snap: Snapshot | None) -> dict[str, tuple[int, int]]:
     return {} if snap is None else {e: (c.waiting, c.running) for e, c in snap.engines.items()}
 
@@ -301,6 +305,7 @@ async def test_killed_metrics_server_leaves_routing_not_reported_idle(
         await a.stop()
         killed = time.monotonic()
         saw_zero = False
+        suspect_after, marked_by = None, ""
         while time.monotonic() - killed < 3.0:
             snap = latest(r, keys)
             c = counts_of(snap)
@@ -308,11 +313,17 @@ async def test_killed_metrics_server_leaves_routing_not_reported_idle(
                 saw_zero = True
             if snap is not None and snap.forced:
                 forced.append(snap)
+            if suspect_after is None and snap is not None and ea in snap.suspect:
+                suspect_after = time.monotonic() - killed
+                marked_by = bar_meta(r, keys)[f"suspect:{ea}"].split(" ", 2)[1]
             if ea not in c:
                 break
             await asyncio.sleep(0.02)
         gone_after = time.monotonic() - killed
         assert not saw_zero, "a dead engine was reported idle"
+        # routers avoid it (suspect) long before it expires: one failed scrape
+        assert suspect_after is not None and suspect_after < 0.5, suspect_after
+        assert marked_by == "-"  # the sidecar, not a router
         assert ea not in counts_of(latest(r, keys)), "the dead engine is still routed to"
         assert gone_after < 0.8 + 0.5, gone_after  # dead_after_ms + a scrape + reap spacing
         assert any(ea in s.laggards for s in forced), "the stall guard never named it"

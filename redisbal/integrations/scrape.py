@@ -176,10 +176,12 @@ class Sidecar:
                 )
 
     def fail(self, target: Target, reason: str) -> None:
-        """A failed scrape: silence the target's engines, never report them idle."""
+        """A failed scrape: silence the target's engines, never report them idle, and
+        have routers avoid them (suspect) until they answer again."""
         self.failures += 1
         for eid in target.engines.values():
             self.sender.pause(eid)
+            self.sender.suspect(eid, f"scrape of {target.metrics_url} failed: {reason}")
         self.warn.warning(
             f"fail:{target.index}",
             "scrape: %s failed (%s): its engines %s stop reporting until it answers again",

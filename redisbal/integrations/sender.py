@@ -16,7 +16,9 @@ until new counts come. How long counts are re-sent:
   (nothing waiting, nothing running) indefinitely: an idle engine produces no
   steps, yet must stay routable.
 
-``pause()`` silences an engine at once (a failed scrape).
+``pause()`` silences an engine at once (a failed scrape), and ``suspect()`` tells
+the deployment's routers to avoid it (the mark lasts the deployment's
+``suspect_ms``; at most one a second per engine).
 
 Each flush hands the engines' reports to their reporters, which share the process's
 one sender per Redis URL (``redisbal.sender``): the reports of all the engines of a
@@ -36,14 +38,17 @@ from typing import Any
 
 import redis.exceptions
 
-from redisbal.connection import redact
+from redisbal.connection import is_cluster, make_client, redact
 from redisbal.engine import EngineReporter, validate_report
-from redisbal.keys import check_name
+from redisbal.keys import DeploymentKeys, check_name
+from redisbal.scripts import Scripts
 
 log = logging.getLogger("redisbal.integrations")
 
 WARN_EVERY_S = 10.0
+SUSPECT_EVERY_S = 1.0
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def sanitise(value: object) -> str:
@@ -107,6 +112,10 @@ class CountsRelay:
         self.idle_forever = idle_forever
         self.incarnation = incarnation  # shared by processes that speak for one engine
         self._engines: dict[str, _Engine] = {}
+        self._suspects: dict[str, str] = {}  # engine id -> reason, to mark in Redis
+        self._suspect_after: dict[str, float] = {}  # engine id -> next mark allowed
+        self._scripts: Scripts | None = None  # on a blocking client of its own, for the marks
+        self._mark_client: Any = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -184,6 +193,34 @@ class CountsRelay:
                 eng.paused = True
                 eng.pending = None
 
+    def suspect(self, engine_id: str, reason: str) -> None:
+        """Have routers avoid ``engine_id`` (it did not answer); sent by the thread."""
+        now = time.monotonic()
+        with self._lock:
+            if engine_id not in self._engines or now < self._suspect_after.get(engine_id, 0.0):
+                return
+            self._suspect_after[engine_id] = now + SUSPECT_EVERY_S
+            self._suspects[engine_id] = _CONTROL.sub(" ", reason)[:200]
+        self._wake.set()
+
+    def _mark_suspects(self) -> None:
+        with self._lock:
+            marks, self._suspects = self._suspects, {}
+        if not marks:
+            return
+        if self._scripts is None:
+            client = make_client(self.redis_url, socket_timeout=1.0, socket_connect_timeout=0.5)
+            pubcmd = "SPUBLISH" if is_cluster(client) else "PUBLISH"
+            self._scripts = Scripts(client, DeploymentKeys(self.deployment), pubcmd)
+            self._mark_client = client
+        for eid, reason in marks.items():
+            try:
+                self._scripts.call("suspect", eid, "-", reason)
+            except redis.exceptions.RedisError as exc:
+                self.warn.warning(
+                    "suspect", "redisbal: suspect mark refused (%s): %s", self.url, exc
+                )
+
     def stats(self, engine_id: str) -> dict[str, int]:
         """The engine's reporter counters (queued, sent, accepted, unavailable, ...)."""
         with self._lock:
@@ -234,11 +271,12 @@ class CountsRelay:
             if self._stop.is_set():
                 break
             batch = self._due(time.monotonic())
-            if batch:
-                try:
+            try:
+                if batch:
                     self._flush(batch)
-                except Exception as exc:  # never let the thread die on one bad reply
-                    self.warn.warning("flush", "redisbal: sender error: %r", exc)
+                self._mark_suspects()
+            except Exception as exc:  # never let the thread die on one bad reply
+                self.warn.warning("flush", "redisbal: sender error: %r", exc)
 
     def close(self, leave: bool = True) -> None:
         """Send what is pending, stop the thread and (by default) leave gracefully."""
@@ -254,3 +292,6 @@ class CountsRelay:
         for eng in engines:
             with contextlib.suppress(Exception):
                 eng.reporter.close(leave=leave)
+        if self._mark_client is not None:
+            with contextlib.suppress(Exception):
+                self._mark_client.close()

@@ -9,7 +9,8 @@
   ARGV[1] deployment name
   ARGV[2] "PUBLISH" or "SPUBLISH"
   ARGV[3] engine id
-  ARGV[4] the caller's client index (0..4095)
+  ARGV[4] the caller's client index (0..4095), or "-" (not a router: a sidecar
+          whose scrape of the engine failed)
   ARGV[5] reason: what the caller saw, up to 200 characters, no control
           characters (stored for `redisbal status`, never in a snapshot)
   Returns {status, version}: status "suspect" (marked until suspect_ms from
@@ -28,8 +29,10 @@ local d, err = open_deployment(KEYS, ARGV, 5, 5)
 if not d then return fail(err) end
 local engine = name_arg(ARGV[3])
 if not engine then return fail('bad engine_id: ' .. ARGV[3]) end
-local client, client_text = int_arg(ARGV[4], 0, 4095)
-if not client then return fail('bad client index: ' .. ARGV[4]) end
+local client_text = ARGV[4]
+if client_text ~= '-' and not int_arg(client_text, 0, 4095) then
+  return fail('bad client index: ' .. client_text)
+end
 local reason = ARGV[5]
 if #reason > 200 or string.find(reason, '%c') then
   return fail('bad reason: at most 200 characters, no control characters')
