@@ -304,7 +304,7 @@ BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
         0: bad_name,
         1: bad_pubcmd,
         2: bad_name,
-        3: bad_int(0, 4095),
+        3: bad_int(0, 4095).filter(lambda s: s != "-"),  # ("-": not a router, valid)
         4: st.one_of(
             st.text(min_size=201, max_size=300), st.sampled_from(["a\nb", "\x00", "\x7f"])
         ),
