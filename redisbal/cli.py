@@ -169,13 +169,16 @@ def _ms(name: str) -> Callable[[F], F]:
     return option(flag, type=click.IntRange(s.lo, s.hi), default=s.default, help=s.help)  # type: ignore[no-any-return]
 
 
+def _settings_options(f: F) -> F:
+    """--<setting> for every deployment setting of config.SETTINGS, in its order."""
+    for name in reversed(SETTINGS):
+        f = _ms(name)(f)
+    return f
+
+
 @cli.command()
 @common_options
-@_ms("dead_after_ms")
-@_ms("stall_ms")
-@_ms("tick_ms")
-@_ms("join_grace_ms")
-@_ms("idle_publish_ms")
+@_settings_options
 @click.option(
     "--expect",
     metavar="N|ID,ID,...",
@@ -194,17 +197,13 @@ def _ms(name: str) -> Callable[[F], F]:
     "--metrics-addr", default="127.0.0.1", show_default=True, help="Metrics bind address."
 )
 def coordinator(
-    dead_after_ms: int,
-    stall_ms: int,
-    tick_ms: int,
-    join_grace_ms: int,
-    idle_publish_ms: int,
     expect: list[str],
     lease_ttl_ms: int,
     coordinator_id: str | None,
     duration: float | None,
     metrics_port: int | None,
     metrics_addr: str,
+    **setting_ms: int,
 ) -> None:
     """Keep a deployment in order: config, expiry, stall guard, idle heartbeat, lease.
 
@@ -215,15 +214,7 @@ def coordinator(
 
     s = settings()
     url = s.require_url()
-    config = CoordinatorConfig(
-        dead_after_ms=dead_after_ms,
-        stall_ms=stall_ms,
-        tick_ms=tick_ms,
-        join_grace_ms=join_grace_ms,
-        idle_publish_ms=idle_publish_ms,
-        expected=expect,
-        lease_ttl_ms=lease_ttl_ms,
-    )
+    config = CoordinatorConfig(**setting_ms, expected=expect, lease_ttl_ms=lease_ttl_ms)
     try:
         config.check()
         if coordinator_id is not None:
