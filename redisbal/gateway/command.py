@@ -37,8 +37,10 @@ def run_loop(main: Coroutine[Any, Any, T], kind: str = "auto") -> T:
             import uvloop  # type: ignore[import-not-found, unused-ignore]
         except ImportError:
             if kind == "uvloop":
+                main.close()  # never run
                 raise click.ClickException(
-                    f"--event-loop uvloop: uvloop is not installed: {EXTRA_HINT}"
+                    "--event-loop uvloop: uvloop is not installed (pip install uvloop), "
+                    "or use --event-loop asyncio"
                 ) from None
         else:
             return uvloop.run(main)
