@@ -299,14 +299,17 @@ def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
             from redis.asyncio.cluster import ClusterNode as AClusterNode
 
             anodes = [AClusterNode(h, p) for h, p in t.hosts]
-            client = _async_cluster_class()(startup_nodes=anodes, **auth, **_tls_kwargs(t), **kw)
-            client.redisbal_url = url
-            return client
+            aclient = _async_cluster_class()(startup_nodes=anodes, **auth, **_tls_kwargs(t), **kw)
+            aclient.redisbal_url = url
+            aclient.commands_parser = _cluster_commands(aclient, True)
+            return aclient
         nodes: list[Any] = [ClusterNode(h, p) for h, p in t.hosts]
         try:  # the sync client asks for the slot map here, at construction
-            return RedisCluster(startup_nodes=nodes, **auth, **_tls_kwargs(t), **kw)
+            client = RedisCluster(startup_nodes=nodes, **auth, **_tls_kwargs(t), **kw)
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
             raise (explain(exc, url) or exc) from exc
+        client.commands_parser = _cluster_commands(client, False)
+        return client
     # connections to the sentinels themselves: their own (optional) credentials, and
     # the same socket timeouts as the data connections, so a dead sentinel is skipped
     sentinel_kw: dict[str, Any] = {
@@ -325,6 +328,65 @@ def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
         socket_timeout=kw.get("socket_timeout", 2.0),
     )
     return sentinel.master_for(t.service, db=t.db, **auth, **_tls_kwargs(t), **checked)
+
+
+def _fcall_keys(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The keys of an FCALL / FCALL_RO (``FCALL fn numkeys key... arg...``), read from
+    the arguments as redis-py does for EVALSHA; None for any other command."""
+    if len(args) >= 3 and str(args[0]).upper() in ("FCALL", "FCALL_RO"):
+        return tuple(args[3 : 3 + int(args[2])])
+    return None
+
+
+def _cluster_commands(client: Any, asyncio: bool) -> Any:
+    """A command parser for a cluster client that needs no node but the one a call goes to.
+
+    redis-py finds the slot of an FCALL by sending ``COMMAND GETKEYS`` to its default
+    node (the first primary of the slot map), and its asyncio client fetches
+    ``COMMAND`` from that node again at every re-initialization (after a connection
+    error, CLUSTERDOWN or many MOVEDs). When that primary dies, every deployment's
+    reports and snapshots failed, and the routers that re-initialized went degraded,
+    until the replica was promoted: one shard's failover stopped them all. Here FCALL
+    keys are read from the arguments, and the table is fetched once, from any node
+    that answers (it is the same on every node)."""
+    try:
+        from redis._parsers.commands import AsyncCommandsParser, CommandsParser
+    except ImportError:  # a redis-py without this module: its own parser, as it is
+        return client.commands_parser
+
+    if not asyncio:
+
+        class SyncParser(CommandsParser):
+            def get_keys(self, redis_conn: Any, *args: Any) -> Any:
+                keys = _fcall_keys(args)
+                return super().get_keys(redis_conn, *args) if keys is None else keys
+
+        parser = SyncParser.__new__(SyncParser)  # keeps the table redis-py fetched
+        vars(parser).update(vars(client.commands_parser))
+        return parser
+
+    class AsyncParser(AsyncCommandsParser):
+        async def get_keys(self, *args: Any) -> Any:
+            keys = _fcall_keys(args)
+            return await super().get_keys(*args) if keys is None else keys
+
+        async def initialize(self, node: Any = None) -> None:
+            if node is not None:
+                self.node = node  # where COMMAND GETKEYS goes: the current default node
+                if self.commands:
+                    return
+            first = getattr(self, "node", None)
+            nodes = [n for n in client.nodes_manager.nodes_cache.values() if n is not first]
+            error: Exception | None = None
+            for candidate in [first, *nodes] if first is not None else nodes:
+                try:
+                    return await super().initialize(candidate)
+                except OUTAGE_ERRORS as exc:
+                    error = exc
+            if error is not None:
+                raise error
+
+    return AsyncParser()
 
 
 def is_cluster(client: Any) -> bool:

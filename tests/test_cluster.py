@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 from helpers import await_until
+from procs import hold_port
 from topology import (
     ClusterTopology,
     EveryClass,
@@ -45,6 +46,14 @@ REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 @pytest.fixture(scope="module", params=sorted(BINARIES))
 def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterTopology]:
     with ClusterTopology(BINARIES[request.param]) as topo:
+        yield topo
+
+
+@pytest.fixture(params=sorted(BINARIES))
+def own_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterTopology]:
+    """A cluster for one test that kills a node. Its node timeout outlasts the test, so
+    the cluster never marks that node failed: only the clients can notice."""
+    with ClusterTopology(BINARIES[request.param], node_timeout_ms=120_000) as topo:
         yield topo
 
 
@@ -190,6 +199,60 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
         for c in coords:
             c.release()
             c.client.close()
+
+
+async def test_a_deployment_does_not_depend_on_the_primary_of_slot_0(
+    own_cluster: ClusterTopology,
+) -> None:
+    """redis-py's cluster clients take the first primary of the slot map (slot 0's) as
+    their default node, and asked it COMMAND GETKEYS for every FCALL and COMMAND at
+    every re-initialization (after CLUSTERDOWN, say): with that primary dead, every
+    deployment on the cluster failed until a replica took over. Here it is killed and a
+    deployment on another primary goes on: the coordinator's and the reporter's calls,
+    the router's feed, and a client that re-initializes."""
+    cluster = own_cluster
+    url = cluster.url
+    doomed = cluster.slot_owner(0)[0]
+    names = (f"slot0-{int(time.time() * 1000) % 100000}-{i}" for i in range(500))
+    dep = next(d for d in names if cluster.node_for_key(DeploymentKeys(d).snapshot) is not doomed)
+    keys = DeploymentKeys(dep)
+    cfg = CoordinatorConfig(join_grace_ms=0, idle_publish_ms=60_000)
+    coord = Coordinator(url, dep, cfg, interval_s=0.02)
+    rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
+    router = redisbal.AsyncRouter(url, dep, 0, 1, poll_s=30.0)
+    client = make_client(url, asyncio=True)
+    held = None
+    try:
+        coord.tick()  # lease + config
+        rep.register(wait=True)
+        await router.start()
+        assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
+        await await_until(lambda: router.snapshot is not None, 10, "a first snapshot")
+        assert await client.get(keys.snapshot) is not None
+
+        doomed.kill()
+        held = hold_port(cluster.ports[cluster.nodes.index(doomed)])  # refused, not taken
+        coord.tick()  # FCALL on 7.x: its keys are read locally, no GETKEYS anywhere
+        res = rep.report(step=2, waiting=2, running=1, wait=True)
+        assert res.accepted, res
+
+        def at_step_2() -> bool:
+            snap = router.snapshot
+            return snap is not None and snap.engines["e0"].waiting == 2
+
+        await await_until(at_step_2, 10, "the step 2 snapshot through pub/sub")
+        assert not router.degraded and router.last_error is None
+        # what redis-py does on CLUSTERDOWN: drop every connection, re-initialize on the
+        # next call (and ask for the COMMAND table again: from the dead default node)
+        await client.aclose()
+        assert await client.get(keys.snapshot) is not None
+    finally:
+        await client.aclose()
+        await router.aclose()
+        rep.close()
+        coord.client.close()
+        if held is not None:
+            held.close()
 
 
 def test_scripts_reload_after_script_flush_on_every_node(cluster: ClusterTopology) -> None:

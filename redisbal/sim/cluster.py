@@ -117,7 +117,8 @@ class ClusterTopology:
     With ``certs`` every node speaks TLS only (clients, cluster bus, redis-cli) and
     requires a client certificate; ``.url`` is then a ``rediss+cluster://`` URL.
     ``node_timeout_ms`` is the cluster's failure-detection time: a primary that stays
-    unreachable that long is failed over to its replica."""
+    unreachable that long is failed over to its replica. ``full_coverage=False`` sets
+    ``cluster-require-full-coverage no``: the other slots stay served meanwhile."""
 
     def __init__(
         self,
@@ -128,11 +129,13 @@ class ClusterTopology:
         *,
         replicas: int = 0,
         node_timeout_ms: int = 3000,
+        full_coverage: bool = True,
     ) -> None:
         self.binary = binary or system_binary() or ""
         self.version = server_version(self.binary)
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
+        self.full_coverage = full_coverage
         self.n = len(ports) if ports else n * (1 + replicas)
         self.wanted_ports = list(ports or [])
         self.certs = certs
@@ -167,6 +170,8 @@ class ClusterTopology:
                         str(workdir / "nodes.conf"),
                         "--cluster-node-timeout",
                         str(self.node_timeout_ms),
+                        "--cluster-require-full-coverage",
+                        "yes" if self.full_coverage else "no",
                         *self._tls_args(port),
                     ],
                 )
@@ -225,9 +230,12 @@ class ClusterTopology:
         with self._live_client() as c:
             return int(c.execute_command("CLUSTER", "KEYSLOT", key))
 
-    def slot_owner(self, slot: int) -> tuple[RedisServer, list[RedisServer]]:
-        """(primary, replicas) serving ``slot``, as a live node sees the cluster now."""
-        with self._live_client() as c:
+    def slot_owner(
+        self, slot: int, via: RedisServer | None = None
+    ) -> tuple[RedisServer, list[RedisServer]]:
+        """(primary, replicas) serving ``slot``, as a live node (or ``via``) sees the
+        cluster now. Nodes learn a change by gossip, one after the other."""
+        with via.client(socket_timeout=2) if via is not None else self._live_client() as c:
             for start, end, primary, *replicas in c.execute_command("CLUSTER", "SLOTS"):
                 if start <= slot <= end:
                     return (
