@@ -35,7 +35,7 @@ class Stack:
 
     def router_inflight(self) -> int:
         return sum(
-            e.inflight for g in self.gateways for e in g.router.core.engines
+            e.inflight for g in self.gateways for e in g.router.core.known
         )  # the routers' own counts
 
     def engine_inflight(self) -> int:

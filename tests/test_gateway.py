@@ -177,6 +177,10 @@ async def test_client_disconnect_mid_stream_finishes_everywhere(
         assert "client_disconnect" in gw.metrics.render().decode()
 
 
+# 300 in CI; GATEWAY_DISCONNECT_REQUESTS=10000 for the figure in docs/RELIABILITY.md
+DISCONNECT_REQUESTS = int(os.environ.get("GATEWAY_DISCONNECT_REQUESTS", "300"))
+
+
 async def test_no_inflight_leak_after_many_random_disconnects(
     redis_url: str, deployment: str
 ) -> None:
@@ -208,7 +212,11 @@ async def test_no_inflight_leak_after_many_random_disconnects(
                     await asyncio.wait_for(_read_all(req), drop_after or 0.001)
 
             try:
-                await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(300))), 90)
+                for first in range(0, DISCONNECT_REQUESTS, 300):  # 300 at a time
+                    last = min(first + 300, DISCONNECT_REQUESTS)
+                    await asyncio.wait_for(
+                        asyncio.gather(*(one(i) for i in range(first, last))), 90
+                    )
             except asyncio.TimeoutError:
                 raise AssertionError(
                     f"requests hung: gateway inflight {st.gateways[0].inflight} router "
@@ -217,13 +225,18 @@ async def test_no_inflight_leak_after_many_random_disconnects(
                 ) from None
         await settled(st)
         core = st.gateways[0].router.core
-        routed = sum(e.routed for e in core.engines)
+        routed = sum(e.routed for e in core.known)
         served = sum(e.served for e in st.engines)
         # every request that reached the engines was served or aborted there; those
         # dropped before the gateway routed them were never routed
-        assert complete[0] <= served <= routed <= 300
+        assert complete[0] <= served <= routed <= DISCONNECT_REQUESTS
         assert served + sum(e.aborted for e in st.engines) <= routed
-        assert served < 300  # some really were dropped
+        assert served < DISCONNECT_REQUESTS  # some really were dropped
+        print(
+            f"GATEWAY disconnects: {DISCONNECT_REQUESTS} requests, {complete[0]} complete, "
+            f"{routed} routed, {served} served; in flight after: gateway "
+            f"{st.gateways[0].inflight}, router {st.router_inflight()}"
+        )
 
 
 async def _read_all(req: Any) -> None:
