@@ -332,9 +332,12 @@ def test_several_api_servers_report_one_engine_without_a_conflict(
             relay.add("e0")
         for i in range(10):
             relays[i % 2].submit("e0", waiting=i, running=1)
-            until(lambda i=i: counts(r, keys).get("e0") == (i, 1))  # type: ignore[misc]
+        # both relays' reports are accepted (the snapshot may flip between their counts:
+        # the plugin warns of that), none refused
+        until(lambda: all(relay.stats("e0")["accepted"] >= 5 for relay in relays))
         assert all(relay.stats("e0")["conflict"] == 0 for relay in relays)
         assert int(r.hget(keys.meta, "conflicts") or 0) == 0
+        assert counts(r, keys)["e0"][1] == 1
     finally:
         for relay in relays:
             relay.close()
