@@ -84,7 +84,7 @@ async def test_openai_client_completions_and_chat_streamed_and_not(
             await client.close()
         await settled(st)
         gw = st.gateways[0]
-        assert sum(e.routed for e in gw.router.core.engines) == 4
+        assert sum(e.routed for e in gw.router.core.known) == 4
         assert sum(e.served for e in st.engines) == 4
 
 
@@ -143,7 +143,7 @@ async def test_bad_requests_get_clear_errors_and_route_nothing(
             assert r.status == 400 and RANK_HEADER in (await r.json())["error"]["message"]
         async with s.post(url, json={"prompt": "a"}, headers={ENGINE_HEADER: "a{b}"}) as r:
             assert r.status == 400 and "engine id" in (await r.json())["error"]["message"]
-        assert sum(e.routed for e in st.gateways[0].router.core.engines) == 0
+        assert sum(e.routed for e in st.gateways[0].router.core.known) == 0
         # pinned requests land where they were pinned
         for rank in ("0", "1", "1"):
             async with s.post(url, json={"prompt": "a", "max_tokens": 1},
@@ -310,7 +310,7 @@ async def test_static_engine_urls_and_vllm_style_engine_metrics(
                               headers={ENGINE_HEADER: "e8"}) as r:  # fmt: skip
                 msg = (await r.json())["error"]["message"]
                 assert r.status == 503 and "'e8' has no known URL" in msg, msg
-            assert [e.inflight for e in gw.router.core.engines] == [0, 0]
+            assert [e.inflight for e in gw.router.core.known] == [0, 0]
             async with s.get(eng.url + "/metrics") as r:
                 text = await r.text()
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):

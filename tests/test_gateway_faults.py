@@ -49,6 +49,12 @@ async def test_dead_engine_is_retried_before_the_first_byte_and_pinning_to_it_fa
                         if stream:
                             assert text.endswith("data: [DONE]\n\n"), text
                 assert statuses == [(200, "0")] * 8
+                # the refused connection was a router.failed(): avoided here at once, and
+                # marked suspect for every router of the deployment
+                assert gw.router.core.excluded().get("1") is not None
+                await wait_for(
+                    lambda: gw.router.snapshot is not None and "1" in gw.router.snapshot.suspect
+                )
                 async with s.post(base + "/v1/completions", json={"prompt": "a"},
                                   headers={ENGINE_HEADER: "1"}) as r:  # fmt: skip
                     err = await r.json()
@@ -59,7 +65,7 @@ async def test_dead_engine_is_retried_before_the_first_byte_and_pinning_to_it_fa
             assert "redisbal_gateway_retries_total" in text
             retries = float(re.findall(r"^redisbal_gateway_retries_total (\S+)$", text, re.M)[0])
             assert retries >= 1
-            await wait_for(lambda: sum(e.inflight for e in gw.router.core.engines) == 0)
+            await wait_for(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
         finally:
             await stop_gateway(gw)
 
@@ -83,7 +89,7 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event(
                 last = orjson.loads(events[-1].removeprefix("data: "))
                 assert "error" in last and "mid-stream" in last["error"]["message"], events[-1]
                 assert "[DONE]" not in rest
-            await wait_for(lambda: sum(e.inflight for e in gw.router.core.engines) == 0)
+            await wait_for(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
         finally:
             await stop_gateway(gw)
 
@@ -104,7 +110,7 @@ async def test_non_streamed_request_on_an_engine_that_dies_is_retried(
                     asyncio.ensure_future(s.post(base + "/v1/completions", json=body))
                     for _ in range(2)
                 ]
-                await wait_for(lambda: [e.inflight for e in core.engines] == [1, 1])
+                await wait_for(lambda: [e.inflight for e in core.known] == [1, 1])
                 await asyncio.sleep(0.1)
                 procs[1].kill()  # mid-request, before any byte of its answer
                 for r in await asyncio.gather(*tasks):
@@ -112,7 +118,7 @@ async def test_non_streamed_request_on_an_engine_that_dies_is_retried(
                     assert r.status == 200, got
                     assert r.headers[ENGINE_HEADER] == "0"
                     assert got["usage"]["completion_tokens"] == 200
-            await wait_for(lambda: sum(e.inflight for e in core.engines) == 0)
+            await wait_for(lambda: sum(e.inflight for e in core.known) == 0)
         finally:
             await stop_gateway(gw)
 
@@ -225,6 +231,6 @@ async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
                 )
             assert [st for st, _ in results] == [200] * 200, [x for x in results if x[0] != 200]
             assert {e for _, e in results[150:]} <= {"0", "1", "3"}  # served by the live ones
-            await wait_for(lambda: sum(e.inflight for e in gw.router.core.engines) == 0)
+            await wait_for(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
         finally:
             await stop_gateway(gw)
