@@ -8,16 +8,19 @@ exactly what Redis stored, not what a Python wrapper believes it stored.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
 import redis
 
+from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import BARRIER_FIELDS, DeploymentKeys, is_engine_field
 from redisbal.lua_source import script_source
 from redisbal.record import format_record, parse_record
@@ -150,6 +153,20 @@ def contents(r: redis.Redis, keys: list[str]) -> dict[str, object]:
             value = None
         out[k] = (kind, value)
     return out
+
+
+@contextlib.contextmanager
+def coordinator(redis_url: str, deployment: str, **cfg: int) -> Iterator[Coordinator]:
+    """A real coordinator (stall guard, reaper) on a thread, with short lifecycle bounds."""
+    config = CoordinatorConfig(join_grace_ms=0, **cfg)
+    coord = Coordinator(redis_url, deployment, config, interval_s=0.02)
+    th = threading.Thread(target=coord.run, daemon=True)
+    th.start()
+    try:
+        yield coord
+    finally:
+        coord.stop()
+        th.join(timeout=5)
 
 
 def script_sha(name: str) -> str:

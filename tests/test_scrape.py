@@ -10,19 +10,17 @@ import os
 import signal
 import statistics
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import redis
 from aiohttp import web
 from click.testing import CliRunner
-from helpers import Barrier
+from helpers import Barrier, coordinator
 
 from redisbal.cli import cli
-from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page, relevant_text
 from redisbal.integrations.scrape import Sidecar, SidecarError, Target, build, sanitise
 from redisbal.keys import DeploymentKeys
@@ -235,20 +233,6 @@ async def start_sidecar(
     )
     stop = asyncio.Event()
     return sc, stop, asyncio.create_task(sc.run(stop))
-
-
-@contextlib.contextmanager
-def coordinator(redis_url: str, deployment: str, **cfg: int) -> Iterator[Coordinator]:
-    """A real coordinator (stall guard, reaper) on a thread, with short lifecycle bounds."""
-    config = CoordinatorConfig(join_grace_ms=0, **cfg)
-    coord = Coordinator(redis_url, deployment, config, interval_s=0.02)
-    th = threading.Thread(target=coord.run, daemon=True)
-    th.start()
-    try:
-        yield coord
-    finally:
-        coord.stop()
-        th.join(timeout=5)
 
 
 def bar_meta(r: redis.Redis, keys: DeploymentKeys) -> dict[str, str]:

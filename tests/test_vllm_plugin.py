@@ -8,12 +8,10 @@ the plugin reads nothing vLLM does not send. The test on the real vLLM package i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,9 +20,8 @@ from typing import Any
 
 import pytest
 import redis
-from helpers import Barrier
+from helpers import Barrier, coordinator
 
-from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.integrations import vllm_plugin
 from redisbal.integrations.sender import CountsRelay
 from redisbal.integrations.vllm_plugin import PluginConfig, PluginConfigError, RedisbalStatLogger
@@ -83,18 +80,6 @@ def until(pred: Any, timeout: float = 5.0) -> None:
     while not pred():
         assert time.monotonic() < deadline, f"not met within {timeout}s"
         time.sleep(0.005)
-
-
-@contextlib.contextmanager
-def coordinator(redis_url: str, deployment: str, **cfg: int) -> Iterator[Coordinator]:
-    coord = Coordinator(redis_url, deployment, CoordinatorConfig(join_grace_ms=0, **cfg))
-    th = threading.Thread(target=coord.run, daemon=True)
-    th.start()
-    try:
-        yield coord
-    finally:
-        coord.stop()
-        th.join(timeout=5)
 
 
 def test_registered_under_vllms_entry_point_group() -> None:
