@@ -20,7 +20,6 @@ import contextlib
 import logging
 import math
 import random
-import re
 from typing import Any, cast
 
 import redis.exceptions
@@ -31,11 +30,10 @@ from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.policies import DEFAULT_POLICY, Decision, Policy
 from redisbal.routing import RouterCore
-from redisbal.scripts import Scripts
+from redisbal.scripts import Scripts, suspect_reason
 from redisbal.snapshot import Snapshot
 
 log = logging.getLogger("redisbal.router")
-_REASON_CTRL = re.compile(r"[\x00-\x1f\x7f]")
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
 
 
@@ -79,7 +77,7 @@ class _LocalRouting:
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {type(reason).__name__}")
         if self.core.failed(decision):
-            self._tell_suspect(decision.engine_id, _REASON_CTRL.sub(" ", reason)[:200])
+            self._tell_suspect(decision.engine_id, suspect_reason(reason))
 
     def _tell_suspect(self, engine_id: str, reason: str) -> None:
         raise NotImplementedError

@@ -23,6 +23,7 @@ functions or the user may not call or load them. Callers never see any of it.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -30,6 +31,16 @@ import redis
 
 from redisbal.keys import DeploymentKeys
 from redisbal.lua_source import NUM_KEYS, SCRIPT_NAMES, library, script_source
+
+MAX_REASON = 200  # lua/suspect.lua refuses a longer reason
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def suspect_reason(reason: str) -> str:
+    """A suspect mark's reason as lua/suspect.lua takes it: control characters replaced
+    by spaces, cut to MAX_REASON characters (it is free text a caller saw, never an
+    error of the caller's)."""
+    return _CONTROL.sub(" ", reason)[:MAX_REASON]
 
 
 def report_reply(raw: Any) -> tuple[str, int, int, int]:

@@ -41,14 +41,13 @@ import redis.exceptions
 from redisbal.connection import is_cluster, make_client, redact
 from redisbal.engine import EngineReporter, validate_report
 from redisbal.keys import DeploymentKeys, check_name
-from redisbal.scripts import Scripts
+from redisbal.scripts import Scripts, suspect_reason
 
 log = logging.getLogger("redisbal.integrations")
 
 WARN_EVERY_S = 10.0
 SUSPECT_EVERY_S = 1.0
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def sanitise(value: object) -> str:
@@ -200,7 +199,7 @@ class CountsRelay:
             if engine_id not in self._engines or now < self._suspect_after.get(engine_id, 0.0):
                 return
             self._suspect_after[engine_id] = now + SUSPECT_EVERY_S
-            self._suspects[engine_id] = _CONTROL.sub(" ", reason)[:200]
+            self._suspects[engine_id] = suspect_reason(reason)
         self._wake.set()
 
     def _mark_suspects(self) -> None:
