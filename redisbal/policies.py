@@ -23,6 +23,7 @@ not write either.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 import zlib
@@ -55,6 +56,23 @@ class Decision:
     done: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a router is told about the request it routes (every field optional).
+
+    ``key``: a session or prefix key; requests with one key prefer one engine (its
+    prefix cache), within a bound on that engine's load. ``prompt_tokens`` and
+    ``output_tokens`` (expected or the request's cap): the request's size, so a
+    route counts by its cost instead of as 1. ``blocks``: chained hashes of the
+    prompt's token blocks, for prefix-aware policies (the benchmark's peers).
+    """
+
+    key: str | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    blocks: tuple[int, ...] = ()
+
+
 @dataclass(slots=True, eq=False)
 class EngineView:
     """One engine as this router sees it.
@@ -63,7 +81,9 @@ class EngineView:
     ``kv_usage`` from the latest snapshot; ``age_s``, how old the engine's report
     was when the snapshot was made; this router's own ``routed`` (cumulative),
     ``inflight`` (routed, not finished) and ``pending`` (routed, not yet in the
-    snapshot's counts). The other fields are the default policy's bookkeeping.
+    snapshot's counts); ``pending_cost``, the pending routes weighed by their
+    cost (a route of a typical size counts 1). The other fields are the default
+    policy's bookkeeping.
     """
 
     engine_id: str
@@ -78,6 +98,8 @@ class EngineView:
     age_s: float = 0.0  # age of the engine's report at the snapshot
     exact: bool = False  # pending reconciled from admitted counts
     times: deque[float] = field(default_factory=deque)  # route times (time-based pending)
+    costs: deque[float] = field(default_factory=deque)  # cost of each pending route, oldest first
+    pending_cost: float = 0.0  # sum of costs
     gen: int = 0  # heap entry generation
     hid: int = -1  # crc32 of engine_id (for the shared dither)
     dither: float = 0.0  # this router's offset for the engine, redrawn per snapshot
@@ -100,7 +122,8 @@ class RoutingState(Protocol):
     one route of this one stands for (1 / its estimated share of the traffic);
     ``running_cap``, the largest running count seen on an engine with a queue (0
     until known); the latest ``snapshot``; ``rng``, to be used instead of
-    ``random`` so that a seeded router is reproducible.
+    ``random`` so that a seeded router is reproducible; ``request``, what the
+    caller said about the request being routed (None when it said nothing).
     """
 
     engines: list[EngineView]
@@ -110,6 +133,7 @@ class RoutingState(Protocol):
     running_cap: int
     snapshot: Snapshot | None
     rng: random.Random
+    request: RequestInfo | None
 
 
 class Policy:
@@ -306,6 +330,16 @@ class RedisbalPolicy(ScoringPolicy):
     slots is divided by the engine's estimated speed (its completion rate per
     running request relative to the median engine; 1.0 inside a dead band or
     without admitted counts).
+
+    Pending routes count by their cost (``EngineView.pending_cost``): a route
+    that said its size in tokens counts as that size over the typical route's.
+
+    A request with a ``key`` (``route(key=...)``) goes to the key's engine on a
+    consistent-hash ring of the choosable engines, unless that engine's load is
+    above ``affinity_c`` x (the mean load + one own route); then to the next engine clockwise
+    within the bound (consistent hashing with bounded loads, Mirrokni et al.
+    2018). The loads are the snapshot's counts plus this router's pending routes,
+    so every router puts a key on the same engine while the loads allow it.
     """
 
     name = "redisbal"
@@ -320,13 +354,27 @@ class RedisbalPolicy(ScoringPolicy):
     # Power-of-two choices (Mitzenmacher 2000) from this many engines up; 0 = off.
     # Measured and left off: less even than the heap at 32 engines (BENCHMARKS.md).
     p2c_from = 0
+    # a key's engine takes it while its load is at most this x (mean load + one route)
+    affinity_c = 1.25
+    ring_points = 40  # points per engine on the hash ring
 
     def __init__(self) -> None:
         super().__init__()
         self.heap: list[tuple[float, float, int, EngineView]] = []
+        self.ring_ids: tuple[str, ...] = ()
+        self.ring: list[int] = []  # sorted point hashes
+        self.ring_owner: list[int] = []  # index into ring_engines, per point
+        self.ring_engines: list[EngineView] = []
+        self.load_sum = 0.0  # sum of shared_load over core.engines
+
+    @staticmethod
+    def shared_load(core: RoutingState, e: EngineView) -> float:
+        """The load every router sees alike but for its own pending routes: the
+        snapshot's counts plus this router's pending routes (scaled by its share)."""
+        return e.waiting + e.running + e.pending_cost * core.pending_weight
 
     def score(self, core: RoutingState, e: EngineView) -> float:
-        queued = e.waiting + e.pending * core.pending_weight
+        queued = e.waiting + e.pending_cost * core.pending_weight
         if not self.use_speed or e.speed == 1.0:
             s = e.running + queued + e.dither
         else:
@@ -361,8 +409,55 @@ class RedisbalPolicy(ScoringPolicy):
             heap.append((self.score(core, e), rnd(), e.gen, e))
         heapq.heapify(heap)
         self.heap = heap
+        self.load_sum = sum(self.shared_load(core, e) for e in core.engines)
+        if core.engines is not self.ring_engines:
+            self.ring_engines = core.engines
+            if tuple(e.engine_id for e in core.engines) != self.ring_ids:
+                self.ring = []  # built again on the next keyed route
+
+    def _build_ring(self) -> None:
+        points = []
+        for i, e in enumerate(self.ring_engines):
+            name = e.engine_id.encode()
+            for v in range(self.ring_points):
+                points.append((zlib.crc32(b"%d#" % v + name), i))
+        points.sort()
+        self.ring = [h for h, _ in points]
+        self.ring_owner = [i for _, i in points]
+        self.ring_ids = tuple(e.engine_id for e in self.ring_engines)
+
+    def pick_for_key(self, core: RoutingState, key: str) -> EngineView:
+        """Consistent hashing with bounded loads: the first engine clockwise from the
+        key's point whose shared load is within the bound."""
+        engines = self.ring_engines
+        if not self.ring:
+            self._build_ring()
+        n = len(engines)
+        # one own route counts pending_weight: allow one such lump over the mean
+        bound = self.affinity_c * (self.load_sum / n + core.pending_weight)
+        ring, owner = self.ring, self.ring_owner
+        at = bisect.bisect_left(ring, zlib.crc32(key.encode()))
+        seen: set[int] = set()
+        best, best_load = engines[0], float("inf")
+        for k in range(len(ring)):
+            i = owner[(at + k) % len(ring)]
+            if i in seen:
+                continue
+            seen.add(i)
+            e = engines[i]
+            load = self.shared_load(core, e)
+            if load <= bound:
+                return e
+            if load < best_load:
+                best, best_load = e, load
+            if len(seen) == n:
+                break
+        return best
 
     def pick(self, core: RoutingState) -> EngineView:
+        req = core.request
+        if req is not None and req.key is not None:
+            return self.pick_for_key(core, req.key)
         if self.p2c_from and len(core.engines) >= self.p2c_from:
             engines = core.engines
             n = len(engines)
@@ -379,6 +474,8 @@ class RedisbalPolicy(ScoringPolicy):
         return self.heap[0][3]
 
     def routed(self, core: RoutingState, eng: EngineView) -> None:
+        if eng.costs:
+            self.load_sum += eng.costs[-1] * core.pending_weight
         if self.heap and self.heap[0][3] is eng:
             eng.gen += 1
             heapq.heapreplace(self.heap, (self.score(core, eng), core.rng.random(), eng.gen, eng))

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import random
+from collections.abc import Iterable
 from typing import Any, cast
 
 import redis.exceptions
@@ -56,9 +57,29 @@ class _LocalRouting:
     def client_index(self) -> int:
         return self.core.client_index
 
-    def route(self, engine_id: str | None = None) -> Decision:
-        """Choose an engine (or pin ``engine_id``) for one request. Never does I/O."""
-        return self.core.route(engine_id)
+    def route(
+        self,
+        engine_id: str | None = None,
+        *,
+        key: str | None = None,
+        prompt_tokens: int | None = None,
+        output_tokens: int | None = None,
+        blocks: Iterable[int] | None = None,
+    ) -> Decision:
+        """Choose an engine (or pin ``engine_id``) for one request. Never does I/O.
+
+        ``key``: a session or prefix key; requests with one key go to one engine
+        while its load stays within a bound (its prefix cache keeps their prompts).
+        ``prompt_tokens`` / ``output_tokens`` (expected, or the request's cap): the
+        route counts by the request's size. ``blocks``: hashes of the prompt's
+        token blocks, for prefix-aware policies."""
+        return self.core.route(
+            engine_id,
+            key=key,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            blocks=blocks,
+        )
 
     def finished(self, decision: Decision) -> None:
         """Tell the router the request of ``decision`` ended."""

@@ -37,6 +37,7 @@ from redisbal.policies import (
     EngineView,
     NoEngines,
     Policy,
+    RequestInfo,
     UnknownEngine,
     make_policy,
 )
@@ -115,6 +116,8 @@ class RouterCore:
         self._share_halflife = share_halflife
         self.running_cap = 0  # largest running count seen on an engine with a queue
         self.pending_weight = float(client_count)
+        self.request: RequestInfo | None = None  # the request being routed (policies read it)
+        self._mean_work = 0.0  # EWMA of the work of routes that gave their size (_cost)
         self.counters = {
             "routes": 0,
             "degraded_routes": 0,
@@ -224,6 +227,7 @@ class RouterCore:
                         e.pending = e.inflight
                         while len(e.times) > e.inflight:
                             e.times.popleft()
+                        _trim_costs(e)
                     continue
                 e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
                 e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
@@ -241,6 +245,7 @@ class RouterCore:
                     e.pending = max(0, e.routed - e.routed_before - got)
                     e.exact = exact = True
                     e.times.clear()
+                    _trim_costs(e)
                     mine += got
                     total += all_adm
                     if c.waiting > 0 and c.running > self.running_cap:
@@ -255,6 +260,7 @@ class RouterCore:
                         times.popleft()
                     e.pending = len(times)
                     e.exact = False
+                    _trim_costs(e)
             if exact:
                 self._update_share(mine, total)
                 if speed_on:
@@ -354,8 +360,23 @@ class RouterCore:
 
     # -- hot path --------------------------------------------------------------------------------
 
-    def route(self, engine_id: str | None = None) -> Decision:
-        """Pick an engine (or take the pinned one) and record the route. No I/O."""
+    def route(
+        self,
+        engine_id: str | None = None,
+        *,
+        key: str | None = None,
+        prompt_tokens: int | None = None,
+        output_tokens: int | None = None,
+        blocks: Iterable[int] | None = None,
+    ) -> Decision:
+        """Pick an engine (or take the pinned one) and record the route. No I/O.
+
+        The keywords describe the request (``RequestInfo``): a session or prefix
+        ``key`` for affinity, its size in tokens so that the route counts by its
+        cost, and its prompt's block hashes for prefix-aware policies."""
+        info = None
+        if key is not None or prompt_tokens is not None or output_tokens is not None or blocks:
+            info = request_info(key, prompt_tokens, output_tokens, blocks)
         if engine_id is not None and not isinstance(engine_id, str):
             if isinstance(engine_id, int) and not isinstance(engine_id, bool):
                 engine_id = str(engine_id)  # an engine id is text: 3 means "3"
@@ -375,32 +396,20 @@ class RouterCore:
                     "no engine known yet: wait for the first snapshot (router.start(wait=...)) "
                     "or check that engines report to this deployment"
                 )
-            if engine_id is None:
-                eng = self.policy.pick(self)
-                pinned = False
-                if self._all_excluded:
-                    self.counters["all_excluded_routes"] += 1
-            else:
-                eng = self.by_id.get(engine_id)  # type: ignore[assignment]
-                if eng is None:
-                    snap = self.snapshot
-                    why = (
-                        f"it {snap.gone[engine_id]}"
-                        if snap and engine_id in snap.gone
-                        else "it is not in the current snapshot"
-                    )
-                    raise UnknownEngine(
-                        f"cannot pin to engine {engine_id!r}: {why}; "
-                        f"live engines: {', '.join(self.by_id) or 'none'}"
-                    )
-                pinned = True
-                self.counters["pinned"] += 1
-            eng.routed += 1
-            eng.inflight += 1
-            eng.pending += 1
-            if not eng.exact:
-                eng.times.append(self.clock())
-            self.policy.routed(self, eng)
+            self.request = info  # policies read it in pick() and routed()
+            try:
+                eng, pinned = self._choose(engine_id)
+                eng.routed += 1
+                eng.inflight += 1
+                eng.pending += 1
+                cost = 1.0 if info is None else self._cost(info)
+                eng.costs.append(cost)
+                eng.pending_cost += cost
+                if not eng.exact:
+                    eng.times.append(self.clock())
+                self.policy.routed(self, eng)
+            finally:
+                self.request = None
             degraded = self.degraded
             self.counters["routes"] += 1
             if degraded:
@@ -414,6 +423,46 @@ class RouterCore:
                 degraded,
                 pinned,
             )
+
+    def _choose(self, engine_id: str | None) -> tuple[EngineView, bool]:
+        """The policy's pick, or the pinned engine; and whether it was pinned."""
+        if engine_id is None:
+            if self._all_excluded:
+                self.counters["all_excluded_routes"] += 1
+            return self.policy.pick(self), False
+        eng = self.by_id.get(engine_id)
+        if eng is None:
+            snap = self.snapshot
+            why = (
+                f"it {snap.gone[engine_id]}"
+                if snap and engine_id in snap.gone
+                else "it is not in the current snapshot"
+            )
+            raise UnknownEngine(
+                f"cannot pin to engine {engine_id!r}: {why}; "
+                f"live engines: {', '.join(self.by_id) or 'none'}"
+            )
+        self.counters["pinned"] += 1
+        return eng, True
+
+    # how much one prompt token weighs against one output token in a route's work:
+    # prefill runs many tokens per step, decode one per request per step
+    prompt_weight = 0.05
+
+    def _cost(self, info: RequestInfo) -> float:
+        """A route's cost relative to the typical route (1.0 when it gave no size):
+        its work (prompt tokens x prompt_weight + output tokens, or the mean output
+        when unknown) over an EWMA of the work of recent routes."""
+        if info.prompt_tokens is None and info.output_tokens is None:
+            return 1.0
+        out = info.output_tokens
+        work = (info.prompt_tokens or 0) * self.prompt_weight + (out if out is not None else 0)
+        mean = self._mean_work
+        if mean <= 0.0:
+            self._mean_work = max(work, 1e-9)
+            return 1.0
+        self._mean_work = mean + (work - mean) / 256.0
+        return min(10.0, max(0.1, work / mean))
 
     def finished(self, decision: Decision) -> None:
         """The request of ``decision`` ended (idempotent)."""
@@ -440,6 +489,9 @@ class RouterCore:
                 eng.pending = max(0, eng.pending - 1)
                 if eng.times:
                     eng.times.pop()
+                if eng.costs:
+                    eng.pending_cost -= eng.costs.pop()
+                _trim_costs(eng)
             self._finish(decision)
 
     def failed(self, decision: Decision) -> bool:
@@ -466,4 +518,40 @@ class RouterCore:
         """Each engine's estimated load as this router sees it (for status/debug)."""
         with self.lock:
             w = self.pending_weight
-            return {e.engine_id: e.waiting + e.running + e.pending * w for e in self.known}
+            return {e.engine_id: e.waiting + e.running + e.pending_cost * w for e in self.known}
+
+
+def _trim_costs(e: EngineView) -> None:
+    """Keep the costs of the ``pending`` newest routes (the engine takes requests in
+    the order they reach it, so the oldest are the ones the snapshot counted)."""
+    costs = e.costs
+    if len(costs) > e.pending:
+        while len(costs) > e.pending:
+            costs.popleft()
+        e.pending_cost = sum(costs)
+    elif not costs:
+        e.pending_cost = 0.0
+
+
+MAX_KEY_LEN = 1024
+
+
+def request_info(
+    key: str | None,
+    prompt_tokens: int | None,
+    output_tokens: int | None,
+    blocks: Iterable[int] | None,
+) -> RequestInfo:
+    """Check what route() was told about a request (TypeError / ValueError naming the
+    argument) and hold it as a RequestInfo."""
+    if key is not None and (not isinstance(key, str) or len(key) > MAX_KEY_LEN):
+        raise ValueError(f"key must be a str of at most {MAX_KEY_LEN} characters, got {key!r:.60}")
+    for name, v in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{name} must be a whole number >= 0, got {v!r}")
+    hashes: tuple[int, ...] = ()
+    if blocks:
+        hashes = tuple(blocks)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in hashes):
+            raise ValueError("blocks must be integers (hashes of the prompt's token blocks)")
+    return RequestInfo(key, prompt_tokens, output_tokens, hashes)
