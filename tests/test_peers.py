@@ -165,8 +165,8 @@ def test_sglang_tree_evicts_each_tenants_least_recent_leaves_at_its_limit() -> N
     assert pol.tree_size("e1") == 3
     assert pol.prefix_match([7, 8, 9]) == (3, "e0")
     assert pol.prefix_match([1, 2, 3])[0] == 2  # block 2 is still e1's; 3 is gone
-    assert set(pol.nodes[1].tenants) == {"e0", "e1"}
-    assert set(pol.nodes[2].tenants) == {"e1"}
+    assert set(pol.nodes[1]) == {"e0", "e1"}
+    assert set(pol.nodes[2]) == {"e1"}
 
 
 def test_sglang_tree_limit_scales_with_the_engines_kv_cache() -> None:

@@ -67,16 +67,6 @@ class PowerOfTwoPolicy(Policy):
         return b if b.inflight < a.inflight else a
 
 
-class _Node:
-    """One block of the approximate radix tree: the tenants (engines) that hold it,
-    in insertion order (SGLang takes "the first tenant" of a DashMap: arbitrary)."""
-
-    __slots__ = ("tenants",)
-
-    def __init__(self) -> None:
-        self.tenants: dict[str, None] = {}
-
-
 class SglangCacheAwarePolicy(Policy):
     """SGLang router's ``cache_aware`` policy (the router's default).
 
@@ -130,7 +120,9 @@ class SglangCacheAwarePolicy(Policy):
         if max_tree_blocks is None:
             max_tree_blocks = max(1, round(kv_blocks * 2**20 / REFERENCE_KV_BLOCKS))
         self.max_tree_blocks = max_tree_blocks
-        self.nodes: dict[int, _Node] = {}  # chained block hash -> node
+        # the tree: chained block hash -> the tenants (engines) holding that block, in
+        # insertion order (SGLang takes "the first tenant" of a DashMap: arbitrary)
+        self.nodes: dict[int, dict[str, None]] = {}
         # per tenant: its nodes, least recently used first; ancestors are always
         # more recent than their descendants, so the first one is a leaf of it
         self.lru: dict[str, OrderedDict[int, None]] = {}
@@ -169,7 +161,7 @@ class SglangCacheAwarePolicy(Policy):
             n += 1
         if node is None:
             return 0, None
-        tenant = next(iter(node.tenants))
+        tenant = next(iter(node))
         lru = self.lru[tenant]
         for k in range(n - 1, -1, -1):  # deepest first: ancestors end up more recent
             if blocks[k] in lru:  # (always, unless a prompt repeats a hash)
@@ -179,21 +171,21 @@ class SglangCacheAwarePolicy(Policy):
     def insert(self, blocks: Sequence[int], tenant: str) -> None:
         nodes = self.nodes
         lru = self.lru.setdefault(tenant, OrderedDict())
-        for h in reversed(blocks):
-            nd = nodes.get(h)
-            if nd is None:
-                nd = nodes[h] = _Node()
-            if tenant in nd.tenants:
+        for h in reversed(blocks):  # deepest first: ancestors end up more recent
+            tenants = nodes.get(h)
+            if tenants is None:
+                nodes[h] = {tenant: None}
+                lru[h] = None
+            elif tenant in tenants:
                 lru.move_to_end(h)
             else:
-                nd.tenants[tenant] = None
+                tenants[tenant] = None
                 lru[h] = None
-        over = len(lru) - self.max_tree_blocks
-        for _ in range(over):
+        for _ in range(len(lru) - self.max_tree_blocks):
             h, _ = lru.popitem(last=False)
-            nd = nodes[h]
-            del nd.tenants[tenant]
-            if not nd.tenants:
+            tenants = nodes[h]
+            del tenants[tenant]
+            if not tenants:
                 del nodes[h]
 
     def pick(self, core: RoutingState) -> EngineView:
