@@ -129,9 +129,11 @@ class SglangCacheAwarePolicy(Policy):
         self.order: list[str] = []  # the fixed arbitrary tie order of tenants
         self._ids: tuple[str, ...] = ()
         self._salt: int | None = None
+        self.by_id: dict[str, EngineView] = {}
 
     def reset(self, core: RoutingState) -> None:
-        ids = tuple(e.engine_id for e in core.engines)
+        self.by_id = {e.engine_id: e for e in core.engines}
+        ids = tuple(self.by_id)
         if ids == self._ids:
             return
         self._ids = ids
@@ -205,10 +207,9 @@ class SglangCacheAwarePolicy(Policy):
                 s = len(lru[eid])
                 if s < size:
                     chosen, size = eid, s
-        for e in engines:  # SGLang: the chosen worker if healthy, else the first one
-            if e.engine_id == chosen:
-                return e
-        return engines[0]
+        # SGLang: the chosen worker if it is healthy, else the first healthy one
+        eng = self.by_id.get(chosen) if chosen is not None else None
+        return eng if eng is not None else engines[0]
 
     def routed(self, core: RoutingState, eng: EngineView) -> None:
         blocks = _blocks(core)
