@@ -86,18 +86,17 @@ local function begin_reports(d, engines, candidate, now, now_text)
   local records = {}
   for i = 1, n do records[engines[i]] = h[i + 4] or false end
   local behind = tonumber(h[3]) or 0
+  -- (the lists and tables a report rarely needs are made when first used)
   return {
-    d = d, now = now, now_text = now_text, records = records,
+    d = d, now = now, now_text = now_text, records = records, fields = {},
     pub = tonumber(h[1]), behind = behind, old_behind = behind,
-    since = h[2] and true or false, since_set = false, next_reap = h[4],
-    settings = {}, rebase = nil, rebase_set = false,
-    fields = {}, heartbeats = {}, counters = {}, counter_names = {}, meta_set = {}, meta_del = {},
-    refreshed = false, changed = false, publish_due = false,
+    since = h[2] and true or false, next_reap = h[4],
   }
 end
 
 -- One deployment setting, read once per pass.
 local function pass_setting(p, name)
+  if not p.settings then p.settings = {} end
   local v = p.settings[name]
   if not v then
     v = config_value(p.d, name)
@@ -108,6 +107,7 @@ end
 
 -- Add n to a counter in meta at the end of the pass.
 local function pass_count(p, field)
+  if not p.counters then p.counters, p.counter_names = {}, {} end
   if not p.counters[field] then
     p.counters[field] = 0
     p.counter_names[#p.counter_names + 1] = field
@@ -117,6 +117,16 @@ end
 
 local function push2(t, a, b)
   t[#t + 1], t[#t + 2] = a, b
+end
+
+-- The list p[name], made when first used.
+local function pass_list(p, name)
+  local t = p[name]
+  if not t then
+    t = {}
+    p[name] = t
+  end
+  return t
 end
 
 -- A member counts in .behind while its newest report is at or before pub.
@@ -142,13 +152,13 @@ local function apply_report(p, e)
   if rec and inc ~= '-' and rec.inc ~= '-' and inc ~= rec.inc then
     if started_before(inc, rec.inc) then -- a process older than the record's: refused
       pass_count(p, 'conflicts')
-      push2(p.meta_set, 'conflict:' .. engine, now_text .. ' ' .. inc .. ' ' .. rec.inc)
+      push2(pass_list(p, 'meta_set'), 'conflict:' .. engine, now_text .. ' ' .. inc .. ' ' .. rec.inc)
       return {'conflict', 0, wave, step, rec.inc}
     end
     -- a restart: the old record leaves, this report joins
     if counted(rec.flag, rec.score, pub) then p.behind = p.behind - 1 end
     pass_count(p, 'restarted')
-    push2(p.meta_del, 'stale:' .. engine, 'suspect:' .. engine)
+    push2(pass_list(p, 'meta_del'), 'stale:' .. engine, 'suspect:' .. engine)
     rec, changed, restarted = nil, true, true
   end
 
@@ -198,7 +208,8 @@ local function apply_report(p, e)
     if progress == '0' and rec.progress ~= '0' then last_progress = rec.progress end
     if rec.suspect > now then -- cleared by progress, else kept
       if progress == '1' then
-        p.meta_del[#p.meta_del + 1] = 'suspect:' .. engine
+        local del = pass_list(p, 'meta_del')
+        del[#del + 1] = 'suspect:' .. engine
         changed = true
       else
         suspect = int_text(rec.suspect)
@@ -224,7 +235,7 @@ local function apply_report(p, e)
   -- the heartbeat in members is refreshed every dead_after_ms / 8
   if now >= (tonumber(due) or 0) then
     due = int_text(now + math.floor(pass_setting(p, 'dead_after_ms') / 8))
-    push2(p.heartbeats, now_text, engine)
+    push2(pass_list(p, 'heartbeats'), now_text, engine)
   end
 
   local score_text = score == raw and wave == 0 and step_text or int_text(score)
@@ -254,16 +265,16 @@ local function end_reports(p)
     push2(fields, '.rebase', p.rebase[1])
     push2(fields, '.rebase_ms', p.rebase[2])
   end
-  local reap_due = #p.heartbeats > 0 and now >= (tonumber(p.next_reap) or 0)
+  local reap_due = p.heartbeats and now >= (tonumber(p.next_reap) or 0)
   local dead_after = reap_due and pass_setting(p, 'dead_after_ms')
   if reap_due then push2(fields, '.next_reap', now + math.floor(dead_after / 4)) end
   if #fields > 0 then redis.call('HSET', d.reports, unpack(fields)) end
-  if #p.heartbeats > 0 then redis.call('ZADD', d.members, unpack(p.heartbeats)) end
-  for _, field in ipairs(p.counter_names) do
+  if p.heartbeats then redis.call('ZADD', d.members, unpack(p.heartbeats)) end
+  for _, field in ipairs(p.counter_names or {}) do
     redis.call('HINCRBY', d.meta, field, p.counters[field])
   end
-  if #p.meta_del > 0 then redis.call('HDEL', d.meta, unpack(p.meta_del)) end
-  if #p.meta_set > 0 then redis.call('HSET', d.meta, unpack(p.meta_set)) end
+  if p.meta_del then redis.call('HDEL', d.meta, unpack(p.meta_del)) end
+  if p.meta_set then redis.call('HSET', d.meta, unpack(p.meta_set)) end
 
   local changed = p.changed
   if reap_due and #expire_engines(d, dead_after, now, 8) > 0 then changed = true end
