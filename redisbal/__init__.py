@@ -1,6 +1,7 @@
 """redisbal: a Redis-backed shared-state load balancer for data-parallel LLM engines.
 
-Engines report step-tagged queue counts (``EngineReporter``); a Lua barrier in
+Engines report step-tagged queue counts (``EngineReporter``; ``BatchReporter`` for a
+process that reports several engines, one call per round); a Lua barrier in
 Redis publishes a consistent snapshot once every live engine has reported the
 step; API servers route each request locally from that snapshot plus their own
 bookkeeping (``AsyncRouter`` / ``Router``); ``redisbal coordinator`` keeps
@@ -8,6 +9,7 @@ membership, liveness and stalled barriers in order. A custom routing policy is a
 ``Policy`` or a ``ScoringPolicy`` (a score per ``EngineView``, lowest wins).
 """
 
+from redisbal.batch import AsyncBatchReporter, BatchReporter
 from redisbal.engine import (
     AsyncEngineReporter,
     EngineReporter,
@@ -37,8 +39,10 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
+    "AsyncBatchReporter",
     "AsyncEngineReporter",
     "AsyncRouter",
+    "BatchReporter",
     "Decision",
     "DeploymentKeys",
     "EngineCounts",

@@ -252,6 +252,20 @@ class _Reporter:
         wait: bool = False,
         timeout: float | None = 10.0,
     ) -> ReportResult | _Wait:
+        args = self._checked(step, waiting, running, wave, kv_usage, admitted, progress)
+        return self._submit(args, wait, timeout)
+
+    def _checked(
+        self,
+        step: int | None = None,
+        waiting: int = 0,
+        running: int = 0,
+        wave: int = 0,
+        kv_usage: float | None = None,
+        admitted: Sequence[int] | None = None,
+        progress: bool = True,
+    ) -> list[str]:
+        """A report checked (InvalidReport names the field): what ``_submit`` takes."""
         args = validate_report(
             mode=self.mode,
             step=step,
@@ -262,6 +276,10 @@ class _Reporter:
             admitted=admitted,
         )
         args.append("1" if progress else "0")
+        return args
+
+    def _submit(self, args: list[str], wait: bool, timeout: float | None) -> ReportResult | _Wait:
+        """Hand a checked report to the sender."""
         tag = tag_of(args) if self.mode == "lockstep" else None
         out = self.sender.submit(self._lane, args, tag, wait)
         if isinstance(out, ReportResult):

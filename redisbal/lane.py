@@ -1,6 +1,7 @@
-"""One engine's slot in a report sender (``Lane``), and what becomes of its reports
-(``ReportResult``, ``ReporterStats``): the types the reporters and the sender share
-(redisbal.engine, redisbal.sender)."""
+"""One engine's slot in a report sender (``Lane``), what becomes of its reports
+(``ReportResult``, ``ReporterStats``), and the operations of one round (``Op``) and
+how a batching sender groups them into calls: the types the reporters and the
+sender share (redisbal.engine, redisbal.sender, redisbal.batch)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import collections
 import concurrent.futures
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 from redisbal.scripts import Scripts
 
@@ -86,3 +88,51 @@ class Lane:
 def tag_of(args: list[str]) -> Tag:
     """(wave, step) of a report's ARGV; (0, 0) in tick mode (the server assigns it)."""
     return (int(args[0]), int(args[1])) if args[1] != "tick" else (0, 0)
+
+
+@dataclass(eq=False, slots=True)
+class Op:
+    """One thing a sender's round does for a lane."""
+
+    kind: str  # "report", "register" or "url"
+    lane: Lane
+    args: list[str]  # report: Lane.pending's form; register: []
+    waiters: list[Any]
+    heartbeat: bool = False
+
+
+MAX_REPORTS = 1024  # reports per lua/report_many.lua call (its MAX_REPORTS)
+
+
+def group_calls(ops: list[Op], batch: bool) -> list[list[Op]]:
+    """The calls a round makes, in order: one per op, or (``batch``) the reports of one
+    deployment together, one report_many call each (an engine at most once per call,
+    at most MAX_REPORTS reports)."""
+    if not batch:
+        return [[op] for op in ops]
+    calls: list[list[Op]] = []
+    open_calls: dict[str, tuple[list[Op], set[str]]] = {}
+    for op in ops:
+        if op.kind != "report":
+            calls.append([op])
+            continue
+        key = op.lane.scripts.keys.deployment
+        call, ids = open_calls.get(key, (None, None))
+        if call is None or ids is None or len(call) >= MAX_REPORTS or op.lane.engine_id in ids:
+            call, ids = [], set()
+            open_calls[key] = (call, ids)
+            calls.append(call)
+        call.append(op)
+        ids.add(op.lane.engine_id)
+    return calls
+
+
+def report_many_argv(call: list[Op]) -> list[str]:
+    """ARGV of lua/report_many.lua after deployment and publish command, for a call of
+    report ops: the epoch candidate ("r-" when one of the engines had state), the count
+    and each engine's nine fields."""
+    lane = next((op.lane for op in call if op.lane.had_state), call[0].lane)
+    argv = [lane.candidate(), str(len(call))]
+    for op in call:
+        argv += [op.lane.engine_id, *op.args[:-1], op.lane.incarnation, op.args[-1]]
+    return argv

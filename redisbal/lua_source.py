@@ -37,6 +37,7 @@ from redisbal.config import LEASE_TTL, SETTINGS
 # The operations, each lua/<name>.lua; scripts.Scripts.call takes these names.
 SCRIPT_NAMES = (
     "report",
+    "report_many",
     "leave",
     "register",
     "reap",

@@ -42,12 +42,13 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
+
+import redis.exceptions
 
 from redisbal.background import BackgroundLoop
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
-from redisbal.lane import Lane, ReportResult, Tag, tag_of
+from redisbal.lane import Lane, Op, ReportResult, Tag, group_calls, report_many_argv, tag_of
 from redisbal.scripts import report_reply
 
 log = logging.getLogger("redisbal.engine")
@@ -59,13 +60,14 @@ WARN_EVERY_S = 60.0
 MAX_BATCH = 256
 
 
-@dataclass(eq=False, slots=True)
-class _Op:
-    kind: str  # "report", "register" or "url"
-    lane: Lane
-    args: list[str]  # report: Lane.pending's form; register: []
-    waiters: list[Any]
-    heartbeat: bool = False
+def _spread(call: list[Op], out: Any) -> list[tuple[Op, Any]]:
+    """Each op of a call with its result: a report_many call's reply holds one per op."""
+    if len(call) == 1 or isinstance(out, Exception):
+        return [(op, out) for op in call]
+    if not isinstance(out, list) or len(out) != len(call):
+        bad = redis.exceptions.ResponseError(f"report_many: {len(call)} replies expected")
+        return [(op, bad) for op in call]
+    return list(zip(call, out, strict=True))
 
 
 def _resolve(waiters: list[Any], value: Any) -> None:
@@ -80,7 +82,9 @@ class ReportSender:
     Share one between many reporters of a process (``sender=``) and their reports
     travel together, one round trip per round. ``threaded=True`` runs it on its own
     event loop in a daemon thread (what ``EngineReporter`` needs); otherwise it runs
-    on the event loop of the first reporter that uses it.
+    on the event loop of the first reporter that uses it. ``batch=True`` sends the
+    reports of one deployment in one lua/report_many.lua call per round (what
+    ``BatchReporter`` uses) instead of one report call each.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class ReportSender:
         backoff_s: float = 0.2,
         max_backoff_s: float = 1.0,
         timeout_s: float = 1.0,
+        batch: bool = False,
     ) -> None:
         if client is None:
             if not redis_url:
@@ -111,6 +116,7 @@ class ReportSender:
         self.backoff_s = backoff_s
         self.max_backoff_s = max(max_backoff_s, backoff_s)
         self.timeout_s = timeout_s
+        self.batch = batch
         self.batches = 0  # round trips made
         self.failed_batches = 0
         self._lock = threading.Lock()
@@ -298,27 +304,27 @@ class ReportSender:
             with self._lock:
                 self._idle = False
 
-    def _take(self, now: float) -> list[_Op]:
+    def _take(self, now: float) -> list[Op]:
         """Everything due, registrations first: an engine registered before another's
         report was handed over is a member when that report runs, so the first
         snapshot waits for it (as when registering was a round trip of its own)."""
-        registers: list[_Op] = []
-        reports: list[_Op] = []
+        registers: list[Op] = []
+        reports: list[Op] = []
         lanes = self._lanes[self._rr :] + self._lanes[: self._rr]
         self._rr = (self._rr + 1) % max(1, len(self._lanes))
         for lane in lanes:
             if len(registers) + len(reports) >= MAX_BATCH:
                 break
             if lane.register:
-                registers.append(_Op("register", lane, [], lane.register_waiters))
+                registers.append(Op("register", lane, [], lane.register_waiters))
                 lane.register, lane.register_waiters = False, []
                 lane.inflight += 1
             if lane.url is not None and lane.attached and now >= lane.url_due:
-                registers.append(_Op("url", lane, [], []))
+                registers.append(Op("url", lane, [], []))
                 lane.url_due = now + URL_REFRESH_S  # (a failed write makes it due again)
                 lane.inflight += 1
             if lane.pending is not None:
-                reports.append(_Op("report", lane, lane.pending, lane.waiters))
+                reports.append(Op("report", lane, lane.pending, lane.waiters))
                 lane.pending, lane.waiters = None, []
                 lane.inflight += 1
             elif (
@@ -327,7 +333,7 @@ class ReportSender:
                 and now - lane.last_sent >= lane.heartbeat_s
             ):
                 beat = [*lane.last_args[:-1], "0"]  # unchanged counts: no progress
-                reports.append(_Op("report", lane, beat, [], heartbeat=True))
+                reports.append(Op("report", lane, beat, [], heartbeat=True))
                 lane.inflight += 1
         return registers + reports
 
@@ -341,14 +347,14 @@ class ReportSender:
         ]
         return max(0.001, min(due, default=1.0))
 
-    async def _send(self, batch: list[_Op]) -> None:
+    async def _send(self, batch: list[Op]) -> None:
         started = time.monotonic()
         outs = await self._round_trip(batch)
         now = time.monotonic()
         self.batches += 1
-        outage = next((o for o in outs if isinstance(o, OUTAGE_ERRORS)), None)
+        outage = next((o for _, o in outs if isinstance(o, OUTAGE_ERRORS)), None)
         with self._lock:
-            for op, out in zip(batch, outs, strict=True):
+            for op, out in outs:
                 op.lane.inflight -= 1
                 self._settle(op, out, now)
             if outage is not None:
@@ -361,54 +367,65 @@ class ReportSender:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(refresh_slots(self.client), self.timeout_s + 1.0)
 
-    async def _round_trip(self, batch: list[_Op]) -> list[Any]:
-        """One result (or exception) per op. Several ops go in one pipeline once every
-        lane's Scripts knows its mode; on a cluster, one call per op, concurrently."""
+    async def _round_trip(self, batch: list[Op]) -> list[tuple[Op, Any]]:
+        """Each op with its result (or exception). The calls (group_calls) go in one
+        pipeline once every lane's Scripts knows its mode; on a cluster, one at a time,
+        concurrently."""
+        calls = group_calls(batch, self.batch)
         guard = self.timeout_s + 1.0  # a client without socket timeouts must not hang us
         try:
             if (
-                len(batch) > 1
+                len(calls) > 1
                 and not self._cluster
                 and all(op.lane.scripts.mode != "probe" for op in batch)
             ):
-                return await asyncio.wait_for(self._pipelined(batch), guard)
-            return await asyncio.wait_for(self._singly(batch), guard)
-        except Exception as exc:  # an outage, or a failure of the round as a whole
-            return [exc] * len(batch)
-
-    async def _pipelined(self, batch: list[_Op]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for op in batch:
-            if op.kind == "url":
-                queued = pipe.hset(op.lane.scripts.keys.urls, op.lane.engine_id, op.lane.url)
+                outs = await asyncio.wait_for(self._pipelined(calls), guard)
             else:
-                queued = op.lane.scripts.call(op.kind, *self._argv(op), client=pipe)
+                outs = await asyncio.wait_for(self._singly(calls), guard)
+        except Exception as exc:  # an outage, or a failure of the round as a whole
+            outs = [exc] * len(calls)
+        return [pair for call, out in zip(calls, outs, strict=True) for pair in _spread(call, out)]
+
+    async def _pipelined(self, calls: list[list[Op]]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for call in calls:
+            queued = self._issue(call, pipe)
             if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
                 await queued
         outs: list[Any] = list(await pipe.execute(raise_on_error=False))
-        for i, (op, out) in enumerate(zip(batch, outs, strict=True)):
+        for i, (call, out) in enumerate(zip(calls, outs, strict=True)):
             if isinstance(out, Exception) and not isinstance(out, OUTAGE_ERRORS):
-                outs[i] = await self._one(op)  # e.g. the library was flushed: reload
+                outs[i] = await self._one(call)  # e.g. the library was flushed: reload
         return outs
 
-    async def _singly(self, batch: list[_Op]) -> list[Any]:
-        """One call per op, concurrently: every registration, then every report."""
-        outs: list[Any] = []
+    async def _singly(self, calls: list[list[Op]]) -> list[Any]:
+        """One call at a time, concurrently: every registration, then every report."""
+        outs: list[Any] = [None] * len(calls)
         for kind in ("register", "url", "report"):
-            outs += await asyncio.gather(*(self._one(op) for op in batch if op.kind == kind))
+            todo = [i for i, call in enumerate(calls) if call[0].kind == kind]
+            done = await asyncio.gather(*(self._one(calls[i]) for i in todo))
+            for i, out in zip(todo, done, strict=True):
+                outs[i] = out
         return outs
 
-    async def _one(self, op: _Op) -> Any:
+    async def _one(self, call: list[Op]) -> Any:
         try:
-            if op.kind == "url":
-                lane = op.lane
-                return await self.client.hset(lane.scripts.keys.urls, lane.engine_id, lane.url)
-            return await op.lane.scripts.call(op.kind, *self._argv(op))
+            return await self._issue(call)
         except Exception as exc:  # handed to _settle: an outage, or an error to count
             return exc
 
+    def _issue(self, call: list[Op], pipe: Any = None) -> Any:
+        """Send (or queue on ``pipe``) one call: a URL write, a registration, a report,
+        or several engines' reports in one report_many."""
+        op, lane = call[0], call[0].lane
+        if op.kind == "url":
+            return (pipe or self.client).hset(lane.scripts.keys.urls, lane.engine_id, lane.url)
+        if len(call) > 1:
+            return lane.scripts.call("report_many", *report_many_argv(call), client=pipe)
+        return lane.scripts.call(op.kind, *self._argv(op), client=pipe)
+
     @staticmethod
-    def _argv(op: _Op) -> list[str]:
+    def _argv(op: Op) -> list[str]:
         """ARGV after deployment and publish command: a report's carries the counts, the
         incarnation and the progress flag (lua/report.lua); a registration's, the id."""
         lane = op.lane
@@ -416,7 +433,7 @@ class ReportSender:
             return [lane.candidate(), lane.engine_id, *op.args[:-1], lane.incarnation, op.args[-1]]
         return [lane.candidate(), lane.engine_id]
 
-    def _settle(self, op: _Op, out: Any, now: float) -> None:
+    def _settle(self, op: Op, out: Any, now: float) -> None:
         """Apply one op's outcome (caller holds the lock)."""
         lane = op.lane
         if op.kind == "url":  # the engine's URL: written again when due, never awaited

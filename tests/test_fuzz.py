@@ -226,6 +226,13 @@ def valid_argv(t: Target, name: str) -> list[str]:
     d = t.keys.deployment
     return {
         "report": [d, "PUBLISH", "ep1", "e0", "0", "3", "1", "2", "0.25", "5,6", INC, "1"],
+        # three reports; the fuzz breaks a field of the second (e1): nothing is stored
+        "report_many": [
+            *(d, "PUBLISH", "ep1", "3"),
+            *("e0", "0", "3", "1", "2", "0.25", "5,6", INC, "1"),
+            *("e1", "0", "3", "7", "8", "", "", "-", "0"),
+            *("e5", "0", "tick", "0", "0", "1", "", INC, "1"),
+        ],
         "leave": [d, "PUBLISH", "e0", INC],
         "register": [d, "PUBLISH", "ep1", "e7"],
         "reap": [d, "PUBLISH", "10", FENCE],
@@ -256,6 +263,20 @@ BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
         9: bad_admitted,
         10: bad_incarnation,
         11: weird_text.filter(lambda s: s not in ("0", "1")),
+    },
+    "report_many": {
+        0: bad_name,
+        1: bad_pubcmd,
+        3: bad_int(3, 3),
+        13: st.one_of(bad_name, st.sampled_from(["e0", "e5"])),  # e0, e5: given twice
+        14: bad_int(0, MAX_WAVE),
+        15: bad_int(0, MAX_STEP).filter(lambda s: s != "tick"),
+        16: bad_int(0, MAX_COUNT),
+        17: bad_int(0, MAX_COUNT),
+        18: bad_kv,
+        19: bad_admitted,
+        20: bad_incarnation,
+        21: weird_text.filter(lambda s: s not in ("0", "1")),
     },
     "leave": {0: bad_name, 1: bad_pubcmd, 2: bad_name, 3: bad_incarnation},
     "register": {0: bad_name, 1: bad_pubcmd, 3: bad_name},
@@ -347,6 +368,7 @@ def test_scripts_refuse_wrong_keys(target: Target, name: str, data: st.DataObjec
 
 MIN_ARGS = {
     "report": 10,
+    "report_many": 31,  # (a shorter ARGV does not match its count)
     "leave": 3,
     "register": 3,
     "reap": 3,
@@ -358,6 +380,7 @@ MIN_ARGS = {
 }
 MAX_ARGS = {
     "report": 12,
+    "report_many": 31,
     "leave": 4,
     "reap": 4,
     "force": 4,

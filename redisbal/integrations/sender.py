@@ -20,9 +20,9 @@ until new counts come. How long counts are re-sent:
 the deployment's routers to avoid it (the mark lasts the deployment's
 ``suspect_ms``; at most one a second per engine).
 
-Each flush hands the engines' reports to their reporters, which share the process's
-one sender per Redis URL (``redisbal.sender``): the reports of all the engines of a
-flush reach Redis together, in one round trip, and outages are retried there.
+Each flush hands the engines' reports to one ``BatchReporter`` (``redisbal.batch``):
+the reports of all the engines of a flush reach Redis together, in one report_many
+call, and outages are retried there.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from typing import Any
 
 import redis.exceptions
 
+from redisbal.batch import BatchReporter
 from redisbal.connection import is_cluster, make_client, redact
-from redisbal.engine import EngineReporter, validate_report
+from redisbal.engine import validate_report
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.scripts import Scripts, suspect_reason
 
@@ -57,7 +58,6 @@ def sanitise(value: object) -> str:
 
 @dataclass
 class _Engine:
-    reporter: EngineReporter
     pending: dict[str, Any] | None = None
     last: dict[str, Any] | None = None
     submitted: float = 0.0  # monotonic time of the latest submit()
@@ -110,6 +110,10 @@ class CountsRelay:
         self.max_age_s = max_age_s
         self.idle_forever = idle_forever
         self.incarnation = incarnation  # shared by processes that speak for one engine
+        # the engines' reports, one report_many call per round; heartbeats are ours
+        self._batch = BatchReporter(
+            redis_url, self.deployment, mode=mode, heartbeat=False, incarnation=incarnation
+        )
         self._engines: dict[str, _Engine] = {}
         self._suspects: dict[str, str] = {}  # engine id -> reason, to mark in Redis
         self._suspect_after: dict[str, float] = {}  # engine id -> next mark allowed
@@ -131,19 +135,10 @@ class CountsRelay:
         with self._lock:
             if engine_id in self._engines:
                 return
-            kw: dict[str, Any] = {}
-            if url:
-                kw["url"] = url  # the reporter's sender writes it to the urls hash
-            rep = EngineReporter(
-                self.redis_url,
-                self.deployment,
-                engine_id,
-                mode=self.mode,
-                heartbeat=False,
-                incarnation=self.incarnation,
-                **kw,
-            )  # registers at once: the shared sender sends registrations before reports
-            self._engines[engine_id] = _Engine(rep)
+            # registers at once: the sender sends registrations before reports; the url
+            # (where gateways send the engine's requests) goes to the urls hash
+            self._batch.add(engine_id, url or None)
+            self._engines[engine_id] = _Engine()
         self._wake.set()
 
     def engines(self) -> list[str]:
@@ -222,19 +217,19 @@ class CountsRelay:
 
     def stats(self, engine_id: str) -> dict[str, int]:
         """The engine's reporter counters (queued, sent, accepted, unavailable, ...)."""
-        with self._lock:
-            rep = self._engines[engine_id].reporter
-        return dataclasses.asdict(rep.stats)
+        if engine_id not in self._engines:
+            raise KeyError(f"unknown engine {engine_id!r}")
+        return dataclasses.asdict(self._batch.stats[engine_id])
 
     # -- the sender thread ---------------------------------------------------------------
 
-    def _due(self, now: float) -> list[tuple[_Engine, dict[str, Any]]]:
+    def _due(self, now: float) -> list[tuple[str, _Engine, dict[str, Any]]]:
         """What to send now: new counts, and re-sends of the last ones (no progress)."""
         out = []
         with self._lock:
-            for eng in self._engines.values():
+            for eid, eng in self._engines.items():
                 if eng.pending is not None:
-                    out.append((eng, eng.pending))
+                    out.append((eid, eng, eng.pending))
                     eng.last, eng.pending = eng.pending, None
                 elif (
                     not eng.paused
@@ -250,18 +245,18 @@ class CountsRelay:
                         )
                     )
                 ):
-                    out.append((eng, {**eng.last, "progress": False}))
+                    out.append((eid, eng, {**eng.last, "progress": False}))
         return out
 
-    def _flush(self, batch: list[tuple[_Engine, dict[str, Any]]]) -> None:
+    def _flush(self, batch: list[tuple[str, _Engine, dict[str, Any]]]) -> None:
         self.flushes += 1
-        for eng, counts in batch:
-            rep = eng.reporter
-            eng.sent = time.monotonic()
-            try:
-                rep.report(**counts)  # a hand-off: the reporter's sender delivers and retries
-            except redis.exceptions.RedisError as exc:
-                self.warn.warning("send", "redisbal: report failed (%s): %s", self.url, exc)
+        now = time.monotonic()
+        for _, eng, _ in batch:
+            eng.sent = now
+        try:  # a hand-off: the batch reporter's sender delivers and retries
+            self._batch.report_many({eid: counts for eid, _, counts in batch})
+        except redis.exceptions.RedisError as exc:
+            self.warn.warning("send", "redisbal: report failed (%s): %s", self.url, exc)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -283,14 +278,12 @@ class CountsRelay:
         self._wake.set()
         self._thread.join(timeout=2)
         with self._lock:
-            engines = list(self._engines.values())
-            pending = [(e, e.pending) for e in engines if e.pending is not None]
+            pending = [(k, e, e.pending) for k, e in self._engines.items() if e.pending is not None]
         with contextlib.suppress(Exception):
             if pending:
                 self._flush(pending)  # type: ignore[arg-type]
-        for eng in engines:
-            with contextlib.suppress(Exception):
-                eng.reporter.close(leave=leave)
+        with contextlib.suppress(Exception):
+            self._batch.close(leave=leave)
         if self._mark_client is not None:
             with contextlib.suppress(Exception):
                 self._mark_client.close()

@@ -33,8 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redisbal.batch import AsyncBatchReporter
 from redisbal.connection import make_client, redact
-from redisbal.engine import AsyncEngineReporter
 from redisbal.keys import check_name
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.sim.transport import NO_BURST, POP_BATCH, RequestMsg, SimKeys, popped
@@ -205,7 +205,7 @@ class EngineSimRunner:
         self._stop = asyncio.Event()
         self._last_pull = float("-inf")
         self.client: Any = None
-        self.reporters: dict[str, AsyncEngineReporter] = {}
+        self.reporter: AsyncBatchReporter | None = None  # every engine: one call per round
 
     def stop(self) -> None:
         self._stop.set()
@@ -259,13 +259,14 @@ class EngineSimRunner:
         """Queue engine eid's report; ``before_step``: its input queue was just taken
         and the step is about to run (lockstep: tagged with that step's number)."""
         eng = self.engines[eid]
-        rep = self.reporters[eid]
+        rep = self.reporter
+        assert rep is not None
         w, r = len(eng.waiting), len(eng.running)
         if self.mode == "lockstep":
             step = eng.step_no + 1 if before_step else eng.step_no
-            rep.report_nowait(step, w, r, eng.wave, admitted=eng.admitted)
+            rep.report_nowait(eid, step, w, r, eng.wave, admitted=eng.admitted)
         else:
-            rep.report_nowait(None, w, r, admitted=eng.admitted)
+            rep.report_nowait(eid, None, w, r, admitted=eng.admitted)
 
     # -- loops --------------------------------------------------------------------------------
 
@@ -348,21 +349,18 @@ class EngineSimRunner:
         self.client = make_client(self.url, asyncio=True, socket_timeout=5.0)
         try:
             await self.client.delete(*self._req_keys.values())
-            for eid in self.engines:
-                rep = AsyncEngineReporter(
-                    deployment=self.deployment,
-                    engine_id=eid,
-                    mode=self.mode,
-                    client=self.client,
-                    heartbeat_s=self.heartbeat_s,
-                )
-                self.reporters[eid] = rep
-                await rep.register()
-            for eid, eng in self.engines.items():
-                if self.mode == "lockstep":
-                    await self.reporters[eid].report(0, 0, 0, 0, admitted=eng.admitted)
-                else:
-                    await self.reporters[eid].report(None, 0, 0, admitted=eng.admitted)
+            rep = self.reporter = AsyncBatchReporter(
+                deployment=self.deployment,
+                engine_ids=list(self.engines),
+                mode=self.mode,
+                client=self.client,
+                heartbeat_s=self.heartbeat_s,
+            )
+            await rep.register()
+            step = 0 if self.mode == "lockstep" else None
+            await rep.report_many(
+                {eid: {"step": step, "admitted": e.admitted} for eid, e in self.engines.items()}
+            )
             log.info(
                 "engine-sim: %d %s engines (%s) of deployment %s on %s",
                 len(self.engines),
@@ -379,9 +377,9 @@ class EngineSimRunner:
                 await self._independent(end)
             self.stats.sample(self.engines.values(), loop.time())
         finally:
-            for rep in self.reporters.values():
+            if self.reporter is not None:
                 with contextlib.suppress(Exception):
-                    await rep.aclose()
+                    await self.reporter.aclose()
             with contextlib.suppress(Exception):
                 await self.client.aclose()
         return self.stats
