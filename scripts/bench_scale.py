@@ -103,7 +103,24 @@ def node_delta(a: dict[str, Any], b: dict[str, Any], dt: float, steps: int) -> d
         kb = b.get(f"cmdstat_{cmd}", {"calls": 0, "usec": 0})
         calls, usec = kb["calls"] - ka["calls"], kb["usec"] - ka["usec"]
         if calls:
-            out["commands"][cmd] = {"calls_per_s": calls / dt, "usec_per_call": usec / calls}
+            out["commands"][cmd] = {
+                "calls_per_s": calls / dt,
+                "usec_per_call": usec / calls,
+                "ms_per_step": usec / 1000 / steps if steps else None,
+            }
+    # where a step's Redis CPU goes: the report calls without the publish inside the one
+    # that completes the barrier (records, barrier, snapshot JSON), the PUBLISH (fan-out
+    # into the subscribers' buffers), and the rest (socket writes, GETs, event loop)
+    cmds = out["commands"]
+    call = cmds.get("fcall") or cmds.get("evalsha")
+    pub = cmds.get("publish") or cmds.get("spublish") or {}
+    if call and steps:
+        pub_ms = pub.get("ms_per_step") or 0.0
+        out["step_ms"] = {
+            "reports_ms": call["ms_per_step"] - pub_ms,
+            "publish_ms": pub_ms,
+            "other_ms": out["cpu_ms_per_step"] - call["ms_per_step"],
+        }
     return out
 
 
