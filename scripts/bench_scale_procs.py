@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import inspect
 import random
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,9 @@ from redisbal.keys import DeploymentKeys
 from redisbal.router import AsyncRouter
 from redisbal.scripts import Scripts
 
-# (wall time of receipt, parse+adopt thread CPU s, bytes, step or -1, process CPU s)
+STEP_RE = re.compile(rb'"step":(\d+)')
+# (wall time of receipt, parse+adopt thread CPU s, bytes, step (-step-1: not adopted),
+# process CPU s)
 Record = tuple[float, float, int, int, float]
 
 
@@ -212,8 +215,15 @@ class MeasuredRouter(AsyncRouter):
         cpu = time.thread_time() - c0
         if self._polling or not data:
             return
+        # the step of every pushed snapshot, adopted or not: a feed that lags behind the
+        # channel adopts the newer one its periodic GET fetched first, and the messages
+        # then arrive as old versions; their arrival still counts for latency
         snap = self.core.snapshot
-        step = snap.step if snap is not None and snap is not before else -1
+        if snap is not None and snap is not before:
+            step = snap.step
+        else:
+            m = STEP_RE.search(data[:400] if isinstance(data, bytes) else data[:400].encode())
+            step = -int(m.group(1)) - 1 if m else -1
         self.records.append((t, cpu, len(data), step, time.process_time()))
 
 
