@@ -25,8 +25,15 @@ router feed (``AsyncRouter``). After ``--warmup`` s it measures for
   parsing included), as ms and as % of a core at the snapshot rate it got.
 
 No coordinator runs (no forced snapshots; the config sets a long dead_after_ms so
-that a starved driver does not expire engines). Routers poll the stored snapshot
-every ``--poll-s`` (the feed's default 1 s), which Redis pays as GETs.
+that a starved driver does not expire engines). On a shared host the server it
+starts runs at niceness ``--redis-nice`` and the drivers at ``--driver-nice``
+(when permitted), as if Redis had its own core: commandstats time is wall time,
+inflated whenever redis-server waits for a CPU. Routers get what is left, so on
+a small host their latency at large K measures the host, not redisbal.
+``--batch N`` is refused until the library has a batched reporter; it is wired
+in ``StepSender`` (scripts/bench_scale_procs.py), the one place a step is sent.
+Routers poll the stored snapshot every ``--poll-s`` (the feed's default 1 s),
+which Redis pays as GETs.
 
 At the end it prints a table, fits a cost model over the points (Redis CPU per
 step = a + b*N + e*N*K; bytes per snapshot = c + d*N + f*N*K; router adoption
