@@ -30,8 +30,9 @@ starts runs at niceness ``--redis-nice`` and the drivers at ``--driver-nice``
 (when permitted), as if Redis had its own core: commandstats time is wall time,
 inflated whenever redis-server waits for a CPU. Routers get what is left, so on
 a small host their latency at large K measures the host, not redisbal.
-``--batch N`` is refused until the library has a batched reporter; it is wired
-in ``StepSender`` (scripts/bench_scale_procs.py), the one place a step is sent.
+``--batch N`` sends N engines' reports per lua/report_many.lua call (what
+``BatchReporter`` sends), in ``StepSender`` (scripts/bench_scale_procs.py), the
+one place a step is sent.
 Routers poll the stored snapshot every ``--poll-s`` (the feed's default 1 s),
 which Redis pays as GETs.
 
@@ -61,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from bench_scale_procs import DriverJob, Target, batch_reporter_class, driver_main, subscriber_main
+from bench_scale_procs import DriverJob, Target, driver_main, subscriber_main
 
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import Scripts
@@ -471,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rate <= 0 or args.duration <= 0 or args.warmup < 0 or args.drivers < 1:
         ap.error("--rate and --duration must be > 0, --warmup >= 0, --drivers >= 1")
-    if args.batch and batch_reporter_class() is None:
-        ap.error("--batch is not available: this redisbal has no BatchReporter/AsyncBatchReporter")
+    if args.batch < 0 or args.batch > 1024:
+        ap.error("--batch must be 0 (one report call per engine) to 1024")
     if args.cluster and args.redis_url:
         ap.error("--cluster starts its own cluster: give --cluster or --redis-url, not both")
     server: RedisServer | None = None

@@ -4,8 +4,8 @@ A driver reports the lockstep steps of its share of the engines, paced by a wall
 clock shared by every driver (step s is due at ``t0 + s / rate``; a driver that
 falls behind sends the next step at once, never skips one). One step of one
 driver is one call of ``send_step``: a pipeline of report calls, the path the
-library's ``ReportSender`` takes for many engines (``_pipelined``), or a batched
-report when a batch reporter exists (``--batch``). It records the wall-clock time
+library's ``ReportSender`` takes for many engines (``_pipelined``), or batched
+report_many calls (``--batch``). It records the wall-clock time
 (``time.time()``) just before each step's reports were written to the socket.
 
 A subscriber runs the real router feed (``AsyncRouter``) and records, for every
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import random
 import re
@@ -41,17 +40,6 @@ STEP_RE = re.compile(rb'"step":(\d+)')
 # (wall time of receipt, parse+adopt thread CPU s, bytes, step (-step-1: not adopted),
 # process CPU s)
 Record = tuple[float, float, int, int, float]
-
-
-def batch_reporter_class() -> Any:
-    """The library's batched reporter, if this checkout has one (None otherwise).
-    Looked up lazily so that this benchmark runs before and after it exists."""
-    redisbal = importlib.import_module("redisbal")
-    for name in ("AsyncBatchReporter", "BatchReporter"):
-        cls = getattr(redisbal, name, None)
-        if cls is not None:
-            return cls
-    return None
 
 
 @dataclass
@@ -114,15 +102,7 @@ class StepSender:
         self.block = EngineBlock(job.engines, job.clients, job.seed)
         self.incarnation = new_incarnation()
         self.candidate = secrets.token_hex(8)  # the epoch, were the state missing
-        self.batcher: Any = None
-        if job.batch:
-            cls = batch_reporter_class()
-            if cls is None:  # checked by the parent too; a clear line, not a traceback
-                raise SystemExit("--batch: not available (no redisbal.BatchReporter here)")
-            raise SystemExit(
-                f"--batch: redisbal.{cls.__name__} exists but bench_scale_procs.send_step "
-                "is not wired to it yet"
-            )
+        self.batch = job.batch  # engines per report_many call (0: one report call each)
 
     async def probe(self) -> None:
         """One report call outside a pipeline: tells ``Scripts`` whether FCALL works
@@ -135,22 +115,31 @@ class StepSender:
         b, rng = self.block, self.block.rng
         pipe = self.client.pipeline(transaction=False)
         s = str(step)
+        fields = []
         for i, eid in enumerate(b.engines):
             waiting, running = rng.randint(0, 12), rng.randint(8, 48)
-            queued = self.scripts.call(
-                "report",
-                self.candidate,
-                eid,
-                "0",
-                s,
-                str(waiting),
-                str(running),
-                b.kv[i],
-                b.adm_text[i],
-                self.incarnation,
-                "1",
-                client=pipe,
+            fields.append(
+                [
+                    eid,
+                    "0",
+                    s,
+                    str(waiting),
+                    str(running),
+                    b.kv[i],
+                    b.adm_text[i],
+                    self.incarnation,
+                    "1",
+                ]
             )
+        if self.batch:  # lua/report_many.lua: batch engines a call, as BatchReporter sends them
+            calls = [
+                ("report_many", self.candidate, str(len(chunk)), *(f for e in chunk for f in e))
+                for chunk in (fields[j : j + self.batch] for j in range(0, len(fields), self.batch))
+            ]
+        else:
+            calls = [("report", self.candidate, *e) for e in fields]
+        for op, *argv in calls:
+            queued = self.scripts.call(op, *argv, client=pipe)
             if inspect.iscoroutine(queued):  # EVALSHA (no functions): queued when awaited
                 await queued
         sent = time.time()
