@@ -28,6 +28,7 @@ the vLLM coordinator's publish loop for the vllm-* baselines (as in
 from __future__ import annotations
 
 import heapq
+import importlib
 import math
 import random
 import time
@@ -44,7 +45,13 @@ from redisbal.bench.latency import (
 )
 from redisbal.bench.oracle import OraclePolicy, World
 from redisbal.bench.scale import _snapshot
-from redisbal.bench.traffic import QualityScenario, build_workload, client_rng, engine_params
+from redisbal.bench.traffic import (
+    QualityScenario,
+    build_workload,
+    client_rng,
+    engine_params,
+    warm_batch,
+)
 from redisbal.bench.vllm import (
     VLLM_POLICIES,
     EngineStat,
@@ -74,7 +81,7 @@ def peer_policies() -> dict[str, Callable[[], Policy]]:
     """The peers' policies (``redisbal.bench.peers.PEER_POLICIES``) when that module
     exists; none otherwise."""
     try:
-        from redisbal.bench import peers  # noqa: PLC0415 (optional module)
+        peers = importlib.import_module("redisbal.bench.peers")
     except ImportError:
         return {}
     return dict(getattr(peers, "PEER_POLICIES", {}))
@@ -132,15 +139,21 @@ def simulate(
         heapq.heappush(events, (t, seq, kind, data))
 
     def finish(req: SimRequest) -> None:
+        if req.decision is None:  # a request of the warm start
+            return
         routers[req.client_index].finished(req.decision)  # type: ignore[arg-type]
         for k in followers.get(req.rid, ()):
             push(req.finished_at + work[k].t, ARRIVE, k)
 
     for k, eid in enumerate(ids):
-        world.engines[eid] = SimEngine(
-            eid, engine_params(sc, k), num_clients=sc.clients, on_finish=finish
-        )
+        e = SimEngine(eid, engine_params(sc, k), num_clients=sc.clients, on_finish=finish)
+        world.engines[eid] = e
         world.transit[eid] = 0
+        for prompt, output, produced in warm_batch(sc, seed, k) if sc.warm else ():
+            wq = SimRequest(-1, 0, output, 0.0, prompt_tokens=prompt, produced=produced)
+            wq.started_at = wq.first_token_at = 0.0
+            e.running.append(wq)
+            e.kv_tokens += prompt + produced
     for i in range(sc.clients):
         core = RouterCore(
             i, sc.clients, _policy(policy, world), rng=client_rng(seed, i), clock=lambda: clock[0]
@@ -161,16 +174,20 @@ def simulate(
         if r.after < 0:
             push(r.t, ARRIVE, k)
     push(0.0, TICK if independent else STEP, None)
+    stepping = not independent
     push(0.0, SAMPLE, None)
     last_open = max((r.t for r in work if r.after < 0), default=0.0)
     end_by = max(last_open, sc.duration_s) + sc.drain_s
     reqs: list[SimRequest | None] = [None] * len(work)
     estepping = dict.fromkeys(ids, False)
+    for eid in ids:
+        if independent and world.engines[eid].busy():
+            estepping[eid] = True
+            push(0.0, ESTEP, (eid, None))
     latest: dict[str, EngineCounts] = {}
     last_counts: dict[str, tuple[int, int]] = {}
     version = 0
     pushes = [0]
-    stepping = False
     step_rows: list[list[float]] = []
     times: list[float] = []
     loads: list[list[float]] = []
@@ -361,16 +378,10 @@ def _metrics(
         "ttft_p50_s": p50,
         "ttft_p99_s": p99,
         "e2e_p99_s": percentile(e2e, 99),
-        "goodput_rps": goodput(
-            ttft,
-            [r.finished_at >= 0 for r in measured],
-            sc.slo_ttft_s,
-            max(1e-9, window_end - sc.warmup_s),
-        ),
+        "goodput_rps": goodput(ttft, sc.slo_ttft_s, max(1e-9, window_end - sc.warmup_s)),
         "prefix_hit_rate": hit_rate(
             sum(r.cached_tokens for r in started), sum(r.prompt_tokens for r in started)
         ),
-        "makespan_s": makespan(list(spans.values())),
         "load_imbalance": load_imbalance(times, loads),
         "requests": float(len(measured)),
         "unfinished": float(sum(1 for r in measured if r.finished_at < 0)),
@@ -378,6 +389,7 @@ def _metrics(
     if sc.mode == "lockstep":
         out["lockstep_efficiency"] = lockstep_efficiency_sum(step_rows)
     if sc.traffic == "burst":
+        out["makespan_s"] = makespan(list(spans.values()))
         out["burst_max_over_mean"] = burst_max_over_mean(
             [
                 [c.get(e, 0) for e in (f"e{i:04d}" for i in range(sc.engines))]

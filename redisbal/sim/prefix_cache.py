@@ -22,7 +22,7 @@ BLOCK_TOKENS = 16  # tokens per KV block (vLLM's default block size)
 class PrefixCache:
     """Bounded LRU set of block hashes."""
 
-    __slots__ = ("capacity", "blocks")
+    __slots__ = ("blocks", "capacity")
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
