@@ -26,7 +26,7 @@ from helpers import Barrier
 
 from redisbal import endpoints
 from redisbal.connection import make_client
-from redisbal.gateway.server import ENGINE_HEADER, RANK_HEADER, Gateway
+from redisbal.gateway.server import ENGINE_HEADER, KEY_HEADER, RANK_HEADER, Gateway, request_hints
 from redisbal.integrations.metrics_page import parse_page
 from redisbal.keys import DeploymentKeys
 from redisbal.router import AsyncRouter
@@ -154,6 +154,51 @@ async def test_bad_requests_get_clear_errors_and_route_nothing(
             assert r.status == 200 and r.headers[ENGINE_HEADER] == "0"
         assert [e.served for e in st.engines] == [2, 2]
         await settled(st)
+
+
+# -- what the router is told ----------------------------------------------------------------
+
+
+async def test_a_session_key_keeps_its_requests_on_one_engine_across_gateways(
+    redis_url: str, deployment: str
+) -> None:
+    async with stack(redis_url, deployment, n=4, gateways=2) as st:
+        clients = [
+            openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{g.ports[0]}/v1", api_key="x",
+                               max_retries=0)
+            for g in st.gateways
+        ]  # fmt: skip
+        homes: dict[str, set[str]] = {}
+        try:
+            for turn in range(3):
+                for k in range(6):
+                    key = f"session-{k}"
+                    raw = await clients[(turn + k) % 2].completions.with_raw_response.create(
+                        model=MODEL, prompt="hello " * 50 * (turn + 1), max_tokens=2,
+                        extra_headers={KEY_HEADER: key},
+                    )  # fmt: skip
+                    homes.setdefault(key, set()).add(raw.headers[ENGINE_HEADER])
+                await settled(st)  # every route is in the snapshot before the next turn
+        finally:
+            for c in clients:
+                await c.close()
+        assert all(len(h) == 1 for h in homes.values()), homes  # one engine per session
+        assert len({next(iter(h)) for h in homes.values()}) > 1  # sessions spread out
+        body = {"prompt": "a", "user": ""}
+        async with aiohttp.ClientSession() as s, s.post(st.url + "/v1/completions", json=body) as r:
+            assert r.status == 400 and "user" in (await r.json())["error"]["message"]
+        await settled(st)
+
+
+def test_request_hints_read_the_key_and_estimate_the_prompt_size() -> None:
+    assert request_hints({"prompt": "x" * 400}, None) == (None, 100)
+    chat = {"messages": [{"role": "user", "content": "y" * 40},
+                         {"role": "user", "content": [{"type": "text", "text": "z" * 40}]}],
+            "user": "u1"}  # fmt: skip
+    assert request_hints(chat, None) == ("u1", 20)
+    assert request_hints(chat, "s9") == ("s9", 20)  # the header wins over the body's user
+    with pytest.raises(ValueError, match="1-1024 characters"):
+        request_hints({"user": 5}, None)
 
 
 # -- client disconnects ---------------------------------------------------------------------

@@ -43,6 +43,36 @@ RETRY_STATUSES = (502, 503)
 # engine certainly never got (connect refused) may also try a third engine
 MAX_ATTEMPTS = 3
 PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
+KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer one engine
+CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, roughly)
+
+
+def request_hints(body: Mapping[str, Any], key_header: str | None) -> tuple[str | None, int]:
+    """What the router is told of a request: its key (the X-Redisbal-Key header,
+    else the body's ``user``) and its prompt size in tokens, estimated from the
+    prompt's characters (no tokenizer on the request path). ValueError on a bad key."""
+    key = key_header if key_header is not None else body.get("user")
+    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 1024):
+        raise ValueError(f"{KEY_HEADER} (or user) must be 1-1024 characters")
+    chars = 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars = len(prompt)
+    elif isinstance(prompt, list):
+        chars = sum(len(p) if isinstance(p, str) else 4 * CHARS_PER_TOKEN for p in prompt)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for msg in messages:
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(
+                    len(part["text"])
+                    for part in content
+                    if isinstance(part, dict) and isinstance(part.get("text"), str)
+                )
+    return key, chars // CHARS_PER_TOKEN
 
 
 class _Retry(Exception):
@@ -246,11 +276,13 @@ class Gateway:
                 return _json_error(400, f"{ENGINE_HEADER}: {exc}")
         return None
 
-    def _route(self, pin: str | None, avoid: set[str]) -> Decision:
+    def _route(
+        self, pin: str | None, avoid: set[str], key: str | None = None, tokens: int = 0
+    ) -> Decision:
         """Route (or pin); an engine without a URL, or in ``avoid``, is swapped for the
         least-loaded engine that has one. Raises NoEngines / UnknownEngine."""
         router = self.router
-        d = router.route(pin)
+        d = router.route(pin, key=key, prompt_tokens=tokens)
         if pin is not None and pin not in self.urls:
             _unroute(router, d)
             raise NoEngines(f"engine {pin!r} has no known URL (not registered, no --engine)")
@@ -261,7 +293,7 @@ class Gateway:
         ok = [e for e in loads if e in self.urls and e not in avoid]
         if not ok:
             raise NoEngines("no engine with a known URL")
-        d = router.route(min(ok, key=loads.__getitem__))
+        d = router.route(min(ok, key=loads.__getitem__), prompt_tokens=tokens)
         d.pinned = False
         return d
 
@@ -297,7 +329,9 @@ class Gateway:
         finally:
             self._end()
 
-    async def _read_body(self, request: web.Request) -> tuple[bytes, bool] | web.Response:
+    async def _read_body(
+        self, request: web.Request
+    ) -> tuple[bytes, bool, dict[str, Any]] | web.Response:
         m = self.metrics
         if request.content_length is not None and request.content_length > self.max_body:
             m.errors.labels("too_large").inc()
@@ -319,14 +353,19 @@ class Gateway:
         if not isinstance(stream, bool):
             m.errors.labels("bad_request").inc()
             return _json_error(400, "stream must be true or false")
-        return raw, stream
+        return raw, stream, body
 
     async def _proxy_inner(self, request: web.Request, t0: float) -> web.StreamResponse:
         m = self.metrics
         got = await self._read_body(request)
         if isinstance(got, web.Response):
             return got
-        raw, stream = got
+        raw, stream, body = got
+        try:
+            key, tokens = request_hints(body, request.headers.get(KEY_HEADER))
+        except ValueError as exc:
+            m.errors.labels("bad_request").inc()
+            return _json_error(400, str(exc))
         pin = self._pin(request)
         if isinstance(pin, web.Response):
             m.errors.labels("bad_request").inc()
@@ -339,7 +378,7 @@ class Gateway:
         reached = 0  # failures after which the engine may have had the request
         for attempt in range(1 if pin is not None else MAX_ATTEMPTS):
             try:
-                d = self._route(pin, avoid)
+                d = self._route(pin, avoid, key, tokens)
             except UnknownEngine:
                 m.errors.labels("bad_request").inc()
                 live = sorted(self.router.core.by_id, key=lambda e: (len(e), e))

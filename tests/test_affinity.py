@@ -1,0 +1,141 @@
+"""What route() is told about a request: key affinity with bounded load, routes that
+count by their size, and the checks on the arguments (pure logic, no Redis)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from helpers import make_snapshot
+
+from redisbal.policies import EngineView, Policy, RequestInfo, RoutingState
+from redisbal.routing import RouterCore
+
+
+def cores(n_routers: int, loads: dict[str, tuple[int, int]], **kw: object) -> list[RouterCore]:
+    out = []
+    adm = {e: (0,) * n_routers for e in loads}
+    for i in range(n_routers):
+        core = RouterCore(i, n_routers, rng=random.Random(i), **kw)  # type: ignore[arg-type]
+        core.apply_snapshot(make_snapshot(loads, admitted=adm))
+        core.connected = True
+        out.append(core)
+    return out
+
+
+def test_every_router_puts_a_key_on_the_same_engine() -> None:
+    routers = cores(8, {f"e{i}": (0, 10) for i in range(16)})
+    for key in (f"session-{k}" for k in range(50)):
+        assert len({r.route(key=key).engine_id for r in routers}) == 1
+
+
+def test_keys_spread_over_the_engines() -> None:
+    (core,) = cores(1, {f"e{i}": (0, 10) for i in range(8)})
+    home = Counter()
+    for k in range(800):
+        d = core.route(key=f"k{k}")
+        home[d.engine_id] += 1
+        core.unroute(d)  # measure placement only, not the bound
+    assert set(home) == {f"e{i}" for i in range(8)}
+    assert max(home.values()) < 3 * min(home.values())
+
+
+def test_a_loaded_home_sends_the_key_clockwise_and_it_comes_back() -> None:
+    loads = {f"e{i}": (0, 10) for i in range(8)}
+    (core,) = cores(1, loads)
+    home = core.route(key="s").engine_id
+    core.unroute(core.route(key="s"))
+    hot = {**loads, home: (30, 64)}  # far above 1.25 x (mean + one route)
+    core.apply_snapshot(make_snapshot(hot, version=2, admitted={e: (1,) for e in loads}))
+    moved = core.route(key="s").engine_id
+    assert moved != home
+    assert core.route(key="s").engine_id == moved  # the key's second engine, not a random one
+    core.apply_snapshot(make_snapshot(loads, version=3, admitted={e: (3,) for e in loads}))
+    assert core.route(key="s").engine_id == home
+
+
+def test_a_hot_key_is_bounded_not_piled_on_one_engine() -> None:
+    (core,) = cores(1, {f"e{i}": (0, 0) for i in range(8)})
+    got = Counter(core.route(key="hot").engine_id for _ in range(80))
+    assert max(got.values()) <= 1.25 * (80 / 8 + 1) + 1
+
+
+def test_a_large_route_counts_more_than_a_small_one() -> None:
+    (core,) = cores(1, {"a": (0, 0), "b": (0, 0)})
+    for _ in range(50):  # the typical size
+        core.unroute(core.route(prompt_tokens=1000, output_tokens=100))
+    big = core.route(engine_id="a", prompt_tokens=20000, output_tokens=2000)
+    small = core.route(engine_id="b", prompt_tokens=100, output_tokens=10)
+    views = {e.engine_id: e for e in core.known}
+    assert views["a"].pending == views["b"].pending == 1
+    assert views["a"].pending_cost > 5 * views["b"].pending_cost
+    # the next request without a size goes where the small one went
+    assert core.route().engine_id == "b"
+    core.finished(big)
+    core.finished(small)
+
+
+def test_costs_of_routes_the_snapshot_counted_are_dropped() -> None:
+    (core,) = cores(1, {"a": (0, 0)})
+    for size in (100, 100, 5000):
+        core.route(prompt_tokens=size, output_tokens=50)
+    e = core.known[0]
+    assert e.pending == 3
+    # the engine admitted the two oldest: the newest (the large one) is still pending
+    core.apply_snapshot(make_snapshot({"a": (2, 0)}, version=2, admitted={"a": (2,)}))
+    assert e.pending == 1
+    assert e.pending_cost == pytest.approx(e.costs[0]) and len(e.costs) == 1
+    assert e.pending_cost > 1.0
+
+
+def test_routes_without_a_size_count_one() -> None:
+    (core,) = cores(1, {"a": (0, 0)})
+    for _ in range(4):
+        core.route()
+    assert core.known[0].pending_cost == 4.0
+
+
+class Recorder(Policy):
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.seen: list[RequestInfo | None] = []
+
+    def pick(self, core: RoutingState) -> EngineView:
+        self.seen.append(core.request)
+        return core.engines[0]
+
+    def routed(self, core: RoutingState, eng: EngineView) -> None:
+        self.seen.append(core.request)
+
+
+def test_a_policy_reads_the_request_in_pick_and_routed_and_only_then() -> None:
+    rec = Recorder()
+    core = RouterCore(0, 1, rec)
+    core.apply_snapshot(make_snapshot({"a": (0, 0)}))
+    core.route(key="k", prompt_tokens=10, blocks=[1, 2])
+    core.route()
+    info = RequestInfo("k", 10, None, (1, 2))
+    assert rec.seen == [info, info, None, None]
+    assert core.request is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"key": 3}, "key must be a str"),
+        ({"key": "x" * 2000}, "key must be a str of at most 1024"),
+        ({"prompt_tokens": -1}, "prompt_tokens must be a whole number"),
+        ({"output_tokens": 2.5}, "output_tokens must be a whole number"),
+        ({"prompt_tokens": True}, "prompt_tokens must be a whole number"),
+        ({"blocks": ["a"]}, "blocks must be integers"),
+    ],
+)
+def test_bad_request_info_is_a_clear_error_and_routes_nothing(
+    kwargs: dict[str, object], message: str
+) -> None:
+    (core,) = cores(1, {"a": (0, 0)})
+    with pytest.raises(ValueError, match=message):
+        core.route(**kwargs)  # type: ignore[arg-type]
+    assert core.known[0].routed == 0 and core.request is None
