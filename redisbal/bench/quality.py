@@ -16,7 +16,8 @@ the vLLM coordinator's publish loop for the vllm-* baselines (as in
 - A snapshot reaches each router ``delivery_ms`` plus a per-router jitter after
   it is made; a request reaches its engine ``transit_ms`` after it is routed.
 - The peers (``redisbal.bench.peers``) get the same snapshots as ``redisbal``: an
-  assumption in their favour (their own systems gather less, or later).
+  assumption in their favour (their own systems gather less, or later); their
+  prefix indexes are sized for the simulated engine's cache.
 - A router applies the newest snapshot it has received when it next routes,
   with its clock set to when that snapshot arrived (the simulator's saving: a
   router that routes nothing in between skips the snapshots in between). The
@@ -28,11 +29,9 @@ the vLLM coordinator's publish loop for the vllm-* baselines (as in
 from __future__ import annotations
 
 import heapq
-import importlib
 import math
 import random
 import time
-from collections.abc import Callable
 from typing import Any
 
 from redisbal.bench.balance import burst_max_over_mean, load_imbalance, makespan, percentile
@@ -44,8 +43,10 @@ from redisbal.bench.latency import (
     waits,
 )
 from redisbal.bench.oracle import OraclePolicy, World
+from redisbal.bench.peers import PEER_POLICIES, make_peer
 from redisbal.bench.scale import _snapshot
 from redisbal.bench.traffic import (
+    QUALITY_ENGINE,
     QualityScenario,
     build_workload,
     client_rng,
@@ -77,18 +78,9 @@ BASE_POLICIES = (
 )
 
 
-def peer_policies() -> dict[str, Callable[[], Policy]]:
-    """The peers' policies (``redisbal.bench.peers.PEER_POLICIES``) when that module
-    exists; none otherwise."""
-    try:
-        peers = importlib.import_module("redisbal.bench.peers")
-    except ImportError:
-        return {}
-    return dict(getattr(peers, "PEER_POLICIES", {}))
-
-
 def available_policies() -> list[str]:
-    return [*BASE_POLICIES, *(p for p in peer_policies() if p not in BASE_POLICIES)]
+    """Every policy the benchmark compares: the baselines, redisbal, the oracle, the peers."""
+    return [*BASE_POLICIES, *(p for p in PEER_POLICIES if p not in BASE_POLICIES)]
 
 
 def _policy(name: str, world: World) -> str | Policy:
@@ -96,9 +88,8 @@ def _policy(name: str, world: World) -> str | Policy:
         return OraclePolicy(world)
     if name in POLICIES:
         return name
-    peers = peer_policies()
-    if name in peers:
-        return peers[name]()
+    if name in PEER_POLICIES:  # prefix indexes sized for the simulated engine's KV cache
+        return make_peer(name, kv_blocks=QUALITY_ENGINE.cache_blocks)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
 
 
