@@ -60,12 +60,15 @@ class QualityScenario:
 
     def describe(self) -> str:
         what = {
-            "poisson": f"ShareGPT-like sizes, Poisson at {self.load:.0%} load",
+            "poisson": f"ShareGPT-like sizes, Poisson at {self.load:g}x estimated throughput",
             "burst": (
                 f"bursts of {self.burst_factor:g}x running capacity within "
                 f"{self.burst_window_s * 1000:.0f} ms every {self.burst_every_s:g} s"
             ),
-            "sessions": f"multi-turn sessions over shared system prompts at {self.load:.0%} load",
+            "sessions": (
+                f"multi-turn sessions over shared system prompts at {self.load:g}x "
+                "estimated throughput (the estimate is conservative for sessions)"
+            ),
             "trace": "trace replay",
         }[self.traffic]
         extra = ""
