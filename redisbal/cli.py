@@ -47,7 +47,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "redisbal.bench.command:bench_command",
-        "Balance benchmark: every policy on the same seeds, on a real Redis, in real time.",
+        "Routing quality: every policy on the same LLM-like traffic, on a simulated clock.",
     ),
     "demo": (
         "redisbal.sim.commands:demo",

@@ -379,3 +379,29 @@ def test_simulated_vllm_pushes_each_replace_every_routers_view(monkeypatch) -> N
     bench_scale.simulate("vllm-pre", 1, sc)
     assert seen["ignored"] == 0
     assert seen["applied"] > 2 * 3  # several pushes, each to both routers
+
+
+def test_bench_options_belong_to_their_benchmark() -> None:
+    """``redisbal bench`` is the routing-quality benchmark; the balance benchmark's
+    options need --real-time (or --sim-clock / --scale-only) and the quality
+    benchmark's are refused with it, each with a one-line error before any run."""
+    from click.testing import CliRunner
+
+    from redisbal.bench.command import bench_command
+
+    runner = CliRunner()
+    for args, msg in (
+        (["--quick"], "--quick applies to the balance benchmark (--real-time)"),
+        (["--plot", "x"], "--plot applies to the balance benchmark"),
+        (["--real-time", "--sizes", "8x32"], "--sizes applies to the routing-quality benchmark"),
+        (["--sim-clock", "--pass-output"], "--pass-output applies to the routing-quality"),
+        (["--sizes", "9x9"], "unknown size: 9x9"),
+        (["--scenarios", "skew"], "unknown scenario: skew"),
+        (["--policies", "nope"], "unknown policy: nope"),
+    ):
+        res = runner.invoke(bench_command, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert msg in res.output and "Traceback" not in res.output, (args, res.output)
+    help_text = runner.invoke(bench_command, ["--help"]).output
+    for metric in ("ttft_p99_s", "goodput_rps", "prefix_hit_rate", "lockstep_efficiency"):
+        assert metric in help_text

@@ -9,20 +9,30 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import click
 from click.core import ParameterSource
 
 from redisbal.bench.balance import percentile
+from redisbal.bench.latency import QUALITY_METRICS
 from redisbal.bench.plots import pyplot, write_plots
+from redisbal.bench.quality import available_policies
+from redisbal.bench.quality_report import (
+    QualityConfig,
+    quality_markdown,
+    quality_tables,
+    run_quality,
+)
 from redisbal.bench.report import finite, markdown, summarize, tables
 from redisbal.bench.run import LAG_LIMIT_S, RunResult
 from redisbal.bench.scale import run_scale, scale_table
 from redisbal.bench.scenarios import BENCH_POLICIES, OUT_CAP, OUT_MEAN, OUT_SIGMA, SCENARIO_NAMES
 from redisbal.bench.suite import BenchConfig, bench_scenarios, run_all, run_all_simulated
+from redisbal.bench.traffic import QUALITY_ENGINE, QUALITY_SCENARIOS, SIZES
 from redisbal.cli_common import common_options, settings
 from redisbal.sim.model import EngineParams
+from redisbal.sim.workload import Request, TraceError, read_trace
 
 
 def _csv(value: str | None, allowed: Sequence[str], what: str) -> list[str]:
@@ -48,16 +58,59 @@ def _seeds(value: str | None, quick: bool) -> list[int]:
         raise click.BadParameter("--seeds takes a count (3) or a list (1,2,5)") from None
 
 
-@click.command("bench")
+def _metric_help() -> str:
+    return "\b\nMetrics (routing quality):\n" + "\n".join(
+        f"  {m}: {d}" for m, d in QUALITY_METRICS.items()
+    )
+
+
+@click.command("bench", epilog=_metric_help())
 @common_options
+@click.option(
+    "--real-time",
+    is_flag=True,
+    help="Run the balance benchmark in real time on Redis (load_imbalance, burst evenness) "
+    "instead of the routing-quality benchmark.",
+)
+@click.option(
+    "--sizes",
+    default=None,
+    help=f"Quality: comma list from {','.join(SIZES)} (API servers x engines). Default all; "
+    "64x1024 runs one seed of the poisson scenario unless --scenarios is given.",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    default=None,
+    help='Quality: replay a JSON-lines trace ({"t": s, "prompt_tokens": n, "output_tokens": n, '
+    '"key": optional}) instead of the scenarios.',
+)
+@click.option(
+    "--pass-output",
+    is_flag=True,
+    help="Quality: tell the router each request's output length (default: unknown to it).",
+)
 @click.option(
     "--quick",
     is_flag=True,
-    help="1 seed, shorter runs (2 bursts, 2 s of Poisson): under 3 minutes.",
+    help="Balance benchmark: 1 seed, shorter runs (2 bursts, 2 s of Poisson).",
 )
-@click.option("--seeds", default=None, help="Seed count (3) or list (1,2,3). Default 3 (quick: 1).")
-@click.option("--scenarios", default=None, help=f"Comma list from {','.join(SCENARIO_NAMES)}.")
-@click.option("--policies", default=None, help=f"Comma list from {','.join(BENCH_POLICIES)}.")
+@click.option(
+    "--seeds",
+    default=None,
+    help="Seed count (5) or list (1,2,3). Default 5 (balance benchmark: 3, quick: 1).",
+)
+@click.option(
+    "--scenarios",
+    default=None,
+    help=f"Comma list; quality: {','.join(QUALITY_SCENARIOS)}; "
+    f"balance: {','.join(SCENARIO_NAMES)}.",
+)
+@click.option(
+    "--policies",
+    default=None,
+    help="Comma list; default every policy (the peers' too when present).",
+)
 @click.option(
     "--router-processes",
     default="",
@@ -81,6 +134,10 @@ def _seeds(value: str | None, quick: bool) -> list[int]:
 @click.option("--markdown", "md_path", default=None, help="Write the tables as Markdown here.")
 @click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
 def bench_command(
+    real_time: bool,
+    sizes: str | None,
+    trace_path: str | None,
+    pass_output: bool,
     quick: bool,
     seeds: str | None,
     scenarios: str | None,
@@ -93,12 +150,36 @@ def bench_command(
     md_path: str | None,
     plot_dir: str | None,
 ) -> None:
-    """Balance benchmark: every policy on the same seeds, on a real Redis, in real time.
+    """Routing quality: every policy on the same LLM-like traffic, on a simulated clock.
 
-    Without --redis-url it starts its own redis-server. Each run gets a fresh
-    deployment named <prefix>-<scenario>-<policy>-<seed>-<hex>, where the prefix is
-    --deployment ("bench" when left at "default").
+    By default: TTFT, latency, goodput and prefix-cache hits of every policy on
+    heavy-tailed Poisson, bursts, stragglers and multi-turn sessions, at each size
+    (discrete-event simulation, deterministic per seed; progress on stderr).
+
+    With --real-time (or --sim-clock, --scale-only): the balance benchmark on a
+    real Redis. Without --redis-url it starts its own redis-server. Each run gets
+    a fresh deployment named <prefix>-<scenario>-<policy>-<seed>-<hex>, where the
+    prefix is --deployment ("bench" when left at "default").
     """
+    balance = real_time or sim_clock or scale_only
+    if not balance:
+        for flag, given in (
+            ("--quick", quick),
+            ("--router-processes", bool(router_processes)),
+            ("--scale/--no-scale", scale is not None),
+            ("--plot", bool(plot_dir)),
+        ):
+            if given:
+                raise click.UsageError(f"{flag} applies to the balance benchmark (--real-time)")
+        _quality(sizes, trace_path, pass_output, seeds, scenarios, policies, json_path, md_path)
+        return
+    for flag, used in (
+        ("--sizes", bool(sizes)),
+        ("--trace", bool(trace_path)),
+        ("--pass-output", pass_output),
+    ):
+        if used:
+            raise click.UsageError(f"{flag} applies to the routing-quality benchmark")
     ctx = click.get_current_context()
     level_given = any(
         c.get_parameter_source("log_level") not in (None, ParameterSource.DEFAULT)
@@ -193,6 +274,84 @@ def bench_command(
     if plot_dir:
         for p in write_plots(results, doc, plot_dir):
             click.echo(f"wrote {p}")
+
+
+def _read_trace(path: str, clients: int) -> list[Request]:
+    try:
+        return read_trace(path, clients)
+    except TraceError as e:
+        raise click.ClickException(f"{path}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.ClickException(f"cannot read trace {path}: {e}") from None
+
+
+def _quality(
+    sizes: str | None,
+    trace_path: str | None,
+    pass_output: bool,
+    seeds: str | None,
+    scenarios: str | None,
+    policies: str | None,
+    json_path: str | None,
+    md_path: str | None,
+) -> None:
+    """The routing-quality benchmark (``redisbal.bench.quality_report``)."""
+    if trace_path:
+        if scenarios:
+            raise click.UsageError("--trace replaces the scenarios: give one or the other")
+        _read_trace(trace_path, 1)  # a bad file fails here, before any run
+    size_list = _csv(sizes, list(SIZES), "size")
+    if trace_path and not sizes:
+        size_list = ["8x32"]
+    cfg = QualityConfig(
+        policies=_csv(policies, available_policies(), "policy"),
+        seeds=_seeds(seeds, False) if seeds else [1, 2, 3, 4, 5],
+        sizes=size_list,
+        scenarios=_csv(scenarios, QUALITY_SCENARIOS, "scenario") if scenarios else None,
+        trace_name=trace_path or "",
+        pass_output=pass_output,
+    )
+    t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
+    if trace_path:
+        # each request's API server is drawn among the size's API servers
+        docs = [
+            run_quality(replace(cfg, sizes=[s], trace=_read_trace(trace_path, SIZES[s][0])))
+            for s in cfg.sizes
+        ]
+        doc = docs[0]
+        for d in docs[1:]:
+            doc["runs"] += d["runs"]
+            doc["scenarios"].update(d["scenarios"])
+            doc["summary"].update(d["summary"])
+    else:
+        doc = run_quality(cfg)
+    doc["elapsed_s"] = round(time.monotonic() - t0, 1)
+    doc["loadavg_start"] = load0
+    doc["meta"] = {
+        "argv": sys.argv,
+        "seeds": cfg.seeds,
+        "policies": cfg.policies,
+        "pass_output": pass_output,
+        "trace": trace_path,
+        "nproc": os.cpu_count(),
+        "loadavg_end": os.getloadavg()[0],
+        "engine": asdict(QUALITY_ENGINE),
+    }
+    click.echo(quality_tables(doc))
+    click.echo(
+        f"\n{len(doc['runs'])} runs in {doc['elapsed_s']:.0f} s; load average "
+        f"{doc.get('loadavg_start', float('nan')):.2f} -> {doc['meta']['loadavg_end']:.2f} "
+        f"on {os.cpu_count()} cores"
+    )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(finite(doc), f, indent=1, allow_nan=False)
+        click.echo(f"wrote {json_path}")
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(quality_markdown(doc))
+        click.echo(f"wrote {md_path}")
 
 
 def main() -> None:

@@ -6,8 +6,23 @@ The model, per engine:
 - each step admits waiting requests into free slots, then decodes one token
   for every running request; a request leaves when it has produced its
   output length (heavy-tailed: lognormal, capped);
-- a step lasts ``base_step_s + per_seq_s * running + prefill_s * admitted``,
-  times ``slow`` (stragglers have slow > 1);
+- a step lasts ``base_step_s + per_seq_s * running + prefill_s * admitted +
+  prefill_per_token_s * (prompt tokens admitted this step not found in the
+  prefix cache)``, times ``slow`` (stragglers have slow > 1);
+- prompts (optional: ``prompt_tokens`` and ``blocks``, the chained hashes of
+  the prompt's 16-token blocks) meet a per-engine prefix cache
+  (``redisbal.sim.prefix_cache``, ``cache_blocks`` > 0): the longest cached
+  prefix is not computed again, and the prompt's blocks are inserted when it
+  is prefilled (its output's blocks, ``done_blocks``, when it finishes);
+- ``kv_capacity_tokens`` > 0 bounds the KV cache: a request is admitted only
+  while the tokens held by running requests (prompt + produced) plus its prompt
+  fit (an empty engine admits anything); ``kv_usage`` = held / capacity. No
+  preemption: decode may grow past the capacity, the reported usage is capped at 1;
+- ``prefill_budget_tokens`` > 0 stops admitting in a step once its uncached
+  prompt tokens would pass the budget (vLLM's max_num_batched_tokens, without
+  chunking: the first request of a step is always admitted whole);
+- a request's first token (its TTFT) is produced at the end of the step that
+  admits (prefills) it;
 - a request that reaches the engine waits in an input queue (``inbox``) until
   the next step begins: only then does the scheduler see it (``waiting``) and
   count it in ``admitted``. This is vLLM's timing: the engine core's input
@@ -33,6 +48,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from redisbal.sim.prefix_cache import BLOCK_TOKENS, PrefixCache
+
 
 @dataclass(slots=True, eq=False)
 class SimRequest:
@@ -48,18 +65,43 @@ class SimRequest:
     engine_id: str = ""  # where the request was routed (set by the caller)
     group: int = -1  # burst index (or -1), for per-burst metrics
     lost: bool = False  # routed to an engine that was dead on arrival, or died with it
+    prompt_tokens: int = 0
+    blocks: tuple[int, ...] = ()  # chained hashes of the prompt's full 16-token blocks
+    done_blocks: tuple[int, ...] = ()  # the same for prompt + output, cached at finish
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    first_token_at: float = -1.0
 
 
 @dataclass
 class EngineParams:
+    """Step-time and capacity parameters. The defaults (every token-level feature
+    off) are what ``engine-sim``, ``demo`` and the real-time benchmark run with.
+
+    Calibration of ``prefill_per_token_s`` for the quality benchmark: a
+    1,000-token uncached prompt costs about one extra base step, 12 us a token
+    (12 ms per 1,000), i.e. prefill runs about 80k tokens/s against 1 token per
+    request per 12-15 ms of decode: the ratio (prefill some 100-1000x faster per
+    token than decode per request) is what makes long uncached prompts matter
+    for TTFT without dominating every step.
+    """
+
     running_cap: int = 64
     base_step_s: float = 0.012
     per_seq_s: float = 0.00015
     prefill_s: float = 0.0004
     slow: float = 1.0
+    prefill_per_token_s: float = 0.0  # per uncached prompt token admitted in the step
+    kv_capacity_tokens: int = 0  # 0: KV not modelled (kv_usage None)
+    cache_blocks: int = 0  # prefix cache capacity in blocks; 0: no prefix cache
+    prefill_budget_tokens: int = 0  # 0: no per-step budget
 
-    def step_time(self, running: int, admitted: int) -> float:
-        return (self.base_step_s + self.per_seq_s * running + self.prefill_s * admitted) * self.slow
+    def step_time(self, running: int, admitted: int, uncached: int = 0) -> float:
+        return (
+            self.base_step_s
+            + self.per_seq_s * running
+            + self.prefill_s * admitted
+            + self.prefill_per_token_s * uncached
+        ) * self.slow
 
 
 @dataclass
@@ -76,9 +118,22 @@ class SimEngine:
     admitted: list[int] = field(init=False)
     on_finish: Callable[[SimRequest], None] | None = None
     on_start: Callable[[SimRequest], None] | None = None
+    cache: PrefixCache | None = field(init=False, default=None)
+    kv_tokens: int = 0  # tokens held by running requests (prompt + produced)
+    prompt_tokens_seen: int = 0  # prompt tokens admitted so far
+    cached_tokens_seen: int = 0  # of those, found in the prefix cache
 
     def __post_init__(self) -> None:
         self.admitted = [0] * self.num_clients
+        if self.params.cache_blocks > 0:
+            self.cache = PrefixCache(self.params.cache_blocks)
+
+    @property
+    def kv_usage(self) -> float | None:
+        """Tokens held by running requests / KV capacity (capped at 1); None when the
+        KV cache is not modelled."""
+        cap = self.params.kv_capacity_tokens
+        return min(1.0, self.kv_tokens / cap) if cap > 0 else None
 
     @property
     def load(self) -> int:
@@ -124,15 +179,51 @@ class SimEngine:
         the scheduler first (``take_inbox``)."""
         if self.inbox:
             self.take_inbox()
-        free = self.params.running_cap - len(self.running)
-        adm = min(free, len(self.waiting)) if free > 0 else 0
-        for _ in range(adm):
-            req = self.waiting.popleft()
-            req.started_at = now
-            self.running.append(req)
-            if self.on_start is not None:
-                self.on_start(req)
-        return self.params.step_time(len(self.running), adm)
+        p = self.params
+        free = p.running_cap - len(self.running)
+        if p.kv_capacity_tokens <= 0 and p.prefill_budget_tokens <= 0 and self.cache is None:
+            adm = min(free, len(self.waiting)) if free > 0 else 0
+            for _ in range(adm):
+                self._admit(self.waiting.popleft(), now, 0)
+            return p.step_time(len(self.running), adm)
+        return self._admit_tokens(now, free)
+
+    def _admit(self, req: SimRequest, now: float, cached: int) -> None:
+        req.started_at = now
+        req.cached_tokens = cached
+        self.kv_tokens += req.prompt_tokens
+        self.prompt_tokens_seen += req.prompt_tokens
+        self.cached_tokens_seen += cached
+        self.running.append(req)
+        if self.on_start is not None:
+            self.on_start(req)
+
+    def _admit_tokens(self, now: float, free: int) -> float:
+        """Admission with the token-level features: KV room, prefill budget, cache."""
+        p = self.params
+        waiting, cache = self.waiting, self.cache
+        kv_cap = p.kv_capacity_tokens
+        budget = p.prefill_budget_tokens
+        adm = uncached = 0
+        while free > 0 and waiting:
+            req = waiting[0]
+            if kv_cap > 0 and self.running and self.kv_tokens + req.prompt_tokens > kv_cap:
+                break
+            cached = 0
+            if cache is not None and req.blocks:
+                hit = cache.match(req.blocks) * BLOCK_TOKENS
+                cached = max(0, min(hit, req.prompt_tokens - 1))  # the last token is computed
+            new = req.prompt_tokens - cached
+            if budget > 0 and adm and uncached + new > budget:
+                break
+            waiting.popleft()
+            if cache is not None and req.blocks:
+                cache.insert(req.blocks)
+            self._admit(req, now, cached)
+            adm += 1
+            uncached += new
+            free -= 1
+        return p.step_time(len(self.running), adm, uncached)
 
     def end_step(self, end: float) -> int:
         """Decode one token for every running request (the compute half of a step);
@@ -141,11 +232,17 @@ class SimEngine:
         still = []
         done = 0
         self.tokens += len(self.running)
+        self.kv_tokens += len(self.running)
         for req in self.running:
+            if req.produced == 0:
+                req.first_token_at = end
             req.produced += 1
             if req.produced >= req.output_len:
                 req.finished_at = end
                 done += 1
+                self.kv_tokens -= req.prompt_tokens + req.produced
+                if self.cache is not None and req.done_blocks:
+                    self.cache.insert(req.done_blocks)
                 if self.on_finish is not None:
                     self.on_finish(req)
             else:

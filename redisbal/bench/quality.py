@@ -1,0 +1,390 @@
+"""The quality benchmark's simulator: what users of an LLM service feel (TTFT,
+latency, goodput, prefix-cache hits) under each routing policy, on a SIMULATED
+clock (discrete-event; deterministic per seed; no Redis).
+
+What is real: the routing code (one ``RouterCore`` per API server with the
+policy under test, told what a gateway knows: the request's key, prompt tokens
+and prompt block hashes; its output length only with ``pass_output``), the
+engine model (``redisbal.sim.model``: prefix cache, KV budget, prefill cost),
+the vLLM coordinator's publish loop for the vllm-* baselines (as in
+``redisbal.bench.scale``). What is modelled: time and the transport.
+- Independent engines step at their own pace and report after every step (and,
+  but for the pre-41626 vLLM baselines, right before it); the barrier publishes
+  every engine's latest counts (waiting, running, kv_usage, admitted) every
+  ``tick_s``. Lockstep engines publish after every step (which lasts as long as
+  the slowest engine's).
+- A snapshot reaches each router ``delivery_ms`` plus a per-router jitter after
+  it is made; a request reaches its engine ``transit_ms`` after it is routed.
+- The peers (``redisbal.bench.peers``) get the same snapshots as ``redisbal``: an
+  assumption in their favour (their own systems gather less, or later); their
+  prefix indexes are sized for the simulated engine's cache.
+- A router applies the newest snapshot it has received when it next routes,
+  with its clock set to when that snapshot arrived (the simulator's saving: a
+  router that routes nothing in between skips the snapshots in between). The
+  result is the same for every policy whose view after a snapshot depends on
+  that snapshot and its own routes; ``RouterCore``'s share and speed estimates,
+  which work on deltas between the snapshots applied, smooth over fewer of them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from typing import Any
+
+from redisbal.bench.balance import burst_max_over_mean, load_imbalance, makespan, percentile
+from redisbal.bench.latency import (
+    goodput,
+    hit_rate,
+    lockstep_efficiency_sum,
+    ttft_percentiles,
+    waits,
+)
+from redisbal.bench.oracle import OraclePolicy, World
+from redisbal.bench.peers import PEER_POLICIES, make_peer
+from redisbal.bench.scale import _snapshot
+from redisbal.bench.traffic import (
+    QUALITY_ENGINE,
+    QualityScenario,
+    build_workload,
+    client_rng,
+    engine_params,
+    warm_batch,
+)
+from redisbal.bench.vllm import (
+    VLLM_POLICIES,
+    EngineStat,
+    VllmCoordinatorModel,
+    reports_before_step,
+    vllm_model_for,
+)
+from redisbal.policies import POLICIES, Policy
+from redisbal.routing import RouterCore
+from redisbal.sim.model import SimEngine, SimRequest
+from redisbal.sim.workload import Request
+from redisbal.snapshot import EngineCounts, Snapshot
+
+BASE_POLICIES = (
+    "random",
+    "round-robin",
+    "least-inflight",
+    "vllm-pre",
+    "vllm-21617",
+    "vllm-latest",
+    "redisbal",
+    "oracle",
+)
+
+
+def available_policies() -> list[str]:
+    """Every policy the benchmark compares: the baselines, redisbal, the oracle, the peers."""
+    return [*BASE_POLICIES, *(p for p in PEER_POLICIES if p not in BASE_POLICIES)]
+
+
+def _policy(name: str, world: World) -> str | Policy:
+    if name == "oracle":
+        return OraclePolicy(world)
+    if name in POLICIES:
+        return name
+    if name in PEER_POLICIES:  # prefix indexes sized for the simulated engine's KV cache
+        return make_peer(name, kv_blocks=QUALITY_ENGINE.cache_blocks)
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
+
+
+ARRIVE, DELIVER, ESTEP, TICK, STEP, STATS, SNAP, SAMPLE = range(8)
+
+
+def simulate(
+    policy: str,
+    seed: int,
+    sc: QualityScenario,
+    *,
+    workload: list[Request] | None = None,
+    pass_output: bool = False,
+    delivery_ms: float = 1.0,
+    jitter_ms: float = 2.0,
+    transit_ms: float = 1.0,
+    sample_s: float = 0.05,
+) -> dict[str, float]:
+    """One run; returns the metrics (``redisbal.bench.latency``) and the run's own
+    cost (``sim_wall_s``)."""
+    wall = time.perf_counter()
+    work = build_workload(sc, seed) if workload is None else workload
+    rng = random.Random(f"quality-{sc.name}-{seed}")
+    ids = [f"e{i:04d}" for i in range(sc.engines)]
+    world = World()
+    clock = [0.0]
+    routers: list[RouterCore] = []
+    followers: dict[int, list[int]] = {}
+    for k, r in enumerate(work):
+        if r.after >= 0:
+            followers.setdefault(r.after, []).append(k)
+    events: list[tuple[float, int, int, Any]] = []
+    seq = 0
+
+    def push(t: float, kind: int, data: Any) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, data))
+
+    def finish(req: SimRequest) -> None:
+        if req.decision is None:  # a request of the warm start
+            return
+        routers[req.client_index].finished(req.decision)  # type: ignore[arg-type]
+        for k in followers.get(req.rid, ()):
+            push(req.finished_at + work[k].t, ARRIVE, k)
+
+    for k, eid in enumerate(ids):
+        e = SimEngine(eid, engine_params(sc, k), num_clients=sc.clients, on_finish=finish)
+        world.engines[eid] = e
+        world.transit[eid] = 0
+        for prompt, output, produced in warm_batch(sc, seed, k) if sc.warm else ():
+            wq = SimRequest(-1, 0, output, 0.0, prompt_tokens=prompt, produced=produced)
+            wq.started_at = wq.first_token_at = 0.0
+            e.running.append(wq)
+            e.kv_tokens += prompt + produced
+    for i in range(sc.clients):
+        core = RouterCore(
+            i, sc.clients, _policy(policy, world), rng=client_rng(seed, i), clock=lambda: clock[0]
+        )
+        core.connected = True
+        core.set_engines(ids)
+        routers.append(core)
+    inbox: list[tuple[float, Snapshot] | None] = [None] * sc.clients
+    vmodel: VllmCoordinatorModel | None = (
+        vllm_model_for(policy, sc.mode) if policy in VLLM_POLICIES else None
+    )
+    if vmodel is not None:
+        for eid in ids:
+            vmodel.counts[eid] = EngineStat(0, 0, 0, 0.0)
+    before_step = reports_before_step(policy)
+    independent = sc.mode != "lockstep"
+    for k, r in enumerate(work):
+        if r.after < 0:
+            push(r.t, ARRIVE, k)
+    push(0.0, TICK if independent else STEP, None)
+    stepping = not independent
+    push(0.0, SAMPLE, None)
+    last_open = max((r.t for r in work if r.after < 0), default=0.0)
+    end_by = max(last_open, sc.duration_s) + sc.drain_s
+    reqs: list[SimRequest | None] = [None] * len(work)
+    estepping = dict.fromkeys(ids, False)
+    for eid in ids:
+        if independent and world.engines[eid].busy():
+            estepping[eid] = True
+            push(0.0, ESTEP, (eid, None))
+    latest: dict[str, EngineCounts] = {}
+    last_counts: dict[str, tuple[int, int]] = {}
+    version = 0
+    pushes = [0]
+    step_rows: list[list[float]] = []
+    times: list[float] = []
+    loads: list[list[float]] = []
+
+    def counts(e: SimEngine, step: int, t: float) -> EngineCounts:
+        return EngineCounts(
+            len(e.waiting), len(e.running), e.kv_usage, 0, step, int(t * 1000), tuple(e.admitted)
+        )
+
+    def deliver_all(t: float, snap: Snapshot) -> None:
+        for i in range(sc.clients):
+            push(t + (delivery_ms + rng.random() * jitter_ms) / 1000, SNAP, (i, snap))
+
+    def stats_on_change(t: float, e: SimEngine, score: int) -> None:
+        wr = (len(e.waiting), len(e.running))
+        if last_counts.get(e.engine_id) != wr:
+            last_counts[e.engine_id] = wr
+            push(t + rng.random() * jitter_ms / 1000, STATS, (e.engine_id, score, wr))
+
+    def vllm_push(at_ms: float, cs: dict[str, EngineStat]) -> None:
+        engines = {
+            e: EngineCounts(c.waiting, c.running, None, 0, c.score, int(c.t_ms), None)
+            for e, c in cs.items()
+        }
+        pushes[0] += 1
+        deliver_all(at_ms / 1000, _snapshot(pushes[0], engines, at_ms))
+
+    def report(e: SimEngine, t: float) -> None:
+        tick = int(t / sc.tick_s)
+        latest[e.engine_id] = counts(e, tick, t)
+        if vmodel is not None:
+            stats_on_change(t, e, tick)
+
+    def barrier(engines: list[SimEngine], t: float) -> None:
+        nonlocal version
+        version += 1
+        snap = _snapshot(version, {e.engine_id: counts(e, version, t) for e in engines}, t * 1000)
+        deliver_all(t, snap)
+
+    now = 0.0
+    while events:
+        t, _, kind, data = heapq.heappop(events)
+        if t > end_by:
+            break
+        now = t
+        if kind == ARRIVE:
+            r = work[data]
+            i = r.client
+            core = routers[i]
+            got = inbox[i]
+            if got is not None:
+                inbox[i] = None
+                clock[0] = got[0]
+                core.apply_snapshot(got[1])
+            clock[0] = t
+            d = core.route(
+                key=r.key,
+                prompt_tokens=r.prompt_tokens,
+                output_tokens=r.output_tokens if pass_output else None,
+                blocks=r.blocks,
+            )
+            req = SimRequest(
+                data,
+                i,
+                r.output_tokens,
+                t,
+                decision=d,
+                engine_id=d.engine_id,
+                group=r.group,
+                prompt_tokens=r.prompt_tokens,
+                blocks=r.blocks,
+                done_blocks=r.done_blocks,
+            )
+            reqs[data] = req
+            world.transit[d.engine_id] += 1
+            push(t + transit_ms / 1000, DELIVER, req)
+        elif kind == DELIVER:
+            eid = data.engine_id
+            world.transit[eid] -= 1
+            world.engines[eid].arrive(data, t)
+            if independent:
+                if not estepping[eid]:
+                    estepping[eid] = True
+                    push(t, ESTEP, (eid, None))
+            elif not stepping:
+                stepping = True
+                push(t, STEP, None)
+        elif kind == ESTEP:
+            eid, began = data
+            e = world.engines[eid]
+            if began is not None:
+                e.end_step(t)
+                report(e, t)
+            if not e.busy():
+                estepping[eid] = False
+                continue
+            if before_step:
+                e.take_inbox()
+                report(e, t)
+            push(t + e.begin_step(t), ESTEP, (eid, t))
+        elif kind == TICK:
+            push(t + sc.tick_s, TICK, None)
+            if vmodel is None and latest:
+                version += 1
+                engines_now = {
+                    eid: latest.get(eid) or counts(world.engines[eid], 0, 0.0) for eid in ids
+                }
+                deliver_all(t, _snapshot(version, engines_now, t * 1000))
+        elif kind == STEP:
+            engines = [world.engines[e] for e in ids]
+            if data is not None:
+                for e in engines:
+                    e.end_step(t)
+                busy = any(e.busy() for e in engines)
+                if vmodel is None:
+                    if not (before_step and busy):
+                        barrier(engines, t)
+                else:
+                    version += 1
+                    for e in engines:
+                        stats_on_change(t, e, version)
+            else:
+                busy = any(e.busy() for e in engines)
+            if not busy:
+                stepping = False
+                continue
+            if before_step:
+                for e in engines:
+                    e.take_inbox()
+                if vmodel is None:
+                    barrier(engines, t)
+                else:
+                    for e in engines:
+                        stats_on_change(t, e, version + 1)
+            dur = max(e.begin_step(t) for e in engines)
+            step_rows.append([float(len(e.running)) for e in engines])
+            push(t + dur, STEP, t)
+        elif kind == STATS:
+            eid, ver, (w, rn) = data
+            assert vmodel is not None
+            for at, cs in vmodel.on_stats(t * 1000, eid, ver, w, rn):
+                vllm_push(at, cs)
+        elif kind == SNAP:
+            i, snap = data
+            held = inbox[i]
+            if held is None or snap.version > held[1].version:
+                inbox[i] = (t, snap)
+        elif kind == SAMPLE:
+            times.append(t)
+            loads.append([float(world.engines[e].load) for e in ids])
+            push(t + sample_s, SAMPLE, None)
+            if vmodel is not None:
+                for at, cs in vmodel.advance(t * 1000):
+                    vllm_push(at, cs)
+    end = end_by if events else now
+    return _metrics(sc, work, reqs, end, step_rows, times, loads) | {
+        "sim_wall_s": time.perf_counter() - wall
+    }
+
+
+def _metrics(
+    sc: QualityScenario,
+    work: list[Request],
+    reqs: list[SimRequest | None],
+    end: float,
+    step_rows: list[list[float]],
+    times: list[float],
+    loads: list[list[float]],
+) -> dict[str, float]:
+    window_end = max(sc.duration_s, max((r.t for r in work if r.after < 0), default=0.0))
+    measured = [r for r in reqs if r is not None and sc.warmup_s <= r.routed_at <= window_end]
+    routed = [r.routed_at for r in measured]
+    ttft = waits(routed, [r.first_token_at for r in measured], end)
+    e2e = waits(routed, [r.finished_at for r in measured], end)
+    p50, p99 = ttft_percentiles(ttft)
+    started = [r for r in measured if r.started_at >= 0]
+    spans: dict[int, tuple[float, float]] = {}
+    per_burst: dict[int, dict[str, int]] = {}
+    for r in measured:
+        lo, hi = spans.get(r.group, (math.inf, -math.inf))
+        spans[r.group] = (
+            min(lo, r.routed_at),
+            max(hi, r.finished_at if r.finished_at >= 0 else end),
+        )
+        per_burst.setdefault(r.group, {})
+        per_burst[r.group][r.engine_id] = per_burst[r.group].get(r.engine_id, 0) + 1
+    out = {
+        "ttft_p50_s": p50,
+        "ttft_p99_s": p99,
+        "e2e_p99_s": percentile(e2e, 99),
+        "goodput_rps": goodput(ttft, sc.slo_ttft_s, max(1e-9, window_end - sc.warmup_s)),
+        "prefix_hit_rate": hit_rate(
+            sum(r.cached_tokens for r in started), sum(r.prompt_tokens for r in started)
+        ),
+        "load_imbalance": load_imbalance(times, loads),
+        "requests": float(len(measured)),
+        "unfinished": float(sum(1 for r in measured if r.finished_at < 0)),
+    }
+    if sc.mode == "lockstep":
+        out["lockstep_efficiency"] = lockstep_efficiency_sum(step_rows)
+    if sc.traffic == "burst":
+        out["makespan_s"] = makespan(list(spans.values()))
+        out["burst_max_over_mean"] = burst_max_over_mean(
+            [
+                [c.get(e, 0) for e in (f"e{i:04d}" for i in range(sc.engines))]
+                for c in per_burst.values()
+            ]
+        )
+    return out

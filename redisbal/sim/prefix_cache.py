@@ -1,0 +1,61 @@
+"""A simulated engine's prefix cache: block hashes with LRU eviction.
+
+An engine with automatic prefix caching (vLLM's, SGLang's radix cache) keeps the
+KV blocks of prompts it has computed and reuses them for a later prompt that
+starts with the same tokens. Blocks are identified by chained hashes (a block's
+hash covers every token before it), so the reusable part of a prompt is the
+longest run of its leading blocks found in the cache. The model: a bounded
+number of blocks, least recently used out first; a hit refreshes the blocks it
+used. Blocks of running requests are not pinned (a simplification: a real
+engine cannot evict a block in use; with capacity near the KV size the blocks
+evicted first are the idle ones anyway).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BLOCK_TOKENS = 16  # tokens per KV block (vLLM's default block size)
+
+
+class PrefixCache:
+    """Bounded LRU set of block hashes."""
+
+    __slots__ = ("blocks", "capacity")
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity = capacity_blocks
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.blocks
+
+    def match(self, blocks: Sequence[int]) -> int:
+        """How many leading blocks of ``blocks`` are cached (the longest cached prefix);
+        the blocks matched become the most recently used."""
+        cached = self.blocks
+        n = 0
+        for b in blocks:
+            if b not in cached:
+                break
+            n += 1
+        for b in blocks[:n]:
+            cached.move_to_end(b)
+        return n
+
+    def insert(self, blocks: Sequence[int]) -> None:
+        """Add (or refresh) ``blocks``, evicting the least recently used beyond capacity."""
+        cached = self.blocks
+        for b in blocks:
+            if b in cached:
+                cached.move_to_end(b)
+            else:
+                cached[b] = None
+        while len(cached) > self.capacity:
+            cached.popitem(last=False)

@@ -1,0 +1,286 @@
+"""The routing-quality benchmark: prefix cache, engine model, workloads, traces,
+metrics, and small simulated runs whose ordering must hold."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from redisbal.bench.command import bench_command
+from redisbal.bench.latency import (
+    goodput,
+    hit_rate,
+    lockstep_efficiency_sum,
+    ttft_percentiles,
+    waits,
+)
+from redisbal.bench.quality import simulate
+from redisbal.bench.traffic import QualityScenario, build_workload, default_quality_scenarios
+from redisbal.policies import EngineView, Policy, RoutingState
+from redisbal.sim.model import EngineParams, SimEngine, SimRequest
+from redisbal.sim.prefix_cache import PrefixCache
+from redisbal.sim.workload import (
+    OUTPUT_CAP,
+    TraceError,
+    bursts,
+    parse_trace,
+    poisson,
+    sessions,
+    stream_blocks,
+)
+
+# -- prefix cache ---------------------------------------------------------------------------
+
+
+def test_prefix_cache_hits_the_longest_cached_prefix_only() -> None:
+    c = PrefixCache(10)
+    c.insert([1, 2, 3])
+    assert c.match([1, 2, 3, 4]) == 3
+    assert c.match([1, 9, 3]) == 1  # a miss ends the prefix, later hits do not count
+    assert c.match([7, 1, 2]) == 0
+
+
+def test_prefix_cache_evicts_least_recently_used_and_hits_refresh() -> None:
+    c = PrefixCache(3)
+    c.insert([1, 2, 3])
+    assert c.match([1]) == 1  # 1 is now the most recent
+    c.insert([4])  # evicts 2, the least recently used
+    assert 2 not in c and 1 in c and 3 in c and 4 in c
+    assert len(c) == 3
+    with pytest.raises(ValueError):
+        PrefixCache(0)
+
+
+# -- engine model ---------------------------------------------------------------------------
+
+
+def _req(rid: int, prompt: int, out: int, blocks: tuple[int, ...] = ()) -> SimRequest:
+    return SimRequest(rid, 0, out, 0.0, prompt_tokens=prompt, blocks=blocks)
+
+
+def test_cached_prompt_tokens_are_not_prefilled_again() -> None:
+    p = EngineParams(prefill_per_token_s=12e-6, cache_blocks=1000)
+    blocks = stream_blocks(1, 1000)
+    e = SimEngine("a", p)
+    e.arrive(_req(1, 1000, 1, blocks), 0.0)
+    cold = e.begin_step(0.0)
+    e.end_step(cold)
+    e.arrive(_req(2, 1000, 1, blocks), cold)
+    warm = e.begin_step(cold)
+    # 992 of the 1,000 tokens (62 full blocks) are cached: about 12 ms less prefill
+    assert cold - warm == pytest.approx(992 * 12e-6, rel=1e-6)
+    assert e.cached_tokens_seen == 992 and e.prompt_tokens_seen == 2000
+
+
+def test_first_token_at_the_end_of_the_prefill_step_and_kv_usage() -> None:
+    p = EngineParams(kv_capacity_tokens=1000, prefill_per_token_s=1e-5)
+    e = SimEngine("a", p)
+    for i in range(3):
+        e.arrive(_req(i, 400, 2), 0.0)
+    d = e.begin_step(0.0)
+    assert len(e.running) == 2 and len(e.waiting) == 1  # the third does not fit the KV
+    e.end_step(d)
+    assert all(r.first_token_at == d for r in e.running)
+    assert e.kv_usage == pytest.approx(0.802)  # 2 x (400 prompt + 1 produced) / 1000
+    d2 = e.begin_step(d)
+    e.end_step(d + d2)
+    assert e.kv_tokens == 0 and not e.running  # both finished after 2 tokens
+    assert e.waiting  # still waiting: it is admitted at the next step
+
+
+def test_engine_defaults_keep_the_old_step_time() -> None:
+    e = SimEngine("a")
+    for i in range(3):
+        e.arrive(SimRequest(i, 0, 5, 0.0), 0.0)
+    assert e.begin_step(0.0) == pytest.approx(0.012 + 3 * 0.00015 + 3 * 0.0004)
+    assert e.kv_usage is None and e.cache is None
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+
+def test_workloads_are_a_function_of_the_seed() -> None:
+    assert poisson(50, 5, 4, 1) == poisson(50, 5, 4, 1)
+    assert poisson(50, 5, 4, 1) != poisson(50, 5, 4, 2)
+    assert sessions(5, 5, 4, 3) == sessions(5, 5, 4, 3)
+    assert bursts(20, 2, 1.0, 0.1, 4, 1) == bursts(20, 2, 1.0, 0.1, 4, 1)
+
+
+def test_sizes_are_heavy_tailed() -> None:
+    reqs = poisson(400, 30, 1, 7)
+    outs = sorted(r.output_tokens for r in reqs)
+    prompts = sorted(r.prompt_tokens for r in reqs)
+    mean_out = sum(outs) / len(outs)
+    assert 250 < mean_out < 430  # ShareGPT-like mean output (338)
+    assert outs[int(0.99 * len(outs))] > 4 * outs[len(outs) // 2]  # p99 >> median
+    assert prompts[int(0.99 * len(prompts))] > 5 * prompts[len(prompts) // 2]
+    assert max(outs) <= OUTPUT_CAP
+
+
+def test_session_turns_share_their_history_and_system_prompts_are_shared() -> None:
+    reqs = sessions(20, 10, 4, 1)
+    by_key: dict[str, list[int]] = {}
+    for i, r in enumerate(reqs):
+        assert r.key is not None
+        by_key.setdefault(r.key, []).append(i)
+    multi = [ks for ks in by_key.values() if len(ks) > 1]
+    assert multi
+    for ks in multi:
+        for a, b in itertools.pairwise(ks):
+            prev, nxt = reqs[a], reqs[b]
+            assert nxt.after == a  # the next turn follows the previous one
+            assert nxt.prompt_tokens > prev.prompt_tokens + prev.output_tokens
+            assert nxt.blocks[: len(prev.done_blocks)] == prev.done_blocks
+    firsts = [reqs[ks[0]].blocks[:20] for ks in by_key.values()]
+    # 4 system prompts of >= 400 tokens: sessions share their first 25 blocks in groups
+    assert len(set(firsts)) <= 4 < len(firsts)
+
+
+# -- traces ---------------------------------------------------------------------------------
+
+
+def test_trace_parses_and_keys_share_a_prefix() -> None:
+    lines = [
+        '{"t": 0.5, "prompt_tokens": 100, "output_tokens": 10, "key": "a", "extra": 1}',
+        "",
+        '{"t": 0.1, "prompt_tokens": 64, "output_tokens": 5}',
+        '{"t": 1.0, "prompt_tokens": 200, "output_tokens": 3, "key": "a"}',
+        '{"t": 1.2, "prompt_tokens": 200, "output_tokens": 3}',
+    ]
+    reqs = parse_trace(lines, clients=4)
+    assert [r.t for r in reqs] == [0.1, 0.5, 1.0, 1.2]  # sorted
+    a1, a2 = reqs[1], reqs[2]
+    assert a1.key == a2.key == "a"
+    assert a2.blocks[: len(a1.blocks)] == a1.blocks and len(a1.blocks) == 6
+    assert not set(reqs[3].blocks) & set(a2.blocks)  # no key: no shared prefix
+    assert all(0 <= r.client < 4 for r in reqs)
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"prompt_tokens": 1, "output_tokens": 1}', "'t'"),
+        ('{"t": -1, "prompt_tokens": 1, "output_tokens": 1}', "'t'"),
+        ('{"t": "0", "prompt_tokens": 1, "output_tokens": 1}', "'t'"),
+        ('{"t": 0, "output_tokens": 1}', "'prompt_tokens'"),
+        ('{"t": 0, "prompt_tokens": 1.5, "output_tokens": 1}', "'prompt_tokens'"),
+        ('{"t": 0, "prompt_tokens": 1, "output_tokens": 0}', "'output_tokens'"),
+        ('{"t": 0, "prompt_tokens": 1, "output_tokens": true}', "'output_tokens'"),
+        ('{"t": 0, "prompt_tokens": 1, "output_tokens": 1, "key": 5}', "'key'"),
+    ],
+)
+def test_a_bad_trace_line_names_its_number_and_field(line: str, field: str) -> None:
+    good = '{"t": 0, "prompt_tokens": 1, "output_tokens": 1}'
+    with pytest.raises(TraceError) as e:
+        parse_trace([good, line], clients=1)
+    assert str(e.value).startswith("trace line 2: ") and field in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bench_trace_error_is_one_line(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"t": 0, "prompt_tokens": 1, "output_tokens": 1}\n{"t": 1}\n')
+    res = CliRunner().invoke(bench_command, ["--trace", str(f)])
+    assert res.exit_code != 0
+    assert "trace line 2: missing field 'prompt_tokens'" in res.output
+    assert "Traceback" not in res.output
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+
+def test_latency_metrics() -> None:
+    assert waits([0.0, 1.0, 2.0], [0.5, -1.0, 2.25], end_of_run=5.0) == [0.5, 4.0, 0.25]
+    assert ttft_percentiles([0.1] * 99 + [10.0]) == (0.1, pytest.approx(0.199))
+    assert goodput([0.1, 0.2, 3.0, 0.9], slo_s=1.0, window_s=2.0) == 1.5
+    assert hit_rate(25, 100) == 0.25 and hit_rate(0, 0) == 0.0
+    # steps: (2, 2) uses every slot; (4, 0) half of them: (2 + 2) / (2 + 4)
+    assert lockstep_efficiency_sum([[2, 2], [4, 0], [0, 0]]) == pytest.approx(4 / 6)
+    assert lockstep_efficiency_sum([]) == 1.0
+    with pytest.raises(ValueError):
+        waits([0.0], [], 1.0)
+
+
+# -- small simulated runs -------------------------------------------------------------------
+
+
+class AffinityPolicy(Policy):
+    """Pure affinity: a keyed request always goes to hash(key) mod N."""
+
+    name = "affinity"
+
+    def pick(self, core: RoutingState) -> EngineView:
+        req = core.request
+        n = len(core.engines)
+        if req is None or req.key is None:
+            return core.engines[int(core.rng.random() * n)]
+        return core.engines[zlib.crc32(req.key.encode()) % n]
+
+
+def _small(name: str) -> QualityScenario:
+    sc = default_quality_scenarios(2, 8)[name]
+    return replace(sc, duration_s=6.0, warmup_s=1.0, drain_s=1.0)
+
+
+def test_affinity_hits_the_prefix_cache_more_than_random(monkeypatch) -> None:
+    from redisbal.bench import quality
+
+    sc = replace(_small("sessions"), duration_s=12.0, warmup_s=2.0)
+    work = build_workload(sc, 1)
+    rnd = simulate("random", 1, sc, workload=work)
+    monkeypatch.setitem(quality.POLICIES, "affinity", AffinityPolicy)
+    aff = simulate("affinity", 1, sc, workload=work)
+    # the shared system prompts hit on any engine (random: ~0.8); histories only on theirs
+    assert aff["prefix_hit_rate"] > rnd["prefix_hit_rate"] + 0.03
+    red = simulate("redisbal", 1, sc, workload=work)  # keyed: its bounded-load ring
+    assert red["prefix_hit_rate"] > rnd["prefix_hit_rate"]
+
+
+def test_oracle_p99_ttft_is_no_worse_than_random() -> None:
+    sc = _small("straggler")
+    for seed in (1, 2):
+        r = simulate("random", seed, sc)
+        o = simulate("oracle", seed, sc)
+        assert o["ttft_p99_s"] <= r["ttft_p99_s"]
+        assert o["goodput_rps"] >= r["goodput_rps"]
+
+
+def test_a_run_is_deterministic_per_seed() -> None:
+    sc = _small("poisson")
+    a = simulate("vllm-latest", 3, sc)
+    b = simulate("vllm-latest", 3, sc)
+    a.pop("sim_wall_s"), b.pop("sim_wall_s")
+    assert a == b and a["requests"] > 0
+    lock = simulate("redisbal", 1, replace(_small("burst"), drain_s=2.0))
+    assert 0 < lock["lockstep_efficiency"] <= 1 and "burst_max_over_mean" in lock
+
+
+def test_bench_trace_runs_end_to_end(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    rows = [
+        {"t": i * 0.01, "prompt_tokens": 300 + i, "output_tokens": 20, "key": f"k{i % 5}"}
+        for i in range(200)
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "q.json"
+    res = CliRunner().invoke(
+        bench_command,
+        ["--trace", str(f), "--policies", "random,chbl,oracle", "--seeds", "2", "--json", str(out)],
+    )
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    pols = doc["summary"]["8x32"]["trace"]
+    assert set(pols) == {"random", "chbl", "oracle"}
+    assert pols["oracle"]["ttft_p99_gap_s"]["mean"] == 0.0
+    assert pols["chbl"]["prefix_hit_rate"]["mean"] > pols["random"]["prefix_hit_rate"]["mean"]
+    assert all(not math.isnan(r["ttft_p99_s"]) for r in doc["runs"]) and len(doc["runs"]) == 6
+    assert "p99-oracle" in res.output
