@@ -309,8 +309,8 @@ class RedisbalPolicy(ScoringPolicy):
     all requests admitted lately), falling back to 1 / client_count. A heap
     keeps route() O(log N).
 
-    Stratified dither: each router adds to engine e an offset in [0, 1/share)
-    of frac(client_index / client_count + phi(version, e)), where phi is a hash
+    Stratified dither: each router adds to engine e an offset in [0, A) of
+    frac(client_index / client_count + phi(version, e)), where phi is a hash
     of the snapshot version and the engine id that every router computes alike.
     Each own route counts 1/share in the router's view (it stands for everyone's
     routes), so without the offset all routers would fill the same lowest engines
@@ -318,7 +318,11 @@ class RedisbalPolicy(ScoringPolicy):
     engine are evenly spread over a lump, and the number of routers that pick an
     engine is proportional to its deficit (water-filling in small steps). Over
     snapshots phi is uniform, so ties are broken without bias; remaining exact
-    ties are broken at random.
+    ties are broken at random. The amplitude A is what all routers route per
+    snapshot (this router's routes per snapshot x 1/share), between 1 and one
+    lump (1/share): under a burst every router routes between snapshots and the
+    offsets spread a whole lump; under light traffic few do, and a wide offset
+    would only blur which engine is shortest.
 
     With ``use_age`` (on), each engine's snapshot load is lowered by the completions
     expected since its report was made (its running count x its completion rate per
@@ -334,12 +338,15 @@ class RedisbalPolicy(ScoringPolicy):
     Pending routes count by their cost (``EngineView.pending_cost``): a route
     that said its size in tokens counts as that size over the typical route's.
 
-    A request with a ``key`` (``route(key=...)``) goes to the key's engine on a
-    consistent-hash ring of the choosable engines, unless that engine's load is
-    above ``affinity_c`` x (the mean load + one own route); then to the next engine clockwise
-    within the bound (consistent hashing with bounded loads, Mirrokni et al.
-    2018). The loads are the snapshot's counts plus this router's pending routes,
-    so every router puts a key on the same engine while the loads allow it.
+    A request with a ``key`` (``route(key=...)``) goes to the first of the key's
+    engines on a consistent-hash ring of the choosable engines (clockwise from the
+    key's point, at most ``affinity_probes``) that can take it about as soon as the
+    least-loaded engine: a free slot (no queue, running + own pending below the
+    running cap, KV usage below ``affinity_kv``) or a score within
+    ``affinity_slack`` of the least-loaded engine's; else to the least-loaded
+    engine. The ring and the snapshot are shared, so every router puts a key on
+    the same engine while it has room, and on its second engine, not a random one,
+    when it has not.
     """
 
     name = "redisbal"
@@ -354,8 +361,12 @@ class RedisbalPolicy(ScoringPolicy):
     # Power-of-two choices (Mitzenmacher 2000) from this many engines up; 0 = off.
     # Measured and left off: less even than the heap at 32 engines (BENCHMARKS.md).
     p2c_from = 0
-    # a key's engine takes it while its load is at most this x (mean load + one route)
-    affinity_c = 1.25
+    # a key's engine takes it while its score is within this of the least-loaded
+    # engine's (in requests: one queued request costs about what a cached prefix saves)
+    affinity_slack = 1.0
+    affinity_probes = 4  # engines of a key tried, clockwise on the ring
+    affinity_kv = 0.9  # a slot is free only below this KV usage
+    dither_gain = 1.0
     ring_points = 40  # points per engine on the hash ring
 
     def __init__(self) -> None:
@@ -365,13 +376,9 @@ class RedisbalPolicy(ScoringPolicy):
         self.ring: list[int] = []  # sorted point hashes
         self.ring_owner: list[int] = []  # index into ring_engines, per point
         self.ring_engines: list[EngineView] = []
-        self.load_sum = 0.0  # sum of shared_load over core.engines
-
-    @staticmethod
-    def shared_load(core: RoutingState, e: EngineView) -> float:
-        """The load every router sees alike but for its own pending routes: the
-        snapshot's counts plus this router's pending routes (scaled by its share)."""
-        return e.waiting + e.running + e.pending_cost * core.pending_weight
+        self.routes_per_snapshot = 1.0  # EWMA of own routes between snapshots
+        self._routes_since = 0
+        self._dither_snap: Snapshot | None = None
 
     def score(self, core: RoutingState, e: EngineView) -> float:
         queued = e.waiting + e.pending_cost * core.pending_weight
@@ -384,11 +391,22 @@ class RedisbalPolicy(ScoringPolicy):
             s = e.running + direct + (queued - direct) / e.speed + e.dither
         return s - e.aged if self.use_age else s
 
-    @staticmethod
-    def _dither(core: RoutingState) -> None:
+    def _dither(self, core: RoutingState) -> None:
         snap = core.snapshot
         salt = (snap.version if snap is not None else 0).to_bytes(8, "little", signed=False)
+        prev = self._dither_snap
+        if snap is not prev and snap is not None:  # own routes per snapshot published
+            versions = 1
+            if prev is not None and prev.epoch == snap.epoch and snap.version > prev.version:
+                versions = snap.version - prev.version
+            self._dither_snap = snap
+            sample = self._routes_since / versions
+            self.routes_per_snapshot += (sample - self.routes_per_snapshot) / 8.0
+            self._routes_since = 0
         w = core.pending_weight
+        # the offsets spread over what all routers route before the next snapshot
+        # (about this router's routes per snapshot x pending_weight), at most one lump
+        w = min(w, max(1.0, self.dither_gain * self.routes_per_snapshot * w))
         base = core.client_index / core.client_count
         for e in core.engines:
             if e.hid < 0:
@@ -409,7 +427,6 @@ class RedisbalPolicy(ScoringPolicy):
             heap.append((self.score(core, e), rnd(), e.gen, e))
         heapq.heapify(heap)
         self.heap = heap
-        self.load_sum = sum(self.shared_load(core, e) for e in core.engines)
         if core.engines is not self.ring_engines:
             self.ring_engines = core.engines
             if tuple(e.engine_id for e in core.engines) != self.ring_ids:
@@ -427,32 +444,36 @@ class RedisbalPolicy(ScoringPolicy):
         self.ring_ids = tuple(e.engine_id for e in self.ring_engines)
 
     def pick_for_key(self, core: RoutingState, key: str) -> EngineView:
-        """Consistent hashing with bounded loads: the first engine clockwise from the
-        key's point whose shared load is within the bound."""
-        engines = self.ring_engines
+        """The first of the key's engines (clockwise on the ring from the key's point,
+        at most ``affinity_probes`` of them) that can take the request about as soon as
+        the least-loaded engine can: a free slot, or a score within ``affinity_slack``
+        of the least-loaded engine's. Else the least-loaded engine."""
+        top = self._top(core)
         if not self.ring:
             self._build_ring()
-        n = len(engines)
-        # one own route counts pending_weight: allow one such lump over the mean
-        bound = self.affinity_c * (self.load_sum / n + core.pending_weight)
-        ring, owner = self.ring, self.ring_owner
+        engines, ring, owner = self.ring_engines, self.ring, self.ring_owner
+        ref = self.score(core, top) - top.dither + self.affinity_slack
+        cap, w = core.running_cap, core.pending_weight
         at = bisect.bisect_left(ring, zlib.crc32(key.encode()))
-        seen: set[int] = set()
-        best, best_load = engines[0], float("inf")
+        seen: list[int] = []
         for k in range(len(ring)):
             i = owner[(at + k) % len(ring)]
             if i in seen:
                 continue
-            seen.add(i)
             e = engines[i]
-            load = self.shared_load(core, e)
-            if load <= bound:
+            if e is top or self.score(core, e) - e.dither <= ref:
                 return e
-            if load < best_load:
-                best, best_load = e, load
-            if len(seen) == n:
+            if (
+                cap
+                and e.waiting == 0
+                and e.running + e.pending_cost * w < cap
+                and (e.kv_usage is None or e.kv_usage < self.affinity_kv)
+            ):
+                return e  # a free slot and KV room now: the key's cache saves its prefill
+            seen.append(i)
+            if len(seen) >= self.affinity_probes:
                 break
-        return best
+        return top
 
     def pick(self, core: RoutingState) -> EngineView:
         req = core.request
@@ -464,6 +485,10 @@ class RedisbalPolicy(ScoringPolicy):
             rnd = core.rng.random
             a, b = engines[int(rnd() * n)], engines[int(rnd() * n)]
             return a if self.score(core, a) <= self.score(core, b) else b
+        return self._top(core)
+
+    def _top(self, core: RoutingState) -> EngineView:
+        """The engine with the lowest score (the heap's valid top)."""
         heap = self.heap
         while heap:
             _, _, gen, e = heap[0]
@@ -474,8 +499,7 @@ class RedisbalPolicy(ScoringPolicy):
         return self.heap[0][3]
 
     def routed(self, core: RoutingState, eng: EngineView) -> None:
-        if eng.costs:
-            self.load_sum += eng.costs[-1] * core.pending_weight
+        self._routes_since += 1
         if self.heap and self.heap[0][3] is eng:
             eng.gen += 1
             heapq.heapreplace(self.heap, (self.score(core, eng), core.rng.random(), eng.gen, eng))

@@ -27,7 +27,23 @@ def cores(n_routers: int, loads: dict[str, tuple[int, int]], **kw: object) -> li
 def test_every_router_puts_a_key_on_the_same_engine() -> None:
     routers = cores(8, {f"e{i}": (0, 10) for i in range(16)})
     for key in (f"session-{k}" for k in range(50)):
-        assert len({r.route(key=key).engine_id for r in routers}) == 1
+        homes = set()
+        for r in routers:
+            d = r.route(key=key)
+            homes.add(d.engine_id)
+            r.unroute(d)  # placement only: no router's own routes pile up between snapshots
+        assert len(homes) == 1
+
+
+def test_a_key_leaves_its_engine_when_a_queued_request_would_wait_there() -> None:
+    loads = {f"e{i}": (0, 64) for i in range(8)}  # full batches everywhere
+    (core,) = cores(1, loads)
+    home = core.route(key="s").engine_id
+    core.unroute(core.route(key="s"))
+    # the home has 3 queued, the others none: a cached prefix is not worth the wait
+    queued = {**loads, home: (3, 64)}
+    core.apply_snapshot(make_snapshot(queued, version=2, admitted={e: (1,) for e in loads}))
+    assert core.route(key="s").engine_id != home
 
 
 def test_keys_spread_over_the_engines() -> None:
