@@ -24,10 +24,10 @@ from redisbal.sim.demo import Demo, DemoOptions, Echo, _fmt, _raise_on_sigterm
 from redisbal.sim.embedded import RedisServer
 from redisbal.table import render_table
 
-# Run-to-run spread of TTFT p99 between seeds in the demo's default scenario, as a
-# fraction (measured on a loaded 2-core machine: the verdict calls a smaller
-# difference noise).
-NOISE = 0.15
+# What one run each cannot tell apart, as a fraction of TTFT p99: policies that are
+# alike in a scenario (redisbal, vllm-latest and round-robin with bursts on lockstep
+# engines) differed by up to 22 % between runs of one seed on a loaded 2-core machine.
+NOISE = 0.25
 
 
 def _rel(base: float | None, new: float | None) -> float | None:

@@ -251,9 +251,7 @@ class EngineSimRunner:
                 pipe = self.client.pipeline(transaction=False)
             by_client: dict[int, list[str]] = defaultdict(list)
             for req in box:
-                first = self.first_token.pop(req, req.finished_at)
-                decode_ms = max(0.0, req.finished_at - first) * 1000.0
-                by_client[req.client_index].append(DoneMsg(req.rid, decode_ms).encode())
+                by_client[req.client_index].append(self.done_msg(req).encode())
             for ci, rids in by_client.items():
                 pipe.rpush(self.keys.done(ci), *rids)
             self.stats.engines[eid].served += len(box)
@@ -273,7 +271,13 @@ class EngineSimRunner:
         else:
             rep.report_nowait(None, w, r, admitted=eng.admitted)
 
-    def _end_step(self, eng: SimEngine, end: float) -> None:
+    def done_msg(self, req: SimRequest) -> DoneMsg:
+        """The completion of a finished request, with its decode time: from its first
+        token (the end of the step that admitted it) to its end."""
+        first = self.first_token.pop(req, req.finished_at)
+        return DoneMsg(req.rid, max(0.0, req.finished_at - first) * 1000.0)
+
+    def end_step(self, eng: SimEngine, end: float) -> None:
         """End eng's step at ``end``: the requests it admitted get their first token then."""
         first = self.first_token
         for req in eng.running:
@@ -326,7 +330,7 @@ class EngineSimRunner:
             t_end = loop.time()
             self.stats.sample(self.engines.values(), t_end)
             for e in engines:
-                self._end_step(e, t_end)
+                self.end_step(e, t_end)
             await self._flush(list(self.engines))
             for eid in self.engines:
                 self._report(eid)
@@ -342,7 +346,7 @@ class EngineSimRunner:
             done = [eid for eid, t in ends.items() if t is not None and t <= now]
             if done:
                 for eid in done:
-                    self._end_step(self.engines[eid], now)
+                    self.end_step(self.engines[eid], now)
                     ends[eid] = None
                 await self._flush(done)
                 for eid in done:
