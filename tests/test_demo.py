@@ -138,7 +138,8 @@ def test_demo_compare_runs_both_policies_on_one_redis_and_prints_one_table() -> 
         assert float(r[7]) == pytest.approx(rate, abs=0.01) and r[8] == "req/s"
         assert re.fullmatch(r"\d+\.\d\d", r[9])  # load imbalance, the diagnostic
     assert table[4].startswith("better = lower TTFT p99")
-    assert table[5].startswith("redisbal vs round-robin: ")
+    assert table[5].startswith("One run each on one seed: TTFT p99 differences under 25 %")
+    assert table[6].startswith("redisbal vs round-robin: ")
     assert "(2 runs); all its processes stopped" in text
     logdir = _logdir(text)
     assert not Path(logdir).exists()

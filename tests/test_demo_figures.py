@@ -83,10 +83,11 @@ def test_compare_table_has_a_row_per_policy_with_its_figures() -> None:
 def test_verdict_says_what_better_means_and_by_how_much() -> None:
     lines = verdict(ROWS, 500.0, noise=0.15)
     assert lines[0].startswith("better = lower TTFT p99") and "within 500 ms" in lines[0]
-    assert lines[1] == (
+    assert "under 15 % are run-to-run noise" in lines[1]
+    assert lines[2] == (
         "redisbal vs round-robin: redisbal better, TTFT p99 50 % lower "
         "(TTFT p99 300 vs 600 ms; goodput 90.00 vs 70.00 req/s)"
     )
-    assert lines[2].startswith("redisbal vs vllm-latest: within noise (TTFT p99 300 vs 310")
+    assert lines[3].startswith("redisbal vs vllm-latest: within noise (TTFT p99 300 vs 310")
     flipped = verdict([ROWS[1], ROWS[0]], 500.0, noise=0.15)
-    assert flipped[1].startswith("round-robin vs redisbal: redisbal better, TTFT p99 50 % lower")
+    assert flipped[2].startswith("round-robin vs redisbal: redisbal better, TTFT p99 50 % lower")

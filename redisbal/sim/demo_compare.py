@@ -71,8 +71,9 @@ def verdict(
     slo = f"{slo_ttft_ms:g} ms" if slo_ttft_ms is not None else "the objective"
     lines = [
         f"better = lower TTFT p99 (the slowest 1 % of first tokens) and more goodput "
-        f"(requests/s whose first token came within {slo}); one run each, same seed: "
-        f"TTFT p99 differences under {noise * 100:.0f} % are run-to-run noise."
+        f"(requests/s whose first token came within {slo}).",
+        f"One run each on one seed: TTFT p99 differences under {noise * 100:.0f} % are "
+        "run-to-run noise.",
     ]
     name, first = rows[0]
     for policy, o in rows[1:]:
