@@ -51,7 +51,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "demo": (
         "redisbal.sim.commands:demo",
-        "Run the whole system for a few seconds and print how balanced it was.",
+        "Run the whole system for a few seconds and print what users felt, against a baseline.",
     ),
     "gateway": (
         "redisbal.gateway.command:gateway",

@@ -150,7 +150,9 @@ def test_missing_url_says_how_to_give_one(runner: CliRunner) -> None:
         (["demo", "--duration", "-1"], "Invalid value for '--duration'"),
         (["demo", "--http", "--mode", "lockstep"], "--mode tick only"),
         (["demo", "--http", "--rate", "5", "--burst", "10"], "--burst or --rate"),
-        (["demo", "--slo-ttft-ms", "100"], "--slo-ttft-ms needs --http"),
+        (["demo", "--compare", "fastest"], "use 'none' or policies from redisbal, random"),
+        (["demo", "--compare", "none,round-robin"], "Invalid value for '--compare'"),
+        (["demo", "--sigma", "-1"], "Invalid value for '--sigma'"),
     ],
 )
 def test_bad_numbers_and_values_are_usage_errors(

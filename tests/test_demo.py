@@ -70,11 +70,17 @@ def _wait_gone(text: str, timeout: float = 10.0) -> list[str]:
     return left
 
 
+def _ms(cell: str) -> float:
+    assert cell.endswith("ms"), cell
+    return float(cell[:-2])
+
+
 def test_demo_runs_end_to_end_and_cleans_up() -> None:
     t0 = time.monotonic()
     out = subprocess.run(
-        [*DEMO, *SMALL], capture_output=True, text=True, timeout=100, env=_env(), check=False
-    )
+        [*DEMO, *SMALL, "--compare", "none"],
+        capture_output=True, text=True, timeout=100, env=_env(), check=False,
+    )  # fmt: skip
     took = time.monotonic() - t0
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
@@ -90,11 +96,54 @@ def test_demo_runs_end_to_end_and_cleans_up() -> None:
     assert m and int(m.group(1)) == int(m.group(2)) == served > 0
     assert re.search(r"load imbalance, time-averaged \(max-mean\)/mean:\s+\d+\.\d\d", text)
     assert re.search(r"per-burst max/mean of assignments:\s+\d+\.\d\d", text)
+    # each API server's TTFT (its latency less the engine's decode time) is at most its e2e
+    apis = text.split("per API server", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert apis[1].split()[-4:] == ["TTFT", "p99", "e2e", "p99"] or "goodput" in apis[1]
+    for row in apis[3:]:
+        cells = row.split()
+        assert cells[1] == cells[2]  # sent == completed
+        assert 0 < _ms(cells[5]) <= _ms(cells[6]) <= _ms(cells[7])
+    m = re.search(r"TTFT p50 (\d+\.\d) ms, p99 (\d+\.\d) ms; end-to-end p99 (\d+\.\d) ms", text)
+    assert m and 0 < float(m.group(1)) <= float(m.group(2)) <= float(m.group(3))
+    assert re.search(r"goodput \d+\.\d\d req/s of load within TTFT 500 ms", text)
+    assert "same seed, same schedule" not in text  # --compare none: one run
     assert "all its processes stopped" in text
     logdir = _logdir(text)
     assert not Path(logdir).exists()  # removed on success
     assert _wait_gone(logdir) == []
     assert took < 60
+
+
+def test_demo_compare_runs_both_policies_on_one_redis_and_prints_one_table() -> None:
+    out = subprocess.run(
+        [*DEMO, *SMALL, "--compare", "round-robin", "--slo-ttft-ms", "60000"],
+        capture_output=True, text=True, timeout=150, env=_env(), check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert text.count("started redis-server") == 1  # both runs on the same Redis
+    assert "== run 1 of 2: policy redisbal (the default)" in text
+    assert "== run 2 of 2: policy round-robin (baseline), deployment default-1" in text
+    sent = re.findall(r"requests: (\d+) sent, (\d+) served", text)
+    assert len(sent) == 2 and sent[0] == sent[1] and sent[0][0] == sent[0][1]  # same schedule
+    table = text.split("same seed, same schedule, one run each:\n", 1)[1].splitlines()
+    assert table[0].split()[:5] == ["policy", "TTFT", "p50", "TTFT", "p99"]
+    rows = {ln.split()[0]: ln.split() for ln in table[2:4]}
+    assert list(rows) == ["redisbal", "round-robin"]
+    rate = int(sent[0][0]) / 2  # requests per second of the 2 s load
+    for r in rows.values():
+        p50, p99, e2e = float(r[1]), float(r[3]), float(r[5])
+        assert r[2] == r[4] == r[6] == "ms" and 0 < p50 <= p99 <= e2e
+        # every first token within the minute-long objective: goodput is the whole load
+        assert float(r[7]) == pytest.approx(rate, abs=0.01) and r[8] == "req/s"
+        assert re.fullmatch(r"\d+\.\d\d", r[9])  # load imbalance, the diagnostic
+    assert table[4].startswith("better = lower TTFT p99")
+    assert table[5].startswith("One run each on one seed: TTFT p99 differences under 25 %")
+    assert table[6].startswith("redisbal vs round-robin: ")
+    assert "(2 runs); all its processes stopped" in text
+    logdir = _logdir(text)
+    assert not Path(logdir).exists()
+    assert _wait_gone(logdir) == []
 
 
 def test_demo_http_serves_every_request_through_both_gateways_and_cleans_up() -> None:

@@ -11,6 +11,10 @@ done. Load shapes:
   ``burst_window_ms``, every ``burst_every_s``; each API server sends an equal
   share, on the same wall-clock schedule (``start_at``) as the others;
 - Poisson: ``rate`` requests/s in total over all API servers.
+
+Per request it measures the end-to-end latency (sent to completion received) and the
+time to first token: that latency minus the decode time the engine sends with the
+completion (redisbal.sim.transport.DoneMsg), all on this process's clock.
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ from redisbal.connection import make_client, redact
 from redisbal.policies import DEFAULT_POLICY, Decision, NoEngines
 from redisbal.router import AsyncRouter
 from redisbal.sim.model import output_length
-from redisbal.sim.transport import NO_BURST, POP_BATCH, RequestMsg, SimKeys, popped
+from redisbal.sim.transport import (
+    NO_BURST,
+    POP_BATCH,
+    DoneMsg,
+    RequestMsg,
+    SimKeys,
+    popped,
+    ttft_s,
+)
 
 log = logging.getLogger("redisbal.sim.api_sim")
 
@@ -44,6 +56,7 @@ class LoadSpec:
     rate: float = 0.0
     mean_output: float = 40.0
     max_output: int = 2000
+    sigma: float = 1.0  # lognormal sigma of output lengths (the tail)
     seed: int = 0
 
 
@@ -75,6 +88,31 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def latency_figures(
+    ttft_ms: list[float], e2e_ms: list[float], slo_ttft_ms: float | None, window_s: float
+) -> dict[str, float | None]:
+    """What a user of the service feels, from per-request TTFT and end-to-end latency
+    (ms; the same keys as ``redisbal loadgen``'s): TTFT p50/p99, e2e p50/p99 and, with
+    an objective, goodput: the requests whose first token came within it, per second
+    of the load's window (the same for every policy given the same schedule, unlike
+    the run's end, which one long answer moves), and their share of all requests."""
+
+    def r(v: float | None) -> float | None:
+        return None if v is None else round(v, 2)
+
+    out = {
+        "ttft_p50_ms": r(percentile(ttft_ms, 0.5)),
+        "ttft_p99_ms": r(percentile(ttft_ms, 0.99)),
+        "e2e_p50_ms": r(percentile(e2e_ms, 0.5)),
+        "e2e_p99_ms": r(percentile(e2e_ms, 0.99)),
+    }
+    if slo_ttft_ms is not None:
+        good = sum(t <= slo_ttft_ms for t in ttft_ms)
+        out["goodput_rps"] = round(good / window_s, 2) if window_s > 0 else None
+        out["slo_attainment"] = round(good / len(ttft_ms), 4) if ttft_ms else None
+    return out
+
+
 @dataclass
 class RouterRun:
     """One router's load and bookkeeping."""
@@ -91,13 +129,15 @@ class RouterRun:
     unroutable: int = 0
     routed: dict[str, int] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
 
     @property
     def index(self) -> int:
         return self.router.client_index
 
     def summary(self) -> dict[str, Any]:
-        p50, p99 = percentile(self.latencies, 0.5), percentile(self.latencies, 0.99)
+        ttft = [round(t * 1000, 2) for t in self.ttfts]
+        e2e = [round(t * 1000, 2) for t in self.latencies]
         return {
             "client_index": self.index,
             "sent": self.sent,
@@ -106,9 +146,11 @@ class RouterRun:
             "degraded_routes": self.degraded,
             "unroutable": self.unroutable,
             "snapshots": self.router.core.counters["snapshots"],
-            "latency_p50_s": None if p50 is None else round(p50, 4),
-            "latency_p99_s": None if p99 is None else round(p99, 4),
+            **latency_figures(ttft, e2e, None, 0.0),
             "routed": dict(sorted(self.routed.items())),
+            # per request, so that a caller can merge API servers' percentiles
+            "ttft_ms": ttft,
+            "e2e_ms": e2e,
         }
 
 
@@ -186,7 +228,9 @@ class ApiSimRunner:
                     continue
                 rid = run.next_rid
                 run.next_rid += 1
-                out = output_length(run.rng, self.spec.mean_output, cap=self.spec.max_output)
+                out = output_length(
+                    run.rng, self.spec.mean_output, self.spec.sigma, cap=self.spec.max_output
+                )
                 msg = RequestMsg(run.index, rid, burst, out)
                 pipe.rpush(self.keys.requests(decision.engine_id), msg.encode())
                 run.pending[rid] = (decision, now)
@@ -203,15 +247,17 @@ class ApiSimRunner:
         n = 0
         for raw in items:
             try:
-                rid = int(raw)
+                msg = DoneMsg.decode(raw)
             except ValueError:
                 continue
-            entry = run.pending.pop(rid, None)
+            entry = run.pending.pop(msg.rid, None)
             if entry is None:
                 continue  # a completion of an earlier run: not ours
             decision, sent_at = entry
             run.router.finished(decision)
             run.latencies.append(now - sent_at)
+            if msg.decode_ms is not None:
+                run.ttfts.append(ttft_s(now - sent_at, msg.decode_ms))
             run.completed += 1
             n += 1
         return n

@@ -6,7 +6,11 @@
 4. K ``redisbal api`` processes, one router each, sending bursts on one shared
    wall-clock schedule;
 5. a progress line while the load runs, then the per-engine and per-API-server
-   tables and the balance figures.
+   tables, what users would feel (TTFT, end-to-end latency, goodput: measured by the
+   API servers) and the balance figures (diagnostics).
+
+``redisbal demo --compare`` runs it again with a baseline policy
+(redisbal.sim.demo_compare).
 
 Every child runs in its own process group and is stopped (SIGTERM, then
 SIGKILL) in a ``finally`` block, on Ctrl-C, on SIGTERM and, as a backstop, at
@@ -36,7 +40,7 @@ import orjson
 from redisbal.connection import make_client, redact
 from redisbal.keys import DeploymentKeys
 from redisbal.policies import DEFAULT_POLICY
-from redisbal.sim.api_sim import LoadSpec, schedule
+from redisbal.sim.api_sim import LoadSpec, latency_figures, schedule
 from redisbal.sim.embedded import RedisServer
 from redisbal.sim.engine_sim import format_engine_table
 from redisbal.sim.transport import SimKeys
@@ -69,8 +73,8 @@ class DemoOptions:
     max_output: int = 200  # keeps the demo's tail (and run time) short
     slow: list[str] = field(default_factory=list)
     seed: int = 0
-    slo_ttft_ms: float | None = None  # the HTTP demo's goodput objective
-    sigma: float = 1.0  # the HTTP demo's lognormal sigma of output lengths
+    slo_ttft_ms: float | None = None  # goodput's TTFT objective
+    sigma: float = 1.0  # lognormal sigma of output lengths (the tail)
     keep_logs: bool = False
     drain_timeout: float = 15.0
     startup_timeout: float = 30.0
@@ -84,6 +88,7 @@ class DemoOptions:
             rate=self.rate,
             mean_output=self.mean_output,
             max_output=self.max_output,
+            sigma=self.sigma,
             seed=self.seed,
         )
 
@@ -164,24 +169,53 @@ def _fmt(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def user_lines(overall: dict[str, Any], slo_ttft_ms: float | None) -> list[str]:
+    """The figures users feel, from ``results["overall"]``, as the summary says them."""
+    lines = [
+        f"TTFT p50 {_fmt(overall['ttft_p50_ms'], '.1f')} ms, "
+        f"p99 {_fmt(overall['ttft_p99_ms'], '.1f')} ms; "
+        f"end-to-end p99 {_fmt(overall['e2e_p99_ms'], '.1f')} ms"
+    ]
+    if slo_ttft_ms is not None and overall.get("goodput_rps") is not None:
+        lines.append(
+            f"goodput {_fmt(overall['goodput_rps'])} req/s of load within TTFT "
+            f"{slo_ttft_ms:g} ms ({_fmt(overall['slo_attainment'] * 100, '.1f')} % of requests)"
+        )
+    return lines
+
+
 class Demo:
-    def __init__(self, opts: DemoOptions, echo: Echo) -> None:
+    """One run. ``logdir_parent``: make the log directory there (a comparison's runs
+    share one); ``brief``: print the figures users feel, not the per-engine and
+    per-API-server tables."""
+
+    def __init__(
+        self,
+        opts: DemoOptions,
+        echo: Echo,
+        *,
+        logdir_parent: Path | None = None,
+        brief: bool = False,
+    ) -> None:
         self.opts = opts
         self.echo = echo
-        self.logdir = Path(tempfile.mkdtemp(prefix="redisbal-demo-"))
+        self.brief = brief
+        self.logdir = Path(tempfile.mkdtemp(prefix="redisbal-demo-", dir=logdir_parent))
         self.server: Any = None
         self.children: Children | None = None
         self.client: Any = None
         self.url = ""
         self.failed = False
         self.results: dict[str, Any] = {}  # the summary's figures, for scripts
+        self.part = logdir_parent is not None  # one run of a comparison, which says the rest
 
     # -- steps ------------------------------------------------------------------------------
 
     def start_redis(self) -> None:
         if self.opts.redis_url:
             self.url = self.opts.redis_url
-            self.echo(f"using Redis at {redact(self.url)}")
+            if not self.part:
+                self.echo(f"using Redis at {redact(self.url)}")
             return
         self.server = RedisServer(workdir=str(self.logdir / "redis"))
         Path(self.server.dir).mkdir(exist_ok=True)
@@ -310,6 +344,8 @@ class Demo:
                     str(o.mean_output),
                     "--max-output",
                     str(o.max_output),
+                    "--sigma",
+                    str(o.sigma),
                     "--seed",
                     str(o.seed),
                     "--start-at",
@@ -403,11 +439,19 @@ class Demo:
         est = orjson.loads(engines_file.read_bytes())
         self.results = {"engines": est, "barrier": meta}
         self.echo("")
-        self.echo("per engine:")
-        self.echo(format_engine_table(est))
-        self.echo("")
+        if not self.brief:
+            self.echo("per engine:")
+            self.echo(format_engine_table(est))
+            self.echo("")
         sent, lines = self.client_summary()
-        self.echo(f"balance (policy {self.opts.policy}):")
+        self.results.setdefault("overall", {})["load_imbalance"] = est["load_imbalance"]
+        served = sum(e["served"] for e in est["engines"])
+        self.echo(f"what users feel (policy {self.opts.policy}):")
+        for line in [*lines, f"requests: {sent} sent, {served} served"]:
+            self.echo("  " + line)
+        if self.brief:
+            return
+        self.echo("balance (diagnostics):")
         self.echo(
             "  load imbalance, time-averaged (max-mean)/mean:  "
             f"{_fmt(est['load_imbalance'])}   (0 = even)"
@@ -429,37 +473,49 @@ class Demo:
                 for k in ("published", "forced", "stale", "late", "expired")
             )
         )
-        for line in lines:
-            self.echo("  " + line)
-        served = sum(e["served"] for e in est["engines"])
-        self.echo(f"  requests: {sent} sent, {served} served")
 
     def client_summary(self) -> tuple[int, list[str]]:
-        """Print the table of the load's senders; returns the requests sent and more
-        lines for the balance section."""
+        """Print the table of the load's senders (unless brief), put the figures users
+        feel into ``results["overall"]`` (ms, req/s); returns the requests sent and the
+        lines that say those figures."""
+        o = self.opts
         apis = []
-        for i in range(self.opts.api_servers):
+        for i in range(o.api_servers):
             f = self.logdir / f"api-{i}.json"
             if f.exists():
                 apis.extend(orjson.loads(f.read_bytes()))
         self.results["api_servers"] = apis
-        self.echo("per API server:")
-        rows = [("api", "sent", "completed", "degraded", "snapshots", "p50 latency", "p99 latency")]
+        slo = o.slo_ttft_ms
+
+        def figures(ttft_ms: list[float], e2e_ms: list[float]) -> dict[str, Any]:
+            return latency_figures(ttft_ms, e2e_ms, o.slo_ttft_ms, o.duration)
+
+        rows: list[tuple[str, ...]] = [
+            ("api", "sent", "completed", "degraded", "snapshots", "TTFT p50", "TTFT p99")
+        ]
+        rows[0] += ("e2e p99",) + (("goodput",) if slo is not None else ())
         for a in apis:
-            rows.append(
-                (
-                    str(a["client_index"]),
-                    str(a["sent"]),
-                    str(a["completed"]),
-                    str(a["degraded_routes"]),
-                    str(a["snapshots"]),
-                    _fmt(a["latency_p50_s"], ".3f") + "s",
-                    _fmt(a["latency_p99_s"], ".3f") + "s",
-                )
+            fig = figures(a["ttft_ms"], a["e2e_ms"])
+            row = (
+                str(a["client_index"]),
+                str(a["sent"]),
+                str(a["completed"]),
+                str(a["degraded_routes"]),
+                str(a["snapshots"]),
+                _fmt(fig["ttft_p50_ms"], ".1f") + "ms",
+                _fmt(fig["ttft_p99_ms"], ".1f") + "ms",
+                _fmt(fig["e2e_p99_ms"], ".1f") + "ms",
             )
-        self.echo(render_table(rows))
-        self.echo("")
-        return sum(a["sent"] for a in apis), []
+            rows.append(row + ((_fmt(fig["goodput_rps"]) + "/s",) if slo is not None else ()))
+        if not self.brief:
+            self.echo("per API server (TTFT = queue delay + prefill, as the API server saw it):")
+            self.echo(render_table(rows))
+            self.echo("")
+        overall = figures(
+            [t for a in apis for t in a["ttft_ms"]], [t for a in apis for t in a["e2e_ms"]]
+        )
+        self.results["overall"] = overall
+        return sum(a["sent"] for a in apis), user_lines(overall, o.slo_ttft_ms)
 
     # -- all of it --------------------------------------------------------------------------
 
@@ -499,7 +555,7 @@ class Demo:
             self.cleanup()
             atexit.unregister(self.cleanup)
             signal.signal(signal.SIGTERM, old)
-        if code == 0:
+        if code == 0 and not self.part:
             self.echo(f"demo finished in {time.monotonic() - t0:.1f} s; all its processes stopped")
         return code
 

@@ -19,11 +19,13 @@ import orjson
 
 from redisbal import endpoints
 from redisbal.keys import DeploymentKeys
-from redisbal.sim.demo import Child, Children, Demo, DemoError, _fmt
+from redisbal.sim.demo import Child, Children, Demo, DemoError, _fmt, user_lines
 from redisbal.table import render_table
 
 LISTENING = re.compile(rb"gateway listening on (http://\S+) \(client (\d+) of (\d+)")
 PROMPT_MEAN = 64.0  # tokens; the simulated engines do not charge for prompts
+# what a comparison reads (redisbal.sim.demo_compare): the keys loadgen and the API servers share
+OVERALL = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "goodput_rps")
 
 
 def _get(url: str, timeout: float = 2.0) -> bytes:
@@ -183,21 +185,13 @@ class HttpDemo(Demo):
                     _fmt(d["e2e_p99_ms"], ".1f") + "ms",
                 )
             )
-        self.echo("per gateway (as loadgen saw it):")
-        self.echo(render_table(rows))
-        self.echo("")
-        lines = [
-            f"TTFT p50 {_fmt(lg['ttft_p50_ms'], '.1f')} ms, "
-            f"p99 {_fmt(lg['ttft_p99_ms'], '.1f')} ms; "
-            f"end-to-end p99 {_fmt(lg['e2e_p99_ms'], '.1f')} ms; "
-            f"loadgen lag p99 {_fmt(lg['lag_p99_ms'], '.1f')} ms",
-        ]
-        if "goodput_rps" in lg:
-            lines.append(
-                f"goodput {_fmt(lg['goodput_rps'])} req/s of load within TTFT "
-                f"{lg['slo_ttft_ms']:g} ms "
-                f"({_fmt(lg['slo_attainment'] * 100, '.1f')} % of requests)"
-            )
+        if not self.brief:
+            self.echo("per gateway (as loadgen saw it):")
+            self.echo(render_table(rows))
+            self.echo("")
+        self.results["overall"] = {k: lg.get(k) for k in OVERALL}
+        lines = user_lines(lg, self.opts.slo_ttft_ms)
+        lines.append(f"loadgen lag p99 {_fmt(lg['lag_p99_ms'], '.1f')} ms")
         errors = ", ".join(f"{k} {v}" for k, v in lg["errors"].items())
         lines.append(
             f"loadgen: {lg['ok']} of {lg['requests']} ok" + (f"; {errors}" if errors else "")

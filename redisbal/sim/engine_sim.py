@@ -19,7 +19,9 @@ report after the step refreshes it.
 
 Requests come from ``redisbal api`` processes through the simulation
 transport (redisbal.sim.transport); completions go back to the API server
-that sent them. The runner also measures what the demo prints: requests per
+that sent them, each with its decode time (from the end of the step that admitted it,
+its first token as redisbal.sim.model has it, to its end), from which the API server
+derives its TTFT. The runner also measures what the demo prints: requests per
 engine, time-averaged load and imbalance, per-burst assignment spread.
 """
 
@@ -37,7 +39,7 @@ from redisbal.batch import AsyncBatchReporter
 from redisbal.connection import make_client, redact
 from redisbal.keys import check_name
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
-from redisbal.sim.transport import NO_BURST, POP_BATCH, RequestMsg, SimKeys, popped
+from redisbal.sim.transport import NO_BURST, POP_BATCH, DoneMsg, RequestMsg, SimKeys, popped
 from redisbal.table import render_table
 
 log = logging.getLogger("redisbal.sim.engine_sim")
@@ -202,6 +204,8 @@ class EngineSimRunner:
             self.outbox[eid] = box
             self.stats.engines[eid] = EngineTally(eid, slow=p.slow)
         self._req_keys = {eid: self.keys.requests(eid) for eid in ids}
+        # when each running request produced its first token (the end of its first step)
+        self.first_token: dict[SimRequest, float] = {}
         self._stop = asyncio.Event()
         self._last_pull = float("-inf")
         self.client: Any = None
@@ -247,7 +251,7 @@ class EngineSimRunner:
                 pipe = self.client.pipeline(transaction=False)
             by_client: dict[int, list[str]] = defaultdict(list)
             for req in box:
-                by_client[req.client_index].append(str(req.rid))
+                by_client[req.client_index].append(self.done_msg(req).encode())
             for ci, rids in by_client.items():
                 pipe.rpush(self.keys.done(ci), *rids)
             self.stats.engines[eid].served += len(box)
@@ -267,6 +271,20 @@ class EngineSimRunner:
             rep.report_nowait(eid, step, w, r, eng.wave, admitted=eng.admitted)
         else:
             rep.report_nowait(eid, None, w, r, admitted=eng.admitted)
+
+    def done_msg(self, req: SimRequest) -> DoneMsg:
+        """The completion of a finished request, with its decode time: from its first
+        token (the end of the step that admitted it) to its end."""
+        first = self.first_token.pop(req, req.finished_at)
+        return DoneMsg(req.rid, max(0.0, req.finished_at - first) * 1000.0)
+
+    def end_step(self, eng: SimEngine, end: float) -> None:
+        """End eng's step at ``end``: the requests it admitted get their first token then."""
+        first = self.first_token
+        for req in eng.running:
+            if req.produced == 0:
+                first[req] = end
+        eng.end_step(end)
 
     # -- loops --------------------------------------------------------------------------------
 
@@ -313,7 +331,7 @@ class EngineSimRunner:
             t_end = loop.time()
             self.stats.sample(self.engines.values(), t_end)
             for e in engines:
-                e.end_step(t_end)
+                self.end_step(e, t_end)
             await self._flush(list(self.engines))
             for eid in self.engines:
                 self._report(eid)
@@ -329,7 +347,7 @@ class EngineSimRunner:
             done = [eid for eid, t in ends.items() if t is not None and t <= now]
             if done:
                 for eid in done:
-                    self.engines[eid].end_step(now)
+                    self.end_step(self.engines[eid], now)
                     ends[eid] = None
                 await self._flush(done)
                 for eid in done:

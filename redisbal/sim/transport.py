@@ -9,8 +9,11 @@ under the deployment's hash tag so that they live in its Cluster slot:
   server RPUSHes ``"<client_index> <rid> <burst> <output_len>"``; the
   engine-sim process pops them in batches (LPOP with a count).
 - ``redisbal:{<dep>}:sim:done:<client_index>``: completions for one API
-  server: the engine-sim RPUSHes ``"<rid>"``; the API server pops them in
-  batches and calls ``router.finished()``.
+  server: the engine-sim RPUSHes ``"<rid> <decode_ms>"`` (``DoneMsg``); the API
+  server pops them in batches and calls ``router.finished()``. ``decode_ms`` is
+  how long the request took from its first token to its end on the engine's
+  clock, so the API server gets the TTFT from its own clock alone: its
+  end-to-end latency minus that (no two processes' clocks are compared).
 - ``redisbal:{<dep>}:sim:progress``: HASH of counters (sent:<i>, done:<i>)
   that ``redisbal demo`` shows as a progress line.
 
@@ -46,6 +49,31 @@ class RequestMsg:
         text = raw.decode() if isinstance(raw, bytes) else raw
         ci, rid, burst, out = text.split()
         return cls(int(ci), int(rid), int(burst), int(out))
+
+
+@dataclass(frozen=True, slots=True)
+class DoneMsg:
+    """One completion on the wire: the request and its decode time (first token to
+    end, in ms; None from a sender that does not tell)."""
+
+    rid: int
+    decode_ms: float | None = None
+
+    def encode(self) -> str:
+        return str(self.rid) if self.decode_ms is None else f"{self.rid} {self.decode_ms:.3f}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> DoneMsg:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        rid, _, ms = text.partition(" ")
+        return cls(int(rid), float(ms) if ms else None)
+
+
+def ttft_s(e2e_s: float, decode_ms: float) -> float:
+    """Time to first token as an API server sees it: its own end-to-end latency minus
+    the decode time the engine measured (never below 0: the two clocks tick at
+    slightly different times)."""
+    return max(0.0, e2e_s - decode_ms / 1000.0)
 
 
 class SimKeys:
