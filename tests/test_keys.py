@@ -220,6 +220,27 @@ def test_scripts_touch_only_their_keys_on_a_real_server(
             for e in ("e0", "e1", "e2"):
                 bar.report(e, step, step, step, kv="0.5", adm="1,2")
         bar.report("e0", 1, 0, 0)  # stale
+        many = [
+            "e0",
+            "0",
+            "3",
+            "0",
+            "0",
+            "",
+            "",
+            "-",
+            "1",
+            "e2",
+            "0",
+            "3",
+            "1",
+            "1",
+            "",
+            "",
+            "-",
+            "1",
+        ]
+        bar.scripts.call("report_many", bar.epoch, 2, *many)
         bar.report("e0", 3, 0, 0)
         bar.report("e1", "tick", 0, 0)
         bar.force("0")
@@ -302,6 +323,7 @@ def test_scripts_are_registered_and_recover_from_script_flush(
     bar.configure()
     bar.scripts.call("lease", "c1", 1000, "acquire")
     bar.scripts.call("new_epoch", "e9")
+    bar.scripts.call("report_many", bar.epoch, 1, "e0", "0", "3", "1", "1", "", "", "-", "1")
     assert r.script_exists(*shas) == [True] * len(shas)
     assert stat("evalsha") - evalsha_before >= 2 * len(shas)  # NOSCRIPT, then the retry
     assert stat("eval") == eval_before, "scripts must run through EVALSHA, not EVAL"

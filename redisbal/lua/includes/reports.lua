@@ -88,7 +88,7 @@ local function begin_reports(d, engines, candidate, now, now_text)
   local behind = tonumber(h[3]) or 0
   -- (the lists and tables a report rarely needs are made when first used)
   return {
-    d = d, now = now, now_text = now_text, records = records, fields = {},
+    deployment = d, now = now, now_text = now_text, records = records, fields = {},
     pub = tonumber(h[1]), behind = behind, old_behind = behind,
     since = h[2] and true or false, next_reap = h[4],
   }
@@ -99,7 +99,7 @@ local function pass_setting(p, name)
   if not p.settings then p.settings = {} end
   local v = p.settings[name]
   if not v then
-    v = config_value(p.d, name)
+    v = config_value(p.deployment, name)
     p.settings[name] = v
   end
   return v
@@ -138,7 +138,7 @@ end
 -- {status, 0, wave, step[, record's incarnation]} (the operation fills in the
 -- version), or nil and the message when the report is refused.
 local function apply_report(p, e)
-  local d, now, now_text, pub = p.d, p.now, p.now_text, p.pub
+  local d, now, now_text, pub = p.deployment, p.now, p.now_text, p.pub
   local engine, inc, progress = e.engine, e.inc, e.progress
   local wave, step, wave_text, step_text = e.wave, e.step, e.wave_text, e.step_text
   if e.tick then
@@ -258,7 +258,7 @@ end
 -- publish if the barrier completed, or republish after a membership change.
 -- Returns the version published, 0 if none.
 local function end_reports(p)
-  local d, now, fields = p.d, p.now, p.fields
+  local d, now, fields = p.deployment, p.now, p.fields
   if p.behind ~= p.old_behind then push2(fields, '.behind', p.behind) end
   if p.since_set then push2(fields, '.since', p.now_text) end
   if p.rebase_set then
