@@ -15,6 +15,13 @@ vLLM's ``ignore_eos``). A request whose client goes away leaves the engine at
 once, as vLLM aborts it. The gateway's API-server index arrives in the
 ``X-Redisbal-Client-Index`` header, so the engine's ``admitted`` counts are exact.
 
+A prompt counts 4 characters a token. With the model's token-level features on
+(``EngineParams``: prefix cache, per-token prefill, KV budget) a request's prompt
+blocks are the chained hashes of its text's 64-character chunks
+(``prefix_cache.text_blocks``), and the blocks of prompt + answer text are cached
+when it finishes, so a conversation's next turn (which repeats both) hits as in
+the simulator. /sim/state and /metrics count prompt and cached tokens.
+
 Run: ``python -m redisbal.sim.http_engine --engines 4 --http-port 8400``.
 """
 
