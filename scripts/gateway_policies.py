@@ -13,22 +13,39 @@ noise hits every policy alike. Reports TTFT p50/p99, end-to-end p99 and goodput
 
     python scripts/gateway_policies.py --policies redisbal,round-robin,vllm-latest \
         --seeds 3 --json out.json
+
+``--trace PATTERN`` (``{seed}`` replaced by the seed) replays a JSON-lines trace
+instead (scripts/session_trace.py writes the simulator's sessions or Poisson
+traffic as one) with ``loadgen --session-prompts``, on engines given
+``--engine-args`` (e.g. a prefix cache and per-token prefill: ``--cache-blocks``,
+``--prefill-token-us``); it adds the prefix-cache hit rate (cached / prompt tokens,
+summed over the engines' /sim/state).
+
+Policies are what ``redisbal gateway --policy`` accepts (redisbal.policies.POLICIES)
+and, with ``--trace``, the benchmark's peers (redisbal.bench.peers: p2c,
+sglang-cache-aware, llmd, chbl), whose gateways are scripts/peer_gateway.py (the
+gateway command takes no Policy object, and does not tell its router a prompt's
+block hashes, which the prefix-aware peers route by; that script does).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
 
 import orjson
 
+from redisbal.bench.peers import PEER_POLICIES
+from redisbal.gateway.loadgen import read_trace
 from redisbal.policies import POLICIES
-from redisbal.sim.demo import DemoOptions
-from redisbal.sim.demo_http import HttpDemo
+from redisbal.sim.demo import Child, DemoOptions, Echo
+from redisbal.sim.demo_http import HttpDemo, _get
 from redisbal.sim.embedded import RedisServer
 
 COLUMNS = (
@@ -38,9 +55,99 @@ COLUMNS = (
     ("goodput_rps", "goodput (req/s)", ".1f"),
     ("slo_attainment", "within SLO", ".3f"),
 )
+CACHE_COLUMN = ("hit_rate", "cache hit rate", ".3f")
+
+
+class TraceDemo(HttpDemo):
+    """The HTTP demo replaying a trace with conversation-shaped prompts, on engines
+    with more options; records the engines' prefix-cache figures before they stop."""
+
+    def __init__(
+        self,
+        opts: DemoOptions,
+        echo: Echo,
+        trace: str,
+        engine_args: list[str],
+        peer: str | None = None,
+    ) -> None:
+        super().__init__(opts, echo)
+        self.trace = trace
+        self.extra = engine_args
+        self.peer = peer
+        self.cache: dict[str, int] = {}
+
+    def start_gateways(self) -> None:
+        """A peer's gateways are scripts/peer_gateway.py processes; then as the demo's."""
+        if self.peer is None:
+            return super().start_gateways()
+        assert self.children is not None
+        kv = None  # the peers' prefix indexes are sized for the engines' cache (as bench's)
+        if "--cache-blocks" in self.extra:
+            kv = max(1, int(self.extra[self.extra.index("--cache-blocks") + 1]))
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_gateway.py")
+        started = []
+        for i in range(self.opts.api_servers):
+            log = self.logdir / f"gateway-{i}.log"
+            cmd = [sys.executable, script, "--policy", self.peer, "--lease-ttl-s", "1.5"]
+            cmd += ["--refresh-s", "0.5"] + (["--kv-blocks", str(kv)] if kv else [])
+            with open(log, "wb") as fh:
+                proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    env=self.children.env,
+                    start_new_session=True,
+                )
+            child = Child(f"gateway-{i}", proc, log)
+            self.children.children.append(child)
+            started.append(child)
+        deadline = time.monotonic() + self.opts.startup_timeout
+        self.gateways = [(c, self._gateway_url(c, deadline)) for c in started]
+        while not all(self._client_count(u) == self.opts.api_servers for _, u in self.gateways):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the peer gateways did not all see each other")
+            self._check_children()
+            time.sleep(0.1)
+
+    def engine_args(self) -> list[str]:
+        return super().engine_args() + self.extra
+
+    def run_load(self) -> list[Child]:
+        assert self.children is not None
+        o = self.opts
+        self.start_gateways()
+        total = len(read_trace(self.trace))
+        args = ["--trace", self.trace, "--session-prompts", "--seed", str(o.seed)]
+        args += ["--timeout-s", str(o.duration + o.drain_timeout + 30)]
+        if o.slo_ttft_ms:
+            args += ["--slo-ttft-ms", str(o.slo_ttft_ms)]
+        for _, url in self.gateways:
+            args += ["--url", url]
+        start = time.time()
+        gen = self.children.start(
+            "loadgen",
+            "loadgen",
+            *args,
+            "--stats-out",
+            str(self.logdir / "loadgen.json"),
+            "--no-progress",
+        )
+        self.progress([gen], total, start)
+        from redisbal import endpoints
+        from redisbal.keys import DeploymentKeys
+
+        prompt = cached = 0
+        for url in endpoints.fetch_sync(self.client, DeploymentKeys(o.deployment)).values():
+            st = orjson.loads(_get(url + "/sim/state"))
+            prompt += st["prompt_tokens"]
+            cached += st["cached_tokens"]
+        self.cache = {"prompt_tokens": prompt, "cached_tokens": cached}
+        return [gen]
 
 
 def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) -> dict[str, Any]:
+    peer = policy if policy in PEER_POLICIES else None
     opts = DemoOptions(
         redis_url=url,
         deployment=f"gwpol{n}",
@@ -48,7 +155,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         engines=args.engines,
         api_servers=args.gateways,
         duration=args.duration,
-        policy=policy,
+        policy="redisbal" if peer else policy,
         mode="tick",
         running_cap=args.running_cap,
         burst=int(args.burst_factor * args.engines * args.running_cap),
@@ -59,9 +166,16 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         slow=args.slow,
         seed=seed,
         slo_ttft_ms=args.slo_ttft_ms,
+        drain_timeout=args.drain_timeout,
     )
     lines: list[str] = []
-    demo = HttpDemo(opts, lambda msg="", **kw: lines.append(str(msg)))
+    echo: Echo = lambda msg="", **kw: lines.append(str(msg))  # noqa: E731
+    demo: HttpDemo
+    if args.trace:
+        trace = args.trace.replace("{seed}", str(seed))
+        demo = TraceDemo(opts, echo, trace, shlex.split(args.engine_args), peer)
+    else:
+        demo = HttpDemo(opts, echo)
     load = os.getloadavg()[0]
     code = demo.run()
     if code != 0:
@@ -79,6 +193,10 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         served=[e["served"] for e in est["engines"]],
         loadavg=load,
     )
+    if isinstance(demo, TraceDemo):
+        c = demo.cache
+        row["hit_rate"] = c["cached_tokens"] / max(1, c["prompt_tokens"])
+        row.update(c)
     return row
 
 
@@ -90,13 +208,14 @@ def cell(values: list[float], spec: str) -> str:
 
 
 def table(rows: list[dict[str, Any]], policies: list[str]) -> str:
+    cols = COLUMNS + ((CACHE_COLUMN,) if rows and "hit_rate" in rows[0] else ())
     out = [
-        "| policy | " + " | ".join(h for _, h, _ in COLUMNS) + " | ok / sent |",
-        "|---" * (len(COLUMNS) + 2) + "|",
+        "| policy | " + " | ".join(h for _, h, _ in cols) + " | ok / sent |",
+        "|---" * (len(cols) + 2) + "|",
     ]
     for p in policies:
         mine = [r for r in rows if r["policy"] == p]
-        cells = [cell([r[k] for r in mine], spec) for k, _, spec in COLUMNS]
+        cells = [cell([r[k] for r in mine], spec) for k, _, spec in cols]
         ok = f"{sum(r['ok'] for r in mine)} / {sum(r['requests'] for r in mine)}"
         out.append(f"| {p} | " + " | ".join(cells) + f" | {ok} |")
     return "\n".join(out)
@@ -117,12 +236,37 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of output lengths")
     ap.add_argument("--slow", action="append", default=[], help="ID:FACTOR, as demo --slow")
     ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    ap.add_argument("--trace", default=None, help="replay this trace ({seed}: the seed)")
+    ap.add_argument(
+        "--engine-args",
+        default="",
+        help="more engine-sim arguments with --trace, e.g. '--cache-blocks 2048'",
+    )
+    ap.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="s after the load for the last answers [15; 90 with --trace: a long answer "
+        "on a slow engine takes longer]",
+    )
+    ap.add_argument("--first-seed", type=int, default=1, help="seeds first-seed .. +seeds-1")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.drain_timeout is None:
+        args.drain_timeout = 90.0 if args.trace else 15.0
+    if args.trace:
+        spans = []
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            path = args.trace.replace("{seed}", str(seed))
+            if not os.path.isfile(path):
+                ap.error(f"--trace: no file {path}")
+            spans.append(max((p.t for p in read_trace(path)), default=0.0))
+        args.duration = max(spans) + 1.0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
+    known = sorted(POLICIES) + (sorted(PEER_POLICIES) if args.trace else [])
+    bad = [p for p in policies if p not in known]
     if bad:
-        ap.error(f"unknown policies {bad}; choose from {sorted(POLICIES)}")
+        ap.error(f"unknown policies {bad}; choose from {known} (peers need --trace)")
     server = RedisServer()
     server.start()
     rows: list[dict[str, Any]] = []
@@ -130,7 +274,7 @@ def main() -> None:
     load0 = os.getloadavg()
     try:
         n = 0
-        for seed in range(1, args.seeds + 1):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             k = (seed - 1) % len(policies)
             for policy in policies[k:] + policies[:k]:
                 n += 1
@@ -139,7 +283,8 @@ def main() -> None:
                 print(
                     f"seed {seed} {policy:12s} TTFT p50 {r['ttft_p50_ms']:.0f} p99 "
                     f"{r['ttft_p99_ms']:.0f} ms, e2e p99 {r['e2e_p99_ms']:.0f} ms, goodput "
-                    f"{r['goodput_rps']:.1f} req/s, {r['ok']}/{r['requests']} ok, served "
+                    f"{r['goodput_rps']:.1f} req/s, hit {r.get('hit_rate', 0):.3f}, "
+                    f"{r['ok']}/{r['requests']} ok, served "
                     f"{r['served']}, lag p99 {r['lag_p99_ms']:.1f} ms, load {r['loadavg']:.2f}",
                     flush=True,
                 )

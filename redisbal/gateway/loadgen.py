@@ -42,6 +42,9 @@ class Planned:
     prompt_tokens: int
     output_tokens: int
     key: str | None = None
+    system: int | None = None  # a shared system prompt the key's prompts start with
+    system_tokens: int = 0
+    text: str | None = None  # the prompt (session_prompts); else filler of the length
 
 
 @dataclass(slots=True)
@@ -127,9 +130,49 @@ def read_trace(path: str) -> list[Planned]:
             key = d.get("key")
             if key is not None and not (isinstance(key, str) and len(key) <= 256):
                 raise click.BadParameter(f"{where}: key must be a string of <= 256 characters")
-            out.append(Planned(float(t), vals[0], vals[1], key))
+            system, system_tokens = d.get("system"), d.get("system_tokens", 0)
+            for name, v in (("system", system), ("system_tokens", system_tokens)):
+                bad = isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1_000_000
+                if v is not None and bad:
+                    raise click.BadParameter(f"{where}: {name} must be in 0..1000000, got {v!r}")
+            out.append(Planned(float(t), vals[0], vals[1], key, system, system_tokens or 0))
     out.sort(key=lambda p: p.t)
     return out
+
+
+def output_text(n: int) -> str:
+    """The answer text of ``n`` tokens the simulated HTTP engines stream (one `` tI`` a
+    token): what the next turn of a conversation repeats as its history."""
+    return "".join(f" t{i}" for i in range(n))
+
+
+def _filler(seed: str, tokens: int) -> str:
+    """``tokens`` tokens (4 characters each) of text drawn from ``seed``."""
+    return random.Random(seed).randbytes(2 * max(0, tokens)).hex()
+
+
+def session_prompts(planned: list[Planned], seed: int = 0) -> None:
+    """Give each request a prompt text of its ``prompt_tokens`` tokens (4 characters
+    each, as the simulated engines count) shaped like a conversation, as the
+    simulator's sessions are: a key's first prompt starts with its shared system prompt
+    (``system``, ``system_tokens``; the same text for every key that names it), each
+    later prompt with the previous prompt and that request's answer (the engines'
+    answer text, ``output_text``), then new text drawn from the key. Requests without
+    a key get text of their own. Deterministic in ``planned`` (in time order) and
+    ``seed``, so every policy replays the same prompts."""
+    history: dict[str, str] = {}
+    for i, p in enumerate(planned):
+        want = p.prompt_tokens * 4
+        if p.key is None:
+            p.text = _filler(f"req-{seed}-{i}", p.prompt_tokens)
+            continue
+        head = history.get(p.key)
+        if head is None:
+            head = "" if p.system is None else _filler(f"system-{p.system}", p.system_tokens)
+        text = head[:want]
+        text += _filler(f"key-{seed}-{p.key}-{i}", (want - len(text) + 3) // 4)[: want - len(text)]
+        p.text = text
+        history[p.key] = text + output_text(p.output_tokens)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -154,7 +197,7 @@ async def _one(session: Any, url: str, p: Planned, start: float, opts: dict[str,
         "stream": opts["stream"],
         "ignore_eos": opts["ignore_eos"],
     }
-    text = "x" * (4 * p.prompt_tokens - 1)
+    text = p.text if p.text is not None else "x" * (4 * p.prompt_tokens - 1)
     if opts["chat"]:
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -347,6 +390,13 @@ def _goodput(
     default=None,
     help='JSON lines {"t", "prompt_tokens", "output_tokens", "key"} to replay.',
 )
+@click.option(
+    "--session-prompts",
+    is_flag=True,
+    help="With --trace: prompts shaped like conversations (a key's prompts share its "
+    "history as prefix, starting with the shared system prompt the trace's optional "
+    '"system" and "system_tokens" name), so engines with a prefix cache reuse it.',
+)
 @click.option("--stream/--no-stream", default=True, show_default=True)
 @click.option("--chat/--completions", default=False, show_default=True)
 @click.option("--model", default="redisbal-sim", show_default=True)
@@ -392,6 +442,8 @@ def loadgen(**kw: Any) -> None:
         raise click.BadParameter(str(exc)) from None
     if kw["trace"]:
         planned = read_trace(kw["trace"])
+        if kw["session_prompts"]:
+            session_prompts(planned, kw["seed"])
     else:
         planned = plan(
             rate=kw["rate"],

@@ -62,6 +62,16 @@ ENGINE_SIM_OPTIONS = options(
     ("--per-seq-ms", FiniteFloat(0, 1_000), 0.15, "Step time added per running request."),
     ("--prefill-ms", FiniteFloat(0, 1_000), 0.4,
      "Step time added per request admitted in the step."),
+    ("--prefill-token-us", FiniteFloat(0, 1_000_000), 0.0,
+     "Step time added per prompt token admitted in the step and not found in the prefix "
+     "cache (the quality benchmark's engines: 12)."),
+    ("--kv-tokens", click.IntRange(0, 10**9), 0,
+     "KV capacity in tokens: admission waits for room (0: KV not modelled)."),
+    ("--cache-blocks", click.IntRange(0, 10**9), 0,
+     "Prefix cache of this many 16-token blocks per engine (0: none); HTTP engines "
+     "hash prompt text in 4-character tokens."),
+    ("--prefill-budget-tokens", click.IntRange(0, 10**9), 0,
+     "Uncached prompt tokens admitted per step at most (0: no budget)."),
     slow_option("Make engines step FACTOR times slower (repeatable), e.g. 3,5:2.0."),
     DURATION_UNTIL_SIGNAL,
     stats_out_option("Write the run's per-engine figures as JSON here at the end."),
@@ -201,6 +211,10 @@ def engine_sim(
     base_step_ms: float,
     per_seq_ms: float,
     prefill_ms: float,
+    prefill_token_us: float,
+    kv_tokens: int,
+    cache_blocks: int,
+    prefill_budget_tokens: int,
     slow: tuple[str, ...],
     duration: float | None,
     stats_out: str | None,
@@ -231,6 +245,10 @@ def engine_sim(
         base_step_s=base_step_ms / 1000,
         per_seq_s=per_seq_ms / 1000,
         prefill_s=prefill_ms / 1000,
+        prefill_per_token_s=prefill_token_us / 1e6,
+        kv_capacity_tokens=kv_tokens,
+        cache_blocks=cache_blocks,
+        prefill_budget_tokens=prefill_budget_tokens,
     )
     if http_port is not None:
         if http_port + len(ids) - 1 > 65535:

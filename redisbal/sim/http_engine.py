@@ -15,6 +15,13 @@ vLLM's ``ignore_eos``). A request whose client goes away leaves the engine at
 once, as vLLM aborts it. The gateway's API-server index arrives in the
 ``X-Redisbal-Client-Index`` header, so the engine's ``admitted`` counts are exact.
 
+A prompt counts 4 characters a token. With the model's token-level features on
+(``EngineParams``: prefix cache, per-token prefill, KV budget) a request's prompt
+blocks are the chained hashes of its text's 64-character chunks
+(``prefix_cache.text_blocks``), and the blocks of prompt + answer text are cached
+when it finishes, so a conversation's next turn (which repeats both) hits as in
+the simulator. /sim/state and /metrics count prompt and cached tokens.
+
 Run: ``python -m redisbal.sim.http_engine --engines 4 --http-port 8400``.
 """
 
@@ -39,9 +46,11 @@ from aiohttp import web
 from redisbal import endpoints
 from redisbal.connection import OUTAGE_ERRORS
 from redisbal.engine import AsyncEngineReporter
+from redisbal.gateway.loadgen import output_text
 from redisbal.keys import check_name
 from redisbal.sim.engine_sim import EngineTally, SimStats
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
+from redisbal.sim.prefix_cache import CHARS_PER_TOKEN, text_blocks
 
 log = logging.getLogger("redisbal.sim.http_engine")
 
@@ -64,15 +73,19 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
-    """A rough token count (4 characters a token), as the usage figures need."""
+def _prompt_text(body: dict[str, Any], chat: bool) -> str:
+    """The prompt as one text: the completions prompt, or the chat messages' contents
+    one after the other (so a conversation's next turn starts with the previous one)."""
     if chat:
         msgs = body.get("messages") or []
-        chars = sum(len(str(m.get("content", ""))) for m in msgs if isinstance(m, dict))
-    else:
-        p = body.get("prompt", "")
-        chars = sum(len(str(x)) for x in p) if isinstance(p, list) else len(str(p))
-    return max(1, chars // 4)
+        return "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+    p = body.get("prompt", "")
+    return "".join(str(x) for x in p) if isinstance(p, list) else str(p)
+
+
+def _prompt_tokens(text: str) -> int:
+    """A rough token count (4 characters a token), as the usage figures need."""
+    return max(1, len(text) // CHARS_PER_TOKEN)
 
 
 class HttpEngine:
@@ -122,6 +135,12 @@ class HttpEngine:
     def _on_finish(self, req: SimRequest) -> None:
         self.served += 1
 
+    def kv_usage(self) -> float:
+        """The model's KV usage when it models KV, else the share of running slots taken."""
+        m = self.model
+        kv = m.kv_usage
+        return kv if kv is not None else min(1.0, len(m.running) / max(1, m.params.running_cap))
+
     def _report(self, force: bool = False) -> None:
         """Queue the counts for the reporter; at most one report per ``report_min_s``
         (a fast-stepping engine would otherwise spend its core on reports), except when
@@ -133,11 +152,10 @@ class HttpEngine:
         if not force and m.busy() and now - self._reported_at < self.report_min_s:
             return
         self._reported_at = now
-        cap = max(1, m.params.running_cap)
         self.reporter.report_nowait(
             waiting=len(m.waiting),
             running=len(m.running),
-            kv_usage=min(1.0, len(m.running) / cap),
+            kv_usage=self.kv_usage(),
             admitted=list(m.admitted),
         )
 
@@ -163,8 +181,9 @@ class HttpEngine:
         for q in (m.inbox, m.waiting):
             with contextlib.suppress(ValueError):
                 q.remove(req)
-        with contextlib.suppress(ValueError):
+        if req in m.running:
             m.running.remove(req)
+            m.kv_tokens -= req.prompt_tokens + req.produced  # its KV is freed
         self.aborted += 1
         self._report(force=True)
 
@@ -194,6 +213,8 @@ class HttpEngine:
             "served": self.served,
             "aborted": self.aborted,
             "admitted": list(m.admitted),
+            "prompt_tokens": m.prompt_tokens_seen,
+            "cached_tokens": m.cached_tokens_seen,
         }
         return web.Response(body=orjson.dumps(state), content_type="application/json")
 
@@ -209,7 +230,7 @@ class HttpEngine:
     async def _metrics(self, request: web.Request) -> web.Response:
         m = self.model
         labels = f'engine="{self.engine_id}",model_name="{self.model_name}"'
-        kv = min(1.0, len(m.running) / max(1, m.params.running_cap))
+        kv = self.kv_usage()
         rows = [
             (
                 "num_requests_running",
@@ -235,6 +256,15 @@ class HttpEngine:
             "# TYPE vllm:generation_tokens counter",
             f"vllm:generation_tokens_total{{{labels}}} {float(m.tokens)}",
         ]
+        for name, doc, value in (  # vLLM's prefix-cache counters count tokens
+            ("prefix_cache_queries", "Prefix cache queries, in tokens.", m.prompt_tokens_seen),
+            ("prefix_cache_hits", "Prefix cache hits, in tokens.", m.cached_tokens_seen),
+        ):
+            out += [
+                f"# HELP vllm:{name} {doc}",
+                f"# TYPE vllm:{name} counter",
+                f"vllm:{name}_total{{{labels}}} {float(value)}",
+            ]
         return web.Response(text="\n".join(out) + "\n", content_type="text/plain")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -287,8 +317,13 @@ class HttpEngine:
         ci = ci if 0 <= ci < 4096 else 0
         loop = asyncio.get_running_loop()
         self._rid += 1
+        text = _prompt_text(body, chat)
         req = SimRequest(self._rid, ci, n_out, loop.time(), engine_id=self.engine_id)
-        st = _Stream(req, prompt_tokens=_prompt_tokens(body, chat))
+        req.prompt_tokens = _prompt_tokens(text)
+        if self.model.cache is not None:  # the prompt's blocks, and with the answer's
+            req.blocks = text_blocks(text)
+            req.done_blocks = text_blocks(text + output_text(n_out))
+        st = _Stream(req, prompt_tokens=req.prompt_tokens)
         req.decision = st
         self.inflight += 1
         self.arrived += 1
@@ -346,7 +381,7 @@ class HttpEngine:
         }
 
     def _whole(self, rid: str, chat: bool, st: _Stream, reason: str) -> dict[str, Any]:
-        text = "".join(f" t{i}" for i in range(st.req.produced))
+        text = output_text(st.req.produced)
         d = self._base(rid, chat)
         if chat:
             choice: dict[str, Any] = {

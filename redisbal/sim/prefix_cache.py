@@ -13,6 +13,7 @@ evicted first are the idle ones anyway).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -59,3 +60,22 @@ class PrefixCache:
                 cached[b] = None
         while len(cached) > self.capacity:
             cached.popitem(last=False)
+
+
+CHARS_PER_TOKEN = 4  # the HTTP engines' token: a fixed 4-character chunk of the text
+_BLOCK_CHARS = CHARS_PER_TOKEN * BLOCK_TOKENS
+
+
+def text_blocks(text: str) -> tuple[int, ...]:
+    """Chained hashes of the full 16-token blocks of a prompt's text, a token being
+    4 characters (the HTTP engines count prompt tokens as characters / 4): two texts
+    share exactly as many leading blocks as they share whole 64-character chunks of
+    prefix, as the simulator's token streams do. blake2b, so every process (engine,
+    gateway, test) gets the same hashes."""
+    out = []
+    h = b""
+    for i in range(len(text) // _BLOCK_CHARS):
+        chunk = text[i * _BLOCK_CHARS : (i + 1) * _BLOCK_CHARS].encode("utf-8", "surrogatepass")
+        h = hashlib.blake2b(h + chunk, digest_size=8).digest()
+        out.append(int.from_bytes(h, "big", signed=True))
+    return tuple(out)

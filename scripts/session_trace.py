@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Write the simulator's traffic (redisbal.sim.workload) as a JSON-lines trace for
+``redisbal loadgen --trace`` (with ``--session-prompts``) and
+``scripts/gateway_policies.py --trace``: the real-time counterpart of
+``redisbal bench``'s sessions and straggler scenarios.
+
+``sessions``: multi-turn sessions over shared system prompts (``workload.sessions``);
+each line names its session (``key``) and system prompt (``system``,
+``system_tokens``), so loadgen rebuilds prompts that share their history. A trace
+is open loop: a follow-up turn is sent at the previous turn's send time + an
+estimate of its service time (``--step-ms`` x its output tokens) + its think time,
+where the simulator waits for the previous turn to end. ``poisson``: independent
+ShareGPT-like requests (``workload.poisson``), outputs heavy-tailed.
+
+    python scripts/session_trace.py sessions --rate 4 --duration 20 --seed 1 -o s.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import orjson
+
+from redisbal.sim.workload import SessionShape, poisson, sessions
+
+
+def _system_of(first_block: int, shape: SessionShape) -> tuple[int, int] | None:
+    """Which shared system prompt a session's first block belongs to (the simulator
+    hashes block 0 of system prompt k as ``hash((0, -1 - k, 0))``)."""
+    for k in range(shape.system_prompts):
+        if hash((0, -1 - k, 0)) == first_block:
+            return k, shape.system_tokens[k % len(shape.system_tokens)]
+    return None
+
+
+def session_lines(
+    rate: float, duration: float, seed: int, shape: SessionShape, step_s: float
+) -> list[dict[str, object]]:
+    reqs = sessions(rate, duration, 1, seed, shape)
+    sent: list[float] = []
+    out: list[dict[str, object]] = []
+    for r in reqs:
+        if r.after < 0:
+            t = r.t
+        else:
+            prev = reqs[r.after]
+            t = sent[r.after] + prev.output_tokens * step_s + r.t
+        sent.append(t)
+        line: dict[str, object] = {
+            "t": round(t, 4),
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "key": r.key,
+        }
+        system = _system_of(r.blocks[0], shape) if r.blocks else None
+        if system is not None:
+            line["system"], line["system_tokens"] = system
+        out.append(line)
+    out.sort(key=lambda d: d["t"])  # type: ignore[arg-type, return-value]
+    return out
+
+
+def poisson_lines(
+    rate: float, duration: float, seed: int, output_scale: float
+) -> list[dict[str, object]]:
+    return [
+        {
+            "t": round(r.t, 4),
+            "prompt_tokens": max(1, r.prompt_tokens),
+            "output_tokens": max(1, round(r.output_tokens * output_scale)),
+        }
+        for r in poisson(rate, duration, 1, seed)
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traffic", choices=("sessions", "poisson"))
+    ap.add_argument("--rate", type=float, required=True, help="sessions (or requests) per s")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--output-mean", type=float, default=200.0, help="sessions: mean answer")
+    ap.add_argument("--user-mean", type=float, default=120.0, help="sessions: new text a turn")
+    ap.add_argument("--think-s", type=float, default=1.5, help="sessions: mean think time")
+    ap.add_argument("--turns-mean", type=float, default=4.0)
+    ap.add_argument("--step-ms", type=float, default=15.0, help="sessions: decode step estimate")
+    ap.add_argument(
+        "--output-scale", type=float, default=1.0, help="poisson: scale ShareGPT output lengths"
+    )
+    ap.add_argument(
+        "--cut-s", type=float, default=None, help="drop requests sent later (sessions' tails)"
+    )
+    ap.add_argument("-o", "--out", default="-")
+    a = ap.parse_args()
+    if a.traffic == "sessions":
+        shape = SessionShape(
+            turns_mean=a.turns_mean,
+            think_s=a.think_s,
+            user_mean=a.user_mean,
+            output_mean=a.output_mean,
+        )
+        lines = session_lines(a.rate, a.duration, a.seed, shape, a.step_ms / 1000)
+    else:
+        lines = poisson_lines(a.rate, a.duration, a.seed, a.output_scale)
+    if a.cut_s is not None:
+        lines = [d for d in lines if d["t"] <= a.cut_s]  # type: ignore[operator]
+    data = b"".join(orjson.dumps(d) + b"\n" for d in lines)
+    if a.out == "-":
+        sys.stdout.buffer.write(data)
+    else:
+        with open(a.out, "wb") as fh:
+            fh.write(data)
+    print(f"{len(lines)} requests, {len({d.get('key') for d in lines})} keys", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
