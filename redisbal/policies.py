@@ -341,8 +341,8 @@ class RedisbalPolicy(ScoringPolicy):
     A request with a ``key`` (``route(key=...)``) goes to the first of the key's
     engines on a consistent-hash ring of the choosable engines (clockwise from the
     key's point, at most ``affinity_probes``) that can take it about as soon as the
-    least-loaded engine: a free slot (no queue, running + own pending below the
-    running cap, KV usage below ``affinity_kv``) or a score within
+    least-loaded engine: room now (no queue, KV usage below ``affinity_kv`` and,
+    once the running cap is known, a free slot for its pending routes) or a score within
     ``affinity_slack`` of the least-loaded engine's; else to the least-loaded
     engine. The ring and the snapshot are shared, so every router puts a key on
     the same engine while it has room, and on its second engine, not a random one,
@@ -463,17 +463,22 @@ class RedisbalPolicy(ScoringPolicy):
             e = engines[i]
             if e is top or self.score(core, e) - e.dither <= ref:
                 return e
-            if (
-                cap
-                and e.waiting == 0
-                and e.running + e.pending_cost * w < cap
-                and (e.kv_usage is None or e.kv_usage < self.affinity_kv)
-            ):
-                return e  # a free slot and KV room now: the key's cache saves its prefill
+            if e.waiting == 0 and self._has_room(e, cap, w):
+                return e  # no queue and room now: the key's cache saves its prefill
             seen.append(i)
             if len(seen) >= self.affinity_probes:
                 break
         return top
+
+    def _has_room(self, e: EngineView, cap: int, w: float) -> bool:
+        """Room for one more request: KV usage below ``affinity_kv`` and, once the
+        running cap is known, a free slot for this router's pending routes too; at
+        least one of the two must be known."""
+        kv_ok = e.kv_usage is not None and e.kv_usage < self.affinity_kv
+        if not cap:
+            return kv_ok
+        slot = e.running + e.pending_cost * w < cap
+        return slot and (e.kv_usage is None or kv_ok)
 
     def pick(self, core: RoutingState) -> EngineView:
         req = core.request

@@ -71,6 +71,22 @@ def test_a_loaded_home_sends_the_key_clockwise_and_it_comes_back() -> None:
     assert core.route(key="s").engine_id == home
 
 
+def test_without_a_known_running_cap_kv_room_keeps_a_key_home() -> None:
+    loads = {f"e{i}": (0, 4) for i in range(8)}  # no queue anywhere: the cap is unknown
+    (core,) = cores(1, loads)
+    home = core.route(key="s").engine_id
+    core.unroute(core.route(key="s"))
+    assert core.running_cap == 0
+    busier = {**loads, home: (0, 9)}  # 5 more running than the rest: not within one request
+    for version, kv, stays in ((2, 0.5, True), (3, 0.95, False)):
+        kvs = {e: 0.3 for e in loads} | {home: kv}
+        adm = {e: (version,) for e in loads}
+        core.apply_snapshot(make_snapshot(busier, version=version, kv=kvs, admitted=adm))
+        d = core.route(key="s")
+        assert (d.engine_id == home) is stays, (kv, d.engine_id)
+        core.unroute(d)
+
+
 def test_a_hot_key_is_bounded_not_piled_on_one_engine() -> None:
     (core,) = cores(1, {f"e{i}": (0, 0) for i in range(8)})
     got = Counter(core.route(key="hot").engine_id for _ in range(80))
