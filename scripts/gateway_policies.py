@@ -119,21 +119,7 @@ class TraceDemo(HttpDemo):
         self.start_gateways()
         total = len(read_trace(self.trace))
         args = ["--trace", self.trace, "--session-prompts", "--seed", str(o.seed)]
-        args += ["--timeout-s", str(o.duration + o.drain_timeout + 30)]
-        if o.slo_ttft_ms:
-            args += ["--slo-ttft-ms", str(o.slo_ttft_ms)]
-        for _, url in self.gateways:
-            args += ["--url", url]
-        start = time.time()
-        gen = self.children.start(
-            "loadgen",
-            "loadgen",
-            *args,
-            "--stats-out",
-            str(self.logdir / "loadgen.json"),
-            "--no-progress",
-        )
-        self.progress([gen], total, start)
+        gen = self.start_loadgen(args, total)
         from redisbal import endpoints
         from redisbal.keys import DeploymentKeys
 

@@ -122,22 +122,25 @@ class HttpDemo(Demo):
         args += ["--burst-every-s", str(o.burst_every), "--duration", str(o.duration)]
         args += ["--output-mean", str(o.mean_output), "--max-output", str(o.max_output)]
         args += ["--prompt-mean", str(PROMPT_MEAN), "--sigma", str(o.sigma), "--seed", str(o.seed)]
-        args += ["--timeout-s", str(o.duration + o.drain_timeout + 30)]
+        return [self.start_loadgen(args, total)]
+
+    def start_loadgen(self, args: list[str], total: int) -> Child:
+        """Start ``redisbal loadgen`` with ``args`` through every gateway (plus the run's
+        timeout, objective and stats file) and show its progress until it ends."""
+        assert self.children is not None
+        o = self.opts
+        args = [*args, "--timeout-s", str(o.duration + o.drain_timeout + 30)]
         if o.slo_ttft_ms:
             args += ["--slo-ttft-ms", str(o.slo_ttft_ms)]
         for _, url in self.gateways:
             args += ["--url", url]
         start = time.time()
         gen = self.children.start(
-            "loadgen",
-            "loadgen",
-            *args,
-            "--stats-out",
-            str(self.logdir / "loadgen.json"),
-            "--no-progress",
-        )
+            "loadgen", "loadgen", *args,
+            "--stats-out", str(self.logdir / "loadgen.json"), "--no-progress",
+        )  # fmt: skip
         self.progress([gen], total, start)
-        return [gen]
+        return gen
 
     def progress(self, apis: list[Child], total: int, start_at: float) -> None:
         """Requests at the engines (their /sim/state) and the snapshot's loads."""
