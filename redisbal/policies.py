@@ -365,7 +365,8 @@ class RedisbalPolicy(ScoringPolicy):
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0
     affinity_probes = 4  # engines of a key tried, clockwise on the ring
-    affinity_kv = 0.9  # a slot is free only below this KV usage
+    affinity_kv = 0.9  # an engine has room only below this KV usage
+    # dither amplitude: this x own routes per snapshot x pending_weight (1-4 measured)
     dither_gain = 1.0
     ring_points = 40  # points per engine on the hash ring
 
@@ -446,8 +447,9 @@ class RedisbalPolicy(ScoringPolicy):
     def pick_for_key(self, core: RoutingState, key: str) -> EngineView:
         """The first of the key's engines (clockwise on the ring from the key's point,
         at most ``affinity_probes`` of them) that can take the request about as soon as
-        the least-loaded engine can: a free slot, or a score within ``affinity_slack``
-        of the least-loaded engine's. Else the least-loaded engine."""
+        the least-loaded engine can: no queue and room now (``_has_room``), or a score
+        within ``affinity_slack`` of the least-loaded engine's. Else the least-loaded
+        engine."""
         top = self._top(core)
         if not self.ring:
             self._build_ring()

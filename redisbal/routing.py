@@ -451,8 +451,9 @@ class RouterCore:
 
     def _cost(self, info: RequestInfo) -> float:
         """A route's cost relative to the typical route (1.0 when it gave no size):
-        its work (prompt tokens x prompt_weight + output tokens, or the mean output
-        when unknown) over an EWMA of the work of recent routes."""
+        its work (prompt tokens x prompt_weight + output tokens, 0 of them when not
+        given, so that routes without output sizes compare by prompt) over an EWMA
+        of the work of recent routes."""
         if info.prompt_tokens is None and info.output_tokens is None:
             return 1.0
         out = info.output_tokens
@@ -542,8 +543,8 @@ def request_info(
     output_tokens: int | None,
     blocks: Iterable[int] | None,
 ) -> RequestInfo:
-    """Check what route() was told about a request (TypeError / ValueError naming the
-    argument) and hold it as a RequestInfo."""
+    """Check what route() was told about a request (ValueError naming the argument)
+    and hold it as a RequestInfo."""
     if key is not None and (not isinstance(key, str) or len(key) > MAX_KEY_LEN):
         raise ValueError(f"key must be a str of at most {MAX_KEY_LEN} characters, got {key!r:.60}")
     for name, v in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):

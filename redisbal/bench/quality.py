@@ -60,20 +60,16 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.policies import POLICIES, Policy
+from redisbal.policies import DEFAULT_POLICY, POLICIES, Policy
 from redisbal.routing import RouterCore
 from redisbal.sim.model import SimEngine, SimRequest
 from redisbal.sim.workload import Request
 from redisbal.snapshot import EngineCounts, Snapshot
 
+# the library's policies, the default last among them, then the oracle
 BASE_POLICIES = (
-    "random",
-    "round-robin",
-    "least-inflight",
-    "vllm-pre",
-    "vllm-21617",
-    "vllm-latest",
-    "redisbal",
+    *(p for p in POLICIES if p != DEFAULT_POLICY),
+    DEFAULT_POLICY,
     "oracle",
 )
 

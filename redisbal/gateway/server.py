@@ -32,6 +32,7 @@ from redisbal.gateway.metrics import CONTENT_TYPE, GatewayMetrics, monotonic_age
 from redisbal.keys import InvalidName, check_name
 from redisbal.policies import Decision, NoEngines, UnknownEngine
 from redisbal.router import AsyncRouter
+from redisbal.routing import MAX_KEY_LEN
 
 log = logging.getLogger("redisbal.gateway")
 
@@ -52,8 +53,8 @@ def request_hints(body: Mapping[str, Any], key_header: str | None) -> tuple[str 
     else the body's ``user``) and its prompt size in tokens, estimated from the
     prompt's characters (no tokenizer on the request path). ValueError on a bad key."""
     key = key_header if key_header is not None else body.get("user")
-    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 1024):
-        raise ValueError(f"{KEY_HEADER} (or user) must be 1-1024 characters")
+    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LEN):
+        raise ValueError(f"{KEY_HEADER} (or user) must be 1-{MAX_KEY_LEN} characters")
     chars = 0
     prompt = body.get("prompt")
     if isinstance(prompt, str):
