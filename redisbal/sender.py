@@ -533,8 +533,14 @@ class ReportSender:
 
     async def leave(self, lane: Lane) -> None:
         """Detach the engine and leave the deployment (an outage is ignored: expiry
-        removes the engine instead)."""
+        removes the engine instead). A report of the engine already on the wire (a
+        heartbeat the sender took just before the detach) is waited for first: sent on
+        another connection, the leave could otherwise run before it, and the late report
+        would make the engine a member again."""
         self.detach(lane)
+        deadline = time.monotonic() + self.timeout_s + 1.0
+        while lane.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         with contextlib.suppress(*OUTAGE_ERRORS, asyncio.TimeoutError):
             await asyncio.wait_for(
                 lane.scripts.call("leave", lane.engine_id, lane.incarnation), self.timeout_s + 1.0
