@@ -114,9 +114,14 @@ def barrier_wait_s(snap: Snapshot) -> float | None:
 
     That is how long the barrier held the step open (a same-step refresh moves
     an engine's report time later, so this never over-states the wait). None
-    when no engine in the snapshot reported the cut step itself.
+    when no engine in the snapshot reported the cut step itself. A compact snapshot
+    does not say each engine's step: there every engine but the stalled ones counts.
     """
-    times = [c.reported_ms for c in snap.engines.values() if (c.wave, c.step) == snap.cut]
+    if snap.roster is not None:
+        engines = snap.engines
+        times = [engines[e].reported_ms for e in engines if e not in snap.stalled]
+    else:
+        times = [c.reported_ms for c in snap.engines.values() if (c.wave, c.step) == snap.cut]
     if not times:
         return None
     return max(0.0, (snap.time_ms - min(times)) / 1000.0)
@@ -413,6 +418,7 @@ ROUTER_COUNTERS = {
     "failed": "Requests the caller reported failed at their engine (failed()).",
     "restarts": "Engines seen with a new incarnation (a restarted process).",
     "all_excluded_routes": "Requests routed while every engine was stalled or suspect.",
+    "roster_fetches": "Compact snapshots whose roster was not seen: the stored one was read.",
 }
 
 

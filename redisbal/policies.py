@@ -28,7 +28,7 @@ import heapq
 import random
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,6 +71,30 @@ class RequestInfo:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     blocks: tuple[int, ...] = ()
+
+
+MAX_KEY_LEN = 1024
+
+
+def request_info(
+    key: str | None,
+    prompt_tokens: int | None,
+    output_tokens: int | None,
+    blocks: Iterable[int] | None,
+) -> RequestInfo:
+    """Check what route() was told about a request (ValueError naming the argument)
+    and hold it as a RequestInfo."""
+    if key is not None and (not isinstance(key, str) or len(key) > MAX_KEY_LEN):
+        raise ValueError(f"key must be a str of at most {MAX_KEY_LEN} characters, got {key!r:.60}")
+    for name, v in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{name} must be a whole number >= 0, got {v!r}")
+    hashes: tuple[int, ...] = ()
+    if blocks:
+        hashes = tuple(blocks)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in hashes):
+            raise ValueError("blocks must be integers (hashes of the prompt's token blocks)")
+    return RequestInfo(key, prompt_tokens, output_tokens, hashes)
 
 
 @dataclass(slots=True, eq=False)

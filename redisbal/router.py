@@ -32,7 +32,7 @@ from redisbal.keys import DeploymentKeys, check_name
 from redisbal.policies import DEFAULT_POLICY, Decision, Policy
 from redisbal.routing import RouterCore
 from redisbal.scripts import Scripts, suspect_reason
-from redisbal.snapshot import Snapshot
+from redisbal.snapshot import Rosters, RosterUnknown, Snapshot
 
 log = logging.getLogger("redisbal.router")
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
@@ -161,6 +161,7 @@ class AsyncRouter(_LocalRouting):
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._first = asyncio.Event()
+        self._rosters = Rosters()  # of compact snapshots (redisbal/snapshot.py)
         self._attempted = asyncio.Event()  # the feed's first connection attempt ended
         self._subscribed_before = False  # a cluster feed re-reads the slot map after that
         self.last_error: str | None = None
@@ -259,14 +260,18 @@ class AsyncRouter(_LocalRouting):
 
     # -- feed -------------------------------------------------------------------------------------
 
-    def _apply(self, data: bytes | str | None) -> None:
+    def _apply(self, data: bytes | str | None) -> bool:
+        """Adopt a published snapshot; True when it is a compact message whose roster
+        this router has not seen (then the stored snapshot, which has it, is read)."""
         if not data:
-            return
+            return False
         try:
-            snap = Snapshot.from_json(data)
+            snap = Snapshot.from_json(data, self._rosters)
+        except RosterUnknown:
+            return True
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("router: ignoring malformed snapshot: %s", exc)
-            return
+            return False
         cur = self.core.snapshot
         dropped = self.core.counters["rejoin_dropped"]
         if self.core.apply_snapshot(snap):
@@ -291,6 +296,7 @@ class AsyncRouter(_LocalRouting):
                     self.core.rejoin_grace_s,
                 )
             self._first.set()
+        return False
 
     async def _fetch(self) -> None:
         self._apply(await self._client.get(self.keys.snapshot))
@@ -321,7 +327,9 @@ class AsyncRouter(_LocalRouting):
                     msg = await self._next_message(pubsub, sharded, min(self.poll_s, 0.5))
                     kind = msg.get("type") if msg is not None else None
                     if kind in ("message", "smessage"):
-                        self._apply(msg["data"])  # type: ignore[index]
+                        if self._apply(msg["data"]):  # type: ignore[index]
+                            self.core.counters["roster_fetches"] += 1
+                            await self._fetch()  # a roster it has not seen
                     elif kind in ("unsubscribe", "sunsubscribe"):
                         # the server dropped us (e.g. the slot moved): subscribe again
                         raise redis.exceptions.ConnectionError("unsubscribed by the server")

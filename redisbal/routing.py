@@ -40,8 +40,9 @@ from redisbal.policies import (
     RequestInfo,
     UnknownEngine,
     make_policy,
+    request_info,
 )
-from redisbal.snapshot import MAX_ADMITTED, Snapshot
+from redisbal.snapshot import MAX_ADMITTED, Roster, Snapshot
 
 
 class RouterCore:
@@ -92,6 +93,10 @@ class RouterCore:
         self.known: list[EngineView] = []  # every engine, in snapshot order
         self.engines: list[EngineView] = []  # the ones policies choose from (module doc)
         self.by_id: dict[str, EngineView] = {}
+        self._ids: list[str] = []  # the ids known was made from (_set_engines)
+        self._set_gen = 0  # counts _set_engines calls (a compact roster's views stand till then)
+        self._views: list[EngineView] = []  # by_id's views in the order of a compact roster
+        self._views_key: tuple[Roster, int] | None = None  # that roster and _set_gen
         self.suspect_s = suspect_s
         # engine -> local clock until which it is not chosen (inf: until the next snapshot)
         self._excluded_by_snapshot: dict[str, float] = {}
@@ -129,6 +134,7 @@ class RouterCore:
             "failed": 0,  # failed() calls
             "restarts": 0,  # engines seen with a new incarnation
             "all_excluded_routes": 0,  # routes made while every engine was excluded
+            "roster_fetches": 0,  # compact messages whose roster was read from the stored one
         }
 
     # -- state -------------------------------------------------------------------------------
@@ -153,6 +159,8 @@ class RouterCore:
             self.policy.reset(self)
 
     def _set_engines(self, ids: list[str]) -> None:
+        self._ids = ids
+        self._set_gen += 1
         old = self.by_id
         self._knew_any = self._knew_any or bool(ids)
         self.by_id = {i: old.get(i) or EngineView(i) for i in ids}
@@ -212,63 +220,110 @@ class RouterCore:
             excluded = dict.fromkeys(snap.stalled, math.inf)  # until the next snapshot
             for eid, ms_left in snap.suspect.items():
                 excluded[eid] = now + ms_left / 1000.0
-            self._excluded_by_snapshot = excluded
-            self._set_engines([*snap.engines, *kept, *carried])
-            ci = self.client_index
-            mine = total = 0
-            exact = False
-            # the speed estimate only feeds a policy that uses it (off by default)
-            speed_on = getattr(self.policy, "use_speed", False)
-            age_on = getattr(self.policy, "use_age", False)
-            for e in self.known:
-                c = snap.engines.get(e.engine_id)
-                if c is None:  # kept or carried: no report says which routes it has done,
-                    if e.pending > e.inflight:  # but the finished ones are no load any more
-                        e.pending = e.inflight
-                        while len(e.times) > e.inflight:
-                            e.times.popleft()
-                        _trim_costs(e)
-                    continue
-                e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
-                e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
-                adm = c.admitted
-                if c.incarnation != e.incarnation:
-                    if e.incarnation is not None:  # a restart: its counts start again
-                        self.counters["restarts"] += 1
-                        got = adm[ci] if adm is not None and ci < len(adm) else 0
-                        e.routed_before = e.routed - got  # the old process's routes are gone
-                        e.t_prev = -1
-                    e.incarnation = c.incarnation
-                # (a sum past MAX_ADMITTED: counts none of our reporters sends, read as none)
-                if adm is not None and (all_adm := sum(adm)) < MAX_ADMITTED:
-                    got = adm[ci] if ci < len(adm) else 0
-                    e.pending = max(0, e.routed - e.routed_before - got)
-                    e.exact = exact = True
-                    e.times.clear()
-                    _trim_costs(e)
-                    mine += got
-                    total += all_adm
-                    if c.waiting > 0 and c.running > self.running_cap:
-                        self.running_cap = c.running  # an engine with a queue is at its cap
-                    if speed_on or age_on:
-                        done = all_adm - c.waiting - c.running
-                        self._observe_speed(e, done, c.reported_ms, c.running)
-                else:
-                    cutoff = now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s
-                    times = e.times
-                    while times and times[0] <= cutoff:
-                        times.popleft()
-                    e.pending = len(times)
-                    e.exact = False
-                    _trim_costs(e)
+            prev_excluded, self._excluded_by_snapshot = self._excluded_by_snapshot, excluded
+            ids = [*snap.engines, *kept, *carried]
+            if ids != self._ids or excluded or prev_excluded or self._excluded_here:
+                self._set_engines(ids)
+            # else the same engines, none excluded: known and engines stand as they are
+            if snap.roster is not None:
+                self._adopt_compact(snap, now)
+                mine = total = 0
+                exact = False
+            else:
+                mine, total, exact = self._adopt_full(snap, now)
             if exact:
                 self._update_share(mine, total)
+                # the speed estimate only feeds a policy that uses it (off by default)
+                speed_on = getattr(self.policy, "use_speed", False)
+                age_on = getattr(self.policy, "use_age", False)
                 if speed_on:
                     self._update_speeds()
                 if age_on:
                     self._update_aged(snap)
             self.policy.reset(self)
             return True
+
+    def _adopt_full(self, snap: Snapshot, now: float) -> tuple[int, int, bool]:
+        """A full snapshot's counts into the engine views; returns this router's and
+        all routers' admitted totals, and whether any engine reported admitted counts."""
+        ci = self.client_index
+        mine = total = 0
+        exact = False
+        # the speed estimate only feeds a policy that uses it (off by default)
+        speed_on = getattr(self.policy, "use_speed", False)
+        age_on = getattr(self.policy, "use_age", False)
+        for e in self.known:
+            c = snap.engines.get(e.engine_id)
+            if c is None:  # kept or carried
+                _no_report(e)
+                continue
+            e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
+            e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
+            adm = c.admitted
+            if c.incarnation != e.incarnation:
+                if e.incarnation is not None:  # a restart: its counts start again
+                    self.counters["restarts"] += 1
+                    got = adm[ci] if adm is not None and ci < len(adm) else 0
+                    e.routed_before = e.routed - got  # the old process's routes are gone
+                    e.t_prev = -1
+                e.incarnation = c.incarnation
+            # (a sum past MAX_ADMITTED: counts none of our reporters sends, read as none)
+            if adm is not None and (all_adm := sum(adm)) < MAX_ADMITTED:
+                got = adm[ci] if ci < len(adm) else 0
+                e.pending = max(0, e.routed - e.routed_before - got)
+                e.exact = exact = True
+                e.times.clear()
+                _trim_costs(e)
+                mine += got
+                total += all_adm
+                if c.waiting > 0 and c.running > self.running_cap:
+                    self.running_cap = c.running  # an engine with a queue is at its cap
+                if speed_on or age_on:
+                    done = all_adm - c.waiting - c.running
+                    self._observe_speed(e, done, c.reported_ms, c.running)
+            else:
+                cutoff = now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s
+                times = e.times
+                while times and times[0] <= cutoff:
+                    times.popleft()
+                e.pending = len(times)
+                e.exact = False
+                _trim_costs(e)
+        return mine, total, exact
+
+    def _adopt_compact(self, snap: Snapshot, now: float) -> None:
+        """A compact snapshot's counts into the engine views, in one pass over its
+        roster (no admitted counts: pending is reconciled by time). Views of engines
+        with no routes waiting to be reconciled are only overwritten."""
+        roster = snap.roster
+        assert roster is not None
+        key = (roster, self._set_gen)
+        if self._views_key != key:
+            by_id = self.by_id
+            self._views = [by_id[i] for i in roster.ids]
+            self._views_key = key
+        transit = self.transit_s
+        it = iter(snap.counts)  # four per engine (their number is checked by the parse)
+        for e, inc, w, r, kv, age in zip(self._views, roster.incs, it, it, it, it, strict=False):
+            age_s = age / 1000.0
+            e.waiting, e.running, e.kv_usage, e.age_s = w, r, kv, age_s
+            if inc != e.incarnation:
+                if e.incarnation is not None:  # a restart: the old process's routes are gone
+                    self.counters["restarts"] += 1
+                    e.routed_before = e.routed
+                    e.t_prev = -1
+                e.incarnation = inc
+            if e.pending or e.exact or e.costs or e.aged:
+                cutoff = now - age_s - transit
+                times = e.times
+                while times and times[0] <= cutoff:
+                    times.popleft()
+                e.pending = len(times)
+                e.exact = False
+                e.aged = 0.0
+                _trim_costs(e)
+        for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
+            _no_report(e)
 
     def _carry(self, snap: Snapshot, cur: Snapshot | None) -> list[str]:
         """The known engines snap does not hold that stay routable (in known order).
@@ -522,6 +577,16 @@ class RouterCore:
             return {e.engine_id: e.waiting + e.running + e.pending_cost * w for e in self.known}
 
 
+def _no_report(e: EngineView) -> None:
+    """An engine the snapshot holds no report of (kept or carried): nothing says which
+    of its routes it has taken, but the finished ones are no load any more."""
+    if e.pending > e.inflight:
+        e.pending = e.inflight
+        while len(e.times) > e.inflight:
+            e.times.popleft()
+        _trim_costs(e)
+
+
 def _trim_costs(e: EngineView) -> None:
     """Keep the costs of the ``pending`` newest routes (the engine takes requests in
     the order they reach it, so the oldest are the ones the snapshot counted)."""
@@ -532,27 +597,3 @@ def _trim_costs(e: EngineView) -> None:
         e.pending_cost = sum(costs)
     elif not costs:
         e.pending_cost = 0.0
-
-
-MAX_KEY_LEN = 1024
-
-
-def request_info(
-    key: str | None,
-    prompt_tokens: int | None,
-    output_tokens: int | None,
-    blocks: Iterable[int] | None,
-) -> RequestInfo:
-    """Check what route() was told about a request (ValueError naming the argument)
-    and hold it as a RequestInfo."""
-    if key is not None and (not isinstance(key, str) or len(key) > MAX_KEY_LEN):
-        raise ValueError(f"key must be a str of at most {MAX_KEY_LEN} characters, got {key!r:.60}")
-    for name, v in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"{name} must be a whole number >= 0, got {v!r}")
-    hashes: tuple[int, ...] = ()
-    if blocks:
-        hashes = tuple(blocks)
-        if not all(isinstance(b, int) and not isinstance(b, bool) for b in hashes):
-            raise ValueError("blocks must be integers (hashes of the prompt's token blocks)")
-    return RequestInfo(key, prompt_tokens, output_tokens, hashes)

@@ -30,9 +30,8 @@ from aiohttp import web
 from redisbal import endpoints
 from redisbal.gateway.metrics import CONTENT_TYPE, GatewayMetrics, monotonic_age
 from redisbal.keys import InvalidName, check_name
-from redisbal.policies import Decision, NoEngines, UnknownEngine
+from redisbal.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
 from redisbal.router import AsyncRouter
-from redisbal.routing import MAX_KEY_LEN
 
 log = logging.getLogger("redisbal.gateway")
 
