@@ -125,7 +125,7 @@ class EngineView:
     costs: deque[float] = field(default_factory=deque)  # cost of each pending route, oldest first
     pending_cost: float = 0.0  # sum of costs
     gen: int = 0  # heap entry generation
-    hid: int = -1  # crc32 of engine_id (for the shared dither)
+    hid: int = field(default=0, init=False)  # crc32 of engine_id (the shared dither)
     dither: float = 0.0  # this router's offset for the engine, redrawn per snapshot
     aged: float = 0.0  # expected completions since the engine's report (use_age only)
     # service-speed estimate from the engine's completions (exact reconciliation only)
@@ -135,6 +135,9 @@ class EngineView:
     run_prev: int = 0  # running count then
     done_acc: float = 0.0  # decayed completions
     exposure_acc: float = 0.0  # decayed running-request-seconds
+
+    def __post_init__(self) -> None:
+        self.hid = zlib.crc32(self.engine_id.encode())
 
 
 class RoutingState(Protocol):
@@ -434,8 +437,6 @@ class RedisbalPolicy(ScoringPolicy):
         w = min(w, max(1.0, self.dither_gain * self.routes_per_snapshot * w))
         base = core.client_index / core.client_count
         for e in core.engines:
-            if e.hid < 0:
-                e.hid = zlib.crc32(e.engine_id.encode())
             phi = zlib.crc32(salt, e.hid) / 4294967296.0
             e.dither = (base + phi) % 1.0 * w
 
@@ -445,11 +446,9 @@ class RedisbalPolicy(ScoringPolicy):
 
     def reset(self, core: RoutingState) -> None:
         self._dither(core)
-        rnd = core.rng.random
-        heap = []
-        for e in core.engines:
-            e.gen += 1
-            heap.append((self.score(core, e), rnd(), e.gen, e))
+        rnd, score = core.rng.random, self.score
+        # (a new heap: the old one's entries are gone, so e.gen need not move)
+        heap = [(score(core, e), rnd(), e.gen, e) for e in core.engines]
         heapq.heapify(heap)
         self.heap = heap
         if core.engines is not self.ring_engines:
