@@ -162,17 +162,23 @@ def _parse_expect(ctx: click.Context, param: click.Parameter, value: str | None)
     return ids
 
 
-def _ms(name: str) -> Callable[[F], F]:
-    """--<name> for a coordinator setting, with its default and bounds from config.py."""
+def _setting(name: str) -> Callable[[F], F]:
+    """--<name> for a coordinator setting, with its default, bounds and unit from config.py."""
     s = LEASE_TTL if name == "lease_ttl_ms" else SETTINGS[name]
     flag = "--" + name.replace("_", "-")
-    return option(flag, type=click.IntRange(s.lo, s.hi), default=s.default, help=s.help)  # type: ignore[no-any-return]
+    return option(  # type: ignore[no-any-return]
+        flag,
+        type=click.IntRange(s.lo, s.hi),
+        default=s.default,
+        metavar=s.unit.upper(),
+        help=s.help,
+    )
 
 
 def _settings_options(f: F) -> F:
     """--<setting> for every deployment setting of config.SETTINGS, in its order."""
     for name in reversed(SETTINGS):
-        f = _ms(name)(f)
+        f = _setting(name)(f)
     return f
 
 
@@ -185,7 +191,7 @@ def _settings_options(f: F) -> F:
     callback=_parse_expect,
     help="Engines the first snapshot must wait for: a count N (ids 0..N-1) or a list of ids.",
 )
-@_ms("lease_ttl_ms")
+@_setting("lease_ttl_ms")
 @click.option("--id", "coordinator_id", metavar="NAME", help="Coordinator id (default host-pid).")
 @DURATION_UNTIL_SIGNAL
 @click.option(
@@ -203,7 +209,7 @@ def coordinator(
     duration: float | None,
     metrics_port: int | None,
     metrics_addr: str,
-    **setting_ms: int,
+    **setting_values: int,
 ) -> None:
     """Keep a deployment in order: config, expiry, stall guard, idle heartbeat, lease.
 
@@ -214,7 +220,7 @@ def coordinator(
 
     s = settings()
     url = s.require_url()
-    config = CoordinatorConfig(**setting_ms, expected=expect, lease_ttl_ms=lease_ttl_ms)
+    config = CoordinatorConfig(**setting_values, expected=expect, lease_ttl_ms=lease_ttl_ms)
     try:
         config.check()
         if coordinator_id is not None:

@@ -3,7 +3,8 @@
 The operator CLI builds its ``redisbal coordinator`` options from ``SETTINGS``
 and ``LEASE_TTL``, ``CoordinatorConfig`` checks every value against them, and
 the coordinator writes the deployment settings into the config hash, where the
-Lua scripts read them. All times are whole milliseconds.
+Lua scripts read them. Every setting is a whole number of its unit: milliseconds,
+or engines (``compact_from``).
 """
 
 from __future__ import annotations
@@ -15,18 +16,21 @@ from redisbal.keys import check_name
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting: default, inclusive bounds, and the line the CLI shows."""
+    """One setting: default, inclusive bounds, the line the CLI shows, and its unit
+    (what its error message and --help name)."""
 
     default: int
     lo: int
     hi: int
     help: str
+    unit: str = "ms"
 
     def check(self, name: str, value: object) -> int:
         """``value`` if it is a whole number in bounds, else ValueError naming ``name``."""
         if isinstance(value, bool) or not isinstance(value, int) or not self.lo <= value <= self.hi:
             raise ValueError(
-                f"{name} must be a whole number of ms in {self.lo}..{self.hi}, got {value!r}"
+                f"{name} must be a whole number of {self.unit} in {self.lo}..{self.hi}, "
+                f"got {value!r}"
             )
         return value
 
@@ -46,6 +50,14 @@ SETTINGS: dict[str, Setting] = {
     "suspect_ms": Setting(
         2000, 100, 600_000, "A failed() mark holds this long unless the engine progresses."
     ),
+    "compact_from": Setting(
+        256,
+        0,
+        1_000_000,
+        "Publish compact snapshots (positional counts, ids only when they change, no "
+        "admitted lists) once the deployment has this many engines with counts; 0: always.",
+        unit="engines",
+    ),
 }
 # The coordinator's own lease (not a deployment setting: each coordinator passes it to
 # the lease script). The floor leaves a standby time to see a live holder renew.
@@ -54,7 +66,7 @@ LEASE_TTL = Setting(2000, 200, 600_000, "Coordinator lease TTL (a standby takes 
 
 @dataclass
 class CoordinatorConfig:
-    """Deployment settings the coordinator owns (all times in ms), and its lease TTL."""
+    """Deployment settings the coordinator owns (in their units), and its lease TTL."""
 
     dead_after_ms: int = SETTINGS["dead_after_ms"].default
     stall_ms: int = SETTINGS["stall_ms"].default
@@ -63,6 +75,7 @@ class CoordinatorConfig:
     idle_publish_ms: int = SETTINGS["idle_publish_ms"].default
     stall_after_ms: int = SETTINGS["stall_after_ms"].default
     suspect_ms: int = SETTINGS["suspect_ms"].default
+    compact_from: int = SETTINGS["compact_from"].default
     expected: list[str] = field(default_factory=list)
     lease_ttl_ms: int = LEASE_TTL.default
 

@@ -28,6 +28,7 @@ BARRIER_FIELDS = (
     ".pub_at",
     ".rebase",
     ".rebase_ms",
+    ".roster",
 )
 
 

@@ -60,12 +60,12 @@ class LuaSourceError(Exception):
 def settings_lua() -> str:
     """The ``settings`` include, generated from redisbal/config.py."""
     rows = "".join(
-        f"  {name} = {{default = {s.default}, lo = {s.lo}, hi = {s.hi}}},\n"
+        f"  {name} = {{default = {s.default}, lo = {s.lo}, hi = {s.hi}, unit = '{s.unit}'}},\n"
         for name, s in SETTINGS.items()
     )
     return (
         "-- settings: generated from redisbal/config.py by redisbal/lua_source.py\n"
-        "-- (defaults and inclusive bounds, whole ms); edit config.py, not this text\n"
+        "-- (defaults, inclusive bounds and units); edit config.py, not this text\n"
         f"local SETTINGS = {{\n{rows}}}\n"
         f"local LEASE_TTL = {{lo = {LEASE_TTL.lo}, hi = {LEASE_TTL.hi}}}\n"
     )

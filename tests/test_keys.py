@@ -219,6 +219,7 @@ def test_scripts_touch_only_their_keys_on_a_real_server(
         for step in (1, 2):
             for e in ("e0", "e1", "e2"):
                 bar.report(e, step, step, step, kv="0.5", adm="1,2")
+            bar.configure(compact_from=0)  # step 1 full, the rest compact
         bar.report("e0", 1, 0, 0)  # stale
         many = [
             "e0",

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from redisbal.keys import DeploymentKeys
+from redisbal.keys import DeploymentKeys, is_engine_field
 from redisbal.policies import Policy
 from redisbal.router import AsyncRouter
 
@@ -220,6 +220,8 @@ class VllmCoordinatorEmulation:
         seen = set()
         for k, v in raw.items():
             eng = k.decode() if isinstance(k, bytes) else k
+            if not is_engine_field(eng):  # .pub, .roster, ...: the barrier's own fields
+                continue
             rec = v.decode() if isinstance(v, bytes) else v
             seen.add(eng)
             # report lines are "<score>\t[<ms>\t]<json>", newest first; other lines

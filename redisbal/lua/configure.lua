@@ -9,6 +9,8 @@
     dead_after_ms, stall_ms, tick_ms, join_grace_ms, idle_publish_ms,
     stall_after_ms, suspect_ms
         whole ms, within the bounds of redisbal/config.py (includes "settings")
+    compact_from
+        whole engines, the same way (includes/publish.lua)
     expected   comma-separated engine ids, may be ""
     owner      the coordinator's id
   Returns: the epoch (started if the state was new or lost).
@@ -30,7 +32,7 @@ for i = 4, #ARGV, 2 do
   if setting then
     if not int_arg(value, setting.lo, setting.hi) then
       return fail('bad ' .. field .. ': ' .. value ..
-        ' (whole ms in ' .. setting.lo .. '..' .. setting.hi .. ')')
+        ' (whole ' .. setting.unit .. ' in ' .. setting.lo .. '..' .. setting.hi .. ')')
     end
   elseif field == 'expected' then
     if #value > 65536 or string.find(value, '[^A-Za-z0-9_.,%-]') then

@@ -28,6 +28,7 @@ if not redis.call('HGET', d.reports, '.epoch') then
 end
 redis.call('SET', d.epoch, epoch)
 redis.call('HSET', d.reports, '.epoch', epoch)
+redis.call('HDEL', d.reports, '.roster') -- a compact republish names its roster again
 local pub = published_score(d)
 local version = 0
 if pub >= 0 then version = (publish(d, pub, now)) end

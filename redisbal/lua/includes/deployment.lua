@@ -32,6 +32,8 @@
     .pub_at     ms when .pub last moved forward
     .rebase     the offset of the step sequence that lockstep engines joining
                 behind .pub started last (report.lua), and .rebase_ms when
+    .roster     the ids and incarnations of the last compact snapshot
+                (includes/publish.lua), absent after a full one or a new epoch
 ]]
 --- @include "settings"
 --- @include "args"

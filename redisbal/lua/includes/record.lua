@@ -174,3 +174,14 @@ local function format_line(score, ms, wave, step, waiting, running, kv, admitted
     ',"waiting":' .. waiting .. ',"running":' .. running .. ',"kv":' .. kv ..
     ',"t":' .. ms .. adm .. incarnation .. '}'
 end
+
+-- What a compact snapshot (includes/publish.lua) takes of a report's JSON
+-- (line_json): waiting, running, kv and t as texts, and the incarnation (nil
+-- when the report named none: it is the last field, format_line).
+local function json_counts(json)
+  local waiting, running, kv, t, rest = string.match(json,
+    '"waiting":(%d+),"running":(%d+),"kv":([^,]+),"t":(%d+)()')
+  if string.byte(json, -2) ~= 34 then return waiting, running, kv, t, nil end -- no '"}'
+  local at = string.find(json, ',"inc":"', rest, true)
+  return waiting, running, kv, t, at and string.sub(json, at + 8, -3)
+end
