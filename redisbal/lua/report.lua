@@ -49,7 +49,7 @@ local pass
 pass, err = begin_reports(d, {e.engine}, ARGV[3], now, now_text)
 if not pass then return fail(err) end
 local reply
-reply, err = apply_report(pass, e)
+reply, err = apply_report(pass, 1, e)
 if not reply then return fail(err) end
 local version = end_reports(pass)
 if reply[1] == 'accepted' then reply[2] = version end

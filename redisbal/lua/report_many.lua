@@ -50,18 +50,21 @@ if #ARGV ~= 4 + FIELDS_PER_REPORT * n then
     ' reports, got ' .. #ARGV)
 end
 
+-- where report i of n is, for a refusal (made only then)
+local function where(i, engine)
+  return 'report ' .. i .. ' of ' .. n .. (engine and ' (engine ' .. engine .. ')' or '')
+end
+
 local reports, engines, seen = {}, {}, {}
 for i = 1, n do
   local a = 4 + FIELDS_PER_REPORT * (i - 1)
   local engine = ARGV[a + 1]
-  local where = 'report ' .. i .. ' of ' .. n
-  if not name_arg(engine) then return fail(where .. ': bad engine_id: ' .. engine) end
-  where = where .. ' (engine ' .. engine .. ')'
-  if seen[engine] then return fail(where .. ': bad engine_id: given twice') end
+  if not name_arg(engine) then return fail(where(i) .. ': bad engine_id: ' .. engine) end
+  if seen[engine] then return fail(where(i, engine) .. ': bad engine_id: given twice') end
   seen[engine] = true
   local e, bad = check_report(engine, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5],
     ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9])
-  if not e then return fail(where .. ': ' .. bad) end
+  if not e then return fail(where(i, engine) .. ': ' .. bad) end
   reports[i], engines[i] = e, engine
 end
 
@@ -71,10 +74,10 @@ pass, err = begin_reports(d, engines, ARGV[3], now, now_text)
 if not pass then return fail(err) end
 local replies = {}
 for i = 1, n do
-  local reply, bad = apply_report(pass, reports[i])
+  local reply, bad = apply_report(pass, i, reports[i])
   -- (only a score past 2^53; the pass has written nothing yet)
   if not reply then
-    return fail('report ' .. i .. ' of ' .. n .. ' (engine ' .. engines[i] .. '): ' .. bad)
+    return fail(where(i, engines[i]) .. ': ' .. bad)
   end
   replies[i] = reply
 end

@@ -82,14 +82,17 @@ end
 -- Returns the text or nil.
 local function admitted_arg(s)
   if s == '' then return s end
-  if #s > MAX_ADMITTED_LEN or not string.find(s, '^[%d,]+$') then return nil end
-  local framed = ',' .. s .. ','
-  if string.find(framed, ',,', 1, true) then return nil end -- an empty entry
+  -- digits and commas, no empty entry: a digit first, no "," last, no ",,"
+  if #s > MAX_ADMITTED_LEN or not string.find(s, '^%d[%d,]*$') or string.byte(s, -1) == 44
+    or string.find(s, ',,', 1, true) then
+    return nil
+  end
   -- a leading zero: an entry starting with "0" and going on with a digit
-  local zero = string.find(framed, ',0', 1, true)
+  if string.find(s, '^0%d') then return nil end
+  local zero = string.find(s, ',0', 1, true)
   while zero do
-    if string.find(framed, '^%d', zero + 2) then return nil end
-    zero = string.find(framed, ',0', zero + 2, true)
+    if string.find(s, '^%d', zero + 2) then return nil end
+    zero = string.find(s, ',0', zero + 2, true)
   end
   return s
 end

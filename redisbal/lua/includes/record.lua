@@ -38,7 +38,8 @@
   sprintf); score and line: the newest report's score and line (nil before the
   first report); older_at: where the older lines start in text (nil if none).
   An operation takes a record apart only as far as it needs and writes a new
-  text with format_head and format_record.
+  text with format_head and format_record, or, with a new report,
+  format_report.
 ]]
 --- @include "args"
 
@@ -90,15 +91,21 @@ end
 -- flag, the newest report's score and its JSON (nil, nil before a report), the
 -- progress ms (text) and the suspect-until ms (number, 0 when none).
 local function read_newest(text)
-  local flag, rest, score, json_start = string.match(text, '^(%a)%d*([^\n]*)\n(%d+)\t%d+\t()')
+  -- (a record with a report has the whole head: one match takes it all)
+  local flag, progress, suspect, score, json_start = string.match(text,
+    '^(%a)%d* %S+ %d+ (%d+) (%d+)\n(%d+)\t%d+\t()')
   if not flag then
-    local _, _, progress, suspect = head_fields(string.match(text, '^%a%d*(.*)$'))
-    return string.sub(text, 1, 1), nil, nil, progress, suspect
+    local rest, inc, offset
+    flag, rest, score, json_start = string.match(text, '^(%a)%d*([^\n]*)\n(%d+)\t%d+\t()')
+    if not flag then
+      inc, offset, progress, suspect = head_fields(string.match(text, '^%a%d*(.*)$'))
+      return string.sub(text, 1, 1), nil, nil, progress, suspect
+    end
+    inc, offset, progress, suspect = head_fields(rest)
   end
   local line_end = string.find(text, '\n', json_start, true)
-  local _, _, progress, suspect = head_fields(rest)
   return flag, tonumber(score), string.sub(text, json_start, (line_end or #text + 1) - 1),
-    progress, suspect
+    progress, tonumber(suspect)
 end
 
 -- The reports of a record, newest first:
@@ -162,17 +169,30 @@ local function format_record(head, line, older)
   return head .. '\n' .. line .. '\n' .. older
 end
 
--- A new report's line, from texts: its score, the arrival ms, then the JSON
--- snapshots show: wave and step as includes/args.lua int_arg returns them,
--- waiting, running, kv and admitted as the other checks return them ("" admitted
--- is left out), and the incarnation ("-" is left out).
-local function format_line(score, ms, wave, step, waiting, running, kv, admitted, inc)
-  local adm, incarnation = '', ''
-  if admitted ~= '' then adm = ',"adm":[' .. admitted .. ']' end
-  if inc ~= '-' then incarnation = ',"inc":"' .. inc .. '"' end
-  return score .. '\t' .. ms .. '\t{"wave":' .. wave .. ',"step":' .. step ..
-    ',"waiting":' .. waiting .. ',"running":' .. running .. ',"kv":' .. kv ..
-    ',"t":' .. ms .. adm .. incarnation .. '}'
+-- A record's text with a new report, from texts, in one string (no partial
+-- strings on the way: this runs for every report): the head line as
+-- format_head writes it, the report's line, then the older lines (text, ""
+-- if none). The line: its score, the arrival ms, then the JSON snapshots show:
+-- wave and step as includes/args.lua int_arg returns them, waiting, running,
+-- kv and admitted as the other checks return them ("" admitted is left out),
+-- and the incarnation ("-" is left out).
+local function format_report(flag, due, inc, offset, progress, suspect, score, ms, wave, step,
+    waiting, running, kv, admitted, older)
+  local sp, head_inc, head_offset, head_progress, head_suspect = ' ', inc, offset, progress,
+    suspect
+  if inc == '-' and offset == '0' and progress == '0' and suspect == '0' then -- (format_head)
+    sp, head_inc, head_offset, head_progress, head_suspect = '', '', '', '', ''
+  end
+  local adm_open, adm_close = ',"adm":[', ']'
+  if admitted == '' then adm_open, adm_close = '', '' end
+  local inc_open, json_inc, inc_close = ',"inc":"', inc, '"'
+  if inc == '-' then inc_open, json_inc, inc_close = '', '', '' end
+  local older_sep = older == '' and '' or '\n'
+  return flag .. due .. sp .. head_inc .. sp .. head_offset .. sp .. head_progress .. sp ..
+    head_suspect .. '\n' .. score .. '\t' .. ms .. '\t{"wave":' .. wave .. ',"step":' .. step ..
+    ',"waiting":' .. waiting .. ',"running":' .. running .. ',"kv":' .. kv .. ',"t":' .. ms ..
+    adm_open .. admitted .. adm_close .. inc_open .. json_inc .. inc_close .. '}' .. older_sep ..
+    older
 end
 
 -- What a compact snapshot (includes/publish.lua) takes of a report's JSON

@@ -46,49 +46,57 @@
 --- @include "barrier"
 --- @include "membership"
 
+-- Whether reports may take the steady-state path (apply_report): tests turn it
+-- off to drive the same reports through the general path and compare records.
+local STEADY_PATH = true
+
 -- One report's arguments, checked (texts, as ARGV gives them; inc and progress
 -- already defaulted). Returns the report {engine, tick, wave, step, wave_text,
 -- step_text, waiting, running, kv, admitted, inc, progress}, or nil and the
--- message "bad <field>: ...".
+-- message "bad <field>: ...". (The table is made once, whole: a table grown
+-- field by field is rehashed as it grows.)
 local function check_report(engine, wave, step, waiting, running, kv, admitted, inc, progress)
-  local e = {engine = engine, inc = inc, progress = progress, tick = step == 'tick'}
-  e.kv = kv_arg(kv)
-  if not e.kv then return nil, 'bad kv_usage: ' .. kv end
-  e.waiting = count_arg(waiting)
-  if not e.waiting then return nil, 'bad waiting: ' .. waiting end
-  e.running = count_arg(running)
-  if not e.running then return nil, 'bad running: ' .. running end
-  e.admitted = admitted_arg(admitted)
-  if not e.admitted then return nil, 'bad admitted: expected comma-separated counts' end
+  local kv_json = kv_arg(kv)
+  if not kv_json then return nil, 'bad kv_usage: ' .. kv end
+  local waiting_text = count_arg(waiting)
+  if not waiting_text then return nil, 'bad waiting: ' .. waiting end
+  local running_text = count_arg(running)
+  if not running_text then return nil, 'bad running: ' .. running end
+  local admitted_text = admitted_arg(admitted)
+  if not admitted_text then return nil, 'bad admitted: expected comma-separated counts' end
   if not incarnation_arg(inc) then return nil, 'bad incarnation: ' .. inc end
   if progress ~= '1' and progress ~= '0' then return nil, 'bad progress: ' .. progress end
-  if not e.tick then
-    e.wave, e.wave_text = int_arg(wave, 0, MAX_WAVE)
-    if not e.wave then return nil, 'bad wave: ' .. wave end
-    e.step, e.step_text = int_arg(step, 0, STEP_SPAN - 1)
-    if not e.step then return nil, 'bad step: ' .. step end
+  local tick = step == 'tick'
+  local wave_n, wave_text, step_n, step_text
+  if not tick then
+    wave_n, wave_text = int_arg(wave, 0, MAX_WAVE)
+    if not wave_n then return nil, 'bad wave: ' .. wave end
+    step_n, step_text = int_arg(step, 0, STEP_SPAN - 1)
+    if not step_n then return nil, 'bad step: ' .. step end
   end
   if not name_arg(engine) then return nil, 'bad engine_id: ' .. engine end
-  return e
+  return {
+    engine = engine, tick = tick, wave = wave_n, step = step_n, wave_text = wave_text,
+    step_text = step_text, waiting = waiting_text, running = running_text, kv = kv_json,
+    admitted = admitted_text, inc = inc, progress = progress,
+  }
 end
 
 -- A pass over the barrier for the reports of these engines (ids, each once),
 -- at server time now (number and text); candidate: the epoch candidate.
--- Returns the pass, or nil and the message (nothing written).
+-- Returns the pass, or nil and the message (nothing written). The record of
+-- engines[i] is p.texts[i + 4] (false when it has none).
 local function begin_reports(d, engines, candidate, now, now_text)
-  local n = #engines
   local h = redis.call('HMGET', d.reports, '.pub', '.since', '.behind', '.next_reap',
     unpack(engines))
   if not h[1] then -- no .pub: the state is new or was lost
     if not new_generation(d, candidate, now) then return nil, 'bad epoch candidate' end
     h = {'-1', false, '0', false}
   end
-  local records = {}
-  for i = 1, n do records[engines[i]] = h[i + 4] or false end
   local behind = tonumber(h[3]) or 0
   -- (the lists and tables a report rarely needs are made when first used)
   return {
-    deployment = d, now = now, now_text = now_text, records = records, fields = {},
+    deployment = d, now = now, now_text = now_text, texts = h, fields = {},
     pub = tonumber(h[1]), behind = behind, old_behind = behind,
     since = h[2] and true or false, next_reap = h[4],
   }
@@ -134,10 +142,52 @@ local function counted(flag, score, pub)
   return flag == 'b' and (not score or score <= pub)
 end
 
--- Apply one checked report (check_report) in pass p. Returns the reply
--- {status, 0, wave, step[, record's incarnation]} (the operation fills in the
--- version), or nil and the message when the report is refused.
-local function apply_report(p, e)
+-- The heartbeat due ms (text) a record keeps: due, or, when it has come, the
+-- next one (every dead_after_ms / 8), the engine's heartbeat refreshed in members.
+local function heartbeat_due(p, engine, due)
+  local now_text = p.now_text
+  if #due == #now_text then -- (whole ms of one length: compared as texts, no tonumber)
+    if now_text < due then return due end
+  elseif p.now < (tonumber(due) or 0) then
+    return due
+  end
+  push2(pass_list(p, 'heartbeats'), now_text, engine)
+  return int_text(p.now + math.floor(pass_setting(p, 'dead_after_ms') / 8))
+end
+
+-- The steady state of a lockstep engine, without taking its record apart: a
+-- barrier member with no suspect mark, reporting progress under its record's
+-- incarnation (or none) past pub while its newest report is at or before pub.
+-- What the general path does then, in apply_report: the member leaves .behind,
+-- the head gets the new progress ms (and heartbeat due), the new report goes
+-- first and the newest old one stays behind it. Returns the reply, or nil when
+-- the report is not that case (nothing done).
+local function apply_steady(p, e, text, raw, wave, step, wave_text, step_text)
+  -- (patterns only over the head; the line is cut with plain finds)
+  local due, inc, offset, line_start, newest = string.match(text,
+    '^b(%d*) (%S+) (%d+) %d+ 0\n()(%d+)\t')
+  if not due or (e.inc ~= inc and e.inc ~= '-') then return nil end
+  local pub = p.pub
+  local score = offset == '0' and raw or raw + tonumber(offset)
+  if score <= pub or score >= 2 ^ 53 or tonumber(newest) > pub then return nil end
+  local line_end = string.find(text, '\n', line_start + #newest, true)
+  local line = string.sub(text, line_start, (line_end or #text + 1) - 1)
+  p.behind = p.behind - 1
+  local engine = e.engine
+  due = heartbeat_due(p, engine, due)
+  local score_text = score == raw and wave == 0 and step_text or int_text(score)
+  push2(p.fields, engine, format_report('b', due, inc, offset, p.now_text, '0', score_text,
+    p.now_text, wave_text, step_text, e.waiting, e.running, e.kv, e.admitted, line))
+  p.publish_due = true
+  if not p.since then p.since, p.since_set = true, true end
+  return {'accepted', 0, wave, step}
+end
+
+-- Apply the checked report e (check_report) of the pass's i-th engine in pass
+-- p. Returns the reply {status, 0, wave, step[, record's incarnation]} (the
+-- operation fills in the version), or nil and the message when the report is
+-- refused.
+local function apply_report(p, i, e)
   local d, now, now_text, pub = p.deployment, p.now, p.now_text, p.pub
   local engine, inc, progress = e.engine, e.inc, e.progress
   local wave, step, wave_text, step_text = e.wave, e.step, e.wave_text, e.step_text
@@ -146,7 +196,12 @@ local function apply_report(p, e)
     wave_text, step_text = int_text(wave), int_text(step)
   end
   local raw = to_score(wave, step) -- the engine's own order; + the record's offset: ours
-  local rec = p.records[engine] and parse_record(p.records[engine])
+  local text = p.texts[i + 4]
+  if STEADY_PATH and text and progress == '1' then
+    local reply = apply_steady(p, e, text, raw, wave, step, wave_text, step_text)
+    if reply then return reply end
+  end
+  local rec = text and parse_record(text)
   local changed, restarted = false, false
 
   if rec and inc ~= '-' and rec.inc ~= '-' and inc ~= rec.inc then
@@ -233,16 +288,10 @@ local function apply_report(p, e)
   if counted(flag, score, pub) then p.behind = p.behind + 1 end
 
   -- the heartbeat in members is refreshed every dead_after_ms / 8
-  if now >= (tonumber(due) or 0) then
-    due = int_text(now + math.floor(pass_setting(p, 'dead_after_ms') / 8))
-    push2(pass_list(p, 'heartbeats'), now_text, engine)
-  end
-
+  due = heartbeat_due(p, engine, due)
   local score_text = score == raw and wave == 0 and step_text or int_text(score)
-  local line = format_line(score_text, now_text, wave_text, step_text, e.waiting, e.running,
-    e.kv, e.admitted, inc)
-  local head = format_head(flag, due, inc, offset, last_progress, suspect)
-  push2(p.fields, engine, format_record(head, line, older))
+  push2(p.fields, engine, format_report(flag, due, inc, offset, last_progress, suspect,
+    score_text, now_text, wave_text, step_text, e.waiting, e.running, e.kv, e.admitted, older))
   if flag == 'b' and score > pub then
     p.publish_due = true
     if not p.since then p.since, p.since_set = true, true end
@@ -270,8 +319,9 @@ local function end_reports(p)
   if reap_due then push2(fields, '.next_reap', now + math.floor(dead_after / 4)) end
   if #fields > 0 then redis.call('HSET', d.reports, unpack(fields)) end
   if p.heartbeats then redis.call('ZADD', d.members, unpack(p.heartbeats)) end
-  for _, field in ipairs(p.counter_names or {}) do
-    redis.call('HINCRBY', d.meta, field, p.counters[field])
+  local names = p.counter_names
+  if names then
+    for i = 1, #names do redis.call('HINCRBY', d.meta, names[i], p.counters[names[i]]) end
   end
   if p.meta_del then redis.call('HDEL', d.meta, unpack(p.meta_del)) end
   if p.meta_set then redis.call('HSET', d.meta, unpack(p.meta_set)) end
