@@ -17,6 +17,7 @@ from helpers import Barrier, await_until, wait_until
 from redisbal import AsyncRouter, Router, UnknownEngine
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
+from redisbal.snapshot import Rosters
 
 
 @pytest.fixture
@@ -213,3 +214,41 @@ def test_router_starts_and_routes_balanced_with_redis_unreachable(
         assert got == {"a": 10, "b": 10, "c": 10}
     finally:
         router.close()
+
+
+# -- compact snapshots ----------------------------------------------------------------------------
+
+
+async def test_feed_adopts_compact_snapshots_and_reads_a_roster_it_missed(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """Past compact_from engines the channel carries ids only when the roster changes:
+    a router routes on those counts, and one that has not seen a message's roster
+    reads the stored snapshot (which has it) instead of dropping the update."""
+    bar.configure(compact_from=0)
+    step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        snap = router.snapshot
+        assert snap is not None and snap.roster is not None
+        assert sorted(snap.engines) == ["e0", "e1"]
+        v2 = step_all(bar, 2)  # the same roster: a message without ids
+        await await_until(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
+        assert router.core.counters["roster_fetches"] == 0
+        assert (router.core.by_id["e1"].waiting, router.core.by_id["e1"].running) == (1, 2)
+        router._rosters = Rosters()  # as if the message that named it had been missed
+        v3 = step_all(bar, 3)
+        await await_until(lambda: router.snapshot.version == v3)  # type: ignore[union-attr]
+        assert router.core.counters["roster_fetches"] == 1
+        assert router.core.by_id["e1"].running == 3
+        # a join is a new roster, named in the message itself
+        bar.register("e2")
+        step_all(bar, 4, ("e0", "e1", "e2"))  # (e2 joins ahead of this cut: in the next)
+        v5 = step_all(bar, 5, ("e0", "e1", "e2"))
+        await await_until(lambda: router.snapshot.version == v5)  # type: ignore[union-attr]
+        assert sorted(router.snapshot.engines) == ["e0", "e1", "e2"]  # type: ignore[union-attr]
+        assert router.core.counters["roster_fetches"] == 1
+        assert {router.route().engine_id for _ in range(6)} == {"e0", "e1", "e2"}
+    finally:
+        await router.aclose()
