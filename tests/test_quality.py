@@ -284,3 +284,31 @@ def test_bench_trace_runs_end_to_end(tmp_path: Path) -> None:
     assert pols["chbl"]["prefix_hit_rate"]["mean"] > pols["random"]["prefix_hit_rate"]["mean"]
     assert all(not math.isnan(r["ttft_p99_s"]) for r in doc["runs"]) and len(doc["runs"]) == 6
     assert "p99-oracle" in res.output
+
+
+class _ExactRecorder(Policy):
+    """Least loaded; records whether any engine's pending was reconciled exactly."""
+
+    name = "exact-recorder"
+    seen: set[bool] = set()
+
+    def pick(self, core: RoutingState) -> EngineView:
+        type(self).seen.update(e.exact for e in core.engines)
+        return min(core.engines, key=lambda e: e.waiting + e.running + e.pending)
+
+
+def test_no_admitted_leaves_routers_reconciling_by_time(monkeypatch) -> None:
+    """--no-admitted (compact snapshots, vLLM/SGLang engines): no snapshot carries
+    admitted counts, so no router reconciles exactly; with them every one does."""
+    from redisbal.bench import quality
+
+    monkeypatch.setitem(quality.POLICIES, "exact-recorder", _ExactRecorder)
+    sc = _small("poisson")
+    _ExactRecorder.seen = set()
+    assert simulate("exact-recorder", 1, sc)["requests"] > 0
+    assert True in _ExactRecorder.seen  # (before the first snapshot none is exact)
+    _ExactRecorder.seen = set()
+    assert simulate("exact-recorder", 1, sc, admitted=False)["requests"] > 0
+    assert _ExactRecorder.seen == {False}
+    res = CliRunner().invoke(bench_command, ["--no-admitted", "--real-time"])
+    assert res.exit_code != 0 and "routing-quality" in res.output

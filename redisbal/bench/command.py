@@ -91,6 +91,12 @@ def _metric_help() -> str:
     help="Quality: tell the router each request's output length (default: unknown to it).",
 )
 @click.option(
+    "--no-admitted",
+    is_flag=True,
+    help="Quality: engines report no admitted counts (compact snapshots, the vLLM and SGLang "
+    "integrations): routers reconcile their routes by time.",
+)
+@click.option(
     "--quick",
     is_flag=True,
     help="Balance benchmark: 1 seed, shorter runs (2 bursts, 2 s of Poisson).",
@@ -138,6 +144,7 @@ def bench_command(
     sizes: str | None,
     trace_path: str | None,
     pass_output: bool,
+    no_admitted: bool,
     quick: bool,
     seeds: str | None,
     scenarios: str | None,
@@ -171,12 +178,23 @@ def bench_command(
         ):
             if given:
                 raise click.UsageError(f"{flag} applies to the balance benchmark (--real-time)")
-        _quality(sizes, trace_path, pass_output, seeds, scenarios, policies, json_path, md_path)
+        _quality(
+            sizes,
+            trace_path,
+            pass_output,
+            seeds,
+            scenarios,
+            policies,
+            json_path,
+            md_path,
+            admitted=not no_admitted,
+        )
         return
     for flag, used in (
         ("--sizes", bool(sizes)),
         ("--trace", bool(trace_path)),
         ("--pass-output", pass_output),
+        ("--no-admitted", no_admitted),
     ):
         if used:
             raise click.UsageError(f"{flag} applies to the routing-quality benchmark")
@@ -294,6 +312,7 @@ def _quality(
     policies: str | None,
     json_path: str | None,
     md_path: str | None,
+    admitted: bool = True,
 ) -> None:
     """The routing-quality benchmark (``redisbal.bench.quality_report``)."""
     if trace_path:
@@ -310,6 +329,7 @@ def _quality(
         scenarios=_csv(scenarios, QUALITY_SCENARIOS, "scenario") if scenarios else None,
         trace_name=trace_path or "",
         pass_output=pass_output,
+        admitted=admitted,
     )
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
@@ -333,6 +353,7 @@ def _quality(
         "seeds": cfg.seeds,
         "policies": cfg.policies,
         "pass_output": pass_output,
+        "admitted": admitted,
         "trace": trace_path,
         "nproc": os.cpu_count(),
         "loadavg_end": os.getloadavg()[0],

@@ -99,13 +99,16 @@ def simulate(
     *,
     workload: list[Request] | None = None,
     pass_output: bool = False,
+    admitted: bool = True,
     delivery_ms: float = 1.0,
     jitter_ms: float = 2.0,
     transit_ms: float = 1.0,
     sample_s: float = 0.05,
 ) -> dict[str, float]:
     """One run; returns the metrics (``redisbal.bench.latency``) and the run's own
-    cost (``sim_wall_s``)."""
+    cost (``sim_wall_s``). ``admitted=False``: snapshots carry no admitted counts, as
+    compact snapshots and the vLLM and SGLang integrations give (routers reconcile
+    their routes by time)."""
     wall = time.perf_counter()
     work = build_workload(sc, seed) if workload is None else workload
     rng = random.Random(f"quality-{sc.name}-{seed}")
@@ -180,9 +183,8 @@ def simulate(
     loads: list[list[float]] = []
 
     def counts(e: SimEngine, step: int, t: float) -> EngineCounts:
-        return EngineCounts(
-            len(e.waiting), len(e.running), e.kv_usage, 0, step, int(t * 1000), tuple(e.admitted)
-        )
+        adm = tuple(e.admitted) if admitted else None
+        return EngineCounts(len(e.waiting), len(e.running), e.kv_usage, 0, step, int(t * 1000), adm)
 
     def deliver_all(t: float, snap: Snapshot) -> None:
         for i in range(sc.clients):

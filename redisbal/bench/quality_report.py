@@ -31,6 +31,7 @@ class QualityConfig:
     trace: list[Request] | None = None
     trace_name: str = ""
     pass_output: bool = False
+    admitted: bool = True  # engines report admitted counts (full snapshots)
 
 
 def plan(cfg: QualityConfig) -> list[tuple[QualityScenario, list[int]]]:
@@ -71,7 +72,14 @@ def run_quality(cfg: QualityConfig) -> dict[str, Any]:
             for seed in seeds:
                 for p in cfg.policies:
                     prog.show(f"{sc.size:<7} {sc.name:<9} {p:<14} seed {seed}")
-                    m = simulate(p, seed, sc, workload=cfg.trace, pass_output=cfg.pass_output)
+                    m = simulate(
+                        p,
+                        seed,
+                        sc,
+                        workload=cfg.trace,
+                        pass_output=cfg.pass_output,
+                        admitted=cfg.admitted,
+                    )
                     runs.append(
                         {"size": sc.size, "scenario": sc.name, "policy": p, "seed": seed} | m
                     )
