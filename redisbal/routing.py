@@ -94,9 +94,8 @@ class RouterCore:
         self.engines: list[EngineView] = []  # the ones policies choose from (module doc)
         self.by_id: dict[str, EngineView] = {}
         self._ids: list[str] = []  # the ids known was made from (_set_engines)
-        self._set_gen = 0  # counts _set_engines calls (a compact roster's views stand till then)
         self._views: list[EngineView] = []  # by_id's views in the order of a compact roster
-        self._views_key: tuple[Roster, int] | None = None  # that roster and _set_gen
+        self._views_of: Roster | None = None  # that roster (None: made again when next used)
         self.suspect_s = suspect_s
         # engine -> local clock until which it is not chosen (inf: until the next snapshot)
         self._excluded_by_snapshot: dict[str, float] = {}
@@ -160,7 +159,7 @@ class RouterCore:
 
     def _set_engines(self, ids: list[str]) -> None:
         self._ids = ids
-        self._set_gen += 1
+        self._views_of = None
         old = self.by_id
         self._knew_any = self._knew_any or bool(ids)
         self.by_id = {i: old.get(i) or EngineView(i) for i in ids}
@@ -220,6 +219,9 @@ class RouterCore:
             excluded = dict.fromkeys(snap.stalled, math.inf)  # until the next snapshot
             for eid, ms_left in snap.suspect.items():
                 excluded[eid] = now + ms_left / 1000.0
+            # the speed estimate only feeds a policy that uses it (off by default)
+            speed_on = getattr(self.policy, "use_speed", False)
+            age_on = getattr(self.policy, "use_age", False)
             prev_excluded, self._excluded_by_snapshot = self._excluded_by_snapshot, excluded
             ids = [*snap.engines, *kept, *carried]
             if ids != self._ids or excluded or prev_excluded or self._excluded_here:
@@ -230,12 +232,9 @@ class RouterCore:
                 mine = total = 0
                 exact = False
             else:
-                mine, total, exact = self._adopt_full(snap, now)
+                mine, total, exact = self._adopt_full(snap, now, speed_on or age_on)
             if exact:
                 self._update_share(mine, total)
-                # the speed estimate only feeds a policy that uses it (off by default)
-                speed_on = getattr(self.policy, "use_speed", False)
-                age_on = getattr(self.policy, "use_age", False)
                 if speed_on:
                     self._update_speeds()
                 if age_on:
@@ -243,15 +242,13 @@ class RouterCore:
             self.policy.reset(self)
             return True
 
-    def _adopt_full(self, snap: Snapshot, now: float) -> tuple[int, int, bool]:
+    def _adopt_full(self, snap: Snapshot, now: float, observe: bool) -> tuple[int, int, bool]:
         """A full snapshot's counts into the engine views; returns this router's and
-        all routers' admitted totals, and whether any engine reported admitted counts."""
+        all routers' admitted totals, and whether any engine reported admitted counts.
+        ``observe``: feed the completions to the speed estimate."""
         ci = self.client_index
         mine = total = 0
         exact = False
-        # the speed estimate only feeds a policy that uses it (off by default)
-        speed_on = getattr(self.policy, "use_speed", False)
-        age_on = getattr(self.policy, "use_age", False)
         for e in self.known:
             c = snap.engines.get(e.engine_id)
             if c is None:  # kept or carried
@@ -278,17 +275,11 @@ class RouterCore:
                 total += all_adm
                 if c.waiting > 0 and c.running > self.running_cap:
                     self.running_cap = c.running  # an engine with a queue is at its cap
-                if speed_on or age_on:
+                if observe:
                     done = all_adm - c.waiting - c.running
                     self._observe_speed(e, done, c.reported_ms, c.running)
             else:
-                cutoff = now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s
-                times = e.times
-                while times and times[0] <= cutoff:
-                    times.popleft()
-                e.pending = len(times)
-                e.exact = False
-                _trim_costs(e)
+                _by_time(e, now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s)
         return mine, total, exact
 
     def _adopt_compact(self, snap: Snapshot, now: float) -> None:
@@ -297,11 +288,10 @@ class RouterCore:
         with no routes waiting to be reconciled are only overwritten."""
         roster = snap.roster
         assert roster is not None
-        key = (roster, self._set_gen)
-        if self._views_key != key:
+        if self._views_of is not roster:
             by_id = self.by_id
             self._views = [by_id[i] for i in roster.ids]
-            self._views_key = key
+            self._views_of = roster
         transit = self.transit_s
         it = iter(snap.counts)  # four per engine (their number is checked by the parse)
         for e, inc, w, r, kv, age in zip(self._views, roster.incs, it, it, it, it, strict=False):
@@ -314,14 +304,8 @@ class RouterCore:
                     e.t_prev = -1
                 e.incarnation = inc
             if e.pending or e.exact or e.costs or e.aged:
-                cutoff = now - age_s - transit
-                times = e.times
-                while times and times[0] <= cutoff:
-                    times.popleft()
-                e.pending = len(times)
-                e.exact = False
                 e.aged = 0.0
-                _trim_costs(e)
+                _by_time(e, now - age_s - transit)
         for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
             _no_report(e)
 
@@ -575,6 +559,17 @@ class RouterCore:
         with self.lock:
             w = self.pending_weight
             return {e.engine_id: e.waiting + e.running + e.pending_cost * w for e in self.known}
+
+
+def _by_time(e: EngineView, cutoff: float) -> None:
+    """Reconcile e's pending routes by time: the ones made at or before ``cutoff`` (the
+    report's time less the transit allowance) are taken to be in its counts."""
+    times = e.times
+    while times and times[0] <= cutoff:
+        times.popleft()
+    e.pending = len(times)
+    e.exact = False
+    _trim_costs(e)
 
 
 def _no_report(e: EngineView) -> None:

@@ -1,7 +1,7 @@
 """The snapshot: a consistent cut of every engine's counts at one (wave, step).
 
 Published by the Lua barrier as JSON (built in Lua, parsed here with orjson), in
-one of two forms (docs/DESIGN.md, "Snapshot formats"): full, an object per
+one of two forms (docs/DESIGN.md, "Snapshot format" and "Compact form"): full, an object per
 engine; or compact, for large deployments, four numbers per engine in the order
 of a roster of engine ids that the channel message carries only when it
 changes. A reader of compact messages keeps the rosters it saw (``Rosters``)
@@ -123,6 +123,24 @@ class CompactEngines(Mapping[str, EngineCounts]):
         return len(self.roster.ids)
 
 
+def _header(d: dict[str, Any]) -> dict[str, Any]:
+    """The fields both forms share, as Snapshot's keyword arguments."""
+    return {
+        "deployment": d["deployment"],
+        "epoch": d["epoch"],
+        "version": d["version"],
+        "wave": d["wave"],
+        "step": d["step"],
+        "forced": d["forced"],
+        "laggards": d["laggards"],
+        "gone": d["gone"],
+        "joining": tuple(d["joining"]),
+        "time_ms": d["time_ms"],
+        "stalled": d.get("stalled", {}),
+        "suspect": d.get("suspect", {}),
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     deployment: str
@@ -172,22 +190,7 @@ class Snapshot:
             )
             for e, c in d["engines"].items()
         }
-        return cls(
-            deployment=d["deployment"],
-            epoch=d["epoch"],
-            version=d["version"],
-            wave=d["wave"],
-            step=d["step"],
-            forced=d["forced"],
-            laggards=d["laggards"],
-            gone=d["gone"],
-            joining=tuple(d["joining"]),
-            time_ms=d["time_ms"],
-            engines=engines,
-            raw=raw,
-            stalled=d.get("stalled", {}),
-            suspect=d.get("suspect", {}),
-        )
+        return cls(**_header(d), engines=engines, raw=raw)
 
     @classmethod
     def _compact(cls, d: dict[str, Any], raw: bytes, rosters: Rosters | None) -> Snapshot:
@@ -209,25 +212,8 @@ class Snapshot:
             raise ValueError(
                 f"compact snapshot: counts must be 4 numbers for each of {len(roster.ids)} engines"
             )
-        wave, step, time_ms = d["wave"], d["step"], d["time_ms"]
-        return cls(
-            deployment=d["deployment"],
-            epoch=epoch,
-            version=d["version"],
-            wave=wave,
-            step=step,
-            forced=d["forced"],
-            laggards=d["laggards"],
-            gone=d["gone"],
-            joining=tuple(d["joining"]),
-            time_ms=time_ms,
-            engines=CompactEngines(roster, counts, wave, step, time_ms),
-            raw=raw,
-            stalled=d.get("stalled", {}),
-            suspect=d.get("suspect", {}),
-            roster_version=version,
-            roster=roster,
-        )
+        engines = CompactEngines(roster, counts, d["wave"], d["step"], d["time_ms"])
+        return cls(**_header(d), engines=engines, raw=raw, roster_version=version, roster=roster)
 
     @property
     def counts(self) -> list[Any]:
