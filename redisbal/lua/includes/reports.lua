@@ -113,6 +113,18 @@ local function pass_setting(p, name)
   return v
 end
 
+-- The server's tick at the pass's time (one for all its reports): wave, step and
+-- their texts.
+local function pass_tick(p)
+  local t = p.tick
+  if not t then
+    local wave, step = from_score(math.floor(p.now / pass_setting(p, 'tick_ms')))
+    t = {wave, step, int_text(wave), int_text(step)}
+    p.tick = t
+  end
+  return t[1], t[2], t[3], t[4]
+end
+
 -- Add n to a counter in meta at the end of the pass.
 local function pass_count(p, field)
   if not p.counters then p.counters, p.counter_names = {}, {} end
@@ -191,10 +203,7 @@ local function apply_report(p, i, e)
   local d, now, now_text, pub = p.deployment, p.now, p.now_text, p.pub
   local engine, inc, progress = e.engine, e.inc, e.progress
   local wave, step, wave_text, step_text = e.wave, e.step, e.wave_text, e.step_text
-  if e.tick then
-    wave, step = from_score(math.floor(now / pass_setting(p, 'tick_ms')))
-    wave_text, step_text = int_text(wave), int_text(step)
-  end
+  if e.tick then wave, step, wave_text, step_text = pass_tick(p) end
   local raw = to_score(wave, step) -- the engine's own order; + the record's offset: ours
   local text = p.texts[i + 4]
   if STEADY_PATH and text and progress == '1' then
