@@ -19,10 +19,17 @@ router feed (``AsyncRouter``). After ``--warmup`` s it measures for
   buffer;
 - each router: report-to-snapshot latency, i.e. from the wall time just before
   the last driver wrote its reports of step S to the time the router's feed got
-  the snapshot of step S (one host, one clock: ``time.time()``); CPU to parse
+  the snapshot of step S (one host, one clock: ``time.time()``); with
+  ``--independent``, from the wall time just before the call that published a
+  snapshot was written to the time the router got it; CPU to parse
   and adopt one snapshot (thread time around ``Snapshot.from_json`` +
   ``apply_snapshot``) and the process's CPU per snapshot (socket reads and RESP
   parsing included), as ms and as % of a core at the snapshot rate it got.
+
+``--independent`` drives engines that step on their own (tick mode, the
+deployment's tick_ms = one period): nodes of ``--batch`` engines each report once
+per period at a phase of their own, spread over the period, instead of every
+engine at the same instant.
 
 No coordinator runs (no forced snapshots; the config sets a long dead_after_ms so
 that a starved driver does not expire engines). On a shared host the server it
@@ -62,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from bench_scale_model import fit_model, print_model
 from bench_scale_procs import DriverJob, Target, driver_main, sink_main, subscriber_main
 
 from redisbal.keys import DeploymentKeys
@@ -139,27 +147,39 @@ def node_delta(a: dict[str, Any], b: dict[str, Any], dt: float, steps: int) -> d
 
 
 def setup_target(
-    c: redis.Redis, tg: Target, engines: list[str], compact_from: int | None = None
+    c: redis.Redis,
+    tg: Target,
+    engines: list[str],
+    compact_from: int | None = None,
+    tick_ms: int | None = None,
 ) -> None:
     scripts = Scripts(c, DeploymentKeys(tg.deployment), tg.pubcmd)
     cand = secrets.token_hex(8)
     fields = ["dead_after_ms", "120000", "stall_ms", "60000"]
     if compact_from is not None:
         fields += ["compact_from", str(compact_from)]
+    if tick_ms is not None:
+        fields += ["tick_ms", str(tick_ms)]
     scripts.call("configure", cand, *fields)
     for i in range(0, len(engines), 512):
         scripts.call("register", cand, *engines[i : i + 512])
 
 
 def router_stats(
-    recs: list[tuple[float, float, int, int, float]],
+    recs: list[tuple[float, float, int, int, float, int]],
     last_send: dict[int, float],
     w0: float,
     w1: float,
+    by_version: bool = False,
 ) -> dict[str, Any]:
+    """One router's figures in the window; ``last_send``: the send time of what completed
+    each snapshot, by its step (lockstep) or, ``by_version``, by its version."""
     inwin = [r for r in recs if w0 <= r[0] <= w1]
-    steps = [(r[0], r[3] if r[3] >= 0 else -r[3] - 1) for r in inwin]
-    lat = [1000 * (t - last_send[s]) for t, s in steps if s in last_send]
+    if by_version:
+        sent = [(r[0], r[5]) for r in inwin]
+    else:
+        sent = [(r[0], r[3] if r[3] >= 0 else -r[3] - 1) for r in inwin]
+    lat = [1000 * (t - last_send[s]) for t, s in sent if s in last_send]
     adopted = [r for r in inwin if r[3] >= 0]
     n = len(inwin)
     rate = n / (w1 - w0)
@@ -179,14 +199,45 @@ def router_stats(
     }
 
 
+def driver_jobs(
+    tg: Target,
+    engines: list[str],
+    parts: int,
+    adm: int,
+    t0: float,
+    stop_at: float,
+    args: argparse.Namespace,
+) -> list[DriverJob]:
+    """The drivers' shares of the engines: every parts-th engine (lockstep), or with
+    ``--independent`` every parts-th node of ``--batch`` engines, each node with its
+    phase in the period (node i of M: i / M of it)."""
+    if not args.independent:
+        return [
+            DriverJob(tg, engines[j::parts], adm, t0, args.rate, stop_at, args.batch, j)
+            for j in range(parts)
+        ]
+    size = args.batch or 1
+    nodes = [engines[i : i + size] for i in range(0, len(engines), size)]
+    period = 1 / args.rate
+    jobs = []
+    for j in range(parts):
+        mine = range(j, len(nodes), parts)
+        job = DriverJob(tg, [e for i in mine for e in nodes[i]], adm, t0, args.rate, stop_at)
+        job.batch, job.seed = args.batch, j
+        job.node_phases = [i / len(nodes) * period for i in mine]
+        jobs.append(job)
+    return jobs
+
+
 def run_point(
     targets: list[Target], node_urls: list[str], n: int, k: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     ctx = mp.get_context("fork")
     nodes = [redis.Redis.from_url(u, decode_responses=True, socket_timeout=30) for u in node_urls]
     engines = [f"e{i:04d}" for i in range(n)]
+    tick_ms = round(1000 / args.rate) if args.independent else None
     for tg in targets:
-        setup_target(nodes[tg.node], tg, engines, args.compact_from)
+        setup_target(nodes[tg.node], tg, engines, args.compact_from, tick_ms)
     out, ready, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     n_routers = k if args.routers is None else min(k, args.routers)
     subs = [
@@ -209,15 +260,9 @@ def run_point(
     parts = max(1, min(args.drivers, n))
     adm = 0 if args.no_admitted else k  # the length of every report's admitted list
     drivers = [
-        ctx.Process(
-            target=driver_main,
-            args=(
-                DriverJob(tg, engines[j::parts], adm, t0, args.rate, w1 + 0.5, args.batch, j),
-                out,
-            ),
-        )
+        ctx.Process(target=driver_main, args=(job, out))
         for tg in targets
-        for j in range(parts)
+        for job in driver_jobs(tg, engines, parts, adm, t0, w1 + 0.5, args)
     ]
     load0 = os.getloadavg()
     for p in drivers:
@@ -268,16 +313,19 @@ def run_point(
         on = sum(steps_by[tg.deployment] for tg in targets if tg.node == i)
         per_node.append(node_delta(x, y, dt, on))
     routers = []
+    sends = "publish_times" if args.independent else "send_times"
     for tg in targets:
         last: dict[int, float] = {}
         for d in results["driver"]:
             if d["deployment"] != tg.deployment:
                 continue
-            for s, t in d["send_times"].items():
+            for s, t in d[sends].items():
                 last[s] = max(last.get(s, 0.0), t)
         for s in results["sub"]:
             if s["deployment"] == tg.deployment:
-                routers.append(router_stats(s["records"], last, a["t"], b["t"]))
+                routers.append(
+                    router_stats(s["records"], last, a["t"], b["t"], by_version=args.independent)
+                )
     steps = sum(steps_by.values())
     drv_cpu = sum(d["cpu_s"] for d in results["driver"])
     drv_steps = sum(d["steps"] for d in results["driver"]) / len(drivers) * len(targets)
@@ -317,64 +365,6 @@ def run_point(
     for c in nodes:
         c.close()
     return point
-
-
-def lstsq(rows: list[list[float]], ys: list[float]) -> list[float] | None:
-    """Least squares by the normal equations (a handful of points and terms)."""
-    m = len(rows[0])
-    if len(rows) < m:
-        return None
-    ata = [[sum(r[i] * r[j] for r in rows) for j in range(m)] for i in range(m)]
-    aty = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(m)]
-    for col in range(m):  # Gaussian elimination with partial pivoting
-        piv = max(range(col, m), key=lambda r: abs(ata[r][col]))
-        if abs(ata[piv][col]) < 1e-12:
-            return None
-        ata[col], ata[piv] = ata[piv], ata[col]
-        aty[col], aty[piv] = aty[piv], aty[col]
-        for r in range(m):
-            if r != col:
-                f = ata[r][col] / ata[col][col]
-                ata[r] = [x - f * y for x, y in zip(ata[r], ata[col], strict=True)]
-                aty[r] -= f * aty[col]
-    return [aty[i] / ata[i][i] for i in range(m)]
-
-
-def fit_model(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """y = c0 + c1*N + c2*N*K for Redis CPU/step, bytes/snapshot and router adoption."""
-    pts = [p for p in points if p["deployments"] == 1 and p["redis"]]
-    if len({(p["engines"], p["subscribers"]) for p in pts}) < 3:
-        return {"note": "needs three or more (N, K) points on one server"}
-    rows = [[1.0, p["engines"], p["engines"] * p["subscribers"]] for p in pts]
-    model: dict[str, Any] = {"form": "y = c0 + c1*N + c2*N*K"}
-    for name, key in (
-        ("redis_cpu_ms_per_step", lambda p: p["redis"]["cpu_ms_per_step"]),
-        ("snapshot_bytes", lambda p: p["snapshot_bytes"]),
-        ("router_adopt_ms", lambda p: p["router_adopt_ms"]),
-        ("router_proc_ms", lambda p: p["router_proc_ms"]),
-    ):
-        model[name] = lstsq(rows, [key(p) for p in pts])
-    cpu, size = model["redis_cpu_ms_per_step"], model["snapshot_bytes"]
-    if cpu and size:
-        cap = []
-        for kk in (8, 16, 32, 64):
-            per_n_cpu = cpu[1] + cpu[2] * kk  # ms per step per engine
-            per_n_bytes = size[1] + size[2] * kk
-            cap.append(
-                {
-                    "subscribers": kk,
-                    "engines_one_core": int((1000 / 50 - cpu[0]) / per_n_cpu),
-                    "engines_half_core": int((500 / 50 - cpu[0]) / per_n_cpu),
-                    "engines_50MBps": int((50e6 / 50 / kk - size[0]) / per_n_bytes),
-                }
-            )
-        model["at_50_steps_per_s"] = cap
-        n, kk = 1024, 64
-        model["projected_1024x64_at_50"] = {
-            "redis_core": 50 * (cpu[0] + cpu[1] * n + cpu[2] * n * kk) / 1000,
-            "pubsub_MBps": 50 * kk * (size[0] + size[1] * n + size[2] * n * kk) / 1e6,
-        }
-    return model
 
 
 def table(points: list[dict[str, Any]]) -> str:
@@ -479,6 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--driver-nice", type=int, default=-5, help="niceness of the driver processes")
     ap.add_argument("--batch", type=int, default=0, help="engines per batched report call")
     ap.add_argument(
+        "--independent",
+        action="store_true",
+        help="engines that step on their own (tick mode): nodes of --batch engines report "
+        "at phases spread over the period, not all at once",
+    )
+    ap.add_argument(
         "--routers",
         type=int,
         default=None,
@@ -571,28 +567,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).write_text(json_dump(doc))
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
-
-
-def print_model(model: dict[str, Any]) -> None:
-    if "note" in model:
-        print(f"cost model: {model['note']}")
-        return
-    for name in ("redis_cpu_ms_per_step", "snapshot_bytes", "router_adopt_ms", "router_proc_ms"):
-        c = model.get(name)
-        if c:
-            print(f"{name} = {c[0]:.4g} + {c[1]:.4g}*N + {c[2]:.4g}*N*K")
-    for row in model.get("at_50_steps_per_s", []):
-        print(
-            f"at 50 steps/s with K={row['subscribers']}: one Redis core carries "
-            f"N={row['engines_one_core']} (half a core: {row['engines_half_core']}); "
-            f"50 MB/s of pub/sub: N={row['engines_50MBps']}"
-        )
-    if "projected_1024x64_at_50" in model:
-        pr = model["projected_1024x64_at_50"]
-        print(
-            f"1024 x 64 at 50 steps/s: {pr['redis_core']:.2f} Redis cores, "
-            f"{pr['pubsub_MBps']:.0f} MB/s"
-        )
 
 
 def json_dump(doc: dict[str, Any]) -> str:

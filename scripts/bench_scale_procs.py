@@ -8,6 +8,14 @@ library's ``ReportSender`` takes for many engines (``_pipelined``), or batched
 report_many calls (``--batch``). It records the wall-clock time
 (``time.time()``) just before each step's reports were written to the socket.
 
+With independent engines (``--independent``: tick mode, the server tags each
+report with its tick) a driver's engines form nodes of ``--batch`` engines (one
+engine each without it), a node being what one BatchReporter sends for: every
+node reports once per period at its own phase, spread evenly over the period
+across all nodes, so reports arrive through the step as they do from engines
+that step on their own. A driver records the wall-clock time just before the
+call that published each snapshot (its reply names the version) was written.
+
 A subscriber runs the real router feed (``AsyncRouter``) and records, for every
 snapshot the channel delivered (not the periodic GETs): wall-clock receive time,
 thread CPU time of the parse and adoption (``Snapshot.from_json`` +
@@ -29,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+import hiredis
 import redis.asyncio
 
 from redisbal.connection import make_client
@@ -38,9 +47,10 @@ from redisbal.router import AsyncRouter
 from redisbal.scripts import Scripts
 
 STEP_RE = re.compile(rb'"step":(\d+)')
+VERSION_RE = re.compile(rb'"version":(\d+)')
 # (wall time of receipt, parse+adopt thread CPU s, bytes, step (-step-1: not adopted),
-# process CPU s)
-Record = tuple[float, float, int, int, float]
+# process CPU s, version)
+Record = tuple[float, float, int, int, float, int]
 
 
 @dataclass
@@ -65,7 +75,13 @@ class DriverJob:
     stop_at: float
     batch: int = 0
     seed: int = 0
+    # lockstep: step -> wall time its reports were written
     send_times: dict[int, float] = field(default_factory=dict)
+    # independent engines: each node's phase in the period (s), in the order of its
+    # engines in ``engines`` (``batch`` engines a node, one without it)
+    node_phases: list[float] | None = None
+    # independent engines: version -> wall time the call that published it was written
+    publish_times: dict[int, float] = field(default_factory=dict)
 
 
 class EngineBlock:
@@ -110,66 +126,153 @@ class StepSender:
         (then pipelines carry FCALL) and loads the library if the server lacks it."""
         await self.scripts.call("register", self.candidate, *self.job.engines[:1])
 
-    async def send_step(self, step: int) -> float:
-        """Report ``step`` for every engine of this driver; returns the wall time just
-        before the reports were written."""
+    def _fields(self, lo: int, hi: int, step: str) -> list[list[str]]:
+        """The report fields of engines lo..hi-1 (report.lua's ARGV after the epoch
+        candidate), with new waiting and running counts."""
         b, rng = self.block, self.block.rng
-        pipe = self.client.pipeline(transaction=False)
-        s = str(step)
-        fields = []
-        for i, eid in enumerate(b.engines):
-            waiting, running = rng.randint(0, 12), rng.randint(8, 48)
-            fields.append(
-                [
-                    eid,
-                    "0",
-                    s,
-                    str(waiting),
-                    str(running),
-                    b.kv[i],
-                    b.adm_text[i],
-                    self.incarnation,
-                    "1",
-                ]
-            )
-        if self.batch:  # lua/report_many.lua: batch engines a call, as BatchReporter sends them
-            calls = [
+        return [
+            [
+                b.engines[i],
+                "0",
+                step,
+                str(rng.randint(0, 12)),
+                str(rng.randint(8, 48)),
+                b.kv[i],
+                b.adm_text[i],
+                self.incarnation,
+                "1",
+            ]
+            for i in range(lo, hi)
+        ]
+
+    def _calls(self, fields: list[list[str]]) -> list[tuple[str, ...]]:
+        """The report calls carrying these reports: ``batch`` a report_many call (as
+        BatchReporter sends them), or one report call each."""
+        if self.batch:
+            return [
                 ("report_many", self.candidate, str(len(chunk)), *(f for e in chunk for f in e))
                 for chunk in (fields[j : j + self.batch] for j in range(0, len(fields), self.batch))
             ]
-        else:
-            calls = [("report", self.candidate, *e) for e in fields]
-        for op, *argv in calls:
+        return [("report", self.candidate, *e) for e in fields]
+
+    async def send_step(self, step: int) -> float:
+        """Report ``step`` for every engine of this driver; returns the wall time just
+        before the reports were written."""
+        pipe = self.client.pipeline(transaction=False)
+        for op, *argv in self._calls(self._fields(0, len(self.block.engines), str(step))):
             queued = self.scripts.call(op, *argv, client=pipe)
             if inspect.iscoroutine(queued):  # EVALSHA (no functions): queued when awaited
                 await queued
         sent = time.time()
         await pipe.execute()
-        b.advance()
+        self.block.advance()
         return sent
+
+    def node_command(self, node: int) -> bytes:
+        """The call reporting one node's engines in tick mode (tick-mode reports
+        carry "tick" for the step), as RESP: nodes send on connections of their own."""
+        size = self.batch or 1
+        lo = node * size
+        hi = min(lo + size, len(self.block.engines))
+        ((op, *argv),) = self._calls(self._fields(lo, hi, "tick"))
+        keys = self.keys.script_keys()
+        words = [
+            b"FCALL",
+            self.scripts.function_name(op).encode(),
+            str(len(keys)).encode(),
+            *(k.encode() for k in keys),
+            self.keys.deployment.encode(),
+            self.scripts.pubcmd.encode(),
+            *(a.encode() for a in argv),
+        ]
+        out = [b"*%d\r\n" % len(words)]
+        for w in words:
+            out.append(b"$%d\r\n%s\r\n" % (len(w), w))
+        return b"".join(out)
+
+
+async def _node_loop(
+    job: DriverJob, sender: StepSender, node: int, phase: float, url: str
+) -> tuple[int, int]:
+    """One node of independent engines: its own connection (as its BatchReporter
+    has), one report call per period at its phase, the next only after the reply.
+    Returns (calls, calls sent over a period late)."""
+    host = urlparse(url)
+    reader, writer = await asyncio.open_connection(host.hostname, host.port or 6379)
+    parser = hiredis.Reader()
+    period = 1 / job.rate
+    calls = late = 0
+    while (due := job.t0 + phase + calls * period) < job.stop_at:
+        wait = due - time.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        elif wait < -period:
+            late += 1
+        command = sender.node_command(node)
+        sent = time.time()
+        writer.write(command)
+        reply: Any = False
+        while reply is False:
+            parser.feed(await reader.read(1 << 16))
+            reply = parser.gets()
+        if isinstance(reply, Exception):
+            raise reply
+        version = max(int(r[1]) for r in reply) if sender.batch else int(reply[1])
+        if version:
+            job.publish_times[version] = sent
+        calls += 1
+    writer.close()
+    return calls, late
+
+
+async def _drive_nodes(job: DriverJob, sender: StepSender, phases: list[float]) -> tuple[int, int]:
+    """Independent engines: every node on its own (``_node_loop``). Returns (periods,
+    calls sent over a period late)."""
+    if sender.scripts.mode != "functions":
+        raise SystemExit("--independent needs Redis functions (Redis >= 7)")
+    loops = [
+        _node_loop(job, sender, node, phase, job.target.driver_url)
+        for node, phase in enumerate(phases)
+    ]
+    done = await asyncio.gather(*loops)
+    return max(c for c, _ in done), sum(late for _, late in done)
+
+
+async def _drive_steps(job: DriverJob, sender: StepSender) -> tuple[int, int]:
+    """Lockstep engines: every step of every engine at once, step s due at t0 + s / rate
+    (one behind sends the next at once). Returns (steps, steps sent late)."""
+    step = late = 0
+    while True:
+        due = job.t0 + (step + 1) / job.rate
+        now = time.time()
+        if now >= job.stop_at:
+            return step, late
+        if due > now:
+            await asyncio.sleep(due - now)
+        else:
+            late += 1
+        step += 1
+        job.send_times[step] = await sender.send_step(step)
 
 
 async def _drive(job: DriverJob) -> dict[str, Any]:
     client = redis.asyncio.Redis.from_url(job.target.driver_url, socket_timeout=30)
     sender = StepSender(job, client)
     await sender.probe()
-    step = 1
-    behind = 0
     cpu0 = time.process_time()
-    while True:
-        due = job.t0 + step / job.rate
-        now = time.time()
-        if now >= job.stop_at:
-            break
-        if due > now:
-            await asyncio.sleep(due - now)
-        else:
-            behind += 1
-        job.send_times[step] = await sender.send_step(step)
-        step += 1
+    if job.node_phases is None:
+        steps, late = await _drive_steps(job, sender)
+    else:
+        steps, late = await _drive_nodes(job, sender, job.node_phases)
     cpu = time.process_time() - cpu0
     await client.aclose()
-    return {"send_times": job.send_times, "cpu_s": cpu, "steps": step - 1, "late": behind}
+    return {
+        "send_times": job.send_times,
+        "publish_times": job.publish_times,
+        "cpu_s": cpu,
+        "steps": steps,
+        "late": late,
+    }
 
 
 def driver_main(job: DriverJob, out: Any) -> None:
@@ -210,11 +313,13 @@ class MeasuredRouter(AsyncRouter):
         # then arrive as old versions; their arrival still counts for latency
         snap = self.core.snapshot
         if snap is not None and snap is not before:
-            step = snap.step
+            step, version = snap.step, snap.version
         else:
-            m = STEP_RE.search(data[:400] if isinstance(data, bytes) else data[:400].encode())
+            head = data[:400] if isinstance(data, bytes) else data[:400].encode()
+            m, v = STEP_RE.search(head), VERSION_RE.search(head)
             step = -int(m.group(1)) - 1 if m else -1
-        self.records.append((t, cpu, len(data), step, time.process_time()))
+            version = int(v.group(1)) if v else -1
+        self.records.append((t, cpu, len(data), step, time.process_time(), version))
         return unknown_roster
 
 
