@@ -26,10 +26,12 @@ router feed (``AsyncRouter``). After ``--warmup`` s it measures for
   ``apply_snapshot``) and the process's CPU per snapshot (socket reads and RESP
   parsing included), as ms and as % of a core at the snapshot rate it got.
 
-``--independent`` drives engines that step on their own (tick mode, the
-deployment's tick_ms = one period): nodes of ``--batch`` engines each report once
-per period at a phase of their own, spread over the period, instead of every
-engine at the same instant.
+``--nodes`` sends each node's reports (``--batch`` engines) on a connection of its
+own, one call per step, as a BatchReporter per node does, instead of one pipeline
+per driver: Redis then pays a read and a write per call. ``--independent`` drives
+engines that step on their own (tick mode, the deployment's tick_ms = one period):
+nodes each report once per period at a phase of their own, spread over the period,
+instead of every engine at the same instant.
 
 No coordinator runs (no forced snapshots; the config sets a long dead_after_ms so
 that a starved driver does not expire engines). On a shared host the server it
@@ -208,10 +210,11 @@ def driver_jobs(
     stop_at: float,
     args: argparse.Namespace,
 ) -> list[DriverJob]:
-    """The drivers' shares of the engines: every parts-th engine (lockstep), or with
-    ``--independent`` every parts-th node of ``--batch`` engines, each node with its
-    phase in the period (node i of M: i / M of it)."""
-    if not args.independent:
+    """The drivers' shares of the engines: every parts-th engine (one pipeline), or
+    with ``--nodes`` or ``--independent`` every parts-th node of ``--batch`` engines,
+    each node with its phase in the period (independent: node i of M at i / M of it;
+    lockstep: 0)."""
+    if not (args.nodes or args.independent):
         return [
             DriverJob(tg, engines[j::parts], adm, t0, args.rate, stop_at, args.batch, j)
             for j in range(parts)
@@ -223,8 +226,8 @@ def driver_jobs(
     for j in range(parts):
         mine = range(j, len(nodes), parts)
         job = DriverJob(tg, [e for i in mine for e in nodes[i]], adm, t0, args.rate, stop_at)
-        job.batch, job.seed = args.batch, j
-        job.node_phases = [i / len(nodes) * period for i in mine]
+        job.batch, job.seed, job.tick = args.batch, j, args.independent
+        job.node_phases = [i / len(nodes) * period if args.independent else 0.0 for i in mine]
         jobs.append(job)
     return jobs
 
@@ -468,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--driver-nice", type=int, default=-5, help="niceness of the driver processes")
     ap.add_argument("--batch", type=int, default=0, help="engines per batched report call")
+    ap.add_argument(
+        "--nodes",
+        action="store_true",
+        help="each node of --batch engines on a connection of its own, one call per step "
+        "(a BatchReporter per node), not one pipeline per driver",
+    )
     ap.add_argument(
         "--independent",
         action="store_true",

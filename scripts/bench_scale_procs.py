@@ -8,13 +8,15 @@ library's ``ReportSender`` takes for many engines (``_pipelined``), or batched
 report_many calls (``--batch``). It records the wall-clock time
 (``time.time()``) just before each step's reports were written to the socket.
 
-With independent engines (``--independent``: tick mode, the server tags each
-report with its tick) a driver's engines form nodes of ``--batch`` engines (one
-engine each without it), a node being what one BatchReporter sends for: every
-node reports once per period at its own phase, spread evenly over the period
-across all nodes, so reports arrive through the step as they do from engines
-that step on their own. A driver records the wall-clock time just before the
-call that published each snapshot (its reply names the version) was written.
+With ``--nodes`` a driver's engines form nodes of ``--batch`` engines (one engine
+each without it), a node being what one BatchReporter sends for: each node on a
+connection of its own, one call per step, the next after its reply. With
+independent engines (``--independent``, which implies nodes: tick mode, the
+server tags each report with its tick) every node reports once per period at a
+phase of its own, spread evenly over the period across all nodes, so reports
+arrive through the step as they do from engines that step on their own; a
+driver then records the wall-clock time just before the call that published
+each snapshot (its reply names the version) was written.
 
 A subscriber runs the real router feed (``AsyncRouter``) and records, for every
 snapshot the channel delivered (not the periodic GETs): wall-clock receive time,
@@ -77,9 +79,10 @@ class DriverJob:
     seed: int = 0
     # lockstep: step -> wall time its reports were written
     send_times: dict[int, float] = field(default_factory=dict)
-    # independent engines: each node's phase in the period (s), in the order of its
-    # engines in ``engines`` (``batch`` engines a node, one without it)
+    # nodes: each node's phase in the period (s), in the order of its engines in
+    # ``engines`` (``batch`` engines a node, one without it); None: one pipeline
     node_phases: list[float] | None = None
+    tick: bool = False  # independent engines: tick mode
     # independent engines: version -> wall time the call that published it was written
     publish_times: dict[int, float] = field(default_factory=dict)
 
@@ -168,13 +171,13 @@ class StepSender:
         self.block.advance()
         return sent
 
-    def node_command(self, node: int) -> bytes:
-        """The call reporting one node's engines in tick mode (tick-mode reports
-        carry "tick" for the step), as RESP: nodes send on connections of their own."""
+    def node_command(self, node: int, step: str) -> bytes:
+        """The call reporting one node's engines at ``step`` ("tick" in tick mode), as
+        RESP: nodes send on connections of their own."""
         size = self.batch or 1
         lo = node * size
         hi = min(lo + size, len(self.block.engines))
-        ((op, *argv),) = self._calls(self._fields(lo, hi, "tick"))
+        ((op, *argv),) = self._calls(self._fields(lo, hi, step))
         keys = self.keys.script_keys()
         words = [
             b"FCALL",
@@ -194,9 +197,9 @@ class StepSender:
 async def _node_loop(
     job: DriverJob, sender: StepSender, node: int, phase: float, url: str
 ) -> tuple[int, int]:
-    """One node of independent engines: its own connection (as its BatchReporter
-    has), one report call per period at its phase, the next only after the reply.
-    Returns (calls, calls sent over a period late)."""
+    """One node: its own connection (as its BatchReporter has), one report call per
+    period at its phase, the next only after the reply (a node behind sends the next
+    step at once, never skips one). Returns (calls, calls sent over a period late)."""
     host = urlparse(url)
     reader, writer = await asyncio.open_connection(host.hostname, host.port or 6379)
     parser = hiredis.Reader()
@@ -208,8 +211,11 @@ async def _node_loop(
             await asyncio.sleep(wait)
         elif wait < -period:
             late += 1
-        command = sender.node_command(node)
+        step = "tick" if job.tick else str(calls + 1)
+        command = sender.node_command(node, step)
         sent = time.time()
+        if not job.tick:  # the step's last report written, as send_step records it
+            job.send_times[calls + 1] = max(job.send_times.get(calls + 1, 0.0), sent)
         writer.write(command)
         reply: Any = False
         while reply is False:
@@ -226,10 +232,10 @@ async def _node_loop(
 
 
 async def _drive_nodes(job: DriverJob, sender: StepSender, phases: list[float]) -> tuple[int, int]:
-    """Independent engines: every node on its own (``_node_loop``). Returns (periods,
-    calls sent over a period late)."""
+    """Every node on its own (``_node_loop``). Returns (steps, calls sent over a period
+    late)."""
     if sender.scripts.mode != "functions":
-        raise SystemExit("--independent needs Redis functions (Redis >= 7)")
+        raise SystemExit("--nodes and --independent need Redis functions (Redis >= 7)")
     loops = [
         _node_loop(job, sender, node, phase, job.target.driver_url)
         for node, phase in enumerate(phases)

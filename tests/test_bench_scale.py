@@ -17,10 +17,11 @@ SCRIPT = str(ROOT / "scripts" / "bench_scale.py")
 
 
 @pytest.mark.parametrize(
-    ("batch", "independent"), [(0, False), (4, False), (0, True), (4, True)]
+    ("batch", "mode"),
+    [(0, ""), (4, ""), (4, "--nodes"), (0, "--independent"), (4, "--independent")],
 )
 def test_bench_scale_smoke(
-    fresh_server: RedisServer, tmp_path: Path, batch: int, independent: bool
+    fresh_server: RedisServer, tmp_path: Path, batch: int, mode: str
 ) -> None:
     out = tmp_path / "scale.json"
     run = subprocess.run(
@@ -28,7 +29,7 @@ def test_bench_scale_smoke(
             sys.executable, SCRIPT, "--redis-url", fresh_server.url,
             "--engines", "8", "--subscribers", "2", "--rate", "50",
             "--warmup", "1", "--duration", "2", "--json", str(out), "--batch", str(batch),
-            *(["--independent"] if independent else []),
+            *([mode] if mode else []),
         ],
         capture_output=True, text=True, timeout=90,
     )  # fmt: skip
