@@ -448,8 +448,16 @@ class RedisbalPolicy(ScoringPolicy):
 
     def reset(self, core: RoutingState) -> None:
         self._dither(core)
+        self.heap = self._heap(core)
+        if core.engines is not self.ring_engines:
+            self.ring_engines = core.engines
+            if tuple(e.engine_id for e in core.engines) != self.ring_ids:
+                self.ring = []  # built again on the next keyed route
+
+    def _heap(self, core: RoutingState) -> list[tuple[float, float, int, EngineView]]:
+        """A new heap of every engine's entry (its old entries are gone with the old
+        heap, so e.gen need not move)."""
         rnd, engines = core.rng.random, core.engines
-        # (a new heap: the old one's entries are gone, so e.gen need not move)
         if self.use_age and not self.use_speed and type(self).score is RedisbalPolicy.score:
             # the default settings' score(), inlined: a call per engine cost a third of this
             w = core.pending_weight
@@ -461,11 +469,7 @@ class RedisbalPolicy(ScoringPolicy):
             score = self.score
             heap = [(score(core, e), rnd(), e.gen, e) for e in engines]
         heapq.heapify(heap)
-        self.heap = heap
-        if core.engines is not self.ring_engines:
-            self.ring_engines = core.engines
-            if tuple(e.engine_id for e in core.engines) != self.ring_ids:
-                self.ring = []  # built again on the next keyed route
+        return heap
 
     def _build_ring(self) -> None:
         points = []
