@@ -79,10 +79,10 @@ def snapshot(
         doc = head | {"roster": len(engines), "ids": engines, "incs": ["-"] * len(engines)}
         return orjson.dumps(doc | {"counts": flat})
     full = {}
-    for e, (w, r, kv, age) in counts.items():
+    for i, (e, (w, r, kv, age)) in enumerate(counts.items()):
         prev, routed = adm[e], core.by_id[e].routed if e in core.by_id else 0
-        adm[e] = [a + rng.randint(5, 15) for a in prev]
-        adm[e][1] = max(prev[1], routed - rng.randint(0, 2))
+        adm[e] = [a + rng.randint(5, 15) * (1 + i % 3) for a in prev]  # some engines faster
+        adm[e][1] = max(prev[1], routed - rng.randint(0, 5))
         c = {"wave": 0, "step": version, "waiting": w, "running": r, "kv": kv, "t": time_ms - age}
         full[e] = c | ({"adm": adm[e]} if rng.random() < 0.9 else {})
     return orjson.dumps(head | {"engines": full})
@@ -93,7 +93,7 @@ def snapshot(
     [{}, {"use_age": False}, {"use_speed": True}, {"p2c_from": 4}],
     ids=["default", "no-age", "speed", "p2c"],
 )
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_reset_makes_the_straightforward_heap_and_picks(
     seed: int, settings: dict[str, Any]
 ) -> None:
@@ -107,9 +107,9 @@ def test_reset_makes_the_straightforward_heap_and_picks(
         core.connected = True
         cores.append(core)
     rng = random.Random(seed)
-    engines = [f"e{i}" for i in range(rng.randint(12, 30))]
+    engines = [f"e{i}" for i in range(rng.randint(30, 60))]
     adm = {e: [0] * 4 for e in engines}
-    seen_aged = seen_cost = 0
+    seen_aged = seen_cost = seen_speed = 0
     for version in range(1, 90):
         compact = version > 60 and version % 3 == 0
         raw = snapshot(version, rng, cores[0], adm, compact)
@@ -120,13 +120,14 @@ def test_reset_makes_the_straightforward_heap_and_picks(
         assert entries(policies[0]) == entries(policies[1])
         seen_aged += any(e.aged for e in cores[0].engines)
         seen_cost += any(e.pending_cost for e in cores[0].engines)
+        seen_speed += any(e.speed != 1.0 for e in cores[0].engines)
         outstanding: list[list[Any]] = []
-        for _ in range(rng.randint(0, 25)):
+        for _ in range(rng.randint(0, 60)):
             now[0] += rng.random() * 0.002
             kw: dict[str, Any] = {}
             if rng.random() < 0.2:
                 kw["key"] = f"k{rng.randint(0, 9)}"
-            if rng.random() < 0.3:
+            if rng.random() < 0.8:
                 kw["prompt_tokens"] = rng.randint(1, 3000)
             pin = rng.choice(engines) if rng.random() < 0.05 else None
             decisions = [core.route(pin, **kw) for core in cores]
@@ -143,6 +144,8 @@ def test_reset_makes_the_straightforward_heap_and_picks(
     assert seen_cost > 10
     if settings.get("use_age", True):
         assert seen_aged > 10  # the age term was exercised
+    if settings.get("use_speed"):
+        assert seen_speed > 10  # and the speed term
 
 
 def test_a_subclass_score_is_used_by_reset() -> None:
