@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -96,6 +97,17 @@ def fake_compact(n: int) -> dict[str, Any]:
     return doc | {"roster": 1, "ids": ids, "incs": ["-"] * n, "counts": counts}
 
 
+def changing_counts(n: int, rng: random.Random) -> list[Any]:
+    """A compact snapshot's counts as a running deployment's change from step to step:
+    queues and running batches, KV usage (4 decimals, as reporters send it) and the
+    age of each report at the cut (a few ms)."""
+    counts: list[Any] = []
+    for _ in range(n):
+        waiting = rng.randint(0, 12) if rng.random() < 0.4 else 0
+        counts += [waiting, rng.randint(16, 32), round(rng.random(), 4), rng.randint(0, 12)]
+    return counts
+
+
 def bench_adopt(
     n: int,
     policy: str = DEFAULT_POLICY,
@@ -104,21 +116,27 @@ def bench_adopt(
     *,
     clients: int = 8,
     compact: bool = False,
+    changing: bool = False,
 ) -> dict[str, float]:
     """Median us for one router to adopt one snapshot: Snapshot.from_json of the
     published bytes plus RouterCore.apply_snapshot (what each pub/sub message costs a
     router, off the route() path, on its feed's thread or event loop). ``clients``:
     the length of every engine's admitted list (full form); ``compact``: the compact
-    form, its roster in the first message only, as the channel sends it."""
+    form, its roster in the first message only, as the channel sends it;
+    ``changing``: its counts drawn anew for every version (``changing_counts``), else
+    the same in every version."""
     core = RouterCore(0, clients, policy)
     core.connected = True
     rosters = Rosters()
     doc = fake_compact(n) if compact else json.loads(fake_snapshot(n, clients).raw)
+    rng = random.Random(1)
     medians = []
     for rep in range(repeats):
         raws = []
         for v in range(snapshots):
             doc["version"] = rep * snapshots + v + 1
+            if changing:
+                doc["counts"] = changing_counts(n, rng)
             raws.append(json.dumps(doc).encode())
             doc.pop("ids", None), doc.pop("incs", None)
         t0 = time.perf_counter()
@@ -364,21 +382,25 @@ def bench_latency(url: str, n: int = 32, routers: int = 8, steps: int = 200) -> 
 
 def adopt_only(json_path: str | None) -> int:
     """The default policy adopting full snapshots (8 and 64 admitted counts per
-    engine) and compact ones, at 32 and 1,024 engines."""
+    engine) and compact ones (counts that change per version, and the same counts
+    every version), at 32 and 1,024 engines."""
     out: dict[str, Any] = {
         "machine": {"python": platform.python_version(), "platform": platform.platform()}
     }
     for n in (32, 1024):
         snapshots = 2000 if n == 32 else 200
-        for form, clients, compact in (
-            ("full-8", 8, False),
-            ("full-64", 64, False),
-            ("compact", 64, True),
+        for form, clients, compact, changing in (
+            ("full-8", 8, False, False),
+            ("full-64", 64, False, False),
+            ("compact", 64, True, True),
+            ("compact-same", 64, True, False),  # the same counts every version
         ):
-            r = bench_adopt(n, snapshots=snapshots, clients=clients, compact=compact)
+            r = bench_adopt(
+                n, snapshots=snapshots, clients=clients, compact=compact, changing=changing
+            )
             out[f"adopt_{form}_{n}"] = r
             print(
-                f"snapshot adoption, {n:5d} engines, {form:8s}: median {r['median_us']:8.1f} us "
+                f"snapshot adoption, {n:5d} engines, {form:12s}: median {r['median_us']:8.1f} us "
                 f"(best repeat {r['best_us']:.1f}), {r['bytes']} bytes; at 50 snapshots/s "
                 f"{r['median_us'] * 50 / 1e4:.2f} % of a core",
                 flush=True,
