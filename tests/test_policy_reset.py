@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import pytest
+from helpers import make_snapshot
 
 from redisbal.policies import EngineView, RedisbalPolicy, RoutingState
 from redisbal.routing import RouterCore
@@ -154,22 +155,5 @@ def test_a_subclass_score_is_used_by_reset() -> None:
             return -float(e.running)
 
     core = RouterCore(0, 1, Busiest(), rng=random.Random(1))
-    counts = {"e0": (0, 3, None, 0), "e1": (0, 9, None, 0), "e2": (0, 5, None, 0)}
-    doc = {
-        "deployment": "d",
-        "epoch": "ep",
-        "version": 1,
-        "wave": 0,
-        "step": 1,
-        "forced": False,
-        "laggards": {},
-        "gone": {},
-        "joining": [],
-        "time_ms": 1000,
-        "roster": 1,
-        "ids": list(counts),
-        "incs": ["-"] * 3,
-        "counts": [x for c in counts.values() for x in c],
-    }
-    core.apply_snapshot(Snapshot.from_json(orjson.dumps(doc)))
+    core.apply_snapshot(make_snapshot({"e0": (0, 3), "e1": (0, 9), "e2": (0, 5)}))
     assert core.route().engine_id == "e1"
