@@ -112,7 +112,8 @@ class EngineBlock:
 
 
 class StepSender:
-    """Sends one step's reports for a driver's engines: ``send_step`` is the one path."""
+    """The reports of a driver's engines: ``send_step`` sends one step of all of them in
+    one pipeline; ``node_command`` is the call of one node (``--nodes``, ``--independent``)."""
 
     def __init__(self, job: DriverJob, client: Any) -> None:
         self.job = job
@@ -236,11 +237,19 @@ async def _drive_nodes(job: DriverJob, sender: StepSender, phases: list[float]) 
     late)."""
     if sender.scripts.mode != "functions":
         raise SystemExit("--nodes and --independent need Redis functions (Redis >= 7)")
+
+    async def grow_admitted() -> None:  # once per period, as send_step does per step
+        while time.time() < job.stop_at:
+            await asyncio.sleep(1 / job.rate)
+            sender.block.advance()
+
+    growing = asyncio.create_task(grow_admitted())
     loops = [
         _node_loop(job, sender, node, phase, job.target.driver_url)
         for node, phase in enumerate(phases)
     ]
     done = await asyncio.gather(*loops)
+    growing.cancel()
     return max(c for c, _ in done), sum(late for _, late in done)
 
 
