@@ -106,6 +106,15 @@ class Scripts:
             raise KeyError(f"unknown script {name!r}; known: {', '.join(SCRIPT_NAMES)}")
         return f"{self._lib}_{name}"
 
+    def fcall_args(self, name: str, *args: str | int | float) -> list[Any]:
+        """What ``call`` sends as FCALL's arguments for operation ``name``: the function,
+        the key count, the keys, then ARGV = deployment, publish command, *args (for a
+        caller that writes the command itself, as scripts/bench_scale_procs.py does)."""
+        return self._fcall_args(name, [self.keys.deployment, self.pubcmd, *args])
+
+    def _fcall_args(self, name: str, argv: list[Any]) -> list[Any]:
+        return [self.function_name(name), NUM_KEYS, *self._keys, *argv]
+
     def call(self, name: str, *args: str | int | float, client: Any = None) -> Any:
         """Run operation ``name`` with ARGV = deployment, publish command, *args.
         ``client`` runs it on another client or a pipeline: a pipeline queues FCALL
@@ -114,7 +123,7 @@ class Scripts:
         target = self._client if client is None else client
         if self.mode == "scripts" or (client is not None and _is_pipeline(client)):
             if self.mode == "functions":
-                return client.fcall(self.function_name(name), NUM_KEYS, *self._keys, *argv)
+                return client.fcall(*self._fcall_args(name, argv))
             return self._scripts[name](keys=self._keys, args=argv, client=client)
         run = self._run(name, argv, target, _awaited if self._async else _ready)
         return run if self._async else _run_to_end(run)
@@ -126,10 +135,10 @@ class Scripts:
         client returned into an awaitable: the client's own coroutine (asyncio client),
         or a value that is ready at once (blocking client), so that a blocking call runs
         this coroutine to its end without ever suspending (``_run_to_end``)."""
-        fname = self.function_name(name)
+        fcall_args = self._fcall_args(name, argv)
         for attempt in range(2):
             try:
-                out = await io(target.fcall(fname, NUM_KEYS, *self._keys, *argv))
+                out = await io(target.fcall(*fcall_args))
             except redis.RedisError as exc:
                 action = _classify(exc)
                 if action == "load" and attempt == 0:

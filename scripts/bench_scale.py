@@ -61,6 +61,7 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import re
 import secrets
 import statistics
 import subprocess
@@ -81,6 +82,8 @@ from redisbal.sim.embedded import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CMDS = ("fcall", "evalsha", "publish", "spublish", "get")
+# the servers node drivers can reach: their own connections speak plain RESP, no AUTH
+NODE_URL = re.compile(r"^redis://[^@/:]+(:\d+)?(/0?)?$")
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -238,7 +241,7 @@ def run_point(
     ctx = mp.get_context("fork")
     nodes = [redis.Redis.from_url(u, decode_responses=True, socket_timeout=30) for u in node_urls]
     engines = [f"e{i:04d}" for i in range(n)]
-    tick_ms = round(1000 / args.rate) if args.independent else None
+    tick_ms = int(1000 / args.rate) if args.independent else None
     for tg in targets:
         setup_target(nodes[tg.node], tg, engines, args.compact_from, tick_ms)
     out, ready, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -513,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rate and --duration must be > 0, --warmup >= 0, --drivers >= 1")
     if args.batch < 0 or args.batch > 1024:
         ap.error("--batch must be 0 (one report call per engine) to 1024")
+    if args.independent and 1000 % args.rate:
+        ap.error("--independent needs a --rate that divides 1000 (the tick is 1000 / rate ms)")
+    if (args.nodes or args.independent) and args.redis_url and not NODE_URL.match(args.redis_url):
+        ap.error("--nodes and --independent need --redis-url redis://host:port (or /0)")
     if args.cluster and args.redis_url:
         ap.error("--cluster starts its own cluster: give --cluster or --redis-url, not both")
     server: RedisServer | None = None

@@ -46,7 +46,7 @@ from redisbal.connection import make_client
 from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
 from redisbal.router import AsyncRouter
-from redisbal.scripts import Scripts
+from redisbal.scripts import Scripts, report_reply
 
 STEP_RE = re.compile(rb'"step":(\d+)')
 VERSION_RE = re.compile(rb'"version":(\d+)')
@@ -179,16 +179,7 @@ class StepSender:
         lo = node * size
         hi = min(lo + size, len(self.block.engines))
         ((op, *argv),) = self._calls(self._fields(lo, hi, step))
-        keys = self.keys.script_keys()
-        words = [
-            b"FCALL",
-            self.scripts.function_name(op).encode(),
-            str(len(keys)).encode(),
-            *(k.encode() for k in keys),
-            self.keys.deployment.encode(),
-            self.scripts.pubcmd.encode(),
-            *(a.encode() for a in argv),
-        ]
+        words = [b"FCALL", *(str(w).encode() for w in self.scripts.fcall_args(op, *argv))]
         out = [b"*%d\r\n" % len(words)]
         for w in words:
             out.append(b"$%d\r\n%s\r\n" % (len(w), w))
@@ -200,8 +191,9 @@ async def _node_loop(
 ) -> tuple[int, int]:
     """One node: its own connection (as its BatchReporter has), one report call per
     period at its phase, the next only after the reply (a node behind sends the next
-    step at once, never skips one). Returns (calls, calls sent over a period late)."""
-    host = urlparse(url)
+    step at once, never skips one). Returns (calls, calls sent more than a period late:
+    independent nodes are always a little late, so only those count)."""
+    host = urlparse(url)  # redis://host:port only (bench_scale checks it)
     reader, writer = await asyncio.open_connection(host.hostname, host.port or 6379)
     parser = hiredis.Reader()
     period = 1 / job.rate
@@ -220,11 +212,18 @@ async def _node_loop(
         writer.write(command)
         reply: Any = False
         while reply is False:
-            parser.feed(await reader.read(1 << 16))
+            chunk = await reader.read(1 << 16)
+            if not chunk:
+                raise ConnectionError("redis closed the connection")
+            parser.feed(chunk)
             reply = parser.gets()
         if isinstance(reply, Exception):
             raise reply
-        version = max(int(r[1]) for r in reply) if sender.batch else int(reply[1])
+        replies = [report_reply(r) for r in (reply if sender.batch else [reply])]
+        refused = [r[0] for r in replies if r[0] != "accepted"]
+        if refused:
+            raise RuntimeError(f"a report was not accepted: {refused[0]}")
+        version = max(r[1] for r in replies)
         if version:
             job.publish_times[version] = sent
         calls += 1

@@ -58,10 +58,20 @@ def test_bench_scale_smoke(
     assert "N x K" in run.stdout
 
 
-def test_bench_scale_bad_batch_is_one_line() -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch", "5000"], "--batch must be"),
+        (["--independent", "--rate", "30"], "divides 1000"),
+        (["--nodes", "--redis-url", "unix:///tmp/r.sock"], "redis://host:port"),
+    ],
+)
+def test_bench_scale_bad_arguments_are_one_line(args: list[str], message: str) -> None:
     run = subprocess.run(
-        [sys.executable, SCRIPT, "--batch", "5000", "--engines", "8"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, SCRIPT, *args, "--engines", "8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2
-    assert "--batch must be" in run.stderr and "Traceback" not in run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr
