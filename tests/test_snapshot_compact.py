@@ -179,3 +179,24 @@ def test_a_router_adopts_both_forms_alike_and_routes_the_same() -> None:
         ]
     assert routers[0].counters == routers[1].counters
     assert routers[1].counters["restarts"] == 1
+
+
+def test_a_full_snapshot_between_compact_ones_leaves_no_stale_incarnation() -> None:
+    """Compact adoption takes incarnations from a roster once, when it first adopts it; a
+    full snapshot sets them too, so after one the next compact snapshot compares them
+    again even when its roster is one the router has already adopted."""
+    rosters = Rosters()
+    core = RouterCore(0, 1, "redisbal", rng=random.Random(1))
+    counts = {"e0": (0, 1, None, 0), "e1": (0, 1, None, 0)}
+    _, compact = forms(1, counts, {"e0": "k1-aa", "e1": "k1-bb"}, roster=1)
+    core.apply_snapshot(Snapshot.from_json(compact, rosters))
+    full, _ = forms(2, counts, {"e0": "k2-cc", "e1": "k1-bb"}, roster=1)  # e0 restarted
+    core.apply_snapshot(Snapshot.from_json(full, rosters))
+    assert core.by_id["e0"].incarnation == "k2-cc"
+    restarts = core.counters["restarts"]
+    # roster 1 again (the same Roster object, from the cache): e0's incarnation as it names it
+    _, again = forms(3, counts, {"e0": "k1-aa", "e1": "k1-bb"}, roster=1, with_ids=False)
+    snap = Snapshot.from_json(again, rosters)
+    core.apply_snapshot(snap)
+    assert core.by_id["e0"].incarnation == "k1-aa"
+    assert core.counters["restarts"] == restarts + 1
