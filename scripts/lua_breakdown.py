@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report_many, {n} engines, {b} per call: server us per engine-step")
         body = source.index("local function op_report_many")
         for stage, mark in REPORT_STAGES.items():
-            cut = source[:body] + source[body:].replace(
-                mark, "if true then return 0 end\n" + mark, 1
-            )
+            if mark not in source[body:]:
+                raise SystemExit(f"lua_breakdown: report_many no longer has {mark!r}: update it")
+            stop = "if true then return 0 end\n" + mark
+            cut = source[:body] + source[body:].replace(mark, stop, 1)
             r.function_load(renamed(cut, name, "lbstage"), replace=True)
             us = per_call_us(r, lambda: step("lbstage_report_many", 3), args.calls)
             print(f"  to the end of {stage:16} {us / b:7.2f}", flush=True)
