@@ -95,13 +95,13 @@ local function read_newest(text)
   local flag, progress, suspect, score, json_start = string.match(text,
     '^(%a)%d* %S+ %d+ (%d+) (%d+)\n(%d+)\t%d+\t()')
   if not flag then
-    local rest, inc, offset
+    local rest, _
     flag, rest, score, json_start = string.match(text, '^(%a)%d*([^\n]*)\n(%d+)\t%d+\t()')
     if not flag then
-      inc, offset, progress, suspect = head_fields(string.match(text, '^%a%d*(.*)$'))
+      _, _, progress, suspect = head_fields(string.match(text, '^%a%d*(.*)$'))
       return string.sub(text, 1, 1), nil, nil, progress, suspect
     end
-    inc, offset, progress, suspect = head_fields(rest)
+    _, _, progress, suspect = head_fields(rest)
   end
   local line_end = string.find(text, '\n', json_start, true)
   return flag, tonumber(score), string.sub(text, json_start, (line_end or #text + 1) - 1),
@@ -152,12 +152,15 @@ local function older_to_keep(rec, score, pub)
   return table.concat(kept, '\n')
 end
 
--- A record's head line, from texts: a registered engine's (no incarnation, no
--- offset, progress or suspect mark) is flag and due only.
+-- Whether a head line is flag and due only: a registered engine's (no
+-- incarnation, offset, progress or suspect mark; texts).
+local function short_head(inc, offset, progress, suspect)
+  return inc == '-' and offset == '0' and progress == '0' and suspect == '0'
+end
+
+-- A record's head line, from texts (short_head: flag and due only).
 local function format_head(flag, due, inc, offset, progress, suspect)
-  if inc == '-' and offset == '0' and progress == '0' and suspect == '0' then
-    return flag .. due
-  end
+  if short_head(inc, offset, progress, suspect) then return flag .. due end
   return flag .. due .. ' ' .. inc .. ' ' .. offset .. ' ' .. progress .. ' ' .. suspect
 end
 
@@ -180,7 +183,7 @@ local function format_report(flag, due, inc, offset, progress, suspect, score, m
     waiting, running, kv, admitted, older)
   local sp, head_inc, head_offset, head_progress, head_suspect = ' ', inc, offset, progress,
     suspect
-  if inc == '-' and offset == '0' and progress == '0' and suspect == '0' then -- (format_head)
+  if short_head(inc, offset, progress, suspect) then
     sp, head_inc, head_offset, head_progress, head_suspect = '', '', '', '', ''
   end
   local adm_open, adm_close = ',"adm":[', ']'
@@ -197,7 +200,7 @@ end
 
 -- What a compact snapshot (includes/publish.lua) takes of a report's JSON
 -- (line_json): waiting, running, kv and t as texts, and the incarnation (nil
--- when the report named none: it is the last field, format_line).
+-- when the report named none: it is the last field, format_report).
 local function json_counts(json)
   local waiting, running, kv, t, rest = string.match(json,
     '"waiting":(%d+),"running":(%d+),"kv":([^,]+),"t":(%d+)()')
