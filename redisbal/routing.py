@@ -259,12 +259,8 @@ class RouterCore:
             e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
             adm = c.admitted
             if c.incarnation != e.incarnation:
-                if e.incarnation is not None:  # a restart: its counts start again
-                    self.counters["restarts"] += 1
-                    got = adm[ci] if adm is not None and ci < len(adm) else 0
-                    e.routed_before = e.routed - got  # the old process's routes are gone
-                    e.t_prev = -1
-                e.incarnation = c.incarnation
+                got = adm[ci] if adm is not None and ci < len(adm) else 0
+                self._new_incarnation(e, c.incarnation, got)
             # (a sum past MAX_ADMITTED: counts none of our reporters sends, read as none)
             if adm is not None and (all_adm := sum(adm)) < MAX_ADMITTED:
                 got = adm[ci] if ci < len(adm) else 0
@@ -283,6 +279,15 @@ class RouterCore:
                 _by_time(e, now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s)
         return mine, total, exact
 
+    def _new_incarnation(self, e: EngineView, inc: str | None, got: int) -> None:
+        """e now reports from process ``inc``; after another (a restart) this router's routes
+        but the ``got`` the new one admitted went to the old process and are gone."""
+        if e.incarnation is not None:
+            self.counters["restarts"] += 1
+            e.routed_before = e.routed - got
+            e.t_prev = -1
+        e.incarnation = inc
+
     def _adopt_compact(self, snap: Snapshot, now: float) -> None:
         """A compact snapshot's counts into the engine views (no admitted counts: pending
         is reconciled by time); views with no routes to reconcile are only overwritten.
@@ -296,11 +301,7 @@ class RouterCore:
             self._views_of = roster
             for e, inc in zip(self._views, roster.incs, strict=True):
                 if inc != e.incarnation:
-                    if e.incarnation is not None:  # a restart: the old process's routes are gone
-                        self.counters["restarts"] += 1
-                        e.routed_before = e.routed
-                        e.t_prev = -1
-                    e.incarnation = inc
+                    self._new_incarnation(e, inc, 0)
         transit = self.transit_s
         it = iter(snap.counts)  # four per engine (their number is checked by the parse)
         for e, w, r, kv, age in zip(self._views, it, it, it, it, strict=False):
