@@ -178,7 +178,8 @@ class Policy:
         raise NotImplementedError
 
     def routed(self, core: RoutingState, eng: EngineView) -> None:
-        """Called after a route to eng (pinned or not) was recorded."""
+        """Called after a route to eng (pinned or not) was recorded; eng is one of
+        ``core.engines`` (a pinned route to an engine left out of them is not told)."""
 
     def finished(self, core: RoutingState, eng: EngineView) -> None:
         """Called after a request on eng finished."""

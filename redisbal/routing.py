@@ -102,6 +102,7 @@ class RouterCore:
         self._excluded_here: dict[str, float] = {}  # failed() on this router
         self._recheck_at = math.inf  # when the next exclusion runs out
         self._all_excluded = False  # every known engine is excluded: choose among all
+        self._avoided: set[str] = set()  # excluded, while some engine is not
         self._tell_after: dict[str, float] = {}  # failed(): next time Redis is told
         self._knew_any = False
         self.snapshot: Snapshot | None = None
@@ -176,7 +177,7 @@ class RouterCore:
         excluded.update(here)
         choosable = [e for e in self.known if e.engine_id not in excluded]
         self._all_excluded = not choosable and bool(self.known)
-        self.engines = choosable or self.known
+        self.engines, self._avoided = choosable or self.known, excluded if choosable else set()
         untils = [t for t in (*self._excluded_by_snapshot.values(), *here.values()) if t > now]
         self._recheck_at = min(untils, default=math.inf)
 
@@ -382,12 +383,9 @@ class RouterCore:
             if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
                 rates[e.engine_id] = e.done_acc / e.exposure_acc
         mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
-        for e in self.known:
-            c = snap.engines.get(e.engine_id)
-            if c is None:
-                e.aged = 0.0
-                continue
-            e.aged = e.running * rates.get(e.engine_id, mid) * e.age_s
+        for e in self.known:  # (0 for an engine the snapshot holds no report of)
+            held = e.engine_id in snap.engines
+            e.aged = e.running * rates.get(e.engine_id, mid) * e.age_s if held else 0.0
 
     def _update_share(self, mine: int, total: int) -> None:
         prev = self._adm_totals
@@ -452,7 +450,8 @@ class RouterCore:
                 eng.pending_cost += cost
                 if not eng.exact:
                     eng.times.append(self.clock())
-                self.policy.routed(self, eng)
+                if not pinned or eng.engine_id not in self._avoided:  # (not in self.engines)
+                    self.policy.routed(self, eng)
             finally:
                 self.request = None
             degraded = self.degraded
