@@ -184,8 +184,7 @@ class RouterCore:
     def excluded(self) -> dict[str, str]:
         """Known engines this router does not choose now -> why ("stalled", "suspect")."""
         with self.lock:
-            now = self.clock()
-            snap = self.snapshot
+            now, snap = self.clock(), self.snapshot
             out = {e: "suspect" for e, t in self._excluded_here.items() if t > now}
             for e, t in self._excluded_by_snapshot.items():
                 if t > now:
@@ -193,8 +192,13 @@ class RouterCore:
             return out
 
     def accepts(self, snap: Snapshot) -> bool:
-        """Whether snap is newer than any we adopted in its epoch (or of a new epoch)."""
-        return snap.version > self._versions.get(snap.epoch, -1)
+        """Whether snap is newer than any we adopted in its epoch (or of a new epoch); one of
+        an epoch this router left must also have been published after the snapshot it holds
+        (a message of the old epoch may be read after a GET got the new one)."""
+        cur, seen = self.snapshot, self._versions.get(snap.epoch, -1)
+        if cur is not None and snap.epoch != cur.epoch and seen >= 0:
+            return snap.version > seen and snap.time_ms > cur.time_ms
+        return snap.version > seen
 
     def apply_snapshot(self, snap: Snapshot) -> bool:
         """Adopt snap unless it is older than ours within the same epoch (invariant 4)."""
@@ -221,8 +225,7 @@ class RouterCore:
             for eid, ms_left in snap.suspect.items():
                 excluded[eid] = now + ms_left / 1000.0
             # the speed estimate only feeds a policy that uses it (off by default)
-            speed_on = getattr(self.policy, "use_speed", False)
-            age_on = getattr(self.policy, "use_age", False)
+            speed_on, age_on = (getattr(self.policy, a, False) for a in ("use_speed", "use_age"))
             prev_excluded, self._excluded_by_snapshot = self._excluded_by_snapshot, excluded
             ids = [*snap.engines, *kept, *carried]
             if ids != self._ids or excluded or prev_excluded or self._excluded_here:
@@ -319,14 +322,12 @@ class RouterCore:
     def _carry(self, snap: Snapshot, cur: Snapshot | None) -> list[str]:
         """The known engines snap does not hold that stay routable (in known order).
 
-        A new epoch means Redis lost its state: the engines re-register one by one,
-        so a snapshot of it that lacks an engine says nothing about that engine yet.
-        Every engine known then is carried until the epoch holds it (in its engines
-        or joining), reports it gone (left, expired), or publishes a snapshot with
-        engines rejoin_grace_s after the first of its snapshots this router adopted
-        (by the snapshots' Redis time): one missing then did not come back. Engines
-        known before any snapshot (``set_engines``) go at the first snapshot with
-        engines, which waits for every registered engine.
+        A new epoch means Redis lost its state: the engines re-register one by one, so
+        a snapshot of it that lacks an engine says nothing about it yet. Every engine
+        known then is carried until the epoch holds it (engines, joining), reports it
+        gone, or publishes a snapshot with engines rejoin_grace_s (Redis time) after
+        the first of its snapshots adopted here. Engines known before any snapshot
+        (``set_engines``) go at the first snapshot with engines (it waits for them).
         """
         if cur is None or snap.epoch != cur.epoch:
             self.carried.update(self.by_id)
