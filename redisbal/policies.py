@@ -111,6 +111,7 @@ class EngineView:
     """
 
     engine_id: str
+    first_seq: int = 1  # this router's first decision on this view (earlier: a former one's)
     waiting: int = 0
     running: int = 0
     kv_usage: float | None = None

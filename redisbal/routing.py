@@ -24,7 +24,6 @@ preference, never a way to empty the deployment.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import threading
@@ -114,7 +113,7 @@ class RouterCore:
         self._rejoin = False
         # epoch -> the highest version adopted in it (8 latest epochs): never back in one
         self._versions: dict[str, int] = {}
-        self.seq = itertools.count(1)
+        self.seq = 0  # the last decision's
         # share of traffic: EWMA of (mine, all) admitted deltas
         self.share = 1.0 / client_count
         self._adm_totals: tuple[int, int] | None = None
@@ -163,7 +162,7 @@ class RouterCore:
         self._views_of = None
         old = self.by_id
         self._knew_any = self._knew_any or bool(ids)
-        self.by_id = {i: old.get(i) or EngineView(i) for i in ids}
+        self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
         self.known = list(self.by_id.values())
         self._choosable(self.clock())
 
@@ -459,15 +458,9 @@ class RouterCore:
             self.counters["routes"] += 1
             if degraded:
                 self.counters["degraded_routes"] += 1
-            snap = self.snapshot
-            return Decision(
-                eng.engine_id,
-                self.client_index,
-                next(self.seq),
-                snap.version if snap else 0,
-                degraded,
-                pinned,
-            )
+            snap, self.seq = self.snapshot, self.seq + 1
+            version = snap.version if snap else 0
+            return Decision(eng.engine_id, self.client_index, self.seq, version, degraded, pinned)
 
     def _choose(self, engine_id: str | None) -> tuple[EngineView, bool]:
         """The policy's pick, or the pinned engine; and whether it was pinned."""
@@ -515,11 +508,16 @@ class RouterCore:
         with self.lock:
             self._finish(decision)
 
+    def _view(self, decision: Decision) -> EngineView | None:
+        """The view decision was made on, if it is still known (not a later one's)."""
+        eng = self.by_id.get(decision.engine_id)
+        return eng if eng is not None and decision.seq >= eng.first_seq else None
+
     def _finish(self, decision: Decision) -> None:
         if decision.done:
             return
         decision.done = True
-        eng = self.by_id.get(decision.engine_id)
+        eng = self._view(decision)
         if eng is not None and eng.inflight > 0:
             eng.inflight -= 1
             self.policy.finished(self, eng)
@@ -529,7 +527,7 @@ class RouterCore:
         the bookkeeping (routed, pending: exact reconciliation compares them with the
         engine's admitted count) and end it."""
         with self.lock:
-            eng = self.by_id.get(decision.engine_id)
+            eng = self._view(decision)
             if eng is not None and not decision.done:
                 eng.routed = max(0, eng.routed - 1)
                 eng.pending = max(0, eng.pending - 1)
