@@ -71,12 +71,21 @@ def apply_lease(core: RouterCore, index: int, count: int) -> None:
     """Move a RouterCore to (index, count) under its lock.
 
     The traffic-share estimate starts over at 1/count when the index changes (the
-    admitted counts it reads are per index).
+    admitted counts it reads are per index), and so does exact reconciliation: the
+    new index's admitted counts hold none of this router's routes so far, so those
+    are written off as admitted (as after an engine restart) and only the routes
+    made from now on are compared with what the engines admit under the new index.
     """
     with core.lock:
         count = max(count, index + 1)
         changed = index != core.client_index
         core.client_index, core.client_count = index, count
+        if changed:
+            snap = core.snapshot
+            for e in core.known:
+                c = snap.engines.get(e.engine_id) if snap is not None else None
+                adm = c.admitted if c is not None else None
+                e.routed_before = e.routed - (adm[index] if adm and index < len(adm) else 0)
         if changed or core._adm_totals is None:
             core._adm_totals = None
             core.share = 1.0 / count

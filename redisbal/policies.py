@@ -111,6 +111,7 @@ class EngineView:
     """
 
     engine_id: str
+    first_seq: int = 1  # this router's first decision on this view (earlier: a former one's)
     waiting: int = 0
     running: int = 0
     kv_usage: float | None = None
@@ -178,7 +179,8 @@ class Policy:
         raise NotImplementedError
 
     def routed(self, core: RoutingState, eng: EngineView) -> None:
-        """Called after a route to eng (pinned or not) was recorded."""
+        """Called after a route to eng (pinned or not) was recorded; eng is one of
+        ``core.engines`` (a pinned route to an engine left out of them is not told)."""
 
     def finished(self, core: RoutingState, eng: EngineView) -> None:
         """Called after a request on eng finished."""

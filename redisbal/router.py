@@ -338,16 +338,20 @@ class AsyncRouter(_LocalRouting):
                         next_poll = loop.time() + self.poll_s
             except asyncio.CancelledError:
                 raise
-            except FEED_ERRORS as exc:
+            except Exception as exc:  # never let the feed end: resubscribe, GET, go on
                 self.core.connected = False
-                if self.last_error is None:
+                error = f"{type(exc).__name__}: {redact(str(exc))}"
+                if not isinstance(exc, FEED_ERRORS):  # a bug, or a snapshot it cannot adopt
+                    if error != self.last_error:  # (once, not once per reconnect)
+                        log.exception("router %d: snapshot feed failed", self.core.client_index)
+                elif self.last_error is None:
                     log.warning(
                         "router %d: snapshot feed lost (%s: %s); routing on local state",
                         self.core.client_index,
                         type(exc).__name__,
                         redact(str(exc)),
                     )
-                self.last_error = f"{type(exc).__name__}: {redact(str(exc))}"
+                self.last_error = error
                 self._attempted.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)

@@ -24,7 +24,6 @@ preference, never a way to empty the deployment.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import threading
@@ -102,6 +101,7 @@ class RouterCore:
         self._excluded_here: dict[str, float] = {}  # failed() on this router
         self._recheck_at = math.inf  # when the next exclusion runs out
         self._all_excluded = False  # every known engine is excluded: choose among all
+        self._avoided: set[str] = set()  # excluded, while some engine is not
         self._tell_after: dict[str, float] = {}  # failed(): next time Redis is told
         self._knew_any = False
         self.snapshot: Snapshot | None = None
@@ -113,7 +113,7 @@ class RouterCore:
         self._rejoin = False
         # epoch -> the highest version adopted in it (8 latest epochs): never back in one
         self._versions: dict[str, int] = {}
-        self.seq = itertools.count(1)
+        self.seq = 0  # the last decision's
         # share of traffic: EWMA of (mine, all) admitted deltas
         self.share = 1.0 / client_count
         self._adm_totals: tuple[int, int] | None = None
@@ -162,7 +162,7 @@ class RouterCore:
         self._views_of = None
         old = self.by_id
         self._knew_any = self._knew_any or bool(ids)
-        self.by_id = {i: old.get(i) or EngineView(i) for i in ids}
+        self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
         self.known = list(self.by_id.values())
         self._choosable(self.clock())
 
@@ -176,15 +176,14 @@ class RouterCore:
         excluded.update(here)
         choosable = [e for e in self.known if e.engine_id not in excluded]
         self._all_excluded = not choosable and bool(self.known)
-        self.engines = choosable or self.known
+        self.engines, self._avoided = choosable or self.known, excluded if choosable else set()
         untils = [t for t in (*self._excluded_by_snapshot.values(), *here.values()) if t > now]
         self._recheck_at = min(untils, default=math.inf)
 
     def excluded(self) -> dict[str, str]:
         """Known engines this router does not choose now -> why ("stalled", "suspect")."""
         with self.lock:
-            now = self.clock()
-            snap = self.snapshot
+            now, snap = self.clock(), self.snapshot
             out = {e: "suspect" for e, t in self._excluded_here.items() if t > now}
             for e, t in self._excluded_by_snapshot.items():
                 if t > now:
@@ -192,8 +191,13 @@ class RouterCore:
             return out
 
     def accepts(self, snap: Snapshot) -> bool:
-        """Whether snap is newer than any we adopted in its epoch (or of a new epoch)."""
-        return snap.version > self._versions.get(snap.epoch, -1)
+        """Whether snap is newer than any we adopted in its epoch (or of a new epoch); one of
+        an epoch this router left must also have been published after the snapshot it holds
+        (a message of the old epoch may be read after a GET got the new one)."""
+        cur, seen = self.snapshot, self._versions.get(snap.epoch, -1)
+        if cur is not None and snap.epoch != cur.epoch and seen >= 0:
+            return snap.version > seen and snap.time_ms > cur.time_ms
+        return snap.version > seen
 
     def apply_snapshot(self, snap: Snapshot) -> bool:
         """Adopt snap unless it is older than ours within the same epoch (invariant 4)."""
@@ -220,8 +224,7 @@ class RouterCore:
             for eid, ms_left in snap.suspect.items():
                 excluded[eid] = now + ms_left / 1000.0
             # the speed estimate only feeds a policy that uses it (off by default)
-            speed_on = getattr(self.policy, "use_speed", False)
-            age_on = getattr(self.policy, "use_age", False)
+            speed_on, age_on = (getattr(self.policy, a, False) for a in ("use_speed", "use_age"))
             prev_excluded, self._excluded_by_snapshot = self._excluded_by_snapshot, excluded
             ids = [*snap.engines, *kept, *carried]
             if ids != self._ids or excluded or prev_excluded or self._excluded_here:
@@ -318,14 +321,12 @@ class RouterCore:
     def _carry(self, snap: Snapshot, cur: Snapshot | None) -> list[str]:
         """The known engines snap does not hold that stay routable (in known order).
 
-        A new epoch means Redis lost its state: the engines re-register one by one,
-        so a snapshot of it that lacks an engine says nothing about that engine yet.
-        Every engine known then is carried until the epoch holds it (in its engines
-        or joining), reports it gone (left, expired), or publishes a snapshot with
-        engines rejoin_grace_s after the first of its snapshots this router adopted
-        (by the snapshots' Redis time): one missing then did not come back. Engines
-        known before any snapshot (``set_engines``) go at the first snapshot with
-        engines, which waits for every registered engine.
+        A new epoch means Redis lost its state: the engines re-register one by one, so
+        a snapshot of it that lacks an engine says nothing about it yet. Every engine
+        known then is carried until the epoch holds it (engines, joining), reports it
+        gone, or publishes a snapshot with engines rejoin_grace_s (Redis time) after
+        the first of its snapshots adopted here. Engines known before any snapshot
+        (``set_engines``) go at the first snapshot with engines (it waits for them).
         """
         if cur is None or snap.epoch != cur.epoch:
             self.carried.update(self.by_id)
@@ -382,12 +383,9 @@ class RouterCore:
             if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
                 rates[e.engine_id] = e.done_acc / e.exposure_acc
         mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
-        for e in self.known:
-            c = snap.engines.get(e.engine_id)
-            if c is None:
-                e.aged = 0.0
-                continue
-            e.aged = e.running * rates.get(e.engine_id, mid) * e.age_s
+        for e in self.known:  # (0 for an engine the snapshot holds no report of)
+            held = e.engine_id in snap.engines
+            e.aged = e.running * rates.get(e.engine_id, mid) * e.age_s if held else 0.0
 
     def _update_share(self, mine: int, total: int) -> None:
         prev = self._adm_totals
@@ -452,22 +450,17 @@ class RouterCore:
                 eng.pending_cost += cost
                 if not eng.exact:
                     eng.times.append(self.clock())
-                self.policy.routed(self, eng)
+                if not pinned or eng.engine_id not in self._avoided:  # (not in self.engines)
+                    self.policy.routed(self, eng)
             finally:
                 self.request = None
             degraded = self.degraded
             self.counters["routes"] += 1
             if degraded:
                 self.counters["degraded_routes"] += 1
-            snap = self.snapshot
-            return Decision(
-                eng.engine_id,
-                self.client_index,
-                next(self.seq),
-                snap.version if snap else 0,
-                degraded,
-                pinned,
-            )
+            snap, self.seq = self.snapshot, self.seq + 1
+            version = snap.version if snap else 0
+            return Decision(eng.engine_id, self.client_index, self.seq, version, degraded, pinned)
 
     def _choose(self, engine_id: str | None) -> tuple[EngineView, bool]:
         """The policy's pick, or the pinned engine; and whether it was pinned."""
@@ -515,11 +508,16 @@ class RouterCore:
         with self.lock:
             self._finish(decision)
 
+    def _view(self, decision: Decision) -> EngineView | None:
+        """The view decision was made on, if it is still known (not a later one's)."""
+        eng = self.by_id.get(decision.engine_id)
+        return eng if eng is not None and decision.seq >= eng.first_seq else None
+
     def _finish(self, decision: Decision) -> None:
         if decision.done:
             return
         decision.done = True
-        eng = self.by_id.get(decision.engine_id)
+        eng = self._view(decision)
         if eng is not None and eng.inflight > 0:
             eng.inflight -= 1
             self.policy.finished(self, eng)
@@ -529,7 +527,7 @@ class RouterCore:
         the bookkeeping (routed, pending: exact reconciliation compares them with the
         engine's admitted count) and end it."""
         with self.lock:
-            eng = self.by_id.get(decision.engine_id)
+            eng = self._view(decision)
             if eng is not None and not decision.done:
                 eng.routed = max(0, eng.routed - 1)
                 eng.pending = max(0, eng.pending - 1)

@@ -124,8 +124,10 @@ class CompactEngines(Mapping[str, EngineCounts]):
 
 
 def _header(d: dict[str, Any]) -> dict[str, Any]:
-    """The fields both forms share, as Snapshot's keyword arguments."""
-    return {
+    """The fields both forms share, as Snapshot's keyword arguments; ValueError when one
+    has the wrong type: a router must refuse such a message before adopting any of it
+    (another client, or another version, may publish on the channel)."""
+    h = {
         "deployment": d["deployment"],
         "epoch": d["epoch"],
         "version": d["version"],
@@ -134,11 +136,25 @@ def _header(d: dict[str, Any]) -> dict[str, Any]:
         "forced": d["forced"],
         "laggards": d["laggards"],
         "gone": d["gone"],
-        "joining": tuple(d["joining"]),
+        "joining": d["joining"],
         "time_ms": d["time_ms"],
         "stalled": d.get("stalled", {}),
         "suspect": d.get("suspect", {}),
     }
+    for name in ("version", "wave", "step", "time_ms"):
+        if type(h[name]) is not int:
+            raise ValueError(f"snapshot: {name} must be an integer, got {h[name]!r:.40}")
+    if not (isinstance(h["deployment"], str) and isinstance(h["epoch"], str)):
+        raise ValueError("snapshot: deployment and epoch must be texts")
+    for name, kind in (("laggards", int), ("stalled", int), ("suspect", int), ("gone", str)):
+        m = h[name]
+        if not isinstance(m, dict) or not all(type(v) is kind for v in m.values()):
+            raise ValueError(f"snapshot: {name} must map engines to {kind.__name__}s")
+    joining = h["joining"]
+    if not isinstance(joining, list) or not all(isinstance(e, str) for e in joining):
+        raise ValueError("snapshot: joining must be a list of engine ids")
+    h["joining"] = tuple(joining)
+    return h
 
 
 @dataclass(frozen=True, slots=True)

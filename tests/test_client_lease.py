@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis
+from helpers import Barrier, await_until, server_ms
 
 from redisbal.client_lease import ClientLease, apply_lease
 from redisbal.connection import make_client
@@ -56,13 +58,53 @@ async def test_router_with_auto_index(redis_url: str, deployment: str) -> None:
     try:
         assert r1.client_index == 0 and r2.client_index == 1
         assert r2.core.client_count == 2
-        for _ in range(50):  # r1 learns the count at its next renewal
-            if r1.core.client_count == 2:
-                break
-            await asyncio.sleep(0.05)
-        assert r1.core.client_count == 2
+        # r1 learns the count at its next renewal
+        await await_until(lambda: r1.core.client_count == 2, 5, "r1 counts both")
     finally:
         await r2.aclose()
         await r1.aclose()
     with pytest.raises(ValueError, match="client_index"):
         AsyncRouter(redis_url, deployment, "automatic")
+
+
+async def test_a_router_moved_to_another_index_reconciles_against_that_index(
+    redis_url: str, r: redis.Redis, deployment: str
+) -> None:
+    """A lease lost (an outage longer than its TTL) may come back as another index,
+    whose admitted counts hold none of this router's routes so far: they must not all
+    count as pending from then on."""
+    keys = DeploymentKeys(deployment)
+    bar = Barrier(r, keys)
+    bar.configure()
+    bar.register("e0", "e1")
+    bar.report("e0", 1, adm="0")
+    bar.report("e1", 1, adm="0")
+    router = AsyncRouter(redis_url, deployment, "auto", lease_ttl_s=0.3, poll_s=0.05)
+    await router.start(wait=5)
+    try:
+        assert router.client_index == 0
+        for _ in range(10):
+            router.finished(router.route("e0"))
+        bar.report("e0", 2, adm="10")  # e0 took them all
+        bar.report("e1", 2, adm="0")
+        await await_until(lambda: router.snapshot.step == 2, 5, "step 2")  # type: ignore[union-attr]
+        assert router.core.by_id["e0"].pending == 0
+        # the lease is lost and index 0 taken by another router meanwhile
+        r.delete(keys.clients)
+        r.zadd(keys.clients, {"0:other": server_ms(r) + 60_000})
+        await await_until(lambda: router.client_index == 1, 5, "moved to index 1")
+        bar.report("e0", 3, adm="10,0")  # nothing came from index 1 yet
+        bar.report("e1", 3, adm="0,0")
+        await await_until(lambda: router.snapshot.step == 3, 5, "step 3")  # type: ignore[union-attr]
+        assert router.core.by_id["e0"].pending == 0, "routes admitted under index 0 count again"
+        router.route("e0")  # a route under the new index: pending until admitted there
+        bar.report("e0", 4, adm="10,0")
+        bar.report("e1", 4, adm="0,0")
+        await await_until(lambda: router.snapshot.step == 4, 5, "step 4")  # type: ignore[union-attr]
+        assert router.core.by_id["e0"].pending == 1
+        bar.report("e0", 5, adm="10,1")
+        bar.report("e1", 5, adm="0,0")
+        await await_until(lambda: router.snapshot.step == 5, 5, "step 5")  # type: ignore[union-attr]
+        assert router.core.by_id["e0"].pending == 0
+    finally:
+        await router.aclose()

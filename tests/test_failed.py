@@ -129,6 +129,31 @@ async def test_no_caller_can_empty_the_deployment(
             await rt.aclose()
 
 
+@pytest.mark.parametrize("policy", ["redisbal", "vllm-pre", "vllm-latest", "least-inflight"])
+async def test_pinning_an_avoided_engine_neither_fails_nor_makes_it_chosen(
+    policy: str, redis_url: str, r: redis.Redis, keys: DeploymentKeys, deployment_of: Barrier
+) -> None:
+    """A pinned route may reach an engine the router avoids; it must not raise (the
+    vLLM baselines keep their copy of the counts of the choosable engines only), nor
+    leave the engine in the policy's choice for the routes that do not pin."""
+    bar = deployment_of
+    report_all(bar, "e0", "e1", "e2")
+    rt = redisbal.AsyncRouter(redis_url, keys.deployment, 0, 1, policy=policy, poll_s=5.0)
+    await rt.start(wait=5.0)
+    try:
+        await await_until(lambda: rt.snapshot is not None and len(rt.snapshot.engines) == 3)
+        rt.failed(routed_to(rt, "e0"), "connect refused")
+        # no await from here on: the feed cannot adopt the mark's snapshot in between
+        pinned = rt.route("e0")
+        assert pinned.engine_id == "e0" and rt.core.by_id["e0"].inflight == 1
+        chosen = [rt.route().engine_id for _ in range(100)]
+        assert "e0" not in chosen, f"{chosen.count('e0')} of 100 unpinned routes went to e0"
+        rt.finished(pinned)
+        assert rt.core.by_id["e0"].inflight == 0
+    finally:
+        await rt.aclose()
+
+
 def test_blocking_router_failed_and_bad_reasons(
     redis_url: str, r: redis.Redis, keys: DeploymentKeys
 ) -> None:

@@ -354,6 +354,25 @@ def test_finished_is_idempotent() -> None:
     assert core.by_id["e0"].inflight == 0
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_request_routed_before_an_engine_left_does_not_end_one_after_it_came_back(
+    policy: str,
+) -> None:
+    core = make_core(policy)
+    core.apply_snapshot(make_snapshot(equal(2)))
+    before = core.route("e0")
+    core.apply_snapshot(make_snapshot({"e1": (0, 0)}, version=2, gone={"e0": "left"}))
+    assert "e0" not in core.by_id
+    core.apply_snapshot(make_snapshot(equal(2), version=3))
+    after = core.route("e0")
+    core.finished(before)  # ended on the engine's former self: nothing of the new one
+    assert core.by_id["e0"].inflight == 1
+    core.unroute(before)
+    assert (core.by_id["e0"].inflight, core.by_id["e0"].routed) == (1, 1)
+    core.finished(after)
+    assert core.by_id["e0"].inflight == 0
+
+
 @pytest.mark.parametrize(
     ("client_index", "client_count"),
     [(0, 0), (0, -1), (0, True), (0, 1.5), (0, "2"), (-1, 2), (2, 2), (True, 2), (0.0, 2)],

@@ -85,6 +85,58 @@ async def test_router_ignores_older_versions_and_adopts_a_new_epoch(
         await router.aclose()
 
 
+async def test_a_late_message_of_the_epoch_left_never_takes_the_router_back(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """The feed reads the channel and GETs on two connections: a GET can return the new
+    epoch's snapshot while a message the old epoch published just before it is still
+    unread. That message is newer than anything the router adopted in the old epoch,
+    yet older than the epoch the router is in: it must not be adopted."""
+    v1 = step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        late = orjson.loads(bar.snapshot_raw())  # type: ignore[arg-type]
+        late["version"] = v1 + 1  # the old epoch's next snapshot, published before...
+        bar.scripts.call("new_epoch", "e2")  # ...the coordinator's new epoch
+        await await_until(lambda: router.snapshot.epoch == "e2")  # type: ignore[union-attr]
+        r.publish(keys.channel, orjson.dumps(late))  # ...and read after it
+        v_next = step_all(bar, 2)
+        await await_until(lambda: router.snapshot.version == v_next)  # type: ignore[union-attr]
+        # messages arrive in order: the late one came before v_next
+        assert router.core.counters["epochs"] == 1, "the router went back to the epoch it left"
+        assert router.core.counters["ignored_old"] >= 1
+    finally:
+        await router.aclose()
+
+
+@pytest.mark.parametrize(
+    "bad", [{"suspect": {"e0": "soon"}}, {"time_ms": "now"}, {"version": "9"}, {"waiting": "x"}]
+)
+async def test_a_snapshot_that_cannot_be_adopted_does_not_stop_the_feed(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier, bad: dict[str, Any]
+) -> None:
+    """A message that parses as JSON but holds a field of the wrong type (another
+    client's, or another version's) is ignored; the feed goes on to the next one."""
+    v1 = step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        doc = orjson.loads(bar.snapshot_raw())  # type: ignore[arg-type]
+        if "waiting" in bad:  # an engine's count: only the adoption meets it
+            doc["engines"]["e0"].update(bad)
+            bad = {}
+        r.publish(keys.channel, orjson.dumps({**doc, "version": v1 + 1, **bad}))
+        step_all(bar, 2)
+        v3 = step_all(bar, 3)
+        await await_until(lambda: router.snapshot.version == v3, 5, "a later snapshot")  # type: ignore[union-attr]
+        assert router.snapshot.raw == bar.snapshot_raw()  # type: ignore[union-attr]
+        assert not router.degraded
+        assert {router.route().engine_id for _ in range(20)} == {"e0", "e1"}
+    finally:
+        await router.aclose()
+
+
 async def test_poll_recovers_a_snapshot_whose_message_was_lost(
     r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
 ) -> None:
