@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from procs import free_port_block
 
 from redisbal.connection import make_client
 from redisbal.gateway.server import Gateway
@@ -107,25 +107,9 @@ def _spawn_engine(redis_url: str, deployment: str, index: int, base: int) -> sub
     )  # fmt: skip
 
 
-def _free_base(n: int) -> int:
-    """A base port with n free ports after it (best effort)."""
-    for _ in range(50):
-        base = random.randint(20000, 40000)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-        if ok:
-            return base
-    raise RuntimeError("no free ports")
-
-
 @contextlib.asynccontextmanager
 async def process_engines(redis_url: str, deployment: str, n: int) -> AsyncIterator[list[Any]]:
-    base = _free_base(n)
+    base = free_port_block(n)
     procs = [_spawn_engine(redis_url, deployment, i, base) for i in range(n)]
     try:
         for p in procs:

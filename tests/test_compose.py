@@ -21,6 +21,7 @@ from typing import Any
 import click
 import pytest
 import yaml
+from procs import free_port_block
 
 from redisbal.connection import parse_url
 from redisbal.sim.embedded import RedisServer
@@ -178,28 +179,6 @@ def test_conftest_honours_redisbal_redis_url() -> None:
 HTTP_PATH = ("coordinator-http", "http-engines", "gateway-a", "gateway-b")
 
 
-def _free_ports(n: int) -> list[int]:
-    """n consecutive free ports (best effort: bound and released)."""
-    import random
-    import socket
-
-    for _ in range(100):
-        base = random.randint(20000, 40000)
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return list(range(base, base + n))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
-
-
 def _local(argv: list[str], ports: dict[str, str]) -> list[str]:
     """A service's command for this host: compose's host names and ports swapped for
     local ones (the ports the compose file uses may be taken here)."""
@@ -231,7 +210,8 @@ def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> N
     coord = command(svcs["coordinator-http"])
     assert coord[coord.index("--expect") + 1] == str(n) == "4"
     base = eng[eng.index("--http-port") + 1]
-    free = _free_ports(n + 2)  # the engines' ports, then the gateways'
+    base = free_port_block(n + 2)  # the engines' ports, then the gateways'
+    free = list(range(base, base + n + 2))
     ports = {base: str(free[0])}
     for name, p in zip(("gateway-a", "gateway-b"), free[n:], strict=True):
         argv = command(svcs[name])

@@ -51,11 +51,15 @@ def _port_free(port: int) -> bool:
 
 def free_ports(n: int, *, bus: bool = False) -> list[int]:
     """n free TCP ports on 127.0.0.1; with bus=True, port + 10000 is free as well
-    (a cluster node's bus port; 6.2 has no --cluster-port to choose it)."""
+    (a cluster node's bus port; 6.2 has no --cluster-port to choose it).
+
+    Ports and bus ports both stay below 32768, where Linux's ephemeral range starts
+    by default: an outgoing connection could take a port there between this check
+    and the server's bind (a test's setup then fails with "address in use")."""
     rng = random.Random()
     out: list[int] = []
     for _ in range(2000):
-        p = rng.randint(20000, 45000)
+        p = rng.randint(12000, 22767)
         if p in out or (bus and p + 10000 in out) or any(q + 10000 == p for q in out):
             continue
         if _port_free(p) and (not bus or _port_free(p + 10000)):
