@@ -170,5 +170,10 @@ class ClientLease:
                 await self._task
             self._task = None
         if self.index >= 0:
-            with contextlib.suppress(Exception):
+            try:
                 await self.client.zrem(self.keys.clients, f"{self.index}:{self.token}")
+            except Exception as exc:  # the index stays taken until its lease runs out
+                log.warning(
+                    "client index %d not released (%s: %s); it frees itself in %.0f s",
+                    self.index, type(exc).__name__, exc, self.ttl_s,
+                )  # fmt: skip

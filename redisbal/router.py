@@ -422,7 +422,7 @@ class Router(_LocalRouting):
         self,
         redis_url: str | None = None,
         deployment: str = "default",
-        client_index: int = 0,
+        client_index: int | str = 0,
         client_count: int = 1,
         **kwargs: Any,
     ) -> None:

@@ -125,7 +125,8 @@ def _metric_help() -> str:
 @click.option(
     "--scale/--no-scale",
     default=None,
-    help="Also run the 1024 x 64 projection on a simulated clock (default: on unless --quick).",
+    help="With --real-time: also run the 1024 x 64 projection on a simulated clock "
+    "(default: on unless --quick).",
 )
 @click.option(
     "--scale-only", is_flag=True, help="Run only the 1024 x 64 projection (simulated clock)."
@@ -136,9 +137,20 @@ def _metric_help() -> str:
     help="Run the scenarios on the discrete-event simulator instead of real time on Redis "
     "(deterministic; no churn). For policy experiments, not for the record.",
 )
-@click.option("--json", "json_path", default=None, help="Write results as JSON here.")
-@click.option("--markdown", "md_path", default=None, help="Write the tables as Markdown here.")
-@click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
+@click.option(
+    "--json", "json_path", metavar="FILE", default=None, help="Write results as JSON here."
+)
+@click.option(
+    "--markdown", "md_path", metavar="FILE", default=None, help="Write the tables as Markdown here."
+)
+@click.option(
+    "--plot",
+    "plot_dir",
+    metavar="DIR",
+    default=None,
+    help="Write PNG plots into this directory (needs the plot extra: "
+    "pip install 'redisbal[plot]').",
+)
 def bench_command(
     real_time: bool,
     sizes: str | None,

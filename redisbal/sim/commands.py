@@ -78,7 +78,7 @@ ENGINE_SIM_OPTIONS = options(
     ("--summary/--no-summary", None, True, "Print the per-engine table at the end."),
     ("--report-before-step/--report-after-step-only", None, True,
      "Also report right before each step, once the step has taken the requests "
-     "that arrived (vLLM's engines do since PR 41626), not only after it."),
+     "that arrived (as vLLM's engines do), not only after it."),
     ("--http-port", click.IntRange(0, 65535), None,
      "Serve engine k over the OpenAI API (and vLLM-format /metrics) on port BASE+k (0: "
      "ports the system picks, printed at start) and register its URL, instead of taking "
