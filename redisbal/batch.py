@@ -30,6 +30,10 @@ from redisbal.engine import (
     AsyncEngineReporter,
     EngineReporter,
     InvalidReport,
+    _awaited,
+    _blocking,
+    _expose,
+    _queued,
     _Reporter,
     _Wait,
     new_incarnation,
@@ -136,15 +140,16 @@ class _Batch:
     def _hand_over(
         self,
         engine_id: str,
-        step: int | None,
-        waiting: int,
-        running: int,
-        wave: int,
-        kv_usage: float | None,
-        admitted: Sequence[int] | None,
-        progress: bool,
-        wait: bool,
-        timeout: float | None,
+        step: int | None = None,
+        waiting: int = 0,
+        running: int = 0,
+        wave: int = 0,
+        *,
+        kv_usage: float | None = None,
+        admitted: Sequence[int] | None = None,
+        progress: bool = True,
+        wait: bool = False,
+        timeout: float | None = 10.0,
     ) -> ReportResult | _Wait:
         rep = self._reporter(engine_id)
         args = rep._checked(step, waiting, running, wave, kv_usage, admitted, progress)
@@ -209,42 +214,8 @@ class AsyncBatchReporter(_Batch):
     default call ``await register()``.
     """
 
-    async def report(
-        self,
-        engine_id: str,
-        step: int | None = None,
-        waiting: int = 0,
-        running: int = 0,
-        wave: int = 0,
-        *,
-        kv_usage: float | None = None,
-        admitted: Sequence[int] | None = None,
-        progress: bool = True,
-        wait: bool = False,
-        timeout: float | None = 10.0,
-    ) -> ReportResult:
-        out = self._hand_over(
-            engine_id, step, waiting, running, wave, kv_usage, admitted, progress, wait, timeout
-        )
-        return out if isinstance(out, ReportResult) else await out.wait()
-
-    def report_nowait(
-        self,
-        engine_id: str,
-        step: int | None = None,
-        waiting: int = 0,
-        running: int = 0,
-        wave: int = 0,
-        *,
-        kv_usage: float | None = None,
-        admitted: Sequence[int] | None = None,
-        progress: bool = True,
-    ) -> ReportResult:
-        out = self._hand_over(
-            engine_id, step, waiting, running, wave, kv_usage, admitted, progress, False, None
-        )
-        assert isinstance(out, ReportResult)
-        return out
+    report = _expose(_awaited, _REPORT_DOC)(_Batch._hand_over)
+    report_nowait = _expose(_queued, _REPORT_DOC)(_Batch._hand_over)
 
     async def report_many(
         self,
@@ -259,7 +230,6 @@ class AsyncBatchReporter(_Batch):
             for eid, out in outs.items()
         }
 
-    report.__doc__ = report_nowait.__doc__ = _REPORT_DOC
     report_many.__doc__ = _MANY_DOC
 
     async def register(self) -> None:
@@ -297,24 +267,7 @@ class BatchReporter(_Batch):
         assert self.sender.background is not None
         return self.sender.background.run(coro, timeout)
 
-    def report(
-        self,
-        engine_id: str,
-        step: int | None = None,
-        waiting: int = 0,
-        running: int = 0,
-        wave: int = 0,
-        *,
-        kv_usage: float | None = None,
-        admitted: Sequence[int] | None = None,
-        progress: bool = True,
-        wait: bool = False,
-        timeout: float | None = 10.0,
-    ) -> ReportResult:
-        out = self._hand_over(
-            engine_id, step, waiting, running, wave, kv_usage, admitted, progress, wait, timeout
-        )
-        return out if isinstance(out, ReportResult) else out.block()
+    report = _expose(_blocking, _REPORT_DOC)(_Batch._hand_over)
 
     def report_many(
         self,
@@ -326,7 +279,6 @@ class BatchReporter(_Batch):
         outs = self._hand_over_many(reports, wait, timeout)
         return {eid: o if isinstance(o, ReportResult) else o.block() for eid, o in outs.items()}
 
-    report.__doc__ = _REPORT_DOC
     report_many.__doc__ = _MANY_DOC
 
     def flush(self, timeout: float = 5.0) -> bool:

@@ -317,7 +317,7 @@ class _Reporter:
         return self.stats.coalesced
 
 
-S = TypeVar("S", bound=_Reporter)
+S = TypeVar("S")  # the reporter a report method is made for
 P = ParamSpec("P")
 R = TypeVar("R")
 _HandOver = Callable[Concatenate[S, P], ReportResult | _Wait]
