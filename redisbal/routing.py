@@ -555,6 +555,8 @@ class RouterCore:
             self.policy.reset(self)
             if now < self._tell_after.get(engine, -math.inf):
                 return False
+            # (the marks that ran out go: it holds only the engines told of lately)
+            self._tell_after = {e: t for e, t in self._tell_after.items() if t > now}
             self._tell_after[engine] = now + self.suspect_s / 2
             return True
 

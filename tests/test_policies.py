@@ -354,6 +354,16 @@ def test_finished_is_idempotent() -> None:
     assert core.by_id["e0"].inflight == 0
 
 
+def test_what_failed_keeps_to_tell_redis_holds_only_recent_engines() -> None:
+    clock = FakeClock()
+    core = make_core(clock=clock)
+    for v in range(1, 41):  # a new engine fails every suspect_s: each is told once
+        core.apply_snapshot(make_snapshot({f"e{v}": (0, 0), "x": (0, 0)}, version=v))
+        assert core.failed(core.route(f"e{v}"))
+        clock.t += core.suspect_s
+    assert len(core._tell_after) == 1
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_request_routed_before_an_engine_left_does_not_end_one_after_it_came_back(
     policy: str,
