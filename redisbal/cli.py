@@ -31,6 +31,7 @@ from redisbal.cli_common import (
 )
 from redisbal.config import LEASE_TTL, SETTINGS, CoordinatorConfig
 from redisbal.connection import make_client
+from redisbal.endpoints import InvalidURL
 from redisbal.keys import InvalidName, check_name
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -91,6 +92,14 @@ class RedisbalGroup(click.Group):
             limit = formatter.width - 6 - max(len(name) for name, _ in rows)
             with formatter.section("Commands"):
                 formatter.write_dl([(name, cmd.get_short_help_str(limit)) for name, cmd in rows])
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """A name or URL that a command passed on unchecked is still refused before any key
+        is built from it (keys.check_name, endpoints.check_url): one line, not a traceback."""
+        try:
+            return super().invoke(ctx)
+        except (InvalidName, InvalidURL) as exc:
+            raise click.UsageError(str(exc)) from None
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         cmd = super().get_command(ctx, cmd_name)
@@ -239,7 +248,13 @@ def coordinator(
                     "--metrics-port needs prometheus_client: pip install 'redisbal[metrics]'"
                 ) from None
             raise click.ClickException(f"metrics are unavailable: {exc}") from None
-        server = serve_coordinator_metrics(coord, metrics_port, metrics_addr)
+        try:
+            server = serve_coordinator_metrics(coord, metrics_port, metrics_addr)
+        except OSError as exc:  # the port in use, an address not of this host
+            raise click.ClickException(
+                f"cannot serve metrics on {metrics_addr}:{metrics_port}: {exc.strerror or exc} "
+                "(choose another --metrics-port or --metrics-addr)"
+            ) from None
     try:
         with redis_errors(url), signals_stop(coord.stop):
             coord.run(duration)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -28,6 +30,7 @@ import orjson
 import redis.exceptions
 from click.core import ParameterSource
 from redis.exceptions import RedisClusterException
+from redis.sentinel import MasterNotFoundError
 
 from redisbal.connection import (
     OUTAGE_ERRORS,
@@ -194,12 +197,31 @@ def redis_errors(url: str | None) -> Iterator[None]:
         mistake = exc if isinstance(exc, BadRedisURL) else explain(exc, url or "")
         if mistake is not None:
             raise ConfigError(str(mistake)) from None  # its URL is redacted already
+        if isinstance(exc, OSError) and exc.errno in _BIND_ERRNOS:  # a listening socket
+            raise click.ClickException(f"cannot listen: {exc.strerror or exc}") from None
+        if isinstance(exc, MasterNotFoundError):  # its message is a client's repr
+            detail = f"no sentinel answered with a primary for {_service(url)}"
+            raise click.ClickException(f"cannot reach Redis at {safe}: {detail}") from None
         if isinstance(exc, (*OUTAGE_ERRORS, RedisClusterException)):  # no node answered
             detail = redact(str(exc)) or type(exc).__name__
             raise click.ClickException(f"cannot reach Redis at {safe}: {detail}") from None
         if isinstance(exc, redis.exceptions.ResponseError):
             raise click.ClickException(f"Redis at {safe} refused: {redact(str(exc))}") from None
-        raise
+        detail = redact(str(exc)) or type(exc).__name__  # any other client error: one line
+        raise click.ClickException(f"Redis at {safe}: {detail}") from None
+
+
+# what binding a listening socket fails with (an HTTP engine's port in use): never an outage
+_BIND_ERRNOS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+
+
+def _service(url: str | None) -> str:
+    try:
+        t = parse_url(url or "")
+    except BadRedisURL:
+        return "the service"
+    hosts = ",".join(f"{h}:{p}" for h, p in t.hosts)
+    return f"service {t.service!r} (sentinels {hosts}: down, or not monitoring it?)"
 
 
 def check_reachable(url: str) -> None:
@@ -241,8 +263,11 @@ async def run_until_signal(main: Any, stop: Callable[[], None]) -> Any:
 
 def write_json(path: str | None, data: Any) -> None:
     if path:
-        with open(path, "wb") as fh:
-            fh.write(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+        try:
+            with open(path, "wb") as fh:
+                fh.write(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 # -- option declarations used by several commands ------------------------------------------
@@ -298,6 +323,23 @@ def slow_option(help: str) -> Any:
     return click.option("--slow", multiple=True, metavar="ID[,ID...]:FACTOR", help=help)
 
 
+def _writable_later(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A file written at the end of a run: its directory must exist and be writable now,
+    or the run's figures are lost after it."""
+    if value is not None:
+        parent = os.path.dirname(os.path.abspath(value))
+        if not os.path.isdir(parent):
+            raise click.BadParameter(f"{value!r}: directory {parent!r} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise click.BadParameter(f"{value!r}: directory {parent!r} is not writable")
+    return value
+
+
 def stats_out_option(help: str) -> Any:
     """--stats-out PATH: a JSON file written at the end."""
-    return click.option("--stats-out", type=click.Path(dir_okay=False, writable=True), help=help)
+    return click.option(
+        "--stats-out",
+        type=click.Path(dir_okay=False, writable=True),
+        callback=_writable_later,
+        help=help,
+    )

@@ -13,12 +13,13 @@ ssl_cert_reqs=none) go in the query string as with redis-py.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis.exceptions
 
@@ -65,8 +66,10 @@ class PasswordError(redis.exceptions.AuthenticationError, BadRedisURL):
     keep retrying, and recover once the server's password or ACL is put right."""
 
 
-_USERINFO_SECRET = re.compile(r"(//[^:/@\s]*:)[^@\s]*@")
-_BARE_USERINFO_SECRET = re.compile(r"^([^:/@\s]*:)[^@\s/]*@")  # "user:pw@host" (no scheme)
+# userinfo: up to the line's last "@", so that a password with a space or an unencoded
+# "@" is hidden whole (at worst more than the password is)
+_USERINFO_SECRET = re.compile(r"(//[^:/@\n]*:).*@")
+_BARE_USERINFO_SECRET = re.compile(r"^([^:/@\s]*:)(?!//).*@")  # "user:pw@host" (no scheme)
 _QUERY_SECRET = re.compile(r"((?:password|sentinel_password)=)[^&;#\s]*", re.IGNORECASE)
 
 
@@ -119,6 +122,7 @@ def parse_url(url: str) -> RedisTarget:
                 # or port, and the parser's message quotes those: never echo it
                 detail = "bad host, port or db (percent-encode / @ : in a password)"
             raise BadRedisURL(f"bad Redis URL {redact(url)!r}: {detail}") from None
+        _check_single(url, scheme, parts)
         return RedisTarget(
             url=url,
             kind="single",
@@ -138,12 +142,20 @@ def parse_url(url: str) -> RedisTarget:
     hosts = []
     for item in hostlist.split(","):
         host, _, port = item.rpartition(":")
-        if not host or not port.isdigit():
-            raise BadRedisURL(f"bad host:port {item!r} in {redact(url)!r}")
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+            raise BadRedisURL(f"bad host:port {item!r} in {redact(url)!r}: a port in 1..65535")
         hosts.append((host.strip("[]"), int(port)))
     opts = {k: v[-1] for k, v in parse_qs(query).items()}
+    allowed = _SSL_OPTIONS + (_SENTINEL_OPTIONS if kind == "sentinel" else ()) + ("db",)
+    unknown = sorted(set(opts) - set(allowed))
+    if unknown:
+        raise BadRedisURL(
+            f"unknown option {unknown[0]!r} in {redact(url)!r}: a {scheme}:// URL takes "
+            f"{', '.join(allowed)}"
+        )
+    _check_cert_reqs(url, opts.get("ssl_cert_reqs"))
     db_text = opts.pop("db", "0") or "0"
-    if not db_text.isdigit():
+    if not (db_text.isascii() and db_text.isdigit()):
         raise BadRedisURL(f"bad db {db_text!r} in {redact(url)!r}: a whole number")
     db = int(db_text)
     service = path.strip("/")
@@ -160,6 +172,57 @@ def parse_url(url: str) -> RedisTarget:
         tls=base == "rediss",
         options=opts,
     )
+
+
+_SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+_SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password", "sentinel_tls")
+_CERT_REQS = ("none", "optional", "required")
+_DB_PATH = re.compile(r"/?[0-9]*")
+
+
+def _check_cert_reqs(url: str, value: object) -> None:
+    if value is not None and str(value).lower() not in _CERT_REQS:
+        raise BadRedisURL(
+            f"bad ssl_cert_reqs {value!r} in {redact(url)!r}: none, optional or required"
+        )
+
+
+def _check_single(url: str, scheme: str, parts: dict[str, Any]) -> None:
+    """What redis-py would only find when it connects (or never): a db path that is no
+    number (it silently used db 0), a relative unix socket path, an unknown option (a
+    TypeError), a bad option value, a timeout that is not positive."""
+    rest = url.split("://", 1)[1]
+    if scheme == "unix":
+        if not str(parts.get("path", "")).startswith("/"):
+            raise BadRedisURL(
+                f"bad Redis URL {redact(url)!r}: a unix socket needs an absolute path, "
+                "e.g. unix:///run/redis/redis.sock"
+            )
+    elif not _DB_PATH.fullmatch(urlsplit(url).path):
+        where = "" if "@" in rest else f" {urlsplit(url).path!r}"
+        raise BadRedisURL(
+            f"bad Redis URL {redact(url)!r}: the path{where} must be the db number, e.g. /0"
+            + (" (percent-encode / @ : in a password)" if "@" in rest else "")
+        )
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        value = parts.get(name)
+        if value is not None and not value > 0:
+            raise BadRedisURL(f"bad {name} {value!r} in {redact(url)!r}: a number of seconds > 0")
+    _check_cert_reqs(url, parts.get("ssl_cert_reqs"))
+    from redis.connection import Connection, ConnectionPool
+
+    kw = dict(parts)
+    cls = kw.pop("connection_class", Connection)
+    for name in inspect.signature(ConnectionPool.__init__).parameters:
+        kw.pop(name, None)  # the pool's own (max_connections, ...)
+    try:
+        cls(**kw)  # builds the connection object: no I/O
+    except TypeError as exc:
+        m = re.search(r"argument '(\w+)'", str(exc))
+        name = m.group(1) if m else "?"
+        raise BadRedisURL(f"unknown option {name!r} in {redact(url)!r}") from None
+    except redis.exceptions.RedisError as exc:
+        raise BadRedisURL(f"bad Redis URL {redact(url)!r}: {redact(str(exc))}") from None
 
 
 def default_url() -> str | None:
@@ -191,6 +254,10 @@ def _sentinel_tls(t: RedisTarget) -> bool:
 _REPLY_BYTE = re.compile(r"""got "(.)" as reply type byte|Protocol Error: b['"](.)""", re.S)
 
 
+# a plain server's answer to SENTINEL (Redis 7 and Valkey quote with ', Redis 6 with `)
+_NO_SENTINEL = re.compile(r"unknown command .sentinel.", re.IGNORECASE)
+
+
 def explain(exc: BaseException, url: str) -> WrongServer | PasswordError | None:
     """The configuration mistake behind a failed connection to ``url``, as one clear
     error (password redacted), or None when there is none to name (an outage, a refusal).
@@ -210,6 +277,11 @@ def explain(exc: BaseException, url: str) -> WrongServer | PasswordError | None:
             )
         if isinstance(e, redis.exceptions.AuthenticationError):
             return _password_error(url, str(e))
+        if _NO_SENTINEL.search(str(e)):
+            return WrongServer(
+                f"{redact(url)} names a server that is not a Sentinel (it does not know the "
+                "SENTINEL command): use redis:// for a single server"
+            )
         if "cluster support disabled" in str(e).lower():
             return WrongServer(
                 f"{redact(url)} is not a Redis Cluster (cluster support is disabled on the "

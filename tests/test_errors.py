@@ -321,3 +321,170 @@ def test_cli_bad_expect_names_the_bad_item(value: str, message: str) -> None:
     errors = [x for x in res.output.splitlines() if x.startswith("Error:")]
     assert len(errors) == 1 and f"Invalid value for '--expect': {message}" in errors[0], res.output
     assert "Traceback" not in res.output
+
+
+# -- URLs that redis-py would take wrongly, or only fail on later -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://127.0.0.1:{port}/abc", "the path '/abc' must be the db number"),  # was db 0
+        ("redis://127.0.0.1:{port}/0/1", "the path '/0/1' must be the db number"),  # was db 1
+        ("redis://127.0.0.1:{port}/0?foo=bar", "unknown option 'foo'"),  # was a TypeError
+        ("rediss://127.0.0.1:{port}/0?ssl_cert_reqs=x", "bad ssl_cert_reqs 'x'"),  # RedisError
+        ("redis://127.0.0.1:{port}/0?socket_timeout=-1", "bad socket_timeout -1.0"),  # ValueError
+        ("redis://127.0.0.1:{port}/0?protocol=9", "protocol must be either 2 or 3"),
+        ("unix://redis.sock", "a unix socket needs an absolute path"),  # was "Error 22"
+        ("redis+cluster://127.0.0.1:{port}?foo=bar", "unknown option 'foo'"),  # was ignored
+        ("redis+sentinel://h:²/svc", "bad host:port 'h:²'"),  # was a ValueError from int()
+        ("redis+cluster://h:99999", "a port in 1..65535"),
+    ],
+)
+def test_cli_bad_url_options_are_one_line_before_connecting(url: str, message: str) -> None:
+    # nothing listens on the port: a URL that got through would say "cannot reach" (exit 1)
+    out = _cli("--redis-url", url.format(port=free_port()), "status")
+    assert out.returncode == 2, out.stderr
+    errors = [x for x in out.stderr.splitlines() if x.startswith("Error:")]
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("userinfo", [f"u:{SECRET} x", f"u x:{SECRET}", f"u:{SECRET}@x"])
+def test_a_password_with_a_space_or_an_at_never_shows(userinfo: str) -> None:
+    url = f"redis://{userinfo}@127.0.0.1:{free_port()}/0"
+    out = _cli("--redis-url", url, "status")
+    assert out.returncode == 1 and "cannot reach Redis at redis://u" in out.stderr, out.stderr
+    assert SECRET not in out.stdout + out.stderr
+
+
+def test_a_sentinel_url_at_a_plain_server_or_at_nothing(single: RedisServer) -> None:
+    url = f"redis+sentinel://127.0.0.1:{single.port}/svc"
+    line = (
+        f"{url} names a server that is not a Sentinel (it does not know the SENTINEL "
+        "command): use redis:// for a single server"
+    )
+    assert_one_line(_cli("--redis-url", url, "status"), 2, line)
+    hosts = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    url = f"redis+sentinel://{hosts}/svc"
+    line = (
+        f"cannot reach Redis at {url}: no sentinel answered with a primary for service "
+        f"'svc' (sentinels {hosts}: down, or not monitoring it?)"
+    )  # not redis-py's message, a client's repr
+    assert_one_line(_cli("--redis-url", url, "status"), 1, line)
+
+
+# -- files and ports ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["engine-sim", "--duration", "0.2"],
+        ["api", "--rate", "5"],
+        ["loadgen", "--url", "http://127.0.0.1:1", "--duration", "0.2"],
+    ],
+)
+def test_stats_out_in_a_missing_directory_fails_before_the_run(
+    tmp_path: pytest.TempPathFactory, command: list[str]
+) -> None:
+    """Not after the run, as a traceback, with its figures lost."""
+    path = os.path.join(str(tmp_path), "no-such-dir", "stats.json")
+    url = f"redis://127.0.0.1:{free_port()}/0"  # never reached
+    out = _cli("--redis-url", url, *command, "--stats-out", path)
+    assert out.returncode == 2, out.stderr
+    assert f"directory '{os.path.dirname(path)}' does not exist" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_write_json_failure_is_one_line(tmp_path: pytest.TempPathFactory) -> None:
+    from click import ClickException
+
+    from redisbal.cli_common import write_json
+
+    with pytest.raises(ClickException, match=r"cannot write .*: Is a directory"):
+        write_json(str(tmp_path), {"a": 1})
+
+
+def _listening() -> tuple[socket.socket, int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    return sock, sock.getsockname()[1]
+
+
+def test_ports_in_use_are_named_as_such(redis_url: str, deployment: str) -> None:
+    sock, port = _listening()
+    with sock:
+        base = ["--redis-url", redis_url, "--deployment", deployment]
+        out = _cli(*base, "coordinator", "--metrics-port", str(port), "--duration", "1")
+        assert_one_line(
+            out,
+            1,
+            f"cannot serve metrics on 127.0.0.1:{port}: Address already in use "
+            "(choose another --metrics-port or --metrics-addr)",
+        )
+        out = _cli(*base, "engine-sim", "-n", "1", "--http-port", str(port), "--duration", "1")
+        assert out.returncode == 1, out.stderr
+        errors = [x for x in out.stderr.splitlines() if x.startswith("Error:")]
+        assert len(errors) == 1 and errors[0].startswith("Error: cannot listen: "), out.stderr
+        assert "address already in use" in errors[0] and "Redis" not in errors[0]
+        assert "Traceback" not in out.stderr
+
+
+def test_an_unusable_host_is_one_line(redis_url: str, deployment: str) -> None:
+    base = ["--redis-url", redis_url, "--deployment", deployment]
+    out = _cli(*base, "engine-sim", "-n", "1", "--http-port", "0", "--advertise-host", "a b")
+    assert out.returncode == 2, out.stderr
+    assert "Error: engine url must be printable ASCII without spaces" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not redis.Redis.from_url(redis_url).exists(f"redisbal:{{{deployment}}}:urls")
+
+
+# -- gateway and scrape options -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["gateway", "--client-index", "³"], 2, "must be 'auto' or a whole number in 0..4095"),
+        (
+            ["gateway", "--engine", "0=http://h:1", "--engine", "0=http://h:2"],
+            2,
+            "engine '0' is given twice (http://h:1 and http://h:2)",
+        ),
+        (["gateway", "--port", "0"], 1, "cannot reach Redis at"),  # not retries forever
+        (
+            ["scrape", "--metrics-url", "http://h:1/metrics", "--engine-url", "h:1"],
+            1,
+            "--engine-url must start with http:// or https://, got 'h:1'",
+        ),
+        (
+            ["scrape", "--metrics-url", "http://h:1/metrics", "--engine-id", "gpu {index}"],
+            1,
+            "--engine-id 'gpu {index}' never gives a valid name",
+        ),
+    ],
+)
+def test_gateway_and_scrape_options_fail_in_one_line(
+    args: list[str], code: int, message: str
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing there: options fail before it
+    out = subprocess.run(
+        [REDISBAL, "--redis-url", url, *args], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == code, out.stderr
+    errors = [x for x in out.stderr.splitlines() if x.startswith("Error:")]
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_metrics_page_with_a_unicode_digit_label_parses() -> None:
+    from redisbal.integrations.metrics_page import parse_page
+
+    page = "".join(
+        f'vllm:num_requests_{k}{{engine="{e}",model_name="m"}} 1.0\n'
+        for e in ("²", "1", "0")
+        for k in ("waiting", "running")
+    )
+    assert [s.engine for s in parse_page(page)] == ["0", "1", "²"]

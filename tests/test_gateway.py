@@ -139,8 +139,9 @@ async def test_bad_requests_get_clear_errors_and_route_nothing(
         async with s.post(url, json={"prompt": "a"}, headers={RANK_HEADER: "7"}) as r:
             msg = (await r.json())["error"]["message"]
             assert r.status == 400 and "live engines: 0, 1" in msg, msg
-        async with s.post(url, json={"prompt": "a"}, headers={RANK_HEADER: "one"}) as r:
-            assert r.status == 400 and RANK_HEADER in (await r.json())["error"]["message"]
+        for rank in ("one", "³"):  # "³" is a digit to str.isdigit(), not to int(): was a 500
+            async with s.post(url, json={"prompt": "a"}, headers={RANK_HEADER: rank}) as r:
+                assert r.status == 400 and RANK_HEADER in (await r.json())["error"]["message"]
         async with s.post(url, json={"prompt": "a"}, headers={ENGINE_HEADER: "a{b}"}) as r:
             assert r.status == 400 and "engine id" in (await r.json())["error"]["message"]
         assert sum(e.routed for e in st.gateways[0].router.core.known) == 0
@@ -395,6 +396,30 @@ async def test_loadgen_replays_a_trace_through_the_gateway_and_reports_json(
                           str(trace)], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2 and f"{trace}:2: t must be seconds >= 0" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+async def test_loadgen_interrupted_keeps_what_it_measured(redis_url: str, deployment: str) -> None:
+    """SIGINT mid-run: the summary of the finished requests is still printed (it was lost,
+    with click's "Aborted!"), the unfinished ones are counted apart, and the exit status
+    says the run is partial. An empty schedule is refused up front."""
+    redisbal = os.path.join(os.path.dirname(sys.executable), "redisbal")
+    async with stack(redis_url, deployment) as st:
+        proc = await asyncio.create_subprocess_exec(
+            redisbal, "loadgen", "--url", st.url, "--rate", "20", "--duration", "600",
+            "--json", "--no-progress", "--max-output", "4",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        await wait_for(lambda: sum(e.served for e in st.engines) >= 3, timeout=30.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 130, err.decode()
+        got = orjson.loads(out)
+        assert got["requests"] >= 3 and got["ok"] >= 3 and got["unfinished"] > 0, got
+        assert "loadgen: interrupted" in err.decode() and "Traceback" not in err.decode()
+        await settled(st)
+    args = ["loadgen", "--url", "http://127.0.0.1:1", "--rate", "0.01", "--duration", "0.1"]
+    out = subprocess.run([redisbal, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Error: nothing to send" in out.stderr, out.stderr
 
 
 # -- behind a /metrics sidecar ---------------------------------------------------------------

@@ -10,7 +10,13 @@ from typing import Any, TypeVar
 
 import click
 
-from redisbal.cli_common import FiniteFloat, common_options, redis_errors, settings
+from redisbal.cli_common import (
+    FiniteFloat,
+    check_reachable,
+    common_options,
+    redis_errors,
+    settings,
+)
 from redisbal.policies import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger("redisbal.gateway")
@@ -50,7 +56,7 @@ def run_loop(main: Coroutine[Any, Any, T], kind: str = "auto") -> T:
 def _client_index(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
     if value == "auto":
         return "auto"
-    if value.isdigit() and int(value) < 4096:
+    if value.isascii() and value.isdigit() and int(value) < 4096:  # not "³": int() refuses it
         return int(value)
     raise click.BadParameter(f"must be 'auto' or a whole number in 0..4095, got {value!r}")
 
@@ -64,6 +70,8 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
             eid, url = parse_engine_arg(v)
         except InvalidURL as exc:
             raise click.BadParameter(str(exc)) from None
+        if eid in out:
+            raise click.BadParameter(f"engine {eid!r} is given twice ({out[eid]} and {url})")
         out[eid] = url
     return out
 
@@ -158,6 +166,7 @@ def gateway(**kw: Any) -> None:
     require_extra()
     s = settings()
     url = s.require_url()
+    check_reachable(url)  # a wrong URL or password: one line now, not retries forever
     with redis_errors(url):
         loop = kw.pop("event_loop")
         ok = run_loop(_serve(url, s.deployment, **kw), loop)

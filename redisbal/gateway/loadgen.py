@@ -28,6 +28,7 @@ import orjson
 from redisbal.cli_common import (
     FiniteFloat,
     common_options,
+    run_until_signal,
     settings,
     stats_out_option,
     write_json,
@@ -272,8 +273,9 @@ async def run(url: str | list[str], planned: list[Planned], opts: dict[str, Any]
         total = len(tasks)
         pending = set(tasks)
         next_progress = loop.time() + 5
-        while pending:
-            done, pending = await asyncio.wait(pending, timeout=1.0)
+        stop: asyncio.Event | None = opts.get("stop")
+        while pending and not (stop is not None and stop.is_set()):
+            done, pending = await asyncio.wait(pending, timeout=0.25)
             results += [t.result() for t in done]
             if opts["progress"] and loop.time() >= next_progress:
                 next_progress = loop.time() + 5
@@ -284,8 +286,13 @@ async def run(url: str | list[str], planned: list[Planned], opts: dict[str, Any]
                     flush=True,
                 )
         elapsed = loop.time() - start
+        for t in pending:  # interrupted: requests not sent or not answered yet
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
     slo, window = opts.get("slo_ttft_s"), opts.get("window_s")
     summary = summarize(results, elapsed, slo, window)
+    if pending:
+        summary["unfinished"] = len(pending)
     if len(urls) > 1:
         summary["per_url"] = {
             u: summarize([r for r in results if r.target == i], elapsed, slo, window)
@@ -457,6 +464,12 @@ def loadgen(**kw: Any) -> None:
             seed=kw["seed"],
             output_cap=kw["max_output"],
         )
+    if not planned:
+        raise click.UsageError(
+            f"nothing to send: {kw['trace']} has no requests"
+            if kw["trace"]
+            else "nothing to send: no request falls within --duration at this --rate"
+        )
     headers = {"Content-Type": "application/json"}
     if kw["api_key"]:
         headers["Authorization"] = f"Bearer {kw['api_key']}"
@@ -471,17 +484,29 @@ def loadgen(**kw: Any) -> None:
         "slo_ttft_s": None if kw["slo_ttft_ms"] is None else kw["slo_ttft_ms"] / 1000,
         "window_s": max((p.t for p in planned), default=0.0) if kw["trace"] else kw["duration"],
     }
-    summary = asyncio.run(run(urls, planned, opts))
+
+    async def main() -> dict[str, Any]:
+        opts["stop"] = stop = asyncio.Event()
+        return await run_until_signal(run(urls, planned, opts), stop.set)
+
+    summary = asyncio.run(main())
     summary["url"] = urls[0] if len(urls) == 1 else urls
     write_json(kw["stats_out"], summary)
     if kw["as_json"]:
         click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
-        return
-    per_url = summary.pop("per_url", {})
-    for k, v in summary.items():
-        click.echo(f"{k:>16}: {v}")
-    for u, d in per_url.items():
+    else:
+        per_url = summary.pop("per_url", {})
+        for k, v in summary.items():
+            click.echo(f"{k:>16}: {v}")
+        for u, d in per_url.items():
+            click.echo(
+                f"{u}: {d['ok']}/{d['requests']} ok, TTFT p50 {d['ttft_p50_ms']} ms, "
+                f"p99 {d['ttft_p99_ms']} ms"
+            )
+    if summary.get("unfinished"):  # SIGINT/SIGTERM: the figures are of a partial run
         click.echo(
-            f"{u}: {d['ok']}/{d['requests']} ok, TTFT p50 {d['ttft_p50_ms']} ms, "
-            f"p99 {d['ttft_p99_ms']} ms"
+            f"loadgen: interrupted: figures of the {summary['requests']} finished requests; "
+            f"{summary['unfinished']} of {len(planned)} unfinished (not counted)",
+            err=True,
         )
+        raise SystemExit(130)

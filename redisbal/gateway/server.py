@@ -266,7 +266,7 @@ class Gateway:
         eid = request.headers.get(ENGINE_HEADER)
         if rank is not None:
             r = rank.strip()
-            if not r.isdigit() or len(r) > 6:
+            if not (r.isascii() and r.isdigit()) or len(r) > 6:  # "³" is a digit to isdigit()
                 return _json_error(400, f"{RANK_HEADER} must be a whole number, got {rank[:32]!r}")
             return str(int(r))
         if eid is not None:

@@ -158,4 +158,4 @@ def parse_page(text: str) -> list[EngineSample]:
 
 
 def _engine_order(e: str) -> tuple[int, int | str]:
-    return (0, int(e)) if e.isdigit() else (1, e)
+    return (0, int(e)) if e.isascii() and e.isdigit() else (1, e)  # a label may be "²"

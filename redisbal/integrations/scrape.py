@@ -41,6 +41,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from redisbal.cli_common import check_reachable, common_options, run_until_signal, settings
+from redisbal.connection import redact
+from redisbal.endpoints import InvalidURL, check_url
 from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page
 from redisbal.integrations.sender import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
@@ -67,6 +69,13 @@ def check_template(template: str) -> str:
             f"unknown field {{{unknown[0]}}} in --engine-id {template!r}; "
             f"use {', '.join('{' + f + '}' for f in FIELDS)}"
         )
+    # with every field at its shortest ("0"), a template that gives no valid name never
+    # will (its own text is not name characters, or too long): say so now, not at the
+    # first engine a page shows
+    try:
+        check_name(template.format(**dict.fromkeys(FIELDS, "0")).lstrip("-_."), "engine id")
+    except InvalidName as exc:
+        raise SidecarError(f"--engine-id {template!r} never gives a valid name: {exc}") from None
     return template
 
 
@@ -93,7 +102,11 @@ class Target:
         except ValueError:
             raise SidecarError(f"--metrics-url {metrics_url!r}: bad port") from None
         origin = f"{parts.scheme}://{parts.netloc}"
-        return cls(index, metrics_url, engine_url or origin, parts.hostname, str(port))
+        try:  # checked now: the sender would refuse it when it first registers the engine
+            url = check_url(engine_url or origin, "--engine-url" if engine_url else "engine url")
+        except InvalidURL as exc:
+            raise SidecarError(f"{exc} (for --metrics-url {redact(metrics_url)})") from None
+        return cls(index, metrics_url, url, parts.hostname, str(port))
 
 
 class Sidecar:
