@@ -206,6 +206,7 @@ def _settings_options(f: F) -> F:
 @click.option(
     "--metrics-port",
     type=click.IntRange(1, 65535),
+    metavar="PORT",
     help="Serve Prometheus metrics on this port (needs redisbal[metrics]).",
 )
 @click.option(

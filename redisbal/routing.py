@@ -436,8 +436,8 @@ class RouterCore:
                         "and none has joined since"
                     )
                 raise NoEngines(
-                    "no engine known yet: wait for the first snapshot (router.start(wait=...)) "
-                    "or check that engines report to this deployment"
+                    "no engine known yet: no snapshot with engines has arrived; check that "
+                    "engines report to this deployment"
                 )
             self.request = info  # policies read it in pick() and routed()
             try:

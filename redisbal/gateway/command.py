@@ -78,7 +78,14 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
 
 @click.command("gateway")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8310, show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8310,
+    show_default=True,
+    metavar="PORT",
+    help="Port to listen on (0: one the system picks, printed at start).",
+)
 @click.option(
     "--engine",
     "engines",
@@ -109,7 +116,11 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     help="API servers of the deployment (with a fixed --client-index).",
 )
 @click.option(
-    "--policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY, show_default=True
+    "--policy",
+    type=click.Choice(sorted(POLICIES)),
+    default=DEFAULT_POLICY,
+    show_default=True,
+    help="Routing policy (the others are baselines for comparison).",
 )
 @click.option(
     "--timeout-s",
@@ -118,7 +129,14 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     show_default=True,
     help="Per-request timeout (whole response).",
 )
-@click.option("--connect-timeout-s", type=FiniteFloat(0.01, 60), default=2.0, show_default=True)
+@click.option(
+    "--connect-timeout-s",
+    type=FiniteFloat(0.01, 60),
+    default=2.0,
+    show_default=True,
+    help="How long to wait for the TCP connection to an engine; a connect error (this "
+    "timeout too) is retried once on another engine.",
+)
 @click.option(
     "--max-body-bytes",
     type=click.IntRange(1024, 1 << 30),

@@ -369,14 +369,48 @@ def _goodput(
     show_default=True,
     help="Mean requests per second (Poisson).",
 )
-@click.option("--duration", type=FiniteFloat(0.1, 86400), default=10.0, show_default=True)
 @click.option(
-    "--arrival", type=click.Choice(["poisson", "bursts"]), default="poisson", show_default=True
+    "--duration",
+    type=FiniteFloat(0.1, 86400),
+    default=10.0,
+    show_default=True,
+    help="Seconds of arrivals (then it waits for the requests still running).",
 )
-@click.option("--burst", type=click.IntRange(1, 100000), default=100, show_default=True)
-@click.option("--burst-every-s", type=FiniteFloat(0.001, 3600), default=1.0, show_default=True)
-@click.option("--prompt-mean", type=FiniteFloat(1, 100000), default=200.0, show_default=True)
-@click.option("--output-mean", type=FiniteFloat(1, 100000), default=40.0, show_default=True)
+@click.option(
+    "--arrival",
+    type=click.Choice(["poisson", "bursts"]),
+    default="poisson",
+    show_default=True,
+    help="poisson: --rate on average; bursts: --burst requests at once every --burst-every-s.",
+)
+@click.option(
+    "--burst",
+    type=click.IntRange(1, 100000),
+    default=100,
+    show_default=True,
+    help="With --arrival bursts: requests per burst.",
+)
+@click.option(
+    "--burst-every-s",
+    type=FiniteFloat(0.001, 3600),
+    default=1.0,
+    show_default=True,
+    help="With --arrival bursts: seconds between bursts.",
+)
+@click.option(
+    "--prompt-mean",
+    type=FiniteFloat(1, 100000),
+    default=200.0,
+    show_default=True,
+    help="Mean prompt length (tokens).",
+)
+@click.option(
+    "--output-mean",
+    type=FiniteFloat(1, 100000),
+    default=40.0,
+    show_default=True,
+    help="Mean output length (tokens, the request's max_tokens).",
+)
 @click.option(
     "--max-output",
     type=click.IntRange(1, 1_000_000),
@@ -404,18 +438,45 @@ def _goodput(
     "history as prefix, starting with the shared system prompt the trace's optional "
     '"system" and "system_tokens" name), so engines with a prefix cache reuse it.',
 )
-@click.option("--stream/--no-stream", default=True, show_default=True)
-@click.option("--chat/--completions", default=False, show_default=True)
-@click.option("--model", default="redisbal-sim", show_default=True)
+@click.option(
+    "--stream/--no-stream",
+    default=True,
+    show_default=True,
+    help="Streamed responses (SSE); without, TTFT is the whole response's time and ITL "
+    "is not measured.",
+)
+@click.option(
+    "--chat/--completions",
+    default=False,
+    show_default=True,
+    help="POST /v1/chat/completions or /v1/completions.",
+)
+@click.option(
+    "--model", default="redisbal-sim", show_default=True, help="The model name requests carry."
+)
 @click.option(
     "--ignore-eos/--no-ignore-eos",
     default=True,
     show_default=True,
     help="Ask for exactly the output length (vLLM's ignore_eos).",
 )
-@click.option("--api-key", envvar="OPENAI_API_KEY", default=None)
-@click.option("--timeout-s", type=FiniteFloat(0.1, 86400), default=600.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--api-key",
+    envvar="OPENAI_API_KEY",
+    show_envvar=True,
+    default=None,
+    help="Bearer token sent with every request.",
+)
+@click.option(
+    "--timeout-s",
+    type=FiniteFloat(0.1, 86400),
+    default=600.0,
+    show_default=True,
+    help="Per-request timeout (whole response); a request past it counts as an error.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of arrivals and lengths."
+)
 @click.option(
     "--slo-ttft-ms",
     type=FiniteFloat(0.001, 86_400_000),
@@ -425,7 +486,12 @@ def _goodput(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @stats_out_option("Also write the summary as JSON here.")
-@click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option(
+    "--progress/--no-progress",
+    default=True,
+    show_default=True,
+    help="A line on stderr every 5 s: requests done and errors so far.",
+)
 @common_options
 def loadgen(**kw: Any) -> None:
     """Open-loop load against an OpenAI-compatible URL; TTFT, ITL, latency, errors.

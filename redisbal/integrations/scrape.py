@@ -250,6 +250,8 @@ class Sidecar:
                 for s in samples:  # known now: they register together, before any reports
                     eid = t.engines[s.engine] = self.engine_id(t, s.engine)
                     self.sender.add(eid, t.engine_url)
+                ids = ", ".join(t.engines.values()) or "none yet"
+                log.info("scrape: %s: reporting engines %s", t.metrics_url, ids)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Scrape until ``stop`` is set (forever without one)."""
