@@ -152,6 +152,10 @@ def test_missing_url_says_how_to_give_one(runner: CliRunner) -> None:
         (["demo", "--compare", "fastest"], "use 'none' or policies from redisbal, random"),
         (["demo", "--compare", "none,round-robin"], "Invalid value for '--compare'"),
         (["demo", "--sigma", "-1"], "Invalid value for '--sigma'"),
+        (["demo", "--slow", "99:2"], "does not run: 99 (its engines are 0..7)"),
+        (["api", "--burst", "5", "--start-at", "nan"], "Invalid value for '--start-at'"),
+        (["bench", "--seeds", "0"], "--seeds takes a count (3) or a list (1,2,5)"),
+        (["bench", "--seeds", ","], "--seeds takes a count (3) or a list (1,2,5)"),
     ],
 )
 def test_bad_numbers_and_values_are_usage_errors(

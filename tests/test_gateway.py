@@ -422,6 +422,17 @@ async def test_loadgen_interrupted_keeps_what_it_measured(redis_url: str, deploy
     assert out.returncode == 2 and "Error: nothing to send" in out.stderr, out.stderr
 
 
+def test_loadgen_says_so_when_no_request_succeeded() -> None:
+    """The summary still prints (its errors say why), and the exit status is not 0."""
+    redisbal = os.path.join(os.path.dirname(sys.executable), "redisbal")
+    args = ["loadgen", "--url", "http://127.0.0.1:1", "--rate", "50", "--duration", "0.2"]
+    out = subprocess.run([redisbal, *args, "--no-progress"], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "errors:" in out.stdout and "Error: none of the" in out.stderr, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+
+
 # -- behind a /metrics sidecar ---------------------------------------------------------------
 
 

@@ -50,12 +50,18 @@ def _csv(value: str | None, allowed: Sequence[str], what: str) -> list[str]:
 def _seeds(value: str | None, quick: bool) -> list[int]:
     if not value:
         return [1] if quick else [1, 2, 3]
-    if value.isdigit() and "," not in value:
-        return list(range(1, int(value) + 1))
     try:
-        return [int(v) for v in value.split(",") if v.strip()]
+        if value.isdigit() and "," not in value:
+            seeds = list(range(1, int(value) + 1))
+        else:
+            seeds = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise click.BadParameter("--seeds takes a count (3) or a list (1,2,5)") from None
+        seeds = []
+    if not seeds:
+        raise click.BadParameter(
+            "--seeds takes a count (3) or a list (1,2,5)", param_hint="'--seeds'"
+        )
+    return seeds
 
 
 def _metric_help() -> str:

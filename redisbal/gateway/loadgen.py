@@ -576,3 +576,5 @@ def loadgen(**kw: Any) -> None:
             err=True,
         )
         raise SystemExit(130)
+    if summary["requests"] and not summary["ok"]:  # the figures above say why
+        raise click.ClickException(f"none of the {summary['requests']} requests succeeded")

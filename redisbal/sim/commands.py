@@ -111,7 +111,7 @@ API_OPTIONS = options(
     ("--sigma", FiniteFloat(0, 4), 1.0,
      "Lognormal sigma of output lengths: the tail (0: every output of the mean length)."),
     SEED,
-    click.option("--start-at", type=float, metavar="UNIX_TIME",
+    click.option("--start-at", type=FiniteFloat(0, 1e10), metavar="UNIX_TIME",
                  help="Wall-clock start, so several api processes burst together."),
     ("--drain-timeout", FiniteFloat(0, 3600), 10.0,
      "After the load, wait this long for completions."),
@@ -458,7 +458,12 @@ def demo(
         slow = (f"{','.join(map(str, range(quarter)))}:{DEMO_SLOW:g}",) if quarter else ()
     elif slow == ("none",):
         slow = ()
-    parse_slow(slow)
+    unknown = sorted(set(parse_slow(slow)) - {str(i) for i in range(engines)})
+    if unknown:
+        raise click.UsageError(
+            f"--slow names engines the demo does not run: {', '.join(unknown)} "
+            f"(its engines are 0..{engines - 1})"
+        )
     baselines = parse_compare(compare, policy)
     given = click.get_current_context().get_parameter_source
     if http:
