@@ -17,7 +17,6 @@ import orjson
 import pytest
 from gateway_stack import (
     MODEL,
-    _free_base,
     process_engines,
     settled,
     stack,
@@ -25,6 +24,7 @@ from gateway_stack import (
     stop_gateway,
     wait_for,
 )
+from procs import free_port_block
 
 from redisbal.gateway.server import ENGINE_HEADER
 
@@ -133,7 +133,7 @@ async def test_two_gateways_lease_indexes_and_the_count_follows_a_killed_one(
         a = st.gateways[0]
         assert (a.router.core.client_index, a.router.core.client_count) == (0, 1)
         env = {**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
-        port = _free_base(1)
+        port = free_port_block(1)
         b = subprocess.Popen(
             [os.path.join(os.path.dirname(sys.executable), "redisbal"), "gateway", "--port",
              str(port), "--lease-ttl-s", "0.6", "--log-level", "warning"],
@@ -169,7 +169,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(
 ) -> None:
     async with stack(redis_url, deployment) as st:
         env = {**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
-        port = _free_base(1)
+        port = free_port_block(1)
         g = subprocess.Popen(
             [os.path.join(os.path.dirname(sys.executable), "redisbal"), "gateway", "--port",
              str(port), "--drain-s", "20"],
