@@ -70,7 +70,9 @@ class PasswordError(redis.exceptions.AuthenticationError, BadRedisURL):
 # "@" is hidden whole (at worst more than the password is)
 _USERINFO_SECRET = re.compile(r"(//[^:/@\n]*:).*@")
 _BARE_USERINFO_SECRET = re.compile(r"^([^:/@\s]*:)(?!//).*@")  # "user:pw@host" (no scheme)
-_QUERY_SECRET = re.compile(r"((?:password|sentinel_password)=)[^&;#\s]*", re.IGNORECASE)
+# (a query password runs to the next option or the end of the line: one with a space in it
+# is hidden whole, and the rest of that line with it)
+_QUERY_SECRET = re.compile(r"((?:password|sentinel_password)=)[^&;#\n]*", re.IGNORECASE)
 
 
 def redact(url: str) -> str:

@@ -358,6 +358,14 @@ def test_redact_removes_every_password(url: str) -> None:
     assert "***" in redact(url)
 
 
+@pytest.mark.parametrize("option", ["password", "sentinel_password"])
+def test_redact_hides_a_query_password_with_a_space_whole(option: str) -> None:
+    half = len(SECRET) // 2
+    text = f"redis://h:6379/0?{option}={SECRET[:half]} {SECRET[half:]}&db=1"
+    assert SECRET[:half] not in redact(text) and SECRET[half:] not in redact(text)
+    assert redact(text).endswith(f"{option}=***&db=1")
+
+
 def test_bad_urls_do_not_echo_the_password() -> None:
     for url in (
         f"redis+sentinel://u:{SECRET}@h:1",  # no service
