@@ -123,6 +123,25 @@ async def test_health_is_not_ready_without_engines(redis_url: str, deployment: s
 # -- bad input ------------------------------------------------------------------------------
 
 
+async def test_paths_and_methods_it_does_not_serve_are_error_json(
+    redis_url: str, deployment: str
+) -> None:
+    """A 404 or 405 is error JSON like the gateway's other errors: the OpenAI client reads
+    its message."""
+    gw = await start_gateway(redis_url, deployment)
+    base = f"http://127.0.0.1:{gw.ports[0]}"
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    try:
+        with pytest.raises(openai.NotFoundError, match="no such path: /v1/embeddings"):
+            await client.embeddings.create(model=MODEL, input="hi")
+        async with aiohttp.ClientSession() as s, s.get(base + "/v1/completions") as r:
+            assert r.status == 405 and r.headers["Allow"] == "POST"
+            assert "GET is not served on /v1/completions" in (await r.json())["error"]["message"]
+    finally:
+        await client.close()
+        await stop_gateway(gw)
+
+
 async def test_bad_requests_get_clear_errors_and_route_nothing(
     redis_url: str, deployment: str
 ) -> None:

@@ -93,6 +93,23 @@ def _json_error(
     )
 
 
+@web.middleware
+async def _unserved_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own 404 and 405 (a path or method the gateway does not serve) as error
+    JSON like the gateway's other errors, which OpenAI clients parse."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return _json_error(
+            405, f"{request.method} is not served on {request.path[:200]}: use {allowed}",
+            Allow=allowed,
+        )  # fmt: skip
+    except web.HTTPNotFound:
+        served = ", ".join([*PROXY_PATHS, "/v1/models", "/health", "/metrics"])
+        return _json_error(404, f"no such path: {request.path[:200]} (served: {served})")
+
+
 def _unroute(router: AsyncRouter, decision: Decision, reason: str | None = None) -> None:
     """The request of ``decision`` never reached its engine: take the route back (the
     engine's admitted count will not include it), and with a ``reason`` tell the router
@@ -167,7 +184,7 @@ class Gateway:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body)
+        app = web.Application(client_max_size=self.max_body, middlewares=[_unserved_as_json])
         for path in PROXY_PATHS:
             app.router.add_post(path, self._proxy)
         app.router.add_get("/v1/models", self._models)
