@@ -164,6 +164,39 @@ async def test_two_gateways_lease_indexes_and_the_count_follows_a_killed_one(
                 b.wait()
 
 
+async def test_a_second_signal_cuts_the_drain_short(redis_url: str, deployment: str) -> None:
+    async with stack(redis_url, deployment) as st:
+        env = {**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
+        port = free_port_block(1)
+        g = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "redisbal"), "gateway", "--port",
+             str(port), "--drain-s", "600"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert g.stderr is not None
+            line = await asyncio.to_thread(g.stderr.readline)
+            assert "listening" in line, line
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": "a", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+                r = await s.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                await r.content.readuntil(b"\n\n")
+                g.send_signal(signal.SIGINT)
+                line = await asyncio.to_thread(g.stderr.readline)
+                assert "draining 1 in-flight" in line, line
+                g.send_signal(signal.SIGINT)
+                rc = await asyncio.to_thread(g.wait, 30)  # not the 600 s drain
+                err = g.stderr.read()
+                assert rc == 1 and "still in flight when it stopped draining" in err, err
+                assert "Traceback" not in err
+                r.close()
+            await settled(st)
+        finally:
+            if g.poll() is None:
+                g.kill()
+                g.wait()
+
+
 async def test_sigterm_drains_in_flight_streams_then_exits_zero(
     redis_url: str, deployment: str
 ) -> None:

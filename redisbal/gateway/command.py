@@ -189,7 +189,7 @@ def gateway(**kw: Any) -> None:
         loop = kw.pop("event_loop")
         ok = run_loop(_serve(url, s.deployment, **kw), loop)
     if not ok:
-        raise click.ClickException("requests were still in flight when the drain timed out")
+        raise click.ClickException("requests were still in flight when it stopped draining")
 
 
 async def _serve(
@@ -255,9 +255,19 @@ async def _serve(
             err=True,
         )
         await stop.wait()
-        log.info("gateway: draining %d in-flight requests (up to %.0fs)", gw.inflight, drain_s)
-        ok = await gw.drain(drain_s)
-        return ok
+        stop.clear()  # a second signal cuts the drain short
+        log.info(
+            "gateway: draining %d in-flight requests (up to %.0fs; a second Ctrl-C stops now)",
+            gw.inflight, drain_s,
+        )  # fmt: skip
+        drain, again = asyncio.ensure_future(gw.drain(drain_s)), asyncio.ensure_future(stop.wait())
+        await asyncio.wait([drain, again], return_when=asyncio.FIRST_COMPLETED)
+        again.cancel()
+        if not drain.done():
+            drain.cancel()
+            log.warning("gateway: stopping with %d requests in flight", gw.inflight)
+            return False
+        return drain.result()
     finally:
         await gw.close()
         await router.aclose()
