@@ -140,6 +140,8 @@ def test_missing_url_says_how_to_give_one(runner: CliRunner) -> None:
         (["engine-sim", "--id-prefix", "{"], "invalid engine id"),
         (["engine-sim", "--no-report"], "--no-report needs --http-port"),
         (["engine-sim", "--http-port", "0", "--slow", "7:2"], "does not run: ['7']"),
+        (["engine-sim", "--http-port", "0", "--advertise-host", "a/b"], "not a host name"),
+        (["engine-sim", "--http-port", "0", "--host", "bad host"], "not a host name"),
         (["api", "--client-index", "3", "--client-count", "2"], "do not fit in --client-count 2"),
         (["api"], "no load: give --burst N and/or --rate R"),
         (["api", "--burst", "-5"], "Invalid value for '--burst'"),

@@ -7,6 +7,7 @@ that ``redisbal --help`` and ``redisbal status`` never import the simulator.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 
 import click
@@ -36,6 +37,19 @@ from redisbal.sim.demo_compare import Comparison
 from redisbal.sim.demo_http import HttpDemo
 from redisbal.sim.engine_sim import EngineSimRunner, SimStats, engine_ids, format_engine_table
 from redisbal.sim.model import EngineParams
+
+
+class HostName(click.ParamType):
+    """A host name or an IP address, nothing else: the HTTP engines' URLs are built on it."""
+
+    name = "host"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: object) -> str:
+        text = str(value)
+        if re.fullmatch(r"[A-Za-z0-9._-]{1,253}|\[?[0-9A-Fa-f:.]{2,45}\]?", text):
+            return text
+        self.fail(f"{text!r} is not a host name or an IP address", param, None)
+
 
 # The demo's scenario: independent engines, a quarter of them DEMO_SLOW x slower, and
 # heavy-tailed outputs, where the default policy's TTFT p99 beat round-robin's beyond
@@ -83,8 +97,8 @@ ENGINE_SIM_OPTIONS = options(
      "Serve engine k over the OpenAI API (and vLLM-format /metrics) on port BASE+k (0: "
      "ports the system picks, printed at start) and register its URL, instead of taking "
      "requests from `redisbal api` (needs the gateway extra; engines step in tick mode)."),
-    ("--host", None, "127.0.0.1", "Address the HTTP engines listen on (with --http-port)."),
-    ("--advertise-host", None, None,
+    ("--host", HostName(), "127.0.0.1", "Address the HTTP engines listen on (with --http-port)."),
+    ("--advertise-host", HostName(), None,
      "Host name in the URLs the HTTP engines register [default: --host]."),
     ("--report/--no-report", None, True,
      "With --http-port: --no-report only serves (no Redis, no reports, no URLs), as an "

@@ -59,6 +59,11 @@ MAX_BODY = 4 * 1024 * 1024
 CLIENT_HEADER = "X-Redisbal-Client-Index"
 
 
+def _url_host(host: str) -> str:
+    """A host as a URL holds it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 @dataclass(eq=False)
 class _Stream:
     """The HTTP side of one simulated request: woken after every step that touches it."""
@@ -113,7 +118,7 @@ class HttpEngine:
         self.port = port
         self.host = host
         self.advertise = advertise
-        self.url = endpoints.check_url(f"http://{advertise or host}:{port or 1}")
+        self.url = endpoints.check_url(f"http://{_url_host(advertise or host)}:{port or 1}")
         self.model_name = model_name
         self.mean_output = mean_output
         self.rng = random.Random(seed)
@@ -426,7 +431,9 @@ class HttpEngine:
         await site.start()
         if self.port == 0:  # an ephemeral port (tests): advertise the one bound
             self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            self.url = endpoints.check_url(f"http://{self.advertise or self.host}:{self.port}")
+            self.url = endpoints.check_url(
+                f"http://{_url_host(self.advertise or self.host)}:{self.port}"
+            )
         self._task = asyncio.get_running_loop().create_task(self._steps())
         if self.redis_url:
             self.reporter = AsyncEngineReporter(
