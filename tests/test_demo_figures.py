@@ -91,3 +91,12 @@ def test_verdict_says_what_better_means_and_by_how_much() -> None:
     assert lines[3].startswith("redisbal vs vllm-latest: within noise (TTFT p99 300 vs 310")
     flipped = verdict([ROWS[1], ROWS[0]], 500.0, noise=0.15)
     assert flipped[2].startswith("round-robin vs redisbal: redisbal better, TTFT p99 50 % lower")
+    # a lower p99 with less goodput is not "better"
+    mixed = ("round-robin", {**ROWS[1][1], "goodput_rps": 95.0})
+    assert verdict([ROWS[0], mixed], 500.0, noise=0.15)[2] == (
+        "redisbal vs round-robin: mixed, redisbal's TTFT p99 50 % lower, round-robin's goodput "
+        "higher (TTFT p99 300 vs 600 ms; goodput 90.00 vs 95.00 req/s)"
+    )
+    assert verdict([mixed, ROWS[0]], 500.0, noise=0.15)[2].startswith(
+        "round-robin vs redisbal: mixed, redisbal's TTFT p99 50 % lower, round-robin's goodput"
+    )

@@ -455,7 +455,8 @@ def demo(
     diagnostics. Then, by default, it runs the same again with --compare's policy
     (same Redis, seed and schedule; a fresh deployment name; about 25-35 s for
     both runs) and prints one table, and a line saying by how much the default was
-    better. --compare none: one run (the default with --http).
+    better (a lower TTFT p99 and no less goodput), or that the two are within noise
+    or mixed. --compare none: one run (the default with --http).
 
     The default scenario (engines on their own clocks, a quarter of them 3x slower,
     heavy-tailed outputs: sigma 1.5) is one where the default policy beat

@@ -67,7 +67,8 @@ def verdict(
     rows: list[tuple[str, dict[str, Any]]], slo_ttft_ms: float | None, noise: float = NOISE
 ) -> list[str]:
     """What "better" means, then for each baseline by how much the first row (the
-    default policy) was better on TTFT p99, or that the difference is within noise."""
+    default policy) was better (a lower TTFT p99 beyond noise, and no less goodput), or
+    that the difference is within noise, or mixed (the goodput says otherwise)."""
     slo = f"{slo_ttft_ms:g} ms" if slo_ttft_ms is not None else "the objective"
     lines = [
         f"better = lower TTFT p99 (the slowest 1 % of first tokens) and more goodput "
@@ -90,14 +91,20 @@ def verdict(
         )
         if rel is None:
             lines.append(f"{name} vs {policy}: no TTFT figures to compare")
-        elif abs(rel) < noise:
+            continue
+        if abs(rel) < noise:
             lines.append(f"{name} vs {policy}: within noise ({figures})")
-        elif rel > 0:
-            lines.append(f"{name} vs {policy}: {name} better, TTFT p99 {rel * 100:.0f} % lower "
-                         f"({figures})")  # fmt: skip
+            continue
+        # the policy with the lower TTFT p99, by how much, and the other
+        ahead, pct, other = (name, rel, policy) if rel > 0 else (policy, -rel / (1 - rel), name)
+        good_ahead, good_other = (good_a, good_b) if ahead == name else (good_b, good_a)
+        if good_ahead is not None and good_other is not None and good_other > good_ahead:
+            # better means both: a lower p99 with less goodput is no verdict
+            lines.append(f"{name} vs {policy}: mixed, {ahead}'s TTFT p99 {pct * 100:.0f} % "
+                         f"lower, {other}'s goodput higher ({figures})")  # fmt: skip
         else:
-            lines.append(f"{name} vs {policy}: {policy} better, TTFT p99 "
-                         f"{-rel / (1 - rel) * 100:.0f} % lower ({figures})")  # fmt: skip
+            lines.append(f"{name} vs {policy}: {ahead} better, TTFT p99 {pct * 100:.0f} % "
+                         f"lower ({figures})")  # fmt: skip
     return lines
 
 
