@@ -133,9 +133,19 @@ def test_vllm_stat_logger_manager_drives_the_plugin_next_to_its_prometheus_logge
             assert time.monotonic() < deadline, counts(r, keys)
             time.sleep(0.01)
         page = prometheus_client.generate_latest().decode()
+        # with vLLM's progress counters (its token counters: no iteration yet, so 0)
         assert parse_page(page) == [
-            EngineSample("0", waiting=4, running=7, kv_usage=0.375),
-            EngineSample("1", waiting=0, running=12, kv_usage=0.75),
+            EngineSample("0", waiting=4, running=7, kv_usage=0.375, progress=0.0),
+            EngineSample("1", waiting=0, running=12, kv_usage=0.75, progress=0.0),
         ]
+        # an engine step that made tokens moves engine 0's progress counters only: the
+        # sidecar tells a hung engine from a working one by them
+        it = stats.IterationStats()
+        it.num_generation_tokens = 5
+        manager.record(scheduler_stats=sent[0], iteration_stats=it, engine_idx=0)
+        moved = {
+            e.engine: e.progress for e in parse_page(prometheus_client.generate_latest().decode())
+        }
+        assert moved["0"] is not None and moved["0"] > 0 and moved["1"] == 0.0, moved
     finally:
         vllm_plugin.close_all()
