@@ -19,7 +19,8 @@ Valgrind slows the server down about 50x, so heartbeat refreshes and reaps
 (every dead_after_ms / 8 and / 4) happen more often per report than at full
 speed: the count is a little pessimistic, and repeat runs differ by up to about
 1.5k instructions per report. With --dead-after-ms 1000000000 no refresh or reap
-falls inside the run: the count repeats exactly (and leaves those out).
+falls inside the run (the count leaves those out) and repeat runs agree within
+about 500 instructions per engine-step.
 
 Two breakdowns (Redis >= 7 for --floor):
   --floor    what any report pays: an FCALL of an empty function with the
@@ -237,7 +238,7 @@ def main() -> int:
         "--dead-after-ms",
         type=int,
         help="the deployment's dead_after_ms (default: redisbal's 5000); 1000000000 "
-        "leaves no heartbeat refresh or reap inside the run, so the count repeats exactly",
+        "leaves no heartbeat refresh or reap inside the run (repeats agree within ~500)",
     )
     ap.add_argument(
         "--api-servers",
