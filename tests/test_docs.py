@@ -53,6 +53,7 @@ RULES: list[tuple[str, re.Pattern[str]]] = [
     ),
     ("design document outside the repository", re.compile(r"\bshared/" + "DESIGN")),
 ]
+TMP_PATH = re.compile(r"(?<![\w.])/" + r"tmp/\S*")
 DESIGN_MD = re.compile(r"(?:[\w./-]*/)?" + "DESIGN" + r"\.md")
 DOC_REF = re.compile(r"\bdocs/([\w.-]+\.md)\b")
 # lab-notebook leftovers, in the reference docs only
@@ -124,6 +125,9 @@ def violations(rel: str, text: str) -> list[tuple[str, str, int, str]]:
     for m in DOC_REF.finditer(text):
         if not (ROOT / "docs" / m.group(1)).exists():
             add("missing doc", m)
+    if rel.startswith("docs/plots/"):  # data: where a run wrote its files is the machine's
+        for m in TMP_PATH.finditer(text):
+            add("machine path", m)
     if rel.endswith(".md") and (ROOT / rel) in doc_files():
         for rule, pat in DOC_ONLY_RULES:
             if rule == "history in a reference doc" and rel == "CHANGELOG.md":
@@ -183,6 +187,8 @@ def test_the_rules_catch_what_they_are_for() -> None:
     ]
     for sample in good:
         assert violations("redisbal/x.py", sample) == [], sample
+    tmp = '{"json": "/' + 'tmp/rb/out.json"}'
+    assert [v[0] for v in violations("docs/plots/x.json", tmp)] == ["machine path"]
     assert violations("docs/BENCHMARKS.md", f"[design]({design})") == []
     assert [v[0] for v in violations("README.md", "this was superseded")] == [
         "history in a reference doc"
