@@ -312,3 +312,21 @@ def test_no_admitted_leaves_routers_reconciling_by_time(monkeypatch) -> None:
     assert _ExactRecorder.seen == {False}
     res = CliRunner().invoke(bench_command, ["--no-admitted", "--real-time"])
     assert res.exit_code != 0 and "routing-quality" in res.output
+
+
+def test_variants_flip_one_option_of_the_default_and_run_only_when_named() -> None:
+    from redisbal.bench.oracle import World
+    from redisbal.bench.quality import VARIANTS, _policy, available_policies
+
+    assert not set(VARIANTS) & set(available_policies())  # "every policy" stays as it was
+    for name, options in VARIANTS.items():
+        policy = _policy(name, World())
+        assert isinstance(policy, Policy) and policy.name == "redisbal"
+        for option, value in options.items():
+            assert getattr(policy, option) == value != getattr(type(policy), option)
+    res = CliRunner().invoke(
+        bench_command, ["--sizes", "8x32", "--scenarios", "poisson", "--seeds", "1",
+                        "--policies", "redisbal-age,redisbal+speed,redisbal+p2c"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert all(f"\n{v} " in res.output for v in VARIANTS), res.output

@@ -17,7 +17,7 @@ from click.core import ParameterSource
 from redisbal.bench.balance import percentile
 from redisbal.bench.latency import QUALITY_METRICS
 from redisbal.bench.plots import pyplot, write_plots
-from redisbal.bench.quality import available_policies
+from redisbal.bench.quality import VARIANTS, available_policies
 from redisbal.bench.quality_report import (
     QualityConfig,
     quality_markdown,
@@ -121,7 +121,8 @@ def _metric_help() -> str:
 @click.option(
     "--policies",
     default=None,
-    help="Comma list; default every policy (the peers' too when present).",
+    help="Comma list; default every policy (the peers' too when present). Quality also "
+    "takes the default with one option flipped: redisbal-age, redisbal+speed, redisbal+p2c.",
 )
 @click.option(
     "--router-processes",
@@ -341,7 +342,11 @@ def _quality(
     if trace_path and not sizes:
         size_list = ["8x32"]
     cfg = QualityConfig(
-        policies=_csv(policies, available_policies(), "policy"),
+        policies=(
+            _csv(policies, [*available_policies(), *VARIANTS], "policy")
+            if policies
+            else available_policies()
+        ),
         seeds=_seeds(seeds, False) if seeds else [1, 2, 3, 4, 5],
         sizes=size_list,
         scenarios=_csv(scenarios, QUALITY_SCENARIOS, "scenario") if scenarios else None,

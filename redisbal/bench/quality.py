@@ -60,7 +60,7 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.policies import DEFAULT_POLICY, POLICIES, Policy
+from redisbal.policies import DEFAULT_POLICY, POLICIES, Policy, RedisbalPolicy
 from redisbal.routing import RouterCore
 from redisbal.sim.model import SimEngine, SimRequest
 from redisbal.sim.workload import Request
@@ -74,6 +74,15 @@ BASE_POLICIES = (
 )
 
 
+# The default policy with one option flipped: what each option is worth on the same
+# traffic. Run only when named (--policies), not part of "every policy".
+VARIANTS: dict[str, dict[str, Any]] = {
+    "redisbal-age": {"use_age": False},
+    "redisbal+speed": {"use_speed": True},
+    "redisbal+p2c": {"p2c_from": 16},
+}
+
+
 def available_policies() -> list[str]:
     """Every policy the benchmark compares: the baselines, redisbal, the oracle, the peers."""
     return [*BASE_POLICIES, *(p for p in PEER_POLICIES if p not in BASE_POLICIES)]
@@ -84,6 +93,11 @@ def _policy(name: str, world: World) -> str | Policy:
         return OraclePolicy(world)
     if name in POLICIES:
         return name
+    if name in VARIANTS:
+        policy = RedisbalPolicy()
+        for option, value in VARIANTS[name].items():
+            setattr(policy, option, value)
+        return policy
     if name in PEER_POLICIES:  # prefix indexes sized for the simulated engine's KV cache
         return make_peer(name, kv_blocks=QUALITY_ENGINE.cache_blocks)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
