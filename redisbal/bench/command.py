@@ -265,7 +265,7 @@ def bench_command(
     lags = [r.health["lag_p99_s"] for r in results]
     bad = [r for r in results if r.health["lag_p99_s"] > LAG_LIMIT_S]
     doc["meta"] = {
-        "argv": sys.argv,
+        "argv": ["redisbal", *sys.argv[1:]],  # (not where this install lives)
         "clock": "simulated (discrete-event), no Redis" if sim_clock else "real time on Redis",
         "quick": quick,
         "seeds": cfg.seeds,
@@ -372,7 +372,7 @@ def _quality(
     doc["elapsed_s"] = round(time.monotonic() - t0, 1)
     doc["loadavg_start"] = load0
     doc["meta"] = {
-        "argv": sys.argv,
+        "argv": ["redisbal", *sys.argv[1:]],  # (not where this install lives)
         "seeds": cfg.seeds,
         "policies": cfg.policies,
         "pass_output": pass_output,
