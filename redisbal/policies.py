@@ -379,16 +379,18 @@ class RedisbalPolicy(ScoringPolicy):
     """
 
     name = "redisbal"
-    # Off by default: in the benchmark it cut straggler imbalance and p99 queue delay
-    # but made per-burst assignments less even (docs/BENCHMARKS.md).
+    # Off by default: on the quality benchmark it moves nothing beyond the seed spread
+    # (docs/BENCHMARKS.md, "Policy experiments": redisbal+speed).
     use_speed = False
     # Weigh each engine's reported load by its age (Dahlin 2000): subtract the
     # completions expected since the report (running x the engine's completion rate
-    # per running request x the report's age at the snapshot). On: it lowered straggler
-    # imbalance on every seed; reports of one lockstep step have no age (BENCHMARKS.md).
+    # per running request x the report's age at the snapshot). On; reports of one
+    # lockstep step have no age, and on the quality benchmark turning it off moves
+    # nothing beyond the seed spread (BENCHMARKS.md: redisbal-age).
     use_age = True
     # Power-of-two choices (Mitzenmacher 2000) from this many engines up; 0 = off.
-    # Measured and left off: less even than the heap at 32 engines (BENCHMARKS.md).
+    # Measured and left off: a higher TTFT p99 wherever queues form (BENCHMARKS.md:
+    # redisbal+p2c).
     p2c_from = 0
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
