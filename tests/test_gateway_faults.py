@@ -16,6 +16,7 @@ import openai
 import orjson
 import pytest
 from gateway_stack import (
+    FAST,
     MODEL,
     process_engines,
     settled,
@@ -27,6 +28,7 @@ from gateway_stack import (
 from procs import free_port_block
 
 from redisbal.gateway.server import ENGINE_HEADER
+from redisbal.sim.http_engine import HttpEngine
 
 
 async def test_dead_engine_is_retried_before_the_first_byte_and_pinning_to_it_fails(
@@ -301,3 +303,29 @@ async def test_engine_sigterm_leaves_then_finishes_its_streams_and_exits(
             assert rc == 0, procs[0].stdout.read() if procs[0].stdout else ""
         finally:
             await stop_gateway(gw)
+
+
+async def test_engines_back_after_all_left_are_served_before_the_next_url_refresh(
+    redis_url: str, deployment: str
+) -> None:
+    """Every engine left (their URLs unregistered) and came back: the router has them
+    again at their first report, so the gateway must not answer 503 "no engine with a
+    known URL" until its periodic URL refresh (every 1 s by default; never here)."""
+    async with stack(redis_url, deployment, n=1, refresh_s=3600.0) as st:
+        gw = st.gateways[0]
+        await st.engines[0].stop()
+        await wait_for(lambda: not gw.router.core.by_id)
+        await gw.refresh_urls()  # a periodic refresh while none was there drops its URL
+        assert not gw.urls
+        again = HttpEngine("0", redis_url=redis_url, deployment=deployment, port=0, params=FAST)
+        await again.start()
+        try:
+            await wait_for(lambda: "0" in gw.router.core.by_id)
+            assert "0" not in gw.urls  # its URL is only in Redis so far
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": "a", "max_tokens": 2, "ignore_eos": True}
+                async with s.post(st.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers[ENGINE_HEADER] == "0"
+        finally:
+            await again.stop()
