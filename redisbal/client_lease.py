@@ -17,12 +17,12 @@ back (the same index if still free, whoever renews first) when Redis is back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import Callable
 from typing import Any
 
+from redisbal.background import cancel_and_wait
 from redisbal.keys import DeploymentKeys
 from redisbal.routing import RouterCore
 
@@ -168,11 +168,8 @@ class ClientLease:
 
     async def aclose(self) -> None:
         """Stop renewing and release the index (best effort)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         if self.index >= 0:
             try:
                 await self.client.zrem(self.keys.clients, f"{self.index}:{self.token}")

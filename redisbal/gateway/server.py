@@ -28,6 +28,7 @@ import orjson
 from aiohttp import web
 
 from redisbal import endpoints
+from redisbal.background import cancel_and_wait
 from redisbal.gateway.metrics import CONTENT_TYPE, GatewayMetrics, monotonic_age
 from redisbal.keys import InvalidName, check_name
 from redisbal.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
@@ -238,11 +239,8 @@ class Gateway:
         return self.inflight == 0
 
     async def close(self) -> None:
-        for task in (self._refresher, self._refetch):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        await cancel_and_wait(self._refresher)
+        await cancel_and_wait(self._refetch)
         if self.runner is not None:
             await self.runner.cleanup()
         if self.session is not None:
