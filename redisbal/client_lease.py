@@ -37,7 +37,8 @@ LEASE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local token, ttl, max, held = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local token, ttl, max = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local held = tonumber(ARGV[4] or '') or -1
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
 local used, mine, top = {}, -1, -1
 for _, m in ipairs(members) do
