@@ -72,6 +72,19 @@ class BackgroundLoop:
             self.loop.close()
 
 
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` and wait until it ended. The cancel is repeated: one that lands
+    inside a redis-py call can be swallowed (seen with 8.1: the task then ran on, and
+    an await on it never returned)."""
+    if task is None:
+        return
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" warning
+
+
 async def _cancel_all() -> None:
     """Cancel the loop's other tasks and let them finish (no "destroyed but pending")."""
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

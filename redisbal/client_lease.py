@@ -10,19 +10,19 @@ received per index (``admitted``) and routers reconcile their pending routes
 against that count, so a router that changed index would read another's history.
 Hence ``client_count`` is max(live leases, highest live index + 1): it returns
 to the live count as soon as the highest indexes are the ones that left. A
-lease lost to an outage longer than the TTL is re-acquired (the same index if
-still free) when Redis is back.
+lease lost to an outage longer than the TTL, or with Redis's state, is taken
+back (the same index if still free, whoever renews first) when Redis is back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import Callable
 from typing import Any
 
+from redisbal.background import cancel_and_wait
 from redisbal.keys import DeploymentKeys
 from redisbal.routing import RouterCore
 
@@ -30,13 +30,15 @@ log = logging.getLogger("redisbal.client_lease")
 
 MAX_CLIENTS = 4096
 
-# KEYS[1] clients ZSET; ARGV token, ttl_ms, max. Drops expired leases, renews ours
-# (or takes the lowest free index), returns {index, count}; index -1: all taken.
+# KEYS[1] clients ZSET; ARGV token, ttl_ms, max, held (the index we had, -1: none).
+# Drops expired leases, renews ours (or takes back the one we held if free, else the
+# lowest free index), returns {index, count}; index -1: all taken.
 LEASE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local token, ttl, max = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local held = tonumber(ARGV[4] or '') or -1
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
 local used, mine, top = {}, -1, -1
 for _, m in ipairs(members) do
@@ -48,13 +50,14 @@ for _, m in ipairs(members) do
     if tok == token then mine = i end
   end
 end
+if mine < 0 and held >= 0 and held < max and not used[held] then mine = held end
 if mine < 0 then
   for i = 0, max - 1 do
     if not used[i] then mine = i break end
   end
   if mine < 0 then return {-1, #members} end
-  if mine > top then top = mine end
 end
+if mine > top then top = mine end
 redis.call('ZADD', KEYS[1], now + ttl, mine .. ':' .. token)
 redis.call('PEXPIRE', KEYS[1], ttl * 2)
 local count = redis.call('ZCARD', KEYS[1])
@@ -125,7 +128,9 @@ class ClientLease:
     async def renew(self) -> tuple[int, int]:
         """Acquire or renew now (one round trip); returns (index, count)."""
         ttl_ms = int(self.ttl_s * 1000)
-        raw = await self._script(keys=[self.keys.clients], args=[self.token, ttl_ms, MAX_CLIENTS])
+        raw = await self._script(
+            keys=[self.keys.clients], args=[self.token, ttl_ms, MAX_CLIENTS, self.index]
+        )
         index, count = int(raw[0]), int(raw[1])
         if index < 0:
             raise LeaseUnavailable(f"all {MAX_CLIENTS} client indexes are leased")
@@ -164,11 +169,8 @@ class ClientLease:
 
     async def aclose(self) -> None:
         """Stop renewing and release the index (best effort)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         if self.index >= 0:
             try:
                 await self.client.zrem(self.keys.clients, f"{self.index}:{self.token}")

@@ -181,6 +181,7 @@ class Coordinator:
         self._last_config_check = 0.0
         self._last_health_check = 0.0
         self.health = HealthLog()
+        self._said_standby = False  # the standby line is logged once, not every tick
 
     # -- one round --------------------------------------------------------------------------------
 
@@ -200,6 +201,12 @@ class Coordinator:
             self._last_config_check = 0.0
         elif was and not self.stats.leader:
             log.warning("coordinator %s: lost the lease to %s; standing by", self.id, _s(owner))
+        elif not self.stats.leader and not self._said_standby:  # started as the standby
+            log.info(
+                "coordinator %s: standing by (%s holds the lease of %s)",
+                self.id, _s(owner), self.keys.deployment,
+            )  # fmt: skip
+        self._said_standby = not self.stats.leader
         return self.stats.leader
 
     def ensure_config(self) -> None:

@@ -41,6 +41,31 @@ async def test_lowest_free_index_count_follows_live_leases(redis_url: str, deplo
         await client.aclose()
 
 
+async def test_leases_lost_with_redis_state_come_back_at_their_own_indexes(
+    redis_url: str, r: redis.Redis, deployment: str
+) -> None:
+    """Redis restarted empty: whichever replica renews first must not take the lowest
+    index from the other (both would then route as index 0 until the other renewed,
+    and the two would end up swapped, each reading the other's admitted counts)."""
+    keys = DeploymentKeys(deployment)
+    client = make_client(redis_url, asyncio=True)
+    try:
+        a, b = ClientLease(client, keys), ClientLease(client, keys)
+        assert await a.renew() == (0, 1)
+        assert await b.renew() == (1, 2)
+        r.delete(keys.clients)  # the state lost, as after a restart without persistence
+        assert await b.renew() == (1, 2)  # the higher index renews first: kept
+        assert await a.renew() == (0, 2)
+        # a new replica still takes the lowest free index
+        c = ClientLease(client, keys)
+        r.delete(keys.clients)
+        assert await b.renew() == (1, 2)
+        assert await c.renew() == (0, 2)
+        assert await a.renew() == (2, 3)  # its index was taken meanwhile: the next free one
+    finally:
+        await client.aclose()
+
+
 def test_apply_lease_moves_the_core_and_restarts_the_share_estimate() -> None:
     core = RouterCore(0, 1)
     apply_lease(core, 2, 3)

@@ -3,6 +3,7 @@ FLUSHALL), expected engines, reaping, the stall guard, idle heartbeats, run()/st
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -45,8 +46,9 @@ def config_of(r: redis.Redis, keys: DeploymentKeys) -> dict[str, str]:
 
 
 def test_standby_takes_over_after_release_and_the_old_fence_is_refused(
-    redis_url: str, keys: DeploymentKeys, made: list[Coordinator]
+    redis_url: str, keys: DeploymentKeys, made: list[Coordinator], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, "redisbal.coordinator")
     c1 = coordinator(made, redis_url, keys.deployment, "c1", lease_ttl_ms=10_000)
     c2 = coordinator(made, redis_url, keys.deployment, "c2", lease_ttl_ms=10_000)
     c1.tick()
@@ -54,6 +56,9 @@ def test_standby_takes_over_after_release_and_the_old_fence_is_refused(
     old_fence = c1.stats.fence
     c2.tick()
     assert not c2.stats.leader, "a second coordinator must stand by"
+    c2.tick()  # it says so once, naming the holder
+    said = [m for m in caplog.messages if "standing by" in m]
+    assert said == [f"coordinator c2: standing by (c1 holds the lease of {keys.deployment})"]
     c1.release()
     c2.tick()
     assert c2.stats.leader and c2.stats.fence > old_fence

@@ -16,6 +16,7 @@ import openai
 import orjson
 import pytest
 from gateway_stack import (
+    FAST,
     MODEL,
     process_engines,
     settled,
@@ -27,6 +28,7 @@ from gateway_stack import (
 from procs import free_port_block
 
 from redisbal.gateway.server import ENGINE_HEADER
+from redisbal.sim.http_engine import HttpEngine
 
 
 async def test_dead_engine_is_retried_before_the_first_byte_and_pinning_to_it_fails(
@@ -267,3 +269,63 @@ async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
             await wait_for(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
         finally:
             await stop_gateway(gw)
+
+
+async def test_engine_sigterm_leaves_then_finishes_its_streams_and_exits(
+    redis_url: str, deployment: str
+) -> None:
+    """A graceful engine stop: it leaves at once, new requests go elsewhere, and the
+    stream it holds still ends with [DONE] (it hung until aiohttp's 60 s shutdown
+    timeout cut it when the step loop stopped first)."""
+    async with process_engines(redis_url, deployment, 2) as procs:
+        gw = await start_gateway(redis_url, deployment)
+        try:
+            await wait_for(lambda: len(gw.live_engines()) == 2)
+            url0 = gw.urls["0"]
+            base = f"http://127.0.0.1:{gw.ports[0]}"
+            async with aiohttp.ClientSession() as s:
+                # >= 6 s of 4 ms steps: the stream is open when the engine leaves
+                body = {"prompt": "a", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+                r = await s.post(base + "/v1/completions", json=body, headers={ENGINE_HEADER: "0"})
+                await r.content.readuntil(b"\n\n")
+                procs[0].send_signal(signal.SIGTERM)
+                await wait_for(lambda: gw.live_engines() == ["1"])  # left, stream still open
+                assert not r.content.at_eof()
+                async with s.post(url0 + "/v1/completions", json=body) as direct:
+                    assert direct.status == 503, await direct.text()
+                short = {"prompt": "a", "max_tokens": 3, "ignore_eos": True}
+                async with s.post(base + "/v1/completions", json=short) as other:
+                    assert other.status == 200 and other.headers[ENGINE_HEADER] == "1"
+                rest = (await asyncio.wait_for(r.read(), 40)).decode()
+                assert rest.endswith("data: [DONE]\n\n"), rest[-300:]
+                assert rest.count("data: ") == 1500  # 1499 more tokens and [DONE]
+            rc = await asyncio.to_thread(procs[0].wait, 20)
+            assert rc == 0, procs[0].stdout.read() if procs[0].stdout else ""
+        finally:
+            await stop_gateway(gw)
+
+
+async def test_engines_back_after_all_left_are_served_before_the_next_url_refresh(
+    redis_url: str, deployment: str
+) -> None:
+    """Every engine left (their URLs unregistered) and came back: the router has them
+    again at their first report, so the gateway must not answer 503 "no engine with a
+    known URL" until its periodic URL refresh (every 1 s by default; never here)."""
+    async with stack(redis_url, deployment, n=1, refresh_s=3600.0) as st:
+        gw = st.gateways[0]
+        await st.engines[0].stop()
+        await wait_for(lambda: not gw.router.core.by_id)
+        await gw.refresh_urls()  # a periodic refresh while none was there drops its URL
+        assert not gw.urls
+        again = HttpEngine("0", redis_url=redis_url, deployment=deployment, port=0, params=FAST)
+        await again.start()
+        try:
+            await wait_for(lambda: "0" in gw.router.core.by_id)
+            assert "0" not in gw.urls  # its URL is only in Redis so far
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": "a", "max_tokens": 2, "ignore_eos": True}
+                async with s.post(st.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers[ENGINE_HEADER] == "0"
+        finally:
+            await again.stop()

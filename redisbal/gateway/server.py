@@ -28,6 +28,7 @@ import orjson
 from aiohttp import web
 
 from redisbal import endpoints
+from redisbal.background import cancel_and_wait
 from redisbal.gateway.metrics import CONTENT_TYPE, GatewayMetrics, monotonic_age
 from redisbal.keys import InvalidName, check_name
 from redisbal.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
@@ -152,6 +153,7 @@ class Gateway:
         self.runner: web.AppRunner | None = None
         self.sites: list[web.TCPSite] = []
         self._refresher: asyncio.Task[None] | None = None
+        self._refetch: asyncio.Task[None] | None = None  # one re-read for many requests
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -176,6 +178,15 @@ class Gateway:
                 raise
             except Exception as exc:  # Redis away: keep the URLs we know
                 log.debug("gateway: url refresh failed: %s", exc)
+
+    async def _refetch_urls(self) -> None:
+        """Re-read the URLs now for the requests that found none: engines that left
+        (their URLs dropped) and came back are routed at their first report, before
+        the next periodic refresh. Concurrent callers share one read."""
+        if self._refetch is None or self._refetch.done():
+            self._refetch = asyncio.get_running_loop().create_task(self.refresh_urls())
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._refetch)
 
     def live_engines(self) -> list[str]:
         """Engines the router knows that have a URL."""
@@ -228,10 +239,8 @@ class Gateway:
         return self.inflight == 0
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        await cancel_and_wait(self._refresher)
+        await cancel_and_wait(self._refetch)
         if self.runner is not None:
             await self.runner.cleanup()
         if self.session is not None:
@@ -395,7 +404,14 @@ class Gateway:
         reached = 0  # failures after which the engine may have had the request
         for attempt in range(1 if pin is not None else MAX_ATTEMPTS):
             try:
-                d = self._route(pin, avoid, key, tokens)
+                try:
+                    d = self._route(pin, avoid, key, tokens)
+                except NoEngines:
+                    core = self.router.core
+                    if self.redis is None or all(e in self.urls for e in core.by_id):
+                        raise
+                    await self._refetch_urls()  # engines without a URL: it may be new
+                    d = self._route(pin, avoid, key, tokens)
             except UnknownEngine:
                 m.errors.labels("bad_request").inc()
                 live = sorted(self.router.core.by_id, key=lambda e: (len(e), e))

@@ -14,6 +14,9 @@ model's heavy-tailed draw capped by ``max_tokens`` (exactly ``max_tokens`` with
 vLLM's ``ignore_eos``). A request whose client goes away leaves the engine at
 once, as vLLM aborts it. The gateway's API-server index arrives in the
 ``X-Redisbal-Client-Index`` header, so the engine's ``admitted`` counts are exact.
+Stopping (SIGTERM) leaves the deployment first, answers new requests 503 (a
+gateway retries them elsewhere) and keeps stepping until the requests it holds
+are finished (at most ``drain_s``), as a draining vLLM server does.
 
 A prompt counts 4 characters a token. With the model's token-level features on
 (``EngineParams``: prefix cache, per-token prefill, KV budget) a request's prompt
@@ -132,6 +135,7 @@ class HttpEngine:
         self.served = 0
         self.aborted = 0
         self.inflight = 0  # HTTP requests in progress at this engine
+        self.draining = False  # stopping: new requests get a 503
         self.report_min_s = 0.002
         self._reported_at = 0.0
 
@@ -305,6 +309,8 @@ class HttpEngine:
         return min(mt, natural), stream, usage, "length" if natural >= mt else "stop"
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.draining:
+            return _error(503, f"engine {self.engine_id} is shutting down", "unavailable")
         try:
             body = orjson.loads(await request.read())
         except web.HTTPRequestEntityTooLarge:
@@ -425,7 +431,9 @@ class HttpEngine:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await site.start()
@@ -458,15 +466,22 @@ class HttpEngine:
                     self.reporter.client, self.reporter.keys, self.engine_id, self.url
                 )
 
-    async def stop(self) -> None:
+    async def stop(self, drain_s: float = 30.0) -> None:
+        """Leave, refuse new requests, finish the ones in progress (their streams would
+        otherwise hang until aiohttp's 60 s shutdown timeout cut them), then close."""
+        self.draining = True
         if self._url_task is not None:
             self._url_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._url_task
         if self.reporter is not None:
+            reporter, self.reporter = self.reporter, None  # the steps below report nothing
             with contextlib.suppress(Exception):
-                await endpoints.unregister(self.reporter.client, self.reporter.keys, self.engine_id)
-            await self.reporter.aclose(leave=True)
+                await endpoints.unregister(reporter.client, reporter.keys, self.engine_id)
+            await reporter.aclose(leave=True)
+        deadline = time.monotonic() + drain_s
+        while self.inflight and self._task is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -573,10 +588,10 @@ async def serve_engines(
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), sample_s)
     stats.sample(models, loop.time())
+    await asyncio.gather(*(e.stop() for e in engines))  # drain them side by side
     for e in engines:
         tally = stats.engines[e.engine_id]
         tally.assigned, tally.served = e.arrived, e.served
-        await e.stop()
     return stats
 
 
