@@ -149,9 +149,8 @@ def main() -> None:
         eport = free_port()
         env = {**os.environ, "REDISBAL_REDIS_URL": server.url, "REDISBAL_DEPLOYMENT": "ovh"}
         engine = [
-            sys.executable,
-            "-m",
-            "redisbal.sim.http_engine",
+            REDISBAL,
+            "engine-sim",
             "--http-port",
             str(eport),
             "--base-step-ms",

@@ -100,9 +100,9 @@ async def settled(st: Stack) -> None:
 
 def _spawn_engine(redis_url: str, deployment: str, index: int, base: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "redisbal.sim.http_engine", "--redis-url", redis_url,
-         "--deployment", deployment, "--engines", "1", "--first-index", str(index),
-         "--http-port", str(base), "--base-step-ms", "4", "--log-level", "warning"],
+        [sys.executable, "-m", "redisbal", "engine-sim", "--redis-url", redis_url,
+         "--deployment", deployment, "--engines", "1", "--first-id", str(index),
+         "--http-port", str(base + index), "--base-step-ms", "4", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 

@@ -25,17 +25,15 @@ blocks are the chained hashes of its text's 64-character chunks
 when it finishes, so a conversation's next turn (which repeats both) hits as in
 the simulator. /sim/state and /metrics count prompt and cached tokens.
 
-Run: ``python -m redisbal.sim.http_engine --engines 4 --http-port 8400``.
+Run: ``redisbal engine-sim --engines 4 --http-port 8400``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import random
 import signal
 import time
@@ -490,46 +488,6 @@ class HttpEngine:
             await self._runner.cleanup()
 
 
-def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m redisbal.sim.http_engine", description=__doc__)
-    p.add_argument("--redis-url", default=os.environ.get("REDISBAL_REDIS_URL"))
-    p.add_argument("--deployment", default=os.environ.get("REDISBAL_DEPLOYMENT", "default"))
-    p.add_argument("--engines", type=int, default=1)
-    p.add_argument("--first-index", type=int, default=0, help="engine ids start here")
-    p.add_argument("--http-port", type=int, required=True, help="engine i serves on BASE + i")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--advertise-host", default=None, help="host in the registered URLs")
-    p.add_argument("--model-name", default="redisbal-sim")
-    p.add_argument("--running-cap", type=int, default=64)
-    p.add_argument("--base-step-ms", type=float, default=12.0)
-    p.add_argument("--mean-output", type=float, default=40.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--log-level", default="info")
-    a = p.parse_args(argv)
-    if not 1 <= a.engines <= 256:
-        p.error("--engines must be in 1..256")
-    if not 1 <= a.http_port <= 65535 - a.first_index - a.engines:
-        p.error("--http-port out of range")
-    return a
-
-
-async def serve(a: argparse.Namespace) -> None:
-    params = EngineParams(running_cap=a.running_cap, base_step_s=a.base_step_ms / 1000)
-    ids = [str(i) for i in range(a.first_index, a.first_index + a.engines)]
-    await serve_engines(
-        ids,
-        redis_url=a.redis_url,
-        deployment=a.deployment,
-        port_base=a.http_port + a.first_index,  # engine i serves on BASE + i
-        host=a.host,
-        advertise=a.advertise_host,
-        params=params,
-        model_name=a.model_name,
-        mean_output=a.mean_output,
-        seed=a.seed,
-    )
-
-
 async def serve_engines(
     ids: list[str],
     *,
@@ -593,13 +551,3 @@ async def serve_engines(
         tally = stats.engines[e.engine_id]
         tally.assigned, tally.served = e.arrived, e.served
     return stats
-
-
-def main(argv: list[str] | None = None) -> None:
-    a = _args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(serve(a))
-
-
-if __name__ == "__main__":
-    main()
