@@ -4,11 +4,13 @@ mid-stream, a gateway replica killed, and SIGTERM with a stream in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -166,22 +168,37 @@ async def test_two_gateways_lease_indexes_and_the_count_follows_a_killed_one(
                 b.wait()
 
 
+@contextlib.asynccontextmanager
+async def gateway_process(
+    redis_url: str, deployment: str, drain_s: float
+) -> AsyncIterator[tuple[subprocess.Popen[str], str]]:
+    """A `redisbal gateway` process, listening (its stderr piped), and its base URL;
+    killed at the end if the test left it running."""
+    env = {**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
+    port = free_port_block(1)
+    g = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "redisbal"), "gateway", "--port",
+         str(port), "--drain-s", str(drain_s)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert g.stderr is not None
+        line = await asyncio.to_thread(g.stderr.readline)
+        assert "listening" in line, line
+        yield g, f"http://127.0.0.1:{port}"
+    finally:
+        if g.poll() is None:
+            g.kill()
+            g.wait()
+
+
 async def test_a_second_signal_cuts_the_drain_short(redis_url: str, deployment: str) -> None:
     async with stack(redis_url, deployment) as st:
-        env = {**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
-        port = free_port_block(1)
-        g = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "redisbal"), "gateway", "--port",
-             str(port), "--drain-s", "600"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
+        async with gateway_process(redis_url, deployment, 600) as (g, base):
             assert g.stderr is not None
-            line = await asyncio.to_thread(g.stderr.readline)
-            assert "listening" in line, line
             async with aiohttp.ClientSession() as s:
                 body = {"prompt": "a", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-                r = await s.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                r = await s.post(base + "/v1/completions", json=body)
                 await r.content.readuntil(b"\n\n")
                 g.send_signal(signal.SIGINT)
                 line = await asyncio.to_thread(g.stderr.readline)
@@ -192,29 +209,15 @@ async def test_a_second_signal_cuts_the_drain_short(redis_url: str, deployment: 
                 assert rc == 1 and "still in flight when it stopped draining" in err, err
                 assert "Traceback" not in err
                 r.close()
-            await settled(st)
-        finally:
-            if g.poll() is None:
-                g.kill()
-                g.wait()
+        await settled(st)
 
 
 async def test_sigterm_drains_in_flight_streams_then_exits_zero(
     redis_url: str, deployment: str
 ) -> None:
     async with stack(redis_url, deployment) as st:
-        env = {**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
-        port = free_port_block(1)
-        g = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "redisbal"), "gateway", "--port",
-             str(port), "--drain-s", "20"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
+        async with gateway_process(redis_url, deployment, 20) as (g, base):
             assert g.stderr is not None
-            line = await asyncio.to_thread(g.stderr.readline)
-            assert "listening" in line, line
-            base = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession() as s:
                 body = {"prompt": "a", "max_tokens": 60, "ignore_eos": True, "stream": True}
                 r = await s.post(base + "/v1/completions", json=body)
@@ -229,10 +232,6 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(
                 assert rest.count("data: ") == 60  # 59 more tokens and [DONE]
             rc = await asyncio.to_thread(g.wait, 20)
             assert rc == 0, g.stderr.read()
-        finally:
-            if g.poll() is None:
-                g.kill()
-                g.wait()
         await settled(st)
 
 
