@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -237,10 +238,14 @@ def check_reachable(url: str) -> None:
 @contextlib.contextmanager
 def signals_stop(stop: Callable[[], None]) -> Iterator[None]:
     """While inside: SIGINT/SIGTERM call stop() (the command then shuts down cleanly and
-    exits 0); the previous handlers are restored afterwards."""
+    exits 0); the previous handlers are restored afterwards.
+
+    stop() runs on a thread of its own: a handler runs in the main thread between two
+    of its bytecodes, possibly while that thread holds the lock stop() takes (a
+    threading.Event's, inside Event.wait), and the lock is not reentrant."""
 
     def handler(signum: int, frame: object) -> None:
-        stop()
+        threading.Thread(target=stop, name="redisbal-signal", daemon=True).start()
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

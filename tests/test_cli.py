@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -474,3 +475,24 @@ def test_load_functions(runner: CliRunner, redis_url: str, r: redis.Redis) -> No
     assert [x[1] for x in r.function_list(library=name)] == [name.encode()]
     again = run(runner, "--redis-url", redis_url, "load-functions")  # idempotent
     assert again.exit_code == 0, again.output
+
+
+def test_a_signal_landing_while_the_stop_event_is_locked_still_stops() -> None:
+    """The coordinator's loop waits on a threading.Event; a SIGTERM handled while the main
+    thread holds that event's lock (inside Event.wait) must not call Event.set there: the
+    lock is not reentrant, and the process hung (seen once in CI: no exit in 30 s)."""
+    code = textwrap.dedent(
+        """
+        import os, signal, threading
+        from redisbal.cli_common import signals_stop
+        ev = threading.Event()
+        with signals_stop(ev.set):
+            with ev._cond:  # where Event.wait holds it
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # bytecodes: the handler runs here, in this thread
+                    pass
+            assert ev.wait(5), "not stopped"
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
