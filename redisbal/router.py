@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import redis.exceptions
 
-from redisbal.background import BackgroundLoop
+from redisbal.background import BackgroundLoop, cancel_and_wait
 from redisbal.client_lease import ClientLease
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
@@ -202,10 +202,7 @@ class AsyncRouter(_LocalRouting):
 
     async def aclose(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await cancel_and_wait(self._task)  # (the feed sits in redis-py calls)
         if self.lease is not None:
             await self.lease.aclose()
         self.core.connected = False  # routes after close are made without a feed: degraded

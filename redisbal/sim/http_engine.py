@@ -45,6 +45,7 @@ import orjson
 from aiohttp import web
 
 from redisbal import endpoints
+from redisbal.background import cancel_and_wait
 from redisbal.connection import OUTAGE_ERRORS
 from redisbal.engine import AsyncEngineReporter
 from redisbal.gateway.loadgen import output_text
@@ -468,10 +469,7 @@ class HttpEngine:
         """Leave, refuse new requests, finish the ones in progress (their streams would
         otherwise hang until aiohttp's 60 s shutdown timeout cut them), then close."""
         self.draining = True
-        if self._url_task is not None:
-            self._url_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._url_task
+        await cancel_and_wait(self._url_task)  # (it sits in Redis calls)
         if self.reporter is not None:
             reporter, self.reporter = self.reporter, None  # the steps below report nothing
             with contextlib.suppress(Exception):
