@@ -11,9 +11,10 @@ import asyncio
 import contextlib
 import hashlib
 import inspect
+import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -129,6 +130,23 @@ class Blocking:
                 self.obj.close(*args, **kwargs)
         finally:
             self.loop.close()
+
+
+def glob_escape(text: str) -> str:
+    """`text` as a literal inside a Redis SCAN/KEYS pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def keys_of(r: redis.Redis, tags: Iterable[str], named: Iterable[str] = ()) -> set[bytes]:
+    """The keys that hold any of `tags` (a deployment's name: its keys are
+    ``redisbal:{<name>}:...``) anywhere in their name, plus those of `named` that exist.
+    A test compares only keys it made: the database is shared with other tests, whose
+    keys come and go (leases with a TTL) while it runs."""
+    found: set[bytes] = set()
+    for tag in tags:
+        found.update(r.scan_iter(match=f"*{glob_escape(tag)}*", count=1000))
+    found.update(k.encode() for k in named if r.exists(k))
+    return found
 
 
 def contents(r: redis.Redis, keys: list[str]) -> dict[str, object]:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from helpers import script_sha, wait_until
+from helpers import keys_of, script_sha, wait_until
 from procs import (
     ENGINES,
     FAILOVER_DEAD_AFTER_MS,
@@ -777,7 +777,7 @@ def test_two_deployments_share_a_redis_without_cross_talk(
         router_snap = loops[d].router.snapshot
         assert router_snap is not None and router_snap.deployment == d
     assert a.epoch != b.epoch and r.get(a.epoch) != r.get(b.epoch)
-    for k in r.scan_iter(match="redisbal:*"):
+    for k in keys_of(r, deps):
         name = k.decode()
         owners = [d for d in deps if name.startswith(f"redisbal:{{{d}}}:")]
         assert len(owners) <= 1, name

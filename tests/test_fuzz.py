@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import click
 import pytest
 import redis
-from helpers import Blocking, contents
+from helpers import Blocking, contents, keys_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -188,24 +188,28 @@ class Target:
     def call(self, name: str, keys: list[str], argv: list[Any]) -> Any:
         return self.scripts[name](keys=keys, args=argv)
 
-    def state(self) -> tuple[dict[str, object], set[bytes]]:
+    def state(self, called: Sequence[str] = ()) -> tuple[dict[str, object], set[bytes]]:
+        """The contents of both deployments' keys, and which keys exist among those that
+        hold either deployment's name or were passed to the call. Nothing else: the
+        database is shared, and other tests' keys come and go meanwhile."""
         dumps = contents(self.r, [*self.keys.all_keys(), *self.other.all_keys()])
-        return dumps, set(self.r.scan_iter(count=1000))
+        tags = [self.keys.deployment, self.other.deployment]
+        return dumps, keys_of(self.r, tags, [k for k in called if isinstance(k, str)])
 
     def expect_refused(self, name: str, keys: list[str], argv: list[Any], why: str = "") -> str:
         """The call must fail with a redisbal error and leave every key as it was."""
-        before = self.state()
+        before = self.state(keys)
         try:
             out = self.call(name, keys, argv)
         except redis.ResponseError as exc:
             msg = str(exc)
         else:
-            after = self.state()
+            after = self.state(keys)
             raise AssertionError(
                 f"{name} accepted malformed input ({why}): keys={keys!r} argv={argv!r} -> {out!r}; "
                 f"state changed: {after != before}"
             )
-        after = self.state()
+        after = self.state(keys)
         assert msg.startswith("redisbal: "), f"{name}: raw error for {why}: {msg}"
         assert after[1] == before[1], f"{name}: keys appeared/vanished: {after[1] ^ before[1]}"
         changed = [k for k in before[0] if before[0][k] != after[0][k]]

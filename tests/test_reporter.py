@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 import redis
-from helpers import Barrier, Blocking, await_until, score, server_ms, wait_until
+from helpers import Barrier, Blocking, await_until, keys_of, score, server_ms, wait_until
 
 from redisbal import AsyncEngineReporter, EngineReporter, InvalidName, InvalidReport
 from redisbal.keys import DeploymentKeys
@@ -79,14 +79,15 @@ def test_every_bad_field_raises_naming_it_and_stores_nothing(
     ],
 )
 def test_bad_names_raise_before_any_key_exists(
-    r: redis.Redis, redis_url: str, kwargs: dict[str, Any], what: str
+    r: redis.Redis, redis_url: str, deployment: str, kwargs: dict[str, Any], what: str
 ) -> None:
-    before = set(r.keys("*"))
-    args = {"deployment": "fine", "engine_id": "e0", **kwargs}
+    args = {"deployment": deployment, "engine_id": "e0", **kwargs}
+    names = [str(args["deployment"]), str(args["engine_id"])]
+    before = keys_of(r, names)
     for cls in (EngineReporter, AsyncEngineReporter):
         with pytest.raises(InvalidName, match=what):
             cls(redis_url, heartbeat=False, **args)
-    assert set(r.keys("*")) == before
+    assert keys_of(r, names) == before
 
 
 def test_mode_is_validated(redis_url: str, keys: DeploymentKeys) -> None:
