@@ -12,9 +12,11 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -326,3 +328,85 @@ def test_several_api_servers_report_one_engine_without_a_conflict(
     finally:
         for relay in relays:
             relay.close()
+
+
+class Health:
+    """A real HTTP server whose ``GET /health`` answers 503 until ``up`` is set, as a vLLM
+    server's does not answer until its engine and HTTP server are ready."""
+
+    def __init__(self) -> None:
+        self.up = threading.Event()
+        health = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200 if health.up.is_set() and self.path == "/health" else 503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def health() -> Iterator[Health]:
+    h = Health()
+    yield h
+    h.close()
+
+
+def test_a_server_is_routable_once_healthy_without_any_request(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys, health: Health
+) -> None:
+    """vLLM calls the plugin only when an engine steps: a fresh server that nobody sent a
+    request to has no counts. The plugin reports it idle once its /health answers (not
+    before: gateways must not get it while it cannot serve), and keeps it alive."""
+    with coordinator(redis_url, keys.deployment, dead_after_ms=700):
+        e = env(redis_url, keys.deployment, REDISBAL_ENGINE_ID="e{engine}")
+        RedisbalStatLogger(None, [0, 1], env={**e, "REDISBAL_ENGINE_URL": health.url})
+        until(lambda: set(Barrier(r, keys).members()) == {"e0", "e1"})
+        time.sleep(0.5)
+        assert counts(r, keys) == {}, "announced before /health answered"
+        health.up.set()
+        until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 0)}, timeout=3.0)
+        time.sleep(1.5)  # twice dead_after_ms, no record() at all: still there, idle
+        assert counts(r, keys) == {"e0": (0, 0), "e1": (0, 0)}
+        assert set(Barrier(r, keys).members()) == {"e0", "e1"}
+        assert {v.decode() for v in r.hgetall(keys.urls).values()} == {health.url}
+
+
+def test_a_restarted_server_is_routable_again_without_any_request(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys, health: Health
+) -> None:
+    """The server dies (its sender stops without leaving) and a new process starts under
+    the same engine id: once healthy it is in the snapshot again, as a new incarnation."""
+    health.up.set()
+    with coordinator(redis_url, keys.deployment, dead_after_ms=700):
+        e = env(redis_url, keys.deployment, REDISBAL_ENGINE_ID="e{engine}")
+        e["REDISBAL_ENGINE_URL"] = health.url
+        RedisbalStatLogger(None, [0], env=e)
+        until(lambda: counts(r, keys) == {"e0": (0, 0)}, timeout=3.0)
+        first = latest(r, keys)
+        assert first is not None
+        old = first.engines["e0"].incarnation
+        assert old is not None
+        vllm_plugin.close_all(leave=False)  # a SIGKILL: no leave, the reports stop
+        RedisbalStatLogger(None, [0], env=e)  # the restarted server: a new sender
+
+        def back() -> bool:
+            snap = latest(r, keys)
+            return (
+                snap is not None
+                and snap.engines.keys() == {"e0"}
+                and snap.engines["e0"].incarnation not in (None, old)
+            )
+
+        until(back, timeout=3.0)

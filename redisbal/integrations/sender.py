@@ -141,6 +141,24 @@ class CountsRelay:
             self._engines[engine_id] = _Engine()
         self._wake.set()
 
+    def ready(self, engine_id: str) -> None:
+        """``engine_id`` can take requests: report it idle now, unless counts of its own
+        came first. The heartbeat keeps an idle engine alive, so a server that nobody has
+        sent a request to yet (it has no steps, so no counts) is routable as soon as it
+        is ready, instead of expiring as a registration that never reported."""
+        with self._lock:
+            eng = self._engines.get(engine_id)
+            if eng is None:
+                raise KeyError(f"unknown engine {engine_id!r}: add() it first")
+            if eng.pending is not None or eng.last is not None:
+                return
+            step = None if self.mode == "tick" else 0  # lockstep: before the first step
+            eng.pending = {"step": step, "waiting": 0, "running": 0, "wave": 0}
+            eng.pending.update(kv_usage=None, progress=True)
+            eng.submitted = time.monotonic()
+            eng.paused = False
+        self._wake.set()
+
     def engines(self) -> list[str]:
         with self._lock:
             return list(self._engines)

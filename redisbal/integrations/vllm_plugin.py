@@ -21,16 +21,20 @@ the first two):
   the stats' ``(current_wave, step_counter)``; only for vLLM versions that stamp
   those fields on the stats the front-end receives.
 
-Between steps the last counts are re-sent as "no progress" heartbeats: an idle
-engine stays routable; a busy engine whose steps stop (a hung loop) is stalled
-by the barrier after the deployment's ``stall_after_ms`` (not routed to, not
-waited for) and comes back with its next step; a front-end process that dies
-falls silent and its engines expire.
+Once the server answers ``GET /health`` at ``REDISBAL_ENGINE_URL`` (at once
+without one), its engines are reported idle: a fresh or restarted server is
+routable before anyone sends it a request. Between steps the last counts are
+re-sent as "no progress" heartbeats: an idle engine stays routable; a busy
+engine whose steps stop (a hung loop) is stalled by the barrier after the
+deployment's ``stall_after_ms`` (not routed to, not waited for) and comes back
+with its next step; a front-end process that dies falls silent and its engines
+expire.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import math
@@ -38,6 +42,8 @@ import os
 import socket
 import string
 import threading
+import time
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +173,59 @@ def shared_sender(cfg: PluginConfig, incarnation: str | None = None) -> CountsRe
         return sender
 
 
+READY_POLL_S = 0.25
+READY_WARN_AFTER_S = 120.0
+
+
+def announce_when_ready(
+    sender: CountsRelay, engine_ids: list[str], engine_url: str | None
+) -> threading.Thread:
+    """Report the engines idle as soon as their server answers ``GET /health``.
+
+    vLLM calls stat loggers only when an engine steps, and an engine steps only when
+    it has requests: without this, a fresh or restarted server that no client sends to
+    directly registers, never reports, and expires unrouted. ``/health`` answers once
+    the engine and the HTTP server are up, so gateways do not get the engine before it
+    can serve. Without an engine URL (no gateway sends to it) the engines are ready at
+    once. Counts from a real step always win (``CountsRelay.ready``)."""
+
+    def run() -> None:
+        if engine_url:
+            health = engine_url.rstrip("/") + "/health"
+            started = time.monotonic()
+            warned = False
+            while not _answers(health):
+                if not warned and time.monotonic() - started > READY_WARN_AFTER_S:
+                    warned = True
+                    log.warning(
+                        "redisbal plugin: %s has not answered for %.0f s; the engines are "
+                        "announced at their first step. Is REDISBAL_ENGINE_URL an address "
+                        "this host can reach?",
+                        health,
+                        READY_WARN_AFTER_S,
+                    )
+                time.sleep(READY_POLL_S)
+        for eid in engine_ids:
+            with contextlib.suppress(KeyError):  # the sender was closed meanwhile
+                sender.ready(eid)
+        log.info("redisbal plugin: engines %s ready", ", ".join(engine_ids))
+
+    thread = threading.Thread(target=run, daemon=True, name="redisbal-vllm-ready")
+    thread.start()
+    return thread
+
+
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
+
+
+def _answers(url: str) -> bool:
+    try:
+        with _direct.open(url, timeout=1.0) as resp:
+            return 200 <= int(resp.status) < 300
+    except (OSError, ValueError):  # refused, reset, timed out, HTTP error status
+        return False
+
+
 def close_all(leave: bool = True) -> None:
     """Stop every sender of this process (tests; vLLM exits through atexit)."""
     with _senders_lock:
@@ -226,6 +285,7 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
         for eid in ids.values():
             self.sender.add(eid, cfg.engine_url)
         self.ids = ids
+        announce_when_ready(self.sender, list(ids.values()), cfg.engine_url)
         log.info(
             "redisbal plugin: engines %s report to deployment %s (%s mode)",
             ", ".join(ids.values()),
