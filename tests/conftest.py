@@ -40,6 +40,22 @@ if BINARIES and BINARIES[0][0] == "system":
 SERVER_PARAMS = ["external"] if EXTERNAL_URL else [name for name, _ in BINARIES]
 
 
+OPT_IN = {"vllm_e2e": "serves a real model with vLLM for minutes (docs/DEPLOY.md)"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Opt-in suites run only when their marker is selected (``pytest -m vllm_e2e``):
+    the default ``pytest`` skips them, saying how to run them."""
+    chosen = config.getoption("markexpr") or ""
+    for marker, what in OPT_IN.items():
+        if marker in chosen:
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in, {what}: pytest -m {marker}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def reliability_log(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Where the fault tests append their measured recovery times: the file named by
