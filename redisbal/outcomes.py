@@ -90,6 +90,7 @@ class OutcomeTracker:
         self.first_byte_factor = first_byte_factor
         self.first_byte_min_s, self.first_byte_max_s = first_byte_min_s, first_byte_max_s
         self.engines: dict[str, EngineHealth] = {}
+        self.marked: set[str] = set()  # engines not healthy (ejected or probing)
         self.counters: Counter[str] = Counter()  # ejections, recoveries, capped, probes
 
     def health(self, engine: str) -> EngineHealth:
@@ -127,6 +128,7 @@ class OutcomeTracker:
         recent = now - h.ejected_at < self.forget_s
         h.level = h.level + 1 if state == PROBING or recent else 0
         h.state, h.ejected_at = EJECTED, now
+        self.marked.add(engine)
         h.until = now + self.backoff(h.level)
         self.counters["ejections"] += 1
         return True
@@ -152,6 +154,7 @@ class OutcomeTracker:
             self.counters["recoveries"] += 1
         h.state = HEALTHY
         h.failures.clear()
+        self.marked.discard(engine)
         return recovered
 
     def take_probe(self, engine: str, now: float) -> bool:
@@ -186,3 +189,4 @@ class OutcomeTracker:
         """Drop the engines not in ``keep`` (gone from the deployment)."""
         for e in [e for e in self.engines if e not in keep]:
             del self.engines[e]
+            self.marked.discard(e)
