@@ -86,7 +86,7 @@ class _LocalRouting:
         """Tell the router the request of ``decision`` ended."""
         self.core.finished(decision)
 
-    def failed(self, decision: Decision, reason: str = "", kind: str = "error") -> None:
+    def failed(self, decision: Decision, reason: str = "", kind: str = "error") -> bool:
         """The engine of ``decision`` did not serve it: the request ends (no
         ``finished()`` needed; route it again to retry). ``kind`` says what happened
         (``redisbal.outcomes.FAILURES``: connect, reset, 5xx, 429,
@@ -97,14 +97,16 @@ class _LocalRouting:
         at a time (``Decision.probe``) until one is answered (``answered()``); its own
         reports never clear it. At most half of the engines are ejected. ``reason``
         (what the caller saw) shows in ``redisbal status``; control characters are
-        replaced and it is cut to 200 characters."""
+        replaced and it is cut to 200 characters. Returns whether this ejected it."""
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {type(reason).__name__}")
         if kind not in FAILURES:
             raise ValueError(f"kind must be one of {', '.join(sorted(FAILURES))}, got {kind!r}")
-        if self.core.failed(decision, kind):
-            why = self.core.evidence(decision.engine_id)
-            self._tell("suspect", decision.engine_id, suspect_reason(reason or why or kind))
+        if not self.core.failed(decision, kind):
+            return False
+        why = self.core.evidence(decision.engine_id)  # e.g. "5xx x12 in 2.0s"
+        self._tell("suspect", decision.engine_id, suspect_reason(why or reason or kind))
+        return True
 
     def answered(self, decision: Decision, first_byte_s: float | None = None) -> None:
         """The engine of ``decision`` sent its first byte (after ``first_byte_s``; default:
