@@ -167,6 +167,13 @@ class OutcomeTracker:
         self.counters["probes"] += 1
         return True
 
+    def release_probe(self, engine: str) -> None:
+        """The probe in flight to ``engine`` ended without an answer or a failure (never
+        sent, the client left): the next request may probe."""
+        h = self.engines.get(engine)
+        if h is not None:
+            h.probe_at = None
+
     def first_byte_bound(self, engine: str) -> float:
         """How long to wait for ``engine``'s first byte: ``first_byte_factor`` times what
         it usually takes, within [first_byte_min_s, first_byte_max_s]."""

@@ -558,6 +558,8 @@ class RouterCore:
         if decision.done:
             return
         decision.done = True
+        if decision.probe:  # ended, answered or not: the next request may probe again
+            self.outcomes.release_probe(decision.engine_id)
         eng = self._view(decision)
         if eng is not None and eng.inflight > 0:
             eng.inflight -= 1
