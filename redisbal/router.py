@@ -105,7 +105,8 @@ class _LocalRouting:
         if not self.core.failed(decision, kind):
             return False
         why = self.core.evidence(decision.engine_id)  # e.g. "5xx x12 in 2.0s"
-        self._tell("suspect", decision.engine_id, suspect_reason(why or reason or kind))
+        text = f"{why} ({reason})" if why and reason else why or reason or kind
+        self._tell("suspect", decision.engine_id, suspect_reason(text))
         return True
 
     def answered(self, decision: Decision, first_byte_s: float | None = None) -> None:

@@ -72,7 +72,12 @@ async def test_failed_excludes_here_at_once_and_everywhere_within_one_snapshot(
         assert all(b.route().engine_id != "e0" for _ in range(200))
         meta = bar.meta()
         assert meta["suspected"] == "1"
-        assert meta["suspect:e0"].split(" ", 3)[1:] == ["0", "0", "connect refused"]
+        # the reason: what the router's requests got, and what the caller saw
+        assert meta["suspect:e0"].split(" ", 3)[1:] == [
+            "0",
+            "0",
+            "error x1 in 0.0s (connect refused)",
+        ]
         # pinning still reaches it (the caller asked for it)
         assert b.route("e0").engine_id == "e0"
         # its own progress clears nothing: outcomes over self-reports
@@ -178,7 +183,7 @@ def test_blocking_router_failed_and_bad_reasons(
         rt.failed(rt.route("e1"), "bad\ngateway\x00" + "x" * 300)
         wait_until(lambda: "suspect:e1" in bar.meta(), 5, "the mark in Redis")
         reason = bar.meta()["suspect:e1"].split(" ", 3)[3]
-        assert reason == ("bad gateway " + "x" * 300)[:200]
+        assert reason == ("error x1 in 0.0s (bad gateway " + "x" * 300)[:200]
 
 
 def test_a_restarted_engine_starts_its_bookkeeping_again() -> None:
