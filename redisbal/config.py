@@ -48,7 +48,11 @@ SETTINGS: dict[str, Setting] = {
         2000, 100, 86_400_000, "An engine with work and no progress this long is stalled."
     ),
     "suspect_ms": Setting(
-        2000, 100, 600_000, "A failed() mark holds this long unless the engine progresses."
+        1000,
+        100,
+        600_000,
+        "The longest ejection back-off of an engine requests failed on (failed()); the "
+        "first is an eighth of it, doubling while its probes fail.",
     ),
     "compact_from": Setting(
         256,

@@ -78,7 +78,8 @@ class HealthLog:
                     forced_total - self.forced_since,
                 )
             self.laggards = laggards
-        for kind, now in (("stalled", snap.stalled), ("suspect", snap.suspect)):
+        marked = {*snap.suspect, *snap.probing}  # (suspect until a probe is answered)
+        for kind, now in (("stalled", set(snap.stalled)), ("suspect", marked)):
             ids = frozenset(now)
             if ids == self.excluded[kind]:
                 continue

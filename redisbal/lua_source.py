@@ -46,6 +46,7 @@ SCRIPT_NAMES = (
     "new_epoch",
     "lease",
     "suspect",
+    "recovered",
 )
 NUM_KEYS = 7  # every operation gets the deployment's seven keys (keys.script_keys())
 

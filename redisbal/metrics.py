@@ -89,6 +89,10 @@ META_COUNTERS = {
     ),
     "stalled": ("engines_stalled", "Times an engine with work stopped progressing."),
     "suspected": ("engines_suspected", "Suspect marks set by routers (failed())."),
+    "recovered": (
+        "engines_recovered",
+        "Suspect marks cleared by a router whose probe the engine answered.",
+    ),
     "suspect_capped": (
         "suspect_capped",
         "Suspect marks refused because half of the engines were suspect already.",

@@ -54,6 +54,8 @@ class Decision:
     degraded: bool  # made without a fresh snapshot (Redis gone or feed stale)
     pinned: bool = False
     done: bool = False
+    probe: bool = False  # sent to a probing engine to see whether it answers (outcomes)
+    routed_at: float = 0.0  # the router's clock when it was made
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from redisbal.background import BackgroundLoop, cancel_and_wait
 from redisbal.client_lease import ClientLease
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
+from redisbal.outcomes import FAILURES, OUTCOMES, OutcomeTracker
 from redisbal.policies import DEFAULT_POLICY, Decision, Policy
 from redisbal.routing import RouterCore
 from redisbal.scripts import Scripts, suspect_reason
@@ -85,22 +86,57 @@ class _LocalRouting:
         """Tell the router the request of ``decision`` ended."""
         self.core.finished(decision)
 
-    def failed(self, decision: Decision, reason: str = "") -> None:
-        """The engine of ``decision`` did not serve it (connection refused or reset, a
-        timeout, a 5xx): the request ends (no ``finished()`` needed; route it again to
-        retry), this router stops choosing the engine at once for ``suspect_s``, and
-        the deployment is told (at most twice per ``suspect_s`` per engine, never
-        waiting on Redis), so that every router stops choosing it within one
-        snapshot. The mark there ends with the engine's next progress or after
-        ``suspect_ms``, and never covers more than half of the engines. ``reason``
+    def failed(self, decision: Decision, reason: str = "", kind: str = "error") -> bool:
+        """The engine of ``decision`` did not serve it: the request ends (no
+        ``finished()`` needed; route it again to retry). ``kind`` says what happened
+        (``redisbal.outcomes.FAILURES``: connect, reset, 5xx, 429,
+        first_byte_timeout, idle_timeout, timeout, error). This router ejects the
+        engine at once with a back-off that grows while it keeps failing, and tells
+        the deployment (never waiting on Redis), so that every router stops choosing
+        it within one snapshot. When the back-off ends the engine gets one request
+        at a time (``Decision.probe``) until one is answered (``answered()``); its own
+        reports never clear it. At most half of the engines are ejected. ``reason``
         (what the caller saw) shows in ``redisbal status``; control characters are
-        replaced and it is cut to 200 characters."""
+        replaced and it is cut to 200 characters. Returns whether this ejected it."""
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {type(reason).__name__}")
-        if self.core.failed(decision):
-            self._tell_suspect(decision.engine_id, suspect_reason(reason))
+        if kind not in FAILURES:
+            raise ValueError(f"kind must be one of {', '.join(sorted(FAILURES))}, got {kind!r}")
+        if not self.core.failed(decision, kind):
+            return False
+        why = self.core.evidence(decision.engine_id)  # e.g. "5xx x12 in 2.0s"
+        text = f"{why} ({reason})" if why and reason else why or reason or kind
+        self._tell("suspect", decision.engine_id, suspect_reason(text))
+        return True
 
-    def _tell_suspect(self, engine_id: str, reason: str) -> None:
+    def answered(self, decision: Decision, first_byte_s: float | None = None) -> None:
+        """The engine of ``decision`` sent its first byte (after ``first_byte_s``; default:
+        the time since the route): it feeds the engine's first-byte bound
+        (``first_byte_bound()``) and, for a probing engine, ends its ejection here and
+        in the deployment. The request goes on: call ``finished()`` at its end."""
+        if self.core.answered(decision, first_byte_s):
+            self._tell("recovered", decision.engine_id, "")
+
+    def outcome(self, decision: Decision, kind: str, reason: str = "") -> None:
+        """End the request of ``decision`` with what it got, for API servers that are
+        not the gateway: ``"ok"`` (as ``finished()``), ``"rejected"`` (the engine
+        refused it with a 4xx: no evidence against it, and no load left behind), or a
+        failure kind (as ``failed()``: a request that got no first byte within
+        ``first_byte_bound()``, a stream that stopped, a 5xx...)."""
+        if kind in ("ok", "rejected"):
+            self.core.finished(decision)
+        elif kind in FAILURES:
+            self.failed(decision, reason, kind)
+        else:
+            raise ValueError(f"kind must be one of {', '.join(sorted(OUTCOMES))}, got {kind!r}")
+
+    def first_byte_bound(self, engine_id: str) -> float:
+        """How long to wait for ``engine_id``'s first byte before failing the request
+        with ``first_byte_timeout``: a multiple of what it usually takes, within the
+        router's bounds."""
+        return self.core.first_byte_bound(engine_id)
+
+    def _tell(self, op: str, engine_id: str, reason: str) -> None:
         raise NotImplementedError
 
 
@@ -127,7 +163,8 @@ class AsyncRouter(_LocalRouting):
         engines: list[str] | None = None,
         rng: random.Random | None = None,
         lease_ttl_s: float = 10.0,
-        suspect_s: float = 2.0,
+        suspect_s: float = 1.0,
+        outcomes: OutcomeTracker | None = None,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
@@ -148,6 +185,7 @@ class AsyncRouter(_LocalRouting):
             stale_after_s=stale_after_s,
             rng=rng,
             suspect_s=suspect_s,
+            outcomes=outcomes,
         )
         if engines:
             self.core.set_engines([check_name(e, "engine_id") for e in engines])
@@ -214,32 +252,33 @@ class AsyncRouter(_LocalRouting):
         await self.start()
         return self
 
-    def _tell_suspect(self, engine_id: str, reason: str) -> None:
-        """Send the suspect mark from the feed's loop (any thread may call this)."""
+    def _tell(self, op: str, engine_id: str, reason: str) -> None:
+        """Send a mark (``suspect``) or its end (``recovered``) from the feed's loop
+        (any thread may call this)."""
         loop = self._loop
         if loop is None or self._closed or loop.is_closed():
-            return  # not started: the local exclusion is all there is
+            return  # not started: the local state is all there is
         with contextlib.suppress(RuntimeError):  # the loop closed under us
-            loop.call_soon_threadsafe(self._spawn_mark, engine_id, reason)
+            loop.call_soon_threadsafe(self._spawn_mark, op, engine_id, reason)
 
-    def _spawn_mark(self, engine_id: str, reason: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._mark(engine_id, reason))
+    def _spawn_mark(self, op: str, engine_id: str, reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._mark(op, engine_id, reason))
         self._marks.add(task)
         task.add_done_callback(self._marks.discard)
 
-    async def _mark(self, engine_id: str, reason: str) -> None:
+    async def _mark(self, op: str, engine_id: str, reason: str) -> None:
         if self._scripts is None:
             pubcmd = "SPUBLISH" if is_cluster(self._client) else "PUBLISH"
             self._scripts = Scripts(self._client, self.keys, pubcmd)
+        args = (engine_id, self.core.client_index) + ((reason,) if op == "suspect" else ())
         try:
-            out = await asyncio.wait_for(
-                self._scripts.call("suspect", engine_id, self.core.client_index, reason), 5.0
-            )
+            out = await asyncio.wait_for(self._scripts.call(op, *args), 5.0)
         except (redis.exceptions.RedisError, asyncio.TimeoutError) as exc:
             log.warning(
-                "router %d: could not mark engine %s suspect in Redis (%s); avoiding it here",
+                "router %d: could not tell Redis engine %s is %s (%s); only this router knows",
                 self.core.client_index,
                 engine_id,
+                op,
                 redact(str(exc)) or type(exc).__name__,
             )
             return
@@ -430,8 +469,8 @@ class Router(_LocalRouting):
         self.core = self._inner.core
         self._bg: BackgroundLoop | None = None
 
-    def _tell_suspect(self, engine_id: str, reason: str) -> None:
-        self._inner._tell_suspect(engine_id, reason)
+    def _tell(self, op: str, engine_id: str, reason: str) -> None:
+        self._inner._tell(op, engine_id, reason)
 
     def start(self, wait: float = 0.0) -> None:
         """Start the feed thread; with ``wait`` > 0, wait that long for a first snapshot."""

@@ -15,10 +15,14 @@ includes them does not count them twice.
 
 Engines the router should not choose are kept known but left out of
 ``engines``, the list policies pick from: those the snapshot names stalled
-(work and no progress) or suspect (some router could not reach them), and
-those this router could not reach itself (``failed()``, for ``suspect_s``).
-A pinned request may still go to them; when every engine is excluded the
-router chooses among all of them rather than fail: an exclusion is a
+(work and no progress) or suspect (ejected: requests failed on them, some
+router told the deployment), and those this router ejected on the outcomes
+of its own requests (``failed()``; ``redisbal.outcomes``). Engines probing
+(an ejection whose back-off ended, here or in the snapshot) are left out too,
+but get one request at a time (``Decision.probe``) until one answers
+(``answered()``). A pinned request may still go to any of them; when every
+engine is excluded the router chooses among all of them rather than fail,
+and its own evidence ejects at most half of the engines: an exclusion is a
 preference, never a way to empty the deployment.
 """
 
@@ -30,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from redisbal.outcomes import EJECTED, PROBING, OutcomeTracker
 from redisbal.policies import (
     DEFAULT_POLICY,
     Decision,
@@ -65,7 +70,8 @@ class RouterCore:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         rejoin_grace_s: float = 1.0,
-        suspect_s: float = 2.0,
+        suspect_s: float = 1.0,
+        outcomes: OutcomeTracker | None = None,
     ) -> None:
         if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
             raise ValueError(f"client_count must be a whole number >= 1, got {client_count!r}")
@@ -96,13 +102,16 @@ class RouterCore:
         self._views: list[EngineView] = []  # by_id's views in the order of a compact roster
         self._views_of: Roster | None = None  # that roster, its incarnations adopted
         self.suspect_s = suspect_s
+        # this router's evidence: ejections back off from suspect_s / 8 to suspect_s
+        self.outcomes = outcomes or OutcomeTracker(base_s=suspect_s / 8, max_s=suspect_s)
         # engine -> local clock until which it is not chosen (inf: until the next snapshot)
         self._excluded_by_snapshot: dict[str, float] = {}
-        self._excluded_here: dict[str, float] = {}  # failed() on this router
+        self._probing_by_snapshot: set[str] = set()  # the snapshot's probing and suspect ones
+        self._answered_here: set[str] = set()  # of those, the ones a probe here answered
+        self._probing: list[str] = []  # probing now (here or in the snapshot): probes go there
         self._recheck_at = math.inf  # when the next exclusion runs out
         self._all_excluded = False  # every known engine is excluded: choose among all
         self._avoided: set[str] = set()  # excluded, while some engine is not
-        self._tell_after: dict[str, float] = {}  # failed(): next time Redis is told
         self._knew_any = False
         self.snapshot: Snapshot | None = None
         self.snapshot_at = float("-inf")  # local clock when the snapshot was applied
@@ -134,6 +143,8 @@ class RouterCore:
             "restarts": 0,  # engines seen with a new incarnation
             "all_excluded_routes": 0,  # routes made while every engine was excluded
             "roster_fetches": 0,  # compact messages whose roster was read from the stored one
+            "probes": 0,  # requests sent to a probing engine
+            "recovered": 0,  # probing engines that answered
         }
 
     # -- state -------------------------------------------------------------------------------
@@ -167,24 +178,36 @@ class RouterCore:
         self._choosable(self.clock())
 
     def _choosable(self, now: float) -> None:
-        """Set ``engines``: the known ones not excluded at ``now`` (all of them when
-        every one is), and when to look again. The caller resets the policy."""
-        here = self._excluded_here
-        for e in [e for e, until in here.items() if until <= now]:
-            del here[e]
+        """Set ``engines``: the known ones not excluded or probing at ``now`` (all of
+        them when every one is), the probing ones, and when to look again. The caller
+        resets the policy."""
+        out = self.outcomes
         excluded = {e for e, until in self._excluded_by_snapshot.items() if until > now}
-        excluded.update(here)
-        choosable = [e for e in self.known if e.engine_id not in excluded]
+        untils = [t for t in self._excluded_by_snapshot.values() if t > now]
+        probing = self._probing_by_snapshot - self._answered_here - excluded
+        for e in out.marked:
+            state = out.state(e, now)
+            if state == EJECTED:
+                excluded.add(e)
+                untils.append(out.engines[e].until)
+            elif state == PROBING and e not in excluded:
+                probing.add(e)
+        avoid = excluded | probing
+        choosable = [e for e in self.known if e.engine_id not in avoid]
         self._all_excluded = not choosable and bool(self.known)
-        self.engines, self._avoided = choosable or self.known, excluded if choosable else set()
-        untils = [t for t in (*self._excluded_by_snapshot.values(), *here.values()) if t > now]
+        self.engines, self._avoided = choosable or self.known, avoid if choosable else set()
+        self._probing = [e for e in self.by_id if e in probing] if choosable else []
         self._recheck_at = min(untils, default=math.inf)
 
     def excluded(self) -> dict[str, str]:
-        """Known engines this router does not choose now -> why ("stalled", "suspect")."""
+        """Known engines this router does not choose now -> why ("stalled", "suspect":
+        ejected here or in the deployment, "probing": one request at a time)."""
         with self.lock:
             now, snap = self.clock(), self.snapshot
-            out = {e: "suspect" for e, t in self._excluded_here.items() if t > now}
+            out = {e: "probing" for e in self._probing_by_snapshot - self._answered_here}
+            for e in self.outcomes.marked:
+                state = self.outcomes.state(e, now)
+                out[e] = "suspect" if state == EJECTED else "probing"
             for e, t in self._excluded_by_snapshot.items():
                 if t > now:
                     out[e] = "stalled" if snap is not None and e in snap.stalled else "suspect"
@@ -223,11 +246,20 @@ class RouterCore:
             excluded = dict.fromkeys(snap.stalled, math.inf)  # until the next snapshot
             for eid, ms_left in snap.suspect.items():
                 excluded[eid] = now + ms_left / 1000.0
+            # marked in the snapshot: probing once its ejection ends, even with no newer
+            # snapshot saying so (a mark never lapses into routable)
+            was_probing = self._probing_by_snapshot
+            self._probing_by_snapshot = {*snap.probing, *snap.suspect}
+            self._answered_here &= self._probing_by_snapshot
+            for e in was_probing - self._probing_by_snapshot:  # cleared: some router's probe
+                if self.outcomes.state(e, now) == PROBING:  # was answered (not fresh evidence)
+                    self.outcomes.answered(e, now)
             # the speed estimate only feeds a policy that uses it (off by default)
             speed_on, age_on = (getattr(self.policy, a, False) for a in ("use_speed", "use_age"))
             prev_excluded, self._excluded_by_snapshot = self._excluded_by_snapshot, excluded
             ids = [*snap.engines, *kept, *carried]
-            if ids != self._ids or excluded or prev_excluded or self._excluded_here:
+            marked = excluded or prev_excluded or self.outcomes.marked
+            if ids != self._ids or marked or was_probing or snap.probing:
                 self._set_engines(ids)
             # else the same engines, none excluded: known and engines stand as they are
             if snap.roster is not None:
@@ -267,7 +299,9 @@ class RouterCore:
             # (a sum past MAX_ADMITTED: counts none of our reporters sends, read as none)
             if adm is not None and (all_adm := sum(adm)) < MAX_ADMITTED:
                 got = adm[ci] if ci < len(adm) else 0
-                e.pending = max(0, e.routed - e.routed_before - got)
+                # routes it never admitted that ended (refused, failed) are no load: at
+                # most the requests still open here are (no phantom load after errors)
+                e.pending = max(0, min(e.routed - e.routed_before - got, e.inflight))
                 e.exact = exact = True
                 e.times.clear()
                 _trim_costs(e)
@@ -440,8 +474,9 @@ class RouterCore:
                     "engines report to this deployment"
                 )
             self.request = info  # policies read it in pick() and routed()
+            now = self.clock()
             try:
-                eng, pinned = self._choose(engine_id)
+                eng, pinned, probe = self._choose(engine_id, now)
                 eng.routed += 1
                 eng.inflight += 1
                 eng.pending += 1
@@ -449,9 +484,9 @@ class RouterCore:
                 eng.costs.append(cost)
                 eng.pending_cost += cost
                 if not eng.exact:
-                    eng.times.append(self.clock())
-                if not pinned or eng.engine_id not in self._avoided:  # (not in self.engines)
-                    self.policy.routed(self, eng)
+                    eng.times.append(now)
+                if not probe and (not pinned or eng.engine_id not in self._avoided):
+                    self.policy.routed(self, eng)  # (only engines in self.engines)
             finally:
                 self.request = None
             degraded = self.degraded
@@ -460,14 +495,20 @@ class RouterCore:
                 self.counters["degraded_routes"] += 1
             snap, self.seq = self.snapshot, self.seq + 1
             version = snap.version if snap else 0
-            return Decision(eng.engine_id, self.client_index, self.seq, version, degraded, pinned)
+            eid, ci = eng.engine_id, self.client_index
+            return Decision(eid, ci, self.seq, version, degraded, pinned, False, probe, now)
 
-    def _choose(self, engine_id: str | None) -> tuple[EngineView, bool]:
-        """The policy's pick, or the pinned engine; and whether it was pinned."""
+    def _choose(self, engine_id: str | None, now: float) -> tuple[EngineView, bool, bool]:
+        """The policy's pick, a probe of a probing engine (one at a time), or the pinned
+        engine; and whether it was pinned, whether a probe."""
         if engine_id is None:
+            for eid in self._probing:
+                if self.outcomes.take_probe(eid, now):
+                    self.counters["probes"] += 1
+                    return self.by_id[eid], False, True
             if self._all_excluded:
                 self.counters["all_excluded_routes"] += 1
-            return self.policy.pick(self), False
+            return self.policy.pick(self), False, False
         eng = self.by_id.get(engine_id)
         if eng is None:
             snap = self.snapshot
@@ -481,7 +522,7 @@ class RouterCore:
                 f"live engines: {', '.join(self.by_id) or 'none'}"
             )
         self.counters["pinned"] += 1
-        return eng, True
+        return eng, True, False
 
     # how much one prompt token weighs against one output token in a route's work:
     # prefill runs many tokens per step, decode one per request per step
@@ -517,6 +558,8 @@ class RouterCore:
         if decision.done:
             return
         decision.done = True
+        if decision.probe:  # ended, answered or not: the next request may probe again
+            self.outcomes.release_probe(decision.engine_id)
         eng = self._view(decision)
         if eng is not None and eng.inflight > 0:
             eng.inflight -= 1
@@ -538,27 +581,65 @@ class RouterCore:
                 _trim_costs(eng)
             self._finish(decision)
 
-    def failed(self, decision: Decision) -> bool:
-        """The engine of ``decision`` could not serve it (unreachable, 5xx): the request
-        ends, and this router does not choose the engine for ``suspect_s``. Returns
-        whether to tell the deployment (at most once per engine per half of
-        ``suspect_s``: the mark lasts suspect_ms there)."""
+    def failed(self, decision: Decision, kind: str = "error") -> bool:
+        """The engine of ``decision`` did not serve it (``kind``: one of
+        ``redisbal.outcomes.FAILURES``): the request ends, and this router ejects the
+        engine with a back-off (unless half of the engines are ejected or probing
+        already). Returns whether to tell the deployment (it was ejected now)."""
         with self.lock:
             self._finish(decision)
             engine = decision.engine_id
             if engine not in self.by_id:
                 return False
             self.counters["failed"] += 1
-            now = self.clock()
-            self._excluded_here[engine] = now + self.suspect_s
-            self._choosable(now)
-            self.policy.reset(self)
-            if now < self._tell_after.get(engine, -math.inf):
+            now, out = self.clock(), self.outcomes
+            self._answered_here.discard(engine)
+            marked = out.marked | self._probing_by_snapshot
+            marked.update(e for e, t in self._excluded_by_snapshot.items() if t > now)
+            may_eject = engine in marked or len(marked) + 1 <= len(self.known) // 2
+            tell = out.failure(engine, kind, now, may_eject=may_eject)
+            if tell:
+                self._choosable(now)
+                self.policy.reset(self)
+            return tell
+
+    def answered(self, decision: Decision, first_byte_s: float | None = None) -> bool:
+        """The engine of ``decision`` answered it (its first byte, after ``first_byte_s``;
+        default: since the route). The request goes on (``finished()`` still ends it).
+        Clears this router's ejection of a probing engine; returns whether to tell the
+        deployment (the engine is probing there: ``lua/recovered.lua``)."""
+        with self.lock:
+            engine = decision.engine_id
+            if engine not in self.by_id:
                 return False
-            # (the marks that ran out go: it holds only the engines told of lately)
-            self._tell_after = {e: t for e, t in self._tell_after.items() if t > now}
-            self._tell_after[engine] = now + self.suspect_s / 2
-            return True
+            now, out = self.clock(), self.outcomes
+            took = now - decision.routed_at if first_byte_s is None else first_byte_s
+            if not out.marked and engine not in self._probing_by_snapshot:
+                out.answered(engine, now, took)  # (the steady case: no state changes)
+                return False
+            recovered = out.answered(engine, now, took)
+            tell = (
+                decision.probe or recovered
+            ) and engine in self._probing_by_snapshot - self._answered_here
+            if tell:
+                self._answered_here.add(engine)
+            if recovered or tell:
+                self.counters["recovered"] += 1
+                self._choosable(now)
+                self.policy.reset(self)
+            return tell
+
+    def first_byte_bound(self, engine_id: str) -> float:
+        """Seconds to wait for ``engine_id``'s first byte before calling it failed
+        (``first_byte_timeout``): a multiple of what it usually takes, within bounds."""
+        with self.lock:
+            return self.outcomes.first_byte_bound(engine_id)
+
+    def evidence(self, engine_id: str) -> str:
+        """What this router's requests got from ``engine_id`` since it was last healthy
+        (e.g. ``5xx x12 in 2.0s``; "" when nothing)."""
+        with self.lock:
+            return self.outcomes.why(engine_id, self.clock())
 
     def loads(self) -> dict[str, float]:
         """Each engine's estimated load as this router sees it (for status/debug)."""

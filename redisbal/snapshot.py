@@ -140,6 +140,7 @@ def _header(d: dict[str, Any]) -> dict[str, Any]:
         "time_ms": d["time_ms"],
         "stalled": d.get("stalled", {}),
         "suspect": d.get("suspect", {}),
+        "probing": d.get("probing", []),
     }
     for name in ("version", "wave", "step", "time_ms"):
         if type(h[name]) is not int:
@@ -150,10 +151,11 @@ def _header(d: dict[str, Any]) -> dict[str, Any]:
         m = h[name]
         if not isinstance(m, dict) or not all(type(v) is kind for v in m.values()):
             raise ValueError(f"snapshot: {name} must map engines to {kind.__name__}s")
-    joining = h["joining"]
-    if not isinstance(joining, list) or not all(isinstance(e, str) for e in joining):
-        raise ValueError("snapshot: joining must be a list of engine ids")
-    h["joining"] = tuple(joining)
+    for name in ("joining", "probing"):
+        ids = h[name]
+        if not isinstance(ids, list) or not all(isinstance(e, str) for e in ids):
+            raise ValueError(f"snapshot: {name} must be a list of engine ids")
+        h[name] = tuple(ids)
     return h
 
 
@@ -175,6 +177,7 @@ class Snapshot:
     # progress; engines a router could not reach (failed()) -> ms the mark has left
     stalled: dict[str, int] = field(default_factory=dict)
     suspect: dict[str, int] = field(default_factory=dict)
+    probing: tuple[str, ...] = ()  # ejection over, not cleared: one request at a time
     # compact form only: the version of its roster (0: full form), and the roster
     roster_version: int = 0
     roster: Roster | None = None

@@ -10,8 +10,12 @@ its last progress (a report its loop made, not a heartbeat). Engine states:
   snapshots but does not hold the barrier back yet;
 - ``stalled``: work queued or running and no progress for ``stall_after_ms``:
   routers do not choose it and the barrier does not wait for it;
-- ``suspect``: an API server could not reach it (``router.failed()``):
-  routers do not choose it until it progresses or the mark runs out;
+- ``suspect``: requests to it failed (``router.failed()``): ejected, routers
+  do not choose it until its back-off ends; the reason says what they got
+  (``suspect: 5xx x12 in 2.0s``);
+- ``probing``: its back-off ended and no router has seen it answer since:
+  routers send it one request at a time; an answer makes it live again (its
+  own reports do not);
 - ``conflict``: a process started earlier still reports under its id (two
   processes, one engine id): its reports are refused; both incarnations shown;
 - ``registered``: announced (by itself or by the coordinator's expected
@@ -42,6 +46,7 @@ COUNTERS = (
     "conflicts",
     "stalled",
     "suspected",
+    "recovered",
     "expired",
     "left",
 )
@@ -97,12 +102,17 @@ def _state(
         return "conflict", extra
     if rec.flag == STALLED:
         return "stalled", extra
-    if rec.suspect_until_ms > now_ms:
-        mark = meta.get(f"suspect:{e}", "").split(" ", 2)
-        if len(mark) == 3:  # client index "-": not a router (the sidecar)
+    if rec.suspect_until_ms:
+        # "<ms> <client> <level> <reason>" (lua/suspect.lua)
+        mark = meta.get(f"suspect:{e}", "").split(" ", 3)
+        if len(mark) == 4:  # client index "-": not a router (the sidecar)
             who = int(mark[1]) if mark[1].isdigit() else None
-            extra["suspect"] = {"client_index": who, "reason": mark[2]}
-        return "suspect", extra
+            level = int(mark[2]) if mark[2].isdigit() else 0
+            extra["suspect"] = {"client_index": who, "reason": mark[3], "level": level}
+        if rec.suspect_until_ms > now_ms:
+            extra["ejected_ms_left"] = rec.suspect_until_ms - now_ms
+            return "suspect", extra
+        return "probing", extra
     return ("provisional" if rec.flag == PROVISIONAL else "live"), extra
 
 
@@ -191,6 +201,7 @@ def gather_status(client: Any, deployment: str, seen: set[str] | None = None) ->
             "joining": list(snap.joining),
             "stalled": snap.stalled,
             "suspect": snap.suspect,
+            "probing": list(snap.probing),
             "age_ms": max(0, now_ms - snap.time_ms),
             "engines": len(snap.engines),
         },
@@ -223,7 +234,8 @@ def _state_text(e: dict[str, Any]) -> str:
     if "suspect" in e:
         who = e["suspect"]["client_index"]
         by = "" if who is None else f"router {who}: "
-        return f"suspect ({by}{e['suspect']['reason']})"
+        left = f", {_fmt_age(e['ejected_ms_left'])} left" if "ejected_ms_left" in e else ""
+        return f"{state}: {e['suspect']['reason']} ({by}back-off {e['suspect']['level']}{left})"
     if "removed_ms_ago" in e:
         return f"{state} {_fmt_age(e['removed_ms_ago'])} ago"
     return state

@@ -245,6 +245,10 @@ class Barrier:
         status, version = self.scripts.call("suspect", engine, client, reason)
         return text(status), int(version)
 
+    def recovered(self, engine: str, client: int = 0) -> tuple[str, int]:
+        status, version = self.scripts.call("recovered", engine, client)
+        return text(status), int(version)
+
     def reap(self, limit: int = 1000, fence: str = "") -> tuple[int, list[str]]:
         out = self.scripts.call("reap", limit, fence)
         return int(out[0]), [text(e) for e in out[1:]]

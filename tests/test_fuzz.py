@@ -245,6 +245,7 @@ def valid_argv(t: Target, name: str) -> list[str]:
         "new_epoch": [d, "PUBLISH", "ep2"],
         "lease": [d, "PUBLISH", "c1", "1000", "acquire"],
         "suspect": [d, "PUBLISH", "e0", "3", "connect refused"],
+        "recovered": [d, "PUBLISH", "e0", "3"],
     }[name]
 
 
@@ -335,6 +336,12 @@ BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
             st.text(min_size=201, max_size=300), st.sampled_from(["a\nb", "\x00", "\x7f"])
         ),
     },
+    "recovered": {
+        0: bad_name,
+        1: bad_pubcmd,
+        2: bad_name,
+        3: bad_int(0, 4095).filter(lambda s: s != "-"),
+    },
 }
 
 
@@ -382,6 +389,7 @@ MIN_ARGS = {
     "new_epoch": 3,
     "lease": 5,
     "suspect": 5,
+    "recovered": 4,
 }
 MAX_ARGS = {
     "report": 12,
@@ -392,6 +400,7 @@ MAX_ARGS = {
     "new_epoch": 3,
     "lease": 5,
     "suspect": 5,
+    "recovered": 4,
 }
 
 

@@ -175,26 +175,58 @@ def test_an_idle_engine_that_does_not_step_is_healthy(bar: Barrier) -> None:
     assert record(bar, "e0").flag == "b" and bar.counter("stalled") == 0
 
 
-def test_suspect_marks_are_published_capped_and_cleared_by_progress(bar: Barrier) -> None:
+def test_suspect_marks_are_published_capped_and_kept_through_progress(bar: Barrier) -> None:
     for e in ("e0", "e1", "e2", "e3"):
         bar.report(e, 1, inc=NEW)
     status, version = bar.suspect("e0", 3, "connect refused")
     assert status == "suspect" and version > 0
     snap = bar.snapshot()
     assert snap is not None and set(snap.suspect) == {"e0"}
-    assert 0 < snap.suspect["e0"] <= 2000
-    _, client, reason = bar.meta()["suspect:e0"].split(" ", 2)
-    assert (client, reason) == ("3", "connect refused")
+    assert 0 < snap.suspect["e0"] <= 2000 // 8  # the first back-off: suspect_ms / 8
+    _, client, level, reason = bar.meta()["suspect:e0"].split(" ", 3)
+    assert (client, level, reason) == ("3", "0", "connect refused")
+    assert bar.suspect("e0", 1, "500 x3") == ("held", 0)  # ejected already: reason only
+    assert bar.meta()["suspect:e0"].split(" ", 3)[3] == "500 x3"
     assert bar.suspect("e1")[0] == "suspect"
     assert bar.suspect("e2") == ("capped", 0)  # never more than half of the engines
     assert bar.counter("suspect_capped") == 1
     assert bar.suspect("nope") == ("unknown", 0)
-    # a heartbeat keeps the mark; progress clears it
+    # neither a heartbeat nor progress clears it: outcomes over self-reports
     bar.report("e0", 1, inc=NEW, progress=False)
-    assert record(bar, "e0").suspect_until_ms > 0
     bar.report("e0", 2, inc=NEW)
-    assert record(bar, "e0").suspect_until_ms == 0 and "suspect:e0" not in bar.meta()
-    assert set(bar.snapshot().suspect) == {"e1"}  # type: ignore[union-attr]
+    assert record(bar, "e0").suspect_until_ms > 0 and "suspect:e0" in bar.meta()
+
+
+def test_a_lapsed_mark_is_probing_until_an_answer_clears_it(bar: Barrier) -> None:
+    bar.configure(suspect_ms="800")  # back-offs 100, 200, 400, 800 ms
+    for e in ("e0", "e1", "e2", "e3"):
+        bar.report(e, 1, inc=NEW)
+    assert bar.recovered("e0") == ("healthy", 0)
+    assert bar.recovered("nope") == ("unknown", 0)
+    bar.suspect("e0")
+    assert bar.recovered("e0") == ("ejected", 0)  # a newer failure than the answer
+    time.sleep(0.25)  # past the first back-off (100 ms)
+    for e in ("e0", "e1", "e2", "e3"):  # its own progress among them
+        bar.report(e, 2, inc=NEW)
+    snap = bar.snapshot()
+    assert snap is not None and "e0" not in snap.suspect and snap.probing == ("e0",)
+    # a failed probe backs off longer (level 1: 200 ms)
+    status, _ = bar.suspect("e0", 0, "probe failed")
+    assert status == "suspect"
+    assert 100 < bar.snapshot().suspect["e0"] <= 200  # type: ignore[union-attr]
+    assert bar.meta()["suspect:e0"].split(" ", 3)[2] == "1"
+    time.sleep(0.35)
+    for e in ("e0", "e1", "e2", "e3"):
+        bar.report(e, 3, inc=NEW)
+    assert bar.snapshot().probing == ("e0",)  # type: ignore[union-attr]
+    status, version = bar.recovered("e0", 2)
+    assert status == "recovered" and version > 0
+    snap = bar.snapshot()
+    assert snap is not None and "e0" not in snap.probing and "e0" not in snap.suspect
+    assert record(bar, "e0").suspect_until_ms == 0 and bar.counter("recovered") == 1
+    # a relapse soon after backs off longer than a first failure (level 2: 400 ms)
+    bar.suspect("e0")
+    assert 200 < bar.snapshot().suspect["e0"] <= 400  # type: ignore[union-attr]
 
 
 def test_a_single_engine_is_never_marked_suspect(bar: Barrier) -> None:

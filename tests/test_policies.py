@@ -354,14 +354,30 @@ def test_finished_is_idempotent() -> None:
     assert core.by_id["e0"].inflight == 0
 
 
-def test_what_failed_keeps_to_tell_redis_holds_only_recent_engines() -> None:
+def test_failed_tells_redis_once_per_ejection_and_again_after_a_failed_probe() -> None:
     clock = FakeClock()
     core = make_core(clock=clock)
-    for v in range(1, 41):  # a new engine fails every suspect_s: each is told once
-        core.apply_snapshot(make_snapshot({f"e{v}": (0, 0), "x": (0, 0)}, version=v))
-        assert core.failed(core.route(f"e{v}"))
-        clock.t += core.suspect_s
-    assert len(core._tell_after) == 1
+    core.apply_snapshot(make_snapshot(equal(4)))
+    assert core.failed(core.route("e0"), "5xx")
+    assert not any(core.failed(core.route("e0"), "5xx") for _ in range(10))
+    clock.t += core.suspect_s
+    probe = core.route()
+    assert probe.engine_id == "e0" and probe.probe
+    assert core.failed(probe, "5xx")  # ejected again, for longer
+    assert core.outcomes.health("e0").level == 1
+
+
+def test_a_refused_route_leaves_no_phantom_load() -> None:
+    core = make_core("redisbal", client_count=1)
+    snap = make_snapshot({e: (0, 0) for e in ("e0", "e1")}, admitted={"e0": (0,), "e1": (0,)})
+    core.apply_snapshot(snap)
+    for _ in range(5):  # refused: the engine never admitted them
+        core.finished(core.route("e0"))
+    core.apply_snapshot(
+        make_snapshot({"e0": (0, 0), "e1": (0, 0)}, version=2, admitted={"e0": (0,), "e1": (0,)})
+    )
+    assert core.by_id["e0"].pending == 0
+    assert core.loads() == {"e0": 0.0, "e1": 0.0}
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -135,7 +135,75 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     default=2.0,
     show_default=True,
     help="How long to wait for the TCP connection to an engine; a connect error (this "
-    "timeout too) is retried once on another engine.",
+    "timeout too) is retried on another engine.",
+)
+@click.option(
+    "--first-byte-timeout-s",
+    type=FiniteFloat(0.01, 86400),
+    default=30.0,
+    show_default=True,
+    envvar="REDISBAL_FIRST_BYTE_TIMEOUT_S",
+    show_envvar=True,
+    help="Longest wait for an engine's first byte (a whole answer when not streamed); "
+    "streamed requests wait --first-byte-factor times what the engine usually takes, "
+    "at least --first-byte-min-s. Past it the request goes to another engine.",
+)
+@click.option(
+    "--first-byte-factor",
+    type=FiniteFloat(0, 1000),
+    default=8.0,
+    show_default=True,
+    envvar="REDISBAL_FIRST_BYTE_FACTOR",
+    show_envvar=True,
+    help="Streamed: the first-byte bound as a multiple of the engine's usual time to "
+    "its first token (0: always --first-byte-timeout-s).",
+)
+@click.option(
+    "--first-byte-min-s",
+    type=FiniteFloat(0.01, 86400),
+    default=0.5,
+    show_default=True,
+    envvar="REDISBAL_FIRST_BYTE_MIN_S",
+    show_envvar=True,
+    help="Streamed: the first-byte bound is never shorter than this.",
+)
+@click.option(
+    "--idle-timeout-s",
+    type=FiniteFloat(0.01, 86400),
+    default=10.0,
+    show_default=True,
+    envvar="REDISBAL_IDLE_TIMEOUT_S",
+    show_envvar=True,
+    help="A stream with no token for this long ends with an error event (the engine is ejected).",
+)
+@click.option(
+    "--max-attempts",
+    type=click.IntRange(1, 10),
+    default=3,
+    show_default=True,
+    envvar="REDISBAL_MAX_ATTEMPTS",
+    show_envvar=True,
+    help="Engines one request may try before its first byte (1: no retries).",
+)
+@click.option(
+    "--retry-budget",
+    type=FiniteFloat(0, 10),
+    default=0.2,
+    show_default=True,
+    envvar="REDISBAL_RETRY_BUDGET",
+    show_envvar=True,
+    help="Retries at most this share of the requests of the last 10 s (at least 10), so "
+    "a deployment-wide problem is not amplified.",
+)
+@click.option(
+    "--eject-max-s",
+    type=FiniteFloat(0.05, 3600),
+    default=1.0,
+    show_default=True,
+    envvar="REDISBAL_EJECT_MAX_S",
+    show_envvar=True,
+    help="Longest back-off of an engine this gateway ejected (the first is an eighth of "
+    "it, doubling while its probes fail).",
 )
 @click.option(
     "--max-body-bytes",
@@ -209,9 +277,17 @@ async def _serve(
     drain_s: float,
     refresh_s: float,
     wait_s: float,
+    first_byte_timeout_s: float,
+    first_byte_factor: float,
+    first_byte_min_s: float,
+    idle_timeout_s: float,
+    max_attempts: int,
+    retry_budget: float,
+    eject_max_s: float,
 ) -> bool:
     from redisbal.connection import make_client
     from redisbal.gateway.server import Gateway
+    from redisbal.outcomes import OutcomeTracker
     from redisbal.router import AsyncRouter
 
     if client_index != "auto" and not int(client_index) < client_count:
@@ -226,6 +302,14 @@ async def _serve(
         policy=policy,
         engines=sorted(engines) or None,
         lease_ttl_s=lease_ttl_s,
+        suspect_s=eject_max_s,
+        outcomes=OutcomeTracker(
+            base_s=eject_max_s / 8,
+            max_s=eject_max_s,
+            first_byte_factor=first_byte_factor,
+            first_byte_min_s=min(first_byte_min_s, first_byte_timeout_s),
+            first_byte_max_s=first_byte_timeout_s,
+        ),
     )
     redis_client = make_client(url, asyncio=True, socket_connect_timeout=1.0, socket_timeout=5.0)
     gw = Gateway(
@@ -236,6 +320,10 @@ async def _serve(
         connect_timeout_s=connect_timeout_s,
         max_body=max_body_bytes,
         refresh_s=refresh_s,
+        idle_timeout_s=idle_timeout_s,
+        first_byte_timeout_s=first_byte_timeout_s,
+        max_attempts=max_attempts,
+        retry_budget=retry_budget,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

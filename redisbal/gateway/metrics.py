@@ -51,13 +51,35 @@ class GatewayMetrics:
         )
         self.errors = Counter(
             "redisbal_gateway_errors",
-            "Failed requests by reason (connect, upstream_status, timeout, stream, "
-            "client_disconnect, no_engine, bad_request, too_large).",
+            "Failed attempts and requests by reason: what an engine did (connect, reset, "
+            "5xx, 429, first_byte_timeout, idle_timeout, timeout; retried when nothing "
+            "was sent yet), client_disconnect (the client left before the end), "
+            "no_engine, bad_request, too_large.",
             ["reason"],
             registry=r,
         )
         self.retries = Counter(
             "redisbal_gateway_retries", "Requests retried on another engine.", registry=r
+        )
+        self.retries_refused = Counter(
+            "redisbal_gateway_retries_refused",
+            "Retries not made: the retry budget (a share of recent requests) was spent.",
+            registry=r,
+        )
+        self.outcomes = Counter(
+            "redisbal_gateway_engine_outcomes",
+            "Attempts per engine by how they ended: ok, rejected (a 4xx), "
+            "client_disconnect, or a failure kind (connect, reset, 5xx, 429, "
+            "first_byte_timeout, idle_timeout, timeout).",
+            ["engine", "outcome"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "redisbal_gateway_ejections",
+            "Engines this gateway ejected on the outcome of its requests (and told the "
+            "deployment of).",
+            ["engine"],
+            registry=r,
         )
         self.decisions = Counter(
             "redisbal_gateway_decisions", "Route decisions per engine.", ["engine"], registry=r
@@ -93,6 +115,9 @@ class GatewayMetrics:
         if c is None:
             c = self._engines[engine_id] = self.decisions.labels(engine_id)
         c.inc()
+
+    def outcome(self, engine_id: str, kind: str) -> None:
+        self.outcomes.labels(engine_id, kind).inc()
 
     def observe_added(self, stream: bool, seconds: float) -> None:
         self._added[stream].observe(max(0.0, seconds))

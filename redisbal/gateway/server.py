@@ -7,11 +7,16 @@ arrives. The router is told ``finished()`` on every path: completion, upstream
 failure, timeout, and a client that goes away (aiohttp cancels the handler;
 the ``finally`` below runs either way).
 
-Failures before any byte reached the client (connect error, upstream 502/503,
-the connection dropped before the first chunk) are retried once on another
-engine (never for a pinned request); after bytes were streamed the client's
-stream ends with an ``error`` event. Engines and their URLs come from Redis
-(redisbal.endpoints, re-read every ``refresh_s``) and from ``--engine ID=URL``.
+Every attempt's outcome goes to the router (``answered``, ``failed`` with its
+kind, ``finished``): an engine that fails is ejected for every router of the
+deployment until a probe of it is answered (redisbal.outcomes). Failures
+before any byte reached the client (connect error, reset, an answer 429, 500,
+502, 503 or 504, no first byte within the engine's first-byte bound) go to
+another engine, up to ``max_attempts`` and within the retry budget (never for
+a pinned request); after bytes were streamed, a stream that fails or goes
+quiet for ``idle_timeout_s`` ends with an ``error`` event and no ``[DONE]``.
+Engines and their URLs come from Redis (redisbal.endpoints, re-read every
+``refresh_s``) and from ``--engine ID=URL``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from aiohttp import web
 from redisbal import endpoints
 from redisbal.background import cancel_and_wait
 from redisbal.gateway.metrics import CONTENT_TYPE, GatewayMetrics, monotonic_age
+from redisbal.gateway.retry import RETRY_STATUSES, Retry, RetryBudget, status_kind
 from redisbal.keys import InvalidName, check_name
 from redisbal.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
 from redisbal.router import AsyncRouter
@@ -39,10 +45,7 @@ log = logging.getLogger("redisbal.gateway")
 RANK_HEADER = "X-data-parallel-rank"  # vLLM's pinning header: an engine rank
 ENGINE_HEADER = "X-Redisbal-Engine"  # pin to an engine id; also set on every answer
 CLIENT_HEADER = "X-Redisbal-Client-Index"  # tells the engine which API server sent it
-RETRY_STATUSES = (502, 503)
-# a request is retried once after a failure that may have reached its engine; one the
-# engine certainly never got (connect refused) may also try a third engine
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 3  # engines one request may try (the first and two retries)
 PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
 KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer one engine
 CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, roughly)
@@ -76,15 +79,6 @@ def request_hints(body: Mapping[str, Any], key_header: str | None) -> tuple[str 
     return key, chars // CHARS_PER_TOKEN
 
 
-class _Retry(Exception):
-    """An attempt failed before any byte reached the client: try another engine."""
-
-    def __init__(self, reason: str, detail: str, status: int = 502, unsent: bool = False) -> None:
-        super().__init__(detail)
-        self.reason, self.detail, self.status = reason, detail, status
-        self.unsent = unsent  # the engine certainly never got the request (connect refused)
-
-
 def _json_error(
     status: int, message: str, kind: str = "invalid_request_error", **headers: str
 ) -> web.Response:
@@ -111,13 +105,10 @@ async def _unserved_as_json(request: web.Request, handler: Any) -> web.StreamRes
         return _json_error(404, f"no such path: {request.path[:200]} (served: {served})")
 
 
-def _unroute(router: AsyncRouter, decision: Decision, reason: str | None = None) -> None:
+def _unroute(router: AsyncRouter, decision: Decision) -> None:
     """The request of ``decision`` never reached its engine: take the route back (the
-    engine's admitted count will not include it), and with a ``reason`` tell the router
-    the engine failed (``failed()``: it avoids the engine and tells the deployment)."""
+    engine's admitted count will not include it)."""
     router.core.unroute(decision)
-    if reason is not None:
-        router.failed(decision, reason)
 
 
 class Gateway:
@@ -133,12 +124,25 @@ class Gateway:
         connect_timeout_s: float = 2.0,
         max_body: int = 4 * 1024 * 1024,
         refresh_s: float = 1.0,
+        idle_timeout_s: float = 10.0,
+        first_byte_timeout_s: float = 30.0,
+        max_attempts: int = MAX_ATTEMPTS,
+        retry_budget: float = 0.2,
+        models_timeout_s: float = 2.0,
     ) -> None:
         self.router = router
         self.redis = redis_client
         self.static_urls = dict(static_urls or {})
         self.urls: dict[str, str] = dict(self.static_urls)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.first_byte_timeout_s = first_byte_timeout_s  # non-streamed: the whole answer
+        self.max_attempts = max_attempts
+        self.budget = RetryBudget(retry_budget)
+        self.models_timeout_s = models_timeout_s
+        self._models_body: bytes | None = None  # the last /v1/models an engine answered
+        self._complete: set[int] = set()  # requests whose whole answer was passed on
         self.max_body = max_body
         self.refresh_s = refresh_s
         self.inflight = 0
@@ -272,15 +276,39 @@ class Gateway:
         return resp
 
     async def _models(self, request: web.Request) -> web.Response:
+        """Ask the engines the router would choose (the others after them) at once; the
+        first that answers 200 within ``models_timeout_s`` wins, so a hung engine never
+        holds it up. None: the last answer seen, else a 503."""
         assert self.session is not None
-        for eid in self.live_engines():
-            try:
-                async with self.session.get(self.urls[eid] + "/v1/models") as up:
-                    body = await up.read()
-                    if up.status == 200:
-                        return web.Response(body=body, content_type="application/json")
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                continue
+        excluded = self.router.core.excluded()
+        live = self.live_engines()
+        order = [e for e in live if e not in excluded] + [e for e in live if e in excluded]
+        headers = {}
+        if (auth := request.headers.get("Authorization")) is not None:
+            headers["Authorization"] = auth
+        session = self.session
+
+        async def ask(eid: str) -> bytes:
+            async with session.get(self.urls[eid] + "/v1/models", headers=headers) as up:
+                body = await up.read()
+                if up.status != 200:
+                    raise ValueError(f"{up.status}")
+                return body
+
+        tasks = [asyncio.ensure_future(ask(e)) for e in order[:8]]
+        try:
+            for next_done in asyncio.as_completed(tasks, timeout=self.models_timeout_s):
+                with contextlib.suppress(Exception):
+                    body = await next_done
+                    self._models_body = body
+                    return web.Response(body=body, content_type="application/json")
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            for t in tasks:
+                t.cancel()
+        if self._models_body is not None:
+            return web.Response(body=self._models_body, content_type="application/json")
         return _json_error(
             503, "no engine answered /v1/models", "unavailable", **{"Retry-After": "1"}
         )
@@ -345,14 +373,17 @@ class Gateway:
                 **{"Retry-After": "1", "Connection": "close"},
             )
         self._begin()
+        self.budget.request()
         try:
             resp = await self._proxy_inner(request, t0)
             m.requests.labels(path, str(resp.status)).inc()
             return resp
         except asyncio.CancelledError:
-            m.errors.labels("client_disconnect").inc()
+            if id(request) not in self._complete:  # (not once the answer was all sent)
+                m.errors.labels("client_disconnect").inc()
             raise
         finally:
+            self._complete.discard(id(request))
             self._end()
 
     async def _read_body(
@@ -400,9 +431,8 @@ class Gateway:
         if (auth := request.headers.get("Authorization")) is not None:
             headers["Authorization"] = auth
         avoid: set[str] = set()
-        last: _Retry | None = None
-        reached = 0  # failures after which the engine may have had the request
-        for attempt in range(1 if pin is not None else MAX_ATTEMPTS):
+        last: Retry | None = None
+        for attempt in range(1 if pin is not None else self.max_attempts):
             try:
                 try:
                     d = self._route(pin, avoid, key, tokens)
@@ -429,12 +459,14 @@ class Gateway:
             headers[CLIENT_HEADER] = str(d.client_index)
             try:
                 return await self._attempt(request, d, raw, headers, stream, t0)
-            except _Retry as exc:
+            except Retry as exc:
                 last = exc
                 avoid.add(d.engine_id)
-                reached += not exc.unsent
-                m.errors.labels(exc.reason).inc()
-                again = pin is None and attempt + 1 < MAX_ATTEMPTS and reached <= 1
+                m.errors.labels(exc.kind).inc()
+                again = pin is None and attempt + 1 < self.max_attempts
+                if again and not self.budget.allow():
+                    m.retries_refused.inc()
+                    again = False
                 log.info(
                     "gateway: engine %s failed (%s); %s",
                     d.engine_id,
@@ -446,6 +478,15 @@ class Gateway:
         assert last is not None
         return _json_error(last.status, last.detail, "upstream_error")
 
+    def _outcome(self, d: Decision, kind: str, detail: str = "") -> None:
+        """Tell the router how the attempt of ``d`` ended, and count it per engine."""
+        router, m = self.router, self.metrics
+        m.outcome(d.engine_id, kind)
+        if kind in ("ok", "rejected", "client_disconnect"):
+            router.finished(d)
+        elif router.failed(d, detail, kind):
+            m.ejections.labels(d.engine_id).inc()
+
     async def _attempt(
         self,
         request: web.Request,
@@ -455,68 +496,75 @@ class Gateway:
         stream: bool,
         t0: float,
     ) -> web.StreamResponse:
-        """One upstream try. Raises _Retry only while nothing was sent to the client."""
+        """One upstream try. Raises Retry only while nothing was sent to the client."""
         assert self.session is not None
-        router, m = self.router, self.metrics
-        url = self.urls[d.engine_id] + request.path
-        outcome = "failed"
-        failure: str | None = None  # what the router's failed() is told
+        router = self.router
+        eid = d.engine_id
+        url = self.urls[eid] + request.path
+        kind = "client_disconnect"  # the outcome, unless set below
+        detail = ""
         up: aiohttp.ClientResponse | None = None
         t_up = time.perf_counter()
+        # streamed: a bound from what this engine usually takes to its first token;
+        # whole answers come at the end, so only the fixed ceiling applies to them
+        bound = router.first_byte_bound(eid) if stream else self.first_byte_timeout_s
         try:
             try:
-                up = await self.session.post(url, data=raw, headers=headers)
-            except aiohttp.ClientConnectorError as exc:
-                outcome = "unrouted"
-                raise _Retry(
-                    "connect", f"engine {d.engine_id} unreachable: {exc}", unsent=True
-                ) from None
-            except aiohttp.ClientError as exc:
-                raise _Retry("connect", f"engine {d.engine_id} failed: {exc}") from None
-            except asyncio.TimeoutError:
-                m.errors.labels("timeout").inc()
-                return _json_error(504, f"engine {d.engine_id} timed out", "timeout")
-            if up.status in RETRY_STATUSES:
-                outcome = "unrouted"
-                raise _Retry(
-                    "upstream_status", f"engine {d.engine_id} answered {up.status}", up.status
+                up = await asyncio.wait_for(
+                    self.session.post(url, data=raw, headers=headers), bound
                 )
+            except aiohttp.ClientConnectorError as exc:
+                _unroute(router, d)  # it never got there: no route to take back later
+                kind, detail = "connect", f"engine {eid} unreachable: {exc}"
+                raise Retry(kind, detail, unsent=True) from None
+            except aiohttp.ClientError as exc:
+                kind, detail = "reset", f"engine {eid} failed: {type(exc).__name__}: {exc}"
+                raise Retry(kind, detail) from None
+            except asyncio.TimeoutError:
+                kind, detail = "first_byte_timeout", f"engine {eid}: no answer in {bound:.2f}s"
+                raise Retry(kind, detail, 504) from None
+            if up.status in RETRY_STATUSES:
+                kind, detail = status_kind(up.status), f"engine {eid} answered {up.status}"
+                raise Retry(kind, detail, up.status)
             ctype = up.headers.get("Content-Type", "application/json")
             if not ctype.startswith("text/event-stream"):
-                try:
-                    body = await up.read()
-                except aiohttp.ClientError as exc:
-                    raise _Retry("connect", f"engine {d.engine_id} dropped: {exc}") from None
-                except asyncio.TimeoutError:
-                    m.errors.labels("timeout").inc()
-                    return _json_error(504, f"engine {d.engine_id} timed out", "timeout")
-                t_done = time.perf_counter()
-                whole = web.Response(status=up.status, body=body)
-                whole.headers["Content-Type"] = ctype
-                whole.headers[ENGINE_HEADER] = d.engine_id
-                outcome = "ok"
-                m.observe_added(False, (t_up - t0) + (time.perf_counter() - t_done))
+                whole, kind = await self._whole(d, up, ctype, t0, t_up)
                 return whole
-            resp, outcome = await self._relay(request, d, up, t0, t_up)
-            return resp
-        except _Retry as exc:
-            failure = exc.detail
-            raise
-        except asyncio.CancelledError:
-            outcome = "cancelled"
+            streamed, kind, detail = await self._relay(request, d, up, t0, t_up, bound)
+            return streamed
+        except Retry as exc:
+            kind, detail = exc.kind, exc.detail
             raise
         finally:
             if up is not None:
-                if outcome == "ok":
+                if kind == "ok":
                     up.release()
                 else:  # drop the connection: the engine sees the client leave and aborts
                     up.close()
-            if outcome in ("ok", "cancelled"):
-                router.finished(d)
-            elif outcome == "unrouted":
-                _unroute(router, d, failure or "unreachable")
-            else:
-                router.failed(d, failure or outcome)
+            self._outcome(d, kind, detail)
+
+    async def _whole(
+        self, d: Decision, up: aiohttp.ClientResponse, ctype: str, t0: float, t_up: float
+    ) -> tuple[web.Response, str]:
+        """A non-streamed answer (or an error), passed on whole; returns (response,
+        outcome kind)."""
+        eid = d.engine_id
+        try:
+            body = await up.read()
+        except aiohttp.ClientError as exc:
+            raise Retry("reset", f"engine {eid} dropped: {type(exc).__name__}") from None
+        except asyncio.TimeoutError:  # the whole-response timeout: not worth another try
+            self.metrics.errors.labels("timeout").inc()
+            return _json_error(504, f"engine {eid} timed out", "timeout"), "timeout"
+        t_done = time.perf_counter()
+        whole = web.Response(status=up.status, body=body)
+        whole.headers["Content-Type"] = ctype
+        whole.headers[ENGINE_HEADER] = eid
+        self.metrics.observe_added(False, (t_up - t0) + (time.perf_counter() - t_done))
+        if 400 <= up.status < 500:
+            return whole, "rejected"  # the engine refused it: no evidence, no load
+        self.router.answered(d, -1.0)  # (a whole answer is no first-byte time)
+        return whole, "ok"
 
     async def _relay(
         self,
@@ -525,47 +573,63 @@ class Gateway:
         up: aiohttp.ClientResponse,
         t0: float,
         t_up: float,
-    ) -> tuple[web.StreamResponse, str]:
-        """Pass an SSE stream through; returns (response, outcome). Headers go out with
-        the first chunk, so an engine that dies before its first token is retried."""
-        m = self.metrics
+        bound: float,
+    ) -> tuple[web.StreamResponse, str, str]:
+        """Pass an SSE stream through; returns (response, outcome kind, detail). Headers
+        go out with the first chunk, so an engine that gives none within ``bound`` of
+        the request (or drops first) is retried; after it, ``idle_timeout_s`` without a
+        chunk ends the stream with an error event."""
+        m, eid = self.metrics, d.engine_id
         chunks = up.content.iter_any()
+        left = max(0.001, bound - (time.perf_counter() - t_up))
         try:
-            first = await chunks.__anext__()
+            first = await asyncio.wait_for(chunks.__anext__(), left)
         except StopAsyncIteration:
             first = b""
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise _Retry(
-                "stream",
-                f"engine {d.engine_id} dropped before its first token: {type(exc).__name__}",
+        except asyncio.TimeoutError:
+            raise Retry(
+                "first_byte_timeout", f"engine {eid}: no first token in {bound:.2f}s", 504
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise Retry(
+                "reset", f"engine {eid} dropped before its first token: {type(exc).__name__}"
             ) from None
         t_first = time.perf_counter()
+        self.router.answered(d, t_first - t_up)
         resp = web.StreamResponse(status=up.status)
         resp.headers["Content-Type"] = "text/event-stream"
         resp.headers["Cache-Control"] = "no-cache"
-        resp.headers[ENGINE_HEADER] = d.engine_id
+        resp.headers[ENGINE_HEADER] = eid
+        kind, detail = "ok", ""
         try:
             await resp.prepare(request)
             if first:
                 await resp.write(first)
             m.observe_added(True, (t_up - t0) + (time.perf_counter() - t_first))
-            try:
-                async for chunk in chunks:
-                    await resp.write(chunk)
-            except (
-                aiohttp.ClientPayloadError,
-                aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError,
-                asyncio.TimeoutError,
-            ) as exc:
-                m.errors.labels("stream").inc()
-                msg = f"engine {d.engine_id} failed mid-stream: {type(exc).__name__}"
-                err = {"error": {"message": msg, "type": "upstream_error", "code": 502}}
+            idle = self.idle_timeout_s
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(chunks.__anext__(), idle)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    gone = time.perf_counter() - t0 >= self.timeout_s
+                    kind = "timeout" if gone else "idle_timeout"
+                    detail = f"engine {eid}: no token for {idle:.1f}s mid-stream"
+                    break
+                except (aiohttp.ClientPayloadError, aiohttp.ClientError) as exc:
+                    kind, detail = "reset", f"engine {eid} failed mid-stream: {type(exc).__name__}"
+                    break
+                await resp.write(chunk)
+            if kind != "ok":
+                m.errors.labels(kind).inc()
+                err = {"error": {"message": detail, "type": "upstream_error", "code": 502}}
                 await resp.write(b"data: " + orjson.dumps(err) + b"\n\n")
+            self._complete.add(id(request))  # all passed on: a client leaving now left at the end
+            with contextlib.suppress(ConnectionResetError):
                 await resp.write_eof()
-                return resp, "stream"
-            await resp.write_eof()
         except ConnectionResetError:  # the client went away mid-stream
-            m.errors.labels("client_disconnect").inc()
-            return resp, "cancelled"
-        return resp, "ok"
+            if id(request) not in self._complete:
+                m.errors.labels("client_disconnect").inc()
+                return resp, "client_disconnect", ""
+        return resp, kind, detail

@@ -1,9 +1,14 @@
 --[[
-  suspect: an API server could not reach an engine (router.failed): mark it
-  suspect, so that every router stops choosing it at the next snapshot, which
-  this call publishes. The mark holds suspect_ms, or until the engine's next
-  progress (report.lua). It never takes the last engines away: at most half
-  of the deployment's engines (rounded down) are suspect at once.
+  suspect: an API server saw a request to an engine fail (router.failed): eject
+  it, so that every router stops choosing it at the next snapshot, which this
+  call publishes. The ejection holds a back-off: suspect_ms / 8 (at least 50
+  ms), doubled for every ejection that follows the previous one within
+  8 x suspect_ms (a failed probe, a relapse), up to suspect_ms. When it ends
+  the engine is probing (the snapshot's "probing"): routers send it one request
+  at a time, and one that answered clears the mark (recovered.lua). Neither
+  time nor the engine's own reports clear it: outcomes over self-reports. It
+  never takes the last engines away: at most half of the deployment's engines
+  (rounded down) are ejected at once.
 
   KEYS: the deployment's seven keys (includes/deployment.lua)
   ARGV[1] deployment name
@@ -13,10 +18,13 @@
           whose scrape of the engine failed)
   ARGV[5] reason: what the caller saw, up to 200 characters, no control
           characters (stored for `redisbal status`, never in a snapshot)
-  Returns {status, version}: status "suspect" (marked until suspect_ms from
-  now; version of the snapshot that says so), "capped" (half the engines are
-  suspect already: nothing written) or "unknown" (not a member that reported);
-  version 0 when nothing was published.
+  Returns {status, version}: status "suspect" (ejected for its back-off;
+  version of the snapshot that says so), "held" (ejected already: only the
+  reason is updated), "capped" (half the engines are ejected already: nothing
+  written) or "unknown" (not a member that reported); version 0 when nothing
+  was published. meta suspect:<engine> holds "<ms> <client> <level> <reason>"
+  (the last mark and its back-off level; kept after recovery for the next
+  back-off, removed when the engine leaves or restarts).
   Errors: "redisbal: bad <field>: ..." before anything is written.
 ]]
 --- @include "args"
@@ -43,6 +51,19 @@ local rec = text and parse_record(text)
 if not rec or not rec.score then return {'unknown', 0} end
 
 local now, now_text = now_ms()
+local mark_field = 'suspect:' .. engine
+local mark = redis.call('HGET', d.meta, mark_field)
+local last_ms, level = 0, 0
+if mark then
+  local ms_text, level_text = string.match(mark, '^(%d+) %S+ (%d+) ')
+  last_ms, level = tonumber(ms_text) or 0, tonumber(level_text) or 0
+end
+local longest = config_value(d, 'suspect_ms')
+if rec.suspect > now then -- ejected already: a request sent before; the reason only
+  redis.call('HSET', d.meta, mark_field, int_text(last_ms) .. ' ' .. client_text .. ' ' ..
+    int_text(level) .. ' ' .. reason)
+  return {'held', 0}
+end
 -- the cap: engines that reported, and how many other ones are suspect now
 local engines, others = 0, 0
 local flat = redis.call('HGETALL', d.reports)
@@ -60,10 +81,16 @@ if others + 1 > math.floor(engines / 2) then
   return {'capped', 0}
 end
 
-local until_text = int_text(now + config_value(d, 'suspect_ms'))
+-- a failed probe (the mark lapsed into probing) or a relapse soon after the last
+-- ejection doubles the back-off; else it starts over
+if rec.suspect ~= 0 or now - last_ms < 8 * longest then level = math.min(level + 1, 30)
+else level = 0 end
+local base = math.max(50, math.floor(longest / 8))
+local until_text = int_text(now + math.min(longest, base * 2 ^ level))
 local head = format_head(rec.flag, rec.due, rec.inc, rec.offset, rec.progress, until_text)
 local older = rec.older_at and string.sub(text, rec.older_at) or ''
 redis.call('HSET', d.reports, engine, format_record(head, rec.line, older))
-redis.call('HSET', d.meta, 'suspect:' .. engine, now_text .. ' ' .. client_text .. ' ' .. reason)
+redis.call('HSET', d.meta, mark_field, now_text .. ' ' .. client_text .. ' ' .. int_text(level) ..
+  ' ' .. reason)
 redis.call('HINCRBY', d.meta, 'suspected', 1)
 return {'suspect', publish_after_change(d, now)}

@@ -10,7 +10,9 @@
      "gone": {id: "expired"|"left", ...} (since the previous snapshot),
      "joining": [id, ...] (members without a report at or before the cut),
      "stalled": {id: ms since its last progress, ...} (not to be routed to),
-     "suspect": {id: ms the mark has left, ...} (not to be routed to),
+     "suspect": {id: ms its ejection has left, ...} (not to be routed to),
+     "probing": [id, ...] (ejection over, not cleared yet: one request at a
+        time per router; suspect.lua, recovered.lua),
      "time_ms": server ms, then the engines' counts in one of two forms:
   full, below compact_from engines with counts (a deployment setting):
      "engines": {id: report json (includes/record.lua), ...}}
@@ -33,7 +35,7 @@
 
 -- A snapshot's header fields, up to time_ms (the engines' part follows).
 local function snapshot_head(d, epoch, version, cut, forced, laggards, gone, joining, stalled,
-    suspect, now)
+    suspect, probing, now)
   local wave, step = from_score(cut)
   return '{"deployment":"' .. d.name .. '","epoch":"' .. epoch .. '","version":' .. version ..
     ',"wave":' .. int_text(wave) .. ',"step":' .. int_text(step) ..
@@ -41,7 +43,7 @@ local function snapshot_head(d, epoch, version, cut, forced, laggards, gone, joi
     ',"laggards":{' .. table.concat(laggards, ',') .. '},"gone":{' .. gone ..
     '},"joining":[' .. table.concat(joining, ',') .. '],"stalled":{' ..
     table.concat(stalled, ',') .. '},"suspect":{' .. table.concat(suspect, ',') ..
-    '},"time_ms":' .. int_text(now)
+    '},"probing":[' .. table.concat(probing, ',') .. '],"time_ms":' .. int_text(now)
 end
 
 -- The order of the previous roster (text: ids, then incs) when ids and incs
@@ -129,7 +131,7 @@ local function publish(d, mode, now)
   -- per engine i: its id, record text, flag, newest score and that report's JSON;
   -- the stalled and suspect engines as the snapshot lists them
   local ids, texts, flags, scores, jsons, barrier = {}, {}, {}, {}, {}, {}
-  local stalled, suspect = {}, {}
+  local stalled, suspect, probing = {}, {}, {}
   local n = 0
   for i = 1, #flat, 2 do
     if is_engine_field(flat[i]) then
@@ -142,6 +144,8 @@ local function publish(d, mode, now)
       end
       if suspect_until > now then
         suspect[#suspect + 1] = '"' .. ids[n] .. '":' .. int_text(suspect_until - now)
+      elseif suspect_until ~= 0 then
+        probing[#probing + 1] = '"' .. ids[n] .. '"'
       end
     else
       barrier[flat[i]] = flat[i + 1]
@@ -181,7 +185,7 @@ local function publish(d, mode, now)
   local version = redis.call('HINCRBY', d.meta, 'version', 1)
   local m = redis.call('HMGET', d.meta, 'gone', 'roster')
   local head = snapshot_head(d, barrier['.epoch'] or '', version, cut, forced, laggards,
-    m[1] or '', joining, stalled, suspect, now)
+    m[1] or '', joining, stalled, suspect, probing, now)
   local json, message
   local hot = {'.pub', int_text(cut), '.behind', behind} -- the barrier fields it sets
   if k >= config_value(d, 'compact_from') then

@@ -29,8 +29,8 @@
     is behind the published step (it cannot hold the barrier back);
   - stall: a heartbeat of an engine with work queued or running whose last
     progress is stall_after_ms old marks it stalled (not waited for, not
-    routed to); its next progress brings it back; progress also clears a
-    suspect mark (suspect.lua);
+    routed to); its next progress brings it back (a suspect mark stays:
+    suspect.lua);
   - heartbeat: the engine's score in members is refreshed every
     dead_after_ms / 8, and a pass that refreshed one expires dead engines at
     most every dead_after_ms / 4, so the barrier never waits for a dead engine
@@ -270,15 +270,9 @@ local function apply_report(p, i, e)
     flag, due, older = rec.flag, rec.due, older_to_keep(rec, score, pub)
     if rec.inc ~= '-' and inc == '-' then inc = rec.inc end
     if progress == '0' and rec.progress ~= '0' then last_progress = rec.progress end
-    if rec.suspect > now then -- cleared by progress, else kept
-      if progress == '1' then
-        local del = pass_list(p, 'meta_del')
-        del[#del + 1] = 'suspect:' .. engine
-        changed = true
-      else
-        suspect = int_text(rec.suspect)
-      end
-    end
+    -- a suspect mark stays: only a router that saw the engine answer clears it
+    -- (recovered.lua), never its own reports (outcomes over self-reports)
+    if rec.suspect ~= 0 then suspect = int_text(rec.suspect) end
     if flag == 's' then
       if progress == '1' then -- it stepped again
         flag, changed = score >= pub and 'b' or 'p', true

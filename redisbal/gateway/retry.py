@@ -1,0 +1,74 @@
+"""When the gateway tries another engine: which answers are retryable, and the budget
+that keeps retries from amplifying a deployment-wide problem."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+# answers that say the engine did not serve the request (retried before the first byte)
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+def status_kind(status: int) -> str:
+    """The outcome kind (redisbal.outcomes.FAILURES) of a retryable status."""
+    return "429" if status == 429 else "5xx"
+
+
+class Retry(Exception):
+    """An attempt failed before any byte reached the client: another engine may serve it.
+    ``kind`` is the outcome (redisbal.outcomes.FAILURES); ``unsent``: the engine
+    certainly never got the request (connection refused)."""
+
+    def __init__(self, kind: str, detail: str, status: int = 502, unsent: bool = False) -> None:
+        super().__init__(detail)
+        self.kind, self.detail, self.status, self.unsent = kind, detail, status, unsent
+
+
+class RetryBudget:
+    """Retries at most ``ratio`` of the requests of the last ``window_s`` seconds (and
+    ``floor`` per window whatever the traffic, so that a quiet gateway still retries):
+    when every engine fails, retries stop growing the load with the traffic."""
+
+    def __init__(
+        self,
+        ratio: float = 0.2,
+        window_s: float = 10.0,
+        floor: int = 10,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(ratio, bool) or not 0 <= ratio < math.inf:
+            raise ValueError(f"ratio must be finite and >= 0, got {ratio!r}")
+        if not 0 < window_s < math.inf:
+            raise ValueError(f"window_s must be finite and > 0, got {window_s!r}")
+        self.ratio, self.window_s, self.floor, self.clock = ratio, window_s, floor, clock
+        # one [second, requests, retries] per second of the window
+        self._buckets: deque[list[int]] = deque()
+        self.requests = self.retries = 0  # within the window
+
+    def _now(self) -> list[int]:
+        sec = int(self.clock())
+        b = self._buckets
+        while b and b[0][0] <= sec - self.window_s:
+            _, req, ret = b.popleft()
+            self.requests -= req
+            self.retries -= ret
+        if not b or b[-1][0] != sec:
+            b.append([sec, 0, 0])
+        return b[-1]
+
+    def request(self) -> None:
+        """A request arrived."""
+        self._now()[1] += 1
+        self.requests += 1
+
+    def allow(self) -> bool:
+        """Take one retry if the budget has one."""
+        bucket = self._now()
+        if self.retries + 1 > max(self.floor, self.ratio * self.requests):
+            return False
+        bucket[2] += 1
+        self.retries += 1
+        return True

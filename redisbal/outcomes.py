@@ -1,0 +1,199 @@
+"""What requests actually got from each engine: one router's outcome state machine.
+
+An engine's reports say what it thinks it is doing; this module keeps what the
+requests sent to it got (invariant "Outcomes over self-reports" in
+docs/DESIGN.md). Per engine:
+
+- **healthy**: routed normally;
+- **ejected** after a failure (connect refused or reset, 5xx, 429, no first
+  byte within ``first_byte_bound()``, a stream that stopped): not chosen until
+  a back-off ends. The back-off starts at ``base_s`` and doubles with every
+  ejection that follows the previous one within ``forget_s`` (a probe that
+  failed, or an engine that failed again soon after it came back), up to
+  ``max_s``;
+- **probing** (half-open) once the back-off ended: still not chosen by the
+  policy, but one real request at a time goes to it (``take_probe``); an answer
+  (``answered``) makes it healthy, a failure ejects it again for longer.
+
+An ejection never lapses into "healthy": only an answer clears it. Pure logic
+on a clock the caller passes; ``RouterCore`` merges it with the deployment's
+marks (the suspect operation, ``lua/suspect.lua``) and sends what it learns
+there. Not thread-safe by itself: ``RouterCore`` holds its lock around it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+# failure kinds: evidence against an engine (``RouterCore.failed``)
+FAILURES = frozenset(
+    {
+        "connect",  # connection refused / could not connect: the engine never got it
+        "reset",  # connection reset or dropped before an answer
+        "5xx",  # a 500, 502, 503 or 504 answer
+        "429",  # too many requests
+        "first_byte_timeout",  # no first byte within first_byte_bound()
+        "idle_timeout",  # a stream stopped producing tokens
+        "timeout",  # the whole response took too long
+        "error",  # anything else the caller saw (failed() without a kind)
+    }
+)
+# what a request can end with (``outcome()``): ok and rejected are no evidence
+OUTCOMES = FAILURES | {"ok", "rejected"}
+HEALTHY, EJECTED, PROBING = "healthy", "ejected", "probing"
+
+
+@dataclass
+class EngineHealth:
+    """One engine's outcome state (times on the tracker's clock)."""
+
+    state: str = HEALTHY
+    level: int = 0  # back-off doublings of the current run of ejections
+    until: float = 0.0  # ejected until
+    ejected_at: float = -math.inf  # the last ejection
+    probe_at: float | None = None  # a probe in flight since
+    failures: Counter[str] = field(default_factory=Counter)  # since it was last healthy
+    first_failure: float = 0.0
+    ttfb: float | None = None  # EWMA of the time to first byte, seconds
+
+
+class OutcomeTracker:
+    """Per-engine outcome states of one router (module doc)."""
+
+    ttfb_alpha = 0.1  # weight of a new first-byte time in the EWMA
+
+    def __init__(
+        self,
+        *,
+        base_s: float = 0.125,
+        max_s: float = 1.0,
+        forget_s: float = 10.0,
+        first_byte_factor: float = 8.0,
+        first_byte_min_s: float = 0.5,
+        first_byte_max_s: float = 30.0,
+    ) -> None:
+        for name, v in (("base_s", base_s), ("max_s", max_s), ("forget_s", forget_s)):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise ValueError(f"{name} must be finite and > 0, got {v!r}")
+        if base_s > max_s:
+            raise ValueError(f"base_s ({base_s}) must not exceed max_s ({max_s})")
+        if not 0 <= first_byte_factor < math.inf:
+            raise ValueError(f"first_byte_factor must be finite and >= 0, got {first_byte_factor}")
+        if not 0 < first_byte_min_s <= first_byte_max_s < math.inf:
+            raise ValueError(
+                "first_byte_min_s and first_byte_max_s must be finite, > 0 and in order, got "
+                f"{first_byte_min_s!r} and {first_byte_max_s!r}"
+            )
+        self.base_s, self.max_s, self.forget_s = base_s, max_s, forget_s
+        self.first_byte_factor = first_byte_factor
+        self.first_byte_min_s, self.first_byte_max_s = first_byte_min_s, first_byte_max_s
+        self.engines: dict[str, EngineHealth] = {}
+        self.marked: set[str] = set()  # engines not healthy (ejected or probing)
+        self.counters: Counter[str] = Counter()  # ejections, recoveries, capped, probes
+
+    def health(self, engine: str) -> EngineHealth:
+        h = self.engines.get(engine)
+        if h is None:
+            h = self.engines[engine] = EngineHealth()
+        return h
+
+    def state(self, engine: str, now: float) -> str:
+        """healthy, ejected or probing (an ejection whose back-off ended)."""
+        h = self.engines.get(engine)
+        if h is None:
+            return HEALTHY
+        if h.state == EJECTED and now >= h.until:
+            h.state = PROBING
+        return h.state
+
+    def failure(self, engine: str, kind: str, now: float, *, may_eject: bool = True) -> bool:
+        """A request to ``engine`` failed with ``kind`` (``FAILURES``). Returns True
+        when this ejected it (the caller tells the deployment). ``may_eject`` False
+        (too many engines ejected already) records the evidence only."""
+        if kind not in FAILURES:
+            raise ValueError(f"kind must be one of {sorted(FAILURES)}, got {kind!r}")
+        h = self.health(engine)
+        state = self.state(engine, now)
+        if not h.failures:
+            h.first_failure = now
+        h.failures[kind] += 1
+        h.probe_at = None
+        if state == EJECTED:
+            return False  # (a request sent before the ejection: no new evidence of time)
+        if not may_eject:
+            self.counters["capped"] += 1
+            return False
+        recent = now - h.ejected_at < self.forget_s
+        h.level = h.level + 1 if state == PROBING or recent else 0
+        h.state, h.ejected_at = EJECTED, now
+        self.marked.add(engine)
+        h.until = now + self.backoff(h.level)
+        self.counters["ejections"] += 1
+        return True
+
+    def backoff(self, level: int) -> float:
+        """The ejection time after ``level`` doublings."""
+        return float(min(self.max_s, self.base_s * 2.0 ** min(level, 60)))
+
+    def answered(self, engine: str, now: float, first_byte_s: float | None = None) -> bool:
+        """``engine`` answered a request (its first byte, within the bound). Returns True
+        when that ended an ejection (it was probing: healthy again). An answer while
+        ejected is to a request sent before: it clears nothing."""
+        h = self.health(engine)
+        if first_byte_s is not None and first_byte_s >= 0:
+            a = self.ttfb_alpha
+            h.ttfb = first_byte_s if h.ttfb is None else h.ttfb + a * (first_byte_s - h.ttfb)
+        state = self.state(engine, now)
+        h.probe_at = None
+        if state == EJECTED:
+            return False
+        recovered = state == PROBING
+        if recovered:
+            self.counters["recoveries"] += 1
+        h.state = HEALTHY
+        h.failures.clear()
+        self.marked.discard(engine)
+        return recovered
+
+    def take_probe(self, engine: str, now: float) -> bool:
+        """Whether the next request may go to ``engine`` as a probe: none is in flight
+        (or the one in flight is older than the longest first-byte bound: lost)."""
+        h = self.health(engine)
+        if h.probe_at is not None and now - h.probe_at < self.first_byte_max_s:
+            return False
+        h.probe_at = now
+        self.counters["probes"] += 1
+        return True
+
+    def release_probe(self, engine: str) -> None:
+        """The probe in flight to ``engine`` ended without an answer or a failure (never
+        sent, the client left): the next request may probe."""
+        h = self.engines.get(engine)
+        if h is not None:
+            h.probe_at = None
+
+    def first_byte_bound(self, engine: str) -> float:
+        """How long to wait for ``engine``'s first byte: ``first_byte_factor`` times what
+        it usually takes, within [first_byte_min_s, first_byte_max_s]."""
+        h = self.engines.get(engine)
+        if h is None or h.ttfb is None or self.first_byte_factor == 0:
+            return self.first_byte_max_s if self.first_byte_factor == 0 else self.first_byte_min_s
+        bound = self.first_byte_factor * h.ttfb
+        return min(self.first_byte_max_s, max(self.first_byte_min_s, bound))
+
+    def why(self, engine: str, now: float) -> str:
+        """The evidence against ``engine`` since it was last healthy, e.g.
+        ``5xx x12 in 2.0s`` ("" when none)."""
+        h = self.engines.get(engine)
+        if h is None or not h.failures:
+            return ""
+        kinds = ", ".join(f"{k} x{n}" for k, n in h.failures.most_common(3))
+        return f"{kinds} in {max(0.0, now - h.first_failure):.1f}s"
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the engines not in ``keep`` (gone from the deployment)."""
+        for e in [e for e in self.engines if e not in keep]:
+            del self.engines[e]
+            self.marked.discard(e)

@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""Engines that fail while their reports look healthy, end to end with real processes.
+
+Starts a redis-server, a coordinator, ``--engines`` HTTP engine simulators (one
+process each, so that one can be SIGSTOPped) and ``--gateways`` gateway
+replicas, then per scenario sends ``--rate`` streamed requests a second, spread
+over the gateways, for ``--duration`` seconds with the ``openai`` client (no
+retries), and makes engine 0 faulty from ``--fault-at`` to ``--clear-at``:
+
+- ``500``: it answers every request 500 (its reports say it is idle);
+- ``stall``: its streams stop sending, connections open;
+- ``sigstop``: the process is stopped (the kernel still accepts connections);
+- ``reject``: 5 requests pinned to it are refused with a 400, then 40 sequential
+  requests measure its share (no load, no fault left).
+
+Per scenario: requests failed and hung (longer than the idle timeout plus a
+second), the faulty engine's decisions after the first second of the fault
+(share of all decisions; for sigstop, all decisions after the fault), seconds
+from the fault's end until it took traffic again, and requests still in flight
+anywhere after the run. Prints a table and writes JSON.
+
+The engines and faults are reusable for another router: ``--router-url`` sends
+the load there instead of starting gateways (decision counts then come from the
+engines' arrivals).
+
+    python scripts/engine_faults.py --json engine_faults.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+import orjson
+
+from redisbal.sim.embedded import RedisServer
+
+BIN = os.path.join(os.path.dirname(sys.executable), "redisbal")
+MODEL = "redisbal-sim"
+SCENARIOS = ("500", "stall", "sigstop", "reject")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return orjson.loads(r.read())
+
+
+def post_json(url: str, body: dict[str, Any]) -> None:
+    req = urllib.request.Request(
+        url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=5) as r:
+        r.read()
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
+            if r.status == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready")
+        time.sleep(0.2)
+
+
+@dataclass
+class Deployment:
+    """The processes of one run: engines (id -> URL, process) and gateway URLs."""
+
+    redis: RedisServer
+    engines: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    gateways: list[str] = field(default_factory=list)
+    others: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for p in [*self.procs.values(), *self.others]:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)
+                p.terminate()
+        for p in [*self.procs.values(), *self.others]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(15)
+            if p.poll() is None:
+                p.kill()
+        self.redis.stop()
+
+
+def start(a: argparse.Namespace, deployment: str) -> Deployment:
+    redis = RedisServer().start()
+    d = Deployment(redis)
+    common = ["--redis-url", redis.url, "--deployment", deployment, "--log-level", "warning"]
+    d.others.append(subprocess.Popen([BIN, "coordinator", *common]))
+    for i in range(a.engines):
+        port = free_port()
+        d.procs[str(i)] = subprocess.Popen(
+            [BIN, "engine-sim", *common, "--engines", "1", "--first-id", str(i),
+             "--http-port", str(port)], stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        d.engines[str(i)] = f"http://127.0.0.1:{port}"
+    for url in d.engines.values():
+        wait_http(url + "/health")
+    if a.router_url:
+        d.gateways = [a.router_url]
+        return d
+    for _ in range(a.gateways):
+        port = free_port()
+        d.others.append(
+            subprocess.Popen([BIN, "gateway", *common, "--port", str(port), *a.gateway_args])
+        )
+        d.gateways.append(f"http://127.0.0.1:{port}")
+    for url in d.gateways:
+        wait_http(url + "/health")
+    return d
+
+
+def decisions(d: Deployment) -> dict[str, float]:
+    """Decisions per engine so far: the gateways' counters, or the engines' arrivals."""
+    out: dict[str, float] = dict.fromkeys(d.engines, 0.0)
+    if d.gateways and not d.gateways[0].startswith("ext:"):
+        for g in d.gateways:
+            with urllib.request.urlopen(g + "/metrics", timeout=2) as r:
+                text = r.read().decode()
+            for e, v in re.findall(
+                r'^redisbal_gateway_decisions_total\{engine="([^"]+)"\} (\S+)$', text, re.M
+            ):
+                out[e] = out.get(e, 0.0) + float(v)
+    return out
+
+
+def leftovers(d: Deployment) -> int:
+    """Requests still in flight anywhere: gateways' gauges plus engines' own counts."""
+    n = 0
+    for g in d.gateways:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(g + "/metrics", timeout=2) as r:
+                text = r.read().decode()
+            m = re.search(r"^redisbal_gateway_inflight (\S+)$", text, re.M)
+            n += int(float(m.group(1))) if m else 0
+    for url in d.engines.values():
+        with contextlib.suppress(OSError):
+            n += int(get_json(url + "/sim/state")["inflight"])
+    return n
+
+
+async def one_request(client: openai.AsyncOpenAI, idle_s: float) -> tuple[str, float]:
+    """('ok' | 'failed' | 'hung', seconds)."""
+    t0 = time.monotonic()
+    try:
+        out = await client.completions.create(
+            model=MODEL, prompt="hello", max_tokens=32, stream=True, timeout=60.0
+        )
+        done = False
+        async for chunk in out:
+            if chunk.choices and chunk.choices[0].finish_reason is not None:
+                done = True
+        took = time.monotonic() - t0
+        return ("ok" if done else "failed"), took
+    except Exception:
+        took = time.monotonic() - t0
+        return ("hung" if took > idle_s + 1.0 else "failed"), took
+
+
+def fault(d: Deployment, kind: str, on: bool) -> None:
+    url, proc = d.engines["0"], d.procs["0"]
+    if kind == "sigstop":
+        proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
+    elif kind == "500":
+        post_json(url + "/sim/fault", {"mode": "status", "status": 500} if on else {"mode": "none"})
+    elif kind == "stall":
+        post_json(url + "/sim/fault", {"mode": "stall" if on else "none"})
+
+
+async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict[str, Any]:
+    clients = [
+        openai.AsyncOpenAI(base_url=g + "/v1", api_key="x", max_retries=0) for g in d.gateways
+    ]
+    samples: list[tuple[float, dict[str, float]]] = []
+    results: list[tuple[float, str, float]] = []
+    t0 = time.monotonic()
+
+    async def sampler() -> None:
+        while True:
+            samples.append((time.monotonic() - t0, await asyncio.to_thread(decisions, d)))
+            await asyncio.sleep(0.25)
+
+    async def faults() -> None:
+        await asyncio.sleep(a.fault_at)
+        await asyncio.to_thread(fault, d, kind, True)
+        await asyncio.sleep(a.clear_at - a.fault_at)
+        await asyncio.to_thread(fault, d, kind, False)
+
+    async def send(i: int) -> None:
+        at = time.monotonic() - t0
+        status, took = await one_request(clients[i % len(clients)], a.idle_timeout_s)
+        results.append((at, status, took))
+
+    tasks = [asyncio.ensure_future(sampler()), asyncio.ensure_future(faults())]
+    sends = []
+    n = int(a.rate * a.duration)
+    for i in range(n):
+        delay = t0 + i / a.rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sends.append(asyncio.ensure_future(send(i)))
+    await asyncio.gather(*sends)
+    await tasks[1]
+    tasks[0].cancel()
+    # after the run: decisions sampled until the engine takes traffic again
+    back_s = None
+    end = time.monotonic() + 10
+    while time.monotonic() < end and back_s is None:
+        await asyncio.sleep(0.25)
+        samples.append((time.monotonic() - t0, await asyncio.to_thread(decisions, d)))
+        back_s = came_back(samples, a.clear_at)
+    back_s = came_back(samples, a.clear_at)
+    for c in clients:
+        await c.close()
+    return summarize(kind, a, results, samples, back_s)
+
+
+def at(samples: list[tuple[float, dict[str, float]]], t: float) -> dict[str, float]:
+    """The last sample at or before t."""
+    best = samples[0][1]
+    for ts, s in samples:
+        if ts <= t:
+            best = s
+    return best
+
+
+def came_back(samples: list[tuple[float, dict[str, float]]], clear_at: float) -> float | None:
+    """Seconds from clear_at until engine 0 had 3 more decisions than at clear_at."""
+    base = at(samples, clear_at).get("0", 0.0)
+    for ts, s in samples:
+        if ts > clear_at and s.get("0", 0.0) >= base + 3:
+            return round(ts - clear_at, 2)
+    return None
+
+
+def summarize(
+    kind: str,
+    a: argparse.Namespace,
+    results: list[tuple[float, str, float]],
+    samples: list[tuple[float, dict[str, float]]],
+    back_s: float | None,
+) -> dict[str, Any]:
+    lo = a.fault_at if kind == "sigstop" else a.fault_at + 1.0
+    before, after = at(samples, lo), at(samples, a.clear_at)
+    to_faulty = after.get("0", 0.0) - before.get("0", 0.0)
+    total = sum(after.values()) - sum(before.values())
+    failed = sum(1 for _, s, _ in results if s != "ok")
+    return {
+        "scenario": kind,
+        "requests": len(results),
+        "failed": failed,
+        "failed_pct": round(100.0 * failed / max(1, len(results)), 2),
+        "hung": sum(1 for _, s, _ in results if s == "hung"),
+        "longest_s": round(max((t for _, _, t in results), default=0.0), 2),
+        "faulty_decisions": int(to_faulty),
+        "faulty_share_pct": round(100.0 * to_faulty / max(1.0, total), 2),
+        "back_after_s": back_s,
+    }
+
+
+async def reject_scenario(d: Deployment, a: argparse.Namespace) -> dict[str, Any]:
+    import aiohttp
+
+    url, got = d.gateways[0], []
+    async with aiohttp.ClientSession() as s:
+        post_json(d.engines["0"] + "/sim/fault", {"mode": "status", "status": 400})
+        for _ in range(5):
+            async with s.post(
+                url + "/v1/completions",
+                json={"model": MODEL, "prompt": "a", "max_tokens": 4},
+                headers={"X-Redisbal-Engine": "0"},
+            ) as r:
+                await r.read()
+        post_json(d.engines["0"] + "/sim/fault", {"mode": "none"})
+        for _ in range(40):
+            async with s.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 4}
+            ) as r:
+                await r.read()
+                got.append(r.headers.get("X-Redisbal-Engine", "?"))
+    even = 40 / len(d.engines)
+    return {
+        "scenario": "reject",
+        "requests": 45,
+        "faulty_decisions": got.count("0"),
+        "even_split": even,
+        "within_one": abs(got.count("0") - even) <= 1,
+        "split": {e: got.count(e) for e in sorted(set(got))},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("--gateways", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=100.0)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--fault-at", type=float, default=5.0)
+    ap.add_argument("--clear-at", type=float, default=15.0)
+    ap.add_argument("--idle-timeout-s", type=float, default=10.0, help="the gateways' own")
+    ap.add_argument("--router-url", default="", help="send the load here; start no gateway")
+    ap.add_argument("--json", default="engine_faults.json")
+    a, extra = ap.parse_known_args()
+    a.gateway_args = [*extra, "--idle-timeout-s", str(a.idle_timeout_s)]
+    rows = []
+    for k, kind in enumerate(a.scenarios.split(",")):
+        if kind not in SCENARIOS:
+            ap.error(f"unknown scenario {kind!r}; known: {', '.join(SCENARIOS)}")
+        d = start(a, f"faults{k}")
+        try:
+            time.sleep(2.0)  # first snapshots, URLs registered
+            row = asyncio.run(
+                reject_scenario(d, a) if kind == "reject" else load_scenario(d, kind, a)
+            )
+            time.sleep(1.0)
+            row["left_in_flight"] = leftovers(d)
+        finally:
+            d.stop()
+        print(orjson.dumps(row).decode(), flush=True)
+        rows.append(row)
+    cols = ["scenario", "requests", "failed_pct", "hung", "longest_s", "faulty_decisions",
+            "faulty_share_pct", "back_after_s", "left_in_flight"]  # fmt: skip
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r.get(c, "-")) for c in cols))
+    with open(a.json, "wb") as fh:
+        fh.write(orjson.dumps({"args": vars(a), "rows": rows}, option=orjson.OPT_INDENT_2))
+
+
+if __name__ == "__main__":
+    main()
