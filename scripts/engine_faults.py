@@ -279,6 +279,9 @@ def summarize(
         "faulty_decisions": int(to_faulty),
         "faulty_share_pct": round(100.0 * to_faulty / max(1.0, total), 2),
         "back_after_s": back_s,
+        # the faulty engine's decisions over time (s from the start, cumulative): where
+        # they went is what the table's one number sums up
+        "timeline": [(round(ts, 2), s.get("0", 0.0)) for ts, s in samples],
     }
 
 
@@ -341,7 +344,7 @@ def main() -> None:
             row["left_in_flight"] = leftovers(d)
         finally:
             d.stop()
-        print(orjson.dumps(row).decode(), flush=True)
+        print(orjson.dumps({k: v for k, v in row.items() if k != "timeline"}).decode(), flush=True)
         rows.append(row)
     cols = ["scenario", "requests", "failed_pct", "hung", "longest_s", "faulty_decisions",
             "faulty_share_pct", "back_after_s", "left_in_flight"]  # fmt: skip
