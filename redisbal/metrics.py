@@ -308,6 +308,16 @@ class _CoordinatorCollector(Collector):
             len(snap.laggards),
         )  # fmt: skip
         yield gauge(
+            "snapshot_stalled",
+            "Engines the latest snapshot marks stalled (work, no progress: not routed to).",
+            len(snap.stalled),
+        )
+        yield gauge(
+            "snapshot_suspect",
+            "Engines the latest snapshot marks suspect (failed() by a router: not routed to).",
+            len(snap.suspect),
+        )
+        yield gauge(
             "imbalance",
             "(max - mean) / mean of per-engine waiting + running in the latest snapshot.",
             imbalance(snap),

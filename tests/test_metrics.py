@@ -225,3 +225,19 @@ def test_missing_prometheus_client_names_the_extra() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("prometheus_client |")
     assert "pip install 'redisbal[metrics]'" in out.stdout
+
+
+def test_snapshot_stalled_and_suspect_gauges_count_the_marked_engines() -> None:
+    """The exporter counts the engines the latest snapshot marks stalled and suspect
+    (read from a snapshot the collector is handed; no Redis)."""
+    from exported_metrics import coordinator_registry, full_snapshot
+    from helpers import make_snapshot
+
+    d = {"deployment": "d"}
+    marked = coordinator_registry(full_snapshot())
+    assert marked.get_sample_value("redisbal_snapshot_stalled", d) == 1
+    assert marked.get_sample_value("redisbal_snapshot_suspect", d) == 1
+    both = make_snapshot({"a": (1, 1), "b": (1, 1)}, stalled={"a": 1, "b": 2}, suspect={})
+    clean = coordinator_registry(both)
+    assert clean.get_sample_value("redisbal_snapshot_stalled", d) == 2
+    assert clean.get_sample_value("redisbal_snapshot_suspect", d) == 0
