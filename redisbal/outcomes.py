@@ -71,7 +71,7 @@ class OutcomeTracker:
         max_s: float = 1.0,
         forget_s: float = 10.0,
         first_byte_factor: float = 8.0,
-        first_byte_min_s: float = 0.5,
+        first_byte_min_s: float = 3.0,
         first_byte_max_s: float = 30.0,
     ) -> None:
         for name, v in (("base_s", base_s), ("max_s", max_s), ("forget_s", forget_s)):

@@ -136,6 +136,21 @@ class _LocalRouting:
         router's bounds."""
         return self.core.first_byte_bound(engine_id)
 
+    def silent_s(self, engine_id: str) -> float:
+        """Seconds ``engine_id`` had not reported when the latest snapshot was forced
+        without it (the snapshot names it a laggard); 0.0 otherwise. A reporter
+        heartbeats from a thread of its own, so a live engine process is never silent
+        for long: an engine that is silent *and* does not answer a request is stopped
+        or gone (the gateway gives up on such a request early). Only the snapshot's
+        own statement counts, never the time since it came: with Redis out of reach
+        no engine turns silent."""
+        core = self.core
+        with core.lock:
+            snap = core.snapshot
+            if snap is None:
+                return 0.0
+            return snap.laggards.get(engine_id, 0) / 1000.0
+
     def _tell(self, op: str, engine_id: str, reason: str) -> None:
         raise NotImplementedError
 

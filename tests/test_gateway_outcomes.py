@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import socket
 import time
 
 import aiohttp
 import openai
-from gateway_stack import MODEL, settled, stack, wait_for
+from gateway_stack import (
+    MODEL,
+    process_engines,
+    settled,
+    stack,
+    start_gateway,
+    stop_gateway,
+    wait_for,
+)
+from helpers import coordinator
 
 from redisbal.gateway.server import ENGINE_HEADER
 
@@ -148,3 +158,44 @@ async def test_a_completed_stream_is_no_client_disconnect(redis_url: str, deploy
         await settled(st)
         text = st.gateways[0].metrics.render().decode()
         assert metric(text, "redisbal_gateway_errors_total", reason="client_disconnect") == 0
+
+
+async def test_a_stopped_engine_is_given_up_once_its_reports_stop(
+    redis_url: str, deployment: str
+) -> None:
+    """SIGSTOP: the kernel still accepts connections and nothing answers. Non-streamed
+    requests have no first-byte bound (only the whole-response timeout, 600 s here), yet
+    they finish: once forced snapshots name the engine a laggard (its heartbeats
+    stopped), a request that waited for it goes to another engine, and the engine is
+    ejected. Without that, the requests sent to it would wait out the test's timeout."""
+    with coordinator(redis_url, deployment, stall_ms=100, dead_after_ms=60_000):
+        async with process_engines(redis_url, deployment, 3) as procs:
+            gw = await start_gateway(redis_url, deployment, timeout_s=600.0)
+            try:
+                client = openai.AsyncOpenAI(
+                    base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
+                )
+                await wait_for(lambda: len(gw.live_engines()) == 3)
+                procs[0].send_signal(signal.SIGSTOP)
+                try:
+                    # forced snapshots name it: its heartbeats stopped
+                    await wait_for(lambda: gw.router.silent_s("0") >= 0.5)
+                    done = await asyncio.gather(
+                        *(
+                            client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+                            for _ in range(30)
+                        )
+                    )
+                    assert all(out.choices for out in done)
+                    assert gw.router.core.excluded().get("0") in ("suspect", "probing")
+                    text = gw.metrics.render().decode()
+                    got = metric(
+                        text, "redisbal_gateway_engine_outcomes_total", engine="0",
+                        outcome="first_byte_timeout",
+                    )  # fmt: skip
+                    assert got >= 1, "no request to the stopped engine was given up"
+                finally:
+                    procs[0].send_signal(signal.SIGCONT)
+                await client.close()
+            finally:
+                await stop_gateway(gw)

@@ -83,7 +83,7 @@ def test_first_byte_bound_follows_what_the_engine_usually_takes() -> None:
 
 
 def test_a_lost_probe_is_replaced_after_the_longest_bound() -> None:
-    t = OutcomeTracker(first_byte_max_s=2.0)
+    t = OutcomeTracker(first_byte_min_s=0.5, first_byte_max_s=2.0)
     assert t.take_probe("e0", 0.0)
     assert not t.take_probe("e0", 1.9)
     assert t.take_probe("e0", 2.0)

@@ -144,9 +144,11 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     show_default=True,
     envvar="REDISBAL_FIRST_BYTE_TIMEOUT_S",
     show_envvar=True,
-    help="Longest wait for an engine's first byte (a whole answer when not streamed); "
-    "streamed requests wait --first-byte-factor times what the engine usually takes, "
-    "at least --first-byte-min-s. Past it the request goes to another engine.",
+    help="Streamed requests: the longest wait for an engine's first token; they wait "
+    "--first-byte-factor times what the engine usually takes, at least "
+    "--first-byte-min-s. Past it the request goes to another engine. Requests not "
+    "streamed wait for the whole answer (--timeout-s). Either way, a request to an "
+    "engine whose reports stopped 0.5 s ago is given up after 0.25 s.",
 )
 @click.option(
     "--first-byte-factor",
@@ -161,7 +163,7 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
 @click.option(
     "--first-byte-min-s",
     type=FiniteFloat(0.01, 86400),
-    default=0.5,
+    default=3.0,
     show_default=True,
     envvar="REDISBAL_FIRST_BYTE_MIN_S",
     show_envvar=True,

@@ -19,8 +19,9 @@ def status_kind(status: int) -> str:
 
 class Retry(Exception):
     """An attempt failed before any byte reached the client: another engine may serve it.
-    ``kind`` is the outcome (redisbal.outcomes.FAILURES); ``unsent``: the engine
-    certainly never got the request (connection refused)."""
+    ``kind`` is the outcome (redisbal.outcomes.FAILURES); ``unsent``: no engine works
+    on the request (the connection was refused, or the engine's process is not
+    running: first_byte.Silent), so retrying it adds no load and needs no budget."""
 
     def __init__(self, kind: str, detail: str, status: int = 502, unsent: bool = False) -> None:
         super().__init__(detail)

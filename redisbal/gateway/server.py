@@ -34,6 +34,7 @@ from aiohttp import web
 
 from redisbal import endpoints
 from redisbal.background import cancel_and_wait
+from redisbal.gateway.first_byte import Silent, first_byte
 from redisbal.gateway.metrics import CONTENT_TYPE, GatewayMetrics, monotonic_age
 from redisbal.gateway.retry import RETRY_STATUSES, Retry, RetryBudget, status_kind
 from redisbal.keys import InvalidName, check_name
@@ -137,7 +138,7 @@ class Gateway:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.first_byte_timeout_s = first_byte_timeout_s  # non-streamed: the whole answer
+        self.first_byte_timeout_s = first_byte_timeout_s  # streamed: the first token
         self.max_attempts = max_attempts
         self.budget = RetryBudget(retry_budget)
         self.models_timeout_s = models_timeout_s
@@ -464,7 +465,9 @@ class Gateway:
                 avoid.add(d.engine_id)
                 m.errors.labels(exc.kind).inc()
                 again = pin is None and attempt + 1 < self.max_attempts
-                if again and not self.budget.allow():
+                # the budget keeps retries from adding load to a failing deployment; a
+                # request no engine works on (refused, a stopped engine) adds none
+                if again and not exc.unsent and not self.budget.allow():
                     m.retries_refused.inc()
                     again = False
                 log.info(
@@ -506,12 +509,15 @@ class Gateway:
         up: aiohttp.ClientResponse | None = None
         t_up = time.perf_counter()
         # streamed: a bound from what this engine usually takes to its first token;
-        # whole answers come at the end, so only the fixed ceiling applies to them
-        bound = router.first_byte_bound(eid) if stream else self.first_byte_timeout_s
+        # whole answers come at the end, so only the whole-response timeout applies
+        # to them; either way a silent engine's wait ends early (first_byte.py)
+        bound = router.first_byte_bound(eid) if stream else self.timeout_s
         try:
             try:
-                up = await asyncio.wait_for(
-                    self.session.post(url, data=raw, headers=headers), bound
+                up = await first_byte(
+                    self.session.post(url, data=raw, headers=headers),
+                    bound,
+                    lambda: router.silent_s(eid),
                 )
             except aiohttp.ClientConnectorError as exc:
                 _unroute(router, d)  # it never got there: no route to take back later
@@ -523,6 +529,9 @@ class Gateway:
             except asyncio.TimeoutError:
                 kind, detail = "first_byte_timeout", f"engine {eid}: no answer in {bound:.2f}s"
                 raise Retry(kind, detail, 504) from None
+            except Silent as exc:
+                kind, detail = "first_byte_timeout", f"engine {eid}: {exc}"
+                raise Retry(kind, detail, 504, unsent=True) from None
             if up.status in RETRY_STATUSES:
                 kind, detail = status_kind(up.status), f"engine {eid} answered {up.status}"
                 raise Retry(kind, detail, up.status)
@@ -583,13 +592,15 @@ class Gateway:
         chunks = up.content.iter_any()
         left = max(0.001, bound - (time.perf_counter() - t_up))
         try:
-            first = await asyncio.wait_for(chunks.__anext__(), left)
+            first = await first_byte(chunks.__anext__(), left, lambda: self.router.silent_s(eid))
         except StopAsyncIteration:
             first = b""
         except asyncio.TimeoutError:
             raise Retry(
                 "first_byte_timeout", f"engine {eid}: no first token in {bound:.2f}s", 504
             ) from None
+        except Silent as exc:
+            raise Retry("first_byte_timeout", f"engine {eid}: {exc}", 504, unsent=True) from None
         except aiohttp.ClientError as exc:
             raise Retry(
                 "reset", f"engine {eid} dropped before its first token: {type(exc).__name__}"
