@@ -29,7 +29,7 @@ from gateway_stack import (
 )
 from procs import free_port_block
 
-from redisbal.gateway.server import ENGINE_HEADER
+from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.sim.http_engine import HttpEngine
 
 

@@ -13,7 +13,7 @@ import aiohttp
 import openai
 from gateway_stack import MODEL, settled, stack, wait_for
 
-from redisbal.gateway.server import ENGINE_HEADER
+from redisbal.gateway.proxy import ENGINE_HEADER
 
 
 async def set_fault(url: str, mode: str, status: int = 500) -> None:
