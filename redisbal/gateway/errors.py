@@ -14,9 +14,15 @@ SERVED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 
 
 def json_error(
-    status: int, message: str, kind: str = "invalid_request_error", **headers: str
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    code: str | int | None = None,
+    **headers: str,
 ) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "code": status}}
+    """``code``: the HTTP status unless given (OpenAI's names: ``invalid_api_key``,
+    ``model_not_found``)."""
+    body = {"error": {"message": message, "type": kind, "code": status if code is None else code}}
     return web.Response(
         status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
     )
@@ -36,3 +42,7 @@ async def unserved_as_json(request: web.Request, handler: Any) -> web.StreamResp
         )  # fmt: skip
     except web.HTTPNotFound:
         return json_error(404, f"no such path: {request.path[:200]} (served: {', '.join(SERVED)})")
+    except web.HTTPException as exc:  # aiohttp's other errors (413 and the like)
+        if exc.status < 400:
+            raise
+        return json_error(exc.status, exc.reason)

@@ -56,6 +56,11 @@ def request_hints(body: Mapping[str, Any], key_header: str | None) -> tuple[str 
     key = key_header if key_header is not None else body.get("user")
     if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LEN):
         raise ValueError(f"{KEY_HEADER} (or user) must be 1-{MAX_KEY_LEN} characters")
+    if key is not None:
+        try:
+            key.encode()
+        except UnicodeEncodeError:  # a header's non-UTF-8 bytes, kept by aiohttp as surrogates
+            raise ValueError(f"{KEY_HEADER} must be UTF-8 text") from None
     chars = 0
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -101,6 +106,9 @@ class Proxy:
         first_byte_timeout_s: float = 30.0,
         max_attempts: int = MAX_ATTEMPTS,
         retry_budget: float = 0.2,
+        max_concurrent: int = 0,
+        body_timeout_s: float = 30.0,
+        engine_api_key: str | None = None,
     ) -> None:
         self.router = router
         self.redis = redis_client
@@ -115,6 +123,9 @@ class Proxy:
         self._complete: set[int] = set()  # requests whose whole answer was passed on
         self.max_body = max_body
         self.refresh_s = refresh_s
+        self.max_concurrent = max_concurrent  # 0: no limit
+        self.body_timeout_s = body_timeout_s
+        self._engine_auth = None if engine_api_key is None else f"Bearer {engine_api_key}"
         self.inflight = 0
         self.draining = False
         self.metrics = GatewayMetrics(
@@ -202,6 +213,12 @@ class Proxy:
         d.pinned = False
         return d
 
+    def upstream_auth(self, request: web.Request) -> dict[str, str]:
+        """The Authorization header for an engine: the engine key when one is set,
+        else the client's own."""
+        auth = self._engine_auth or request.headers.get("Authorization")
+        return {} if auth is None else {"Authorization": auth}
+
     def _begin(self) -> None:
         self.inflight += 1
         self._idle.clear()
@@ -222,6 +239,15 @@ class Proxy:
                 "gateway is shutting down",
                 "unavailable",
                 **{"Retry-After": "1", "Connection": "close"},
+            )
+        if self.max_concurrent and self.inflight >= self.max_concurrent:
+            m.requests.labels(path, "429").inc()
+            m.errors.labels("overloaded").inc()
+            return _json_error(
+                429,
+                f"the gateway is at its limit of {self.max_concurrent} concurrent requests",
+                "rate_limit_error",
+                **{"Retry-After": "1"},
             )
         self._begin()
         self.budget.request()
@@ -245,10 +271,15 @@ class Proxy:
             m.errors.labels("too_large").inc()
             return _json_error(413, f"the body exceeds {self.max_body} bytes")
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             m.errors.labels("too_large").inc()
             return _json_error(413, f"the body exceeds {self.max_body} bytes")
+        except asyncio.TimeoutError:
+            m.errors.labels("body_timeout").inc()
+            return _json_error(
+                408, f"the body did not arrive within {self.body_timeout_s:g}s", Connection="close"
+            )
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -278,9 +309,7 @@ class Proxy:
         if isinstance(pin, web.Response):
             m.errors.labels("bad_request").inc()
             return pin
-        headers = {"Content-Type": "application/json"}
-        if (auth := request.headers.get("Authorization")) is not None:
-            headers["Authorization"] = auth
+        headers = {"Content-Type": "application/json", **self.upstream_auth(request)}
         avoid: set[str] = set()
         last: Retry | None = None
         for attempt in range(1 if pin is not None else self.max_attempts):
@@ -327,7 +356,7 @@ class Proxy:
                 if not again:
                     break
         assert last is not None
-        return _json_error(last.status, last.detail, "upstream_error")
+        return _json_error(last.status, last.public, "upstream_error")
 
     def _outcome(self, d: Decision, kind: str, detail: str = "") -> None:
         """Tell the router how the attempt of ``d`` ended, and count it per engine."""
@@ -367,10 +396,11 @@ class Proxy:
             except aiohttp.ClientConnectorError as exc:
                 _unroute(router, d)  # it never got there: no route to take back later
                 kind, detail = "connect", f"engine {eid} unreachable: {exc}"
-                raise Retry(kind, detail, unsent=True) from None
+                raise Retry(kind, detail, unsent=True, public=f"engine {eid} unreachable") from None
             except aiohttp.ClientError as exc:
                 kind, detail = "reset", f"engine {eid} failed: {type(exc).__name__}: {exc}"
-                raise Retry(kind, detail) from None
+                public = f"engine {eid} failed: {type(exc).__name__}"
+                raise Retry(kind, detail, public=public) from None
             except asyncio.TimeoutError:
                 kind, detail = "first_byte_timeout", f"engine {eid}: no answer in {bound:.2f}s"
                 raise Retry(kind, detail, 504) from None

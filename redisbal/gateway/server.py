@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from typing import Any
 
 import aiohttp
@@ -13,8 +14,10 @@ import orjson
 from aiohttp import web
 
 from redisbal.background import cancel_and_wait
+from redisbal.gateway.access import ApiKeys, Cors, auth_middleware
 from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.errors import unserved_as_json
+from redisbal.gateway.guard import ConnectionGuard, GuardedRunner, Limits
 from redisbal.gateway.metrics import CONTENT_TYPE
 from redisbal.gateway.proxy import PROXY_PATHS, Proxy
 from redisbal.router import AsyncRouter
@@ -23,11 +26,25 @@ log = logging.getLogger("redisbal.gateway")
 
 
 class Gateway(Proxy):
-    """The proxy served. ``start()`` binds, ``drain()`` stops accepting and waits."""
+    """The proxy served. ``start()`` binds, ``drain()`` stops accepting and waits.
+    ``api_keys``: a key is required on the ``/v1`` paths; ``cors``: browser pages of
+    its origins may call it; ``limits``: what one connection may take; ``ssl``: TLS."""
 
-    def __init__(self, router: AsyncRouter, *, models_timeout_s: float = 2.0, **kw: Any) -> None:
+    def __init__(
+        self,
+        router: AsyncRouter,
+        *,
+        models_timeout_s: float = 2.0,
+        api_keys: ApiKeys | None = None,
+        cors: Cors | None = None,
+        limits: Limits | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(router, **kw)
         self.models_timeout_s = models_timeout_s
+        self.api_keys, self.cors, self.ssl_context = api_keys, cors, ssl_context
+        self.guard = ConnectionGuard(limits or Limits())
         self._models_body: bytes | None = None  # the last /v1/models an engine answered
         self.runner: web.AppRunner | None = None
         self.sites: list[web.TCPSite] = []
@@ -35,7 +52,14 @@ class Gateway(Proxy):
     # -- lifecycle -----------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body, middlewares=[unserved_as_json])
+        middlewares = [unserved_as_json]
+        if self.cors is not None:  # before the key check: a preflight carries no key
+            middlewares.append(self.cors.middleware())
+        if self.api_keys is not None:
+            middlewares.append(auth_middleware(self.api_keys))
+        app = web.Application(client_max_size=self.max_body, middlewares=middlewares)
+        if self.cors is not None:
+            app.on_response_prepare.append(self.cors.on_prepare)
         for path in PROXY_PATHS:
             app.router.add_post(path, self._proxy)
         app.router.add_get("/v1/models", self._models)
@@ -51,9 +75,20 @@ class Gateway(Proxy):
         with contextlib.suppress(Exception):
             await self.refresh_urls()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
-        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        lim = self.guard.limits
+        self.runner = GuardedRunner(
+            self.app(),
+            self.guard,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=lim.keepalive_timeout_s,
+            max_line_size=lim.max_line_size,
+            max_field_size=lim.max_field_size,
+            lingering_time=1.0,  # after an early answer, unread body is drained this long
+            shutdown_timeout=0.2,  # after the drain: what is still running is cancelled
+        )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, backlog=1024)
+        site = web.TCPSite(self.runner, host, port, backlog=1024, ssl_context=self.ssl_context)
         await site.start()
         self.sites.append(site)
 
@@ -119,9 +154,7 @@ class Gateway(Proxy):
         excluded = self.router.core.excluded()
         live = self.live_engines()
         order = [e for e in live if e not in excluded] + [e for e in live if e in excluded]
-        headers = {}
-        if (auth := request.headers.get("Authorization")) is not None:
-            headers["Authorization"] = auth
+        headers = self.upstream_auth(request)
         session = self.session
 
         async def ask(eid: str) -> bytes:
