@@ -14,6 +14,9 @@ runnable but not running: what a contended host adds) come from
 
     python scripts/gateway_overhead.py --rates 100,200,500 --duration 5 --reps 2 \
         --loops asyncio,uvloop --json out.json
+
+``--auth``: also one gateway per loop kind that requires an API key (from a file), in
+the same interleaved run; every request carries the key, whatever its target.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import orjson
 from redisbal.gateway.loadgen import plan, run
 from redisbal.sim.embedded import RedisServer
 
+BENCH_KEY = "bench-key-0123456789abcdef"
 HERE = os.path.dirname(os.path.abspath(__file__))
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 
@@ -109,7 +113,7 @@ def one_run(url: str, rate: float, duration: float, stream: bool, seed: int) -> 
         "stream": stream,
         "chat": False,
         "ignore_eos": True,
-        "headers": {"Content-Type": "application/json"},
+        "headers": {"Content-Type": "application/json", "Authorization": f"Bearer {BENCH_KEY}"},
         "timeout": 30.0,
         "progress": False,
     }
@@ -139,6 +143,7 @@ def main() -> None:
     ap.add_argument("--modes", default="whole,stream")
     ap.add_argument("--loops", default="uvloop", help="one gateway per event loop kind")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--auth", action="store_true", help="also a gateway with an API key")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the finally runs
     rates = [float(r) for r in a.rates.split(",")]
@@ -164,22 +169,19 @@ def main() -> None:
             procs.append(subprocess.Popen(engine, env=env))
             wait_http(f"http://127.0.0.1:{eport}/health")
             gws: dict[str, tuple[str, int]] = {}
+            key_file = os.path.join(str(server.dir), "api-keys")
+            with open(key_file, "w") as fh:
+                fh.write(BENCH_KEY + "\n")
             for kind in a.loops.split(","):
-                port = free_port()
-                cmd = [
-                    REDISBAL,
-                    "gateway",
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "warning",
-                    "--event-loop",
-                    kind,
-                    "--client-index",
-                    "auto",
-                ]
-                procs.append(subprocess.Popen(cmd, env=env))
-                gws[f"gateway-{kind}"] = (f"http://127.0.0.1:{port}", procs[-1].pid)
+                for auth in (False, True) if a.auth else (False,):
+                    port = free_port()
+                    cmd = [REDISBAL, "gateway", "--port", str(port), "--log-level", "warning"]
+                    cmd += ["--event-loop", kind, "--client-index", "auto"]
+                    if auth:
+                        cmd += ["--api-key-file", key_file]
+                    procs.append(subprocess.Popen(cmd, env=env))
+                    name = f"gateway-{kind}" + ("-auth" if auth else "")
+                    gws[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
             for url, _ in gws.values():
                 wait_http(url + "/health")
             targets = [

@@ -24,13 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from redisbal.bench.peers import PEER_POLICIES, make_peer
-from redisbal.gateway import command, server
+from redisbal.gateway import command, proxy
 from redisbal.router import AsyncRouter
 from redisbal.sim.http_engine import _prompt_text
 from redisbal.sim.prefix_cache import text_blocks
 
 _BLOCKS: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("blocks", default=())
-_hints = server.request_hints
+_hints = proxy.request_hints
 _route = AsyncRouter.route
 
 
@@ -59,7 +59,7 @@ def main() -> None:
     if not url:
         sys.exit("peer_gateway: set REDISBAL_REDIS_URL")
     logging.basicConfig(level=os.environ.get("REDISBAL_LOG_LEVEL", "warning").upper())
-    server.request_hints = _hints_with_blocks  # type: ignore[assignment]
+    proxy.request_hints = _hints_with_blocks  # type: ignore[assignment]
     AsyncRouter.route = _route_with_blocks  # type: ignore[method-assign]
     ok = command.run_loop(
         command._serve(

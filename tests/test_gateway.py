@@ -26,7 +26,8 @@ from helpers import Barrier
 
 from redisbal import endpoints
 from redisbal.connection import make_client
-from redisbal.gateway.server import ENGINE_HEADER, KEY_HEADER, RANK_HEADER, Gateway, request_hints
+from redisbal.gateway.proxy import ENGINE_HEADER, KEY_HEADER, RANK_HEADER, request_hints
+from redisbal.gateway.server import Gateway
 from redisbal.integrations.metrics_page import parse_page
 from redisbal.keys import DeploymentKeys
 from redisbal.router import AsyncRouter

@@ -23,7 +23,7 @@ from gateway_stack import (
 )
 from helpers import coordinator
 
-from redisbal.gateway.server import ENGINE_HEADER
+from redisbal.gateway.proxy import ENGINE_HEADER
 
 
 async def set_fault(url: str, mode: str, status: int = 500) -> None:

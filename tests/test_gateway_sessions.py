@@ -10,7 +10,7 @@ import orjson
 from gateway_stack import MODEL, start_gateway, stop_gateway, wait_for
 
 from redisbal.gateway.loadgen import Planned, output_text, session_prompts
-from redisbal.gateway.server import ENGINE_HEADER
+from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.model import EngineParams
 from redisbal.sim.prefix_cache import BLOCK_TOKENS, CHARS_PER_TOKEN

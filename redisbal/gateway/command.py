@@ -17,6 +17,7 @@ from redisbal.cli_common import (
     redis_errors,
     settings,
 )
+from redisbal.gateway.options import exposure, exposure_options, warn_if_open
 from redisbal.policies import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger("redisbal.gateway")
@@ -242,6 +243,7 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     show_default=True,
     help="auto: uvloop when installed, else asyncio's own loop.",
 )
+@exposure_options
 @common_options
 def gateway(**kw: Any) -> None:
     """OpenAI-compatible gateway: route every request with the shared snapshot.
@@ -249,17 +251,22 @@ def gateway(**kw: Any) -> None:
     Proxies POST /v1/completions and /v1/chat/completions (streamed or not) to
     the chosen engine, serves GET /v1/models, /health and /metrics. Pin with the
     X-data-parallel-rank (rank) or X-Redisbal-Engine (engine id) header. SIGTERM
-    stops accepting, drains in-flight requests for --drain-s, then exits 0.
+    stops accepting, drains in-flight requests for --drain-s, then exits 0; a
+    second signal stops at once (exit 1 if requests were cut).
     """
     require_extra()
+    from redisbal.gateway.guard import raise_nofile
+
     s = settings()
+    nofile = raise_nofile()
+    served = exposure(kw, nofile)  # option errors before anything connects
     url = s.require_url()
     check_reachable(url)  # a wrong URL or password: one line now, not retries forever
     with redis_errors(url):
         loop = kw.pop("event_loop")
-        ok = run_loop(_serve(url, s.deployment, **kw), loop)
+        ok = run_loop(_serve(url, s.deployment, **kw, nofile=nofile, **served), loop)
     if not ok:
-        raise click.ClickException("requests were still in flight when it stopped draining")
+        raise click.ClickException("stopped at once with requests in flight")
 
 
 async def _serve(
@@ -286,6 +293,8 @@ async def _serve(
     max_attempts: int,
     retry_budget: float,
     eject_max_s: float,
+    nofile: int = 0,
+    **served: Any,
 ) -> bool:
     from redisbal.connection import make_client
     from redisbal.gateway.server import Gateway
@@ -326,6 +335,7 @@ async def _serve(
         first_byte_timeout_s=first_byte_timeout_s,
         max_attempts=max_attempts,
         retry_budget=retry_budget,
+        **served,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -338,12 +348,15 @@ async def _serve(
         except OSError as exc:
             raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
         core = router.core
+        scheme = "https" if gw.ssl_context is not None else "http"
         click.echo(
-            f"gateway listening on http://{host}:{gw.ports[0] if gw.ports else port} "
+            f"gateway listening on {scheme}://{host}:{gw.ports[0] if gw.ports else port} "
             f"(client {core.client_index} of {core.client_count}, "
-            f"{len(gw.live_engines())} engines with URLs)",
+            f"{len(gw.live_engines())} engines with URLs; open-file limit {nofile}, "
+            f"at most {gw.guard.limits.max_connections} client connections)",
             err=True,
         )
+        warn_if_open(host, served)
         await stop.wait()
         stop.clear()  # a second signal cuts the drain short
         log.info(
@@ -355,9 +368,14 @@ async def _serve(
         again.cancel()
         if not drain.done():
             drain.cancel()
-            log.warning("gateway: stopping with %d requests in flight", gw.inflight)
+            log.warning("gateway: stopping now with %d requests in flight", gw.inflight)
             return False
-        return drain.result()
+        if not drain.result():
+            log.warning(
+                "gateway: %d requests still in flight after --drain-s %gs: closing them",
+                gw.inflight, drain_s,
+            )  # fmt: skip
+        return True
     finally:
         await gw.close()
         await router.aclose()

@@ -54,7 +54,8 @@ class GatewayMetrics:
             "Failed attempts and requests by reason: what an engine did (connect, reset, "
             "5xx, 429, first_byte_timeout, idle_timeout, timeout; retried when nothing "
             "was sent yet), client_disconnect (the client left before the end), "
-            "no_engine, bad_request, too_large.",
+            "no_engine, bad_request, too_large, body_timeout (its body came too slowly), "
+            "overloaded (past --max-concurrent-requests).",
             ["reason"],
             registry=r,
         )

@@ -21,11 +21,21 @@ class Retry(Exception):
     """An attempt failed before any byte reached the client: another engine may serve it.
     ``kind`` is the outcome (redisbal.outcomes.FAILURES); ``unsent``: no engine works
     on the request (the connection was refused, or the engine's process is not
-    running: first_byte.Silent), so retrying it adds no load and needs no budget."""
+    running: first_byte.Silent), so retrying it adds no load and needs no budget.
+    ``detail`` is logged; ``public`` (``detail`` unless given) goes to the client: no
+    engine address in it."""
 
-    def __init__(self, kind: str, detail: str, status: int = 502, unsent: bool = False) -> None:
+    def __init__(
+        self,
+        kind: str,
+        detail: str,
+        status: int = 502,
+        unsent: bool = False,
+        public: str | None = None,
+    ) -> None:
         super().__init__(detail)
         self.kind, self.detail, self.status, self.unsent = kind, detail, status, unsent
+        self.public = detail if public is None else public
 
 
 class RetryBudget:

@@ -1,206 +1,65 @@
-"""The OpenAI-compatible gateway: one aiohttp server, one aiohttp client session.
-
-Every ``POST /v1/completions`` and ``/v1/chat/completions`` is routed with the
-deployment's ``AsyncRouter`` and proxied to the chosen engine's base URL; a
-streamed answer (server-sent events) is passed through chunk by chunk as it
-arrives. The router is told ``finished()`` on every path: completion, upstream
-failure, timeout, and a client that goes away (aiohttp cancels the handler;
-the ``finally`` below runs either way).
-
-Every attempt's outcome goes to the router (``answered``, ``failed`` with its
-kind, ``finished``): an engine that fails is ejected for every router of the
-deployment until a probe of it is answered (redisbal.outcomes). Failures
-before any byte reached the client (connect error, reset, an answer 429, 500,
-502, 503 or 504, no first byte within the engine's first-byte bound) go to
-another engine, up to ``max_attempts`` and within the retry budget (never for
-a pinned request); after bytes were streamed, a stream that fails or goes
-quiet for ``idle_timeout_s`` ends with an ``error`` event and no ``[DONE]``.
-Engines and their URLs come from Redis (redisbal.endpoints, re-read every
-``refresh_s``) and from ``--engine ID=URL``.
-"""
+"""The gateway's app and lifecycle: the aiohttp application (the proxied paths from
+redisbal.gateway.proxy, ``/v1/models``, ``/health``, ``/metrics``), start, drain, close."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Mapping
+import ssl
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from redisbal import endpoints
 from redisbal.background import cancel_and_wait
-from redisbal.gateway.first_byte import Silent, first_byte
-from redisbal.gateway.metrics import CONTENT_TYPE, GatewayMetrics, monotonic_age
-from redisbal.gateway.retry import RETRY_STATUSES, Retry, RetryBudget, status_kind
-from redisbal.keys import InvalidName, check_name
-from redisbal.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
+from redisbal.gateway.access import ApiKeys, Cors, auth_middleware
+from redisbal.gateway.errors import json_error as _json_error
+from redisbal.gateway.errors import unserved_as_json
+from redisbal.gateway.guard import ConnectionGuard, GuardedRunner, Limits
+from redisbal.gateway.metrics import CONTENT_TYPE
+from redisbal.gateway.proxy import PROXY_PATHS, Proxy
 from redisbal.router import AsyncRouter
 
 log = logging.getLogger("redisbal.gateway")
 
-RANK_HEADER = "X-data-parallel-rank"  # vLLM's pinning header: an engine rank
-ENGINE_HEADER = "X-Redisbal-Engine"  # pin to an engine id; also set on every answer
-CLIENT_HEADER = "X-Redisbal-Client-Index"  # tells the engine which API server sent it
-MAX_ATTEMPTS = 3  # engines one request may try (the first and two retries)
-PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
-KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer one engine
-CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, roughly)
 
-
-def request_hints(body: Mapping[str, Any], key_header: str | None) -> tuple[str | None, int]:
-    """What the router is told of a request: its key (the X-Redisbal-Key header,
-    else the body's ``user``) and its prompt size in tokens, estimated from the
-    prompt's characters (no tokenizer on the request path). ValueError on a bad key."""
-    key = key_header if key_header is not None else body.get("user")
-    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LEN):
-        raise ValueError(f"{KEY_HEADER} (or user) must be 1-{MAX_KEY_LEN} characters")
-    chars = 0
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        chars = len(prompt)
-    elif isinstance(prompt, list):
-        chars = sum(len(p) if isinstance(p, str) else 4 * CHARS_PER_TOKEN for p in prompt)
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for msg in messages:
-            content = msg.get("content") if isinstance(msg, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                chars += sum(
-                    len(part["text"])
-                    for part in content
-                    if isinstance(part, dict) and isinstance(part.get("text"), str)
-                )
-    return key, chars // CHARS_PER_TOKEN
-
-
-def _json_error(
-    status: int, message: str, kind: str = "invalid_request_error", **headers: str
-) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.Response(
-        status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
-    )
-
-
-@web.middleware
-async def _unserved_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
-    """aiohttp's own 404 and 405 (a path or method the gateway does not serve) as error
-    JSON like the gateway's other errors, which OpenAI clients parse."""
-    try:
-        return await handler(request)
-    except web.HTTPMethodNotAllowed as exc:
-        allowed = ", ".join(sorted(exc.allowed_methods))
-        return _json_error(
-            405, f"{request.method} is not served on {request.path[:200]}: use {allowed}",
-            Allow=allowed,
-        )  # fmt: skip
-    except web.HTTPNotFound:
-        served = ", ".join([*PROXY_PATHS, "/v1/models", "/health", "/metrics"])
-        return _json_error(404, f"no such path: {request.path[:200]} (served: {served})")
-
-
-def _unroute(router: AsyncRouter, decision: Decision) -> None:
-    """The request of ``decision`` never reached its engine: take the route back (the
-    engine's admitted count will not include it)."""
-    router.core.unroute(decision)
-
-
-class Gateway:
-    """The proxy. ``start()`` binds, ``drain()`` stops accepting and waits."""
+class Gateway(Proxy):
+    """The proxy served. ``start()`` binds, ``drain()`` stops accepting and waits.
+    ``api_keys``: a key is required on the ``/v1`` paths; ``cors``: browser pages of
+    its origins may call it; ``limits``: what one connection may take; ``ssl``: TLS."""
 
     def __init__(
         self,
         router: AsyncRouter,
         *,
-        redis_client: Any = None,
-        static_urls: Mapping[str, str] | None = None,
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 2.0,
-        max_body: int = 4 * 1024 * 1024,
-        refresh_s: float = 1.0,
-        idle_timeout_s: float = 10.0,
-        first_byte_timeout_s: float = 30.0,
-        max_attempts: int = MAX_ATTEMPTS,
-        retry_budget: float = 0.2,
         models_timeout_s: float = 2.0,
+        api_keys: ApiKeys | None = None,
+        cors: Cors | None = None,
+        limits: Limits | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        **kw: Any,
     ) -> None:
-        self.router = router
-        self.redis = redis_client
-        self.static_urls = dict(static_urls or {})
-        self.urls: dict[str, str] = dict(self.static_urls)
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-        self.timeout_s = timeout_s
-        self.idle_timeout_s = idle_timeout_s
-        self.first_byte_timeout_s = first_byte_timeout_s  # streamed: the first token
-        self.max_attempts = max_attempts
-        self.budget = RetryBudget(retry_budget)
+        super().__init__(router, **kw)
         self.models_timeout_s = models_timeout_s
+        self.api_keys, self.cors, self.ssl_context = api_keys, cors, ssl_context
+        self.guard = ConnectionGuard(limits or Limits())
         self._models_body: bytes | None = None  # the last /v1/models an engine answered
-        self._complete: set[int] = set()  # requests whose whole answer was passed on
-        self.max_body = max_body
-        self.refresh_s = refresh_s
-        self.inflight = 0
-        self.draining = False
-        self.metrics = GatewayMetrics(
-            snapshot_age=lambda: monotonic_age(router.core.snapshot_at),
-            client_index=lambda: router.core.client_index,
-            client_count=lambda: router.core.client_count,
-            inflight=lambda: self.inflight,
-        )
-        self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
         self.sites: list[web.TCPSite] = []
-        self._refresher: asyncio.Task[None] | None = None
-        self._refetch: asyncio.Task[None] | None = None  # one re-read for many requests
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    # -- engines and their URLs ----------------------------------------------------------------
-
-    async def refresh_urls(self) -> None:
-        if self.redis is None:
-            return
-        found = await endpoints.fetch(self.redis, self.router.keys)
-        # an engine the router still routes to keeps its last URL if the hash lost it
-        # (Redis restarted empty: engines register theirs again within seconds)
-        known = self.router.core.by_id
-        kept = {e: u for e, u in self.urls.items() if e in known}
-        self.urls = {**kept, **found, **self.static_urls}  # --engine wins over Redis
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_s)
-            try:
-                await self.refresh_urls()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis away: keep the URLs we know
-                log.debug("gateway: url refresh failed: %s", exc)
-
-    async def _refetch_urls(self) -> None:
-        """Re-read the URLs now for the requests that found none: engines that left
-        (their URLs dropped) and came back are routed at their first report, before
-        the next periodic refresh. Concurrent callers share one read."""
-        if self._refetch is None or self._refetch.done():
-            self._refetch = asyncio.get_running_loop().create_task(self.refresh_urls())
-        with contextlib.suppress(Exception):
-            await asyncio.shield(self._refetch)
-
-    def live_engines(self) -> list[str]:
-        """Engines the router knows that have a URL."""
-        return [e for e in self.router.core.by_id if e in self.urls]
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body, middlewares=[_unserved_as_json])
+        middlewares = [unserved_as_json]
+        if self.cors is not None:  # before the key check: a preflight carries no key
+            middlewares.append(self.cors.middleware())
+        if self.api_keys is not None:
+            middlewares.append(auth_middleware(self.api_keys))
+        app = web.Application(client_max_size=self.max_body, middlewares=middlewares)
+        if self.cors is not None:
+            app.on_response_prepare.append(self.cors.on_prepare)
         for path in PROXY_PATHS:
             app.router.add_post(path, self._proxy)
         app.router.add_get("/v1/models", self._models)
@@ -216,9 +75,20 @@ class Gateway:
         with contextlib.suppress(Exception):
             await self.refresh_urls()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
-        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        lim = self.guard.limits
+        self.runner = GuardedRunner(
+            self.app(),
+            self.guard,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=lim.keepalive_timeout_s,
+            max_line_size=lim.max_line_size,
+            max_field_size=lim.max_field_size,
+            lingering_time=1.0,  # after an early answer, unread body is drained this long
+            shutdown_timeout=0.2,  # after the drain: what is still running is cancelled
+        )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, backlog=1024)
+        site = web.TCPSite(self.runner, host, port, backlog=1024, ssl_context=self.ssl_context)
         await site.start()
         self.sites.append(site)
 
@@ -284,9 +154,7 @@ class Gateway:
         excluded = self.router.core.excluded()
         live = self.live_engines()
         order = [e for e in live if e not in excluded] + [e for e in live if e in excluded]
-        headers = {}
-        if (auth := request.headers.get("Authorization")) is not None:
-            headers["Authorization"] = auth
+        headers = self.upstream_auth(request)
         session = self.session
 
         async def ask(eid: str) -> bytes:
@@ -313,334 +181,3 @@ class Gateway:
         return _json_error(
             503, "no engine answered /v1/models", "unavailable", **{"Retry-After": "1"}
         )
-
-    # -- the proxy -----------------------------------------------------------------------------
-
-    def _pin(self, request: web.Request) -> str | web.Response | None:
-        rank = request.headers.get(RANK_HEADER)
-        eid = request.headers.get(ENGINE_HEADER)
-        if rank is not None:
-            r = rank.strip()
-            if not (r.isascii() and r.isdigit()) or len(r) > 6:  # "³" is a digit to isdigit()
-                return _json_error(400, f"{RANK_HEADER} must be a whole number, got {rank[:32]!r}")
-            return str(int(r))
-        if eid is not None:
-            try:
-                return check_name(eid.strip(), "engine id")
-            except InvalidName as exc:
-                return _json_error(400, f"{ENGINE_HEADER}: {exc}")
-        return None
-
-    def _route(
-        self, pin: str | None, avoid: set[str], key: str | None = None, tokens: int = 0
-    ) -> Decision:
-        """Route (or pin); an engine without a URL, or in ``avoid``, is swapped for the
-        least-loaded engine that has one. Raises NoEngines / UnknownEngine."""
-        router = self.router
-        d = router.route(pin, key=key, prompt_tokens=tokens)
-        if pin is not None and pin not in self.urls:
-            _unroute(router, d)
-            raise NoEngines(f"engine {pin!r} has no known URL (not registered, no --engine)")
-        if pin is not None or (d.engine_id in self.urls and d.engine_id not in avoid):
-            return d
-        _unroute(router, d)  # no URL, or it failed this request already: another one
-        loads = router.core.loads()
-        ok = [e for e in loads if e in self.urls and e not in avoid]
-        if not ok:
-            raise NoEngines("no engine with a known URL")
-        d = router.route(min(ok, key=loads.__getitem__), prompt_tokens=tokens)
-        d.pinned = False
-        return d
-
-    def _begin(self) -> None:
-        self.inflight += 1
-        self._idle.clear()
-
-    def _end(self) -> None:
-        self.inflight -= 1
-        if self.inflight == 0:
-            self._idle.set()
-
-    async def _proxy(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        path = request.path
-        m = self.metrics
-        if self.draining:
-            m.requests.labels(path, "503").inc()
-            return _json_error(
-                503,
-                "gateway is shutting down",
-                "unavailable",
-                **{"Retry-After": "1", "Connection": "close"},
-            )
-        self._begin()
-        self.budget.request()
-        try:
-            resp = await self._proxy_inner(request, t0)
-            m.requests.labels(path, str(resp.status)).inc()
-            return resp
-        except asyncio.CancelledError:
-            if id(request) not in self._complete:  # (not once the answer was all sent)
-                m.errors.labels("client_disconnect").inc()
-            raise
-        finally:
-            self._complete.discard(id(request))
-            self._end()
-
-    async def _read_body(
-        self, request: web.Request
-    ) -> tuple[bytes, bool, dict[str, Any]] | web.Response:
-        m = self.metrics
-        if request.content_length is not None and request.content_length > self.max_body:
-            m.errors.labels("too_large").inc()
-            return _json_error(413, f"the body exceeds {self.max_body} bytes")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            m.errors.labels("too_large").inc()
-            return _json_error(413, f"the body exceeds {self.max_body} bytes")
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            m.errors.labels("bad_request").inc()
-            return _json_error(400, f"malformed JSON body: {exc}")
-        if not isinstance(body, dict):
-            m.errors.labels("bad_request").inc()
-            return _json_error(400, "the body must be a JSON object")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            m.errors.labels("bad_request").inc()
-            return _json_error(400, "stream must be true or false")
-        return raw, stream, body
-
-    async def _proxy_inner(self, request: web.Request, t0: float) -> web.StreamResponse:
-        m = self.metrics
-        got = await self._read_body(request)
-        if isinstance(got, web.Response):
-            return got
-        raw, stream, body = got
-        try:
-            key, tokens = request_hints(body, request.headers.get(KEY_HEADER))
-        except ValueError as exc:
-            m.errors.labels("bad_request").inc()
-            return _json_error(400, str(exc))
-        pin = self._pin(request)
-        if isinstance(pin, web.Response):
-            m.errors.labels("bad_request").inc()
-            return pin
-        headers = {"Content-Type": "application/json"}
-        if (auth := request.headers.get("Authorization")) is not None:
-            headers["Authorization"] = auth
-        avoid: set[str] = set()
-        last: Retry | None = None
-        for attempt in range(1 if pin is not None else self.max_attempts):
-            try:
-                try:
-                    d = self._route(pin, avoid, key, tokens)
-                except NoEngines:
-                    core = self.router.core
-                    if self.redis is None or all(e in self.urls for e in core.by_id):
-                        raise
-                    await self._refetch_urls()  # engines without a URL: it may be new
-                    d = self._route(pin, avoid, key, tokens)
-            except UnknownEngine:
-                m.errors.labels("bad_request").inc()
-                live = sorted(self.router.core.by_id, key=lambda e: (len(e), e))
-                return _json_error(
-                    400, f"no live engine {pin!r} to pin to; live engines: {', '.join(live)}"
-                )
-            except NoEngines as exc:
-                if last is not None:
-                    break
-                m.errors.labels("no_engine").inc()
-                return _json_error(503, str(exc), "unavailable", **{"Retry-After": "1"})
-            m.decision(d.engine_id)
-            if attempt:
-                m.retries.inc()
-            headers[CLIENT_HEADER] = str(d.client_index)
-            try:
-                return await self._attempt(request, d, raw, headers, stream, t0)
-            except Retry as exc:
-                last = exc
-                avoid.add(d.engine_id)
-                m.errors.labels(exc.kind).inc()
-                again = pin is None and attempt + 1 < self.max_attempts
-                # the budget keeps retries from adding load to a failing deployment; a
-                # request no engine works on (refused, a stopped engine) adds none
-                if again and not exc.unsent and not self.budget.allow():
-                    m.retries_refused.inc()
-                    again = False
-                log.info(
-                    "gateway: engine %s failed (%s); %s",
-                    d.engine_id,
-                    exc.detail,
-                    "retrying" if again else "giving up",
-                )
-                if not again:
-                    break
-        assert last is not None
-        return _json_error(last.status, last.detail, "upstream_error")
-
-    def _outcome(self, d: Decision, kind: str, detail: str = "") -> None:
-        """Tell the router how the attempt of ``d`` ended, and count it per engine."""
-        router, m = self.router, self.metrics
-        m.outcome(d.engine_id, kind)
-        if kind in ("ok", "rejected", "client_disconnect"):
-            router.finished(d)
-        elif router.failed(d, detail, kind):
-            m.ejections.labels(d.engine_id).inc()
-
-    async def _attempt(
-        self,
-        request: web.Request,
-        d: Decision,
-        raw: bytes,
-        headers: dict[str, str],
-        stream: bool,
-        t0: float,
-    ) -> web.StreamResponse:
-        """One upstream try. Raises Retry only while nothing was sent to the client."""
-        assert self.session is not None
-        router = self.router
-        eid = d.engine_id
-        url = self.urls[eid] + request.path
-        kind = "client_disconnect"  # the outcome, unless set below
-        detail = ""
-        up: aiohttp.ClientResponse | None = None
-        t_up = time.perf_counter()
-        # streamed: a bound from what this engine usually takes to its first token;
-        # whole answers come at the end, so only the whole-response timeout applies
-        # to them; either way a silent engine's wait ends early (first_byte.py)
-        bound = router.first_byte_bound(eid) if stream else self.timeout_s
-        try:
-            try:
-                up = await first_byte(
-                    self.session.post(url, data=raw, headers=headers),
-                    bound,
-                    lambda: router.silent_s(eid),
-                )
-            except aiohttp.ClientConnectorError as exc:
-                _unroute(router, d)  # it never got there: no route to take back later
-                kind, detail = "connect", f"engine {eid} unreachable: {exc}"
-                raise Retry(kind, detail, unsent=True) from None
-            except aiohttp.ClientError as exc:
-                kind, detail = "reset", f"engine {eid} failed: {type(exc).__name__}: {exc}"
-                raise Retry(kind, detail) from None
-            except asyncio.TimeoutError:
-                kind, detail = "first_byte_timeout", f"engine {eid}: no answer in {bound:.2f}s"
-                raise Retry(kind, detail, 504) from None
-            except Silent as exc:
-                kind, detail = "first_byte_timeout", f"engine {eid}: {exc}"
-                raise Retry(kind, detail, 504, unsent=True) from None
-            if up.status in RETRY_STATUSES:
-                kind, detail = status_kind(up.status), f"engine {eid} answered {up.status}"
-                raise Retry(kind, detail, up.status)
-            ctype = up.headers.get("Content-Type", "application/json")
-            if not ctype.startswith("text/event-stream"):
-                whole, kind = await self._whole(d, up, ctype, t0, t_up)
-                return whole
-            streamed, kind, detail = await self._relay(request, d, up, t0, t_up, bound)
-            return streamed
-        except Retry as exc:
-            kind, detail = exc.kind, exc.detail
-            raise
-        finally:
-            if up is not None:
-                if kind == "ok":
-                    up.release()
-                else:  # drop the connection: the engine sees the client leave and aborts
-                    up.close()
-            self._outcome(d, kind, detail)
-
-    async def _whole(
-        self, d: Decision, up: aiohttp.ClientResponse, ctype: str, t0: float, t_up: float
-    ) -> tuple[web.Response, str]:
-        """A non-streamed answer (or an error), passed on whole; returns (response,
-        outcome kind)."""
-        eid = d.engine_id
-        try:
-            body = await up.read()
-        except aiohttp.ClientError as exc:
-            raise Retry("reset", f"engine {eid} dropped: {type(exc).__name__}") from None
-        except asyncio.TimeoutError:  # the whole-response timeout: not worth another try
-            self.metrics.errors.labels("timeout").inc()
-            return _json_error(504, f"engine {eid} timed out", "timeout"), "timeout"
-        t_done = time.perf_counter()
-        whole = web.Response(status=up.status, body=body)
-        whole.headers["Content-Type"] = ctype
-        whole.headers[ENGINE_HEADER] = eid
-        self.metrics.observe_added(False, (t_up - t0) + (time.perf_counter() - t_done))
-        if 400 <= up.status < 500:
-            return whole, "rejected"  # the engine refused it: no evidence, no load
-        self.router.answered(d, -1.0)  # (a whole answer is no first-byte time)
-        return whole, "ok"
-
-    async def _relay(
-        self,
-        request: web.Request,
-        d: Decision,
-        up: aiohttp.ClientResponse,
-        t0: float,
-        t_up: float,
-        bound: float,
-    ) -> tuple[web.StreamResponse, str, str]:
-        """Pass an SSE stream through; returns (response, outcome kind, detail). Headers
-        go out with the first chunk, so an engine that gives none within ``bound`` of
-        the request (or drops first) is retried; after it, ``idle_timeout_s`` without a
-        chunk ends the stream with an error event."""
-        m, eid = self.metrics, d.engine_id
-        chunks = up.content.iter_any()
-        left = max(0.001, bound - (time.perf_counter() - t_up))
-        try:
-            first = await first_byte(chunks.__anext__(), left, lambda: self.router.silent_s(eid))
-        except StopAsyncIteration:
-            first = b""
-        except asyncio.TimeoutError:
-            raise Retry(
-                "first_byte_timeout", f"engine {eid}: no first token in {bound:.2f}s", 504
-            ) from None
-        except Silent as exc:
-            raise Retry("first_byte_timeout", f"engine {eid}: {exc}", 504, unsent=True) from None
-        except aiohttp.ClientError as exc:
-            raise Retry(
-                "reset", f"engine {eid} dropped before its first token: {type(exc).__name__}"
-            ) from None
-        t_first = time.perf_counter()
-        self.router.answered(d, t_first - t_up)
-        resp = web.StreamResponse(status=up.status)
-        resp.headers["Content-Type"] = "text/event-stream"
-        resp.headers["Cache-Control"] = "no-cache"
-        resp.headers[ENGINE_HEADER] = eid
-        kind, detail = "ok", ""
-        try:
-            await resp.prepare(request)
-            if first:
-                await resp.write(first)
-            m.observe_added(True, (t_up - t0) + (time.perf_counter() - t_first))
-            idle = self.idle_timeout_s
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(chunks.__anext__(), idle)
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    gone = time.perf_counter() - t0 >= self.timeout_s
-                    kind = "timeout" if gone else "idle_timeout"
-                    detail = f"engine {eid}: no token for {idle:.1f}s mid-stream"
-                    break
-                except (aiohttp.ClientPayloadError, aiohttp.ClientError) as exc:
-                    kind, detail = "reset", f"engine {eid} failed mid-stream: {type(exc).__name__}"
-                    break
-                await resp.write(chunk)
-            if kind != "ok":
-                m.errors.labels(kind).inc()
-                err = {"error": {"message": detail, "type": "upstream_error", "code": 502}}
-                await resp.write(b"data: " + orjson.dumps(err) + b"\n\n")
-            self._complete.add(id(request))  # all passed on: a client leaving now left at the end
-            with contextlib.suppress(ConnectionResetError):
-                await resp.write_eof()
-        except ConnectionResetError:  # the client went away mid-stream
-            if id(request) not in self._complete:
-                m.errors.labels("client_disconnect").inc()
-                return resp, "client_disconnect", ""
-        return resp, kind, detail

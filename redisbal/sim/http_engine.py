@@ -119,8 +119,10 @@ class HttpEngine:
         model_name: str = "redisbal-sim",
         mean_output: float = 40.0,
         seed: int | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.engine_id = check_name(engine_id, "engine_id")
+        self.api_key = api_key  # like vLLM's --api-key: required on the /v1 paths
         self.model = SimEngine(self.engine_id, params or EngineParams(), num_clients=1)
         self.model.on_finish = self._on_finish
         self.redis_url = redis_url
@@ -210,7 +212,7 @@ class HttpEngine:
     # -- HTTP -----------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._check_key])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -219,6 +221,16 @@ class HttpEngine:
         app.router.add_get("/sim/state", self._state)
         app.router.add_post("/sim/fault", self._set_fault)
         return app
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if (
+            self.api_key is not None
+            and request.path.startswith("/v1")
+            and request.headers.get("Authorization") != f"Bearer {self.api_key}"
+        ):
+            return _error(401, "Unauthorized")
+        return await handler(request)
 
     async def _set_fault(self, request: web.Request) -> web.Response:
         try:
