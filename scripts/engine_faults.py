@@ -236,7 +236,23 @@ async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict
     back_s = came_back(samples, a.clear_at)
     for c in clients:
         await c.close()
-    return summarize(kind, a, results, samples, back_s)
+    row = summarize(kind, a, results, samples, back_s)
+    row["gateway_errors"] = await asyncio.to_thread(gateway_errors, d)
+    return row
+
+
+def gateway_errors(d: Deployment) -> dict[str, float]:
+    """The gateways' failed attempts by kind, summed: what the failures were."""
+    out: dict[str, float] = {}
+    for g in d.gateways:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(g + "/metrics", timeout=2) as r:
+                text = r.read().decode()
+            for k, v in re.findall(
+                r'^redisbal_gateway_errors_total\{reason="([^"]+)"\} (\S+)$', text, re.M
+            ):
+                out[k] = out.get(k, 0.0) + float(v)
+    return out
 
 
 def at(samples: list[tuple[float, dict[str, float]]], t: float) -> dict[str, float]:

@@ -424,6 +424,9 @@ class HttpEngine:
                     break
             await resp.write_eof()
             return resp
+        except ConnectionResetError:  # (aiohttp's ClientConnectionResetError too)
+            # the client went away mid-answer: nobody reads this; aiohttp drops it quietly
+            return web.Response(status=499)
         finally:
             self.inflight -= 1
             if not finished:  # the client went away (or the write failed): abort
