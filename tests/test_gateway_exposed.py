@@ -31,7 +31,11 @@ def _client(url: str, key: str = KEY, **kw: Any) -> openai.AsyncOpenAI:
 
 
 async def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
-    """Send ``data`` as is; the answer's status, headers and body (read to the end)."""
+    """Send ``data`` (with ``Connection: close`` unless it names a connection header:
+    the answer is read to the end); the answer's status, headers and body."""
+    line, sep, rest = data.partition(b"\r\n")
+    if sep and b"\r\nconnection:" not in (b"\r\n" + rest.split(b"\r\n\r\n")[0]).lower():
+        data = line + b"\r\nConnection: close" + sep + rest
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(data)

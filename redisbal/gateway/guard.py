@@ -5,8 +5,13 @@ aiohttp's own HTTP parsing errors answered as error JSON without a traceback.
 aiohttp's ``AppRunner`` builds a ``Server`` whose protocol (``RequestHandler``) is one
 per connection; ``GuardedRunner`` builds the same server with ``GuardedHandler``
 instead. A connection is *idle* from its start, and again after each answer, until a
-whole request head arrived; an idle connection closes ``header_timeout_s`` after it
-became idle. Past ``max_connections``, a new connection closes the oldest idle one
+whole request head arrived. An idle connection that sent nothing closes
+``keepalive_timeout_s`` after it became idle; once the first bytes of a head arrived,
+the whole head must follow within ``header_timeout_s`` (slowloris). The keep-alive
+bound is long (75 s, as nginx's) because clients keep idle connections in pools and
+reuse them at will: one that a server closes while the client picks it fails that
+request (httpx, which the openai client uses, keeps them 5 s: a 5 s server timeout
+failed requests under load). Past ``max_connections``, a new connection closes the oldest idle one
 (one that holds no request), so that silent connections cannot starve the clients
 that send requests; only when every connection holds a request is the new one closed.
 """
@@ -39,7 +44,7 @@ class Limits:
     """What one connection may take. ``max_connections`` 0: no cap."""
 
     header_timeout_s: float = 10.0
-    keepalive_timeout_s: float = 5.0
+    keepalive_timeout_s: float = 75.0
     max_connections: int = 0
     max_line_size: int = 8190  # the request line and each header line, in bytes
     max_field_size: int = 8190
@@ -82,14 +87,17 @@ class GuardedHandler(RequestHandler):
         super().__init__(manager, **kw)
         self._guard = guard
         self._head_timer: asyncio.TimerHandle | None = None
+        self._heading = False  # idle, and a head has begun to arrive
 
     def _set_idle(self) -> None:
         self._guard.idle[self] = None
+        self._heading = False
+        self._start_timer(self._guard.limits.keepalive_timeout_s)
+
+    def _start_timer(self, after_s: float) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
-        self._head_timer = self._loop.call_later(
-            self._guard.limits.header_timeout_s, self._head_late
-        )
+        self._head_timer = self._loop.call_later(after_s, self._head_late)
 
     def _set_busy(self) -> None:
         self._guard.idle.pop(self, None)
@@ -127,8 +135,12 @@ class GuardedHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._messages and self in self._guard.idle:  # a whole head arrived
-            self._set_busy()
+        if self in self._guard.idle:
+            if self._messages:  # a whole head arrived
+                self._set_busy()
+            elif data and not self._heading:  # a head began: it has header_timeout_s
+                self._heading = True
+                self._start_timer(self._guard.limits.header_timeout_s)
 
     async def _handle_request(
         self,

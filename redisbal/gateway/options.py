@@ -117,15 +117,17 @@ _OPTIONS = (
         type=FiniteFloat(0.1, 3600),
         default=10.0,
         show_default=True,
-        help="A connection must send a whole request head within this of opening (or of "
-        "its previous answer), else it is closed.",
+        help="Once a request head begins to arrive, the whole head must follow within "
+        "this, else the connection is closed (slow clients).",
     ),
     click.option(
         "--keepalive-timeout-s",
         type=FiniteFloat(0.1, 3600),
-        default=5.0,
+        default=75.0,
         show_default=True,
-        help="An idle kept-alive connection is closed after this.",
+        help="A connection that sends nothing (new, or idle after an answer) is closed "
+        "after this. Keep it above your clients' and load balancers' own idle timeouts: "
+        "a connection closed as a client reuses it fails that request.",
     ),
     click.option(
         "--body-timeout-s",
