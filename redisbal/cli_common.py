@@ -1,6 +1,8 @@
 """What the ``redisbal`` commands share: the common options, settings, error handling.
 
-Every command takes ``--redis-url`` (``REDISBAL_REDIS_URL``), ``--deployment``
+Every command takes ``--redis-url`` (``REDISBAL_REDIS_URL``),
+``--redis-password-file`` (``REDISBAL_REDIS_PASSWORD_FILE``, the password merged into
+the URL, so it never needs to be on a command line), ``--deployment``
 (``REDISBAL_DEPLOYMENT``) and ``--log-level`` (``REDISBAL_LOG_LEVEL``), either
 before the command name or after it (``redisbal status --redis-url ...``, the
 form docker-compose uses); a value given on the command line wins over the
@@ -40,6 +42,7 @@ from redisbal.connection import (
     make_client,
     parse_url,
     redact,
+    with_password,
 )
 from redisbal.keys import InvalidName, check_name
 from redisbal.policies import DEFAULT_POLICY, POLICIES
@@ -85,6 +88,8 @@ def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
             raise click.BadParameter(
                 f"{exc}{_from_env(ctx, param)}", ctx=ctx, param=param
             ) from None
+    elif name == "redis_password_file" and value is not None:
+        value = _read_password(value, ctx, param)  # read once; only the password is kept
     elif name == "deployment":
         try:
             check_name(value, "deployment name")
@@ -99,6 +104,29 @@ def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
+def _read_password(path: str, ctx: click.Context, param: click.Parameter) -> str:
+    """The file's text less one trailing newline; a one-line usage error (never its
+    content) when it cannot be read or is empty."""
+    where = _from_env(ctx, param)
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise click.BadParameter(
+            f"{path}{where}: {exc.strerror or exc}", ctx=ctx, param=param
+        ) from None
+    except UnicodeDecodeError:
+        raise click.BadParameter(f"{path}{where}: not UTF-8 text", ctx=ctx, param=param) from None
+    password = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+    if not password:
+        raise click.BadParameter(f"{path}{where} is empty", ctx=ctx, param=param)
+    if "\n" in password or "\r" in password:
+        raise click.BadParameter(
+            f"{path}{where}: a password file holds one line", ctx=ctx, param=param
+        )
+    return password
+
+
 _SHARED = (
     click.option(
         "--redis-url",
@@ -108,6 +136,15 @@ _SHARED = (
         callback=_remember,
         help="Redis to use: redis://, rediss://, unix://, redis+sentinel://h:p[,h:p]/service "
         "or redis+cluster://h:p[,h:p]. [env: REDISBAL_REDIS_URL]",
+    ),
+    click.option(
+        "--redis-password-file",
+        envvar="REDISBAL_REDIS_PASSWORD_FILE",
+        metavar="PATH",
+        expose_value=False,
+        callback=_remember,
+        help="Read the Redis password from this file (one trailing newline dropped) and "
+        "use it with --redis-url, which then has none. [env: REDISBAL_REDIS_PASSWORD_FILE]",
     ),
     click.option(
         "--deployment",
@@ -133,7 +170,8 @@ _SHARED = (
 
 
 def common_options(f: F) -> F:
-    """Add --redis-url / --deployment / --log-level to a command (read them with settings())."""
+    """Add --redis-url / --redis-password-file / --deployment / --log-level to a command
+    (read them with settings())."""
     for opt in reversed(_SHARED):
         f = opt(f)
     return f
@@ -164,8 +202,15 @@ def settings(ctx: click.Context | None = None) -> Settings:
     """Resolved shared options; also configures logging once."""
     ctx = ctx or click.get_current_context()
     store = ctx.meta.get(_OPTS, {})
+    url = store.get("redis_url", (None, 0))[0]
+    password = store.get("redis_password_file", (None, 0))[0]
+    if url and password is not None:
+        try:
+            url = with_password(url, password)
+        except BadRedisURL as exc:  # its message has the URL redacted, never the password
+            raise click.UsageError(f"--redis-password-file: {exc}", ctx) from None
     s = Settings(
-        redis_url=store.get("redis_url", (None, 0))[0],
+        redis_url=url,
         deployment=store.get("deployment", ("default", 0))[0],
         log_level=str(store.get("log_level", ("info", 0))[0]).lower(),
     )

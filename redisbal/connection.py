@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis.exceptions
 
@@ -350,6 +350,24 @@ def _async_cluster_class() -> type:
                 raise (explain(exc, self.redisbal_url) or exc) from exc
 
     return CheckedRedisCluster
+
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` in its userinfo (percent-encoded, after the user name
+    if it has one), for every scheme. BadRedisURL (the URL redacted) if the URL is bad
+    or has a password already: one of the two would be ignored."""
+    t = parse_url(url)
+    if t.password is not None:
+        raise BadRedisURL(
+            f"{redact(url)!r} has a password already: give it in the URL or in a file, not both"
+        )
+    scheme, rest = url.split("://", 1)
+    authority = rest.split("/", 1)[0].split("?", 1)[0]
+    user = ""
+    if "@" in authority:  # a user name and no password: "user@" or "user:@"
+        userinfo, _, rest = rest.partition("@")
+        user = userinfo.rstrip(":")
+    return f"{scheme}://{user}:{quote(password, safe='')}@{rest}"
 
 
 def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:

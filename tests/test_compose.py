@@ -43,6 +43,21 @@ def services() -> dict[str, dict[str, Any]]:
     return out
 
 
+def interpolate(value: object, env: dict[str, str] | None = None) -> str:
+    """A value as compose passes it: ``${VAR:-default}`` and ``${VAR}`` from the
+    environment of ``docker compose`` (here: ``env``, none by default)."""
+    env = env or {}
+
+    def one(m: re.Match[str]) -> str:
+        return env.get(m.group(1)) or (m.group(2) or "")
+
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", one, str(value))
+
+
+def service_env(svc: dict[str, Any]) -> dict[str, str]:
+    return {k: interpolate(v) for k, v in (svc.get("environment") or {}).items()}
+
+
 def command(svc: dict[str, Any]) -> list[str]:
     cmd = svc.get("command", [])
     return shlex.split(cmd) if isinstance(cmd, str) else [str(c) for c in cmd]
@@ -96,8 +111,8 @@ def test_service_command_is_a_real_cli_invocation(
     for k in list(os.environ):
         if k.startswith("REDISBAL_"):
             monkeypatch.delenv(k)
-    for k, v in (svc.get("environment") or {}).items():
-        monkeypatch.setenv(k, str(v))
+    for k, v in service_env(svc).items():
+        monkeypatch.setenv(k, v)
     group_args, sub, args = split_command(cli, argv[1:])
     ctx = cli.make_context("redisbal", [*group_args, sub])
     cmd = cli.get_command(ctx, sub)
@@ -137,6 +152,22 @@ def test_compose_wiring_is_consistent() -> None:
     assert any(str(p).endswith(f":{port}") for p in svcs["coordinator"].get("ports", []))
     api = command(svcs["api"])
     assert int(api[api.index("--client-count") + 1]) >= int(api[api.index("--routers") + 1])
+
+
+def test_the_gateways_require_a_key_from_the_environment_with_a_marked_placeholder() -> None:
+    """Bound to 0.0.0.0 in their containers, the gateways never serve without a key:
+    REDISBAL_GATEWAY_API_KEY when set, else a placeholder that says to change it."""
+    for name in ("gateway-a", "gateway-b"):
+        svc = services()[name]
+        assert "0.0.0.0" in command(svc)
+        raw = svc["environment"]["REDISBAL_API_KEY"]
+        assert raw == "${REDISBAL_GATEWAY_API_KEY:-sk-redisbal-CHANGE-ME}", raw
+        assert service_env(svc)["REDISBAL_API_KEY"] == "sk-redisbal-CHANGE-ME"
+        set_key = {"REDISBAL_GATEWAY_API_KEY": "k-42"}
+        assert interpolate(raw, set_key) == "k-42"
+    header = COMPOSE.read_text(encoding="utf-8").split("\nname:")[0]
+    assert 'curl -s localhost:8310/v1/models -H "Authorization: Bearer $KEY"' in header
+    assert "REDISBAL_GATEWAY_API_KEY" in header and "CHANGE-ME" in header
 
 
 def test_tests_service_runs_the_suite_and_the_dockerfile_can_build_it() -> None:
@@ -194,7 +225,8 @@ def _local(argv: list[str], ports: dict[str, str]) -> list[str]:
 def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> None:
     """The compose file's HTTP path (coordinator, 4 HTTP engines, 2 gateways), each
     service's own command and environment run as a process against a local Redis;
-    an OpenAI client request goes through each gateway."""
+    an OpenAI client request with the gateways' key goes through each gateway, one
+    with another key gets a 401."""
     import openai
 
     svcs = services()
@@ -221,7 +253,7 @@ def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> N
         try:
             for name in HTTP_PATH:
                 env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
-                env.update({k: str(v) for k, v in svcs[name]["environment"].items()})
+                env.update(service_env(svcs[name]))
                 env["REDISBAL_REDIS_URL"] = server.url
                 procs.append(subprocess.Popen(
                     _local(command(svcs[name]), ports), env=env, text=True,
@@ -231,10 +263,15 @@ def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> N
                 argv = command(svcs[name])
                 url = f"http://127.0.0.1:{ports[argv[argv.index('--port') + 1]]}"
                 _wait_ready(url + "/health", 30)
-                client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=2)
+                key = service_env(svcs[name])["REDISBAL_API_KEY"]
+                client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=2)
                 c = client.completions.create(model="redisbal-sim", prompt="hi", max_tokens=3)
                 assert c.usage is not None and 1 <= c.usage.completion_tokens <= 3
                 client.close()
+                keyless = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+                with pytest.raises(openai.AuthenticationError):  # a wrong key: 401
+                    keyless.completions.create(model="redisbal-sim", prompt="hi", max_tokens=3)
+                keyless.close()
         finally:
             for p in procs:
                 p.terminate()

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -17,8 +17,11 @@ from redisbal.cli_common import (
     redis_errors,
     settings,
 )
-from redisbal.gateway.options import exposure, exposure_options, warn_if_open
+from redisbal.gateway.options import check_model, exposure, exposure_options, warn_if_open
 from redisbal.policies import DEFAULT_POLICY, POLICIES
+
+if TYPE_CHECKING:
+    from redisbal.gateway.server import Gateway
 
 log = logging.getLogger("redisbal.gateway")
 
@@ -77,6 +80,27 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     return out
 
 
+def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    from redisbal.keys import InvalidName, check_name
+
+    out: dict[str, str] = {}
+    for item in (x.strip() for v in values for x in v.split(",")):
+        if not item:
+            continue
+        name, eq, dep = item.rpartition("=")
+        if not eq or not name:
+            raise click.BadParameter(f"{item!r} is not NAME=DEPLOYMENT")
+        try:
+            out_name = check_model(name)
+            check_name(dep, "deployment name")
+        except (ValueError, InvalidName) as exc:
+            raise click.BadParameter(str(exc)) from None
+        if out_name in out:
+            raise click.BadParameter(f"model {name!r} is given twice")
+        out[out_name] = dep
+    return out
+
+
 @click.command("gateway")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
@@ -94,6 +118,19 @@ def _engines(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
     callback=_engines,
     metavar="ID=URL",
     help="An engine and its base URL (repeatable); engines also register theirs in Redis.",
+)
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    callback=_models,
+    envvar="REDISBAL_MODELS",
+    show_envvar=True,
+    metavar="NAME=DEPLOYMENT",
+    help="Serve the model NAME (what requests send as 'model') from DEPLOYMENT "
+    "(repeatable; the env var takes several separated by commas or spaces). With "
+    "models, each request goes to its model's deployment, an unknown model gets a "
+    "404, and --deployment is not used. Without, every request goes to --deployment.",
 )
 @click.option(
     "--client-index",
@@ -261,6 +298,10 @@ def gateway(**kw: Any) -> None:
     nofile = raise_nofile()
     served = exposure(kw, nofile)  # option errors before anything connects
     url = s.require_url()
+    if kw["models"] and kw["engines"]:
+        raise click.UsageError(
+            "--engine is for one deployment: with --model, engines register their URLs in Redis"
+        )
     check_reachable(url)  # a wrong URL or password: one line now, not retries forever
     with redis_errors(url):
         loop = kw.pop("event_loop")
@@ -276,6 +317,7 @@ async def _serve(
     host: str,
     port: int,
     engines: dict[str, str],
+    models: dict[str, str],
     client_index: int | str,
     client_count: int,
     lease_ttl_s: float,
@@ -297,6 +339,7 @@ async def _serve(
     **served: Any,
 ) -> bool:
     from redisbal.connection import make_client
+    from redisbal.gateway.deployments import Deployment
     from redisbal.gateway.server import Gateway
     from redisbal.outcomes import OutcomeTracker
     from redisbal.router import AsyncRouter
@@ -305,54 +348,85 @@ async def _serve(
         raise click.BadParameter(
             f"--client-index {client_index} must be below --client-count {client_count}"
         )
-    router = AsyncRouter(
-        url,
-        deployment,
-        client_index,
-        client_count,
-        policy=policy,
-        engines=sorted(engines) or None,
-        lease_ttl_s=lease_ttl_s,
-        suspect_s=eject_max_s,
-        outcomes=OutcomeTracker(
-            base_s=eject_max_s / 8,
-            max_s=eject_max_s,
-            first_byte_factor=first_byte_factor,
-            first_byte_min_s=min(first_byte_min_s, first_byte_timeout_s),
-            first_byte_max_s=first_byte_timeout_s,
-        ),
-    )
-    redis_client = make_client(url, asyncio=True, socket_connect_timeout=1.0, socket_timeout=5.0)
-    gw = Gateway(
-        router,
-        redis_client=redis_client,
-        static_urls=engines,
-        timeout_s=timeout_s,
-        connect_timeout_s=connect_timeout_s,
-        max_body=max_body_bytes,
-        refresh_s=refresh_s,
-        idle_timeout_s=idle_timeout_s,
-        first_byte_timeout_s=first_byte_timeout_s,
-        max_attempts=max_attempts,
-        retry_budget=retry_budget,
-        **served,
-    )
+
+    common: dict[str, Any] = {
+        "timeout_s": timeout_s,
+        "connect_timeout_s": connect_timeout_s,
+        "max_body": max_body_bytes,
+        "idle_timeout_s": idle_timeout_s,
+        "first_byte_timeout_s": first_byte_timeout_s,
+        "max_attempts": max_attempts,
+    }
+
+    def make_router(name: str) -> AsyncRouter:
+        return AsyncRouter(
+            url,
+            name,
+            client_index,
+            client_count,
+            policy=policy,
+            engines=sorted(engines) or None,
+            lease_ttl_s=lease_ttl_s,
+            suspect_s=eject_max_s,
+            outcomes=OutcomeTracker(
+                base_s=eject_max_s / 8,
+                max_s=eject_max_s,
+                first_byte_factor=first_byte_factor,
+                first_byte_min_s=min(first_byte_min_s, first_byte_timeout_s),
+                first_byte_max_s=first_byte_timeout_s,
+            ),
+        )
+
+    def make_redis() -> Any:
+        return make_client(url, asyncio=True, socket_connect_timeout=1.0, socket_timeout=5.0)
+
+    # each deployment: its own router (its own Redis client inside) and its own client
+    # for the engines' URLs, so one deployment's slow Redis never waits another's
+    routers: dict[str, AsyncRouter] = {}
+    redis_clients: list[Any] = []
+    by_model: dict[str, Deployment] | None = None
+    if models:
+        by_model, by_name = {}, {}
+        for model, name in models.items():
+            if name not in by_name:
+                routers[name] = make_router(name)
+                redis_clients.append(make_redis())
+                by_name[name] = Deployment(
+                    routers[name],
+                    redis_client=redis_clients[-1],
+                    refresh_s=refresh_s,
+                    retry_budget=retry_budget,
+                )
+            by_model[model] = by_name[name]
+        gw = Gateway(models=by_model, **common, **served)
+    else:
+        routers[deployment] = make_router(deployment)
+        redis_clients.append(make_redis())
+        gw = Gateway(
+            routers[deployment],
+            redis_client=redis_clients[0],
+            static_urls=engines,
+            refresh_s=refresh_s,
+            retry_budget=retry_budget,
+            **common,
+            **served,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await router.start(wait=wait_s)
+        await asyncio.gather(*(r.start(wait=wait_s) for r in routers.values()))
         try:
             await gw.start(host, port)
         except OSError as exc:
             raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-        core = router.core
+        core = gw.router.core
         scheme = "https" if gw.ssl_context is not None else "http"
         click.echo(
             f"gateway listening on {scheme}://{host}:{gw.ports[0] if gw.ports else port} "
             f"(client {core.client_index} of {core.client_count}, "
-            f"{len(gw.live_engines())} engines with URLs; open-file limit {nofile}, "
+            f"{_engines_line(gw)}; open-file limit {nofile}, "
             f"at most {gw.guard.limits.max_connections} client connections)",
             err=True,
         )
@@ -378,5 +452,17 @@ async def _serve(
         return True
     finally:
         await gw.close()
-        await router.aclose()
-        await redis_client.aclose()
+        for r in routers.values():
+            await r.aclose()
+        for c in redis_clients:
+            await c.aclose()
+
+
+def _engines_line(gw: Gateway) -> str:
+    """The engines with URLs at start, per model's deployment when there are models."""
+    by_model = gw.models.by_model
+    if by_model is None:
+        return f"{len(gw.live_engines())} engines with URLs"
+    return "models " + ", ".join(
+        f"{m} ({d.name}: {len(d.live_engines())} engines)" for m, d in by_model.items()
+    )

@@ -18,11 +18,16 @@ def json_error(
     message: str,
     kind: str = "invalid_request_error",
     code: str | int | None = None,
+    param: str | None = None,
     **headers: str,
 ) -> web.Response:
     """``code``: the HTTP status unless given (OpenAI's names: ``invalid_api_key``,
-    ``model_not_found``)."""
-    body = {"error": {"message": message, "type": kind, "code": status if code is None else code}}
+    ``model_not_found``); ``param``: the request field at fault, when one is."""
+    error: dict[str, Any] = {"message": message, "type": kind}
+    if param is not None:
+        error["param"] = param
+    error["code"] = status if code is None else code
+    body = {"error": error}
     return web.Response(
         status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
     )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from redisbal.routing import RouterCore
 
 # added latency is sub-millisecond when all is well: fine buckets there
 LATENCY_BUCKETS = (
@@ -36,11 +38,13 @@ class GatewayMetrics:
 
     def __init__(
         self,
-        snapshot_age: Callable[[], float],
-        client_index: Callable[[], float],
-        client_count: Callable[[], float],
+        routers: Mapping[str, RouterCore],
         inflight: Callable[[], float],
+        by_deployment: bool = False,
     ) -> None:
+        """``routers``: each deployment's router state by name; ``by_deployment``: its
+        gauges are labelled with the deployment (several behind the gateway), else the
+        one deployment's are unlabelled."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -93,17 +97,33 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        Gauge(
+        labels = ["deployment"] if by_deployment else []
+        age = Gauge(
             "redisbal_gateway_snapshot_age_seconds",
             "Seconds since the router adopted its latest snapshot (-1: none yet).",
+            labels,
             registry=r,
-        ).set_function(snapshot_age)
-        Gauge(
-            "redisbal_gateway_client_index", "This gateway's API-server index.", registry=r
-        ).set_function(client_index)
-        Gauge(
-            "redisbal_gateway_client_count", "API servers of the deployment.", registry=r
-        ).set_function(client_count)
+        )
+        index = Gauge(
+            "redisbal_gateway_client_index", "This gateway's API-server index.", labels, registry=r
+        )
+        count = Gauge(
+            "redisbal_gateway_client_count", "API servers of the deployment.", labels, registry=r
+        )
+        for name, core in routers.items():
+            values = (name,) if by_deployment else ()
+
+            def _age(core: RouterCore = core) -> float:
+                return monotonic_age(core.snapshot_at)
+
+            def _index(core: RouterCore = core) -> float:
+                return core.client_index
+
+            def _count(core: RouterCore = core) -> float:
+                return core.client_count
+
+            for gauge, fn in ((age, _age), (index, _index), (count, _count)):
+                (gauge.labels(*values) if values else gauge).set_function(fn)
         Gauge("redisbal_gateway_inflight", "Requests being proxied now.", registry=r).set_function(
             inflight
         )

@@ -17,6 +17,7 @@ from redisbal.cli_common import FiniteFloat
 log = logging.getLogger("redisbal.gateway")
 
 F = TypeVar("F", bound=Callable[..., Any])
+MAX_MODEL_LEN = 256  # a model name's length at most (Hugging Face ids are shorter)
 
 _OPTIONS = (
     click.option(
@@ -137,6 +138,16 @@ _OPTIONS = (
         help="A request body that has not all arrived within this gets a 408.",
     ),
 )
+
+
+def check_model(name: str) -> str:
+    """A model name as given to ``--model``: what clients send as ``model``. ValueError
+    when it cannot be one (empty, too long, spaces or control characters)."""
+    if not 0 < len(name) <= MAX_MODEL_LEN:
+        raise ValueError(f"a model name must be 1-{MAX_MODEL_LEN} characters, got {name!r}")
+    if not name.isprintable() or any(c.isspace() for c in name):
+        raise ValueError(f"a model name has no spaces or control characters, got {name!r}")
+    return name
 
 
 def exposure_options(f: F) -> F:

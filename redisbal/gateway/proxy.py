@@ -14,7 +14,9 @@ another engine, up to ``max_attempts`` and within the retry budget (never for
 a pinned request); after bytes were streamed, a stream that fails or goes
 quiet for ``idle_timeout_s`` ends with an ``error`` event and no ``[DONE]``.
 Engines and their URLs come from Redis (redisbal.endpoints, re-read every
-``refresh_s``) and from ``--engine ID=URL``.
+``refresh_s``) and from ``--engine ID=URL``. With models configured, each request's
+``model`` picks its deployment (redisbal.gateway.deployments), and all of the above
+happens within that deployment: its router, its URLs, its retry budget.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from redisbal import endpoints
+from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.first_byte import Silent, first_byte
-from redisbal.gateway.metrics import GatewayMetrics, monotonic_age
-from redisbal.gateway.retry import RETRY_STATUSES, Retry, RetryBudget, status_kind
+from redisbal.gateway.metrics import GatewayMetrics
+from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
 from redisbal.keys import InvalidName, check_name
 from redisbal.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
 from redisbal.router import AsyncRouter
@@ -90,13 +92,16 @@ def _unroute(router: AsyncRouter, decision: Decision) -> None:
 
 
 class Proxy:
-    """Routes and relays the proxied requests; the engines' URLs; the count of requests
-    in flight. ``redisbal.gateway.server.Gateway`` serves it."""
+    """Routes and relays the proxied requests; the count of requests in flight.
+    ``redisbal.gateway.server.Gateway`` serves it. One deployment: ``router`` with
+    ``redis_client`` (the engines' URLs) and ``static_urls``; several: ``models``
+    (model name -> Deployment) and no router."""
 
     def __init__(
         self,
-        router: AsyncRouter,
+        router: AsyncRouter | None = None,
         *,
+        models: Mapping[str, Deployment] | None = None,
         redis_client: Any = None,
         static_urls: Mapping[str, str] | None = None,
         timeout_s: float = 600.0,
@@ -111,70 +116,66 @@ class Proxy:
         body_timeout_s: float = 30.0,
         engine_api_key: str | None = None,
     ) -> None:
-        self.router = router
-        self.redis = redis_client
-        self.static_urls = dict(static_urls or {})
-        self.urls: dict[str, str] = dict(self.static_urls)
+        if (router is None) == (not models):
+            raise ValueError("give a router (one deployment) or models, not both")
+        default = (
+            Deployment(
+                router,
+                redis_client=redis_client,
+                static_urls=static_urls,
+                refresh_s=refresh_s,
+                retry_budget=retry_budget,
+            )
+            if router is not None
+            else next(iter(models.values()))  # type: ignore[union-attr]
+        )
+        self.models = Models(default, models)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.first_byte_timeout_s = first_byte_timeout_s  # streamed: the first token
         self.max_attempts = max_attempts
-        self.budget = RetryBudget(retry_budget)
         self._complete: set[int] = set()  # requests whose whole answer was passed on
         self.max_body = max_body
-        self.refresh_s = refresh_s
         self.max_concurrent = max_concurrent  # 0: no limit
         self.body_timeout_s = body_timeout_s
         self._engine_auth = None if engine_api_key is None else f"Bearer {engine_api_key}"
         self.inflight = 0
         self.draining = False
         self.metrics = GatewayMetrics(
-            snapshot_age=lambda: monotonic_age(router.core.snapshot_at),
-            client_index=lambda: router.core.client_index,
-            client_count=lambda: router.core.client_count,
+            {d.name: d.router.core for d in self.models.deployments},
             inflight=lambda: self.inflight,
+            by_deployment=models is not None,
         )
         self.session: aiohttp.ClientSession | None = None
-        self._refresher: asyncio.Task[None] | None = None
-        self._refetch: asyncio.Task[None] | None = None  # one re-read for many requests
         self._idle = asyncio.Event()
         self._idle.set()
 
     # -- engines and their URLs ----------------------------------------------------------------
 
+    # the one deployment's (the first one's, with models): what one deployment had
+    @property
+    def router(self) -> AsyncRouter:
+        return self.models.default.router
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return self.models.default.urls
+
+    @property
+    def static_urls(self) -> dict[str, str]:
+        return self.models.default.static_urls
+
+    @property
+    def redis(self) -> Any:
+        return self.models.default.redis
+
     async def refresh_urls(self) -> None:
-        if self.redis is None:
-            return
-        found = await endpoints.fetch(self.redis, self.router.keys)
-        # an engine the router still routes to keeps its last URL if the hash lost it
-        # (Redis restarted empty: engines register theirs again within seconds)
-        known = self.router.core.by_id
-        kept = {e: u for e, u in self.urls.items() if e in known}
-        self.urls = {**kept, **found, **self.static_urls}  # --engine wins over Redis
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_s)
-            try:
-                await self.refresh_urls()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis away: keep the URLs we know
-                log.debug("gateway: url refresh failed: %s", exc)
-
-    async def _refetch_urls(self) -> None:
-        """Re-read the URLs now for the requests that found none: engines that left
-        (their URLs dropped) and came back are routed at their first report, before
-        the next periodic refresh. Concurrent callers share one read."""
-        if self._refetch is None or self._refetch.done():
-            self._refetch = asyncio.get_running_loop().create_task(self.refresh_urls())
-        with contextlib.suppress(Exception):
-            await asyncio.shield(self._refetch)
+        await self.models.default.refresh_urls()
 
     def live_engines(self) -> list[str]:
-        """Engines the router knows that have a URL."""
-        return [e for e in self.router.core.by_id if e in self.urls]
+        """Engines of the (first) deployment's router that have a URL."""
+        return self.models.default.live_engines()
 
     # -- the proxy -----------------------------------------------------------------------------
 
@@ -194,20 +195,25 @@ class Proxy:
         return None
 
     def _route(
-        self, pin: str | None, avoid: set[str], key: str | None = None, tokens: int = 0
+        self,
+        dep: Deployment,
+        pin: str | None,
+        avoid: set[str],
+        key: str | None = None,
+        tokens: int = 0,
     ) -> Decision:
         """Route (or pin); an engine without a URL, or in ``avoid``, is swapped for the
         least-loaded engine that has one. Raises NoEngines / UnknownEngine."""
-        router = self.router
+        router, urls = dep.router, dep.urls
         d = router.route(pin, key=key, prompt_tokens=tokens)
-        if pin is not None and pin not in self.urls:
+        if pin is not None and pin not in urls:
             _unroute(router, d)
             raise NoEngines(f"engine {pin!r} has no known URL (not registered, no --engine)")
-        if pin is not None or (d.engine_id in self.urls and d.engine_id not in avoid):
+        if pin is not None or (d.engine_id in urls and d.engine_id not in avoid):
             return d
         _unroute(router, d)  # no URL, or it failed this request already: another one
         loads = router.core.loads()
-        ok = [e for e in loads if e in self.urls and e not in avoid]
+        ok = [e for e in loads if e in urls and e not in avoid]
         if not ok:
             raise NoEngines("no engine with a known URL")
         d = router.route(min(ok, key=loads.__getitem__), prompt_tokens=tokens)
@@ -251,7 +257,6 @@ class Proxy:
                 **{"Retry-After": "1"},
             )
         self._begin()
-        self.budget.request()
         try:
             resp = await self._proxy_inner(request, t0)
             m.requests.labels(path, str(resp.status)).inc()
@@ -306,26 +311,31 @@ class Proxy:
         except ValueError as exc:
             m.errors.labels("bad_request").inc()
             return _json_error(400, str(exc))
+        dep = self.models.pick(body)
+        if isinstance(dep, web.Response):
+            m.errors.labels("bad_request").inc()
+            return dep
         pin = self._pin(request)
         if isinstance(pin, web.Response):
             m.errors.labels("bad_request").inc()
             return pin
+        dep.budget.request()
         headers = {"Content-Type": "application/json", **self.upstream_auth(request)}
         avoid: set[str] = set()
         last: Retry | None = None
         for attempt in range(1 if pin is not None else self.max_attempts):
             try:
                 try:
-                    d = self._route(pin, avoid, key, tokens)
+                    d = self._route(dep, pin, avoid, key, tokens)
                 except NoEngines:
-                    core = self.router.core
-                    if self.redis is None or all(e in self.urls for e in core.by_id):
+                    core = dep.router.core
+                    if dep.redis is None or all(e in dep.urls for e in core.by_id):
                         raise
-                    await self._refetch_urls()  # engines without a URL: it may be new
-                    d = self._route(pin, avoid, key, tokens)
+                    await dep.refetch_urls()  # engines without a URL: it may be new
+                    d = self._route(dep, pin, avoid, key, tokens)
             except UnknownEngine:
                 m.errors.labels("bad_request").inc()
-                live = sorted(self.router.core.by_id, key=lambda e: (len(e), e))
+                live = sorted(dep.router.core.by_id, key=lambda e: (len(e), e))
                 return _json_error(
                     400, f"no live engine {pin!r} to pin to; live engines: {', '.join(live)}"
                 )
@@ -334,12 +344,12 @@ class Proxy:
                     break
                 m.errors.labels("no_engine").inc()
                 return _json_error(503, str(exc), "unavailable", **{"Retry-After": "1"})
-            m.decision(d.engine_id)
+            m.decision(dep.label + d.engine_id)
             if attempt:
                 m.retries.inc()
             headers[CLIENT_HEADER] = str(d.client_index)
             try:
-                return await self._attempt(request, d, raw, headers, stream, t0)
+                return await self._attempt(request, dep, d, raw, headers, stream, t0)
             except Retry as exc:
                 last = exc
                 avoid.add(d.engine_id)
@@ -347,7 +357,7 @@ class Proxy:
                 again = pin is None and attempt + 1 < self.max_attempts
                 # the budget keeps retries from adding load to a failing deployment; a
                 # request no engine works on (refused, a stopped engine) adds none
-                if again and not exc.unsent and not self.budget.allow():
+                if again and not exc.unsent and not dep.budget.allow():
                     m.retries_refused.inc()
                     again = False
                 log.info(
@@ -361,18 +371,19 @@ class Proxy:
         assert last is not None
         return _json_error(last.status, last.public, "upstream_error")
 
-    def _outcome(self, d: Decision, kind: str, detail: str = "") -> None:
+    def _outcome(self, dep: Deployment, d: Decision, kind: str, detail: str = "") -> None:
         """Tell the router how the attempt of ``d`` ended, and count it per engine."""
-        router, m = self.router, self.metrics
-        m.outcome(d.engine_id, kind)
+        router, m = dep.router, self.metrics
+        m.outcome(dep.label + d.engine_id, kind)
         if kind in ("ok", "rejected", "client_disconnect"):
             router.finished(d)
         elif router.failed(d, detail, kind):
-            m.ejections.labels(d.engine_id).inc()
+            m.ejections.labels(dep.label + d.engine_id).inc()
 
     async def _attempt(
         self,
         request: web.Request,
+        dep: Deployment,
         d: Decision,
         raw: bytes,
         headers: dict[str, str],
@@ -381,9 +392,9 @@ class Proxy:
     ) -> web.StreamResponse:
         """One upstream try. Raises Retry only while nothing was sent to the client."""
         assert self.session is not None
-        router = self.router
+        router = dep.router
         eid = d.engine_id
-        url = self.urls[eid] + request.path
+        url = dep.urls[eid] + request.path
         kind = "client_disconnect"  # the outcome, unless set below
         detail = ""
         up: aiohttp.ClientResponse | None = None
@@ -418,9 +429,9 @@ class Proxy:
                 raise Retry(kind, detail, up.status)
             ctype = up.headers.get("Content-Type", "application/json")
             if not ctype.startswith("text/event-stream"):
-                whole, kind = await self._whole(d, up, ctype, t0, t_up)
+                whole, kind = await self._whole(router, d, up, ctype, t0, t_up)
                 return whole
-            streamed, kind, detail = await self._relay(request, d, up, t0, t_up, bound)
+            streamed, kind, detail = await self._relay(request, router, d, up, t0, t_up, bound)
             return streamed
         except Retry as exc:
             kind, detail = exc.kind, exc.detail
@@ -431,10 +442,16 @@ class Proxy:
                     up.release()
                 else:  # drop the connection: the engine sees the client leave and aborts
                     up.close()
-            self._outcome(d, kind, detail)
+            self._outcome(dep, d, kind, detail)
 
     async def _whole(
-        self, d: Decision, up: aiohttp.ClientResponse, ctype: str, t0: float, t_up: float
+        self,
+        router: AsyncRouter,
+        d: Decision,
+        up: aiohttp.ClientResponse,
+        ctype: str,
+        t0: float,
+        t_up: float,
     ) -> tuple[web.Response, str]:
         """A non-streamed answer (or an error), passed on whole; returns (response,
         outcome kind)."""
@@ -453,12 +470,13 @@ class Proxy:
         self.metrics.observe_added(False, (t_up - t0) + (time.perf_counter() - t_done))
         if 400 <= up.status < 500:
             return whole, "rejected"  # the engine refused it: no evidence, no load
-        self.router.answered(d, -1.0)  # (a whole answer is no first-byte time)
+        router.answered(d, -1.0)  # (a whole answer is no first-byte time)
         return whole, "ok"
 
     async def _relay(
         self,
         request: web.Request,
+        router: AsyncRouter,
         d: Decision,
         up: aiohttp.ClientResponse,
         t0: float,
@@ -473,7 +491,7 @@ class Proxy:
         chunks = up.content.iter_any()
         left = max(0.001, bound - (time.perf_counter() - t_up))
         try:
-            first = await first_byte(chunks.__anext__(), left, lambda: self.router.silent_s(eid))
+            first = await first_byte(chunks.__anext__(), left, lambda: router.silent_s(eid))
         except StopAsyncIteration:
             first = b""
         except asyncio.TimeoutError:
@@ -487,7 +505,7 @@ class Proxy:
                 "reset", f"engine {eid} dropped before its first token: {type(exc).__name__}"
             ) from None
         t_first = time.perf_counter()
-        self.router.answered(d, t_first - t_up)
+        router.answered(d, t_first - t_up)
         resp = web.StreamResponse(status=up.status)
         resp.headers["Content-Type"] = "text/event-stream"
         resp.headers["Cache-Control"] = "no-cache"

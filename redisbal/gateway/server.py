@@ -13,8 +13,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from redisbal.background import cancel_and_wait
 from redisbal.gateway.access import ApiKeys, Cors, auth_middleware
+from redisbal.gateway.deployments import Deployment, model_entry
 from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.errors import unserved_as_json
 from redisbal.gateway.guard import ConnectionGuard, GuardedRunner, Limits
@@ -28,11 +28,12 @@ log = logging.getLogger("redisbal.gateway")
 class Gateway(Proxy):
     """The proxy served. ``start()`` binds, ``drain()`` stops accepting and waits.
     ``api_keys``: a key is required on the ``/v1`` paths; ``cors``: browser pages of
-    its origins may call it; ``limits``: what one connection may take; ``ssl``: TLS."""
+    its origins may call it; ``limits``: what one connection may take; ``ssl``: TLS.
+    Several deployments: ``models`` (model name -> Deployment) instead of ``router``."""
 
     def __init__(
         self,
-        router: AsyncRouter,
+        router: AsyncRouter | None = None,
         *,
         models_timeout_s: float = 2.0,
         api_keys: ApiKeys | None = None,
@@ -45,7 +46,7 @@ class Gateway(Proxy):
         self.models_timeout_s = models_timeout_s
         self.api_keys, self.cors, self.ssl_context = api_keys, cors, ssl_context
         self.guard = ConnectionGuard(limits or Limits())
-        self._models_body: bytes | None = None  # the last /v1/models an engine answered
+        self._models_body: dict[str, bytes] = {}  # each deployment's last engine answer
         self.runner: web.AppRunner | None = None
         self.sites: list[web.TCPSite] = []
 
@@ -72,9 +73,7 @@ class Gateway(Proxy):
         self.session = aiohttp.ClientSession(
             connector=connector, timeout=self.timeout, auto_decompress=False
         )
-        with contextlib.suppress(Exception):
-            await self.refresh_urls()
-        self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+        await asyncio.gather(*(d.start() for d in self.models.deployments))
         lim = self.guard.limits
         self.runner = GuardedRunner(
             self.app(),
@@ -114,8 +113,8 @@ class Gateway(Proxy):
         return self.inflight == 0
 
     async def close(self) -> None:
-        await cancel_and_wait(self._refresher)
-        await cancel_and_wait(self._refetch)
+        for d in self.models.deployments:
+            await d.close()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.session is not None:
@@ -124,19 +123,23 @@ class Gateway(Proxy):
     # -- small endpoints -----------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
-        core = self.router.core
-        live = self.live_engines()
-        known = core.snapshot is not None or bool(core.engines)
-        ready = not self.draining and bool(live) and known
-        body = {
-            "ready": ready,
-            "draining": self.draining,
-            "snapshot_version": core.snapshot.version if core.snapshot else None,
-            "degraded": core.degraded,
-            "engines": live,
-            "client_index": core.client_index,
-            "client_count": core.client_count,
-        }
+        """One deployment: ready when it can route. Several: ready when any can (a
+        deployment without engines must not take the others' models out of service);
+        each deployment's state under ``deployments``."""
+        models = self.models
+        if models.by_model is None:
+            body = models.default.health()
+            ready = body["ready"] = not self.draining and body["ready"]
+            body = {"ready": ready, "draining": self.draining, **body}
+        else:
+            deps = {d.name: d.health() for d in models.deployments}
+            ready = not self.draining and any(h["ready"] for h in deps.values())
+            body = {
+                "ready": ready,
+                "draining": self.draining,
+                "models": {m: d.name for m, d in models.by_model.items()},
+                "deployments": deps,
+            }
         return web.Response(
             status=200 if ready else 503, body=orjson.dumps(body), content_type="application/json"
         )
@@ -147,18 +150,43 @@ class Gateway(Proxy):
         return resp
 
     async def _models(self, request: web.Request) -> web.Response:
-        """Ask the engines the router would choose (the others after them) at once; the
-        first that answers 200 within ``models_timeout_s`` wins, so a hung engine never
-        holds it up. None: the last answer seen, else a 503."""
-        assert self.session is not None
-        excluded = self.router.core.excluded()
-        live = self.live_engines()
-        order = [e for e in live if e not in excluded] + [e for e in live if e in excluded]
+        """One deployment: what its engines answer (the last answer seen when none
+        does now, else a 503). Several: every configured model, each as its engines
+        list it when they answer, else a plain entry."""
         headers = self.upstream_auth(request)
-        session = self.session
+        by_model = self.models.by_model
+        if by_model is None:
+            body = await self._engine_models(self.models.default, headers)
+            if body is None:
+                return _json_error(
+                    503, "no engine answered /v1/models", "unavailable", **{"Retry-After": "1"}
+                )
+            return web.Response(body=body, content_type="application/json")
+        deps = self.models.deployments
+        answers = await asyncio.gather(*(self._engine_models(d, headers) for d in deps))
+        listed: dict[str, dict[str, Any]] = {}
+        for raw in answers:
+            with contextlib.suppress(Exception):
+                for entry in orjson.loads(raw or b"{}").get("data") or ():
+                    if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                        listed.setdefault(entry["id"], entry)
+        data = [listed.get(m) or model_entry(m) for m in by_model]
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
+        )
+
+    async def _engine_models(self, dep: Deployment, headers: dict[str, str]) -> bytes | None:
+        """Ask the engines of ``dep`` the router would choose (the others after them)
+        at once; the first that answers 200 within ``models_timeout_s`` wins, so a hung
+        engine never holds it up. None: the last answer seen, else None."""
+        assert self.session is not None
+        excluded = dep.router.core.excluded()
+        live = dep.live_engines()
+        order = [e for e in live if e not in excluded] + [e for e in live if e in excluded]
+        session, urls = self.session, dep.urls
 
         async def ask(eid: str) -> bytes:
-            async with session.get(self.urls[eid] + "/v1/models", headers=headers) as up:
+            async with session.get(urls[eid] + "/v1/models", headers=headers) as up:
                 body = await up.read()
                 if up.status != 200:
                     raise ValueError(f"{up.status}")
@@ -169,15 +197,11 @@ class Gateway(Proxy):
             for next_done in asyncio.as_completed(tasks, timeout=self.models_timeout_s):
                 with contextlib.suppress(Exception):
                     body = await next_done
-                    self._models_body = body
-                    return web.Response(body=body, content_type="application/json")
+                    self._models_body[dep.name] = body
+                    return body
         except asyncio.TimeoutError:
             pass
         finally:
             for t in tasks:
                 t.cancel()
-        if self._models_body is not None:
-            return web.Response(body=self._models_body, content_type="application/json")
-        return _json_error(
-            503, "no engine answered /v1/models", "unavailable", **{"Retry-After": "1"}
-        )
+        return self._models_body.get(dep.name)
