@@ -24,6 +24,7 @@ from redisbal.coordinator import CoordinatorStats
 from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.keys import DeploymentKeys
 from redisbal.metrics import META_COUNTERS, CoordinatorMetrics, _CoordinatorCollector
+from redisbal.routing import RouterCore
 from redisbal.snapshot import Snapshot
 
 # the sample names a family of each type exposes (prometheus_client strips _total
@@ -87,11 +88,14 @@ def full_snapshot() -> Snapshot:
 
 
 def gateway_registry() -> CollectorRegistry:
-    m = GatewayMetrics(lambda: 0.1, lambda: 0.0, lambda: 1.0, lambda: 2.0)
+    m = GatewayMetrics({"d": RouterCore(client_index=0, client_count=1)}, lambda: 2.0)
     m.requests.labels("/v1/completions", "200").inc()
     m.errors.labels("connect").inc()
     m.retries.inc()
+    m.retries_refused.inc()
     m.decision("e0")
+    m.outcome("e0", "5xx")
+    m.ejections.labels("e0").inc()
     m.observe_added(True, 0.001)
     m.observe_added(False, 0.002)
     return m.registry
