@@ -392,6 +392,12 @@ class RedisbalPolicy(ScoringPolicy):
     # Measured and left off: a higher TTFT p99 wherever queues form (BENCHMARKS.md:
     # redisbal+p2c).
     p2c_from = 0
+    # Shortest expected delay (off): the score, plus the request itself, over the
+    # engine's estimated speed, so a slower engine's queue counts for the longer wait
+    # it means (use_speed divides only what is queued beyond the free slots).
+    use_sed = False
+    # The stratified dither (on); off leaves ties to chance alone.
+    use_dither = True
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0
@@ -415,6 +421,9 @@ class RedisbalPolicy(ScoringPolicy):
     def score(self, core: RoutingState, e: EngineView) -> float:
         # (reset() inlines this for the default settings: change both, tests compare them)
         queued = e.waiting + e.pending_cost * core.pending_weight
+        if self.use_sed:
+            ahead = e.running + queued + 1.0 - (e.aged if self.use_age else 0.0)
+            return ahead / e.speed + e.dither
         if not self.use_speed or e.speed == 1.0:
             s = e.running + queued + e.dither
         else:
@@ -440,6 +449,8 @@ class RedisbalPolicy(ScoringPolicy):
         # the offsets spread over what all routers route before the next snapshot
         # (about this router's routes per snapshot x pending_weight), at most one lump
         w = min(w, max(1.0, self.dither_gain * self.routes_per_snapshot * w))
+        if not self.use_dither:
+            w = 0.0
         base = core.client_index / core.client_count
         crc32 = zlib.crc32
         for e in core.engines:
@@ -462,7 +473,8 @@ class RedisbalPolicy(ScoringPolicy):
         """A new heap of every engine's entry (its old entries are gone with the old
         heap, so e.gen need not move)."""
         rnd, engines = core.rng.random, core.engines
-        if self.use_age and not self.use_speed and type(self).score is RedisbalPolicy.score:
+        default = not (self.use_speed or self.use_sed)
+        if self.use_age and default and type(self).score is RedisbalPolicy.score:
             # the default settings' score(), inlined: a call per engine cost a third of this
             w = core.pending_weight
             heap = [

@@ -55,6 +55,7 @@ import orjson
 from redisbal import endpoints
 from redisbal.bench import routers
 from redisbal.bench.peers import PEER_POLICIES
+from redisbal.bench.quality import VARIANTS
 from redisbal.gateway.loadgen import read_trace
 from redisbal.keys import DeploymentKeys
 from redisbal.policies import POLICIES
@@ -221,7 +222,7 @@ def wait_for_load(gate: float | None, wait_s: float) -> bool:
 
 
 def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) -> dict[str, Any]:
-    peer = policy if policy in PEER_POLICIES else None
+    peer = policy if policy in PEER_POLICIES or policy in VARIANTS else None
     real = policy in routers.NAMES
     opts = DemoOptions(
         redis_url=url,
@@ -363,7 +364,8 @@ def main() -> None:
             spans.append(max((p.t for p in read_trace(path)), default=0.0))
         args.duration = max(spans) + 1.0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    known = sorted(POLICIES) + (sorted(PEER_POLICIES) + list(routers.NAMES) if args.trace else [])
+    peers = [*sorted(PEER_POLICIES), *routers.NAMES, *VARIANTS]
+    known = sorted(POLICIES) + (peers if args.trace else [])
     bad = [p for p in policies if p not in known]
     if bad:
         ap.error(f"unknown policies {bad}; choose from {known} (peers need --trace)")
