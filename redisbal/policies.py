@@ -398,6 +398,13 @@ class RedisbalPolicy(ScoringPolicy):
     use_sed = False
     # The stratified dither (on); off leaves ties to chance alone.
     use_dither = True
+    # Free slots first (off): once the running cap is known, an engine where this
+    # request would queue scores above every engine with a free slot, and among those
+    # by its requests queued ahead over its speed (a queued request waits for a
+    # completion, a running one does not hold it back).
+    use_slots = False
+    # Own pending routes stand for everyone's (on): each counts 1 / share; off, 1.
+    use_share = True
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0
@@ -418,12 +425,22 @@ class RedisbalPolicy(ScoringPolicy):
         self._routes_since = 0
         self._dither_snap: Snapshot | None = None
 
+    @property
+    def wants_speed(self) -> bool:
+        """Whether the router must estimate the engines' speeds for this policy."""
+        return self.use_speed or self.use_sed or self.use_slots
+
     def score(self, core: RoutingState, e: EngineView) -> float:
         # (reset() inlines this for the default settings: change both, tests compare them)
-        queued = e.waiting + e.pending_cost * core.pending_weight
+        queued = e.waiting + e.pending_cost * (core.pending_weight if self.use_share else 1.0)
         if self.use_sed:
             ahead = e.running + queued + 1.0 - (e.aged if self.use_age else 0.0)
             return ahead / e.speed + e.dither
+        cap = core.running_cap
+        if self.use_slots and cap > 0:
+            load = e.running + queued - (e.aged if self.use_age else 0.0)
+            over = load + 1.0 - cap
+            return load + e.dither + (over * cap / e.speed if over > 0 else 0.0)
         if not self.use_speed or e.speed == 1.0:
             s = e.running + queued + e.dither
         else:
@@ -473,7 +490,7 @@ class RedisbalPolicy(ScoringPolicy):
         """A new heap of every engine's entry (its old entries are gone with the old
         heap, so e.gen need not move)."""
         rnd, engines = core.rng.random, core.engines
-        default = not (self.use_speed or self.use_sed)
+        default = self.use_share and not (self.use_speed or self.use_sed or self.use_slots)
         if self.use_age and default and type(self).score is RedisbalPolicy.score:
             # the default settings' score(), inlined: a call per engine cost a third of this
             w = core.pending_weight

@@ -224,8 +224,7 @@ class RouterCore:
             for eid, ms_left in snap.suspect.items():
                 excluded[eid] = now + ms_left / 1000.0
             # the speed estimate only feeds a policy that uses it (off by default)
-            speed_on = any(getattr(self.policy, a, False) for a in ("use_speed", "use_sed"))
-            age_on = getattr(self.policy, "use_age", False)
+            speed_on, age_on = (getattr(self.policy, a, False) for a in ("wants_speed", "use_age"))
             prev_excluded, self._excluded_by_snapshot = self._excluded_by_snapshot, excluded
             ids = [*snap.engines, *kept, *carried]
             if ids != self._ids or excluded or prev_excluded or self._excluded_here:
