@@ -392,19 +392,11 @@ class RedisbalPolicy(ScoringPolicy):
     # Measured and left off: a higher TTFT p99 wherever queues form (BENCHMARKS.md:
     # redisbal+p2c).
     p2c_from = 0
-    # Shortest expected delay (off): the score, plus the request itself, over the
-    # engine's estimated speed, so a slower engine's queue counts for the longer wait
-    # it means (use_speed divides only what is queued beyond the free slots).
-    use_sed = False
-    # The stratified dither (on); off leaves ties to chance alone.
-    use_dither = True
-    # Free slots first (off): once the running cap is known, an engine where this
-    # request would queue scores above every engine with a free slot, and among those
-    # by its requests queued ahead over its speed (a queued request waits for a
-    # completion, a running one does not hold it back).
-    use_slots = False
-    # Own pending routes stand for everyone's (on): each counts 1 / share; off, 1.
-    use_share = True
+    # Measured for the real-time straggler and left as they are (DESIGN.md): use_sed,
+    # shortest expected delay, (score + 1) / speed; use_dither; use_slots, an engine
+    # where the request would queue scores above every one with a free slot, and among
+    # those by its queue over its speed; use_share, own pending routes count 1 / share.
+    use_sed, use_dither, use_slots, use_share = False, True, False, True
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0

@@ -407,7 +407,8 @@ def main() -> None:
     print(table(rows, policies))
     if args.json:
         with open(args.json, "wb") as fh:
-            fh.write(orjson.dumps({"args": vars(args), "runs": rows}, option=orjson.OPT_INDENT_2))
+            kept = {k: v for k, v in vars(args).items() if k != "routers_venv"}  # a machine path
+            fh.write(orjson.dumps({"args": kept, "runs": rows}, option=orjson.OPT_INDENT_2))
 
 
 if __name__ == "__main__":
