@@ -394,6 +394,11 @@ class RedisbalPolicy(ScoringPolicy):
     # Measured and left off: a higher TTFT p99 wherever queues form (BENCHMARKS.md:
     # redisbal+p2c).
     p2c_from = 0
+    # Measured for the real-time straggler and left as they are (DESIGN.md): use_sed,
+    # shortest expected delay, (score + 1) / speed; use_dither; use_slots, an engine
+    # where the request would queue scores above every one with a free slot, and among
+    # those by its queue over its speed; use_share, own pending routes count 1 / share.
+    use_sed, use_dither, use_slots, use_share = False, True, False, True
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0
@@ -414,9 +419,22 @@ class RedisbalPolicy(ScoringPolicy):
         self._routes_since = 0
         self._dither_snap: Snapshot | None = None
 
+    @property
+    def wants_speed(self) -> bool:
+        """Whether the router must estimate the engines' speeds for this policy."""
+        return self.use_speed or self.use_sed or self.use_slots
+
     def score(self, core: RoutingState, e: EngineView) -> float:
         # (reset() inlines this for the default settings: change both, tests compare them)
-        queued = e.waiting + e.pending_cost * core.pending_weight
+        queued = e.waiting + e.pending_cost * (core.pending_weight if self.use_share else 1.0)
+        if self.use_sed:
+            ahead = e.running + queued + 1.0 - (e.aged if self.use_age else 0.0)
+            return ahead / e.speed + e.dither
+        cap = core.running_cap
+        if self.use_slots and cap > 0:
+            load = e.running + queued - (e.aged if self.use_age else 0.0)
+            over = load + 1.0 - cap
+            return load + e.dither + (over * cap / e.speed if over > 0 else 0.0)
         if not self.use_speed or e.speed == 1.0:
             s = e.running + queued + e.dither
         else:
@@ -442,6 +460,8 @@ class RedisbalPolicy(ScoringPolicy):
         # the offsets spread over what all routers route before the next snapshot
         # (about this router's routes per snapshot x pending_weight), at most one lump
         w = min(w, max(1.0, self.dither_gain * self.routes_per_snapshot * w))
+        if not self.use_dither:
+            w = 0.0
         base = core.client_index / core.client_count
         crc32 = zlib.crc32
         for e in core.engines:
@@ -464,7 +484,8 @@ class RedisbalPolicy(ScoringPolicy):
         """A new heap of every engine's entry (its old entries are gone with the old
         heap, so e.gen need not move)."""
         rnd, engines = core.rng.random, core.engines
-        if self.use_age and not self.use_speed and type(self).score is RedisbalPolicy.score:
+        default = self.use_share and not (self.use_speed or self.use_sed or self.use_slots)
+        if self.use_age and default and type(self).score is RedisbalPolicy.score:
             # the default settings' score(), inlined: a call per engine cost a third of this
             w = core.pending_weight
             heap = [

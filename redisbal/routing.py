@@ -255,7 +255,7 @@ class RouterCore:
                 if self.outcomes.state(e, now) == PROBING:  # was answered (not fresh evidence)
                     self.outcomes.answered(e, now)
             # the speed estimate only feeds a policy that uses it (off by default)
-            speed_on, age_on = (getattr(self.policy, a, False) for a in ("use_speed", "use_age"))
+            speed_on, age_on = (getattr(self.policy, a, False) for a in ("wants_speed", "use_age"))
             prev_excluded, self._excluded_by_snapshot = self._excluded_by_snapshot, excluded
             ids = [*snap.engines, *kept, *carried]
             marked = excluded or prev_excluded or self.outcomes.marked

@@ -22,10 +22,20 @@ traffic as one) with ``loadgen --session-prompts``, on engines given
 summed over the engines' /sim/state).
 
 Policies are what ``redisbal gateway --policy`` accepts (redisbal.policies.POLICIES)
-and, with ``--trace``, the benchmark's peers (redisbal.bench.peers: p2c,
-sglang-cache-aware, llmd, chbl), whose gateways are scripts/peer_gateway.py (the
-gateway command takes no Policy object, and does not tell its router a prompt's
-block hashes, which the prefix-aware peers route by; that script does).
+and, with ``--trace``, the real peer routers (redisbal.bench.routers:
+``vllm-router:cache_aware``, ``vllm-router:power_of_two``, ``sglang-router:cache_aware``,
+``sglang-router:power_of_two``; the pinned versions are pip-installed into a venv of
+their own on first use, ``--routers-venv``), ``--gateways`` replicas of each in front
+of the same engines, every run checking in the router's /metrics and the engines'
+/sim/peer_calls that the policy's prefix- or load-aware path ran; and the project's
+emulations of peers that no real router here runs (redisbal.bench.peers: llmd, chbl,
+p2c, sglang-cache-aware), whose gateways are scripts/peer_gateway.py (the gateway
+command takes no Policy object, and does not tell its router a prompt's block hashes,
+which the prefix-aware emulations route by; that script does). Tables label them
+"emulation".
+
+``--load-gate L``: before each run wait (up to ``--load-gate-wait-s``) for the 1-minute
+load average to fall below L; each row records the load average at its start and end.
 """
 
 from __future__ import annotations
@@ -37,14 +47,19 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
 
+from redisbal import endpoints
+from redisbal.bench import routers
 from redisbal.bench.peers import PEER_POLICIES
+from redisbal.bench.quality import VARIANTS
 from redisbal.gateway.loadgen import read_trace
+from redisbal.keys import DeploymentKeys
 from redisbal.policies import POLICIES
-from redisbal.sim.demo import Child, DemoOptions, Echo
+from redisbal.sim.demo import Child, DemoError, DemoOptions, Echo
 from redisbal.sim.demo_http import HttpDemo, _get
 from redisbal.sim.embedded import RedisServer
 
@@ -56,6 +71,8 @@ COLUMNS = (
     ("slo_attainment", "within SLO", ".3f"),
 )
 CACHE_COLUMN = ("hit_rate", "cache hit rate", ".3f")
+# policies that stand for a peer without being it (the real routers run as themselves)
+EMULATIONS = frozenset(PEER_POLICIES) | {"vllm-latest", "vllm-21617", "vllm-pre"}
 
 
 class TraceDemo(HttpDemo):
@@ -75,6 +92,7 @@ class TraceDemo(HttpDemo):
         self.extra = engine_args
         self.peer = peer
         self.cache: dict[str, int] = {}
+        self.peer_calls: dict[str, int] = {}
 
     def start_gateways(self) -> None:
         """A peer's gateways are scripts/peer_gateway.py processes; then as the demo's."""
@@ -120,20 +138,92 @@ class TraceDemo(HttpDemo):
         total = len(read_trace(self.trace))
         args = ["--trace", self.trace, "--session-prompts", "--seed", str(o.seed)]
         gen = self.start_loadgen(args, total)
-        from redisbal import endpoints
-        from redisbal.keys import DeploymentKeys
-
         prompt = cached = 0
-        for url in endpoints.fetch_sync(self.client, DeploymentKeys(o.deployment)).values():
+        for url in self.engine_urls():
             st = orjson.loads(_get(url + "/sim/state"))
             prompt += st["prompt_tokens"]
             cached += st["cached_tokens"]
+            for path, n in orjson.loads(_get(url + "/sim/peer_calls")).items():
+                self.peer_calls[path] = self.peer_calls.get(path, 0) + n
         self.cache = {"prompt_tokens": prompt, "cached_tokens": cached}
         return [gen]
 
+    def engine_urls(self) -> list[str]:
+        keys = DeploymentKeys(self.opts.deployment)
+        return sorted(endpoints.fetch_sync(self.client, keys).values())
+
+
+class RouterDemo(TraceDemo):
+    """The trace demo with ``--gateways`` replicas of a real peer router (ROUTER:POLICY)
+    in front of the engines instead of redisbal gateways; their /metrics are kept
+    before they stop."""
+
+    def __init__(
+        self,
+        opts: DemoOptions,
+        echo: Echo,
+        trace: str,
+        engine_args: list[str],
+        router: str,
+        venv: str,
+    ) -> None:
+        super().__init__(opts, echo, trace, engine_args)
+        self.router = router
+        self.venv = venv
+        self.replicas: list[routers.RouterProcess] = []
+
+    def start_gateways(self) -> None:
+        name, _ = routers.split_name(self.router)
+        exe = routers.binary(name, Path(self.venv))
+        if exe is None:
+            raise DemoError(f"{name} {routers.PINNED[name]} is not installed in {self.venv}")
+        workers = self.engine_urls()
+        if len(workers) != self.opts.engines:
+            raise DemoError(f"{len(workers)} engine URLs registered, not {self.opts.engines}")
+        ports = routers.free_ports(2 * self.opts.api_servers)
+        for i in range(self.opts.api_servers):
+            rp = routers.RouterProcess(
+                self.router, exe, ports[2 * i], ports[2 * i + 1], workers,
+                self.logdir / f"router-{i}.log",
+            )  # fmt: skip
+            rp.start()
+            self.replicas.append(rp)
+        try:
+            for rp in self.replicas:
+                rp.wait_ready(self.opts.startup_timeout)
+        except routers.RouterError as exc:
+            raise DemoError(str(exc)) from None
+        self.gateways = [
+            (Child(f"router-{i}", rp.proc, rp.log), rp.url)  # type: ignore[arg-type]
+            for i, rp in enumerate(self.replicas)
+        ]
+
+    def stop_front_ends(self) -> int:
+        for rp in self.replicas:
+            rp.scrape()
+        return super().stop_front_ends()
+
+    def cleanup(self) -> None:
+        for rp in self.replicas:  # a failed run may not have reached stop_front_ends
+            rp.stop()
+        super().cleanup()
+
+
+def wait_for_load(gate: float | None, wait_s: float) -> bool:
+    """Wait until the 1-minute load average is below ``gate``; False if it never was."""
+    if gate is None:
+        return True
+    deadline = time.monotonic() + wait_s
+    while os.getloadavg()[0] >= gate:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(5)
+    return True
+
 
 def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) -> dict[str, Any]:
-    peer = policy if policy in PEER_POLICIES else None
+    peer = policy if policy in PEER_POLICIES or policy in VARIANTS else None
+    real = policy in routers.NAMES
     opts = DemoOptions(
         redis_url=url,
         deployment=f"gwpol{n}",
@@ -141,7 +231,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         engines=args.engines,
         api_servers=args.gateways,
         duration=args.duration,
-        policy="redisbal" if peer else policy,
+        policy="redisbal" if peer or real else policy,
         mode="tick",
         running_cap=args.running_cap,
         burst=int(args.burst_factor * args.engines * args.running_cap),
@@ -159,9 +249,14 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
     demo: HttpDemo
     if args.trace:
         trace = args.trace.replace("{seed}", str(seed))
-        demo = TraceDemo(opts, echo, trace, shlex.split(args.engine_args), peer)
+        extra = shlex.split(args.engine_args)
+        if real:
+            demo = RouterDemo(opts, echo, trace, extra, policy, args.routers_venv)
+        else:
+            demo = TraceDemo(opts, echo, trace, extra, peer)
     else:
         demo = HttpDemo(opts, echo)
+    gated = wait_for_load(args.load_gate, args.load_gate_wait_s)
     load = os.getloadavg()[0]
     code = demo.run()
     if code != 0:
@@ -178,11 +273,18 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         load_imbalance=est["load_imbalance"],
         served=[e["served"] for e in est["engines"]],
         loadavg=load,
+        loadavg_end=os.getloadavg()[0],
+        load_gate_met=gated,
     )
     if isinstance(demo, TraceDemo):
         c = demo.cache
         row["hit_rate"] = c["cached_tokens"] / max(1, c["prompt_tokens"])
         row.update(c)
+        row["peer_calls"] = demo.peer_calls
+    if isinstance(demo, RouterDemo):
+        row["paths"] = routers.check_paths(
+            policy, demo.replicas, demo.peer_calls, int(lg["requests"])
+        )
     return row
 
 
@@ -199,12 +301,18 @@ def table(rows: list[dict[str, Any]], policies: list[str]) -> str:
         "| policy | " + " | ".join(h for _, h, _ in cols) + " | ok / sent |",
         "|---" * (len(cols) + 2) + "|",
     ]
+    notes = []
     for p in policies:
         mine = [r for r in rows if r["policy"] == p]
         cells = [cell([r[k] for r in mine], spec) for k, _, spec in cols]
         ok = f"{sum(r['ok'] for r in mine)} / {sum(r['requests'] for r in mine)}"
-        out.append(f"| {p} | " + " | ".join(cells) + f" | {ok} |")
-    return "\n".join(out)
+        label = f"{p} (emulation)" if p in EMULATIONS else p
+        if p in routers.NAMES:
+            ran = sum(bool(r["paths"]["ok"]) for r in mine)
+            label = f"{p} (real, path ran {ran}/{len(mine)})"
+            notes += [f"- {p} seed {r['seed']}: {r['paths']['note']}" for r in mine]
+        out.append(f"| {label} | " + " | ".join(cells) + f" | {ok} |")
+    return "\n".join(out + (["", *notes] if notes else []))
 
 
 def main() -> None:
@@ -236,6 +344,13 @@ def main() -> None:
         "on a slow engine takes longer]",
     )
     ap.add_argument("--first-seed", type=int, default=1, help="seeds first-seed .. +seeds-1")
+    ap.add_argument(
+        "--routers-venv",
+        default=str(routers.default_venv()),
+        help="venv the pinned peer routers are installed into (made on first use)",
+    )
+    ap.add_argument("--load-gate", type=float, default=None, help="wait for load avg below this")
+    ap.add_argument("--load-gate-wait-s", type=float, default=600.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.drain_timeout is None:
@@ -249,10 +364,16 @@ def main() -> None:
             spans.append(max((p.t for p in read_trace(path)), default=0.0))
         args.duration = max(spans) + 1.0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    known = sorted(POLICIES) + (sorted(PEER_POLICIES) if args.trace else [])
+    peers = [*sorted(PEER_POLICIES), *routers.NAMES, *VARIANTS]
+    known = sorted(POLICIES) + (peers if args.trace else [])
     bad = [p for p in policies if p not in known]
     if bad:
         ap.error(f"unknown policies {bad}; choose from {known} (peers need --trace)")
+    if any(p in routers.NAMES for p in policies):
+        try:
+            routers.install(Path(args.routers_venv))
+        except (routers.RouterError, OSError, subprocess.CalledProcessError) as exc:
+            sys.exit(f"gateway_policies: {exc}")
     server = RedisServer()
     server.start()
     rows: list[dict[str, Any]] = []
@@ -271,7 +392,8 @@ def main() -> None:
                     f"{r['ttft_p99_ms']:.0f} ms, e2e p99 {r['e2e_p99_ms']:.0f} ms, goodput "
                     f"{r['goodput_rps']:.1f} req/s, hit {r.get('hit_rate', 0):.3f}, "
                     f"{r['ok']}/{r['requests']} ok, served "
-                    f"{r['served']}, lag p99 {r['lag_p99_ms']:.1f} ms, load {r['loadavg']:.2f}",
+                    f"{r['served']}, lag p99 {r['lag_p99_ms']:.1f} ms, load {r['loadavg']:.2f}"
+                    + (f"; {r['paths']['note']}" if "paths" in r else ""),
                     flush=True,
                 )
     finally:
@@ -285,7 +407,8 @@ def main() -> None:
     print(table(rows, policies))
     if args.json:
         with open(args.json, "wb") as fh:
-            fh.write(orjson.dumps({"args": vars(args), "runs": rows}, option=orjson.OPT_INDENT_2))
+            kept = {k: v for k, v in vars(args).items() if k != "routers_venv"}  # a machine path
+            fh.write(orjson.dumps({"args": kept, "runs": rows}, option=orjson.OPT_INDENT_2))
 
 
 if __name__ == "__main__":

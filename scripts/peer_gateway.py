@@ -24,7 +24,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from redisbal.bench.peers import PEER_POLICIES, make_peer
+from redisbal.bench.quality import VARIANTS
 from redisbal.gateway import command, proxy
+from redisbal.policies import Policy, RedisbalPolicy
 from redisbal.router import AsyncRouter
 from redisbal.sim.http_engine import _prompt_text
 from redisbal.sim.prefix_cache import text_blocks
@@ -46,9 +48,19 @@ def _route_with_blocks(self: AsyncRouter, engine_id: str | None = None, **kw: An
     return _route(self, engine_id, **kw)
 
 
+def _policy(name: str, kv_blocks: int | None) -> Policy:
+    """A peer emulation, or the default policy with one option flipped (bench's VARIANTS)."""
+    if name in VARIANTS:
+        policy = RedisbalPolicy()
+        for option, value in VARIANTS[name].items():
+            setattr(policy, option, value)
+        return policy
+    return make_peer(name, kv_blocks=kv_blocks)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policy", required=True, choices=sorted(PEER_POLICIES))
+    ap.add_argument("--policy", required=True, choices=sorted(PEER_POLICIES) + sorted(VARIANTS))
     ap.add_argument("--kv-blocks", type=int, default=None, help="an engine's KV in 16-token blocks")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
@@ -71,7 +83,7 @@ def main() -> None:
             client_index="auto",
             client_count=1,
             lease_ttl_s=a.lease_ttl_s,
-            policy=make_peer(a.policy, kv_blocks=a.kv_blocks),  # type: ignore[arg-type]
+            policy=_policy(a.policy, a.kv_blocks),  # type: ignore[arg-type]
             timeout_s=600.0,
             connect_timeout_s=2.0,
             max_body_bytes=4 << 20,

@@ -360,6 +360,77 @@ def test_speed_aware_option_learns_a_slow_engine_from_completions() -> None:
         assert "d" not in got  # 64 + 10 / 0.5 = 84 > 64 + 10 + routed so far
 
 
+def test_sed_option_weighs_the_whole_queue_and_the_request_by_speed() -> None:
+    """RedisbalPolicy.use_sed (off by default): score = (running + queued + 1) / speed,
+    so a half-speed engine is chosen only once its count is under half the others';
+    use_dither=False leaves every engine's offset at 0."""
+    from redisbal.policies import RedisbalPolicy
+    from redisbal.snapshot import EngineCounts
+
+    def snaps(k: int, running: dict[str, int]) -> Snapshot:
+        counts = {}
+        for e in ("a", "b", "c", "d"):
+            done = k * (10 if e == "d" else 20)  # per 100 ms; d is the slow one
+            counts[e] = EngineCounts(0, running[e], None, 0, k, 1000 + 100 * k, (done + 74,))
+        return Snapshot("d", "ep", k, 0, k, False, {}, {}, (), 1000 + 100 * k, counts)
+
+    class Sed(RedisbalPolicy):
+        use_sed = True
+        use_dither = False
+
+    even = dict.fromkeys("abcd", 8)
+    core = RouterCore(0, 1, Sed(), rng=random.Random(1))
+    core.connected = True
+    for k in range(1, 31):
+        core.apply_snapshot(snaps(k, even))
+    assert core.by_id["d"].speed == pytest.approx(0.5, rel=0.05)
+    assert all(e.dither == 0.0 for e in core.engines)
+    # equal counts: d's (8 + 1) / 0.5 = 18 loses to every other engine's 9 (and the
+    # default policy, blind to speed, would take d as soon as it is the shortest)
+    assert "d" not in {core.route().engine_id for _ in range(3)}
+    core.apply_snapshot(snaps(31, {"a": 8, "b": 8, "c": 8, "d": 3}))
+    assert core.route().engine_id == "d"  # (3 + 1) / 0.5 = 8 < 9
+    default = RouterCore(0, 1, RedisbalPolicy(), rng=random.Random(1))
+    default.connected = True
+    for k in range(1, 31):
+        default.apply_snapshot(snaps(k, {"a": 8, "b": 8, "c": 8, "d": 7}))
+    assert default.route().engine_id == "d"
+
+
+def test_slots_option_puts_free_slots_first_then_queues_by_speed() -> None:
+    """RedisbalPolicy.use_slots (off by default): once the running cap is known (8:
+    an engine with a queue runs 8), an engine where the request would queue scores
+    above any with a free slot, and among full ones by what is queued over speed."""
+    from redisbal.policies import RedisbalPolicy
+    from redisbal.snapshot import EngineCounts
+
+    def snaps(k: int, wr: dict[str, tuple[int, int]]) -> Snapshot:
+        counts = {}
+        for e, (w, r) in wr.items():
+            done = k * (10 if e == "d" else 20)  # per 100 ms; d is the slow one
+            counts[e] = EngineCounts(w, r, None, 0, k, 1000 + 100 * k, (done + 74,))
+        return Snapshot("d", "ep", k, 0, k, False, {}, {}, (), 1000 + 100 * k, counts)
+
+    class Slots(RedisbalPolicy):
+        use_slots = True
+        use_dither = False
+
+    full = {"a": (2, 8), "b": (3, 8), "c": (3, 8), "d": (1, 8)}
+    for policy, want in ((Slots(), "a"), (RedisbalPolicy(), "d")):
+        core = RouterCore(0, 1, policy, rng=random.Random(1))
+        core.connected = True
+        for k in range(1, 31):
+            core.apply_snapshot(snaps(k, full))
+        assert core.running_cap == 8
+        # slots: a = 10 + 3 x 8 = 34 beats d = 9 + 2 x 8 / 0.5 = 41; default: d, 9 < 10
+        assert core.route().engine_id == want
+    core = RouterCore(0, 1, Slots(), rng=random.Random(1))
+    core.connected = True
+    for k in range(1, 31):
+        core.apply_snapshot(snaps(k, {**full, "c": (0, 7)}))
+    assert core.route().engine_id == "c"  # a free slot first
+
+
 def test_simulated_vllm_pushes_each_replace_every_routers_view(monkeypatch) -> None:
     """On the simulated clock every push of the vLLM coordinator model reaches every
     router and is adopted (vLLM: ``self.lb_engines = sliced_counts`` at each push);

@@ -80,6 +80,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal-age": {"use_age": False},
     "redisbal+speed": {"use_speed": True},
     "redisbal+p2c": {"p2c_from": 16},
+    "redisbal+sed": {"use_sed": True},
+    "redisbal-dither": {"use_dither": False},
+    "redisbal+slots": {"use_slots": True},
+    "redisbal-share": {"use_share": False},
+    "redisbal+sed-dither": {"use_sed": True, "use_dither": False},
 }
 
 

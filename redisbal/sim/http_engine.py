@@ -60,6 +60,7 @@ from redisbal.gateway.loadgen import output_text
 from redisbal.keys import check_name
 from redisbal.sim.engine_sim import EngineTally, SimStats
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
+from redisbal.sim.peer_endpoints import add_peer_routes
 from redisbal.sim.prefix_cache import CHARS_PER_TOKEN, text_blocks
 
 log = logging.getLogger("redisbal.sim.http_engine")
@@ -220,6 +221,7 @@ class HttpEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/sim/state", self._state)
         app.router.add_post("/sim/fault", self._set_fault)
+        add_peer_routes(app, self)  # what real engines serve to routers (peer_endpoints)
         return app
 
     @web.middleware
