@@ -207,9 +207,10 @@ def decisions(base: str, engine_id: str) -> float:
 
 
 async def until(pred: Any, timeout: float, what: str) -> float:
-    """Wait for ``pred()`` (polled every 0.1 s); returns when it held (monotonic)."""
+    """Wait for ``pred()`` (polled every 0.1 s, in a thread: the test's load runs on
+    this loop and must not wait for the polls); returns when it held (monotonic)."""
     deadline = time.monotonic() + timeout
-    while not pred():
+    while not await asyncio.to_thread(pred):
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:.0f} s: {what}")
         await asyncio.sleep(0.1)
@@ -346,10 +347,11 @@ async def test_real_vllm_servers_behind_the_gateway(
                 "the killed server leaves `live`",
             )
             # while it is dead, status never calls it live again
-            first = status(url, deployment)[engine_of["plugin-a"]]["state"]
-            states = [(round(t_out - t_kill, 2), first)]
+            rows = await asyncio.to_thread(status, url, deployment)
+            states = [(round(t_out - t_kill, 2), rows[engine_of["plugin-a"]]["state"])]
             while time.monotonic() - t_kill < DEAD_AFTER_MS / 1000 + 2:
-                state = status(url, deployment)[engine_of["plugin-a"]]["state"]
+                rows = await asyncio.to_thread(status, url, deployment)
+                state = rows[engine_of["plugin-a"]]["state"]
                 assert state in NOT_LIVE, f"dead server shown {state}"
                 if state != states[-1][1]:
                     states.append((round(time.monotonic() - t_kill, 2), state))
@@ -365,20 +367,27 @@ async def test_real_vllm_servers_behind_the_gateway(
             eid = engine_of["plugin-a"]
             seen: dict[str, float] = {}
 
-            def back() -> bool:
-                state = status(url, deployment).get(eid, {}).get("state")  # read first
-                now = time.monotonic()
-                if "health" not in seen and victim.healthy():
-                    seen["health"] = now
-                    seen["decisions"] = decisions(gateway, eid)
-                if state == "live" and "live" not in seen:
-                    seen["live"] = now
-                routed = "health" in seen and decisions(gateway, eid) > seen["decisions"]
-                if routed and "routed" not in seen:
-                    seen["routed"] = now
-                return {"routed", "live"} <= seen.keys() and victim.served() > 0
+            async def watch_routing() -> None:
+                """When /health first answers, then when the gateway first routes to it
+                (polled every 0.1 s)."""
+                while "routed" not in seen:
+                    now = time.monotonic()
+                    if "health" not in seen:
+                        if await asyncio.to_thread(victim.healthy):
+                            seen["health"] = now
+                            seen["decisions"] = await asyncio.to_thread(decisions, gateway, eid)
+                    elif await asyncio.to_thread(decisions, gateway, eid) > seen["decisions"]:
+                        seen["routed"] = now
+                    await asyncio.sleep(0.1)
 
-            await until(back, START_S, "the restarted server is live and serves gateway traffic")
+            async def watch_status() -> None:
+                while "live" not in seen:
+                    rows = await asyncio.to_thread(status, url, deployment)
+                    if rows.get(eid, {}).get("state") == "live":
+                        seen["live"] = time.monotonic()
+
+            await asyncio.wait_for(asyncio.gather(watch_routing(), watch_status()), START_S)
+            await until(lambda: victim.served() > 0, 60, "it serves gateway traffic")
             await asyncio.sleep(2)
             load.stop.set()
             await loader
