@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.vllm_e2e, pytest.mark.timeout(2400)]
 BIN = Path(sys.executable).parent
 DEAD_AFTER_MS = 3000
 START_S = 900.0  # a vLLM server's start (torch import, model load, warm-up) on 2 busy cores
-NOT_LIVE = {"suspect", "stalled", "expired", "left", "gone", "registered"}
+NOT_LIVE = {"suspect", "probing", "stalled", "expired", "left", "gone", "registered"}
 _direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
