@@ -43,6 +43,11 @@ FAILURES = frozenset(
 # what a request can end with (``outcome()``): ok and rejected are no evidence
 OUTCOMES = FAILURES | {"ok", "rejected"}
 HEALTHY, EJECTED, PROBING = "healthy", "ejected", "probing"
+# An engine whose reports stopped this long ago (a forced snapshot names it a laggard)
+# is silent: its reporter heartbeats from a thread of its own, so its process is
+# stopped or gone. A probing engine that is silent gets no probe until it reports
+# again, and a request waiting on a silent engine is given up early (the gateway).
+SILENT_AFTER_S = 0.5
 
 
 @dataclass

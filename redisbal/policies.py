@@ -394,7 +394,7 @@ class RedisbalPolicy(ScoringPolicy):
     # Measured and left off: a higher TTFT p99 wherever queues form (BENCHMARKS.md:
     # redisbal+p2c).
     p2c_from = 0
-    # Measured for the real-time straggler and left as they are (DESIGN.md): use_sed,
+    # Measured for the real-time straggler and left as they are (docs/DESIGN.md): use_sed,
     # shortest expected delay, (score + 1) / speed; use_dither; use_slots, an engine
     # where the request would queue scores above every one with a free slot, and among
     # those by its queue over its speed; use_share, own pending routes count 1 / share.

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from redisbal.outcomes import EJECTED, PROBING, OutcomeTracker
+from redisbal.outcomes import EJECTED, PROBING, SILENT_AFTER_S, OutcomeTracker
 from redisbal.policies import (
     DEFAULT_POLICY,
     Decision,
@@ -192,6 +192,7 @@ class RouterCore:
                 untils.append(out.engines[e].until)
             elif state == PROBING and e not in excluded:
                 probing.add(e)
+        probing -= excluded  # ejected here: no probe, whatever the snapshot says
         avoid = excluded | probing
         choosable = [e for e in self.known if e.engine_id not in avoid]
         self._all_excluded = not choosable and bool(self.known)
@@ -502,7 +503,11 @@ class RouterCore:
         """The policy's pick, a probe of a probing engine (one at a time), or the pinned
         engine; and whether it was pinned, whether a probe."""
         if engine_id is None:
+            snap = self.snapshot
+            silent = snap.laggards if snap is not None else {}
             for eid in self._probing:
+                if silent.get(eid, 0) >= SILENT_AFTER_S * 1000:
+                    continue  # stopped or gone: probed once it reports again
                 if self.outcomes.take_probe(eid, now):
                     self.counters["probes"] += 1
                     return self.by_id[eid], False, True

@@ -270,7 +270,9 @@ async def test_slow_body_408_slow_head_and_idle_connections_closed(
         assert await asyncio.wait_for(silent[0].read(), 30) == b""
         for _, w in (slow, silent):
             w.close()
-        assert gw.guard.closed["header_timeout"] >= 2
+        # the slow head is cut by the guard; the silent connection by the guard's or
+        # aiohttp's own keep-alive timer, whichever fires first
+        assert gw.guard.closed["header_timeout"] >= 1
         await settled(st)
 
 

@@ -246,6 +246,7 @@ def test_scripts_touch_only_their_keys_on_a_real_server(
         bar.report("e1", "tick", 0, 0)
         bar.force("0")
         bar.suspect("e0")
+        bar.scripts.call("recovered", "e0", "-")
         bar.leave("e2")
         bar.expire_now("e1")
         bar.reap()
@@ -320,6 +321,7 @@ def test_scripts_are_registered_and_recover_from_script_flush(
     bar.reap()
     bar.force("0")
     assert bar.suspect("e0")[0] == "capped"  # (one engine that reported: never marked)
+    assert bar.scripts.call("recovered", "e0", "-")[0] == b"healthy"
     bar.leave("e1")
     bar.configure()
     bar.scripts.call("lease", "c1", 1000, "acquire")

@@ -17,10 +17,11 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from redisbal.outcomes import SILENT_AFTER_S
+
 T = TypeVar("T")
 
-SILENT_AFTER_S = 0.5  # the engine's reports stopped this long ago ...
-SILENT_WAIT_S = 0.25  # ... and this request has waited this long: it is hung
+SILENT_WAIT_S = 0.25  # a request has waited this long on a silent engine: it is hung
 CHECK_EVERY_S = 0.05
 
 
