@@ -134,17 +134,22 @@ def start(a: argparse.Namespace, deployment: str) -> Deployment:
     return d
 
 
+def by_label(d: Deployment, metric: str, label: str) -> dict[str, float]:
+    """``metric``'s samples summed over the gateways, by the value of ``label``."""
+    out: dict[str, float] = {}
+    for g in d.gateways:
+        with urllib.request.urlopen(g + "/metrics", timeout=2) as r:
+            text = r.read().decode()
+        for k, v in re.findall(rf'^{metric}\{{{label}="([^"]+)"\}} (\S+)$', text, re.M):
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
 def decisions(d: Deployment) -> dict[str, float]:
     """Decisions per engine so far: the gateways' counters, or the engines' arrivals."""
     out: dict[str, float] = dict.fromkeys(d.engines, 0.0)
     if d.gateways and not d.gateways[0].startswith("ext:"):
-        for g in d.gateways:
-            with urllib.request.urlopen(g + "/metrics", timeout=2) as r:
-                text = r.read().decode()
-            for e, v in re.findall(
-                r'^redisbal_gateway_decisions_total\{engine="([^"]+)"\} (\S+)$', text, re.M
-            ):
-                out[e] = out.get(e, 0.0) + float(v)
+        out.update(by_label(d, "redisbal_gateway_decisions_total", "engine"))
     return out
 
 
@@ -243,16 +248,10 @@ async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict
 
 def gateway_errors(d: Deployment) -> dict[str, float]:
     """The gateways' failed attempts by kind, summed: what the failures were."""
-    out: dict[str, float] = {}
-    for g in d.gateways:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(g + "/metrics", timeout=2) as r:
-                text = r.read().decode()
-            for k, v in re.findall(
-                r'^redisbal_gateway_errors_total\{reason="([^"]+)"\} (\S+)$', text, re.M
-            ):
-                out[k] = out.get(k, 0.0) + float(v)
-    return out
+    try:
+        return by_label(d, "redisbal_gateway_errors_total", "reason")
+    except OSError:
+        return {}
 
 
 def at(samples: list[tuple[float, dict[str, float]]], t: float) -> dict[str, float]:
