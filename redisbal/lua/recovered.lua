@@ -21,19 +21,14 @@
 --- @include "time"
 --- @include "record"
 --- @include "barrier"
+--- @include "marks"
 
 local d, err = open_deployment(KEYS, ARGV, 4, 4)
 if not d then return fail(err) end
-local engine = name_arg(ARGV[3])
-if not engine then return fail('bad engine_id: ' .. ARGV[3]) end
-local client_text = ARGV[4]
-if client_text ~= '-' and not int_arg(client_text, 0, 4095) then
-  return fail('bad client index: ' .. client_text)
-end
-if not redis.call('HGET', d.reports, '.epoch') then return {'unknown', 0} end
-local text = redis.call('HGET', d.reports, engine)
-local rec = text and parse_record(text)
-if not rec or not rec.score then return {'unknown', 0} end
+local engine, client_text, why = mark_args(ARGV)
+if not engine then return fail(why) end
+local text, rec = reported_record(d, engine)
+if not text then return {'unknown', 0} end
 if rec.suspect == 0 then return {'healthy', 0} end
 local now = now_ms()
 if rec.suspect > now then return {'ejected', 0} end

@@ -32,23 +32,18 @@
 --- @include "time"
 --- @include "record"
 --- @include "barrier"
+--- @include "marks"
 
 local d, err = open_deployment(KEYS, ARGV, 5, 5)
 if not d then return fail(err) end
-local engine = name_arg(ARGV[3])
-if not engine then return fail('bad engine_id: ' .. ARGV[3]) end
-local client_text = ARGV[4]
-if client_text ~= '-' and not int_arg(client_text, 0, 4095) then
-  return fail('bad client index: ' .. client_text)
-end
+local engine, client_text, why = mark_args(ARGV)
+if not engine then return fail(why) end
 local reason = ARGV[5]
 if #reason > 200 or string.find(reason, '%c') then
   return fail('bad reason: at most 200 characters, no control characters')
 end
-if not redis.call('HGET', d.reports, '.epoch') then return {'unknown', 0} end
-local text = redis.call('HGET', d.reports, engine)
-local rec = text and parse_record(text)
-if not rec or not rec.score then return {'unknown', 0} end
+local text, rec = reported_record(d, engine)
+if not text then return {'unknown', 0} end
 
 local now, now_text = now_ms()
 local mark_field = 'suspect:' .. engine
