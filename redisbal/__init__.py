@@ -6,7 +6,8 @@ Redis publishes a consistent snapshot once every live engine has reported the
 step; API servers route each request locally from that snapshot plus their own
 bookkeeping (``AsyncRouter`` / ``Router``); ``redisbal coordinator`` keeps
 membership, liveness and stalled barriers in order. A custom routing policy is a
-``Policy`` or a ``ScoringPolicy`` (a score per ``EngineView``, lowest wins).
+``Policy`` or a ``ScoringPolicy`` (a score per ``EngineView``, lowest wins). Every
+exception redisbal raises is a ``RedisbalError`` (redisbal.errors).
 """
 
 from redisbal.batch import AsyncBatchReporter, BatchReporter
@@ -16,9 +17,8 @@ from redisbal.engine import (
     InvalidReport,
     ReporterStats,
     ReportResult,
-    ReportSender,
 )
-from redisbal.keys import DeploymentKeys, InvalidName
+from redisbal.errors import BadRedisURL, InvalidName, LeaseUnavailable, RedisbalError
 from redisbal.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -42,18 +42,19 @@ __all__ = [
     "AsyncBatchReporter",
     "AsyncEngineReporter",
     "AsyncRouter",
+    "BadRedisURL",
     "BatchReporter",
     "Decision",
-    "DeploymentKeys",
     "EngineCounts",
     "EngineReporter",
     "EngineView",
     "InvalidName",
     "InvalidReport",
+    "LeaseUnavailable",
     "NoEngines",
     "Policy",
+    "RedisbalError",
     "ReportResult",
-    "ReportSender",
     "ReporterStats",
     "RequestInfo",
     "Router",

@@ -175,7 +175,7 @@ def _setting(name: str) -> Callable[[F], F]:
     """--<name> for a coordinator setting, with its default, bounds and unit from config.py."""
     s = LEASE_TTL if name == "lease_ttl_ms" else SETTINGS[name]
     flag = "--" + name.replace("_", "-")
-    return option(  # type: ignore[no-any-return]
+    return option(
         flag,
         type=click.IntRange(s.lo, s.hi),
         default=s.default,
@@ -335,7 +335,8 @@ def load_functions() -> None:
     the clients: a client that finds no library and may not load it uses EVALSHA
     until it is restarted (slower on the server, same results).
     """
-    from redisbal.scripts import library, load_library
+    from redisbal.lua_source import library
+    from redisbal.scripts import load_library
 
     s = settings()
     url = s.require_url()

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,10 +44,12 @@ from redisbal.connection import (
     redact,
     with_password,
 )
+from redisbal.errors import RedisbalError
 from redisbal.keys import InvalidName, check_name
 from redisbal.policies import DEFAULT_POLICY, POLICIES
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _OPTS = "redisbal.options"
 _PRIORITY = {
@@ -224,7 +226,7 @@ def settings(ctx: click.Context | None = None) -> Settings:
     return s
 
 
-class ConfigError(click.ClickException):
+class ConfigError(RedisbalError, click.ClickException):
     """A mistake in the configuration found by talking to Redis (not Redis there, not a
     cluster, a missing or refused password): one line and exit status 2, like a bad
     option, where an outage exits 1."""
@@ -300,7 +302,7 @@ def signals_stop(stop: Callable[[], None]) -> Iterator[None]:
             signal.signal(sig, h)
 
 
-async def run_until_signal(main: Any, stop: Callable[[], None]) -> Any:
+async def run_until_signal(main: Awaitable[T], stop: Callable[[], None]) -> T:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop)
@@ -323,7 +325,9 @@ def write_json(path: str | None, data: Any) -> None:
 # -- option declarations used by several commands ------------------------------------------
 
 
-def option(*decls: str, type: Any = None, default: Any = None, help: str, **kw: Any) -> Any:
+def option(
+    *decls: str, type: Any = None, default: Any = None, help: str, **kw: Any
+) -> Callable[[F], F]:
     """A click option that shows its default when it has one (one line per option)."""
     return click.option(
         *decls, type=type, default=default, show_default=default is not None, help=help, **kw
@@ -356,19 +360,19 @@ DURATION_UNTIL_SIGNAL = option(
 SEED = option("--seed", type=int, default=0, help="Seed of the load.")
 
 
-def policy_option(help: str) -> Any:
+def policy_option(help: str) -> Callable[[F], F]:
     """--policy: a name from POLICIES, the default policy unless given."""
     return option(
         "--policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY, help=help
     )
 
 
-def mode_option(help: str) -> Any:
+def mode_option(help: str) -> Callable[[F], F]:
     """--mode: how simulated engines step."""
     return option("--mode", type=click.Choice(["lockstep", "tick"]), default="lockstep", help=help)
 
 
-def slow_option(help: str) -> Any:
+def slow_option(help: str) -> Callable[[F], F]:
     """--slow ID[,ID...]:FACTOR (repeatable): straggler engines."""
     return click.option("--slow", multiple=True, metavar="ID[,ID...]:FACTOR", help=help)
 
@@ -385,7 +389,7 @@ def _writable_later(ctx: click.Context, param: click.Parameter, value: str | Non
     return value
 
 
-def stats_out_option(help: str) -> Any:
+def stats_out_option(help: str) -> Callable[[F], F]:
     """--stats-out PATH: a JSON file written at the end."""
     return click.option(
         "--stats-out",

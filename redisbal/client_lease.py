@@ -20,9 +20,10 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable
-from typing import Any
 
 from redisbal.background import cancel_and_wait
+from redisbal.connection import AsyncRedisClient
+from redisbal.errors import LeaseUnavailable as LeaseUnavailable
 from redisbal.keys import DeploymentKeys
 from redisbal.routing import RouterCore
 
@@ -66,10 +67,6 @@ return {mine, count}
 """
 
 
-class LeaseUnavailable(RuntimeError):
-    """Every index up to MAX_CLIENTS is leased."""
-
-
 def apply_lease(core: RouterCore, index: int, count: int) -> None:
     """Move a RouterCore to (index, count) under its lock.
 
@@ -104,7 +101,7 @@ class ClientLease:
 
     def __init__(
         self,
-        client: Any,
+        client: AsyncRedisClient,
         keys: DeploymentKeys,
         *,
         ttl_s: float = 10.0,

@@ -18,10 +18,24 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis.exceptions
+
+if TYPE_CHECKING:
+    import redis.asyncio
+    import redis.asyncio.cluster
+    import redis.cluster
+
+from redisbal.errors import BadRedisURL as BadRedisURL
+from redisbal.errors import PasswordError as PasswordError
+from redisbal.errors import WrongServer as WrongServer
+
+# The clients redisbal takes and makes: one server (plain, TLS, unix socket, Sentinel)
+# or a Redis Cluster, blocking or asyncio. Every `client=` parameter is one of these.
+RedisClient: TypeAlias = "redis.Redis | redis.cluster.RedisCluster"
+AsyncRedisClient: TypeAlias = "redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster"
 
 # A Redis outage as a client sees it: unreachable, connection lost, a call timed out,
 # or a cluster in the middle of a failover or a slot migration (CLUSTERDOWN, TRYAGAIN,
@@ -47,23 +61,6 @@ _SCHEMES = (
     "redis+cluster",
     "rediss+cluster",
 )
-
-
-class BadRedisURL(ValueError):
-    """A Redis URL that redisbal cannot use."""
-
-
-class WrongServer(redis.exceptions.ResponseError, BadRedisURL):
-    """The URL reaches a server that cannot be used as the URL says: not Redis at all, or
-    not a Redis Cluster. A configuration error, not an outage: handled as a refusal (a
-    ResponseError, which every component reports), never as a reason to route on local
-    state; a RedisError, so redis-py drops the half-open connection."""
-
-
-class PasswordError(redis.exceptions.AuthenticationError, BadRedisURL):
-    """The server wants a password the URL does not give, or refused the one it gives.
-    Still redis-py's AuthenticationError, so an outage as before: reporters and routers
-    keep retrying, and recover once the server's password or ACL is put right."""
 
 
 # userinfo: up to the line's last "@", so that a password with a space or an unencoded
@@ -451,7 +448,9 @@ def _cluster_commands(client: Any, asyncio: bool) -> Any:
         class SyncParser(CommandsParser):
             def get_keys(self, redis_conn: Any, *args: Any) -> Any:
                 keys = _fcall_keys(args)
-                return super().get_keys(redis_conn, *args) if keys is None else keys
+                if keys is not None:
+                    return keys
+                return super().get_keys(redis_conn, *args)  # type: ignore[no-untyped-call]
 
         parser = SyncParser.__new__(SyncParser)  # keeps the table redis-py fetched
         vars(parser).update(vars(client.commands_parser))
@@ -481,7 +480,7 @@ def _cluster_commands(client: Any, asyncio: bool) -> Any:
     return AsyncParser()
 
 
-def is_cluster(client: Any) -> bool:
+def is_cluster(client: object) -> bool:
     from redis.asyncio.cluster import RedisCluster as ARC
     from redis.cluster import RedisCluster as SRC
 

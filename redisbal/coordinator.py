@@ -38,7 +38,14 @@ from typing import Any
 import redis.exceptions
 
 from redisbal.config import LEASE_TTL, CoordinatorConfig
-from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
+from redisbal.connection import (
+    OUTAGE_ERRORS,
+    RedisClient,
+    is_cluster,
+    make_client,
+    redact,
+    refresh_slots,
+)
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.scripts import Scripts
 from redisbal.snapshot import Snapshot
@@ -143,7 +150,7 @@ class Coordinator:
         deployment: str,
         config: CoordinatorConfig | None = None,
         *,
-        client: Any = None,
+        client: RedisClient | None = None,
         interval_s: float | None = None,
         lease_ttl_ms: int | None = None,
         coordinator_id: str | None = None,
@@ -303,12 +310,10 @@ class Coordinator:
 
     def watch_health(self) -> None:
         """Read the snapshot and the conflict counter; log what changed (HealthLog)."""
-        raw, conflicts = (
-            self.client.pipeline(transaction=False)
-            .get(self.keys.snapshot)
-            .hget(self.keys.meta, "conflicts")
-            .execute()
-        )
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.keys.snapshot)
+        pipe.hget(self.keys.meta, "conflicts")
+        raw, conflicts = pipe.execute()
         with contextlib.suppress(ValueError, KeyError, TypeError):  # unreadable: skip
             snap = Snapshot.from_json(raw) if raw else None
             self.health.snapshot(snap, self.stats.forced, self.config.stall_ms)

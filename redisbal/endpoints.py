@@ -13,15 +13,13 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
+from redisbal.connection import AsyncRedisClient, RedisClient
+from redisbal.errors import InvalidURL as InvalidURL
 from redisbal.keys import DeploymentKeys, InvalidName, check_name
 
 log = logging.getLogger("redisbal.endpoints")
 
 MAX_URL_LEN = 512
-
-
-class InvalidURL(ValueError):
-    """An engine URL that is not an http(s) base URL; names the field."""
 
 
 def check_url(value: object, what: str = "engine url") -> str:
@@ -81,28 +79,28 @@ def _parse(raw: dict[Any, Any]) -> dict[str, str]:
     return out
 
 
-async def register(client: Any, keys: DeploymentKeys, engine_id: str, url: str) -> str:
+async def register(client: AsyncRedisClient, keys: DeploymentKeys, engine_id: str, url: str) -> str:
     """Store ``engine_id``'s base URL (asyncio client); returns the stored URL."""
     eid, clean = check_name(engine_id, "engine_id"), check_url(url)
     await client.hset(keys.urls, eid, clean)
     return clean
 
 
-def register_sync(client: Any, keys: DeploymentKeys, engine_id: str, url: str) -> str:
+def register_sync(client: RedisClient, keys: DeploymentKeys, engine_id: str, url: str) -> str:
     """Blocking twin of ``register``."""
     eid, clean = check_name(engine_id, "engine_id"), check_url(url)
     client.hset(keys.urls, eid, clean)
     return clean
 
 
-async def unregister(client: Any, keys: DeploymentKeys, engine_id: str) -> None:
+async def unregister(client: AsyncRedisClient, keys: DeploymentKeys, engine_id: str) -> None:
     await client.hdel(keys.urls, check_name(engine_id, "engine_id"))
 
 
-async def fetch(client: Any, keys: DeploymentKeys) -> dict[str, str]:
+async def fetch(client: AsyncRedisClient, keys: DeploymentKeys) -> dict[str, str]:
     """Every registered engine -> URL (bad entries are skipped with a warning)."""
     return _parse(await client.hgetall(keys.urls))
 
 
-def fetch_sync(client: Any, keys: DeploymentKeys) -> dict[str, str]:
+def fetch_sync(client: RedisClient, keys: DeploymentKeys) -> dict[str, str]:
     return _parse(client.hgetall(keys.urls))

@@ -39,6 +39,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from redisbal.background import BackgroundLoop
 from redisbal.connection import OUTAGE_ERRORS
 from redisbal.endpoints import check_url
+from redisbal.errors import InvalidReport as InvalidReport
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.lane import Lane, ReporterStats, ReportResult, tag_of
 from redisbal.scripts import Scripts
@@ -61,10 +62,6 @@ MAX_STEP = 2**32 - 1
 MAX_WAVE = 2**20 - 1
 MAX_CLIENTS = 4096
 MODES = ("lockstep", "tick")
-
-
-class InvalidReport(ValueError):
-    """A report argument that is not acceptable; names the field."""
 
 
 def _count(name: str, value: object, hi: int = MAX_COUNT) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from redisbal.errors import InvalidName as InvalidName
+
 PREFIX = "redisbal"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit"
@@ -35,10 +37,6 @@ BARRIER_FIELDS = (
 def is_engine_field(name: str) -> bool:
     """Whether a field of the reports hash is an engine's record (not a barrier field)."""
     return not name.startswith(".")
-
-
-class InvalidName(ValueError):
-    """A deployment or engine name that cannot be used in a Redis key."""
 
 
 def check_name(value: object, what: str) -> str:

@@ -33,6 +33,7 @@ from functools import cache
 from importlib import resources
 
 from redisbal.config import LEASE_TTL, SETTINGS
+from redisbal.errors import LuaSourceError as LuaSourceError
 
 # The operations, each lua/<name>.lua; scripts.Scripts.call takes these names.
 SCRIPT_NAMES = (
@@ -52,10 +53,6 @@ NUM_KEYS = 7  # every operation gets the deployment's seven keys (keys.script_ke
 
 INCLUDE_DIR = "includes"
 INCLUDE_RE = re.compile(r'^--- @include "([A-Za-z0-9_]+)"[ \t]*$', re.M)
-
-
-class LuaSourceError(Exception):
-    """A Lua file that is missing, or includes that form a cycle."""
 
 
 def settings_lua() -> str:

@@ -32,15 +32,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from redisbal.errors import NoEngines as NoEngines
+from redisbal.errors import UnknownEngine as UnknownEngine
 from redisbal.snapshot import Snapshot
-
-
-class NoEngines(RuntimeError):
-    """No engine is known yet: nothing to route to."""
-
-
-class UnknownEngine(ValueError):
-    """A pinned engine that is not (or no longer) in the deployment."""
 
 
 @dataclass(slots=True)

@@ -24,10 +24,11 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from redisbal.background import BackgroundLoop, cancel_and_wait
 from redisbal.client_lease import ClientLease
-from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact
+from redisbal.connection import OUTAGE_ERRORS, AsyncRedisClient, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.outcomes import FAILURES, OUTCOMES, OutcomeTracker
 from redisbal.policies import DEFAULT_POLICY, Decision, Policy
@@ -172,7 +173,7 @@ class AsyncRouter(_LocalRouting):
         client_count: int = 1,
         *,
         policy: str | Policy = DEFAULT_POLICY,
-        client: Any = None,
+        client: AsyncRedisClient | None = None,
         stale_after_s: float = 5.0,
         poll_s: float = 1.0,
         engines: list[str] | None = None,
@@ -207,7 +208,7 @@ class AsyncRouter(_LocalRouting):
         if client is None and not redis_url:
             raise ValueError("give a redis_url (or client=)")
         self._url = redis_url
-        self._client = client
+        self._client: AsyncRedisClient | None = client  # made by start() when None
         self._owns_client = client is None
         self.url = redact(redis_url or "")
         self.poll_s = poll_s
@@ -283,8 +284,8 @@ class AsyncRouter(_LocalRouting):
 
     async def _mark(self, op: str, engine_id: str, reason: str) -> None:
         if self._scripts is None:
-            pubcmd = "SPUBLISH" if is_cluster(self._client) else "PUBLISH"
-            self._scripts = Scripts(self._client, self.keys, pubcmd)
+            pubcmd = "SPUBLISH" if is_cluster(self._redis) else "PUBLISH"
+            self._scripts = Scripts(self._redis, self.keys, pubcmd)
         args = (engine_id, self.core.client_index) + ((reason,) if op == "suspect" else ())
         try:
             out = await asyncio.wait_for(self._scripts.call(op, *args), 5.0)
@@ -349,12 +350,19 @@ class AsyncRouter(_LocalRouting):
             self._first.set()
         return False
 
+    @property
+    def _redis(self) -> AsyncRedisClient:
+        """The client, once start() made it (the feed and the writes run after start)."""
+        if self._client is None:
+            raise RuntimeError("the router is not started: call start() first")
+        return self._client
+
     async def _fetch(self) -> None:
-        self._apply(await self._client.get(self.keys.snapshot))
+        self._apply(await self._redis.get(self.keys.snapshot))
 
     async def _known_engines(self) -> None:
         if self.core.snapshot is None and not self.core.engines:
-            ids = await self._client.zrange(self.keys.members, 0, -1)
+            ids = cast(list[bytes | str], await self._redis.zrange(self.keys.members, 0, -1))
             if ids:
                 self.core.set_engines(
                     sorted(i.decode() if isinstance(i, bytes) else i for i in ids)
@@ -422,25 +430,26 @@ class AsyncRouter(_LocalRouting):
         Returns once the subscription is confirmed, so that the GET that follows
         misses nothing published in between.
         """
-        if is_cluster(self._client):
+        client = self._redis
+        if isinstance(client, AsyncRedisCluster):
             if self._subscribed_before:
                 # after a lost subscription the slot map may name a dead primary: ask the
                 # cluster again (the client only does it by itself for commands, so a
                 # feed that never gets past its subscribe would keep its stale map)
-                await self._client.nodes_manager.initialize()
-            await self._client.initialize()
+                await client.nodes_manager.initialize()
+            await client.initialize()
             self._subscribed_before = True
-            pubsub = self._client.pubsub()
+            sharded = client.pubsub()
             try:
-                await pubsub.ssubscribe(self.keys.channel)
-                await self._confirmed(pubsub, True)
-                return pubsub, True
+                await sharded.ssubscribe(self.keys.channel)
+                await self._confirmed(sharded, True)
+                return sharded, True
             except redis.exceptions.ResponseError as exc:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await sharded.aclose()
                 if "unknown command" not in str(exc).lower():
                     raise
-        pubsub = self._client.pubsub()
+        pubsub = client.pubsub()
         await pubsub.subscribe(self.keys.channel)
         await self._confirmed(pubsub, False)
         return pubsub, False

@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 
+from redisbal.connection import AsyncRedisClient, RedisClient
 from redisbal.keys import DeploymentKeys
 from redisbal.lua_source import NUM_KEYS, SCRIPT_NAMES, library, script_source
 
@@ -86,7 +87,7 @@ class Scripts:
 
     def __init__(
         self,
-        client: Any,
+        client: RedisClient | AsyncRedisClient,
         keys: DeploymentKeys,
         pubcmd: str = "PUBLISH",
         *,

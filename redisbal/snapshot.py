@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from redisbal.errors import RosterUnknown as RosterUnknown
+
 # admitted counts the reporters send are below this; the Lua script checks that an
 # admitted list is JSON integers but not their length (docs/DESIGN.md), so routers
 # read a list whose sum reaches it, which only another client can send, as not reported
@@ -44,11 +46,6 @@ class EngineCounts(NamedTuple):
     @property
     def load(self) -> int:
         return self.waiting + self.running
-
-
-class RosterUnknown(ValueError):
-    """A compact message names a roster this reader has not seen: read the stored
-    snapshot, which always carries its roster."""
 
 
 class Roster:

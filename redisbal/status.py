@@ -31,6 +31,7 @@ import re
 from typing import Any
 
 from redisbal.config import SETTINGS
+from redisbal.connection import RedisClient
 from redisbal.keys import DeploymentKeys, is_engine_field
 from redisbal.record import PROVISIONAL, STALLED, Record, parse_record
 from redisbal.snapshot import Snapshot
@@ -116,7 +117,9 @@ def _state(
     return ("provisional" if rec.flag == PROVISIONAL else "live"), extra
 
 
-def gather_status(client: Any, deployment: str, seen: set[str] | None = None) -> dict[str, Any]:
+def gather_status(
+    client: RedisClient, deployment: str, seen: set[str] | None = None
+) -> dict[str, Any]:
     """The deployment's state as a JSON-able dict (``seen``: engines shown before, for --watch)."""
     keys = DeploymentKeys(deployment)
     sec, usec = client.time()

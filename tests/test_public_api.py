@@ -8,6 +8,9 @@ unless the public API offers a knob, against a real redis-server.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
+import pkgutil
 import time
 
 import pytest
@@ -15,6 +18,8 @@ import redis
 from helpers import await_until, wait_until
 
 import redisbal
+from redisbal.errors import RedisbalError
+from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
 
 
@@ -138,9 +143,70 @@ def test_the_stored_snapshot_is_the_published_one(redis_url: str, deployment: st
     try:
         for rep in reps:
             rep.report(step=5, waiting=1, running=2, kv_usage=0.25, wait=True)
-        raw = redis.Redis.from_url(redis_url).get(redisbal.DeploymentKeys(deployment).snapshot)
+        raw = redis.Redis.from_url(redis_url).get(DeploymentKeys(deployment).snapshot)
         snap = redisbal.Snapshot.from_json(raw)  # type: ignore[arg-type]
         assert snap.step == 5 and snap.engines["1"].kv_usage == 0.25
     finally:
         for rep in reps:
             rep.close()
+
+
+# -- the public surface, without Redis ---------------------------------------------------------
+
+# Exceptions that never reach a caller: the gateway's control flow between its own functions.
+INTERNAL_SIGNALS = {"redisbal.gateway.retry.Retry", "redisbal.gateway.first_byte.Silent"}
+
+
+def _modules() -> list[str]:
+    return [
+        m.name
+        for m in pkgutil.walk_packages(redisbal.__path__, "redisbal.")
+        if m.name != "redisbal.__main__"  # runs the CLI when imported
+    ]
+
+
+def test_every_exception_redisbal_defines_is_a_redisbal_error() -> None:
+    """One root for callers (``except redisbal.RedisbalError``), each class defined once,
+    in redisbal.errors (the CLI's ConfigError, a click exception, in cli_common)."""
+    found: dict[str, type[BaseException]] = {}
+    for name in _modules():
+        for attr, obj in vars(importlib.import_module(name)).items():
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and obj.__module__.startswith("redisbal")
+                and not attr.startswith("_")
+            ):
+                found[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    assert len(found) >= 20, sorted(found)  # the walk found them: not vacuous
+    outside = sorted(q for q, c in found.items() if not issubclass(c, RedisbalError))
+    assert outside == sorted(INTERNAL_SIGNALS), outside
+    homes = {q.rsplit(".", 1)[0] for q in found if q not in INTERNAL_SIGNALS}
+    assert homes == {"redisbal.errors", "redisbal.cli_common"}, homes
+
+
+def test_exceptions_keep_their_builtin_bases_and_old_homes() -> None:
+    """``except ValueError`` and the old import paths keep working."""
+    from redisbal.connection import BadRedisURL, PasswordError, WrongServer
+    from redisbal.engine import InvalidReport
+    from redisbal.keys import InvalidName
+    from redisbal.policies import NoEngines, UnknownEngine
+
+    for exc in (BadRedisURL, WrongServer, InvalidReport, InvalidName, UnknownEngine):
+        assert issubclass(exc, ValueError) and issubclass(exc, RedisbalError), exc
+    assert issubclass(NoEngines, RuntimeError) and issubclass(NoEngines, RedisbalError)
+    assert issubclass(WrongServer, redis.exceptions.ResponseError)
+    assert issubclass(PasswordError, redis.exceptions.AuthenticationError)
+    assert redisbal.RedisbalError is RedisbalError and redisbal.InvalidReport is InvalidReport
+
+
+def test_public_names_are_the_api_not_its_wiring() -> None:
+    """``redisbal.__all__`` lists what users call; the sender and the key builder are
+    internal (reachable in their modules, not exported)."""
+    assert set(redisbal.__all__) <= set(vars(redisbal)), "a name in __all__ is missing"
+    for internal in ("ReportSender", "DeploymentKeys", "Scripts", "RouterCore"):
+        assert internal not in redisbal.__all__, internal
+    for name in redisbal.__all__:
+        obj = getattr(redisbal, name)
+        if inspect.isclass(obj) and issubclass(obj, BaseException):
+            assert issubclass(obj, RedisbalError), name

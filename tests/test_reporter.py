@@ -339,7 +339,7 @@ def test_one_sender_carries_several_engines_in_one_pipeline(
 ) -> None:
     """Reporters sharing a sender: their reports travel together (a pipeline of report
     calls, FCALL on Redis 7, EVALSHA on 6.2) and each engine's newest counts land."""
-    from redisbal import ReportSender
+    from redisbal.sender import ReportSender
 
     sender = ReportSender(redis_url, threaded=True)
     reps = [

@@ -42,8 +42,9 @@ import pytest
 import redis
 from helpers import Barrier
 
-from redisbal import AsyncEngineReporter, EngineReporter, ReportSender, Snapshot
+from redisbal import AsyncEngineReporter, EngineReporter, Snapshot
 from redisbal.keys import DeploymentKeys
+from redisbal.sender import ReportSender
 from redisbal.sim.embedded import RedisServer
 
 pytestmark = pytest.mark.slow

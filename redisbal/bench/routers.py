@@ -32,6 +32,8 @@ from typing import Any
 
 import orjson
 
+from redisbal.errors import RouterError as RouterError
+
 PINNED = {"vllm-router": "0.1.17", "sglang-router": "0.3.2"}
 POLICIES = {
     "vllm-router": ("cache_aware", "power_of_two"),
@@ -40,10 +42,6 @@ POLICIES = {
 NAMES = tuple(f"{r}:{p}" for r, ps in POLICIES.items() for p in ps)
 METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", re.M)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-class RouterError(RuntimeError):
-    """A peer router could not be installed, started or read; the message says why."""
 
 
 def default_venv() -> Path:

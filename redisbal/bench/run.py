@@ -58,7 +58,8 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.coordinator import Coordinator, CoordinatorConfig
+from redisbal.config import CoordinatorConfig
+from redisbal.coordinator import Coordinator
 from redisbal.engine import AsyncEngineReporter
 from redisbal.keys import DeploymentKeys
 from redisbal.policies import Policy

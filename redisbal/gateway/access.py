@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from redisbal.gateway.errors import json_error
 
@@ -62,7 +63,7 @@ def auth_middleware(keys: ApiKeys) -> Any:
     ``/health`` and ``/metrics`` stay open, and so do CORS preflights (``OPTIONS``)."""
 
     @web.middleware
-    async def check_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if (
             request.path.startswith("/v1")
             and request.method != "OPTIONS"
@@ -121,7 +122,7 @@ class Cors:
 
     def middleware(self) -> Any:
         @web.middleware
-        async def cors(request: web.Request, handler: Any) -> web.StreamResponse:
+        async def cors(request: web.Request, handler: Handler) -> web.StreamResponse:
             if (
                 request.method == "OPTIONS"
                 and "Origin" in request.headers

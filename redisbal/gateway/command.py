@@ -53,7 +53,8 @@ def run_loop(main: Coroutine[Any, Any, T], kind: str = "auto") -> T:
                     "or use --event-loop asyncio"
                 ) from None
         else:
-            return uvloop.run(main)
+            result: T = uvloop.run(main)
+            return result
     return asyncio.run(main)
 
 

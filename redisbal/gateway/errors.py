@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 # the paths the gateway serves, named in the 404's message
 SERVED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -34,7 +35,7 @@ def json_error(
 
 
 @web.middleware
-async def unserved_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+async def unserved_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's own 404 and 405 (a path or method the gateway does not serve) as error
     JSON like the gateway's other errors."""
     try:

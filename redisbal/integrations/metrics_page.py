@@ -22,16 +22,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from redisbal.errors import PageError as PageError
+
 try:
     from prometheus_client.parser import text_string_to_metric_families
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "reading /metrics needs prometheus-client: pip install 'redisbal[scrape]'"
     ) from exc
-
-
-class PageError(ValueError):
-    """A /metrics page that does not carry the counts a report needs (one line)."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from redisbal.cli_common import check_reachable, common_options, run_until_signal, settings
 from redisbal.connection import redact
 from redisbal.endpoints import InvalidURL, check_url
+from redisbal.errors import SidecarError as SidecarError
 from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page
 from redisbal.integrations.sender import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
@@ -51,10 +52,6 @@ log = logging.getLogger("redisbal.scrape")
 
 DEFAULT_TEMPLATE = "{host}-{port}-{engine}"
 FIELDS = ("host", "port", "engine", "index")
-
-
-class SidecarError(Exception):
-    """A configuration the sidecar cannot run with (one line, names the culprit)."""
 
 
 def check_template(template: str) -> str:
@@ -273,7 +270,8 @@ class Sidecar:
 # -- the command ------------------------------------------------------------------------------
 
 
-class Duration(click.ParamType):
+# not click.ParamType[...]: the floor in pyproject (click 8.1) may predate the generic
+class Duration(click.ParamType):  # type: ignore[type-arg]
     """50ms, 0.05s or 0.05 (seconds)."""
 
     name = "duration"

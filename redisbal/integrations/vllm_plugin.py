@@ -50,6 +50,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from redisbal.engine import InvalidReport, new_incarnation
+from redisbal.errors import PluginConfigError as PluginConfigError
 from redisbal.integrations.sender import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
 
@@ -65,10 +66,6 @@ except ImportError:  # older vLLM: one instance per engine; without vLLM: plain 
 
 FIELDS = ("engine", "hostname", "host", "port")
 MODES = ("tick", "lockstep")
-
-
-class PluginConfigError(ValueError):
-    """An environment setting the plugin cannot use (one line, names the variable)."""
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ from redisbal.sim.engine_sim import EngineSimRunner, SimStats, engine_ids, forma
 from redisbal.sim.model import EngineParams
 
 
-class HostName(click.ParamType):
+# not click.ParamType[...]: the floor in pyproject (click 8.1) may predate the generic
+class HostName(click.ParamType):  # type: ignore[type-arg]
     """A host name or an IP address, nothing else: the HTTP engines' URLs are built on it."""
 
     name = "host"

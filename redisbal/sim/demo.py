@@ -38,6 +38,7 @@ import click
 import orjson
 
 from redisbal.connection import make_client, redact
+from redisbal.errors import DemoError as DemoError
 from redisbal.keys import DeploymentKeys
 from redisbal.policies import DEFAULT_POLICY
 from redisbal.sim.api_sim import LoadSpec, latency_figures, schedule
@@ -48,10 +49,6 @@ from redisbal.snapshot import Snapshot
 from redisbal.table import render_table
 
 Echo = Callable[..., Any]
-
-
-class DemoError(RuntimeError):
-    """The demo could not run to the end (the message says which process and why)."""
 
 
 @dataclass

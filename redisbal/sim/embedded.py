@@ -23,9 +23,7 @@ from pathlib import Path
 
 import redis
 
-
-class RedisServerNotFound(RuntimeError):
-    """No redis-server binary available."""
+from redisbal.errors import RedisServerNotFound as RedisServerNotFound
 
 
 def find_redis_server(prefer: str | None = None) -> str:

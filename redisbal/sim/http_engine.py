@@ -51,6 +51,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from redisbal import endpoints
 from redisbal.background import cancel_and_wait
@@ -225,7 +226,7 @@ class HttpEngine:
         return app
 
     @web.middleware
-    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _check_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if (
             self.api_key is not None
             and request.path.startswith("/v1")

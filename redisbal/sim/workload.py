@@ -33,6 +33,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from redisbal.errors import TraceError as TraceError
 from redisbal.sim.prefix_cache import BLOCK_TOKENS
 
 PROMPT_MEAN, PROMPT_SIGMA, PROMPT_CAP = 161.0, 1.2, 16384
@@ -193,10 +194,6 @@ def sessions(
             )
             prev = len(out) - 1
             history = prompt + output
-
-
-class TraceError(ValueError):
-    """A bad trace line: the message names the line number and the field."""
 
 
 def parse_trace(lines: Iterable[str], clients: int, seed: int = 1) -> list[Request]:
