@@ -9,7 +9,11 @@
   host's slow minutes, people);
 - every relative link in README.md, CHANGELOG.md and docs/*.md points at a file
   that exists, and a ``#anchor`` into a markdown file at one of its headings;
-- the README's CI test command is one line (``.ci/run`` reads it from there).
+- the README's CI test command is one line (``.ci/run`` reads it from there);
+- docs/DESIGN.md is at most 700 lines, its tables that mirror code (operations,
+  includes, settings) and DEPLOY's (environment variables, metrics) equal what
+  ``scripts/doc_tables.py`` generates from the code, and the known limits live in
+  one place, docs/RELIABILITY.md.
 
 Code files (redisbal/, tests/, scripts/) that still break a rule are listed in
 ``CODE_ALLOWED`` until their lines are fixed; docs and README get no allowance.
@@ -17,9 +21,11 @@ Code files (redisbal/, tests/, scripts/) that still break a rule are listed in
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -269,3 +275,53 @@ def test_readme_ci_command_is_one_line() -> None:
     assert m is not None, "README.md lost its <!-- ci:test-command --> block"
     lines = [ln for ln in m.group(1).splitlines() if ln.strip()]
     assert len(lines) == 1 and "pytest" in lines[0], lines
+
+
+# -- docs/DESIGN.md and the generated tables ---------------------------------------------------
+
+
+def doc_tables() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "scripts" / "doc_tables.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_design_doc_is_at_most_700_lines() -> None:
+    n = len((ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8").splitlines())
+    assert n <= 700, f"docs/DESIGN.md has {n} lines (at most 700)"
+
+
+def test_generated_tables_equal_the_code() -> None:
+    """Every generated table is in a doc and equals what the code says now."""
+    stale = doc_tables().stale()
+    assert not stale, "\n".join(stale) + "\nrun: python scripts/doc_tables.py"
+
+
+def test_generated_tables_catch_drift() -> None:
+    """A table edited by hand (or code changed under it) is caught, and so is a
+    missing or unknown table."""
+    tables = doc_tables()
+    text = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    assert tables.render(text, "DESIGN.md") == text
+    edited = text.replace("| `report.lua` |", "| `report.lua` (edited) |", 1)
+    assert edited != text and tables.render(edited, "DESIGN.md") == text
+    ops = tables.operations()
+    for name in ("report_many.lua", "suspect.lua", "recovered.lua", "lease.lua"):
+        assert f"`{name}`" in ops, name  # every operation, not a hand-kept subset
+    assert "`marks.lua`" in tables.includes() and "`settings.lua`" in tables.includes()
+    with pytest.raises(SystemExit, match="unknown generated table"):
+        tables.render(tables.BEGIN.format("nope") + "\n" + tables.END.format("nope"), "x.md")
+
+
+def test_known_limits_live_in_reliability_only() -> None:
+    """One list of known limits (docs/RELIABILITY.md); DESIGN's section points there."""
+    design = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    section = design.split("## Known limits", 1)[1].split("\n## ", 1)[0]
+    assert "RELIABILITY.md#known-limits" in section
+    assert not re.search(r"^- ", section, re.M), "DESIGN.md lists limits of its own"
+    for doc in doc_files():
+        if doc.name != "RELIABILITY.md" and doc.exists():
+            body = doc.read_text(encoding="utf-8")
+            assert not re.search(r"^#+ Known limits\s*\n+- ", body, re.M), doc.name
