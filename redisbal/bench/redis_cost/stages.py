@@ -1,6 +1,5 @@
-"""Where a report's and a publish's Redis time goes, by stage (server time, Redis >= 7).
-
-    python scripts/lua_breakdown.py [--engines 1024] [--batch 32] [--calls 5] [--redis-server PATH]
+"""``lua``: where a report's and a publish's Redis time goes, by stage (server time,
+Redis >= 7).
 
 Starts a redis-server, registers N lockstep engines (compact snapshots, no admitted
 counts, one incarnation each, as the integrations send) and drives a few steps with
@@ -25,16 +24,20 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import sys
 from collections.abc import Callable
 
 import redis
 
+from redisbal.bench.redis_cost.common import (
+    add_server_option,
+    renamed_library,
+    start_server,
+    usec_per_call,
+)
 from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
 from redisbal.lua_source import library
 from redisbal.scripts import Scripts
-from redisbal.sim.embedded import RedisServer, find_redis_server
 
 # report_many's body, at the start of each stage after the one named
 REPORT_STAGES = {
@@ -63,32 +66,28 @@ PUBLISH_PART = """
 PUBLISH_PARTS = ("hgetall", "newest", "counts")
 
 
-def renamed(source: str, name: str, new: str) -> str:
-    """The library under another name, so that it loads beside the real one."""
-    return source.replace(f"name={name}", f"name={new}", 1).replace(f"'{name}_", f"'{new}_")
-
-
 def per_call_us(r: redis.Redis, run: Callable[[], object], calls: int) -> float:
     r.config_resetstat()
     for _ in range(calls):
         run()
-    return float(r.info("commandstats")["cmdstat_fcall"]["usec_per_call"])
+    return usec_per_call(r, "fcall")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engines", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--calls", type=int, default=5, help="timed rounds per stage")
-    ap.add_argument("--redis-server", default=None)
-    args = ap.parse_args(argv)
+    add_server_option(ap)
+
+
+def run(args: argparse.Namespace) -> int:
     if not 1 <= args.batch <= 1024 or args.engines < args.batch or args.calls < 1:
-        ap.error("need 1 <= --batch <= 1024, --engines >= --batch and --calls >= 1")
-    server = RedisServer(find_redis_server(args.redis_server)).start()
+        raise SystemExit("need 1 <= --batch <= 1024, --engines >= --batch and --calls >= 1")
+    server = start_server(args.redis_server)
     try:
         r = redis.Redis.from_url(server.url)
         if server.version < (7, 0):
-            ap.error("needs Redis >= 7 (functions)")
+            raise SystemExit("the lua mode needs Redis >= 7 (functions)")
         keys = DeploymentKeys("lb")
         r.hset(keys.config, mapping={"compact_from": 0, "dead_after_ms": 1_000_000_000})
         name, source = library()
@@ -114,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         body = source.index("local function op_report_many")
         for stage, mark in REPORT_STAGES.items():
             if mark not in source[body:]:
-                raise SystemExit(f"lua_breakdown: report_many no longer has {mark!r}: update it")
+                raise SystemExit(f"report_many no longer has {mark!r}: update REPORT_STAGES")
             stop = "if true then return 0 end\n" + mark
             cut = source[:body] + source[body:].replace(mark, stop, 1)
-            r.function_load(renamed(cut, name, "lbstage"), replace=True)
+            r.function_load(renamed_library(cut, name, "lbstage"), replace=True)
             us = per_call_us(r, lambda: step("lbstage_report_many", 3), args.calls)
             print(f"  to the end of {stage:16} {us / b:7.2f}", flush=True)
         steps = itertools.count(4)
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             "  return publish(d, published_score(d), now_ms())\n"
             "end)\n"
         )
-        r.function_load(renamed(source, name, "lbpub") + extra, replace=True)
+        r.function_load(renamed_library(source, name, "lbpub") + extra, replace=True)
         print(f"one publish of {n} engines (compact): ms, and us per engine")
         for part in (*PUBLISH_PARTS, "whole"):
             fn, arg = ("lb_publish", "") if part == "whole" else ("lb_publish_part", part)
@@ -141,7 +140,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.cleanup()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,5 @@
-"""Redis CPU per engine-step with reports sent as users send them: one per round trip, or batched.
-
-    python scripts/bench_batch.py [--engines 64,256] [--batches 8,32] [--steps 200]
-        [--repeats 3] [--redis-server PATH]
+"""``batch``: Redis CPU per engine-step with reports sent as users send them, one per
+round trip or batched.
 
 For each N it starts a fresh redis-server (TCP on 127.0.0.1, as a deployment reaches it),
 registers N lockstep engines in one deployment per mode and drives them step by step:
@@ -24,20 +22,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import sys
 import time
 
 import redis
 import redis.asyncio
 
+from redisbal.bench.redis_cost.common import (
+    ADMITTED,
+    add_server_option,
+    load_average,
+    server_binary,
+)
 from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import Scripts
-from redisbal.sim.embedded import RedisServer, find_redis_server
+from redisbal.sim.embedded import RedisServer
 
-ADMITTED = ",".join(["10"] * 8)  # 8 API servers, as scripts/callgrind_report.py
 WARMUP_STEPS = 5
 
 
@@ -113,7 +114,7 @@ async def bench(binary: str, n: int, batches: list[int], steps: int, repeats: in
                 us[k] = (cpu_s(r) - c0) * 1e6 / (steps * n)
             for k in ratios:
                 ratios[k].append(us[k] / us["a"])
-            load = os.getloadavg()[0]
+            load = load_average()
             cells = "  ".join(f"{k} {us[k]:5.1f} us ({walls[k]:.1f} s)" for k in modes)
             rs = "  ".join(f"{k}/a {us[k] / us['a']:.3f}" for k in ratios)
             print(f"  run {rep + 1}: {cells}  |  {rs}  |  load {load:.1f}")
@@ -124,20 +125,17 @@ async def bench(binary: str, n: int, batches: list[int], steps: int, repeats: in
             await m.close()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engines", default="64,256", help="comma-separated engine counts")
     ap.add_argument("--batches", default="8,32", help="comma-separated engines per call")
     ap.add_argument("--steps", type=int, default=200, help="measured steps per mode and run")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--redis-server", default=None, help="binary (default: the system's)")
-    args = ap.parse_args()
-    binary = args.redis_server or find_redis_server()
+    add_server_option(ap)
+
+
+def run(args: argparse.Namespace) -> int:
+    binary = server_binary(args.redis_server)
     batches = [int(b) for b in args.batches.split(",")]
     for n in (int(x) for x in args.engines.split(",")):
         asyncio.run(bench(binary, n, batches, args.steps, args.repeats))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

