@@ -188,7 +188,7 @@ class Snapshot:
         if "counts" in d:
             return cls._compact(d, raw, rosters)
         # tuple.__new__ builds the NamedTuple without its Python-level __new__ (about
-        # 8 of the 47 us this parse took for 32 engines; scripts/bench_core.py)
+        # 8 of the 47 us this parse took for 32 engines; scripts/redis_cost.py core)
         new, cls_ = tuple.__new__, EngineCounts
         engines: dict[str, EngineCounts] = {
             e: new(
