@@ -96,13 +96,15 @@ def _returns(header: str) -> str:
     if m is None:
         return ""
     text = " ".join(m.group(1).split())
-    if text.startswith("{"):
-        depth = 0
-        for i, ch in enumerate(text):
-            depth += {"{": 1, "}": -1}.get(ch, 0)
-            if depth == 0:
-                return text[: i + 1]
-    return _first_sentence(text)
+    start = text.find("{")
+    if start < 0:
+        return _first_sentence(text)
+    depth = 0  # the reply's shape: up to the brace that closes the first one
+    for i, ch in enumerate(text[start:], start):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth == 0:
+            return text[: i + 1]
+    return text
 
 
 def operations() -> str:

@@ -16,10 +16,10 @@
   ARGV[9]  kv_usage in [0, 1], or "" when unknown
   ARGV[10] admitted: comma-separated cumulative counts of requests received
            per API-server index, or "" when not reported
-  ARGV[11] optional: the reporting process's incarnation, "-" when not named
+  ARGV[11] optional: incarnation of the reporting process; "-" when not named
            (the default; includes/incarnation.lua)
-  ARGV[12] optional: "1" (the default) when the engine's loop made this report,
-           "0" for a heartbeat re-sending unchanged counts: progress, not pulse
+  ARGV[12] optional: progress: "1" (the default) when the engine's loop made this
+           report, "0" for a heartbeat re-sending unchanged counts (progress, not pulse)
 
   Returns {status, version, wave, step[, incarnation]}:
     status   "accepted"; "stale": older than this engine's latest report
