@@ -181,7 +181,12 @@ def environment() -> str:
                 where, _, _ = seen.setdefault(var, ([], flag, getattr(p, "help", "") or ""))
                 where.append("every command" if name == "redisbal" else f"`{name}`")
     rows = [
-        (f"`{var}`", ", ".join(where), f"`{flag}`", _first_sentence(help_))
+        (
+            f"`{var}`",
+            "every command" if "every command" in where else ", ".join(where),
+            f"`{flag}`",
+            _first_sentence(help_),
+        )
         for var, (where, flag, help_) in sorted(seen.items())
     ]
     return _rows(("variable", "read by", "same as", "meaning"), rows)
