@@ -21,10 +21,12 @@ import logging
 import math
 import random
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import redis.exceptions
-from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+if TYPE_CHECKING:
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from redisbal.background import BackgroundLoop, cancel_and_wait
 from redisbal.client_lease import ClientLease
@@ -431,15 +433,16 @@ class AsyncRouter(_LocalRouting):
         misses nothing published in between.
         """
         client = self._redis
-        if isinstance(client, AsyncRedisCluster):
+        if is_cluster(client):
+            cluster = cast("AsyncRedisCluster", client)
             if self._subscribed_before:
                 # after a lost subscription the slot map may name a dead primary: ask the
                 # cluster again (the client only does it by itself for commands, so a
                 # feed that never gets past its subscribe would keep its stale map)
-                await client.nodes_manager.initialize()
-            await client.initialize()
+                await cluster.nodes_manager.initialize()
+            await cluster.initialize()
             self._subscribed_before = True
-            sharded = client.pubsub()
+            sharded = cluster.pubsub()
             try:
                 await sharded.ssubscribe(self.keys.channel)
                 await self._confirmed(sharded, True)
