@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import inspect
 import logging
 import os
 import sys
@@ -58,6 +59,37 @@ def _policy(name: str, kv_blocks: int | None) -> Policy:
     return make_peer(name, kv_blocks=kv_blocks)
 
 
+# what this script sets itself of the gateway's options; the rest take the gateway
+# command's own defaults (serve_kwargs), so that a new option cannot break this script
+SET_HERE = frozenset(
+    [
+        "engines",
+        "models",
+        "client_index",
+        "client_count",
+        "lease_ttl_s",
+        "policy",
+        "timeout_s",
+        "connect_timeout_s",
+        "max_body_bytes",
+        "drain_s",
+        "refresh_s",
+        "wait_s",
+        "host",
+        "port",
+    ]
+)
+
+
+def serve_kwargs(**given: Any) -> dict[str, Any]:
+    """``command._serve``'s keywords: ``given`` over the gateway command's defaults."""
+    defaults = {p.name: p.default for p in command.gateway.params if p.name}
+    params = inspect.signature(command._serve).parameters.values()
+    keywords = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in SET_HERE]
+    kw = {k: defaults[k] for k in keywords if k in defaults}
+    return {**kw, **given}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", required=True, choices=sorted(PEER_POLICIES) + sorted(VARIANTS))
@@ -77,19 +109,22 @@ def main() -> None:
         command._serve(
             url,
             os.environ.get("REDISBAL_DEPLOYMENT", "default"),
-            host=a.host,
-            port=a.port,
-            engines={},
-            client_index="auto",
-            client_count=1,
-            lease_ttl_s=a.lease_ttl_s,
-            policy=_policy(a.policy, a.kv_blocks),  # type: ignore[arg-type]
-            timeout_s=600.0,
-            connect_timeout_s=2.0,
-            max_body_bytes=4 << 20,
-            drain_s=5.0,  # below the demo's 10 s before SIGKILL
-            refresh_s=a.refresh_s,
-            wait_s=5.0,
+            **serve_kwargs(
+                host=a.host,
+                port=a.port,
+                engines={},
+                models={},
+                client_index="auto",
+                client_count=1,
+                lease_ttl_s=a.lease_ttl_s,
+                policy=_policy(a.policy, a.kv_blocks),
+                timeout_s=600.0,
+                connect_timeout_s=2.0,
+                max_body_bytes=4 << 20,
+                drain_s=5.0,  # below the demo's 10 s before SIGKILL
+                refresh_s=a.refresh_s,
+                wait_s=5.0,
+            ),
         )
     )
     sys.exit(0 if ok else 1)

@@ -296,3 +296,27 @@ def test_make_peer_rejects_unknown_names_and_bad_sizes() -> None:
         make_peer("llmd", kv_blocks=0)
     assert make_peer("llmd", kv_blocks=500).lru_capacity == 500  # type: ignore[attr-defined]
     assert make_peer("p2c", kv_blocks=500).name == "p2c"  # not sized by the KV cache
+
+
+def test_peer_gateway_gives_the_gateway_every_keyword_it_requires() -> None:
+    """scripts/peer_gateway.py serves the variants and emulations through the gateway's
+    own _serve: a keyword the gateway gained must come from its defaults, not a
+    TypeError at the benchmark's start."""
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    from redisbal.gateway import command
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "peer_gateway.py"
+    spec = importlib.util.spec_from_file_location("peer_gateway", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    given = dict.fromkeys(script.SET_HERE, None)
+    kw = script.serve_kwargs(**given)
+    params = inspect.signature(command._serve).parameters.values()
+    required = {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    assert required <= set(kw)
+    assert kw["max_attempts"] == 3 and kw["host"] is None  # a default, and given over it
+    inspect.signature(command._serve).bind("redis://x", "d", **kw)
