@@ -71,7 +71,10 @@ def apply_lease(core: RouterCore, index: int, count: int) -> None:
     """Move a RouterCore to (index, count) under its lock.
 
     The traffic-share estimate starts over at 1/count when the index changes (the
-    admitted counts it reads are per index), and so does exact reconciliation: the
+    admitted counts it reads are per index) or the count does (an estimate made while
+    this router was alone says 1.0, and would take thousands of admissions to fall to
+    1/2 once another joins: meanwhile its own routes would stand for nobody else's),
+    and so does exact reconciliation when the index changes: the
     new index's admitted counts hold none of this router's routes so far, so those
     are written off as admitted (as after an engine restart) and only the routes
     made from now on are compared with what the engines admit under the new index.
@@ -79,6 +82,7 @@ def apply_lease(core: RouterCore, index: int, count: int) -> None:
     with core.lock:
         count = max(count, index + 1)
         changed = index != core.client_index
+        recount = count != core.client_count
         core.client_index, core.client_count = index, count
         if changed:
             snap = core.snapshot
@@ -86,7 +90,7 @@ def apply_lease(core: RouterCore, index: int, count: int) -> None:
                 c = snap.engines.get(e.engine_id) if snap is not None else None
                 adm = c.admitted if c is not None else None
                 e.routed_before = e.routed - (adm[index] if adm and index < len(adm) else 0)
-        if changed or core._adm_totals is None:
+        if changed or recount or core._adm_totals is None:
             core._adm_totals = None
             core.share = 1.0 / count
             core.pending_weight = float(count)
