@@ -52,10 +52,15 @@ from redisbal.snapshot import MAX_ADMITTED, Roster, Snapshot
 class RouterCore:
     """One API server's routing state. Thread-safe; no I/O."""
 
-    # engine speed estimate (see _update_speeds): decay half-life, the least
-    # running-request-seconds to trust, and the dead band around the median
-    speed_halflife_s = 3.0
+    # engine speed estimate (see _rates): decay half-life, the least running-request-
+    # seconds and completions to trust, and the dead band around the median. The decayed
+    # completions settle at rate x half-life / ln 2, so the least must stay below that
+    # at the rates seen: 20 at 3 s left every engine finishing under 4.6 requests a
+    # second (8 slots of 1-2 s requests) without an estimate, and the speed and age
+    # terms silently off.
+    speed_halflife_s = 5.0
     speed_min_exposure = 10.0
+    speed_min_done = 10.0
     speed_band = (0.8, 1.25)
 
     def __init__(
@@ -391,13 +396,20 @@ class RouterCore:
         if t_ms >= e.t_prev:
             e.t_prev, e.done_prev, e.run_prev = t_ms, done, running
 
+    def _rates(self) -> dict[str, float]:
+        """Each engine's completion rate per running request, where it has enough
+        observations (decayed running-request-seconds and completions)."""
+        lo_exp, lo_done = self.speed_min_exposure, self.speed_min_done
+        return {
+            e.engine_id: e.done_acc / e.exposure_acc
+            for e in self.known
+            if e.exposure_acc >= lo_exp and e.done_acc >= lo_done
+        }
+
     def _update_speeds(self) -> None:
         """speed = completion rate per running request / the median engine's, clamped to
         [0.25, 4]; 1.0 inside the dead band or without enough observations."""
-        rates = {}
-        for e in self.known:
-            if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
-                rates[e.engine_id] = e.done_acc / e.exposure_acc
+        rates = self._rates()
         if len(rates) < 3:
             for e in self.known:
                 e.speed = 1.0
@@ -413,10 +425,7 @@ class RouterCore:
         """Expected completions on each engine since its report (use_age): running x
         its completion rate per running request (decayed, as for the speed estimate;
         the median engine's until known) x the report's age at the snapshot."""
-        rates = {}
-        for e in self.known:
-            if e.exposure_acc >= self.speed_min_exposure and e.done_acc >= 20:
-                rates[e.engine_id] = e.done_acc / e.exposure_acc
+        rates = self._rates()
         mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
         for e in self.known:  # (0 for an engine the snapshot holds no report of)
             held = e.engine_id in snap.engines

@@ -360,6 +360,36 @@ def test_speed_aware_option_learns_a_slow_engine_from_completions() -> None:
         assert "d" not in got  # 64 + 10 / 0.5 = 84 > 64 + 10 + routed so far
 
 
+def test_engines_completing_a_few_requests_a_second_get_a_speed_and_an_age() -> None:
+    """8 slots of 1.6 s requests finish 5 a second (2.5 on the half-speed engine): the
+    decayed completions settle at rate x half-life / ln 2, which must clear the least
+    trusted, or the speed terms and the default's age correction never turn on."""
+    from redisbal.policies import RedisbalPolicy
+    from redisbal.snapshot import EngineCounts
+
+    def snap(k: int) -> Snapshot:  # one every 100 ms, each report 50 ms old
+        counts = {}
+        for e in ("a", "b", "c", "d"):
+            done = k // (4 if e == "d" else 2)  # d finishes one every 400 ms, others 200
+            counts[e] = EngineCounts(0, 8, None, 0, k, 950 + 100 * k, (done + 8,))
+        return Snapshot("d", "ep", k, 0, k, False, {}, {}, (), 1000 + 100 * k, counts)
+
+    class SpeedAware(RedisbalPolicy):
+        use_speed = True
+
+    for policy in (SpeedAware(), RedisbalPolicy()):
+        core = RouterCore(0, 1, policy, rng=random.Random(1))
+        core.connected = True
+        for k in range(1, 201):  # 20 s
+            core.apply_snapshot(snap(k))
+        d, a = core.by_id["d"], core.by_id["a"]
+        # age: 8 running x 5 / 8 completions per running-second x 0.05 s
+        assert a.aged == pytest.approx(8 * 5 / 8 * 0.05, rel=0.1)
+        assert d.aged == pytest.approx(a.aged / 2, rel=0.1)
+        if policy.use_speed:
+            assert d.speed == pytest.approx(0.5, rel=0.1) and a.speed == 1.0
+
+
 def test_sed_option_weighs_the_whole_queue_and_the_request_by_speed() -> None:
     """RedisbalPolicy.use_sed (off by default): score = (running + queued + 1) / speed,
     so a half-speed engine is chosen only once its count is under half the others';
