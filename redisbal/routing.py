@@ -95,6 +95,8 @@ class RouterCore:
         self.client_index = client_index
         self.client_count = client_count
         self.policy = make_policy(policy)
+        # whether a route counts by its size (the policy's use_cost; RedisbalPolicy)
+        self._sized: bool = getattr(self.policy, "use_cost", True)
         self.stale_after_s = stale_after_s
         self.transit_s = transit_s
         self.clock = clock
@@ -490,7 +492,7 @@ class RouterCore:
                 eng.routed += 1
                 eng.inflight += 1
                 eng.pending += 1
-                cost = 1.0 if info is None else self._cost(info)
+                cost = 1.0 if info is None or not self._sized else self._cost(info)
                 eng.costs.append(cost)
                 eng.pending_cost += cost
                 if not eng.exact:

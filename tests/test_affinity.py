@@ -171,3 +171,19 @@ def test_bad_request_info_is_a_clear_error_and_routes_nothing(
     with pytest.raises(ValueError, match=message):
         core.route(**kwargs)  # type: ignore[arg-type]
     assert core.known[0].routed == 0 and core.request is None
+
+
+def test_with_use_cost_off_every_route_counts_one() -> None:
+    """RedisbalPolicy.use_cost=False: a route holds one slot whatever its prompt, so
+    pending counts routes, not sizes (the option the real-time straggler measured)."""
+    from redisbal.policies import RedisbalPolicy
+
+    policy = RedisbalPolicy()
+    policy.use_cost = False
+    (core,) = cores(1, {"a": (0, 0), "b": (0, 0)}, policy=policy)
+    for _ in range(50):
+        core.unroute(core.route(prompt_tokens=1000, output_tokens=100))
+    core.route(engine_id="a", prompt_tokens=20000, output_tokens=2000)
+    core.route(engine_id="b", prompt_tokens=100, output_tokens=10)
+    views = {e.engine_id: e for e in core.known}
+    assert views["a"].pending_cost == views["b"].pending_cost == 1.0
