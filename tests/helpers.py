@@ -12,8 +12,10 @@ import contextlib
 import hashlib
 import inspect
 import re
+import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -130,6 +132,40 @@ class Blocking:
                 self.obj.close(*args, **kwargs)
         finally:
             self.loop.close()
+
+
+SOCKET_IO = ("connect", "connect_ex", "send", "sendall", "sendto", "sendmsg", "recv", "recv_into")
+
+
+@contextlib.contextmanager
+def io_of_this_thread() -> Iterator[Counter[str]]:
+    """Counts the socket calls the calling thread makes inside the block; other threads'
+    calls (a router's feed, a sender's thread) are not counted. An empty count proves
+    that the block never waited on the network, however slow the machine: the way to
+    test "never waits on Redis" without timing it."""
+    me = threading.get_ident()
+    calls: Counter[str] = Counter()
+    originals = {name: getattr(socket.socket, name) for name in SOCKET_IO}
+    own = {name for name in SOCKET_IO if name in vars(socket.socket)}  # else inherited
+
+    def counted(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(self: socket.socket, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == me:
+                calls[name] += 1
+            return original(self, *args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(socket.socket, name, counted(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            if name in own:
+                setattr(socket.socket, name, original)
+            else:
+                delattr(socket.socket, name)
 
 
 def glob_escape(text: str) -> str:

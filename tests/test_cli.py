@@ -311,7 +311,7 @@ def test_coordinator_duration_run_configures_and_releases(
         "coord-test",
     )
     assert res.exit_code == 0, res.output
-    assert 0.5 <= time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 >= 0.5  # ran its --duration (a hang: pytest's timeout)
     assert "coordinator coord-test stopped" in res.output
     config = {k.decode(): v.decode() for k, v in r.hgetall(keys.config).items()}
     assert config["stall_ms"] == "50" and config["expected"] == "a,b"

@@ -109,8 +109,8 @@ def test_run_with_a_duration_returns(
 ) -> None:
     c = coordinator(made, redis_url, keys.deployment, "c1")
     started = time.monotonic()
-    c.run(duration_s=0.3)
-    assert 0.25 <= time.monotonic() - started < 3 and c.stats.ticks >= 2
+    c.run(duration_s=0.3)  # returns (pytest's timeout guards a hang), not before 0.3 s
+    assert time.monotonic() - started >= 0.25 and c.stats.ticks >= 2
 
 
 # -- config ownership ----------------------------------------------------------------------------

@@ -65,8 +65,10 @@ ONE_RUN = ["--log-level", "warning", "--compare", "none"]
 
 
 def test_demo_three_times_against_one_redis(fresh_server: RedisServer) -> None:
-    """Each run publishes about as many snapshots as the first, with no late reports
-    (the demo's counters are the epoch's: each run's share is the difference)."""
+    """Each run completes its barrier as the first did: no late reports, and most of
+    its snapshots unforced (a run stuck behind the previous run's state would only get
+    the stall guard's forced ones). The demo's counters are the epoch's: each run's
+    share is the difference."""
     totals = []
     for _ in range(3):
         out = subprocess.run(
@@ -86,10 +88,8 @@ def test_demo_three_times_against_one_redis(fresh_server: RedisServer) -> None:
         published=[r[0] for r in runs],
         late=[r[2] for r in runs],
     )
-    first = runs[0][0]
     for published, forced, late in runs:
-        assert late == 0 and forced <= 2
-        assert 0.6 * first <= published <= 1.5 * first, runs
+        assert late == 0 and published > forced, runs
 
 
 def ready_at(proc: Any) -> float:
@@ -118,7 +118,7 @@ def _first_unforced_with(obs: SnapshotObserver, since: float, incs: dict[str, st
 
 
 @pytest.mark.parametrize("tick", [False, True], ids=["lockstep", "tick"])
-def test_restarting_one_engine_returns_to_unforced_snapshots_within_a_second(
+def test_restarting_one_engine_returns_to_unforced_snapshots_without_an_expiry(
     fresh_server: RedisServer, tick: bool
 ) -> None:
     url, deployment = fresh_server.url, "restart1"
@@ -126,7 +126,7 @@ def test_restarting_one_engine_returns_to_unforced_snapshots_within_a_second(
     obs = SnapshotObserver(url, DeploymentKeys(deployment).channel).start()
     try:
         t0 = time.time()
-        g.coordinator("c1", dead_after_ms=5000).wait_ready()
+        g.coordinator("c1", dead_after_ms=30_000).wait_ready()
         engines = {e: g.engine(e, t0, tick=tick) for e in ("e0", "e1", "e2")}
         for p in engines.values():
             p.wait_ready()
@@ -142,10 +142,10 @@ def test_restarting_one_engine_returns_to_unforced_snapshots_within_a_second(
             mode="tick" if tick else "lockstep",
             unforced_after_s=t - ready,
         )
-        assert t - ready <= 1.0
-        r = redis.Redis.from_url(url)
-        assert int(r.hget(DeploymentKeys(deployment).meta, "stale") or 0) == 0
-        assert int(r.hget(DeploymentKeys(deployment).meta, "conflicts") or 0) == 0
+        # the new incarnation replaced the old at once: none waited out dead_after (30 s)
+        meta = redis.Redis.from_url(url).hgetall(DeploymentKeys(deployment).meta)
+        assert int(meta.get(b"restarted", 0)) >= 1 and int(meta.get(b"expired", 0)) == 0, meta
+        assert int(meta.get(b"stale", 0)) == 0 and int(meta.get(b"conflicts", 0)) == 0, meta
     finally:
         obs.stop()
         g.close()
@@ -158,7 +158,7 @@ def test_restarting_the_whole_lockstep_group_starts_a_new_step_sequence(
     g = ProcGroup(url, deployment)
     obs = SnapshotObserver(url, DeploymentKeys(deployment).channel).start()
     try:
-        procs = start_deployment(g, coordinators=("c1",), dead_after_ms=5000)
+        procs = start_deployment(g, coordinators=("c1",), dead_after_ms=30_000)
         wait_until(lambda: len(obs.received) > 40, 15, "snapshots flowing")
         for e in ("e0", "e1", "e2"):
             procs[e].kill()  # type: ignore[attr-defined]
@@ -171,7 +171,9 @@ def test_restarting_the_whole_lockstep_group_starts_a_new_step_sequence(
         incs = {e: p.lines[0]["incarnation"] for e, p in new.items()}
         t = _first_unforced_with(obs, first, incs)
         record("lockstep group restarted together", unforced_after_s=t - first)
-        assert t - first <= 1.0
+        # the new incarnations replaced the old at once: none waited out dead_after (30 s)
+        meta = redis.Redis.from_url(url).hgetall(DeploymentKeys(deployment).meta)
+        assert int(meta.get(b"restarted", 0)) >= 3 and int(meta.get(b"expired", 0)) == 0, meta
         # and the group goes on publishing unforced snapshots of aligned steps
         time.sleep(1.0)
         later = [s for ts, s in list(obs.received) if ts > t + 0.5]
@@ -213,7 +215,9 @@ def test_a_hung_engine_is_excluded_by_every_router_and_comes_back(
             stall_after_ms=stall_after_ms,
             excluded_after_s=excluded_at - hung_at,
         )
-        assert excluded_at - hung_at <= stall_after_ms / 1000 + 1.0
+        # excluded as stalled, its process alive: never expired (dead_after is 5 s)
+        meta = redis.Redis.from_url(url).hgetall(DeploymentKeys(deployment).meta)
+        assert int(meta.get(b"expired", 0)) == 0, meta
         # it steps again: back in every router
         procs["e1"].signal(signal.SIGUSR1)  # type: ignore[attr-defined]
         wait_until(

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import redis
-from helpers import await_until, wait_until
+from helpers import await_until, io_of_this_thread, wait_until
 
 import redisbal
 from redisbal.errors import RedisbalError
@@ -121,9 +121,9 @@ async def test_routing_goes_on_with_redis_stopped(
         assert not router.route().degraded
         fresh_server.kill()
         await await_until(lambda: router.degraded, timeout=10)
-        t0 = time.perf_counter()
-        decisions = [router.route() for _ in range(300)]
-        assert time.perf_counter() - t0 < 1.0, "route() waited on the dead server"
+        with io_of_this_thread() as io:
+            decisions = [router.route() for _ in range(300)]
+        assert not io, f"route() touched the network with Redis down: {io}"
         assert all(d.degraded for d in decisions)
         assert {d.engine_id for d in decisions} == {"0", "1", "2"}
         for d in decisions:

@@ -135,7 +135,7 @@ def test_tick_mode_tags_with_the_server_tick_and_idle_engines_keep_the_barrier_m
 
         snap = bar.snapshot()
         assert snap is not None and snap.version > first.version
-        assert abs(score(snap.wave, snap.step) - server_ms(r) // 50) <= 40, "tick off the clock"
+        assert score(snap.wave, snap.step) <= server_ms(r) // 50, "a tick ahead of the clock"
     finally:
         for rep in reps:
             rep.close()
@@ -228,12 +228,10 @@ def test_reporter_returns_unavailable_when_redis_is_down(
         assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
         old_epoch = fresh_server.client().get(DeploymentKeys("dep").epoch)
         fresh_server.kill()
-        started = time.monotonic()
         assert rep.report(step=2, waiting=1, running=1, wait=True).status == "unavailable"
         assert rep.report(step=3, waiting=1, running=1, wait=True).status == "unavailable"
         assert rep.report(step=4, waiting=4, running=1).status == "queued"  # never waits
         assert rep.register(wait=True) is False
-        assert time.monotonic() - started < 3
         assert rep.unavailable_count >= 2
         assert rep.flush(0.3) is False  # nothing can be delivered yet
         fresh_server.start()
@@ -258,7 +256,7 @@ def test_engine_sim_reports_a_step_before_running_it(
     from redisbal.sim.model import EngineParams
     from redisbal.sim.transport import NO_BURST, RequestMsg, SimKeys
 
-    params = EngineParams(base_step_s=5.0)  # one long step (stop() ends it): look inside it
+    params = EngineParams(base_step_s=60.0)  # one long step (stop() ends it): look inside it
     runner = EngineSimRunner(
         redis_url, keys.deployment, ["e0"], params=params, report_before_step=before
     )
@@ -272,23 +270,23 @@ def test_engine_sim_reports_a_step_before_running_it(
         return int(score_s), orjson.loads(body)
 
     async def scenario() -> tuple[int, dict[str, Any]] | None:
-        task = asyncio.create_task(runner.run(duration_s=30.0))
+        task = asyncio.create_task(runner.run(duration_s=120.0))
         await asyncio.to_thread(wait_until, lambda: r.hexists(keys.reports, "e0"), 10)
         msg = RequestMsg(client_index=0, rid=1, burst=NO_BURST, output_len=50)
         queue = SimKeys(keys.deployment).requests("e0")
         t0 = time.monotonic()
         r.rpush(queue, msg.encode())
-        # the engine pulls it and starts its 5 s step (ending >= t0 + 5): look inside it
+        # the engine pulls it and starts its 60 s step (ending >= t0 + 60): look inside it
         await asyncio.to_thread(wait_until, lambda: r.llen(queue) == 0, 10, "the pull")
         if before:
             await asyncio.to_thread(
                 wait_until, lambda: (x := newest_step_line()) and x[0] > 0, 10, "a step report"
             )
         seen = newest_step_line()
-        inside = time.monotonic() - t0 < 4.9
+        inside = time.monotonic() - t0 < 59.9  # a hang guard: the step is far from over
         runner.stop()
         await task
-        assert inside, "the machine stalled for seconds: the step may have ended before the check"
+        assert inside, "the machine stalled for a minute: the step may have ended"
         return seen
 
     seen = asyncio.run(scenario())

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import socket
-import time
 from collections import Counter
 from typing import Any
 
@@ -12,7 +11,7 @@ import orjson
 import pytest
 import redis
 import redis.asyncio
-from helpers import Barrier, await_until, wait_until
+from helpers import Barrier, await_until, io_of_this_thread, wait_until
 
 from redisbal import AsyncRouter, Router, UnknownEngine
 from redisbal.keys import DeploymentKeys
@@ -197,13 +196,10 @@ async def test_route_does_no_io(
             m.setattr(socket.socket, meth, trap(f"socket.{meth}"))
         m.setattr(redis.Redis, "execute_command", trap("Redis.execute_command"))
         m.setattr(redis.asyncio.Redis, "execute_command", trap("asyncio.Redis.execute_command"))
-        started = time.perf_counter()
         decisions = [router.route() for _ in range(2000)]
         for d in decisions:
             router.finished(d)
-        elapsed = time.perf_counter() - started
-    assert not calls
-    assert elapsed < 2.0  # microseconds each; generous for a loaded machine
+    assert not calls  # what it costs is scripts/bench_core.py's to measure
     assert Counter(d.engine_id for d in decisions).keys() == {"e0", "e1"}
     await router.aclose()  # feed stopped, client closed: local state only
     assert router.route().engine_id in ("e0", "e1")
@@ -228,9 +224,9 @@ def test_blocking_router_keeps_routing_degraded_with_redis_stopped_and_resyncs(
         epoch = router.snapshot.epoch
         fresh_server.kill()
         wait_until(lambda: router.degraded, timeout=5)
-        started = time.perf_counter()
-        decisions = [router.route() for _ in range(1000)]
-        assert time.perf_counter() - started < 1.0
+        with io_of_this_thread() as io:  # the router's poll thread keeps trying
+            decisions = [router.route() for _ in range(1000)]
+        assert not io, f"route() touched the network with Redis down: {io}"
         assert all(d.degraded for d in decisions)
         got = Counter(d.engine_id for d in decisions)
         assert abs(got["e0"] - got["e1"]) <= 2 and got.total() == 1000  # kept balancing
@@ -257,10 +253,8 @@ def test_router_starts_and_routes_balanced_with_redis_unreachable(
 ) -> None:
     fresh_server.kill()
     router = Router(fresh_server.url, "dep", engines=["a", "b", "c"])
-    started = time.monotonic()
-    router.start()
+    router.start()  # returns (pytest's timeout guards a hang) though Redis is gone
     try:
-        assert time.monotonic() - started < 5
         assert router.degraded and router.snapshot is None
         got = Counter(router.route().engine_id for _ in range(30))
         assert got == {"a": 10, "b": 10, "c": 10}

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import redis
-from helpers import Barrier, coordinator
+from helpers import Barrier, coordinator, io_of_this_thread
 
 from redisbal.integrations import vllm_plugin
 from redisbal.integrations.sender import CountsRelay
@@ -165,16 +165,15 @@ def test_each_step_reaches_the_snapshot_for_every_engine(
 
 
 def test_record_never_waits_on_redis(caplog: pytest.LogCaptureFixture) -> None:
-    """Redis is a closed port: record() still costs microseconds, a warning says why."""
+    """Redis is a closed port: record() never touches the network on vLLM's thread (its
+    sender does, on its own), and a warning says why nothing arrives."""
     with caplog.at_level(logging.WARNING):
         p = RedisbalStatLogger(None, [0], env=env("redis://127.0.0.1:9/0", "d"))
-        t0 = time.perf_counter()
-        for i in range(2000):
-            p.record(SchedulerStats(num_running_reqs=i % 50), None, engine_idx=0)
-        took = time.perf_counter() - t0
-        time.sleep(0.5)
-    assert took < 0.2, f"2000 record() calls took {took:.3f}s"
-    assert any("unavailable" in rec.getMessage() for rec in caplog.records)
+        with io_of_this_thread() as io:
+            for i in range(2000):
+                p.record(SchedulerStats(num_running_reqs=i % 50), None, engine_idx=0)
+        assert not io, f"record() touched the network: {io}"
+        until(lambda: any("unavailable" in rec.getMessage() for rec in caplog.records))
 
 
 def test_idle_engine_stays_hung_engine_stalls_and_comes_back(
@@ -250,10 +249,10 @@ def test_redis_restart_costs_a_warning_and_reporting_resumes(
     epoch = r.get(keys.epoch)
     with caplog.at_level(logging.WARNING, "redisbal"):
         fresh_server.kill()
-        t0 = time.perf_counter()
-        for i in range(500):  # vLLM keeps stepping through the outage
-            p.record(SchedulerStats(num_running_reqs=i % 7), None, engine_idx=i % 2)
-        assert time.perf_counter() - t0 < 0.2
+        with io_of_this_thread() as io:
+            for i in range(500):  # vLLM keeps stepping through the outage
+                p.record(SchedulerStats(num_running_reqs=i % 7), None, engine_idx=i % 2)
+        assert not io, f"record() touched the network: {io}"
         time.sleep(0.5)
         fresh_server.restart()
         r = fresh_server.client()
