@@ -21,6 +21,8 @@ from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
 from redisbal.snapshot import Snapshot
 
+pytestmark = pytest.mark.servers
+
 
 @pytest.fixture
 def bar(r: redis.Redis, keys: DeploymentKeys) -> Barrier:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import pytest
 import redis
 from helpers import Barrier, text
 from hypothesis import HealthCheck, event, settings
@@ -33,6 +34,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
+
+pytestmark = pytest.mark.servers
 
 Tag = tuple[int, int]  # (wave, step)
 BEFORE: Tag = (-1, 0)  # before every real tag: "nothing published" / "registered, no report"

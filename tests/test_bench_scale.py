@@ -12,6 +12,8 @@ import pytest
 
 from redisbal.sim.embedded import RedisServer
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "scripts" / "bench_scale.py")
 

@@ -14,6 +14,8 @@ from redisbal.keys import DeploymentKeys
 from redisbal.router import AsyncRouter
 from redisbal.routing import RouterCore
 
+pytestmark = pytest.mark.servers
+
 
 async def test_lowest_free_index_count_follows_live_leases(redis_url: str, deployment: str) -> None:
     keys = DeploymentKeys(deployment)

@@ -38,22 +38,24 @@ from redisbal.connection import BadRedisURL, is_cluster, make_client, parse_url
 from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
 
+pytestmark = [pytest.mark.servers, pytest.mark.slow]
+
 BINARIES = binaries()
 ROOT = Path(__file__).resolve().parent.parent
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 
 
-@pytest.fixture(scope="module", params=sorted(BINARIES))
-def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterTopology]:
-    with ClusterTopology(BINARIES[request.param]) as topo:
+@pytest.fixture(scope="module")
+def cluster(server_name: str) -> Iterator[ClusterTopology]:
+    with ClusterTopology(BINARIES[server_name]) as topo:
         yield topo
 
 
-@pytest.fixture(params=sorted(BINARIES))
-def own_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterTopology]:
+@pytest.fixture
+def own_cluster(server_name: str) -> Iterator[ClusterTopology]:
     """A cluster for one test that kills a node. Its node timeout outlasts the test, so
     the cluster never marks that node failed: only the clients can notice."""
-    with ClusterTopology(BINARIES[request.param], node_timeout_ms=120_000) as topo:
+    with ClusterTopology(BINARIES[server_name], node_timeout_ms=120_000) as topo:
         yield topo
 
 

@@ -21,6 +21,8 @@ from helpers import Barrier, wait_until
 from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
 
+pytestmark = pytest.mark.servers
+
 INC = {e: new_incarnation(1_700_000_000_000 + i) for i, e in enumerate(("e0", "e1", "e2", "e3"))}
 FULL = 1_000_000  # compact_from above any deployment here: the full format
 

@@ -127,6 +127,7 @@ def test_service_command_is_a_real_cli_invocation(
     assert sub_ctx.params is not None
 
 
+@pytest.mark.slow
 def test_every_service_command_has_working_help_listing_its_options() -> None:
     """`redisbal <cmd> --help` succeeds (the installed entry point) and lists every
     option the compose file passes to it."""
@@ -186,6 +187,7 @@ def test_tests_service_runs_the_suite_and_the_dockerfile_can_build_it() -> None:
     assert ".git" in ignored
 
 
+@pytest.mark.slow
 def test_conftest_honours_redisbal_redis_url() -> None:
     """What the compose `tests` service relies on: with REDISBAL_REDIS_URL set the
     integration tests run against that server (test ids say [external]) and pass."""
@@ -222,6 +224,7 @@ def _local(argv: list[str], ports: dict[str, str]) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> None:
     """The compose file's HTTP path (coordinator, 4 HTTP engines, 2 gateways), each
     service's own command and environment run as a process against a local Redis;

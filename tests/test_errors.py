@@ -183,21 +183,21 @@ def test_cli_outage_is_still_exit_1() -> None:
 # -- real servers, misused -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=sorted(BINARIES))
-def single(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+@pytest.fixture(scope="module")
+def single(server_name: str) -> Iterator[RedisServer]:
     """A plain TCP server (cluster support off), on each binary."""
-    server = RedisServer(BINARIES[request.param], tcp=True).start()
+    server = RedisServer(BINARIES[server_name], tcp=True).start()
     try:
         yield server
     finally:
         server.cleanup()
 
 
-@pytest.fixture(scope="module", params=sorted(BINARIES))
-def secured(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+@pytest.fixture(scope="module")
+def secured(server_name: str) -> Iterator[RedisServer]:
     """A TCP server with ``requirepass`` SECRET, on each binary (set once it is up:
     RedisServer's readiness probe has no password)."""
-    server = RedisServer(BINARIES[request.param], tcp=True).start()
+    server = RedisServer(BINARIES[server_name], tcp=True).start()
     try:
         with server.client() as c:
             c.config_set("requirepass", SECRET)
@@ -213,6 +213,7 @@ def _not_cluster_line(url: str) -> str:
     )
 
 
+@pytest.mark.servers
 async def test_cluster_url_at_a_single_server(single: RedisServer) -> None:
     url = f"redis+cluster://127.0.0.1:{single.port}"
     with pytest.raises(WrongServer) as err:
@@ -225,6 +226,7 @@ async def test_cluster_url_at_a_single_server(single: RedisServer) -> None:
     await aclient.aclose()
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("command", [["status"], ["coordinator", "--duration", "1"]])
 def test_cli_cluster_url_at_a_single_server(single: RedisServer, command: list[str]) -> None:
     url = f"redis+cluster://127.0.0.1:{single.port}"
@@ -260,6 +262,8 @@ def _cases(port: int) -> list[tuple[str, str]]:
     ]
 
 
+@pytest.mark.servers
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(5))
 def test_cli_password_missing_or_refused(secured: RedisServer, case: int) -> None:
     url, line = _cases(secured.port)[case]
@@ -267,6 +271,7 @@ def test_cli_password_missing_or_refused(secured: RedisServer, case: int) -> Non
         assert_one_line(_cli("--redis-url", url, *command), 2, line)
 
 
+@pytest.mark.servers
 async def test_password_errors_stay_outages_with_a_clear_message(
     secured: RedisServer, deployment: str
 ) -> None:
@@ -358,6 +363,8 @@ def test_a_password_with_a_space_or_an_at_never_shows(userinfo: str) -> None:
     assert SECRET not in out.stdout + out.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_a_sentinel_url_at_a_plain_server_or_at_nothing(single: RedisServer) -> None:
     url = f"redis+sentinel://127.0.0.1:{single.port}/svc"
     line = (

@@ -50,14 +50,14 @@ ENGINES = ("e0", "e1")
 NODE_TIMEOUT_MS = 1500
 DEAD_AFTER_MS = 8000
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-@pytest.fixture(scope="module", params=sorted(BINARIES))
-def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterTopology]:
+@pytest.fixture(scope="module")
+def cluster(server_name: str) -> Iterator[ClusterTopology]:
     """3 primaries x 1 replica, on every server binary."""
     with ClusterTopology(
-        BINARIES[request.param], replicas=1, node_timeout_ms=NODE_TIMEOUT_MS
+        BINARIES[server_name], replicas=1, node_timeout_ms=NODE_TIMEOUT_MS
     ) as topo:
         yield topo
 
@@ -151,13 +151,13 @@ def test_cluster_primary_killed_then_manual_failover(
         now = victim.current()
         assert now is not None
         degraded = degraded_between(victim, t_kill, t_end)
-        # the other deployments saw nothing: no degraded decision, snapshots kept coming
-        # (their longest gap is recorded; a pause of seconds would mean they waited on
-        # the dead node, well above what a loaded 2-core machine adds)
+        # the other deployments saw nothing: no degraded decision, and new snapshots
+        # while the victim's slot had no primary (one that waited on the dead node would
+        # get none before the promotion); their longest gap is recorded, not asserted
         others_gap = max(max_gap(lp, t_kill, t_end) for lp in others)
         for lp in others:
             assert degraded_between(lp, t_kill, t_end) == 0
-        assert others_gap < 3.0, f"another deployment's snapshots paused {others_gap:.2f}s"
+            assert snapshots_between(lp, t_kill, t_kill + t_promoted), "no snapshot meanwhile"
         held.close()
 
         # -- the old primary comes back as a replica ---------------------------------------

@@ -345,6 +345,7 @@ BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
 }
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("name", SCRIPT_NAMES)
 @FUZZ
 @given(data=st.data())
@@ -370,6 +371,7 @@ def _bad_keys(t: Target) -> st.SearchStrategy[list[str]]:
     )
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("name", SCRIPT_NAMES)
 @FUZZ
 @given(data=st.data())
@@ -404,6 +406,7 @@ MAX_ARGS = {
 }
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("name", SCRIPT_NAMES)
 @FUZZ
 @given(data=st.data())
@@ -420,6 +423,7 @@ def test_scripts_refuse_a_wrong_number_of_arguments(
     target.expect_refused(name, target.valid_keys, bad, f"{len(bad)} arguments")
 
 
+@pytest.mark.servers
 def test_bad_epoch_candidate_on_an_empty_deployment_stores_nothing(
     r: redis.Redis, deployment: str
 ) -> None:
@@ -438,6 +442,7 @@ def test_bad_epoch_candidate_on_an_empty_deployment_stores_nothing(
     assert not list(r.scan_iter(match=f"redisbal:{{{deployment}}}*"))
 
 
+@pytest.mark.servers
 def test_direct_callers_cannot_make_a_snapshot_that_routers_cannot_parse(target: Target) -> None:
     """Spellings the script accepts must still give valid JSON (".5" and "0.50" for kv_usage
     are stored as 0.5000; leading zeros in admitted are refused: they are not JSON)."""
@@ -761,6 +766,7 @@ def test_coordinator_config_check(args: dict[str, Any]) -> None:
             cfg.check()
 
 
+@pytest.mark.servers
 def test_fuzz_helpers_agree_with_the_scripts(target: Target) -> None:
     """The oracles above must match the scripts on their edges, or the fuzzing proves nothing."""
     d, k = target.keys.deployment, target.valid_keys

@@ -17,8 +17,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
+import pytest
 from gateway_stack import MODEL, settled, stack
 from procs import free_port_block
+
+pytestmark = pytest.mark.slow
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 KEY = "sk-file-key-42"

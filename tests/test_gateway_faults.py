@@ -235,6 +235,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(
         await settled(st)
 
 
+@pytest.mark.slow
 async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
     redis_url: str, deployment: str
 ) -> None:
@@ -270,6 +271,7 @@ async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
             await stop_gateway(gw)
 
 
+@pytest.mark.slow
 async def test_engine_sigterm_leaves_then_finishes_its_streams_and_exits(
     redis_url: str, deployment: str
 ) -> None:

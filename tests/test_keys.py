@@ -23,6 +23,8 @@ from redis.crc import key_slot
 from redisbal.keys import DeploymentKeys, InvalidName, check_name
 from redisbal.lua_source import GENERATED, NUM_KEYS, SCRIPT_NAMES, include_order, library
 
+pytestmark = pytest.mark.servers
+
 LUA_DIR = Path(str(resources.files("redisbal") / "lua"))
 
 # -- names ----------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
 from redisbal.record import parse_record
 
+pytestmark = pytest.mark.servers
+
 OLD = new_incarnation(1_700_000_000_000)  # a process started earlier ...
 NEW = new_incarnation(1_700_000_060_000)  # ... and one started a minute later
 NEWER = new_incarnation(1_700_000_120_000)

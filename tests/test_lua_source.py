@@ -24,6 +24,8 @@ from redisbal.lua_source import (
 )
 from redisbal.record import Record, ReportLine, format_record, parse_record
 
+pytestmark = pytest.mark.servers
+
 
 def _reader(files: dict[str, str]) -> Callable[[str], str]:
     def read(path: str) -> str:

@@ -314,6 +314,7 @@ def test_no_admitted_leaves_routers_reconciling_by_time(monkeypatch) -> None:
     assert res.exit_code != 0 and "routing-quality" in res.output
 
 
+@pytest.mark.slow
 def test_variants_flip_one_option_of_the_default_and_run_only_when_named() -> None:
     from redisbal.bench.oracle import World
     from redisbal.bench.quality import VARIANTS, _policy, available_policies

@@ -21,6 +21,8 @@ from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
 from redisbal.scripts import report_reply
 
+pytestmark = pytest.mark.servers
+
 ENGINES = ["e0", "e1", "e2", "e3"]
 TIME = re.compile(rb"(?<!\d)1\d{12}(?!\d)")  # a server ms (13 digits, this century)
 

