@@ -122,9 +122,10 @@ async def test_rejected_requests_leave_no_phantom_load(redis_url: str, deploymen
                 ) as r:
                     assert r.status == 200
                     got.append(r.headers[ENGINE_HEADER])
-        # (ties between idle engines are broken at random: an even split give or take a
-        # few; the phantom load of the refused routes left it 0-1 of 40)
-        assert 14 <= got.count("0") <= 26, got
+        # ties between idle engines are broken at random, so the count is Binomial(40, 1/2):
+        # outside 8..32 once in about 50,000 runs; the phantom load of the refused routes
+        # left engine 0 with 0-1 of 40
+        assert 8 <= got.count("0") <= 32, got
         assert "0" not in gw.router.core.excluded()  # a rejection is no evidence
         text = gw.metrics.render().decode()
         assert metric(text, "redisbal_gateway_engine_outcomes_total", outcome="rejected") == 5
