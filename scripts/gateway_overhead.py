@@ -17,6 +17,12 @@ runnable but not running: what a contended host adds) come from
 
 ``--auth``: also one gateway per loop kind that requires an API key (from a file), in
 the same interleaved run; every request carries the key, whatever its target.
+
+``--peers vllm-router:power_of_two,sglang-router:cache_aware``: also one replica of
+each real peer router (redisbal.bench.routers: pinned, installed into a venv of its
+own on first use, ``--routers-venv``) in front of the same engine, in the same
+interleaved run; their CPU comes from schedstat as the gateway's (they have no
+"inside" histogram).
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
 
+from redisbal.bench import routers
 from redisbal.gateway.loadgen import plan, run
 from redisbal.sim.embedded import RedisServer
 
@@ -47,13 +55,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_http(url: str, timeout: float = 20.0) -> None:
+def wait_http(url: str, timeout: float = 60.0) -> None:
     import urllib.request
 
     deadline = time.monotonic() + timeout
@@ -129,10 +131,19 @@ def listen_overflows() -> int:
 
 
 def schedstat(pid: int) -> tuple[float, float]:
-    """(CPU seconds, seconds spent runnable but waiting for a CPU) of a process."""
-    with open(f"/proc/{pid}/schedstat") as fh:
-        cpu_ns, wait_ns, _ = fh.read().split()
-    return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+    """(CPU seconds, seconds spent runnable but waiting for a CPU) of a process, summed
+    over its threads (/proc/PID/schedstat is the main thread's alone: the Rust routers
+    serve on worker threads). Threads are long-lived here: none exits mid-run."""
+    cpu = wait = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                cpu_ns, wait_ns, _ = fh.read().split()
+        except FileNotFoundError:  # a thread that ended since the listing
+            continue
+        cpu += int(cpu_ns)
+        wait += int(wait_ns)
+    return cpu / 1e9, wait / 1e9
 
 
 def main() -> None:
@@ -144,11 +155,21 @@ def main() -> None:
     ap.add_argument("--loops", default="uvloop", help="one gateway per event loop kind")
     ap.add_argument("--json", default=None)
     ap.add_argument("--auth", action="store_true", help="also a gateway with an API key")
+    ap.add_argument("--peers", default="", help="also these real routers (ROUTER:POLICY,...)")
+    ap.add_argument("--routers-venv", default=None, help="the peer routers' venv")
     a = ap.parse_args()
+    peers = [p for p in a.peers.split(",") if p]
+    try:
+        for p in peers:
+            routers.split_name(p)
+        venv = routers.install(Path(a.routers_venv) if a.routers_venv else None)
+    except routers.RouterError as exc:
+        sys.exit(f"gateway_overhead: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the finally runs
     rates = [float(r) for r in a.rates.split(",")]
     modes = [m == "stream" for m in a.modes.split(",")]
     procs: list[subprocess.Popen[bytes]] = []
+    replicas: list[routers.RouterProcess] = []
     rows: list[dict[str, Any]] = []
     with RedisServer(tcp=True) as server:
         eport = free_port()
@@ -184,6 +205,9 @@ def main() -> None:
                     gws[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
             for url, _ in gws.values():
                 wait_http(url + "/health")
+            for name in peers:
+                replicas.append(start_peer(name, venv, f"http://127.0.0.1:{eport}", server.dir))
+                gws[name] = (replicas[-1].url, replicas[-1].proc.pid)  # type: ignore[union-attr]
             targets = [
                 ("direct", f"http://127.0.0.1:{eport}", 0),
                 *((n, u, p) for n, (u, p) in gws.items()),
@@ -195,6 +219,8 @@ def main() -> None:
                             rows.append(measure(name, url, pid, rate, stream, rep, a))
                             print(orjson.dumps(rows[-1]).decode(), flush=True)
         finally:
+            for rp in replicas:
+                rp.stop()
             for p in procs:
                 p.terminate()
             for p in procs:
@@ -206,11 +232,25 @@ def main() -> None:
             fh.write(orjson.dumps({"rows": rows}, option=orjson.OPT_INDENT_2))
 
 
+def start_peer(name: str, venv: Path, engine: str, logdir: Path) -> routers.RouterProcess:
+    """One replica of a real peer router in front of the engine, ready."""
+    router, _ = routers.split_name(name)
+    exe = routers.binary(router, venv)
+    assert exe is not None  # routers.install checked it
+    port, metrics_port = routers.free_ports(2)
+    log = Path(logdir) / f"{name.replace(':', '-')}.log"
+    rp = routers.RouterProcess(name, exe, port, metrics_port, [engine], log)
+    rp.start()
+    rp.wait_ready(30.0)
+    return rp
+
+
 def measure(
     name: str, url: str, pid: int, rate: float, stream: bool, rep: int, a: Any
 ) -> dict[str, Any]:
     gateway = name != "direct"
-    h0 = added_hist(url, stream) if gateway else {}
+    ours = name.startswith("gateway-")  # the peers have no added-latency histogram
+    h0 = added_hist(url, stream) if ours else {}
     (c0, w0), t0 = schedstat(pid) if gateway else (0.0, 0.0), time.monotonic()
     o0 = listen_overflows()
     res = one_run(url, rate, a.duration, stream, seed=rep)
@@ -218,7 +258,7 @@ def measure(
     (c1, w1), el = schedstat(pid) if gateway else (0.0, 0.0), time.monotonic() - t0
     row = {"target": name, "rate": rate, "stream": stream, "rep": rep, **res}
     if gateway:
-        h1 = added_hist(url, stream)
+        h1 = added_hist(url, stream) if ours else {}
         delta = {le: h1[le] - h0.get(le, 0) for le in h1}
         n = max(1, res["requests"])
         row.update(
