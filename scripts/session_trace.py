@@ -10,7 +10,9 @@ each line names its session (``key``) and system prompt (``system``,
 is open loop: a follow-up turn is sent at the previous turn's send time + an
 estimate of its service time (``--step-ms`` x its output tokens) + its think time,
 where the simulator waits for the previous turn to end. ``poisson``: independent
-ShareGPT-like requests (``workload.poisson``), outputs heavy-tailed.
+ShareGPT-like requests (``workload.poisson``), outputs heavy-tailed. ``burst``: the
+same requests in bursts (``workload.bursts``): ``--burst-size`` requests within
+``--burst-window-s``, every ``--burst-every-s`` over ``--duration``.
 
     python scripts/session_trace.py sessions --rate 4 --duration 20 --seed 1 -o s.jsonl
 """
@@ -22,7 +24,7 @@ import sys
 
 import orjson
 
-from redisbal.sim.workload import SessionShape, poisson, sessions
+from redisbal.sim.workload import Request, SessionShape, bursts, poisson, sessions
 
 
 def _system_of(first_block: int, shape: SessionShape) -> tuple[int, int] | None:
@@ -61,23 +63,22 @@ def session_lines(
     return out
 
 
-def poisson_lines(
-    rate: float, duration: float, seed: int, output_scale: float
-) -> list[dict[str, object]]:
+def single_lines(reqs: list[Request], output_scale: float) -> list[dict[str, object]]:
+    """Independent requests (Poisson or bursts) as trace lines, outputs scaled."""
     return [
         {
             "t": round(r.t, 4),
             "prompt_tokens": max(1, r.prompt_tokens),
             "output_tokens": max(1, round(r.output_tokens * output_scale)),
         }
-        for r in poisson(rate, duration, 1, seed)
+        for r in reqs
     ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("traffic", choices=("sessions", "poisson"))
-    ap.add_argument("--rate", type=float, required=True, help="sessions (or requests) per s")
+    ap.add_argument("traffic", choices=("sessions", "poisson", "burst"))
+    ap.add_argument("--rate", type=float, default=None, help="sessions (or requests) per s")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--output-mean", type=float, default=200.0, help="sessions: mean answer")
@@ -86,14 +87,23 @@ def main() -> None:
     ap.add_argument("--turns-mean", type=float, default=4.0)
     ap.add_argument("--step-ms", type=float, default=15.0, help="sessions: decode step estimate")
     ap.add_argument(
-        "--output-scale", type=float, default=1.0, help="poisson: scale ShareGPT output lengths"
+        "--output-scale", type=float, default=1.0, help="poisson, burst: scale output lengths"
     )
+    ap.add_argument("--burst-size", type=int, default=96, help="burst: requests a burst")
+    ap.add_argument("--burst-every-s", type=float, default=6.0, help="burst: period")
+    ap.add_argument("--burst-window-s", type=float, default=0.5, help="burst: spread of one")
     ap.add_argument(
         "--cut-s", type=float, default=None, help="drop requests sent later (sessions' tails)"
     )
     ap.add_argument("-o", "--out", default="-")
     a = ap.parse_args()
-    if a.traffic == "sessions":
+    if a.traffic != "burst" and a.rate is None:
+        ap.error(f"{a.traffic} needs --rate")
+    if a.traffic == "burst":
+        count = max(1, int(a.duration / a.burst_every_s))
+        reqs = bursts(a.burst_size, count, a.burst_every_s, a.burst_window_s, 1, a.seed)
+        lines = single_lines(reqs, a.output_scale)
+    elif a.traffic == "sessions":
         shape = SessionShape(
             turns_mean=a.turns_mean,
             think_s=a.think_s,
@@ -102,7 +112,7 @@ def main() -> None:
         )
         lines = session_lines(a.rate, a.duration, a.seed, shape, a.step_ms / 1000)
     else:
-        lines = poisson_lines(a.rate, a.duration, a.seed, a.output_scale)
+        lines = single_lines(poisson(a.rate, a.duration, 1, a.seed), a.output_scale)
     if a.cut_s is not None:
         lines = [d for d in lines if d["t"] <= a.cut_s]  # type: ignore[operator]
     data = b"".join(orjson.dumps(d) + b"\n" for d in lines)

@@ -94,7 +94,7 @@ def available_policies() -> list[str]:
     return [*BASE_POLICIES, *(p for p in PEER_POLICIES if p not in BASE_POLICIES)]
 
 
-def _policy(name: str, world: World) -> str | Policy:
+def _policy(name: str, world: World, kv_blocks: int = QUALITY_ENGINE.cache_blocks) -> str | Policy:
     if name == "oracle":
         return OraclePolicy(world)
     if name in POLICIES:
@@ -105,7 +105,7 @@ def _policy(name: str, world: World) -> str | Policy:
             setattr(policy, option, value)
         return policy
     if name in PEER_POLICIES:  # prefix indexes sized for the simulated engine's KV cache
-        return make_peer(name, kv_blocks=QUALITY_ENGINE.cache_blocks)
+        return make_peer(name, kv_blocks=kv_blocks)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
 
 
@@ -124,11 +124,14 @@ def simulate(
     jitter_ms: float = 2.0,
     transit_ms: float = 1.0,
     sample_s: float = 0.05,
+    vllm_transport: bool = True,
 ) -> dict[str, float]:
     """One run; returns the metrics (``redisbal.bench.latency``) and the run's own
     cost (``sim_wall_s``). ``admitted=False``: snapshots carry no admitted counts, as
     compact snapshots and the vLLM and SGLang integrations give (routers reconcile
-    their routes by time)."""
+    their routes by time). ``vllm_transport=False``: the vLLM baselines read
+    redisbal's snapshots, as they do behind the real-time gateways, instead of
+    vLLM's own publish loop."""
     wall = time.perf_counter()
     work = build_workload(sc, seed) if workload is None else workload
     rng = random.Random(f"quality-{sc.name}-{seed}")
@@ -166,14 +169,18 @@ def simulate(
             e.kv_tokens += prompt + produced
     for i in range(sc.clients):
         core = RouterCore(
-            i, sc.clients, _policy(policy, world), rng=client_rng(seed, i), clock=lambda: clock[0]
+            i,
+            sc.clients,
+            _policy(policy, world, sc.engine.cache_blocks),
+            rng=client_rng(seed, i),
+            clock=lambda: clock[0],
         )
         core.connected = True
         core.set_engines(ids)
         routers.append(core)
     inbox: list[tuple[float, Snapshot] | None] = [None] * sc.clients
     vmodel: VllmCoordinatorModel | None = (
-        vllm_model_for(policy, sc.mode) if policy in VLLM_POLICIES else None
+        vllm_model_for(policy, sc.mode) if vllm_transport and policy in VLLM_POLICIES else None
     )
     if vmodel is not None:
         for eid in ids:

@@ -5,7 +5,7 @@ against the deployment's estimated throughput."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from redisbal.sim.model import EngineParams
 from redisbal.sim.prefix_cache import BLOCK_TOKENS
@@ -53,6 +53,8 @@ class QualityScenario:
     burst_window_s: float = 0.5
     tick_s: float = 0.02  # independent engines: the barrier's publication period (tick_ms)
     warm: bool = True  # engines start with a steady-state batch (``warm_batch``)
+    # every engine's parameters (the slow ones' slowed)
+    engine: EngineParams = field(default_factory=lambda: QUALITY_ENGINE)
 
     @property
     def size(self) -> str:
@@ -140,12 +142,12 @@ def _mean_sizes(reqs: list[Request]) -> tuple[float, float]:
 
 def build_workload(sc: QualityScenario, seed: int) -> list[Request]:
     """The scenario's requests for one seed (the same for every policy)."""
-    cap = sc.engines * QUALITY_ENGINE.running_cap
+    cap = sc.engines * sc.engine.running_cap
     slow = round(sc.engines * sc.slow_share)
     # slow engines serve at 1 / slow_factor of the speed
     speed = (sc.engines - slow + slow / max(sc.slow_factor, 1e-9)) if slow else sc.engines
     if sc.traffic == "poisson":
-        rate = sc.load * speed * throughput_per_engine(PROMPT_MEAN, OUTPUT_MEAN)
+        rate = sc.load * speed * throughput_per_engine(PROMPT_MEAN, OUTPUT_MEAN, sc.engine)
         return poisson(rate, sc.duration_s, sc.clients, seed)
     if sc.traffic == "burst":
         count = max(1, int(sc.duration_s / sc.burst_every_s))
@@ -169,7 +171,7 @@ def build_workload(sc: QualityScenario, seed: int) -> list[Request]:
             for r in probe
         ) / max(1, len(probe))
         turns = len(probe) / max(1, len({r.key for r in probe}))
-        rate = sc.load * speed * throughput_per_engine(p, o, uncached_mean=unc) / turns
+        rate = sc.load * speed * throughput_per_engine(p, o, sc.engine, unc) / turns
         return sessions(rate, sc.duration_s, sc.clients, seed, shape)
     raise ValueError(f"no generator for traffic {sc.traffic!r}")
 
@@ -178,8 +180,8 @@ def engine_params(sc: QualityScenario, k: int) -> EngineParams:
     """Engine k's parameters: the last slow_share of the engines are the slow ones."""
     slow = round(sc.engines * sc.slow_share)
     if k >= sc.engines - slow:
-        return replace(QUALITY_ENGINE, slow=sc.slow_factor)
-    return QUALITY_ENGINE
+        return replace(sc.engine, slow=sc.slow_factor)
+    return sc.engine
 
 
 def client_rng(seed: int, i: int) -> random.Random:
@@ -194,7 +196,7 @@ def warm_batch(sc: QualityScenario, seed: int, k: int) -> list[tuple[int, int, i
     one) and each part way through its output. Not routed: the routers learn of them
     from the first snapshot, as of any load they did not route."""
     rng = random.Random(f"warm-{sc.name}-{seed}-{k}")
-    p = QUALITY_ENGINE
+    p = sc.engine
     slots = min(p.running_cap, p.kv_capacity_tokens / (PROMPT_MEAN + OUTPUT_MEAN / 2))
     n = min(p.running_cap, round(min(sc.load, 1.0) * slots))
     pool = [sized(rng) for _ in range(8 * n)]

@@ -198,11 +198,15 @@ def sessions(
 
 def parse_trace(lines: Iterable[str], clients: int, seed: int = 1) -> list[Request]:
     """Requests from a JSON-lines trace: ``{"t": s, "prompt_tokens": n,
-    "output_tokens": n, "key": optional str}`` per line (other fields ignored,
-    blank lines skipped). Requests of one key share a prefix: the key's token
-    stream, of which each request's prompt is the first ``prompt_tokens``.
-    API servers are drawn from the seed. Sorted by ``t``."""
+    "output_tokens": n, "key": optional str, "system": optional n, "system_tokens":
+    optional n}`` per line (other fields ignored, blank lines skipped). Requests of
+    one key share a prefix: the key's token stream, of which each request's prompt
+    is the first ``prompt_tokens``; a key whose line names a shared system prompt
+    starts with its ``system_tokens`` (the same tokens for every key that names it,
+    as ``loadgen --session-prompts`` sends them). API servers are drawn from the
+    seed. Sorted by ``t``."""
     rows: list[tuple[float, int, int, str | None]] = []
+    systems: dict[str, tuple[int, int]] = {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -229,6 +233,14 @@ def parse_trace(lines: Iterable[str], clients: int, seed: int = 1) -> list[Reque
             raise TraceError(
                 f"trace line {n}: field 'key' must be a string of at most 1024 characters"
             )
+        if key is not None and d.get("system") is not None:
+            for f in ("system", "system_tokens"):
+                v = d.get(f)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise TraceError(
+                        f"trace line {n}: field {f!r} must be a whole number >= 0, got {v!r:.40}"
+                    )
+            systems.setdefault(key, (d["system"], d["system_tokens"]))
         rows.append((float(t), d["prompt_tokens"], d["output_tokens"], key))
     rows.sort(key=lambda r: r[0])
     rng = random.Random(f"trace-{seed}")
@@ -238,7 +250,9 @@ def parse_trace(lines: Iterable[str], clients: int, seed: int = 1) -> list[Reque
         if key is not None:
             owners.setdefault(key, len(owners) + 1)
             need[key] = max(need.get(key, 0), p + o)
-    streams = {key: stream_blocks(-owners[key] - 1_000_000, n) for key, n in need.items()}
+    streams = {
+        key: stream_blocks(-owners[key] - 1_000_000, n, systems.get(key)) for key, n in need.items()
+    }
     out: list[Request] = []
     for i, (t, p, o, key) in enumerate(rows):
         client = rng.randrange(clients)

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""The simulator against real time: for each real-time run of
+scripts/gateway_policies.py (its ``--json``), the quality simulator on the same trace,
+engines, running cap, slow engines, replicas and seeds (redisbal.bench.calibration),
+and the two rankings of the policies by mean TTFT p99, compared pair by pair.
+
+    python scripts/sim_vs_real.py straggler=rt-straggler.json sessions=rt-sessions.json \\
+        --trace-dir . --json cmp.json
+
+A pair of policies is "settled" when every real-time seed orders it the same way;
+the simulator must order every settled pair as real time does. The calibration
+knobs (``--tick-ms``, ``--delivery-ms``, ``--jitter-ms``, ``--transit-ms``,
+``--step-overhead-ms``, ``--vllm-transport``) are the simulator's; their defaults
+are the calibration docs/BENCHMARKS.md records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import orjson
+
+from redisbal.bench.calibration import (
+    Calibration,
+    CalibrationError,
+    pair_verdicts,
+    ranking,
+    simulate_run,
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="NAME=FILE: a gateway_policies.py --json")
+    ap.add_argument("--trace-dir", default=None, help="where the traces are [the JSON's dir]")
+    ap.add_argument("--policies", default=None, help="only these (default: every one run)")
+    d = Calibration()
+    ap.add_argument("--tick-ms", type=float, default=d.tick_ms)
+    ap.add_argument("--delivery-ms", type=float, default=d.delivery_ms)
+    ap.add_argument("--jitter-ms", type=float, default=d.jitter_ms)
+    ap.add_argument("--transit-ms", type=float, default=d.transit_ms)
+    ap.add_argument("--step-overhead-ms", type=float, default=d.step_overhead_ms)
+    ap.add_argument("--vllm-transport", action="store_true", help="vLLM's own publish loop")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    cal = Calibration(
+        a.tick_ms, a.delivery_ms, a.jitter_ms, a.transit_ms, a.step_overhead_ms, a.vllm_transport
+    )
+    results: dict[str, Any] = {"calibration": asdict(cal)}
+    settled = agreed = 0
+    for spec in a.runs:
+        name, _, path = spec.partition("=")
+        if not path:
+            ap.error(f"{spec!r}: give NAME=FILE")
+        try:
+            with open(path, "rb") as fh:
+                doc = orjson.loads(fh.read())
+        except (OSError, orjson.JSONDecodeError) as exc:
+            sys.exit(f"sim_vs_real: cannot read {path}: {exc}")
+        run_args = doc["args"]
+        if not run_args.get("trace"):
+            sys.exit(f"sim_vs_real: {path} replayed no trace: nothing to simulate alike")
+        tdir = a.trace_dir or os.path.dirname(os.path.abspath(path))
+        want = a.policies.split(",") if a.policies else None
+        real: dict[str, dict[int, float]] = {}
+        for r in doc["runs"]:
+            if want is None or r["policy"] in want:
+                real.setdefault(r["policy"], {})[r["seed"]] = r["ttft_p99_ms"]
+        sim: dict[str, dict[int, float]] = {}
+        for policy, seeds in real.items():
+            for seed in seeds:
+                trace = os.path.join(tdir, run_args["trace"].replace("{seed}", str(seed)))
+                try:
+                    m = simulate_run(run_args, policy, seed, trace, cal)
+                except (CalibrationError, OSError, ValueError) as exc:
+                    sys.exit(f"sim_vs_real: {name} {policy} seed {seed}: {exc}")
+                sim.setdefault(policy, {})[seed] = 1000 * m["ttft_p99_s"]
+        pairs = pair_verdicts(real, sim)
+        settled += sum(1 for p in pairs if p[2])
+        agreed += sum(1 for p in pairs if p[2] and p[3])
+        print(report(name, real, sim, pairs))
+        results[name] = {"real_ms": real, "sim_ms": sim, "pairs": pairs}
+    print(f"\nsettled pairs ordered as in real time: {agreed} of {settled}")
+    if a.json:
+        with open(a.json, "wb") as fh:
+            fh.write(orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+def report(
+    name: str,
+    real: dict[str, dict[int, float]],
+    sim: dict[str, dict[int, float]],
+    pairs: list[tuple[str, str, bool, bool]],
+) -> str:
+    """Markdown: per policy, real and simulated TTFT p99 per seed and their ranks;
+    then the pairs the simulator orders otherwise."""
+    rr, sr = ranking(real), ranking(sim)
+    out = [
+        f"\n{name}: TTFT p99 ms per seed (mean)",
+        "| policy | real | simulated | real rank | simulated rank |",
+        "|---|---|---|---|---|",
+    ]
+    for p in rr:
+        cells = [
+            ", ".join(f"{v[s]:.0f}" for s in sorted(v)) + f" ({statistics.fmean(v.values()):.0f})"
+            for v in (real[p], sim[p])
+        ]
+        out.append(f"| {p} | {cells[0]} | {cells[1]} | {rr.index(p) + 1} | {sr.index(p) + 1} |")
+    for a, b, is_settled, same in pairs:
+        if not same:
+            why = "settled in real time" if is_settled else "real order within seed noise"
+            out.append(f"- simulator orders {b} before {a} ({why})")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
