@@ -93,6 +93,7 @@ class TraceDemo(HttpDemo):
         self.peer = peer
         self.cache: dict[str, int] = {}
         self.peer_calls: dict[str, int] = {}
+        self.steps: dict[str, float] = {}  # the engines' steps, planned and taken
 
     def start_gateways(self) -> None:
         """A peer's gateways are scripts/peer_gateway.py processes; then as the demo's."""
@@ -143,6 +144,8 @@ class TraceDemo(HttpDemo):
             st = orjson.loads(_get(url + "/sim/state"))
             prompt += st["prompt_tokens"]
             cached += st["cached_tokens"]
+            for k in ("steps", "step_planned_s", "step_taken_s"):
+                self.steps[k] = self.steps.get(k, 0) + st[k]
             for path, n in orjson.loads(_get(url + "/sim/peer_calls")).items():
                 self.peer_calls[path] = self.peer_calls.get(path, 0) + n
         self.cache = {"prompt_tokens": prompt, "cached_tokens": cached}
@@ -281,6 +284,9 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         row["hit_rate"] = c["cached_tokens"] / max(1, c["prompt_tokens"])
         row.update(c)
         row["peer_calls"] = demo.peer_calls
+        st = demo.steps  # what the host added to each engine step (the simulator's knob)
+        over = (st["step_taken_s"] - st["step_planned_s"]) / max(1, st["steps"])
+        row["step_overshoot_ms"] = round(1000 * over, 3)
     if isinstance(demo, RouterDemo):
         row["paths"] = routers.check_paths(
             policy, demo.replicas, demo.peer_calls, int(lg["requests"])

@@ -142,3 +142,21 @@ def test_burst_trace_has_its_bursts(tmp_path: Path) -> None:
         [sys.executable, str(SCRIPTS / "session_trace.py"), "poisson"], capture_output=True
     )
     assert got.returncode != 0 and b"needs --rate" in got.stderr
+
+
+async def test_engines_count_their_steps_planned_and_taken(redis_url: str, deployment: str) -> None:
+    """The real-time side of the step-time calibration: each HTTP engine sums its
+    model's step times and the time the host took for them (gateway_policies.py
+    reports the difference per step)."""
+    import aiohttp
+    from gateway_stack import MODEL, stack
+
+    async with stack(redis_url, deployment, n=1) as st:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "ignore_eos": True}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(st.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+            async with s.get(st.engines[0].url + "/sim/state") as r:
+                state = await r.json()
+    assert state["steps"] >= 5
+    assert state["step_planned_s"] > 0 and state["step_taken_s"] > 0

@@ -144,6 +144,9 @@ class HttpEngine:
         self._rid = 0
         self.arrived = 0
         self.served = 0
+        self.steps = 0
+        self.step_planned_s = 0.0  # sum of the model's step times
+        self.step_taken_s = 0.0  # sum of the steps' real durations (the loop overshoots)
         self.aborted = 0
         self.inflight = 0  # HTTP requests in progress at this engine
         self.draining = False  # stopping: new requests get a 503
@@ -190,11 +193,15 @@ class HttpEngine:
             if not m.busy():
                 self._wake.clear()
                 await self._wake.wait()
-            dur = m.begin_step(loop.time())
+            began = loop.time()
+            dur = m.begin_step(began)
             self._report()  # counts after taking the input queue (vLLM reports then too)
             await asyncio.sleep(dur)
             stepped = list(m.running)
             m.end_step(loop.time())
+            self.steps += 1  # the model's step times against what the host gave them
+            self.step_planned_s += dur
+            self.step_taken_s += loop.time() - began
             for req in stepped:
                 st: _Stream = req.decision  # type: ignore[assignment]
                 st.event.set()
@@ -272,6 +279,9 @@ class HttpEngine:
             "admitted": list(m.admitted),
             "prompt_tokens": m.prompt_tokens_seen,
             "cached_tokens": m.cached_tokens_seen,
+            "steps": self.steps,
+            "step_planned_s": round(self.step_planned_s, 6),
+            "step_taken_s": round(self.step_taken_s, 6),
         }
         return web.Response(body=orjson.dumps(state), content_type="application/json")
 
