@@ -206,7 +206,7 @@ def main() -> None:
             for url, _ in gws.values():
                 wait_http(url + "/health")
             for name in peers:
-                replicas.append(start_peer(name, venv, f"http://127.0.0.1:{eport}", server.dir))
+                replicas.append(start_peer(name, venv, eport, server.dir))
                 gws[name] = (replicas[-1].url, replicas[-1].proc.pid)  # type: ignore[union-attr]
             targets = [
                 ("direct", f"http://127.0.0.1:{eport}", 0),
@@ -232,14 +232,19 @@ def main() -> None:
             fh.write(orjson.dumps({"rows": rows}, option=orjson.OPT_INDENT_2))
 
 
-def start_peer(name: str, venv: Path, engine: str, logdir: Path) -> routers.RouterProcess:
-    """One replica of a real peer router in front of the engine, ready."""
-    router, _ = routers.split_name(name)
+def start_peer(name: str, venv: Path, engine_port: int, logdir: Path) -> routers.RouterProcess:
+    """One replica of a real peer router in front of the engine, ready. power_of_two
+    needs two workers: it gets the one engine under two names (127.0.0.1, localhost),
+    so that it picks by its own in-flight counts without a call to the engine."""
+    router, policy = routers.split_name(name)
     exe = routers.binary(router, venv)
     assert exe is not None  # routers.install checked it
     port, metrics_port = routers.free_ports(2)
     log = Path(logdir) / f"{name.replace(':', '-')}.log"
-    rp = routers.RouterProcess(name, exe, port, metrics_port, [engine], log)
+    workers = [f"http://127.0.0.1:{engine_port}"]
+    if policy == "power_of_two":
+        workers.append(f"http://localhost:{engine_port}")
+    rp = routers.RouterProcess(name, exe, port, metrics_port, workers, log)
     rp.start()
     rp.wait_ready(30.0)
     return rp
