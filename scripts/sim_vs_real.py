@@ -44,24 +44,34 @@ def main() -> None:
     ap.add_argument("--delivery-ms", type=float, default=d.delivery_ms)
     ap.add_argument("--jitter-ms", type=float, default=d.jitter_ms)
     ap.add_argument("--transit-ms", type=float, default=d.transit_ms)
-    ap.add_argument("--step-overhead-ms", type=float, default=d.step_overhead_ms)
+    ap.add_argument(
+        "--step-overhead-ms",
+        default=str(d.step_overhead_ms),
+        help="ms added to every step, or 'measured': the real runs' mean overshoot per step",
+    )
     ap.add_argument("--vllm-transport", action="store_true", help="vLLM's own publish loop")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    cal = Calibration(
-        a.tick_ms, a.delivery_ms, a.jitter_ms, a.transit_ms, a.step_overhead_ms, a.vllm_transport
-    )
-    results: dict[str, Any] = {"calibration": asdict(cal)}
-    settled = agreed = 0
+    docs: dict[str, tuple[str, dict[str, Any]]] = {}
     for spec in a.runs:
         name, _, path = spec.partition("=")
         if not path:
             ap.error(f"{spec!r}: give NAME=FILE")
         try:
             with open(path, "rb") as fh:
-                doc = orjson.loads(fh.read())
+                docs[name] = (path, orjson.loads(fh.read()))
         except (OSError, orjson.JSONDecodeError) as exc:
             sys.exit(f"sim_vs_real: cannot read {path}: {exc}")
+    overhead = step_overhead(a.step_overhead_ms, [d for _, d in docs.values()])
+    if overhead is None:
+        ap.error("--step-overhead-ms: a number, or 'measured' with runs that recorded it")
+    cal = Calibration(
+        a.tick_ms, a.delivery_ms, a.jitter_ms, a.transit_ms, overhead, a.vllm_transport
+    )
+    print(f"calibration: {cal}")
+    results: dict[str, Any] = {"calibration": asdict(cal)}
+    settled = agreed = 0
+    for name, (path, doc) in docs.items():
         run_args = doc["args"]
         if not run_args.get("trace"):
             sys.exit(f"sim_vs_real: {path} replayed no trace: nothing to simulate alike")
@@ -89,6 +99,18 @@ def main() -> None:
     if a.json:
         with open(a.json, "wb") as fh:
             fh.write(orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+def step_overhead(given: str, docs: list[dict[str, Any]]) -> float | None:
+    """The ms added to every simulated step: a number, or ("measured") the mean of
+    the real runs' ``step_overshoot_ms`` (None when none recorded it)."""
+    if given != "measured":
+        try:
+            return float(given)
+        except ValueError:
+            return None
+    got = [r["step_overshoot_ms"] for d in docs for r in d["runs"] if "step_overshoot_ms" in r]
+    return round(statistics.fmean(got), 3) if got else None
 
 
 def report(
