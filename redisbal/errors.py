@@ -101,3 +101,7 @@ class DemoError(RedisbalError, RuntimeError):
 
 class RouterError(RedisbalError, RuntimeError):
     """A peer router could not be installed, started or read; the message says why."""
+
+
+class CalibrationError(RedisbalError, ValueError):
+    """A real-time run the simulator cannot mirror; the message says what."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from redisbal.bench.quality import simulate
 from redisbal.bench.traffic import QualityScenario
+from redisbal.errors import CalibrationError as CalibrationError
 from redisbal.sim.model import EngineParams
 from redisbal.sim.workload import Request, read_trace
 
@@ -31,10 +32,6 @@ ENGINE_FLAGS: dict[str, tuple[str, float | None]] = {
     "--cache-blocks": ("cache_blocks", None),
     "--prefill-budget-tokens": ("prefill_budget_tokens", None),
 }
-
-
-class CalibrationError(ValueError):
-    """A real-time run this module cannot mirror; the message says what."""
 
 
 @dataclass(frozen=True)
