@@ -50,6 +50,21 @@ class ReporterStats:
     dropped: int = 0  # reports never sent: handed over after close, or left at close
 
 
+@dataclass(eq=False, slots=True)
+class Pending:
+    """One report handed over and not sent yet: ARGV 5..10 of lua/report.lua with its
+    progress flag, and the callers waiting for its outcome."""
+
+    args: list[str]
+    waiters: list[concurrent.futures.Future[ReportResult]] = field(default_factory=list)
+    retry: bool = False  # put back after a failed send (an outage)
+
+
+# reports of one engine held while Redis answers: beyond this (a Redis slower than the
+# engine's steps) the newest replaces the last one held, counted as coalesced
+MAX_QUEUED = 16
+
+
 @dataclass(eq=False)
 class Lane:
     """One engine's slot in a sender. Every field is guarded by the sender's lock."""
@@ -58,9 +73,9 @@ class Lane:
     scripts: Scripts
     heartbeat_s: float | None  # None: no heartbeat
     incarnation: str = "-"  # this reporting process (lua/includes/incarnation.lua)
-    # the newest unsent report: ARGV 5..10 of lua/report.lua and its progress flag
-    pending: list[str] | None = None
-    waiters: list[concurrent.futures.Future[ReportResult]] = field(default_factory=list)
+    # reports not sent yet, oldest first: each lockstep step while Redis answers, the
+    # newest only while it does not (an outage) or when MAX_QUEUED are held already
+    queue: collections.deque[Pending] = field(default_factory=collections.deque)
     register: bool = False
     register_waiters: list[concurrent.futures.Future[bool]] = field(default_factory=list)
     newest: Tag | None = None  # newest lockstep tag handed over
@@ -82,7 +97,7 @@ class Lane:
 
     @property
     def busy(self) -> bool:
-        return self.pending is not None or self.register or self.inflight > 0
+        return bool(self.queue) or self.register or self.inflight > 0
 
 
 def tag_of(args: list[str]) -> Tag:
@@ -96,9 +111,10 @@ class Op:
 
     kind: str  # "report", "register" or "url"
     lane: Lane
-    args: list[str]  # report: Lane.pending's form; register: []
+    args: list[str]  # report: Pending.args' form; register: []
     waiters: list[Any]
     heartbeat: bool = False
+    depth: int = 0  # a report's place among its engine's reports of this round
 
 
 MAX_REPORTS = 1024  # reports per lua/report_many.lua call (its MAX_REPORTS)

@@ -48,7 +48,17 @@ import redis.exceptions
 
 from redisbal.background import BackgroundLoop
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
-from redisbal.lane import Lane, Op, ReportResult, Tag, group_calls, report_many_argv, tag_of
+from redisbal.lane import (
+    MAX_QUEUED,
+    Lane,
+    Op,
+    Pending,
+    ReportResult,
+    Tag,
+    group_calls,
+    report_many_argv,
+    tag_of,
+)
 from redisbal.scripts import report_reply
 
 log = logging.getLogger("redisbal.engine")
@@ -57,6 +67,7 @@ log = logging.getLogger("redisbal.engine")
 URL_REFRESH_S = 5.0
 
 WARN_EVERY_S = 60.0
+KINDS = ("register", "url", "report")  # the order of a round's calls on a cluster
 MAX_BATCH = 256
 
 
@@ -187,12 +198,12 @@ class ReportSender:
             lane.attached = False
             if lane in self._lanes:
                 self._lanes.remove(lane)
-            if lane.pending is not None:
+            for held in lane.queue:
                 lane.counts["dropped"] += 1
-                lane.pending = None
-            _resolve(lane.waiters, ReportResult("unavailable"))
+                _resolve(held.waiters, ReportResult("unavailable"))
+            lane.queue.clear()
             _resolve(lane.register_waiters, False)
-            lane.waiters, lane.register_waiters, lane.register = [], [], False
+            lane.register_waiters, lane.register = [], False
 
     def submit(
         self, lane: Lane, args: list[str], tag: Tag | None, want_future: bool
@@ -207,13 +218,8 @@ class ReportSender:
                 lane.counts["stale"] += 1
                 return ReportResult("stale", 0, wave, step)
             lane.counts["queued"] += 1
-            if lane.pending is not None:
-                lane.counts["coalesced"] += 1
-                _resolve(lane.waiters, ReportResult("coalesced", 0, wave, step))
-                lane.waiters = []
-                if lane.pending[-1] == "1":  # the replaced report's progress is not lost
-                    args[-1] = "1"
-            lane.pending = lane.last_args = args
+            held = self._hold(lane, args, tag)
+            lane.last_args = args
             if tag is not None:
                 lane.newest = tag
             out: ReportResult | concurrent.futures.Future[ReportResult]
@@ -224,7 +230,7 @@ class ReportSender:
                 out = ReportResult("unavailable", 0, wave, step)
             else:
                 out = concurrent.futures.Future()
-                lane.waiters.append(out)
+                held.waiters.append(out)
             self._kick()
         self._ensure_running()
         return out
@@ -247,6 +253,28 @@ class ReportSender:
             self._kick()
         self._ensure_running()
         return fut
+
+    def _hold(self, lane: Lane, args: list[str], tag: Tag | None) -> Pending:
+        """Queue a report behind the engine's unsent ones (caller holds the lock). A
+        lockstep step is queued while Redis answers, so every step reaches the barrier;
+        the newest replaces the last one held (counted as coalesced) during an outage,
+        when MAX_QUEUED are held (back-pressure), in tick mode (the server tags reports)
+        and for a re-report of the same step."""
+        last = lane.queue[-1] if lane.queue else None
+        if last is None or (
+            tag is not None
+            and tag > tag_of(last.args)
+            and len(lane.queue) < MAX_QUEUED
+            and self._down_since is None
+        ):
+            lane.queue.append(Pending(args))
+            return lane.queue[-1]
+        lane.counts["coalesced"] += 1
+        _resolve(last.waiters, ReportResult("coalesced", 0, *tag_of(last.args)))
+        if last.args[-1] == "1":  # the replaced report's progress is not lost
+            args[-1] = "1"
+        last.args, last.waiters, last.retry = args, [], False
+        return last
 
     def _kick(self) -> None:
         """Wake the task if it sleeps (caller holds the lock). While it backs off or
@@ -323,10 +351,11 @@ class ReportSender:
                 registers.append(Op("url", lane, [], []))
                 lane.url_due = now + URL_REFRESH_S  # (a failed write makes it due again)
                 lane.inflight += 1
-            if lane.pending is not None:
-                reports.append(Op("report", lane, lane.pending, lane.waiters))
-                lane.pending, lane.waiters = None, []
-                lane.inflight += 1
+            if lane.queue:
+                for depth, held in enumerate(lane.queue):
+                    reports.append(Op("report", lane, held.args, held.waiters, depth=depth))
+                lane.inflight += len(lane.queue)
+                lane.queue.clear()
             elif (
                 lane.heartbeat_s is not None
                 and lane.last_args is not None
@@ -335,6 +364,9 @@ class ReportSender:
                 beat = [*lane.last_args[:-1], "0"]  # unchanged counts: no progress
                 reports.append(Op("report", lane, beat, [], heartbeat=True))
                 lane.inflight += 1
+        # each engine's oldest report first, then each one's next: a call carries one
+        # report per engine, and the engines' reports of one step travel together
+        reports.sort(key=lambda op: op.depth)
         return registers + reports
 
     def _sleep_s(self, now: float) -> float:
@@ -387,22 +419,33 @@ class ReportSender:
         return [pair for call, out in zip(calls, outs, strict=True) for pair in _spread(call, out)]
 
     async def _pipelined(self, calls: list[list[Op]]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for call in calls:
-            queued = self._issue(call, pipe)
-            if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
-                await queued
-        outs: list[Any] = list(await pipe.execute(raise_on_error=False))
+        # ``async with``: the pipeline gives its connection back on every path (a failed
+        # SCRIPT EXISTS before EVALSHA, a cancel), or redis-py warns "Unclosed Pipeline"
+        async with self.client.pipeline(transaction=False) as pipe:
+            for call in calls:
+                queued = self._issue(call, pipe)
+                if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
+                    await queued
+            outs: list[Any] = list(await pipe.execute(raise_on_error=False))
         for i, (call, out) in enumerate(zip(calls, outs, strict=True)):
             if isinstance(out, Exception) and not isinstance(out, OUTAGE_ERRORS):
                 outs[i] = await self._one(call)  # e.g. the library was flushed: reload
         return outs
 
     async def _singly(self, calls: list[list[Op]]) -> list[Any]:
-        """One call at a time, concurrently: every registration, then every report."""
+        """One call at a time, concurrently: every registration, then the reports in
+        layers, an engine's next report after its previous one has its answer."""
         outs: list[Any] = [None] * len(calls)
-        for kind in ("register", "url", "report"):
-            todo = [i for i, call in enumerate(calls) if call[0].kind == kind]
+        layers: dict[tuple[int, int], list[int]] = {}  # (kind, layer) -> calls
+        seen: dict[int, int] = {}  # id(lane) -> layers holding one of its reports
+        for i, call in enumerate(calls):
+            layer = 0
+            if call[0].kind == "report":
+                layer = max(seen.get(id(op.lane), 0) for op in call)
+                for op in call:
+                    seen[id(op.lane)] = layer + 1
+            layers.setdefault((KINDS.index(call[0].kind), layer), []).append(i)
+        for _, todo in sorted(layers.items()):
             done = await asyncio.gather(*(self._one(calls[i]) for i in todo))
             for i, out in zip(todo, done, strict=True):
                 outs[i] = out
@@ -451,10 +494,14 @@ class ReportSender:
             _resolve(op.waiters, ReportResult("unavailable", 0, *tag_of(op.args)))
             if op.heartbeat or not lane.attached:
                 return
-            if lane.pending is None:
-                lane.pending = op.args  # retried next round, unless newer counts come first
-            else:
+            # retried next round, the newest only: a report newer than this one replaces it
+            if lane.queue and not lane.queue[0].retry:
                 lane.counts["coalesced"] += 1
+            elif lane.queue:  # an older report of this round, put back: this one replaces it
+                lane.counts["coalesced"] += 1
+                lane.queue[0].args = op.args
+            else:
+                lane.queue.append(Pending(op.args, retry=True))
             return
         if isinstance(out, Exception):
             lane.counts["errors"] += 1

@@ -1,0 +1,136 @@
+"""Every lockstep step reaches Redis while Redis answers.
+
+A lockstep engine that reports step 3 and then step 4 back-to-back must have its
+step-3 counts in the step-3 snapshot: the barrier's cut takes each engine's latest
+report at or before the step, so a step-3 report replaced by the step-4 one before
+it was sent would leave the engine's step-2 counts in the step-3 snapshot.
+Only what an outage or back-pressure holds back may be coalesced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio
+
+from redisbal import AsyncBatchReporter, AsyncEngineReporter, ReportSender, Snapshot
+from redisbal.keys import DeploymentKeys
+from redisbal.snapshot import Rosters
+
+ENGINES = ["e0", "e1", "e2"]
+
+
+async def _published(url: str, keys: DeploymentKeys, out: list[Snapshot]) -> asyncio.Task[None]:
+    """Collect every snapshot published on the deployment's channel (subscribed on return)."""
+    client = redis.asyncio.Redis.from_url(url)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(keys.channel)
+    await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+    rosters = Rosters()
+
+    async def run() -> None:
+        try:
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is not None:
+                    out.append(Snapshot.from_json(msg["data"], rosters))
+        finally:
+            await pubsub.aclose()
+            await client.aclose()
+
+    return asyncio.create_task(run())
+
+
+def _counts(step: int, i: int) -> dict[str, int]:
+    return {"step": step, "waiting": step * 10 + i, "running": step * 100 + i}
+
+
+async def _until(cond: object, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def _assert_every_step(snaps: list[Snapshot], steps: range) -> None:
+    by_step = {s.step: s for s in snaps if not s.forced}
+    for step in steps:
+        snap = by_step.get(step)
+        assert snap is not None, f"no step-{step} snapshot: {sorted(by_step)}"
+        got = {e: (c.step, c.waiting, c.running) for e, c in snap.engines.items()}
+        want = {e: (step, step * 10 + i, step * 100 + i) for i, e in enumerate(ENGINES)}
+        assert got == want, f"step {step}"
+
+
+async def test_batch_back_to_back_steps_each_reach_redis(redis_url: str, deployment: str) -> None:
+    keys = DeploymentKeys(deployment)
+    snaps: list[Snapshot] = []
+    feed = await _published(redis_url, keys, snaps)
+    rep = AsyncBatchReporter(redis_url, deployment, ENGINES, heartbeat=False)
+    try:
+        await rep.register()
+        # steps 1..4 of all three engines, back to back: no await between hand-overs
+        for step in range(1, 5):
+            rep_many = {e: _counts(step, i) for i, e in enumerate(ENGINES)}
+            for eid, counts in rep_many.items():
+                rep.report_nowait(eid, **counts)
+        assert await rep.flush(10.0)
+        await _until(lambda: any(s.step == 4 for s in snaps))
+        _assert_every_step(snaps, range(1, 5))
+        assert all(st.coalesced == 0 for st in rep.stats.values()), rep.stats
+        assert all(st.accepted == 4 for st in rep.stats.values()), rep.stats
+    finally:
+        await rep.aclose()
+        feed.cancel()
+        await asyncio.gather(feed, return_exceptions=True)
+
+
+async def test_engine_reporters_back_to_back_steps_each_reach_redis(
+    redis_url: str, deployment: str
+) -> None:
+    """The same with one engine reporter per engine on one shared sender."""
+    keys = DeploymentKeys(deployment)
+    snaps: list[Snapshot] = []
+    feed = await _published(redis_url, keys, snaps)
+    sender = ReportSender(redis_url)
+    reps = [
+        AsyncEngineReporter(deployment=deployment, engine_id=e, sender=sender, heartbeat=False)
+        for e in ENGINES
+    ]
+    try:
+        for r in reps:
+            await r.register()
+        for step in range(1, 5):
+            for i, r in enumerate(reps):
+                r.report_nowait(**_counts(step, i))
+        for r in reps:
+            assert await r.flush(10.0)
+        await _until(lambda: any(s.step == 4 for s in snaps))
+        _assert_every_step(snaps, range(1, 5))
+        assert all(r.stats.coalesced == 0 and r.stats.accepted == 4 for r in reps)
+    finally:
+        for r in reps:
+            await r.aclose()
+        await sender.aclose()
+        feed.cancel()
+        await asyncio.gather(feed, return_exceptions=True)
+
+
+async def test_back_pressure_coalesces_beyond_the_queue_and_counts_it(
+    redis_url: str, deployment: str
+) -> None:
+    """More steps handed over than MAX_QUEUED before the sender runs (a Redis slower
+    than the engine): the newest replaces the last one held, counted as coalesced."""
+    from redisbal.lane import MAX_QUEUED
+
+    rep = AsyncEngineReporter(redis_url, deployment, "e0", heartbeat=False)
+    try:
+        extra = 4
+        for step in range(1, MAX_QUEUED + extra + 1):
+            rep.report_nowait(step=step, waiting=0, running=step)
+        assert await rep.flush(10.0)
+        st = rep.stats
+        assert (st.queued, st.coalesced, st.sent) == (MAX_QUEUED + extra, extra, MAX_QUEUED)
+        assert st.accepted == MAX_QUEUED
+    finally:
+        await rep.aclose()
