@@ -42,7 +42,6 @@ from redisbal.endpoints import check_url
 from redisbal.errors import InvalidReport as InvalidReport
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.lane import Lane, ReporterStats, ReportResult, tag_of
-from redisbal.scripts import Scripts
 from redisbal.sender import ReportSender
 
 __all__ = [
@@ -218,9 +217,9 @@ class _Reporter:
             else:
                 sender = ReportSender(redis_url, backoff_s=backoff_s)
         self.sender = sender
-        self.client = sender.client
+        self.client = sender.client_for(self.keys.deployment)
         self.url = sender.url
-        self.scripts = Scripts(sender.client, self.keys, sender.pubcmd)
+        self.scripts = sender.scripts_for(self.keys)
         # this process's name in the barrier: a later reporter of the same engine id
         # replaces this one's record (a restart); this one's reports are then refused.
         # Processes that report one engine together pass one shared incarnation.

@@ -1,26 +1,33 @@
-"""The report sender: one asyncio task that carries the reports of one or many engines.
+"""The report sender: carries the reports of one or many engines, one asyncio task per
+deployment.
 
 A reporter never waits on Redis: ``report()`` checks the counts, puts them in its
-engine's slot (a ``Lane``) and returns. The sender's task takes every slot that
-holds something, sends it all in one round trip (a pipeline of report calls;
-one call when it holds one engine) and starts again; a heartbeat re-sends an
-engine's latest counts when it has not reported for ``heartbeat_s``.
+engine's slot (a ``Lane``) and returns. Each deployment's task takes every slot of
+that deployment that holds something, sends it all in one round trip (a pipeline
+of report calls; one call when it holds one engine) and starts again; a heartbeat
+re-sends an engine's latest counts when it has not reported for ``heartbeat_s``.
+Deployments do not wait for each other: each has its own task, back-off and (on a
+Redis Cluster, where one deployment's primary may fail over while the others' do
+not) its own client.
 
 Order and coalescing, per engine:
-- a slot holds at most one report, the newest: newer counts replace unsent
-  older ones (counted as ``coalesced``), so nothing queues up however long
-  Redis is away, and a send carries the freshest counts;
+- while Redis answers, each lockstep step handed over is sent, in order (the
+  step-S snapshot holds every engine's step-S counts); during an outage, or
+  when ``MAX_QUEUED`` reports of an engine are held (Redis slower than the
+  engine's steps), in tick mode and for a re-report of one step, newer counts
+  replace the last unsent ones (counted as ``coalesced``), so nothing queues up
+  however long Redis is away, and a send carries the freshest counts;
 - a lockstep report whose (wave, step) is older than the engine's newest one
   handed over is refused at once as ``stale`` (the barrier would refuse it
   too), so the sender never sends an older tag after a newer one;
 - sends are sequential: a round trip ends (delivered or failed) before the next
   starts, and a failed report goes back to its slot only if nothing newer came.
 
-This never makes the barrier miss a step it waits for: the barrier publishes
-step S once every member has reported a step >= S, and the cut takes each
-engine's latest report at or before S. A report replaced by a newer one is
-replaced by one with a step >= its own, which satisfies the same wait; it is
-the engine's latest report at or before S unless the newer one is itself <= S.
+Coalescing never makes the barrier miss a step it waits for: the barrier
+publishes step S once every member has reported a step >= S, and a report is
+replaced by one with a step >= its own, which satisfies the same wait. The
+replaced step's snapshot then holds the engine's counts of an earlier step,
+which is why it happens only when Redis cannot take every step.
 
 Failures: an outage (refused, reset, timed out) fails the round; the sender
 backs off (``backoff_s`` doubling to ``max_backoff_s``, measured from the
@@ -42,12 +49,14 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.exceptions
 
 from redisbal.background import BackgroundLoop
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
+from redisbal.keys import DeploymentKeys
 from redisbal.lane import (
     MAX_QUEUED,
     Lane,
@@ -59,7 +68,7 @@ from redisbal.lane import (
     report_many_argv,
     tag_of,
 )
-from redisbal.scripts import report_reply
+from redisbal.scripts import Scripts, report_reply
 
 log = logging.getLogger("redisbal.engine")
 # how often an engine's URL is written again: it comes back within this after a
@@ -87,11 +96,30 @@ def _resolve(waiters: list[Any], value: Any) -> None:
             fut.set_result(value)
 
 
+@dataclass(eq=False)
+class _Group:
+    """One deployment's engines in a sender: its task, its back-off and its client.
+    Every field is guarded by the sender's lock."""
+
+    deployment: str
+    client: Any
+    owns_client: bool
+    lanes: list[Lane] = field(default_factory=list)
+    rr: int = 0
+    wake: asyncio.Event | None = None
+    task: asyncio.Task[None] | None = None
+    idle: bool = False
+    failures: int = 0
+    down_until: float = 0.0
+    down_since: float | None = None
+    warned_at: float = 0.0
+
+
 class ReportSender:
     """Sends the reports of the engines attached to it, over one asyncio client.
 
     Share one between many reporters of a process (``sender=``) and their reports
-    travel together, one round trip per round. ``threaded=True`` runs it on its own
+    travel together, one round trip per deployment and round. ``threaded=True`` runs it on its own
     event loop in a daemon thread (what ``EngineReporter`` needs); otherwise it runs
     on the event loop of the first reporter that uses it. ``batch=True`` sends the
     reports of one deployment in one lua/report_many.lua call per round (what
@@ -112,9 +140,8 @@ class ReportSender:
         if client is None:
             if not redis_url:
                 raise ValueError("give a redis_url (or client=)")
-            client = make_client(
-                redis_url, asyncio=True, socket_connect_timeout=0.25, socket_timeout=timeout_s
-            )
+            self.timeout_s = timeout_s
+            client = self._make_client(redis_url)
             self._owns_client = True
         elif not inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
             raise ValueError("a ReportSender needs an asyncio client (redis.asyncio)")
@@ -131,21 +158,19 @@ class ReportSender:
         self.batches = 0  # round trips made
         self.failed_batches = 0
         self._lock = threading.Lock()
-        self._lanes: list[Lane] = []
-        self._rr = 0
+        self._redis_url = redis_url
+        self._groups: dict[str, _Group] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._idle = False
-        self._failures = 0
-        self._down_until = 0.0
-        self._down_since: float | None = None
-        self._warned_at = 0.0
         self.closed = False
         self._users = 0
         self._pid = os.getpid()
         self.background = BackgroundLoop("redisbal-report-sender") if threaded else None
+
+    def _make_client(self, redis_url: str) -> Any:
+        return make_client(
+            redis_url, asyncio=True, socket_connect_timeout=0.25, socket_timeout=self.timeout_s
+        )
 
     @classmethod
     def for_url(cls, redis_url: str | None, **kwargs: Any) -> ReportSender:
@@ -184,20 +209,46 @@ class ReportSender:
             _SHARED[id(client)] = sender
         return sender
 
+    def client_for(self, deployment: str) -> Any:
+        """The client that deployment's reports go through."""
+        with self._lock:
+            return self._group(deployment).client
+
+    def scripts_for(self, keys: DeploymentKeys) -> Scripts:
+        """The operations of deployment ``keys`` on the client its reports go through."""
+        return Scripts(self.client_for(keys.deployment), keys, self.pubcmd)
+
+    def _group(self, deployment: str) -> _Group:
+        """The deployment's group, made on first use (caller holds the lock). On a
+        cluster each group has a client of its own when the sender made its client: a
+        failed call on one primary makes redis-py's cluster client rebuild its slot map
+        before its next call, whatever slot that call is for."""
+        group = self._groups.get(deployment)
+        if group is None:
+            client, owns = self.client, False
+            if self._cluster and self._owns_client and self._groups and self._redis_url:
+                client, owns = self._make_client(self._redis_url), True
+            group = self._groups[deployment] = _Group(deployment, client, owns)
+        return group
+
+    def _group_of(self, lane: Lane) -> _Group:
+        return self._group(lane.scripts.keys.deployment)
+
     # -- hand-over (any thread; never waits) --------------------------------------------------
 
     def attach(self, lane: Lane) -> None:
         with self._lock:
             if self.closed:
                 raise RuntimeError("this ReportSender is closed")
-            self._lanes.append(lane)
+            self._group_of(lane).lanes.append(lane)
 
     def detach(self, lane: Lane) -> None:
         """Take the engine off the sender; what it still held is dropped (counted)."""
         with self._lock:
             lane.attached = False
-            if lane in self._lanes:
-                self._lanes.remove(lane)
+            lanes = self._group_of(lane).lanes
+            if lane in lanes:
+                lanes.remove(lane)
             for held in lane.queue:
                 lane.counts["dropped"] += 1
                 _resolve(held.waiters, ReportResult("unavailable"))
@@ -218,21 +269,22 @@ class ReportSender:
                 lane.counts["stale"] += 1
                 return ReportResult("stale", 0, wave, step)
             lane.counts["queued"] += 1
-            held = self._hold(lane, args, tag)
+            group = self._group_of(lane)
+            held = self._hold(lane, args, tag, group)
             lane.last_args = args
             if tag is not None:
                 lane.newest = tag
             out: ReportResult | concurrent.futures.Future[ReportResult]
             if not want_future:
                 out = ReportResult("queued", 0, wave, step)
-            elif time.monotonic() < self._down_until:  # backing off: answer now, retry later
+            elif time.monotonic() < group.down_until:  # backing off: answer now, retry later
                 lane.counts["unavailable"] += 1
                 out = ReportResult("unavailable", 0, wave, step)
             else:
                 out = concurrent.futures.Future()
                 held.waiters.append(out)
-            self._kick()
-        self._ensure_running()
+            self._kick(group)
+        self._ensure_running(group)
         return out
 
     def submit_register(
@@ -242,19 +294,20 @@ class ReportSender:
             if not lane.attached:
                 return None
             lane.register = True
+            group = self._group_of(lane)
             fut: concurrent.futures.Future[bool] | None = None
             if want_future:
-                if time.monotonic() < self._down_until:
+                if time.monotonic() < group.down_until:
                     fut = concurrent.futures.Future()
                     fut.set_result(False)
                 else:
                     fut = concurrent.futures.Future()
                     lane.register_waiters.append(fut)
-            self._kick()
-        self._ensure_running()
+            self._kick(group)
+        self._ensure_running(group)
         return fut
 
-    def _hold(self, lane: Lane, args: list[str], tag: Tag | None) -> Pending:
+    def _hold(self, lane: Lane, args: list[str], tag: Tag | None, group: _Group) -> Pending:
         """Queue a report behind the engine's unsent ones (caller holds the lock). A
         lockstep step is queued while Redis answers, so every step reaches the barrier;
         the newest replaces the last one held (counted as coalesced) during an outage,
@@ -265,7 +318,7 @@ class ReportSender:
             tag is not None
             and tag > tag_of(last.args)
             and len(lane.queue) < MAX_QUEUED
-            and self._down_since is None
+            and group.down_since is None
         ):
             lane.queue.append(Pending(args))
             return lane.queue[-1]
@@ -276,70 +329,71 @@ class ReportSender:
         last.args, last.waiters, last.retry = args, [], False
         return last
 
-    def _kick(self) -> None:
-        """Wake the task if it sleeps (caller holds the lock). While it backs off or
-        sends it is not idle, so a hand-over then costs no system call."""
-        if self._idle and self._loop is not None and self._wake is not None:
-            self._idle = False
+    def _kick(self, group: _Group) -> None:
+        """Wake the group's task if it sleeps (caller holds the lock). While it backs off
+        or sends it is not idle, so a hand-over then costs no system call."""
+        if group.idle and self._loop is not None and group.wake is not None:
+            group.idle = False
             if threading.get_ident() == self._loop_thread:
-                self._wake.set()
+                group.wake.set()
             else:
                 with contextlib.suppress(RuntimeError):  # loop closed under us
-                    self._loop.call_soon_threadsafe(self._wake.set)
+                    self._loop.call_soon_threadsafe(group.wake.set)
 
-    def _ensure_running(self) -> None:
-        if self._task is not None and not self._task.done():
+    def _ensure_running(self, group: _Group) -> None:
+        if group.task is not None and not group.task.done():
             return
         if self.closed:
             return
         if self.background is not None:
-            self.background.call_soon(self._start)
+            self.background.call_soon(self._start, group)
         else:
             asyncio.get_running_loop()  # RuntimeError outside a loop: the caller's mistake
-            self._start()
+            self._start(group)
 
-    def _start(self) -> None:
-        """Start the task on the running loop (idempotent)."""
-        if (self._task is not None and not self._task.done()) or self.closed:
+    def _start(self, group: _Group) -> None:
+        """Start the group's task on the running loop (idempotent)."""
+        if (group.task is not None and not group.task.done()) or self.closed:
             return
         loop = asyncio.get_running_loop()
         if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
             raise RuntimeError("this ReportSender runs on another event loop")
         self._loop, self._loop_thread = loop, threading.get_ident()
-        self._wake = asyncio.Event()
-        self._task = loop.create_task(self._run(), name="redisbal-report-sender")
+        group.wake = asyncio.Event()
+        group.task = loop.create_task(self._run(group), name="redisbal-report-sender")
 
     # -- the task -----------------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        assert self._wake is not None
+    async def _run(self, group: _Group) -> None:
+        wake = group.wake
+        assert wake is not None
         while not self.closed:
             now = time.monotonic()
             with self._lock:
-                if not self._lanes:
-                    self._idle, self._task = False, None
+                if not group.lanes:
+                    group.idle, group.task = False, None
                     return  # restarted by the next hand-over (_ensure_running)
-                batch = self._take(now) if now >= self._down_until else []
+                batch = self._take(group, now) if now >= group.down_until else []
                 if not batch:
-                    timeout = self._sleep_s(now)
-                    self._idle = now >= self._down_until
+                    timeout = self._sleep_s(group, now)
+                    group.idle = now >= group.down_until
             if batch:
-                await self._send(batch)
+                await self._send(group, batch)
                 continue
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            self._wake.clear()
+                await asyncio.wait_for(wake.wait(), timeout)
+            wake.clear()
             with self._lock:
-                self._idle = False
+                group.idle = False
 
-    def _take(self, now: float) -> list[Op]:
+    def _take(self, group: _Group, now: float) -> list[Op]:
         """Everything due, registrations first: an engine registered before another's
         report was handed over is a member when that report runs, so the first
         snapshot waits for it (as when registering was a round trip of its own)."""
         registers: list[Op] = []
         reports: list[Op] = []
-        lanes = self._lanes[self._rr :] + self._lanes[: self._rr]
-        self._rr = (self._rr + 1) % max(1, len(self._lanes))
+        lanes = group.lanes[group.rr :] + group.lanes[: group.rr]
+        group.rr = (group.rr + 1) % max(1, len(group.lanes))
         for lane in lanes:
             if len(registers) + len(reports) >= MAX_BATCH:
                 break
@@ -369,19 +423,20 @@ class ReportSender:
         reports.sort(key=lambda op: op.depth)
         return registers + reports
 
-    def _sleep_s(self, now: float) -> float:
-        if now < self._down_until:
-            return self._down_until - now
+    @staticmethod
+    def _sleep_s(group: _Group, now: float) -> float:
+        if now < group.down_until:
+            return group.down_until - now
         due = [
             lane.last_sent + lane.heartbeat_s - now
-            for lane in self._lanes
+            for lane in group.lanes
             if lane.heartbeat_s is not None and lane.last_args is not None
         ]
         return max(0.001, min(due, default=1.0))
 
-    async def _send(self, batch: list[Op]) -> None:
+    async def _send(self, group: _Group, batch: list[Op]) -> None:
         started = time.monotonic()
-        outs = await self._round_trip(batch)
+        outs = await self._round_trip(group.client, batch)
         now = time.monotonic()
         self.batches += 1
         outage = next((o for _, o in outs if isinstance(o, OUTAGE_ERRORS)), None)
@@ -391,15 +446,15 @@ class ReportSender:
                 self._settle(op, out, now)
             if outage is not None:
                 self.failed_batches += 1
-                self._failures = min(self._failures + 1, 30)
-                delay = min(self.backoff_s * 2 ** (self._failures - 1), self.max_backoff_s)
-                self._down_until = started + delay
-        self._log_health(outage, now)
+                group.failures = min(group.failures + 1, 30)
+                delay = min(self.backoff_s * 2 ** (group.failures - 1), self.max_backoff_s)
+                group.down_until = started + delay
+            self._log_health(group, outage, now)
         if outage is not None and self._cluster:  # find a promoted replica before the retry
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(refresh_slots(self.client), self.timeout_s + 1.0)
+                await asyncio.wait_for(refresh_slots(group.client), self.timeout_s + 1.0)
 
-    async def _round_trip(self, batch: list[Op]) -> list[tuple[Op, Any]]:
+    async def _round_trip(self, client: Any, batch: list[Op]) -> list[tuple[Op, Any]]:
         """Each op with its result (or exception). The calls (group_calls) go in one
         pipeline once every lane's Scripts knows its mode; on a cluster, one at a time,
         concurrently."""
@@ -411,17 +466,17 @@ class ReportSender:
                 and not self._cluster
                 and all(op.lane.scripts.mode != "probe" for op in batch)
             ):
-                outs = await asyncio.wait_for(self._pipelined(calls), guard)
+                outs = await asyncio.wait_for(self._pipelined(client, calls), guard)
             else:
                 outs = await asyncio.wait_for(self._singly(calls), guard)
         except Exception as exc:  # an outage, or a failure of the round as a whole
             outs = [exc] * len(calls)
         return [pair for call, out in zip(calls, outs, strict=True) for pair in _spread(call, out)]
 
-    async def _pipelined(self, calls: list[list[Op]]) -> list[Any]:
+    async def _pipelined(self, client: Any, calls: list[list[Op]]) -> list[Any]:
         # ``async with``: the pipeline gives its connection back on every path (a failed
         # SCRIPT EXISTS before EVALSHA, a cancel), or redis-py warns "Unclosed Pipeline"
-        async with self.client.pipeline(transaction=False) as pipe:
+        async with client.pipeline(transaction=False) as pipe:
             for call in calls:
                 queued = self._issue(call, pipe)
                 if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
@@ -462,7 +517,8 @@ class ReportSender:
         or several engines' reports in one report_many."""
         op, lane = call[0], call[0].lane
         if op.kind == "url":
-            return (pipe or self.client).hset(lane.scripts.keys.urls, lane.engine_id, lane.url)
+            target = pipe or self._group_of(lane).client
+            return target.hset(lane.scripts.keys.urls, lane.engine_id, lane.url)
         if len(call) > 1:
             return lane.scripts.call("report_many", *report_many_argv(call), client=pipe)
         return lane.scripts.call(op.kind, *self._argv(op), client=pipe)
@@ -541,29 +597,38 @@ class ReportSender:
             lane.incarnation,
         )
 
-    def _log_health(self, outage: BaseException | None, now: float) -> None:
+    def _log_health(self, group: _Group, outage: BaseException | None, now: float) -> None:
+        """Rate-limited warnings on the group's health (caller holds the lock)."""
         if outage is not None:
-            if self._down_since is None:
-                self._down_since = self._warned_at = now
+            if group.down_since is None:
+                group.down_since = group.warned_at = now
                 log.warning(
-                    "Redis unavailable (%s): %s; reports are kept (the newest per engine) "
-                    "and retried",
+                    "Redis unavailable (%s, deployment %s): %s; reports are kept (the newest "
+                    "per engine) and retried",
                     self.url,
+                    group.deployment,
                     type(outage).__name__,
                 )
-            elif now - self._warned_at >= WARN_EVERY_S:
-                self._warned_at = now
+            elif now - group.warned_at >= WARN_EVERY_S:
+                group.warned_at = now
                 log.warning(
-                    "Redis still unavailable (%s) after %.0f s; %d reports coalesced so far",
+                    "Redis still unavailable (%s, deployment %s) after %.0f s; %d reports "
+                    "coalesced so far",
                     self.url,
-                    now - self._down_since,
-                    sum(lane.counts["coalesced"] for lane in self._lanes),
+                    group.deployment,
+                    now - group.down_since,
+                    sum(lane.counts["coalesced"] for lane in group.lanes),
                 )
-        elif self._down_since is not None:
-            log.warning("Redis reachable again after %.1f s (%s)", now - self._down_since, self.url)
-            self._down_since, self._failures, self._down_until = None, 0, 0.0
+        elif group.down_since is not None:
+            log.warning(
+                "Redis reachable again after %.1f s (%s, deployment %s)",
+                now - group.down_since,
+                self.url,
+                group.deployment,
+            )
+            group.down_since, group.failures, group.down_until = None, 0, 0.0
         else:
-            self._failures = 0
+            group.failures = 0
 
     # -- waiting and closing (coroutines; the blocking reporter runs them on its loop) ---------
 
@@ -593,24 +658,30 @@ class ReportSender:
                 lane.scripts.call("leave", lane.engine_id, lane.incarnation), self.timeout_s + 1.0
             )
             if lane.url is not None:  # gateways stop sending to a URL nobody serves
+                client = self._group_of(lane).client
                 await asyncio.wait_for(
-                    self.client.hdel(lane.scripts.keys.urls, lane.engine_id), self.timeout_s + 1.0
+                    client.hdel(lane.scripts.keys.urls, lane.engine_id), self.timeout_s + 1.0
                 )
 
     async def aclose(self) -> None:
-        """Stop the task and close the client if this sender made it."""
+        """Stop the tasks and close the clients this sender made."""
         self.closed = True
-        task = self._task
-        if task is not None and not task.done():
+        with self._lock:
+            groups = list(self._groups.values())
+        for group in groups:
+            task = group.task
+            if task is None or task.done():
+                continue
             if self._loop is asyncio.get_running_loop():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             else:
                 self._loop.call_soon_threadsafe(task.cancel)  # type: ignore[union-attr]
-        if self._owns_client:
+        clients = [g.client for g in groups if g.owns_client]
+        for client in [self.client] * self._owns_client + clients:
             with contextlib.suppress(Exception):
-                await self.client.aclose()
+                await client.aclose()
 
     def close(self) -> None:
         """Blocking close of a threaded sender."""

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""One deployment's Cluster failover, seen from another deployment reported by the same
+process (``redisbal.bench.isolation``).
+
+Starts a Redis Cluster (3 primaries, 1 replica each, ``cluster-require-full-coverage
+no`` so that the other slots stay served, node timeout ``--node-timeout-ms``), picks
+two deployments on different primaries (the victim on the primary of slot 0, the
+default node of redis-py's cluster clients), SIGKILLs the victim's primary while both
+report through one sender, and prints per run: kill -> promotion, kill -> the
+victim's next accepted report, the other deployment's snapshots while the victim's
+primary was dead and its longest pause (the target: at most 1 s), and the load
+average. The cluster is started again for each run.
+
+    python scripts/bench_isolation.py [--runs 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+
+from redisbal.bench.isolation import run_isolation
+from redisbal.keys import DeploymentKeys
+from redisbal.sim.cluster import ClusterTopology, system_binary
+
+
+def one_run(node_timeout_ms: int) -> dict[str, object]:
+    with ClusterTopology(
+        system_binary(), replicas=1, node_timeout_ms=node_timeout_ms, full_coverage=False
+    ) as cluster:
+        slot0 = cluster.slot_owner(0)[0]
+        deps = cluster.deployments_on_distinct_primaries(3, f"iso{os.getpid()}")
+        deps.sort(key=lambda d: cluster.node_for_key(DeploymentKeys(d).snapshot) is not slot0)
+        victim, other = deps[0], deps[1]
+        slot = cluster.slot_of(DeploymentKeys(victim).snapshot)
+        old, _ = cluster.slot_owner(slot)
+
+        def promoted() -> bool:
+            primary, _ = cluster.slot_owner(slot)
+            return primary is not old and cluster.role(primary) == "master"
+
+        out = asyncio.run(run_isolation(cluster.url, victim, other, old.kill, promoted))
+    row = dataclasses.asdict(out)
+    del row["other_done"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--node-timeout-ms", type=int, default=1500)
+    ap.add_argument("--json", help="write the runs here")
+    args = ap.parse_args()
+    rows = []
+    for i in range(args.runs):
+        row = one_run(args.node_timeout_ms)
+        rows.append(row)
+        print(f"run {i + 1}: " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    gaps = [float(r["other_max_gap_s"]) for r in rows]  # type: ignore[arg-type]
+    print(
+        f"other deployment's longest pause: median {statistics.median(gaps):.3f} s, "
+        f"worst {max(gaps):.3f} s over {len(rows)} runs"
+    )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"commit": commit, "runs": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
