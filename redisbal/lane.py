@@ -1,16 +1,22 @@
 """One engine's slot in a report sender (``Lane``), what becomes of its reports
-(``ReportResult``, ``ReporterStats``), and the operations of one round (``Op``) and
-how a batching sender groups them into calls: the types the reporters and the
-sender share (redisbal.engine, redisbal.sender, redisbal.batch)."""
+(``ReportResult``, ``ReporterStats``), and the operations of one round (``Op``), how
+they are grouped into calls and sent (``round_trip``): the types the reporters and
+the sender share (redisbal.engine, redisbal.sender, redisbal.batch) and the sender's
+Redis I/O."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
+import inspect
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis.exceptions
+
+from redisbal.connection import OUTAGE_ERRORS
 from redisbal.scripts import Scripts
 
 Tag = tuple[int, int]
@@ -117,6 +123,7 @@ class Op:
     depth: int = 0  # a report's place among its engine's reports of this round
 
 
+KINDS = ("register", "url", "report")  # the order of a round's calls on a cluster
 MAX_REPORTS = 1024  # reports per lua/report_many.lua call (its MAX_REPORTS)
 
 
@@ -152,3 +159,94 @@ def report_many_argv(call: list[Op]) -> list[str]:
     for op in call:
         argv += [op.lane.engine_id, *op.args[:-1], op.lane.incarnation, op.args[-1]]
     return argv
+
+
+def _spread(call: list[Op], out: Any) -> list[tuple[Op, Any]]:
+    """Each op of a call with its result: a report_many call's reply holds one per op."""
+    if len(call) == 1 or isinstance(out, Exception):
+        return [(op, out) for op in call]
+    if not isinstance(out, list) or len(out) != len(call):
+        bad = redis.exceptions.ResponseError(f"report_many: {len(call)} replies expected")
+        return [(op, bad) for op in call]
+    return list(zip(call, out, strict=True))
+
+
+async def round_trip(
+    client: Any, batch: list[Op], *, many: bool, cluster: bool, timeout_s: float
+) -> list[tuple[Op, Any]]:
+    """Each op with its result (or exception). The calls (group_calls) go in one
+    pipeline once every lane's Scripts knows its mode; on a cluster, one at a time,
+    concurrently."""
+    calls = group_calls(batch, many)
+    guard = timeout_s + 1.0  # a client without socket timeouts must not hang us
+    try:
+        if len(calls) > 1 and not cluster and all(op.lane.scripts.mode != "probe" for op in batch):
+            outs = await asyncio.wait_for(_pipelined(client, calls), guard)
+        else:
+            outs = await asyncio.wait_for(_singly(client, calls), guard)
+    except Exception as exc:  # an outage, or a failure of the round as a whole
+        outs = [exc] * len(calls)
+    return [pair for call, out in zip(calls, outs, strict=True) for pair in _spread(call, out)]
+
+
+async def _pipelined(client: Any, calls: list[list[Op]]) -> list[Any]:
+    # ``async with``: the pipeline gives its connection back on every path (a failed
+    # SCRIPT EXISTS before EVALSHA, a cancel), or redis-py warns "Unclosed Pipeline"
+    async with client.pipeline(transaction=False) as pipe:
+        for call in calls:
+            queued = _issue(client, call, pipe)
+            if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
+                await queued
+        outs: list[Any] = list(await pipe.execute(raise_on_error=False))
+    for i, (call, out) in enumerate(zip(calls, outs, strict=True)):
+        if isinstance(out, Exception) and not isinstance(out, OUTAGE_ERRORS):
+            outs[i] = await _one(client, call)  # e.g. the library was flushed: reload
+    return outs
+
+
+async def _singly(client: Any, calls: list[list[Op]]) -> list[Any]:
+    """One call at a time, concurrently: every registration, then the reports in
+    layers, an engine's next report after its previous one has its answer."""
+    outs: list[Any] = [None] * len(calls)
+    layers: dict[tuple[int, int], list[int]] = {}  # (kind, layer) -> calls
+    seen: dict[int, int] = {}  # id(lane) -> layers holding one of its reports
+    for i, call in enumerate(calls):
+        layer = 0
+        if call[0].kind == "report":
+            layer = max(seen.get(id(op.lane), 0) for op in call)
+            for op in call:
+                seen[id(op.lane)] = layer + 1
+        layers.setdefault((KINDS.index(call[0].kind), layer), []).append(i)
+    for _, todo in sorted(layers.items()):
+        done = await asyncio.gather(*(_one(client, calls[i]) for i in todo))
+        for i, out in zip(todo, done, strict=True):
+            outs[i] = out
+    return outs
+
+
+async def _one(client: Any, call: list[Op]) -> Any:
+    try:
+        return await _issue(client, call)
+    except Exception as exc:  # handed to _settle: an outage, or an error to count
+        return exc
+
+
+def _issue(client: Any, call: list[Op], pipe: Any = None) -> Any:
+    """Send (or queue on ``pipe``) one call: a URL write, a registration, a report,
+    or several engines' reports in one report_many."""
+    op, lane = call[0], call[0].lane
+    if op.kind == "url":
+        target = pipe or client
+        return target.hset(lane.scripts.keys.urls, lane.engine_id, lane.url)
+    if len(call) > 1:
+        return lane.scripts.call("report_many", *report_many_argv(call), client=pipe)
+    return lane.scripts.call(op.kind, *_argv(op), client=pipe)
+
+
+def _argv(op: Op) -> list[str]:
+    """ARGV after deployment and publish command: a report's carries the counts, the
+    incarnation and the progress flag (lua/report.lua); a registration's, the id."""
+    lane = op.lane
+    if op.kind == "report":
+        return [lane.candidate(), lane.engine_id, *op.args[:-1], lane.incarnation, op.args[-1]]
+    return [lane.candidate(), lane.engine_id]

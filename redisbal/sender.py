@@ -52,8 +52,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.exceptions
-
 from redisbal.background import BackgroundLoop
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
 from redisbal.keys import DeploymentKeys
@@ -64,8 +62,7 @@ from redisbal.lane import (
     Pending,
     ReportResult,
     Tag,
-    group_calls,
-    report_many_argv,
+    round_trip,
     tag_of,
 )
 from redisbal.scripts import Scripts, report_reply
@@ -76,18 +73,7 @@ log = logging.getLogger("redisbal.engine")
 URL_REFRESH_S = 5.0
 
 WARN_EVERY_S = 60.0
-KINDS = ("register", "url", "report")  # the order of a round's calls on a cluster
 MAX_BATCH = 256
-
-
-def _spread(call: list[Op], out: Any) -> list[tuple[Op, Any]]:
-    """Each op of a call with its result: a report_many call's reply holds one per op."""
-    if len(call) == 1 or isinstance(out, Exception):
-        return [(op, out) for op in call]
-    if not isinstance(out, list) or len(out) != len(call):
-        bad = redis.exceptions.ResponseError(f"report_many: {len(call)} replies expected")
-        return [(op, bad) for op in call]
-    return list(zip(call, out, strict=True))
 
 
 def _resolve(waiters: list[Any], value: Any) -> None:
@@ -436,7 +422,9 @@ class ReportSender:
 
     async def _send(self, group: _Group, batch: list[Op]) -> None:
         started = time.monotonic()
-        outs = await self._round_trip(group.client, batch)
+        outs = await round_trip(
+            group.client, batch, many=self.batch, cluster=self._cluster, timeout_s=self.timeout_s
+        )
         now = time.monotonic()
         self.batches += 1
         outage = next((o for _, o in outs if isinstance(o, OUTAGE_ERRORS)), None)
@@ -453,84 +441,6 @@ class ReportSender:
         if outage is not None and self._cluster:  # find a promoted replica before the retry
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(refresh_slots(group.client), self.timeout_s + 1.0)
-
-    async def _round_trip(self, client: Any, batch: list[Op]) -> list[tuple[Op, Any]]:
-        """Each op with its result (or exception). The calls (group_calls) go in one
-        pipeline once every lane's Scripts knows its mode; on a cluster, one at a time,
-        concurrently."""
-        calls = group_calls(batch, self.batch)
-        guard = self.timeout_s + 1.0  # a client without socket timeouts must not hang us
-        try:
-            if (
-                len(calls) > 1
-                and not self._cluster
-                and all(op.lane.scripts.mode != "probe" for op in batch)
-            ):
-                outs = await asyncio.wait_for(self._pipelined(client, calls), guard)
-            else:
-                outs = await asyncio.wait_for(self._singly(calls), guard)
-        except Exception as exc:  # an outage, or a failure of the round as a whole
-            outs = [exc] * len(calls)
-        return [pair for call, out in zip(calls, outs, strict=True) for pair in _spread(call, out)]
-
-    async def _pipelined(self, client: Any, calls: list[list[Op]]) -> list[Any]:
-        # ``async with``: the pipeline gives its connection back on every path (a failed
-        # SCRIPT EXISTS before EVALSHA, a cancel), or redis-py warns "Unclosed Pipeline"
-        async with client.pipeline(transaction=False) as pipe:
-            for call in calls:
-                queued = self._issue(call, pipe)
-                if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
-                    await queued
-            outs: list[Any] = list(await pipe.execute(raise_on_error=False))
-        for i, (call, out) in enumerate(zip(calls, outs, strict=True)):
-            if isinstance(out, Exception) and not isinstance(out, OUTAGE_ERRORS):
-                outs[i] = await self._one(call)  # e.g. the library was flushed: reload
-        return outs
-
-    async def _singly(self, calls: list[list[Op]]) -> list[Any]:
-        """One call at a time, concurrently: every registration, then the reports in
-        layers, an engine's next report after its previous one has its answer."""
-        outs: list[Any] = [None] * len(calls)
-        layers: dict[tuple[int, int], list[int]] = {}  # (kind, layer) -> calls
-        seen: dict[int, int] = {}  # id(lane) -> layers holding one of its reports
-        for i, call in enumerate(calls):
-            layer = 0
-            if call[0].kind == "report":
-                layer = max(seen.get(id(op.lane), 0) for op in call)
-                for op in call:
-                    seen[id(op.lane)] = layer + 1
-            layers.setdefault((KINDS.index(call[0].kind), layer), []).append(i)
-        for _, todo in sorted(layers.items()):
-            done = await asyncio.gather(*(self._one(calls[i]) for i in todo))
-            for i, out in zip(todo, done, strict=True):
-                outs[i] = out
-        return outs
-
-    async def _one(self, call: list[Op]) -> Any:
-        try:
-            return await self._issue(call)
-        except Exception as exc:  # handed to _settle: an outage, or an error to count
-            return exc
-
-    def _issue(self, call: list[Op], pipe: Any = None) -> Any:
-        """Send (or queue on ``pipe``) one call: a URL write, a registration, a report,
-        or several engines' reports in one report_many."""
-        op, lane = call[0], call[0].lane
-        if op.kind == "url":
-            target = pipe or self._group_of(lane).client
-            return target.hset(lane.scripts.keys.urls, lane.engine_id, lane.url)
-        if len(call) > 1:
-            return lane.scripts.call("report_many", *report_many_argv(call), client=pipe)
-        return lane.scripts.call(op.kind, *self._argv(op), client=pipe)
-
-    @staticmethod
-    def _argv(op: Op) -> list[str]:
-        """ARGV after deployment and publish command: a report's carries the counts, the
-        incarnation and the progress flag (lua/report.lua); a registration's, the id."""
-        lane = op.lane
-        if op.kind == "report":
-            return [lane.candidate(), lane.engine_id, *op.args[:-1], lane.incarnation, op.args[-1]]
-        return [lane.candidate(), lane.engine_id]
 
     def _settle(self, op: Op, out: Any, now: float) -> None:
         """Apply one op's outcome (caller holds the lock)."""
