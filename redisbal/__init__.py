@@ -13,6 +13,7 @@ exception redisbal raises is a ``RedisbalError`` (redisbal.errors).
 from redisbal.batch import AsyncBatchReporter, BatchReporter
 from redisbal.engine import (
     AsyncEngineReporter,
+    Counts,
     EngineReporter,
     InvalidReport,
     ReporterStats,
@@ -44,6 +45,7 @@ __all__ = [
     "AsyncRouter",
     "BadRedisURL",
     "BatchReporter",
+    "Counts",
     "Decision",
     "EngineCounts",
     "EngineReporter",

@@ -28,6 +28,7 @@ from typing import Any
 
 from redisbal.engine import (
     AsyncEngineReporter,
+    Counts,
     EngineReporter,
     InvalidReport,
     _awaited,
@@ -45,7 +46,6 @@ from redisbal.sender import ReportSender
 __all__ = ["MAX_ENGINES", "AsyncBatchReporter", "BatchReporter"]
 
 MAX_ENGINES = MAX_REPORTS  # engines of one batch reporter: one report_many call holds them
-COUNT_FIELDS = ("step", "waiting", "running", "wave", "kv_usage", "admitted", "progress")
 
 
 def check_engine_ids(engine_ids: Iterable[str]) -> list[str]:
@@ -152,11 +152,11 @@ class _Batch:
         timeout: float | None = 10.0,
     ) -> ReportResult | _Wait:
         rep = self._reporter(engine_id)
-        args = rep._checked(step, waiting, running, wave, kv_usage, admitted, progress)
-        return rep._submit(args, wait, timeout)
+        counts = Counts(step, waiting, running, wave, kv_usage, admitted, progress)
+        return rep._submit(counts.argv(rep.mode), wait, timeout)
 
     def _hand_over_many(
-        self, reports: Mapping[str, Mapping[str, Any]], wait: bool, timeout: float | None
+        self, reports: Mapping[str, Counts | Mapping[str, Any]], wait: bool, timeout: float | None
     ) -> dict[str, ReportResult | _Wait]:
         """Check every engine's counts, then hand them all over (none on a bad one)."""
         if not isinstance(reports, Mapping):
@@ -164,15 +164,11 @@ class _Batch:
         checked = []
         for eid, counts in reports.items():
             rep = self._reporter(eid)
-            if not isinstance(counts, Mapping) or set(counts) - set(COUNT_FIELDS):
-                raise InvalidReport(
-                    f"engine {eid}: counts must be a mapping of {', '.join(COUNT_FIELDS)}"
-                )
             try:
-                checked.append((eid, rep, rep._checked(**counts)))
+                checked.append((rep, Counts.of(counts).argv(rep.mode)))
             except InvalidReport as exc:
                 raise InvalidReport(f"engine {eid}: {exc}") from None
-        return {eid: rep._submit(args, wait, timeout) for eid, rep, args in checked}
+        return {rep.engine_id: rep._submit(args, wait, timeout) for rep, args in checked}
 
     @property
     def stats(self) -> dict[str, ReporterStats]:
@@ -199,8 +195,8 @@ class _Batch:
 
 _REPORT_DOC = """Hand engine ``engine_id``'s counts to the sender; returns at once (see
 AsyncEngineReporter.report: "queued", or with ``wait=True`` this report's outcome)."""
-_MANY_DOC = """Hand several engines' counts over: ``{engine_id: {"step": ..., "waiting": ...,
-"running": ..., "wave", "kv_usage", "admitted", "progress"}}``. Every engine's counts are
+_MANY_DOC = """Hand several engines' counts over: ``{engine_id: Counts(...)}`` (or a mapping
+of Counts' fields: ``{"step": ..., "waiting": ..., "running": ...}``). Every engine's counts are
 checked first (InvalidReport names the engine and the field; nothing is handed over);
 returns each engine's ReportResult."""
 
@@ -219,7 +215,7 @@ class AsyncBatchReporter(_Batch):
 
     async def report_many(
         self,
-        reports: Mapping[str, Mapping[str, Any]],
+        reports: Mapping[str, Counts | Mapping[str, Any]],
         *,
         wait: bool = False,
         timeout: float | None = 10.0,
@@ -271,7 +267,7 @@ class BatchReporter(_Batch):
 
     def report_many(
         self,
-        reports: Mapping[str, Mapping[str, Any]],
+        reports: Mapping[str, Counts | Mapping[str, Any]],
         *,
         wait: bool = False,
         timeout: float | None = 10.0,

@@ -32,7 +32,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -47,13 +47,13 @@ from redisbal.sender import ReportSender
 __all__ = [
     "OUTAGE_ERRORS",
     "AsyncEngineReporter",
+    "Counts",
     "EngineReporter",
     "InvalidReport",
     "ReportResult",
     "ReportSender",
     "ReporterStats",
     "new_incarnation",
-    "validate_report",
 ]
 
 MAX_COUNT = 1_000_000_000
@@ -71,44 +71,70 @@ def _count(name: str, value: object, hi: int = MAX_COUNT) -> int:
     return value
 
 
-def validate_report(
-    *,
-    mode: str,
-    step: int | None,
-    waiting: int,
-    running: int,
-    wave: int,
-    kv_usage: float | None,
-    admitted: Sequence[int] | None,
-) -> list[str]:
-    """Check one report and return ARGV[5..10] for lua/report.lua."""
-    if mode == "lockstep":
-        if step is None:
-            raise InvalidReport("step is required in lockstep mode (or use mode='tick')")
-        wave_s, step_s = str(_count("wave", wave, MAX_WAVE)), str(_count("step", step, MAX_STEP))
-    else:
-        if step is not None:
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """One engine's counts at one step, checked when made (InvalidReport names the
+    field): what a reporter hands to its sender. ``step`` and ``wave`` tag a lockstep
+    report (None in tick mode: the server assigns the tick); ``admitted`` holds, per
+    router client index, how many routed requests the engine has taken in;
+    ``progress=False`` says the engine's loop did not move since its last report."""
+
+    step: int | None = None
+    waiting: int = 0
+    running: int = 0
+    wave: int = 0
+    kv_usage: float | None = None
+    admitted: Sequence[int] | None = None  # kept as a tuple
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.step is not None:
+            _count("step", self.step, MAX_STEP)
+        _count("wave", self.wave, MAX_WAVE)
+        _count("waiting", self.waiting)
+        _count("running", self.running)
+        kv = self.kv_usage
+        if kv is not None:
+            if isinstance(kv, bool) or not isinstance(kv, int | float):
+                raise InvalidReport(f"kv_usage must be a number in [0, 1], got {kv!r}")
+            if not (math.isfinite(kv) and 0.0 <= kv <= 1.0):
+                raise InvalidReport(f"kv_usage must be in [0, 1], got {kv!r}")
+        adm = self.admitted
+        if adm is not None:
+            if (
+                isinstance(adm, str | bytes)
+                or not isinstance(adm, Sequence)
+                or len(adm) > MAX_CLIENTS
+            ):
+                raise InvalidReport(f"admitted must be a list of at most {MAX_CLIENTS} counts")
+            for i, a in enumerate(adm):
+                _count(f"admitted[{i}]", a, 10**15 - 1)
+            if not isinstance(adm, tuple):
+                object.__setattr__(self, "admitted", tuple(adm))
+
+    @classmethod
+    def of(cls, counts: Counts | Mapping[str, Any]) -> Counts:
+        """``counts`` as Counts: a mapping of its fields is checked (InvalidReport)."""
+        if isinstance(counts, Counts):
+            return counts
+        if not isinstance(counts, Mapping) or set(counts) - set(cls.__slots__):
+            raise InvalidReport(f"counts must be Counts or a mapping of {', '.join(cls.__slots__)}")
+        return cls(**counts)
+
+    def argv(self, mode: str) -> list[str]:
+        """ARGV 5..10 of lua/report.lua and the progress flag, for ``mode``."""
+        if mode == "lockstep":
+            if self.step is None:
+                raise InvalidReport("step is required in lockstep mode (or use mode='tick')")
+            wave_s, step_s = str(self.wave), str(self.step)
+        elif self.step is not None:
             raise InvalidReport("step must not be given in tick mode: the server assigns the tick")
-        wave_s, step_s = "0", "tick"
-    w = str(_count("waiting", waiting))
-    r = str(_count("running", running))
-    kv = ""
-    if kv_usage is not None:
-        if isinstance(kv_usage, bool) or not isinstance(kv_usage, int | float):
-            raise InvalidReport(f"kv_usage must be a number in [0, 1], got {kv_usage!r}")
-        if not (math.isfinite(kv_usage) and 0.0 <= kv_usage <= 1.0):
-            raise InvalidReport(f"kv_usage must be in [0, 1], got {kv_usage!r}")
-        kv = f"{float(kv_usage):.4f}"
-    adm = ""
-    if admitted is not None:
-        if (
-            isinstance(admitted, str | bytes)
-            or not isinstance(admitted, Sequence)
-            or len(admitted) > MAX_CLIENTS
-        ):
-            raise InvalidReport(f"admitted must be a list of at most {MAX_CLIENTS} counts")
-        adm = ",".join(str(_count(f"admitted[{i}]", a, 10**15 - 1)) for i, a in enumerate(admitted))
-    return [wave_s, step_s, w, r, kv, adm]
+        else:
+            wave_s, step_s = "0", "tick"
+        kv = "" if self.kv_usage is None else f"{float(self.kv_usage):.4f}"
+        adm = "" if self.admitted is None else ",".join(map(str, self.admitted))
+        progress = "1" if self.progress else "0"
+        return [wave_s, step_s, str(self.waiting), str(self.running), kv, adm, progress]
 
 
 INCARNATION_RE = re.compile(r"[A-Za-z0-9]{1,12}-[0-9a-fA-F]{1,27}")
@@ -248,31 +274,8 @@ class _Reporter:
         wait: bool = False,
         timeout: float | None = 10.0,
     ) -> ReportResult | _Wait:
-        args = self._checked(step, waiting, running, wave, kv_usage, admitted, progress)
-        return self._submit(args, wait, timeout)
-
-    def _checked(
-        self,
-        step: int | None = None,
-        waiting: int = 0,
-        running: int = 0,
-        wave: int = 0,
-        kv_usage: float | None = None,
-        admitted: Sequence[int] | None = None,
-        progress: bool = True,
-    ) -> list[str]:
-        """A report checked (InvalidReport names the field): what ``_submit`` takes."""
-        args = validate_report(
-            mode=self.mode,
-            step=step,
-            waiting=waiting,
-            running=running,
-            wave=wave,
-            kv_usage=kv_usage,
-            admitted=admitted,
-        )
-        args.append("1" if progress else "0")
-        return args
+        counts = Counts(step, waiting, running, wave, kv_usage, admitted, progress)
+        return self._submit(counts.argv(self.mode), wait, timeout)
 
     def _submit(self, args: list[str], wait: bool, timeout: float | None) -> ReportResult | _Wait:
         """Hand a checked report to the sender."""

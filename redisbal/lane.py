@@ -92,6 +92,12 @@ class Lane:
     url: str | None = None  # where gateways send this engine's requests (endpoints.py)
     url_due: float = 0.0  # monotonic time the URL is next written (after a loss too)
     attached: bool = True
+    # heartbeats: none while paused (until the next report); with ``beat_for_s``, only
+    # that long after the last report, or for ever while its counts are idle
+    paused: bool = False
+    beat_for_s: float | None = None
+    beat_idle_forever: bool = False
+    submitted: float = 0.0  # monotonic time of the last report handed over
     conflict_with: str | None = None  # the incarnation that replaced this one (logged once)
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -100,6 +106,14 @@ class Lane:
         that state was lost (this engine had been in it), so the first snapshot of the
         new epoch waits join_grace_ms for the other engines to re-register."""
         return ("r-" if self.had_state else "") + secrets.token_hex(8)
+
+    def beats(self, now: float) -> bool:
+        """Whether this engine's last counts are re-sent as heartbeats now."""
+        if self.heartbeat_s is None or self.last_args is None or self.paused:
+            return False
+        if self.beat_for_s is None or now - self.submitted <= self.beat_for_s:
+            return True
+        return self.beat_idle_forever and self.last_args[2] == self.last_args[3] == "0"
 
     @property
     def busy(self) -> bool:

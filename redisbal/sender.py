@@ -235,26 +235,33 @@ class ReportSender:
             lanes = self._group_of(lane).lanes
             if lane in lanes:
                 lanes.remove(lane)
-            for held in lane.queue:
-                lane.counts["dropped"] += 1
-                _resolve(held.waiters, ReportResult("unavailable"))
-            lane.queue.clear()
+            self._drop(lane)
             _resolve(lane.register_waiters, False)
             lane.register_waiters, lane.register = [], False
 
     def submit(
-        self, lane: Lane, args: list[str], tag: Tag | None, want_future: bool
+        self,
+        lane: Lane,
+        args: list[str],
+        tag: Tag | None,
+        want_future: bool,
+        *,
+        first: bool = False,
     ) -> ReportResult | concurrent.futures.Future[ReportResult]:
-        """Queue one report (validated by the caller); see the module docstring."""
+        """Queue one report (validated by the caller); see the module docstring.
+        ``first``: only if the engine has reported nothing yet (else "stale")."""
         wave, step = tag or (0, 0)
         with self._lock:
             if not lane.attached:
                 lane.counts["dropped"] += 1
                 return ReportResult("unavailable", 0, wave, step)
+            if first and lane.last_args is not None:
+                return ReportResult("stale", 0, wave, step)
             if tag is not None and lane.newest is not None and tag < lane.newest:
                 lane.counts["stale"] += 1
                 return ReportResult("stale", 0, wave, step)
             lane.counts["queued"] += 1
+            lane.paused, lane.submitted = False, time.monotonic()
             group = self._group_of(lane)
             held = self._hold(lane, args, tag, group)
             lane.last_args = args
@@ -272,6 +279,21 @@ class ReportSender:
             self._kick(group)
         self._ensure_running(group)
         return out
+
+    def pause(self, lane: Lane) -> None:
+        """No reports and no heartbeats for the engine until its next report: what it
+        held is dropped (counted), so it stalls, then expires."""
+        with self._lock:
+            lane.paused = True
+            self._drop(lane)
+
+    @staticmethod
+    def _drop(lane: Lane) -> None:
+        """Drop the engine's unsent reports, counted (caller holds the lock)."""
+        for held in lane.queue:
+            lane.counts["dropped"] += 1
+            _resolve(held.waiters, ReportResult("unavailable"))
+        lane.queue.clear()
 
     def submit_register(
         self, lane: Lane, want_future: bool
@@ -396,12 +418,8 @@ class ReportSender:
                     reports.append(Op("report", lane, held.args, held.waiters, depth=depth))
                 lane.inflight += len(lane.queue)
                 lane.queue.clear()
-            elif (
-                lane.heartbeat_s is not None
-                and lane.last_args is not None
-                and now - lane.last_sent >= lane.heartbeat_s
-            ):
-                beat = [*lane.last_args[:-1], "0"]  # unchanged counts: no progress
+            elif lane.beats(now) and now - lane.last_sent >= (lane.heartbeat_s or 0.0):
+                beat = [*(lane.last_args or [])[:-1], "0"]  # unchanged counts: no progress
                 reports.append(Op("report", lane, beat, [], heartbeat=True))
                 lane.inflight += 1
         # each engine's oldest report first, then each one's next: a call carries one
@@ -416,7 +434,7 @@ class ReportSender:
         due = [
             lane.last_sent + lane.heartbeat_s - now
             for lane in group.lanes
-            if lane.heartbeat_s is not None and lane.last_args is not None
+            if lane.heartbeat_s is not None and lane.beats(now)
         ]
         return max(0.001, min(due, default=1.0))
 

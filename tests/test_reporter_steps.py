@@ -13,7 +13,7 @@ import asyncio
 
 import redis.asyncio
 
-from redisbal import AsyncBatchReporter, AsyncEngineReporter, ReportSender, Snapshot
+from redisbal import AsyncBatchReporter, AsyncEngineReporter, Counts, ReportSender, Snapshot
 from redisbal.keys import DeploymentKeys
 from redisbal.snapshot import Rosters
 
@@ -69,11 +69,10 @@ async def test_batch_back_to_back_steps_each_reach_redis(redis_url: str, deploym
     rep = AsyncBatchReporter(redis_url, deployment, ENGINES, heartbeat=False)
     try:
         await rep.register()
-        # steps 1..4 of all three engines, back to back: no await between hand-overs
+        # steps 1..4 of all three engines, back to back: the sender runs only after the
+        # last (report_many without wait=True never suspends)
         for step in range(1, 5):
-            rep_many = {e: _counts(step, i) for i, e in enumerate(ENGINES)}
-            for eid, counts in rep_many.items():
-                rep.report_nowait(eid, **counts)
+            await rep.report_many({e: Counts(**_counts(step, i)) for i, e in enumerate(ENGINES)})
         assert await rep.flush(10.0)
         await _until(lambda: any(s.step == 4 for s in snaps))
         _assert_every_step(snaps, range(1, 5))

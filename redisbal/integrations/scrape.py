@@ -320,7 +320,6 @@ def build(
         mode="tick",
         max_age_s=interval_s + timeout_s + 0.1,
         idle_forever=False,
-        name="redisbal-scrape-sender",
     )
     return Sidecar(sender, targets, template=template, interval_s=interval_s, timeout_s=timeout_s)
 

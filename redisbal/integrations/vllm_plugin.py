@@ -164,7 +164,6 @@ def shared_sender(cfg: PluginConfig, incarnation: str | None = None) -> CountsRe
                 # ones are re-sent as "no progress" for as long as this process lives: a
                 # busy engine without steps is stalled by the barrier, a dead one expires
                 max_age_s=None,
-                name="redisbal-vllm-sender",
             )
             atexit.register(sender.close)
         return sender
