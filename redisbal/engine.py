@@ -34,7 +34,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from redisbal.background import BackgroundLoop
 from redisbal.connection import OUTAGE_ERRORS
@@ -71,14 +71,7 @@ def _count(name: str, value: object, hi: int = MAX_COUNT) -> int:
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class Counts:
-    """One engine's counts at one step, checked when made (InvalidReport names the
-    field): what a reporter hands to its sender. ``step`` and ``wave`` tag a lockstep
-    report (None in tick mode: the server assigns the tick); ``admitted`` holds, per
-    router client index, how many routed requests the engine has taken in;
-    ``progress=False`` says the engine's loop did not move since its last report."""
-
+class _CountsFields(NamedTuple):
     step: int | None = None
     waiting: int = 0
     running: int = 0
@@ -87,19 +80,43 @@ class Counts:
     admitted: Sequence[int] | None = None  # kept as a tuple
     progress: bool = True
 
-    def __post_init__(self) -> None:
-        if self.step is not None:
-            _count("step", self.step, MAX_STEP)
-        _count("wave", self.wave, MAX_WAVE)
-        _count("waiting", self.waiting)
-        _count("running", self.running)
-        kv = self.kv_usage
-        if kv is not None:
+
+_new_counts = _CountsFields.__new__
+
+
+class Counts(_CountsFields):
+    """One engine's counts at one step, checked when made (InvalidReport names the
+    field): what a reporter hands to its sender. ``step`` and ``wave`` tag a lockstep
+    report (None in tick mode: the server assigns the tick); ``admitted`` holds, per
+    router client index, how many routed requests the engine has taken in;
+    ``progress=False`` says the engine's loop did not move since its last report.
+    Immutable (a named tuple: ``_replace`` makes a changed copy, checked again)."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Counts:
+        self = _new_counts(cls, *args, **kwargs)
+        step, waiting, running, wave, kv, adm, progress = self
+        # the usual case in one expression; the checks one by one name a bad field
+        if not (
+            type(waiting) is int
+            and type(running) is int
+            and type(wave) is int
+            and 0 <= waiting <= MAX_COUNT
+            and 0 <= running <= MAX_COUNT
+            and 0 <= wave <= MAX_WAVE
+            and (step is None or (type(step) is int and 0 <= step <= MAX_STEP))
+        ):
+            if step is not None:
+                _count("step", step, MAX_STEP)
+            _count("wave", wave, MAX_WAVE)
+            _count("waiting", waiting)
+            _count("running", running)
+        if kv is not None and not (type(kv) is float and 0.0 <= kv <= 1.0):
             if isinstance(kv, bool) or not isinstance(kv, int | float):
                 raise InvalidReport(f"kv_usage must be a number in [0, 1], got {kv!r}")
             if not (math.isfinite(kv) and 0.0 <= kv <= 1.0):
                 raise InvalidReport(f"kv_usage must be in [0, 1], got {kv!r}")
-        adm = self.admitted
         if adm is not None:
             if (
                 isinstance(adm, str | bytes)
@@ -110,31 +127,42 @@ class Counts:
             for i, a in enumerate(adm):
                 _count(f"admitted[{i}]", a, 10**15 - 1)
             if not isinstance(adm, tuple):
-                object.__setattr__(self, "admitted", tuple(adm))
+                return _new_counts(cls, step, waiting, running, wave, kv, tuple(adm), progress)
+        return self
+
+    @classmethod
+    def _make(cls, iterable: Any) -> Counts:  # type: ignore[override]  # _replace: checked
+        return cls(*iterable)
 
     @classmethod
     def of(cls, counts: Counts | Mapping[str, Any]) -> Counts:
         """``counts`` as Counts: a mapping of its fields is checked (InvalidReport)."""
         if isinstance(counts, Counts):
             return counts
-        if not isinstance(counts, Mapping) or set(counts) - set(cls.__slots__):
-            raise InvalidReport(f"counts must be Counts or a mapping of {', '.join(cls.__slots__)}")
+        if not isinstance(counts, Mapping) or set(counts) - set(cls._fields):
+            raise InvalidReport(f"counts must be Counts or a mapping of {', '.join(cls._fields)}")
         return cls(**counts)
 
     def argv(self, mode: str) -> list[str]:
         """ARGV 5..10 of lua/report.lua and the progress flag, for ``mode``."""
+        step, waiting, running, wave, kv, adm, progress = self
         if mode == "lockstep":
-            if self.step is None:
+            if step is None:
                 raise InvalidReport("step is required in lockstep mode (or use mode='tick')")
-            wave_s, step_s = str(self.wave), str(self.step)
-        elif self.step is not None:
+            wave_s, step_s = str(wave), str(step)
+        elif step is not None:
             raise InvalidReport("step must not be given in tick mode: the server assigns the tick")
         else:
             wave_s, step_s = "0", "tick"
-        kv = "" if self.kv_usage is None else f"{float(self.kv_usage):.4f}"
-        adm = "" if self.admitted is None else ",".join(map(str, self.admitted))
-        progress = "1" if self.progress else "0"
-        return [wave_s, step_s, str(self.waiting), str(self.running), kv, adm, progress]
+        return [
+            wave_s,
+            step_s,
+            str(waiting),
+            str(running),
+            "" if kv is None else f"{kv:.4f}",
+            "" if adm is None else ",".join(map(str, adm)),
+            "1" if progress else "0",
+        ]
 
 
 INCARNATION_RE = re.compile(r"[A-Za-z0-9]{1,12}-[0-9a-fA-F]{1,27}")

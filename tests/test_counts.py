@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from redisbal import Counts, InvalidReport
@@ -28,9 +26,11 @@ def test_counts_are_checked_when_made_and_name_the_field() -> None:
 def test_counts_are_frozen_and_keep_admitted_as_a_tuple() -> None:
     c = Counts(3, 1, 2, admitted=[4, 5])
     assert c.admitted == (4, 5)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         c.waiting = 9  # type: ignore[misc]
     assert c == Counts(3, 1, 2, admitted=(4, 5))
+    with pytest.raises(InvalidReport, match="running"):
+        c._replace(running=-1)
 
 
 def test_argv_is_what_lua_report_takes_in_each_mode() -> None:
