@@ -1,6 +1,7 @@
-"""One engine's slot in a report sender (``Lane``), what becomes of its reports
-(``ReportResult``, ``ReporterStats``), and the operations of one round (``Op``), how
-they are grouped into calls and sent (``round_trip``): the types the reporters and
+"""One engine's slot in a report sender (``Lane``), one deployment's engines in it
+(``Group``), what becomes of its reports (``ReportResult``, ``ReporterStats``), and
+the operations of one round (``Op``), how they are grouped into calls and sent
+(``round_trip``): the types the reporters and
 the sender share (redisbal.engine, redisbal.sender, redisbal.batch) and the sender's
 Redis I/O."""
 
@@ -10,6 +11,7 @@ import asyncio
 import collections
 import concurrent.futures
 import inspect
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,9 @@ import redis.exceptions
 
 from redisbal.connection import OUTAGE_ERRORS
 from redisbal.scripts import Scripts
+
+log = logging.getLogger("redisbal.engine")
+WARN_EVERY_S = 60.0
 
 Tag = tuple[int, int]
 
@@ -115,9 +120,78 @@ class Lane:
             return True
         return self.beat_idle_forever and self.last_args[2] == self.last_args[3] == "0"
 
+    def log_conflict(self, out: Any) -> None:
+        """One error per replacing incarnation: two processes report under one engine id
+        (or this one was replaced and keeps running)."""
+        other = out[4].decode() if isinstance(out[4], bytes) else str(out[4])
+        if self.conflict_with == other:
+            return
+        self.conflict_with = other
+        log.error(
+            "engine %s: reports refused: another process (incarnation %s, started later) "
+            "reports under this engine id; this one is %s. Give each engine process its "
+            "own engine_id, or stop the old process",
+            self.engine_id,
+            other,
+            self.incarnation,
+        )
+
     @property
     def busy(self) -> bool:
         return bool(self.queue) or self.register or self.inflight > 0
+
+
+@dataclass(eq=False)
+class Group:
+    """One deployment's engines in a sender: its task, its back-off and its client.
+    Every field is guarded by the sender's lock."""
+
+    deployment: str
+    client: Any
+    owns_client: bool
+    lanes: list[Lane] = field(default_factory=list)
+    rr: int = 0
+    wake: asyncio.Event | None = None
+    task: asyncio.Task[None] | None = None
+    idle: bool = False
+    failures: int = 0
+    down_until: float = 0.0
+    down_since: float | None = None
+    warned_at: float = 0.0
+
+    def log_health(self, outage: BaseException | None, now: float, url: str) -> None:
+        """Rate-limited warnings on the deployment's Redis: one when it goes away, one a
+        minute while it stays away, one when it is back (caller holds the lock)."""
+        if outage is not None:
+            if self.down_since is None:
+                self.down_since = self.warned_at = now
+                log.warning(
+                    "Redis unavailable (%s, deployment %s): %s; reports are kept (the newest "
+                    "per engine) and retried",
+                    url,
+                    self.deployment,
+                    type(outage).__name__,
+                )
+            elif now - self.warned_at >= WARN_EVERY_S:
+                self.warned_at = now
+                log.warning(
+                    "Redis still unavailable (%s, deployment %s) after %.0f s; %d reports "
+                    "coalesced so far",
+                    url,
+                    self.deployment,
+                    now - self.down_since,
+                    sum(lane.counts["coalesced"] for lane in self.lanes),
+                )
+        elif self.down_since is not None:
+            log.warning(
+                "Redis reachable again after %.1f s (%s, deployment %s)",
+                now - self.down_since,
+                url,
+                self.deployment,
+            )
+            self.down_since, self.failures, self.down_until = None, 0, 0.0
+        else:
+            self.failures = 0
 
 
 def tag_of(args: list[str]) -> Tag:

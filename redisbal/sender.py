@@ -49,7 +49,6 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from redisbal.background import BackgroundLoop
@@ -57,6 +56,7 @@ from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, 
 from redisbal.keys import DeploymentKeys
 from redisbal.lane import (
     MAX_QUEUED,
+    Group,
     Lane,
     Op,
     Pending,
@@ -72,7 +72,6 @@ log = logging.getLogger("redisbal.engine")
 # state loss (restart without persistence, flush, failover to a lagging replica)
 URL_REFRESH_S = 5.0
 
-WARN_EVERY_S = 60.0
 MAX_BATCH = 256
 
 
@@ -82,32 +81,13 @@ def _resolve(waiters: list[Any], value: Any) -> None:
             fut.set_result(value)
 
 
-@dataclass(eq=False)
-class _Group:
-    """One deployment's engines in a sender: its task, its back-off and its client.
-    Every field is guarded by the sender's lock."""
-
-    deployment: str
-    client: Any
-    owns_client: bool
-    lanes: list[Lane] = field(default_factory=list)
-    rr: int = 0
-    wake: asyncio.Event | None = None
-    task: asyncio.Task[None] | None = None
-    idle: bool = False
-    failures: int = 0
-    down_until: float = 0.0
-    down_since: float | None = None
-    warned_at: float = 0.0
-
-
 class ReportSender:
     """Sends the reports of the engines attached to it, over one asyncio client.
 
     Share one between many reporters of a process (``sender=``) and their reports
-    travel together, one round trip per deployment and round. ``threaded=True`` runs it on its own
-    event loop in a daemon thread (what ``EngineReporter`` needs); otherwise it runs
-    on the event loop of the first reporter that uses it. ``batch=True`` sends the
+    travel together, one round trip per deployment and round. ``threaded=True`` runs
+    it on its own event loop in a daemon thread (what ``EngineReporter`` needs);
+    otherwise it runs on the event loop of the first reporter that uses it. ``batch=True`` sends the
     reports of one deployment in one lua/report_many.lua call per round (what
     ``BatchReporter`` uses) instead of one report call each.
     """
@@ -145,7 +125,7 @@ class ReportSender:
         self.failed_batches = 0
         self._lock = threading.Lock()
         self._redis_url = redis_url
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, Group] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self.closed = False
@@ -204,7 +184,7 @@ class ReportSender:
         """The operations of deployment ``keys`` on the client its reports go through."""
         return Scripts(self.client_for(keys.deployment), keys, self.pubcmd)
 
-    def _group(self, deployment: str) -> _Group:
+    def _group(self, deployment: str) -> Group:
         """The deployment's group, made on first use (caller holds the lock). On a
         cluster each group has a client of its own when the sender made its client: a
         failed call on one primary makes redis-py's cluster client rebuild its slot map
@@ -214,10 +194,10 @@ class ReportSender:
             client, owns = self.client, False
             if self._cluster and self._owns_client and self._groups and self._redis_url:
                 client, owns = self._make_client(self._redis_url), True
-            group = self._groups[deployment] = _Group(deployment, client, owns)
+            group = self._groups[deployment] = Group(deployment, client, owns)
         return group
 
-    def _group_of(self, lane: Lane) -> _Group:
+    def _group_of(self, lane: Lane) -> Group:
         return self._group(lane.scripts.keys.deployment)
 
     # -- hand-over (any thread; never waits) --------------------------------------------------
@@ -315,7 +295,7 @@ class ReportSender:
         self._ensure_running(group)
         return fut
 
-    def _hold(self, lane: Lane, args: list[str], tag: Tag | None, group: _Group) -> Pending:
+    def _hold(self, lane: Lane, args: list[str], tag: Tag | None, group: Group) -> Pending:
         """Queue a report behind the engine's unsent ones (caller holds the lock). A
         lockstep step is queued while Redis answers, so every step reaches the barrier;
         the newest replaces the last one held (counted as coalesced) during an outage,
@@ -337,7 +317,7 @@ class ReportSender:
         last.args, last.waiters, last.retry = args, [], False
         return last
 
-    def _kick(self, group: _Group) -> None:
+    def _kick(self, group: Group) -> None:
         """Wake the group's task if it sleeps (caller holds the lock). While it backs off
         or sends it is not idle, so a hand-over then costs no system call."""
         if group.idle and self._loop is not None and group.wake is not None:
@@ -348,7 +328,7 @@ class ReportSender:
                 with contextlib.suppress(RuntimeError):  # loop closed under us
                     self._loop.call_soon_threadsafe(group.wake.set)
 
-    def _ensure_running(self, group: _Group) -> None:
+    def _ensure_running(self, group: Group) -> None:
         if group.task is not None and not group.task.done():
             return
         if self.closed:
@@ -359,7 +339,7 @@ class ReportSender:
             asyncio.get_running_loop()  # RuntimeError outside a loop: the caller's mistake
             self._start(group)
 
-    def _start(self, group: _Group) -> None:
+    def _start(self, group: Group) -> None:
         """Start the group's task on the running loop (idempotent)."""
         if (group.task is not None and not group.task.done()) or self.closed:
             return
@@ -372,7 +352,7 @@ class ReportSender:
 
     # -- the task -----------------------------------------------------------------------------
 
-    async def _run(self, group: _Group) -> None:
+    async def _run(self, group: Group) -> None:
         wake = group.wake
         assert wake is not None
         while not self.closed:
@@ -394,7 +374,7 @@ class ReportSender:
             with self._lock:
                 group.idle = False
 
-    def _take(self, group: _Group, now: float) -> list[Op]:
+    def _take(self, group: Group, now: float) -> list[Op]:
         """Everything due, registrations first: an engine registered before another's
         report was handed over is a member when that report runs, so the first
         snapshot waits for it (as when registering was a round trip of its own)."""
@@ -428,7 +408,7 @@ class ReportSender:
         return registers + reports
 
     @staticmethod
-    def _sleep_s(group: _Group, now: float) -> float:
+    def _sleep_s(group: Group, now: float) -> float:
         if now < group.down_until:
             return group.down_until - now
         due = [
@@ -438,7 +418,7 @@ class ReportSender:
         ]
         return max(0.001, min(due, default=1.0))
 
-    async def _send(self, group: _Group, batch: list[Op]) -> None:
+    async def _send(self, group: Group, batch: list[Op]) -> None:
         started = time.monotonic()
         outs = await round_trip(
             group.client, batch, many=self.batch, cluster=self._cluster, timeout_s=self.timeout_s
@@ -455,7 +435,7 @@ class ReportSender:
                 group.failures = min(group.failures + 1, 30)
                 delay = min(self.backoff_s * 2 ** (group.failures - 1), self.max_backoff_s)
                 group.down_until = started + delay
-            self._log_health(group, outage, now)
+            group.log_health(outage, now, self.url)
         if outage is not None and self._cluster:  # find a promoted replica before the retry
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(refresh_slots(group.client), self.timeout_s + 1.0)
@@ -503,60 +483,10 @@ class ReportSender:
         lane.counts["sent"] += 1
         lane.counts[status] += 1
         if status == "conflict":
-            self._log_conflict(lane, out)
+            lane.log_conflict(out)
         if op.heartbeat:
             lane.counts["heartbeats"] += 1
         _resolve(op.waiters, ReportResult(status, version, wave, step))
-
-    @staticmethod
-    def _log_conflict(lane: Lane, out: Any) -> None:
-        """One error per lane and replacing incarnation: two processes report under one
-        engine id (or this one was replaced and keeps running)."""
-        other = out[4].decode() if isinstance(out[4], bytes) else str(out[4])
-        if lane.conflict_with == other:
-            return
-        lane.conflict_with = other
-        log.error(
-            "engine %s: reports refused: another process (incarnation %s, started later) "
-            "reports under this engine id; this one is %s. Give each engine process its "
-            "own engine_id, or stop the old process",
-            lane.engine_id,
-            other,
-            lane.incarnation,
-        )
-
-    def _log_health(self, group: _Group, outage: BaseException | None, now: float) -> None:
-        """Rate-limited warnings on the group's health (caller holds the lock)."""
-        if outage is not None:
-            if group.down_since is None:
-                group.down_since = group.warned_at = now
-                log.warning(
-                    "Redis unavailable (%s, deployment %s): %s; reports are kept (the newest "
-                    "per engine) and retried",
-                    self.url,
-                    group.deployment,
-                    type(outage).__name__,
-                )
-            elif now - group.warned_at >= WARN_EVERY_S:
-                group.warned_at = now
-                log.warning(
-                    "Redis still unavailable (%s, deployment %s) after %.0f s; %d reports "
-                    "coalesced so far",
-                    self.url,
-                    group.deployment,
-                    now - group.down_since,
-                    sum(lane.counts["coalesced"] for lane in group.lanes),
-                )
-        elif group.down_since is not None:
-            log.warning(
-                "Redis reachable again after %.1f s (%s, deployment %s)",
-                now - group.down_since,
-                self.url,
-                group.deployment,
-            )
-            group.down_since, group.failures, group.down_until = None, 0, 0.0
-        else:
-            group.failures = 0
 
     # -- waiting and closing (coroutines; the blocking reporter runs them on its loop) ---------
 
