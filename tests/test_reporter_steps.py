@@ -10,35 +10,48 @@ Only what an outage or back-pressure holds back may be coalesced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import redis.asyncio
 
-from redisbal import AsyncBatchReporter, AsyncEngineReporter, Counts, ReportSender, Snapshot
+from redisbal import (
+    AsyncBatchReporter,
+    AsyncEngineReporter,
+    Counts,
+    ReporterStats,
+    ReportSender,
+    Snapshot,
+)
 from redisbal.keys import DeploymentKeys
 from redisbal.snapshot import Rosters
 
 ENGINES = ["e0", "e1", "e2"]
 
 
-async def _published(url: str, keys: DeploymentKeys, out: list[Snapshot]) -> asyncio.Task[None]:
-    """Collect every snapshot published on the deployment's channel (subscribed on return)."""
+@contextlib.asynccontextmanager
+async def _published(url: str, deployment: str) -> AsyncIterator[list[Snapshot]]:
+    """Every snapshot published on the deployment's channel while inside."""
     client = redis.asyncio.Redis.from_url(url)
     pubsub = client.pubsub()
-    await pubsub.subscribe(keys.channel)
+    await pubsub.subscribe(DeploymentKeys(deployment).channel)
     await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
-    rosters = Rosters()
+    rosters, out = Rosters(), []
 
     async def run() -> None:
-        try:
-            while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg is not None:
-                    out.append(Snapshot.from_json(msg["data"], rosters))
-        finally:
-            await pubsub.aclose()
-            await client.aclose()
+        while True:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if msg is not None:
+                out.append(Snapshot.from_json(msg["data"], rosters))
 
-    return asyncio.create_task(run())
+    feed = asyncio.create_task(run())
+    try:
+        yield out
+    finally:
+        feed.cancel()
+        await asyncio.gather(feed, return_exceptions=True)
+        await pubsub.aclose()
+        await client.aclose()
 
 
 def _counts(step: int, i: int) -> dict[str, int]:
@@ -52,67 +65,60 @@ async def _until(cond: object, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def _assert_every_step(snaps: list[Snapshot], steps: range) -> None:
+async def _assert_every_step(snaps: list[Snapshot], stats: list[ReporterStats]) -> None:
+    """Steps 1..4 each have a snapshot holding every engine's counts of that step,
+    and no report was coalesced."""
+    await _until(lambda: any(s.step == 4 for s in snaps))
     by_step = {s.step: s for s in snaps if not s.forced}
-    for step in steps:
+    for step in range(1, 5):
         snap = by_step.get(step)
         assert snap is not None, f"no step-{step} snapshot: {sorted(by_step)}"
         got = {e: (c.step, c.waiting, c.running) for e, c in snap.engines.items()}
         want = {e: (step, step * 10 + i, step * 100 + i) for i, e in enumerate(ENGINES)}
         assert got == want, f"step {step}"
+    assert all(st.coalesced == 0 and st.accepted == 4 for st in stats), stats
 
 
 async def test_batch_back_to_back_steps_each_reach_redis(redis_url: str, deployment: str) -> None:
-    keys = DeploymentKeys(deployment)
-    snaps: list[Snapshot] = []
-    feed = await _published(redis_url, keys, snaps)
-    rep = AsyncBatchReporter(redis_url, deployment, ENGINES, heartbeat=False)
-    try:
-        await rep.register()
-        # steps 1..4 of all three engines, back to back: the sender runs only after the
-        # last (report_many without wait=True never suspends)
-        for step in range(1, 5):
-            await rep.report_many({e: Counts(**_counts(step, i)) for i, e in enumerate(ENGINES)})
-        assert await rep.flush(10.0)
-        await _until(lambda: any(s.step == 4 for s in snaps))
-        _assert_every_step(snaps, range(1, 5))
-        assert all(st.coalesced == 0 for st in rep.stats.values()), rep.stats
-        assert all(st.accepted == 4 for st in rep.stats.values()), rep.stats
-    finally:
-        await rep.aclose()
-        feed.cancel()
-        await asyncio.gather(feed, return_exceptions=True)
+    async with _published(redis_url, deployment) as snaps:
+        rep = AsyncBatchReporter(redis_url, deployment, ENGINES, heartbeat=False)
+        try:
+            await rep.register()
+            # steps 1..4 of all three engines, back to back: the sender runs only after
+            # the last (report_many without wait=True never suspends)
+            for step in range(1, 5):
+                await rep.report_many(
+                    {e: Counts(**_counts(step, i)) for i, e in enumerate(ENGINES)}
+                )
+            assert await rep.flush(10.0)
+            await _assert_every_step(snaps, list(rep.stats.values()))
+        finally:
+            await rep.aclose()
 
 
 async def test_engine_reporters_back_to_back_steps_each_reach_redis(
     redis_url: str, deployment: str
 ) -> None:
     """The same with one engine reporter per engine on one shared sender."""
-    keys = DeploymentKeys(deployment)
-    snaps: list[Snapshot] = []
-    feed = await _published(redis_url, keys, snaps)
-    sender = ReportSender(redis_url)
-    reps = [
-        AsyncEngineReporter(deployment=deployment, engine_id=e, sender=sender, heartbeat=False)
-        for e in ENGINES
-    ]
-    try:
-        for r in reps:
-            await r.register()
-        for step in range(1, 5):
-            for i, r in enumerate(reps):
-                r.report_nowait(**_counts(step, i))
-        for r in reps:
-            assert await r.flush(10.0)
-        await _until(lambda: any(s.step == 4 for s in snaps))
-        _assert_every_step(snaps, range(1, 5))
-        assert all(r.stats.coalesced == 0 and r.stats.accepted == 4 for r in reps)
-    finally:
-        for r in reps:
-            await r.aclose()
-        await sender.aclose()
-        feed.cancel()
-        await asyncio.gather(feed, return_exceptions=True)
+    async with _published(redis_url, deployment) as snaps:
+        sender = ReportSender(redis_url)
+        reps = [
+            AsyncEngineReporter(deployment=deployment, engine_id=e, sender=sender, heartbeat=False)
+            for e in ENGINES
+        ]
+        try:
+            for r in reps:
+                await r.register()
+            for step in range(1, 5):
+                for i, r in enumerate(reps):
+                    r.report_nowait(**_counts(step, i))
+            for r in reps:
+                assert await r.flush(10.0)
+            await _assert_every_step(snaps, [r.stats for r in reps])
+        finally:
+            for r in reps:
+                await r.aclose()
+            await sender.aclose()
 
 
 async def test_back_pressure_coalesces_beyond_the_queue_and_counts_it(
