@@ -8,8 +8,10 @@ the plugin reads nothing vLLM does not send. The test on the real vLLM package i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -360,6 +362,20 @@ def health() -> Iterator[Health]:
     h = Health()
     yield h
     h.close()
+
+
+def test_health_probe_answers_only_a_2xx(health: Health) -> None:
+    """The probe the plugin polls on its sender's loop: 503 and a refused port are not
+    ready, 200 is; it never raises."""
+    probe = vllm_plugin._answers
+    assert asyncio.run(probe(health.url + "/health")) is False
+    health.up.set()
+    assert asyncio.run(probe(health.url + "/health")) is True
+    assert asyncio.run(probe(health.url + "/other")) is False
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert asyncio.run(probe(f"http://127.0.0.1:{port}/health")) is False
 
 
 def test_a_server_is_routable_once_healthy_without_any_request(

@@ -26,11 +26,14 @@ client. No thread of its own: everything runs on the batch reporter's sender.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import re
 import threading
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import redis.exceptions
 
@@ -44,6 +47,7 @@ log = logging.getLogger("redisbal.integrations")
 
 WARN_EVERY_S = 10.0
 SUSPECT_EVERY_S = 1.0
+T = TypeVar("T")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
@@ -174,6 +178,12 @@ class CountsRelay:
             await asyncio.wait_for(rep.scripts.call("suspect", rep.engine_id, "-", reason), 2.0)
         except (redis.exceptions.RedisError, asyncio.TimeoutError) as exc:
             self.warn.warning("suspect", "redisbal: suspect mark refused (%s): %r", self.url, exc)
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the sender's event loop (cancelled when the relay closes)."""
+        bg = self._batch.sender.background
+        assert bg is not None  # a BatchReporter's sender runs on its own loop
+        return bg.submit(coro)
 
     def stats(self, engine_id: str) -> dict[str, int]:
         """The engine's reporter counters (queued, sent, accepted, unavailable, ...)."""

@@ -33,17 +33,19 @@ expire.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
 import math
 import os
 import socket
+import ssl
 import string
 import threading
 import time
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -175,7 +177,7 @@ READY_WARN_AFTER_S = 120.0
 
 def announce_when_ready(
     sender: CountsRelay, engine_ids: list[str], engine_url: str | None
-) -> threading.Thread:
+) -> concurrent.futures.Future[None]:
     """Report the engines idle as soon as their server answers ``GET /health``.
 
     vLLM calls stat loggers only when an engine steps, and an engine steps only when
@@ -183,14 +185,15 @@ def announce_when_ready(
     directly registers, never reports, and expires unrouted. ``/health`` answers once
     the engine and the HTTP server are up, so gateways do not get the engine before it
     can serve. Without an engine URL (no gateway sends to it) the engines are ready at
-    once. Counts from a real step always win (``CountsRelay.ready``)."""
+    once. Counts from a real step always win (``CountsRelay.ready``). It polls on the
+    relay's sender loop: no thread of its own."""
 
-    def run() -> None:
+    async def run() -> None:
         if engine_url:
             health = engine_url.rstrip("/") + "/health"
             started = time.monotonic()
             warned = False
-            while not _answers(health):
+            while not await _answers(health):
                 if not warned and time.monotonic() - started > READY_WARN_AFTER_S:
                     warned = True
                     log.warning(
@@ -200,26 +203,39 @@ def announce_when_ready(
                         health,
                         READY_WARN_AFTER_S,
                     )
-                time.sleep(READY_POLL_S)
+                await asyncio.sleep(READY_POLL_S)
         for eid in engine_ids:
             with contextlib.suppress(KeyError):  # the sender was closed meanwhile
                 sender.ready(eid)
         log.info("redisbal plugin: engines %s ready", ", ".join(engine_ids))
 
-    thread = threading.Thread(target=run, daemon=True, name="redisbal-vllm-ready")
-    thread.start()
-    return thread
+    return sender.spawn(run())
 
 
-_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy
-
-
-def _answers(url: str) -> bool:
+async def _answers(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether ``GET url`` answers 2xx (directly, never through a proxy)."""
+    parts = urlsplit(url)
+    https = parts.scheme == "https"
     try:
-        with _direct.open(url, timeout=1.0) as resp:
-            return 200 <= int(resp.status) < 300
-    except (OSError, ValueError):  # refused, reset, timed out, HTTP error status
+        port = parts.port or (443 if https else 80)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(
+                parts.hostname, port, ssl=ssl.create_default_context() if https else None
+            ),
+            timeout_s,
+        )
+        try:
+            request = f"GET {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            writer.write((request + "Connection: close\r\n\r\n").encode())
+            await writer.drain()
+            status = (await asyncio.wait_for(reader.readline(), timeout_s)).split()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(writer.wait_closed(), timeout_s)
+    except (OSError, ValueError, asyncio.TimeoutError):  # refused, reset, timed out
         return False
+    return len(status) >= 2 and status[1].isdigit() and 200 <= int(status[1]) < 300
 
 
 def close_all(leave: bool = True) -> None:
