@@ -158,6 +158,7 @@ class Group:
     down_until: float = 0.0
     down_since: float | None = None
     warned_at: float = 0.0
+    starting: bool = False  # a start of the task is scheduled on the sender's loop
 
     def log_health(self, outage: BaseException | None, now: float, url: str) -> None:
         """Rate-limited warnings on the deployment's Redis: one when it goes away, one a

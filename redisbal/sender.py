@@ -334,6 +334,10 @@ class ReportSender:
         if self.closed:
             return
         if self.background is not None:
+            with self._lock:  # one start scheduled: no wake of the loop per hand-over
+                if group.starting:
+                    return
+                group.starting = True
             self.background.call_soon(self._start, group)
         else:
             asyncio.get_running_loop()  # RuntimeError outside a loop: the caller's mistake
@@ -341,6 +345,7 @@ class ReportSender:
 
     def _start(self, group: Group) -> None:
         """Start the group's task on the running loop (idempotent)."""
+        group.starting = False
         if (group.task is not None and not group.task.done()) or self.closed:
             return
         loop = asyncio.get_running_loop()

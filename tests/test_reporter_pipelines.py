@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from topology import binaries
 
-from redisbal import AsyncEngineReporter, ReportSender
+from redisbal import AsyncEngineReporter
+from redisbal.sender import ReportSender
 from redisbal.sim.embedded import RedisServer
 
 BINARIES = binaries()

@@ -20,10 +20,10 @@ from redisbal import (
     AsyncEngineReporter,
     Counts,
     ReporterStats,
-    ReportSender,
     Snapshot,
 )
 from redisbal.keys import DeploymentKeys
+from redisbal.sender import ReportSender
 from redisbal.snapshot import Rosters
 
 ENGINES = ["e0", "e1", "e2"]
