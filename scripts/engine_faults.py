@@ -19,11 +19,16 @@ second), the faulty engine's decisions after the first second of the fault
 from the fault's end until it took traffic again, and requests still in flight
 anywhere after the run. Prints a table and writes JSON.
 
-The engines and faults are reusable for another router: ``--router-url`` sends
-the load there instead of starting gateways (decision counts then come from the
-engines' arrivals).
+``--routers`` runs each scenario again, on fresh processes, in front of peer
+routers instead of the gateways (``ROUTER:POLICY`` of redisbal.bench.routers, as
+many replicas as ``--gateways``, each with ``--peer-args``): their decisions to
+engine 0 are counted by a relay in front of it (redisbal.bench.tap: sglang-router
+counts no decisions per worker, a stopped engine counts nothing), the other
+engines' by their arrivals; redisbal's by its gateways' counters.
 
     python scripts/engine_faults.py --json engine_faults.json
+    python scripts/engine_faults.py --routers redisbal,vllm-router:power_of_two,\
+        sglang-router:power_of_two --json engine_faults.json
 """
 
 from __future__ import annotations
@@ -37,14 +42,18 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import openai
 import orjson
 
+from redisbal.bench import routers as peer_routers
+from redisbal.bench.tap import read_count
 from redisbal.sim.embedded import RedisServer
 
 BIN = os.path.join(os.path.dirname(sys.executable), "redisbal")
@@ -91,8 +100,12 @@ class Deployment:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     gateways: list[str] = field(default_factory=list)
     others: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    peers: list[peer_routers.RouterProcess] = field(default_factory=list)
+    tap_file: str = ""  # a peer's decisions to engine 0, counted in front of it
 
     def stop(self) -> None:
+        for rp in self.peers:
+            rp.stop()
         for p in [*self.procs.values(), *self.others]:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -106,7 +119,7 @@ class Deployment:
         self.redis.stop()
 
 
-def start(a: argparse.Namespace, deployment: str) -> Deployment:
+def start(a: argparse.Namespace, deployment: str, router: str) -> Deployment:
     redis = RedisServer().start()
     d = Deployment(redis)
     common = ["--redis-url", redis.url, "--deployment", deployment, "--log-level", "warning"]
@@ -120,8 +133,8 @@ def start(a: argparse.Namespace, deployment: str) -> Deployment:
         d.engines[str(i)] = f"http://127.0.0.1:{port}"
     for url in d.engines.values():
         wait_http(url + "/health")
-    if a.router_url:
-        d.gateways = [a.router_url]
+    if router != "redisbal":
+        start_peers(a, d, router, deployment)
         return d
     for _ in range(a.gateways):
         port = free_port()
@@ -132,6 +145,33 @@ def start(a: argparse.Namespace, deployment: str) -> Deployment:
     for url in d.gateways:
         wait_http(url + "/health")
     return d
+
+
+def start_peers(a: argparse.Namespace, d: Deployment, router: str, deployment: str) -> None:
+    """``a.gateways`` replicas of the peer ``router`` in front of the engines, engine 0
+    behind a counting relay."""
+    name, _ = peer_routers.split_name(router)
+    exe = peer_routers.binary(name)
+    if exe is None:
+        raise SystemExit(f"{name} is not installed: python -m redisbal.bench.routers")
+    tap_port, *ports = peer_routers.free_ports(1 + 2 * a.gateways)
+    d.tap_file = os.path.join(a.workdir, f"{deployment}.tap")
+    d.others.append(
+        subprocess.Popen([sys.executable, "-m", "redisbal.bench.tap", "--port", str(tap_port),
+                          "--to", d.engines["0"], "--count-file", d.tap_file])
+    )  # fmt: skip
+    workers = [f"http://127.0.0.1:{tap_port}", *(u for e, u in d.engines.items() if e != "0")]
+    for i in range(a.gateways):
+        log = os.path.join(a.workdir, f"{deployment}-{name}-{i}.log")
+        rp = peer_routers.RouterProcess(
+            router, exe, ports[2 * i], ports[2 * i + 1], workers, Path(log),
+            args=a.peer_args,
+        )  # fmt: skip
+        rp.start()
+        d.peers.append(rp)
+    for rp in d.peers:
+        rp.wait_ready(60)
+    d.gateways = [rp.url for rp in d.peers]
 
 
 def by_label(d: Deployment, metric: str, label: str) -> dict[str, float]:
@@ -146,17 +186,25 @@ def by_label(d: Deployment, metric: str, label: str) -> dict[str, float]:
 
 
 def decisions(d: Deployment) -> dict[str, float]:
-    """Decisions per engine so far: the gateways' counters, or the engines' arrivals."""
+    """Decisions per engine so far: the gateways' counters; for peers engine 0's relay
+    and the other engines' arrivals."""
     out: dict[str, float] = dict.fromkeys(d.engines, 0.0)
-    if d.gateways and not d.gateways[0].startswith("ext:"):
+    if not d.peers:
         out.update(by_label(d, "redisbal_gateway_decisions_total", "engine"))
+        return out
+    for e, url in d.engines.items():
+        out[e] = float(read_count(d.tap_file)) if e == "0" else arrived(url)
     return out
+
+
+def arrived(url: str) -> float:
+    return float(get_json(url + "/sim/state")["arrived"])
 
 
 def leftovers(d: Deployment) -> int:
     """Requests still in flight anywhere: gateways' gauges plus engines' own counts."""
     n = 0
-    for g in d.gateways:
+    for g in [] if d.peers else d.gateways:
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(g + "/metrics", timeout=2) as r:
                 text = r.read().decode()
@@ -248,6 +296,8 @@ async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict
 
 def gateway_errors(d: Deployment) -> dict[str, float]:
     """The gateways' failed attempts by kind, summed: what the failures were."""
+    if d.peers:
+        return {}
     try:
         return by_label(d, "redisbal_gateway_errors_total", "reason")
     except OSError:
@@ -301,34 +351,57 @@ def summarize(
 
 
 async def reject_scenario(d: Deployment, a: argparse.Namespace) -> dict[str, Any]:
+    """Engine 0 refuses 5 requests (400), then 40 sequential requests: its share. A
+    gateway is made to send the 5 to it (pinned); a peer router, which cannot be
+    pinned, gets requests until engine 0 refused 5."""
     import aiohttp
 
-    url, got = d.gateways[0], []
+    url, sent = d.gateways[0], 0
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 4}
+    pin = {} if d.peers else {"X-Redisbal-Engine": "0"}
     async with aiohttp.ClientSession() as s:
+
+        async def one() -> None:
+            async with s.post(url + "/v1/completions", json=body, headers=pin) as r:
+                await r.read()
+
         post_json(d.engines["0"] + "/sim/fault", {"mode": "status", "status": 400})
-        for _ in range(5):
-            async with s.post(
-                url + "/v1/completions",
-                json={"model": MODEL, "prompt": "a", "max_tokens": 4},
-                headers={"X-Redisbal-Engine": "0"},
-            ) as r:
-                await r.read()
+        while decisions(d)["0"] < 5 and sent < 200:
+            await one()
+            sent += 1
+        rejected = int(decisions(d)["0"])
         post_json(d.engines["0"] + "/sim/fault", {"mode": "none"})
+        pin, before = {}, decisions(d)
         for _ in range(40):
-            async with s.post(
-                url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 4}
-            ) as r:
-                await r.read()
-                got.append(r.headers.get("X-Redisbal-Engine", "?"))
+            await one()
+        after = decisions(d)
+    split = {e: int(after[e] - before[e]) for e in sorted(after)}
     even = 40 / len(d.engines)
     return {
         "scenario": "reject",
-        "requests": 45,
-        "faulty_decisions": got.count("0"),
+        "requests": sent + 40,
+        "rejected": rejected,
+        "faulty_decisions": split["0"],
         "even_split": even,
-        "within_one": abs(got.count("0") - even) <= 1,
-        "split": {e: got.count(e) for e in sorted(set(got))},
+        "within_one": abs(split["0"] - even) <= 1,
+        "split": split,
     }
+
+
+def run_one(a: argparse.Namespace, kind: str, router: str, deployment: str) -> dict[str, Any]:
+    """One scenario on fresh processes in front of ``router``."""
+    load = os.getloadavg()[0]
+    d = start(a, deployment, router)
+    try:
+        time.sleep(2.0)  # first snapshots, URLs registered
+        row = asyncio.run(reject_scenario(d, a) if kind == "reject" else load_scenario(d, kind, a))
+        time.sleep(1.0)
+        row["left_in_flight"] = leftovers(d)
+    finally:
+        d.stop()
+    row["router"] = router
+    row["load_avg"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # at its start and end
+    return row
 
 
 def main() -> None:
@@ -341,33 +414,41 @@ def main() -> None:
     ap.add_argument("--fault-at", type=float, default=5.0)
     ap.add_argument("--clear-at", type=float, default=15.0)
     ap.add_argument("--idle-timeout-s", type=float, default=10.0, help="the gateways' own")
-    ap.add_argument("--router-url", default="", help="send the load here; start no gateway")
+    ap.add_argument(
+        "--routers", default="redisbal",
+        help="comma list: redisbal (the gateways) and/or peers as ROUTER:POLICY "
+        f"({', '.join(peer_routers.NAMES)})",
+    )  # fmt: skip
+    ap.add_argument("--peer-args", default="", help="more flags for every peer replica")
     ap.add_argument("--json", default="engine_faults.json")
     a, extra = ap.parse_known_args()
     a.gateway_args = [*extra, "--idle-timeout-s", str(a.idle_timeout_s)]
-    rows = []
-    for k, kind in enumerate(a.scenarios.split(",")):
+    a.peer_args = a.peer_args.split()
+    kinds, names = a.scenarios.split(","), a.routers.split(",")
+    for kind in kinds:
         if kind not in SCENARIOS:
             ap.error(f"unknown scenario {kind!r}; known: {', '.join(SCENARIOS)}")
-        d = start(a, f"faults{k}")
-        try:
-            time.sleep(2.0)  # first snapshots, URLs registered
-            row = asyncio.run(
-                reject_scenario(d, a) if kind == "reject" else load_scenario(d, kind, a)
-            )
-            time.sleep(1.0)
-            row["left_in_flight"] = leftovers(d)
-        finally:
-            d.stop()
-        print(orjson.dumps({k: v for k, v in row.items() if k != "timeline"}).decode(), flush=True)
-        rows.append(row)
-    cols = ["scenario", "requests", "failed_pct", "hung", "longest_s", "faulty_decisions",
-            "faulty_share_pct", "back_after_s", "left_in_flight"]  # fmt: skip
+    for name in names:
+        if name != "redisbal":
+            try:
+                peer_routers.split_name(name)
+            except peer_routers.RouterError as exc:
+                ap.error(str(exc))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="engine-faults-") as a.workdir:
+        for k, kind in enumerate(kinds):
+            for name in names:  # the same scenario in front of each router, one after another
+                row = run_one(a, kind, name, f"faults{k}")
+                print(orjson.dumps({k: v for k, v in row.items() if k != "timeline"}).decode())
+                rows.append(row)
+    cols = ["scenario", "router", "requests", "failed_pct", "hung", "longest_s",
+            "faulty_decisions", "faulty_share_pct", "back_after_s", "left_in_flight"]  # fmt: skip
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c, "-")) for c in cols))
     with open(a.json, "wb") as fh:
-        fh.write(orjson.dumps({"args": vars(a), "rows": rows}, option=orjson.OPT_INDENT_2))
+        args = {k: v for k, v in vars(a).items() if k != "workdir"}
+        fh.write(orjson.dumps({"args": args, "rows": rows}, option=orjson.OPT_INDENT_2))
 
 
 if __name__ == "__main__":
