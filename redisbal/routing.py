@@ -48,6 +48,7 @@ from redisbal.policies import (
     request_info,
 )
 from redisbal.snapshot import MAX_ADMITTED, Roster, Snapshot
+from redisbal.unanswered import FirstByteWaits, Silence
 
 
 class RouterCore:
@@ -117,15 +118,8 @@ class RouterCore:
         self._probing_by_snapshot: set[str] = set()  # the snapshot's probing and suspect ones
         self._answered_here: set[str] = set()  # of those, the ones a probe here answered
         self._probing: list[str] = []  # probing now (here or in the snapshot): probes go there
-        # engines the deployment calls silent: the latest forced snapshot's laggards ->
-        # Redis ms of their last report, kept over snapshots republished at the same
-        # cut (a mark's publish names no laggard), dropped at a later cut (_track_silence)
-        self._reported_ms: dict[str, int] = {}
-        self._silence_cut: tuple[str, int, int] | None = None  # (epoch, wave, step)
-        # requests sent (sent()) and not answered yet: engine -> {decision seq: sent at};
-        # engines that left one waiting past their late bound are passed over (_late)
-        self._unanswered: dict[str, dict[int, float]] = {}
-        self._late: dict[str, None] = {}  # (in the order they turned late: the first stay)
+        self._silence = Silence()  # engines whose reports stopped (redisbal.unanswered)
+        self._waits = FirstByteWaits()  # requests waiting for a first byte, late engines
         self._recheck_at = math.inf  # when the next exclusion runs out
         self._all_excluded = False  # every known engine is excluded: choose among all
         self._avoided: set[str] = set()  # excluded, while some engine is not
@@ -192,9 +186,7 @@ class RouterCore:
         self._knew_any = self._knew_any or bool(ids)
         self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
         self.known = list(self.by_id.values())
-        for e in [e for e in self._unanswered if e not in self.by_id]:
-            del self._unanswered[e]  # gone: its requests say nothing of a later one
-        self._late = {e: None for e in self._late if e in self.by_id}
+        self._waits.keep(self.by_id)
         self._choosable(self.clock())
 
     def _choosable(self, now: float) -> None:
@@ -216,7 +208,7 @@ class RouterCore:
         avoid = excluded | probing
         # late engines (no first byte yet): a preference, so at most half of them all
         room = len(self.known) // 2 - len(avoid)
-        for e in self._late:
+        for e in self._waits.late:
             if room > 0 and e not in avoid and e in self.by_id:
                 avoid.add(e)
                 room -= 1
@@ -245,7 +237,7 @@ class RouterCore:
                         out[e] = "silent"
                     else:
                         out[e] = "suspect"
-            for e in self._late:
+            for e in self._waits.late:
                 if e in self._avoided:
                     out.setdefault(e, "late")
             return out
@@ -280,11 +272,11 @@ class RouterCore:
             # with its last counts instead of vanishing for a snapshot
             kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
             carried = self._carry(snap, cur)
-            self._track_silence(snap)
+            self._silence.track(snap)
             excluded = dict.fromkeys(snap.stalled, math.inf)  # until the next snapshot
             for eid, ms_left in snap.suspect.items():
                 excluded[eid] = now + ms_left / 1000.0
-            for eid in self._reported_ms:  # stopped or gone: until it reports again
+            for eid in self._silence.reported_ms:  # stopped or gone: until it reports again
                 if self.silent_ms(eid) >= SILENT_AFTER_S * 1000:
                     excluded[eid] = math.inf
             # marked in the snapshot: probing once its ejection ends, even with no newer
@@ -318,25 +310,10 @@ class RouterCore:
             self.policy.reset(self)
             return True
 
-    def _track_silence(self, snap: Snapshot) -> None:
-        """Keep the laggards of the latest forced snapshot while the cut stays (module
-        doc of ``redisbal.outcomes``, ``SILENT_AFTER_S``)."""
-        cut = (snap.epoch, snap.wave, snap.step)
-        if snap.forced:
-            self._reported_ms = {e: snap.time_ms - ms for e, ms in snap.laggards.items()}
-            self._silence_cut = cut
-        elif cut != self._silence_cut:  # the barrier moved: every member reported
-            self._reported_ms = {}
-            self._silence_cut = None
-
     def silent_ms(self, engine_id: str) -> int:
         """How long ``engine_id``'s reports had stopped when the latest snapshot was
-        published (0: not named a laggard). Only the snapshots' own statements count,
-        never the time since one came: with Redis out of reach no engine turns silent.
-        The caller holds the lock (or reads a value that may be a snapshot old)."""
-        at = self._reported_ms.get(engine_id)
-        snap = self.snapshot
-        return 0 if at is None or snap is None else max(0, snap.time_ms - at)
+        published (0: not named a laggard; ``redisbal.unanswered.Silence``)."""
+        return self._silence.ms(engine_id, self.snapshot)
 
     def _adopt_full(self, snap: Snapshot, now: float, observe: bool) -> tuple[int, int, bool]:
         """A full snapshot's counts into the engine views; returns this router's and
@@ -542,8 +519,8 @@ class RouterCore:
             now = self.clock()
             try:
                 eng, pinned, probe = self._choose(engine_id, now)
-                if self._unanswered and not (pinned or probe) and self._overdue(eng, now):
-                    self._late[eng.engine_id] = None  # waiting on it: pick another
+                if self._waits and not (pinned or probe) and self._overdue(eng.engine_id, now):
+                    self._waits.late[eng.engine_id] = None  # waiting on it: pick another
                     self._choosable(now)
                     self.policy.reset(self)
                     eng, pinned, probe = self._choose(engine_id, now)
@@ -633,27 +610,20 @@ class RouterCore:
         long before the request fails. Not evidence: nothing is ejected or told."""
         with self.lock:
             if not decision.done and self._view(decision) is not None:
-                waiting = self._unanswered.setdefault(decision.engine_id, {})
-                waiting[decision.seq] = self.clock()
+                self._waits.sent(decision.engine_id, decision.seq, self.clock())
 
-    def _overdue(self, eng: EngineView, now: float) -> bool:
-        """Whether ``eng`` left a request sent() waiting past its late bound, and answered
-        none since it was sent (answered() forgets what was sent before)."""
-        waiting = self._unanswered.get(eng.engine_id)
-        if not waiting:
-            return False
-        bound = self.outcomes.late_bound(eng.engine_id)
-        return bound is not None and now - next(iter(waiting.values())) > bound
+    def _overdue(self, engine: str, now: float) -> bool:
+        """Whether ``engine`` left a request sent() waiting past its late bound, and
+        answered none since it was sent."""
+        return self._waits.overdue(engine, now, self.outcomes.late_bound(engine))
 
     def _settle(self, decision: Decision, now: float) -> None:
         """The request of ``decision`` waits for no first byte any more: the engine is no
         longer late unless another request still waits too long on it."""
-        eid = decision.engine_id
-        waiting = self._unanswered.get(eid)
-        if waiting is not None and waiting.pop(decision.seq, None) is not None and not waiting:
-            del self._unanswered[eid]
-        if eid in self._late and not (eid in self.by_id and self._overdue(self.by_id[eid], now)):
-            del self._late[eid]
+        eid, waits = decision.engine_id, self._waits
+        waits.ended(eid, decision.seq)
+        if eid in waits.late and not (eid in self.by_id and self._overdue(eid, now)):
+            del waits.late[eid]
             self._choosable(now)
             self.policy.reset(self)
 
@@ -661,7 +631,7 @@ class RouterCore:
         if decision.done:
             return
         decision.done = True
-        if self._unanswered or self._late:
+        if self._waits:
             self._settle(decision, self.clock())
         if decision.probe:  # ended, answered or not: the next request may probe again
             self.outcomes.release_probe(decision.engine_id)
@@ -719,9 +689,8 @@ class RouterCore:
                 return False
             now, out = self.clock(), self.outcomes
             took = now - decision.routed_at if first_byte_s is None else first_byte_s
-            if self._unanswered or self._late:
-                # it answers: what was sent before no longer says it is hung
-                self._unanswered.pop(engine, None)
+            if self._waits:
+                self._waits.answered(engine)  # (what was sent before says nothing now)
                 self._settle(decision, now)
             if not out.marked and engine not in self._probing_by_snapshot:
                 out.answered(engine, now, took)  # (the steady case: no state changes)
