@@ -222,19 +222,27 @@ async def test_a_stopped_engine_is_given_up_once_its_reports_stop(
                     base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
                 )
                 await wait_for(lambda: len(gw.live_engines()) == 3)
-                procs[0].send_signal(signal.SIGSTOP)
 
-                async def batch() -> None:
+                async def batch(tokens: int) -> None:
                     done = await asyncio.gather(
                         *(
-                            client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+                            client.completions.create(
+                                model=MODEL,
+                                prompt="hi",
+                                max_tokens=tokens,
+                                extra_body={"ignore_eos": True},
+                            )
                             for _ in range(30)
                         )
                     )
                     assert all(out.choices for out in done)
 
+                # long answers under way on engine 0 when it stops: they wait on it
+                first = asyncio.ensure_future(batch(200))
+                await wait_for(lambda: gw.router.core.by_id["0"].inflight >= 1)
+                procs[0].send_signal(signal.SIGSTOP)
                 try:
-                    await batch()  # sent at once: some wait on engine 0 until it is silent
+                    await first  # given up once it is silent, served elsewhere
                     assert gw.router.silent_s("0") >= 0.5
                     text = gw.metrics.render().decode()
                     got = metric(
@@ -243,7 +251,7 @@ async def test_a_stopped_engine_is_given_up_once_its_reports_stop(
                     )  # fmt: skip
                     assert got >= 1, "no request to the stopped engine was given up"
                     before = metric(text, "redisbal_gateway_decisions_total", engine="0")
-                    await batch()  # silent now: none goes there
+                    await batch(4)  # silent now: none goes there
                     text = gw.metrics.render().decode()
                     assert metric(text, "redisbal_gateway_decisions_total", engine="0") == before
                     assert gw.router.core.excluded().get("0") in ("silent", "suspect")
