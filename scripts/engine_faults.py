@@ -13,8 +13,9 @@ retries), and makes engine 0 faulty from ``--fault-at`` to ``--clear-at``:
 - ``reject``: 5 requests pinned to it are refused with a 400, then 40 sequential
   requests measure its share (no load, no fault left).
 
-Per scenario: requests failed and hung (longer than the idle timeout plus a
-second), the faulty engine's decisions after the first second of the fault
+Per scenario: requests failed and hung (failed after longer than the idle
+timeout plus a second), requests that waited over 2 s for a chunk (failed or
+not) and the longest such wait, the faulty engine's decisions after the first second of the fault
 (share of all decisions; for sigstop, all decisions after the fault), seconds
 from the fault's end until it took traffic again, and requests still in flight
 anywhere after the run. Prints a table and writes JSON.
@@ -216,22 +217,27 @@ def leftovers(d: Deployment) -> int:
     return n
 
 
-async def one_request(client: openai.AsyncOpenAI, idle_s: float) -> tuple[str, float]:
-    """('ok' | 'failed' | 'hung', seconds)."""
-    t0 = time.monotonic()
+async def one_request(client: openai.AsyncOpenAI, idle_s: float) -> tuple[str, float, float]:
+    """('ok' | 'failed' | 'hung', seconds, the longest wait for a chunk: the first one
+    included)."""
+    t0 = last = time.monotonic()
+    gap = 0.0
     try:
         out = await client.completions.create(
             model=MODEL, prompt="hello", max_tokens=32, stream=True, timeout=60.0
         )
         done = False
         async for chunk in out:
+            now = time.monotonic()
+            gap, last = max(gap, now - last), now
             if chunk.choices and chunk.choices[0].finish_reason is not None:
                 done = True
         took = time.monotonic() - t0
-        return ("ok" if done else "failed"), took
+        return ("ok" if done else "failed"), took, gap
     except Exception:
         took = time.monotonic() - t0
-        return ("hung" if took > idle_s + 1.0 else "failed"), took
+        gap = max(gap, time.monotonic() - last)
+        return ("hung" if took > idle_s + 1.0 else "failed"), took, gap
 
 
 def fault(d: Deployment, kind: str, on: bool) -> None:
@@ -249,7 +255,7 @@ async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict
         openai.AsyncOpenAI(base_url=g + "/v1", api_key="x", max_retries=0) for g in d.gateways
     ]
     samples: list[tuple[float, dict[str, float]]] = []
-    results: list[tuple[float, str, float]] = []
+    results: list[tuple[float, str, float, float]] = []
     t0 = time.monotonic()
 
     async def sampler() -> None:
@@ -265,8 +271,8 @@ async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict
 
     async def send(i: int) -> None:
         at = time.monotonic() - t0
-        status, took = await one_request(clients[i % len(clients)], a.idle_timeout_s)
-        results.append((at, status, took))
+        status, took, gap = await one_request(clients[i % len(clients)], a.idle_timeout_s)
+        results.append((at, status, took, gap))
 
     tasks = [asyncio.ensure_future(sampler()), asyncio.ensure_future(faults())]
     sends = []
@@ -325,7 +331,7 @@ def came_back(samples: list[tuple[float, dict[str, float]]], clear_at: float) ->
 def summarize(
     kind: str,
     a: argparse.Namespace,
-    results: list[tuple[float, str, float]],
+    results: list[tuple[float, str, float, float]],
     samples: list[tuple[float, dict[str, float]]],
     back_s: float | None,
 ) -> dict[str, Any]:
@@ -333,14 +339,18 @@ def summarize(
     before, after = at(samples, lo), at(samples, a.clear_at)
     to_faulty = after.get("0", 0.0) - before.get("0", 0.0)
     total = sum(after.values()) - sum(before.values())
-    failed = sum(1 for _, s, _ in results if s != "ok")
+    failed = sum(1 for _, s, _, _ in results if s != "ok")
     return {
         "scenario": kind,
         "requests": len(results),
         "failed": failed,
         "failed_pct": round(100.0 * failed / max(1, len(results)), 2),
-        "hung": sum(1 for _, s, _ in results if s == "hung"),
-        "longest_s": round(max((t for _, _, t in results), default=0.0), 2),
+        "hung": sum(1 for _, s, _, _ in results if s == "hung"),
+        "longest_s": round(max((t for _, _, t, _ in results), default=0.0), 2),
+        # requests that waited over 2 s for a chunk (a stream that stalled, an answer that
+        # did not come), failed or not, and the longest such wait
+        "waited_2s": sum(1 for *_, g in results if g > 2.0),
+        "longest_wait_s": round(max((g for *_, g in results), default=0.0), 2),
         "faulty_decisions": int(to_faulty),
         "faulty_share_pct": round(100.0 * to_faulty / max(1.0, total), 2),
         "back_after_s": back_s,
@@ -441,7 +451,7 @@ def main() -> None:
                 row = run_one(a, kind, name, f"faults{k}")
                 print(orjson.dumps({k: v for k, v in row.items() if k != "timeline"}).decode())
                 rows.append(row)
-    cols = ["scenario", "router", "requests", "failed_pct", "hung", "longest_s",
+    cols = ["scenario", "router", "requests", "failed_pct", "hung", "waited_2s", "longest_wait_s",
             "faulty_decisions", "faulty_share_pct", "back_after_s", "left_in_flight"]  # fmt: skip
     print(" | ".join(cols))
     for r in rows:
