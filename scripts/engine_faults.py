@@ -15,17 +15,18 @@ retries), and makes engine 0 faulty from ``--fault-at`` to ``--clear-at``:
 
 Per scenario: requests failed and hung (failed after longer than the idle
 timeout plus a second), requests that waited over 2 s for a chunk (failed or
-not) and the longest such wait, the faulty engine's decisions after the first second of the fault
-(share of all decisions; for sigstop, all decisions after the fault), seconds
-from the fault's end until it took traffic again, and requests still in flight
-anywhere after the run. Prints a table and writes JSON.
+not) and the longest such wait, the faulty engine's decisions after the first
+second of the fault (for sigstop, all after the fault) and their number per
+request sent meanwhile, seconds from the fault's end until it got its third
+request, and requests still in flight anywhere after the run. Every router
+reaches engine 0 through a counting relay (redisbal.bench.tap) that records when
+each request came, so a loaded host that delays this script does not shift the
+windows; the fault's start and end are taken as done, not as scheduled. Prints
+a table and writes JSON.
 
 ``--routers`` runs each scenario again, on fresh processes, in front of peer
 routers instead of the gateways (``ROUTER:POLICY`` of redisbal.bench.routers, as
-many replicas as ``--gateways``, each with ``--peer-args``): their decisions to
-engine 0 are counted by a relay in front of it (redisbal.bench.tap: sglang-router
-counts no decisions per worker, a stopped engine counts nothing), the other
-engines' by their arrivals; redisbal's by its gateways' counters.
+many replicas as ``--gateways``, each with ``--peer-args``).
 
     python scripts/engine_faults.py --json engine_faults.json
     python scripts/engine_faults.py --routers redisbal,vllm-router:power_of_two,\
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import re
 import signal
@@ -54,7 +56,7 @@ import openai
 import orjson
 
 from redisbal.bench import routers as peer_routers
-from redisbal.bench.tap import read_count
+from redisbal.bench.tap import read_count, read_times
 from redisbal.sim.embedded import RedisServer
 
 BIN = os.path.join(os.path.dirname(sys.executable), "redisbal")
@@ -134,34 +136,47 @@ def start(a: argparse.Namespace, deployment: str, router: str) -> Deployment:
         d.engines[str(i)] = f"http://127.0.0.1:{port}"
     for url in d.engines.values():
         wait_http(url + "/health")
+    tap_url = start_tap(a, d, deployment)
     if router != "redisbal":
-        start_peers(a, d, router, deployment)
+        start_peers(a, d, router, deployment, tap_url)
         return d
     for _ in range(a.gateways):
         port = free_port()
         d.others.append(
-            subprocess.Popen([BIN, "gateway", *common, "--port", str(port), *a.gateway_args])
-        )
+            subprocess.Popen([BIN, "gateway", *common, "--port", str(port),
+                              "--engine", f"0={tap_url}", *a.gateway_args])
+        )  # fmt: skip
         d.gateways.append(f"http://127.0.0.1:{port}")
     for url in d.gateways:
         wait_http(url + "/health")
     return d
 
 
-def start_peers(a: argparse.Namespace, d: Deployment, router: str, deployment: str) -> None:
+def start_tap(a: argparse.Namespace, d: Deployment, deployment: str) -> str:
+    """A counting relay in front of engine 0 (every router reaches it through it);
+    returns its URL."""
+    port = free_port()
+    d.tap_file = os.path.join(a.workdir, f"{deployment}-{len(os.listdir(a.workdir))}.tap")
+    d.others.append(
+        subprocess.Popen([sys.executable, "-m", "redisbal.bench.tap", "--port", str(port),
+                          "--to", d.engines["0"], "--count-file", d.tap_file])
+    )  # fmt: skip
+    with contextlib.suppress(OSError, ValueError):  # (any answer: it relays)
+        wait_http(f"http://127.0.0.1:{port}/health")
+    return f"http://127.0.0.1:{port}"
+
+
+def start_peers(
+    a: argparse.Namespace, d: Deployment, router: str, deployment: str, tap_url: str
+) -> None:
     """``a.gateways`` replicas of the peer ``router`` in front of the engines, engine 0
-    behind a counting relay."""
+    behind the counting relay."""
     name, _ = peer_routers.split_name(router)
     exe = peer_routers.binary(name)
     if exe is None:
         raise SystemExit(f"{name} is not installed: python -m redisbal.bench.routers")
-    tap_port, *ports = peer_routers.free_ports(1 + 2 * a.gateways)
-    d.tap_file = os.path.join(a.workdir, f"{deployment}.tap")
-    d.others.append(
-        subprocess.Popen([sys.executable, "-m", "redisbal.bench.tap", "--port", str(tap_port),
-                          "--to", d.engines["0"], "--count-file", d.tap_file])
-    )  # fmt: skip
-    workers = [f"http://127.0.0.1:{tap_port}", *(u for e, u in d.engines.items() if e != "0")]
+    ports = peer_routers.free_ports(2 * a.gateways)
+    workers = [tap_url, *(u for e, u in d.engines.items() if e != "0")]
     for i in range(a.gateways):
         log = os.path.join(a.workdir, f"{deployment}-{name}-{i}.log")
         rp = peer_routers.RouterProcess(
@@ -187,14 +202,14 @@ def by_label(d: Deployment, metric: str, label: str) -> dict[str, float]:
 
 
 def decisions(d: Deployment) -> dict[str, float]:
-    """Decisions per engine so far: the gateways' counters; for peers engine 0's relay
-    and the other engines' arrivals."""
+    """Decisions per engine so far: engine 0's relay; the others' from the gateways'
+    counters, or for peers their arrivals."""
     out: dict[str, float] = dict.fromkeys(d.engines, 0.0)
     if not d.peers:
         out.update(by_label(d, "redisbal_gateway_decisions_total", "engine"))
-        return out
-    for e, url in d.engines.items():
-        out[e] = float(read_count(d.tap_file)) if e == "0" else arrived(url)
+    else:
+        out.update({e: arrived(url) for e, url in d.engines.items() if e != "0"})
+    out["0"] = float(read_count(d.tap_file))
     return out
 
 
@@ -254,27 +269,22 @@ async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict
     clients = [
         openai.AsyncOpenAI(base_url=g + "/v1", api_key="x", max_retries=0) for g in d.gateways
     ]
-    samples: list[tuple[float, dict[str, float]]] = []
     results: list[tuple[float, str, float, float]] = []
     t0 = time.monotonic()
-
-    async def sampler() -> None:
-        while True:
-            samples.append((time.monotonic() - t0, await asyncio.to_thread(decisions, d)))
-            await asyncio.sleep(0.25)
+    fault_s: list[float] = []  # when the fault began and ended, as done (the loop may lag)
 
     async def faults() -> None:
-        await asyncio.sleep(a.fault_at)
-        await asyncio.to_thread(fault, d, kind, True)
-        await asyncio.sleep(a.clear_at - a.fault_at)
-        await asyncio.to_thread(fault, d, kind, False)
+        for on, when in ((True, a.fault_at), (False, a.clear_at)):
+            await asyncio.sleep(max(0.0, t0 + when - time.monotonic()))
+            await asyncio.to_thread(fault, d, kind, on)
+            fault_s.append(time.monotonic() - t0)
 
     async def send(i: int) -> None:
         at = time.monotonic() - t0
         status, took, gap = await one_request(clients[i % len(clients)], a.idle_timeout_s)
         results.append((at, status, took, gap))
 
-    tasks = [asyncio.ensure_future(sampler()), asyncio.ensure_future(faults())]
+    faulting = asyncio.ensure_future(faults())
     sends = []
     n = int(a.rate * a.duration)
     for i in range(n):
@@ -283,21 +293,21 @@ async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict
             await asyncio.sleep(delay)
         sends.append(asyncio.ensure_future(send(i)))
     await asyncio.gather(*sends)
-    await tasks[1]
-    tasks[0].cancel()
-    # after the run: decisions sampled until the engine takes traffic again
-    back_s = None
+    await faulting
+    # after the run: until engine 0 takes traffic again (the relay's times say when)
     end = time.monotonic() + 10
-    while time.monotonic() < end and back_s is None:
+    while time.monotonic() < end and len(engine0_times(d, t0, fault_s[1])) < 3:
         await asyncio.sleep(0.25)
-        samples.append((time.monotonic() - t0, await asyncio.to_thread(decisions, d)))
-        back_s = came_back(samples, a.clear_at)
-    back_s = came_back(samples, a.clear_at)
     for c in clients:
         await c.close()
-    row = summarize(kind, a, results, samples, back_s)
+    row = summarize(kind, a, results, engine0_times(d, t0, -math.inf), fault_s)
     row["gateway_errors"] = await asyncio.to_thread(gateway_errors, d)
     return row
+
+
+def engine0_times(d: Deployment, t0: float, after: float) -> list[float]:
+    """When the relay saw requests to engine 0, in seconds from t0, after ``after``."""
+    return [t - t0 for t in read_times(d.tap_file) if t - t0 > after]
 
 
 def gateway_errors(d: Deployment) -> dict[str, float]:
@@ -310,35 +320,20 @@ def gateway_errors(d: Deployment) -> dict[str, float]:
         return {}
 
 
-def at(samples: list[tuple[float, dict[str, float]]], t: float) -> dict[str, float]:
-    """The last sample at or before t."""
-    best = samples[0][1]
-    for ts, s in samples:
-        if ts <= t:
-            best = s
-    return best
-
-
-def came_back(samples: list[tuple[float, dict[str, float]]], clear_at: float) -> float | None:
-    """Seconds from clear_at until engine 0 had 3 more decisions than at clear_at."""
-    base = at(samples, clear_at).get("0", 0.0)
-    for ts, s in samples:
-        if ts > clear_at and s.get("0", 0.0) >= base + 3:
-            return round(ts - clear_at, 2)
-    return None
-
-
 def summarize(
     kind: str,
     a: argparse.Namespace,
     results: list[tuple[float, str, float, float]],
-    samples: list[tuple[float, dict[str, float]]],
-    back_s: float | None,
+    to_engine0: list[float],
+    fault_s: list[float],
 ) -> dict[str, Any]:
-    lo = a.fault_at if kind == "sigstop" else a.fault_at + 1.0
-    before, after = at(samples, lo), at(samples, a.clear_at)
-    to_faulty = after.get("0", 0.0) - before.get("0", 0.0)
-    total = sum(after.values()) - sum(before.values())
+    """The row of one run. Windows are from the fault's actual times (``fault_s``);
+    the faulty engine's share is its decisions per request sent in the window."""
+    on, off = fault_s
+    lo = on if kind == "sigstop" else on + 1.0
+    to_faulty = sum(1 for t in to_engine0 if lo <= t <= off)
+    sent = sum(1 for t, *_ in results if lo <= t <= off)
+    back = [t for t in to_engine0 if t > off]
     failed = sum(1 for _, s, _, _ in results if s != "ok")
     return {
         "scenario": kind,
@@ -351,12 +346,13 @@ def summarize(
         # did not come), failed or not, and the longest such wait
         "waited_2s": sum(1 for *_, g in results if g > 2.0),
         "longest_wait_s": round(max((g for *_, g in results), default=0.0), 2),
-        "faulty_decisions": int(to_faulty),
-        "faulty_share_pct": round(100.0 * to_faulty / max(1.0, total), 2),
-        "back_after_s": back_s,
-        # the faulty engine's decisions over time (s from the start, cumulative): where
-        # they went is what the table's one number sums up
-        "timeline": [(round(ts, 2), s.get("0", 0.0)) for ts, s in samples],
+        "faulty_decisions": to_faulty,
+        "faulty_share_pct": round(100.0 * to_faulty / max(1, sent), 2),
+        # from the fault's end until engine 0 got its third request
+        "back_after_s": round(back[2] - off, 2) if len(back) >= 3 else None,
+        "fault_s": [round(t, 2) for t in fault_s],
+        # when engine 0 got each request (s from the start): what the one number sums up
+        "timeline": [round(t, 3) for t in to_engine0],
     }
 
 

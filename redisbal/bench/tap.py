@@ -6,8 +6,10 @@ engine stopped with SIGSTOP counts nothing itself. The relay forwards bytes both
 ways untouched, closes each side when the other closes (so a router giving up on a
 request closes the engine's side too, as it would directly) and counts the HTTP
 requests (``POST /v1/...``) in what routers send, reading each request's head and
-skipping its body (``Content-Length`` or chunked). It writes the count to a file
-whenever it changes (at most every 50 ms, replaced atomically).
+skipping its body (``Content-Length`` or chunked). It writes the times it saw them
+(``time.monotonic()``, one a line: comparable between processes of one host) to a
+file whenever they change (at most every 50 ms, replaced atomically), so that a
+loaded benchmark still knows when each request came, however late it reads them.
 
     python -m redisbal.bench.tap --port 8101 --to http://127.0.0.1:8001 --count-file f
 """
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import time
 from urllib.parse import urlsplit
 
 REQUEST_START = b"POST /v1/"
@@ -65,6 +68,7 @@ class Tap:
     def __init__(self, host: str, port: int, count_file: str) -> None:
         self.host, self.port, self.count_file = host, port, count_file
         self.requests = 0
+        self.times: list[float] = []  # when each request was seen
         self._written = -1
 
     async def _pipe(
@@ -75,7 +79,9 @@ class Tap:
                 if counter is not None:
                     before = counter.requests
                     counter.feed(data)
-                    self.requests += counter.requests - before
+                    if counter.requests > before:
+                        self.requests += counter.requests - before
+                        self.times += [time.monotonic()] * (counter.requests - before)
                 w.write(data)
                 await w.drain()
         except (ConnectionError, OSError):
@@ -98,7 +104,7 @@ class Tap:
                 self._written = self.requests
                 tmp = self.count_file + ".tmp"
                 with open(tmp, "w") as fh:
-                    fh.write(str(self._written))
+                    fh.write("".join(f"{t:.4f}\n" for t in self.times[: self._written]))
                 os.replace(tmp, self.count_file)
             await asyncio.sleep(0.05)
 
@@ -108,13 +114,19 @@ class Tap:
             await asyncio.gather(server.serve_forever(), self._writer())
 
 
-def read_count(count_file: str) -> int:
-    """The tap's count so far (0 before its first write)."""
+def read_times(count_file: str) -> list[float]:
+    """When the tap saw each request so far (``time.monotonic()``; none before its
+    first write)."""
     try:
         with open(count_file) as fh:
-            return int(fh.read() or 0)
+            return [float(line) for line in fh.read().split()]
     except (OSError, ValueError):
-        return 0
+        return []
+
+
+def read_count(count_file: str) -> int:
+    """The tap's count so far (0 before its first write)."""
+    return len(read_times(count_file))
 
 
 def main() -> None:
