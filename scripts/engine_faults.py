@@ -255,7 +255,8 @@ async def one_request(client: openai.AsyncOpenAI, idle_s: float) -> tuple[str, f
         return ("hung" if took > idle_s + 1.0 else "failed"), took, gap
 
 
-def fault(d: Deployment, kind: str, on: bool) -> None:
+def fault(d: Deployment, kind: str, on: bool) -> float:
+    """Start or end the fault; returns when it was done (``time.monotonic()``)."""
     url, proc = d.engines["0"], d.procs["0"]
     if kind == "sigstop":
         proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
@@ -263,6 +264,7 @@ def fault(d: Deployment, kind: str, on: bool) -> None:
         post_json(url + "/sim/fault", {"mode": "status", "status": 500} if on else {"mode": "none"})
     elif kind == "stall":
         post_json(url + "/sim/fault", {"mode": "stall" if on else "none"})
+    return time.monotonic()
 
 
 async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -276,8 +278,8 @@ async def load_scenario(d: Deployment, kind: str, a: argparse.Namespace) -> dict
     async def faults() -> None:
         for on, when in ((True, a.fault_at), (False, a.clear_at)):
             await asyncio.sleep(max(0.0, t0 + when - time.monotonic()))
-            await asyncio.to_thread(fault, d, kind, on)
-            fault_s.append(time.monotonic() - t0)
+            done_at = await asyncio.to_thread(fault, d, kind, on)
+            fault_s.append(done_at - t0)  # (read in the thread: the loop may resume late)
 
     async def send(i: int) -> None:
         at = time.monotonic() - t0
