@@ -45,8 +45,8 @@ OUTCOMES = FAILURES | {"ok", "rejected"}
 HEALTHY, EJECTED, PROBING = "healthy", "ejected", "probing"
 # An engine whose reports stopped this long ago (a forced snapshot names it a laggard)
 # is silent: its reporter heartbeats from a thread of its own, so its process is
-# stopped or gone. A probing engine that is silent gets no probe until it reports
-# again, and a request waiting on a silent engine is given up early (the gateway).
+# stopped or gone. A silent engine is neither chosen nor probed until it reports
+# again (redisbal.unanswered), and a request waiting on it is given up early.
 SILENT_AFTER_S = 0.5
 
 
@@ -68,6 +68,10 @@ class OutcomeTracker:
     """Per-engine outcome states of one router (module doc)."""
 
     ttfb_alpha = 0.1  # weight of a new first-byte time in the EWMA
+    # an engine that leaves a request waiting for its first byte this many times its
+    # usual first-byte time (at least late_min_s) is passed over until it answers
+    late_factor = 4.0
+    late_min_s = 0.25
 
     def __init__(
         self,
@@ -187,6 +191,17 @@ class OutcomeTracker:
             return self.first_byte_max_s if self.first_byte_factor == 0 else self.first_byte_min_s
         bound = self.first_byte_factor * h.ttfb
         return min(self.first_byte_max_s, max(self.first_byte_min_s, bound))
+
+    def late_bound(self, engine: str) -> float | None:
+        """How long a request may wait for ``engine``'s first byte before the engine is
+        passed over (not failed: ``RouterCore.sent``): ``late_factor`` times what it
+        usually takes, within [late_min_s, first_byte_bound()]; None while no first-byte
+        time is known (the caller never reported one)."""
+        h = self.engines.get(engine)
+        if h is None or h.ttfb is None:
+            return None
+        late = max(self.late_min_s, self.late_factor * h.ttfb)
+        return min(late, self.first_byte_bound(engine))
 
     def why(self, engine: str, now: float) -> str:
         """The evidence against ``engine`` since it was last healthy, e.g.

@@ -120,6 +120,15 @@ class _LocalRouting:
         if self.core.answered(decision, first_byte_s):
             self._tell("recovered", decision.engine_id, "")
 
+    def sent(self, decision: Decision) -> None:
+        """The request of ``decision`` was sent and its first byte should come soon (a
+        stream: its first token). Until ``answered()`` (or its end) this router passes
+        over the engine once the request waited a few times the engine's usual first
+        byte time (at least 0.25 s) and it answered nothing since: a stopped or hung
+        engine stops getting requests long before ``first_byte_bound()`` fails one.
+        A preference, not evidence: nothing is ejected or told to the deployment."""
+        self.core.sent(decision)
+
     def outcome(self, decision: Decision, kind: str, reason: str = "") -> None:
         """End the request of ``decision`` with what it got, for API servers that are
         not the gateway: ``"ok"`` (as ``finished()``), ``"rejected"`` (the engine
@@ -140,8 +149,8 @@ class _LocalRouting:
         return self.core.first_byte_bound(engine_id)
 
     def silent_s(self, engine_id: str) -> float:
-        """Seconds ``engine_id`` had not reported when the latest snapshot was forced
-        without it (the snapshot names it a laggard); 0.0 otherwise. A reporter
+        """Seconds ``engine_id`` had not reported when the latest snapshot was published
+        (a forced snapshot named it a laggard at this cut); 0.0 otherwise. A reporter
         heartbeats from a thread of its own, so a live engine process is never silent
         for long: an engine that is silent *and* does not answer a request is stopped
         or gone (the gateway gives up on such a request early). Only the snapshot's
@@ -149,10 +158,7 @@ class _LocalRouting:
         no engine turns silent."""
         core = self.core
         with core.lock:
-            snap = core.snapshot
-            if snap is None:
-                return 0.0
-            return snap.laggards.get(engine_id, 0) / 1000.0
+            return core.silent_ms(engine_id) / 1000.0
 
     def _tell(self, op: str, engine_id: str, reason: str) -> None:
         raise NotImplementedError

@@ -15,8 +15,9 @@ includes them does not count them twice.
 
 Engines the router should not choose are kept known but left out of
 ``engines``, the list policies pick from: those the snapshot names stalled
-(work and no progress) or suspect (ejected: requests failed on them, some
-router told the deployment), and those this router ejected on the outcomes
+(work and no progress), silent (their reports stopped ``SILENT_AFTER_S``
+ago: the process is stopped or gone) or suspect (ejected: requests failed on
+them, some router told the deployment), and those this router ejected on the outcomes
 of its own requests (``failed()``; ``redisbal.outcomes``). Engines probing
 (an ejection whose back-off ended, here or in the snapshot) are left out too,
 but get one request at a time (``Decision.probe``) until one answers
@@ -47,6 +48,7 @@ from redisbal.policies import (
     request_info,
 )
 from redisbal.snapshot import MAX_ADMITTED, Roster, Snapshot
+from redisbal.unanswered import FirstByteWaits, Silence
 
 
 class RouterCore:
@@ -116,6 +118,8 @@ class RouterCore:
         self._probing_by_snapshot: set[str] = set()  # the snapshot's probing and suspect ones
         self._answered_here: set[str] = set()  # of those, the ones a probe here answered
         self._probing: list[str] = []  # probing now (here or in the snapshot): probes go there
+        self._silence = Silence()  # engines whose reports stopped (redisbal.unanswered)
+        self._waits = FirstByteWaits()  # requests waiting for a first byte, late engines
         self._recheck_at = math.inf  # when the next exclusion runs out
         self._all_excluded = False  # every known engine is excluded: choose among all
         self._avoided: set[str] = set()  # excluded, while some engine is not
@@ -182,6 +186,7 @@ class RouterCore:
         self._knew_any = self._knew_any or bool(ids)
         self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
         self.known = list(self.by_id.values())
+        self._waits.keep(self.by_id)
         self._choosable(self.clock())
 
     def _choosable(self, now: float) -> None:
@@ -201,6 +206,12 @@ class RouterCore:
                 probing.add(e)
         probing -= excluded  # ejected here: no probe, whatever the snapshot says
         avoid = excluded | probing
+        # late engines (no first byte yet): a preference, so at most half of them all
+        room = len(self.known) // 2 - len(avoid)
+        for e in self._waits.late:
+            if room > 0 and e not in avoid and e in self.by_id:
+                avoid.add(e)
+                room -= 1
         choosable = [e for e in self.known if e.engine_id not in avoid]
         self._all_excluded = not choosable and bool(self.known)
         self.engines, self._avoided = choosable or self.known, avoid if choosable else set()
@@ -208,8 +219,10 @@ class RouterCore:
         self._recheck_at = min(untils, default=math.inf)
 
     def excluded(self) -> dict[str, str]:
-        """Known engines this router does not choose now -> why ("stalled", "suspect":
-        ejected here or in the deployment, "probing": one request at a time)."""
+        """Known engines this router does not choose now -> why ("stalled", "silent":
+        its reports stopped, "suspect": ejected here or in the deployment, "probing":
+        one request at a time, "late": a request sent here waits too long for its
+        first byte)."""
         with self.lock:
             now, snap = self.clock(), self.snapshot
             out = {e: "probing" for e in self._probing_by_snapshot - self._answered_here}
@@ -218,7 +231,15 @@ class RouterCore:
                 out[e] = "suspect" if state == EJECTED else "probing"
             for e, t in self._excluded_by_snapshot.items():
                 if t > now:
-                    out[e] = "stalled" if snap is not None and e in snap.stalled else "suspect"
+                    if snap is not None and e in snap.stalled:
+                        out[e] = "stalled"
+                    elif t == math.inf:
+                        out[e] = "silent"
+                    else:
+                        out[e] = "suspect"
+            for e in self._waits.late:
+                if e in self._avoided:
+                    out.setdefault(e, "late")
             return out
 
     def accepts(self, snap: Snapshot) -> bool:
@@ -251,9 +272,13 @@ class RouterCore:
             # with its last counts instead of vanishing for a snapshot
             kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
             carried = self._carry(snap, cur)
+            self._silence.track(snap)
             excluded = dict.fromkeys(snap.stalled, math.inf)  # until the next snapshot
             for eid, ms_left in snap.suspect.items():
                 excluded[eid] = now + ms_left / 1000.0
+            for eid in self._silence.reported_ms:  # stopped or gone: until it reports again
+                if self.silent_ms(eid) >= SILENT_AFTER_S * 1000:
+                    excluded[eid] = math.inf
             # marked in the snapshot: probing once its ejection ends, even with no newer
             # snapshot saying so (a mark never lapses into routable)
             was_probing = self._probing_by_snapshot
@@ -284,6 +309,11 @@ class RouterCore:
                     self._update_aged(snap)
             self.policy.reset(self)
             return True
+
+    def silent_ms(self, engine_id: str) -> int:
+        """How long ``engine_id``'s reports had stopped when the latest snapshot was
+        published (0: not named a laggard; ``redisbal.unanswered.Silence``)."""
+        return self._silence.ms(engine_id, self.snapshot)
 
     def _adopt_full(self, snap: Snapshot, now: float, observe: bool) -> tuple[int, int, bool]:
         """A full snapshot's counts into the engine views; returns this router's and
@@ -489,6 +519,11 @@ class RouterCore:
             now = self.clock()
             try:
                 eng, pinned, probe = self._choose(engine_id, now)
+                if self._waits and not (pinned or probe) and self._overdue(eng.engine_id, now):
+                    self._waits.late[eng.engine_id] = None  # waiting on it: pick another
+                    self._choosable(now)
+                    self.policy.reset(self)
+                    eng, pinned, probe = self._choose(engine_id, now)
                 eng.routed += 1
                 eng.inflight += 1
                 eng.pending += 1
@@ -514,11 +549,7 @@ class RouterCore:
         """The policy's pick, a probe of a probing engine (one at a time), or the pinned
         engine; and whether it was pinned, whether a probe."""
         if engine_id is None:
-            snap = self.snapshot
-            silent = snap.laggards if snap is not None else {}
-            for eid in self._probing:
-                if silent.get(eid, 0) >= SILENT_AFTER_S * 1000:
-                    continue  # stopped or gone: probed once it reports again
+            for eid in self._probing:  # (a silent one is excluded: no probe)
                 if self.outcomes.take_probe(eid, now):
                     self.counters["probes"] += 1
                     return self.by_id[eid], False, True
@@ -570,10 +601,38 @@ class RouterCore:
         eng = self.by_id.get(decision.engine_id)
         return eng if eng is not None and decision.seq >= eng.first_seq else None
 
+    def sent(self, decision: Decision) -> None:
+        """The request of ``decision`` went to its engine and its first byte should come
+        soon (a stream). Until ``answered()`` or its end, the engine is passed over by
+        the policy once the request waited past the engine's late bound
+        (``OutcomeTracker.late_bound``: a few times its usual first-byte time): an
+        engine stopped or hung gets no more requests from this router from then on,
+        long before the request fails. Not evidence: nothing is ejected or told."""
+        with self.lock:
+            if not decision.done and self._view(decision) is not None:
+                self._waits.sent(decision.engine_id, decision.seq, self.clock())
+
+    def _overdue(self, engine: str, now: float) -> bool:
+        """Whether ``engine`` left a request sent() waiting past its late bound, and
+        answered none since it was sent."""
+        return self._waits.overdue(engine, now, self.outcomes.late_bound(engine))
+
+    def _settle(self, decision: Decision, now: float) -> None:
+        """The request of ``decision`` waits for no first byte any more: the engine is no
+        longer late unless another request still waits too long on it."""
+        eid, waits = decision.engine_id, self._waits
+        waits.ended(eid, decision.seq)
+        if eid in waits.late and not (eid in self.by_id and self._overdue(eid, now)):
+            del waits.late[eid]
+            self._choosable(now)
+            self.policy.reset(self)
+
     def _finish(self, decision: Decision) -> None:
         if decision.done:
             return
         decision.done = True
+        if self._waits:
+            self._settle(decision, self.clock())
         if decision.probe:  # ended, answered or not: the next request may probe again
             self.outcomes.release_probe(decision.engine_id)
         eng = self._view(decision)
@@ -630,6 +689,9 @@ class RouterCore:
                 return False
             now, out = self.clock(), self.outcomes
             took = now - decision.routed_at if first_byte_s is None else first_byte_s
+            if self._waits:
+                self._waits.answered(engine)  # (what was sent before says nothing now)
+                self._settle(decision, now)
             if not out.marked and engine not in self._probing_by_snapshot:
                 out.answered(engine, now, took)  # (the steady case: no state changes)
                 return False

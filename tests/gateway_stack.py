@@ -48,6 +48,7 @@ async def start_gateway(
     router = AsyncRouter(
         redis_url, deployment, client_index, 1 if client_index == "auto" else 2,
         lease_ttl_s=kw.pop("lease_ttl_s", 10.0), suspect_s=kw.pop("suspect_s", 1.0),
+        outcomes=kw.pop("outcomes", None),
     )  # fmt: skip
     await router.start(wait=3.0)
     gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True), **kw)

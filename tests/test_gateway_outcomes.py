@@ -24,6 +24,7 @@ from gateway_stack import (
 from helpers import coordinator
 
 from redisbal.gateway.proxy import ENGINE_HEADER
+from redisbal.outcomes import OutcomeTracker
 
 
 async def set_fault(url: str, mode: str, status: int = 500) -> None:
@@ -102,6 +103,49 @@ async def test_stalled_streams_are_retried_before_the_first_byte_and_cut_after_i
         await settled(st)
 
 
+async def test_an_engine_leaving_a_stream_without_its_first_token_gets_no_more_until_it_answers(
+    redis_url: str, deployment: str
+) -> None:
+    """The late rule alone: its reports stay healthy and the first-byte bound (30 s
+    here) never fails the waiting request, yet once that request waited a few times
+    the engine's usual first-token time, the router passes the engine over; its answer
+    brings it back. Without the rule a third of these requests would wait 30 s."""
+    slow_to_fail = OutcomeTracker(first_byte_min_s=30.0, first_byte_max_s=60.0)
+    async with stack(redis_url, deployment, n=3, outcomes=slow_to_fail) as st:
+        gw, bad = st.gateways[0], st.engines[0]
+        core = gw.router.core
+        client = openai.AsyncOpenAI(base_url=st.url + "/v1", api_key="x", max_retries=0)
+        assert all(await asyncio.gather(*(stream_one(client) for _ in range(30))))
+        await wait_for(lambda: all(core.outcomes.late_bound(e) for e in "012"))
+        await set_fault(bad.url, "stall")
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": "a", "max_tokens": 4, "stream": True}
+            waiting = asyncio.ensure_future(
+                s.post(st.url + "/v1/completions", json=body, headers={ENGINE_HEADER: "0"})
+            )
+            await wait_for(lambda: core.by_id["0"].inflight == 1)
+            since = time.monotonic()
+            bound = core.outcomes.late_bound("0") or 0.0
+            await wait_for(lambda: time.monotonic() - since > bound + 0.1, 70.0)
+            text = gw.metrics.render().decode()
+            before = metric(text, "redisbal_gateway_decisions_total", engine="0")
+            for _ in range(20):
+                assert await stream_one(client)
+            text = gw.metrics.render().decode()
+            assert metric(text, "redisbal_gateway_decisions_total", engine="0") == before
+            assert core.excluded() == {"0": "late"}
+            assert metric(text, "redisbal_gateway_errors_total", reason="first_byte_timeout") == 0
+            await set_fault(bad.url, "none")  # the waiting stream gets its first token
+            async with await waiting as r:
+                assert r.status == 200
+                await r.read()
+        await wait_for(lambda: core.excluded() == {})
+        got = [await stream_one(client) for _ in range(30)]
+        text = gw.metrics.render().decode()
+        assert all(got) and metric(text, "redisbal_gateway_decisions_total", engine="0") > before
+        await settled(st)
+
+
 async def test_rejected_requests_leave_no_phantom_load(redis_url: str, deployment: str) -> None:
     async with stack(redis_url, deployment, n=2) as st:
         gw, bad = st.gateways[0], st.engines[0]
@@ -167,8 +211,9 @@ async def test_a_stopped_engine_is_given_up_once_its_reports_stop(
     """SIGSTOP: the kernel still accepts connections and nothing answers. Non-streamed
     requests have no first-byte bound (only the whole-response timeout, 600 s here), yet
     they finish: once forced snapshots name the engine a laggard (its heartbeats
-    stopped), a request that waited for it goes to another engine, and the engine is
-    ejected. Without that, the requests sent to it would wait out the test's timeout."""
+    stopped), a request that waited for it goes to another engine; from then on the
+    engine gets no request at all (silent), over every snapshot until it reports again.
+    Without that, the requests sent to it would wait out the test's timeout."""
     with coordinator(redis_url, deployment, stall_ms=100, dead_after_ms=60_000):
         async with process_engines(redis_url, deployment, 3) as procs:
             gw = await start_gateway(redis_url, deployment, timeout_s=600.0)
@@ -177,24 +222,39 @@ async def test_a_stopped_engine_is_given_up_once_its_reports_stop(
                     base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
                 )
                 await wait_for(lambda: len(gw.live_engines()) == 3)
-                procs[0].send_signal(signal.SIGSTOP)
-                try:
-                    # forced snapshots name it: its heartbeats stopped
-                    await wait_for(lambda: gw.router.silent_s("0") >= 0.5)
+
+                async def batch(tokens: int) -> None:
                     done = await asyncio.gather(
                         *(
-                            client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+                            client.completions.create(
+                                model=MODEL,
+                                prompt="hi",
+                                max_tokens=tokens,
+                                extra_body={"ignore_eos": True},
+                            )
                             for _ in range(30)
                         )
                     )
                     assert all(out.choices for out in done)
-                    assert gw.router.core.excluded().get("0") in ("suspect", "probing")
+
+                # long answers under way on engine 0 when it stops: they wait on it
+                first = asyncio.ensure_future(batch(200))
+                await wait_for(lambda: gw.router.core.by_id["0"].inflight >= 1)
+                procs[0].send_signal(signal.SIGSTOP)
+                try:
+                    await first  # given up once it is silent, served elsewhere
+                    assert gw.router.silent_s("0") >= 0.5
                     text = gw.metrics.render().decode()
                     got = metric(
                         text, "redisbal_gateway_engine_outcomes_total", engine="0",
                         outcome="first_byte_timeout",
                     )  # fmt: skip
                     assert got >= 1, "no request to the stopped engine was given up"
+                    before = metric(text, "redisbal_gateway_decisions_total", engine="0")
+                    await batch(4)  # silent now: none goes there
+                    text = gw.metrics.render().decode()
+                    assert metric(text, "redisbal_gateway_decisions_total", engine="0") == before
+                    assert gw.router.core.excluded().get("0") in ("silent", "suspect")
                 finally:
                     procs[0].send_signal(signal.SIGCONT)
                 await client.close()

@@ -147,6 +147,7 @@ class RouterProcess:
     proc: subprocess.Popen[bytes] | None = None
     metrics: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)  # more flags for the router (its options)
 
     @property
     def url(self) -> str:
@@ -155,6 +156,7 @@ class RouterProcess:
     def start(self) -> None:
         router, policy = split_name(self.name)
         cmd = command(router, policy, self.exe, self.port, self.metrics_port, self.workers)
+        cmd += self.args
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(
                 cmd,

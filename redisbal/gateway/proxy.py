@@ -403,6 +403,8 @@ class Proxy:
         # whole answers come at the end, so only the whole-response timeout applies
         # to them; either way a silent engine's wait ends early (first_byte.py)
         bound = router.first_byte_bound(eid) if stream else self.timeout_s
+        if stream:
+            router.sent(d)  # an engine that leaves it waiting is passed over meanwhile
         try:
             try:
                 up = await first_byte(
