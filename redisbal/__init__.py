@@ -10,8 +10,10 @@ membership, liveness and stalled barriers in order. A custom routing policy is a
 exception redisbal raises is a ``RedisbalError`` (redisbal.errors).
 """
 
-from redisbal.batch import AsyncBatchReporter, BatchReporter
-from redisbal.engine import (
+from redisbal.barrier.snapshot import EngineCounts, Snapshot
+from redisbal.errors import BadRedisURL, InvalidName, LeaseUnavailable, RedisbalError
+from redisbal.reporting.batch import AsyncBatchReporter, BatchReporter
+from redisbal.reporting.reporter import (
     AsyncEngineReporter,
     Counts,
     EngineReporter,
@@ -19,8 +21,7 @@ from redisbal.engine import (
     ReporterStats,
     ReportResult,
 )
-from redisbal.errors import BadRedisURL, InvalidName, LeaseUnavailable, RedisbalError
-from redisbal.policies import (
+from redisbal.routing.policies import (
     DEFAULT_POLICY,
     POLICIES,
     Decision,
@@ -32,8 +33,7 @@ from redisbal.policies import (
     ScoringPolicy,
     UnknownEngine,
 )
-from redisbal.router import AsyncRouter, Router
-from redisbal.snapshot import EngineCounts, Snapshot
+from redisbal.routing.router import AsyncRouter, Router
 
 __version__ = "0.1.0"
 

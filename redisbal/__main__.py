@@ -1,5 +1,5 @@
 """``python -m redisbal``: the same as the ``redisbal`` console script."""
 
-from redisbal.cli import main
+from redisbal.ops.cli import main
 
 main()

@@ -75,8 +75,8 @@ import redis
 from bench_scale_model import fit_model, print_model
 from bench_scale_procs import DriverJob, Target, driver_main, sink_main, subscriber_main
 
+from redisbal.barrier.operations import Scripts
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import Scripts
 from redisbal.sim.cluster import ClusterTopology, system_binary
 from redisbal.sim.embedded import RedisServer
 

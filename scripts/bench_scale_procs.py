@@ -42,11 +42,11 @@ from urllib.parse import urlparse
 import hiredis
 import redis.asyncio
 
+from redisbal.barrier.operations import Scripts, report_reply
 from redisbal.connection import make_client
-from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
-from redisbal.router import AsyncRouter
-from redisbal.scripts import Scripts, report_reply
+from redisbal.reporting.reporter import new_incarnation
+from redisbal.routing.router import AsyncRouter
 
 STEP_RE = re.compile(rb'"step":(\d+)')
 VERSION_RE = re.compile(rb'"version":(\d+)')

@@ -21,7 +21,7 @@ traffic as one) with ``loadgen --session-prompts``, on engines given
 ``--prefill-token-us``); it adds the prefix-cache hit rate (cached / prompt tokens,
 summed over the engines' /sim/state).
 
-Policies are what ``redisbal gateway --policy`` accepts (redisbal.policies.POLICIES)
+Policies are what ``redisbal gateway --policy`` accepts (redisbal.routing.policies.POLICIES)
 and, with ``--trace``, the real peer routers (redisbal.bench.routers:
 ``vllm-router:cache_aware``, ``vllm-router:power_of_two``, ``sglang-router:cache_aware``,
 ``sglang-router:power_of_two``; the pinned versions are pip-installed into a venv of
@@ -58,7 +58,7 @@ from redisbal.bench.peers import PEER_POLICIES
 from redisbal.bench.quality import VARIANTS
 from redisbal.gateway.loadgen import read_trace
 from redisbal.keys import DeploymentKeys
-from redisbal.policies import POLICIES
+from redisbal.routing.policies import POLICIES
 from redisbal.sim.demo import Child, DemoError, DemoOptions, Echo
 from redisbal.sim.demo_http import HttpDemo, _get
 from redisbal.sim.embedded import RedisServer

@@ -2,7 +2,7 @@
 """A gateway whose router runs one of the benchmark's peer policies
 (redisbal.bench.peers: p2c, sglang-cache-aware, llmd, chbl), for
 scripts/gateway_policies.py: ``redisbal gateway --policy`` takes only the names in
-redisbal.policies.POLICIES, while ``AsyncRouter`` takes any Policy object.
+redisbal.routing.policies.POLICIES, while ``AsyncRouter`` takes any Policy object.
 
 The prefix-aware peers route by a prompt's block hashes, which the gateway does not
 tell its router; this process (only) wraps the gateway's ``request_hints`` and the
@@ -27,8 +27,8 @@ from typing import Any
 from redisbal.bench.peers import PEER_POLICIES, make_peer
 from redisbal.bench.quality import VARIANTS
 from redisbal.gateway import command, proxy
-from redisbal.policies import Policy, RedisbalPolicy
-from redisbal.router import AsyncRouter
+from redisbal.routing.policies import Policy, RedisbalPolicy
+from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import _prompt_text
 from redisbal.sim.prefix_cache import text_blocks
 

@@ -44,11 +44,11 @@ from typing import Any
 import redis
 
 from redisbal import AsyncEngineReporter, AsyncRouter
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.connection import make_client
-from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
+from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 from redisbal.sim.embedded import RedisServer
-from redisbal.snapshot import Snapshot
 
 
 def log(msg: str) -> None:

@@ -1,6 +1,6 @@
 """The series redisbal's exporters really export, read from their registries in-process.
 
-The coordinator's exporter (``redisbal.metrics.CoordinatorMetrics``) reads the
+The coordinator's exporter (``redisbal.ops.metrics.CoordinatorMetrics``) reads the
 deployment from Redis at scrape time; here its collector reads a deployment state
 made in the test instead (every meta counter, an open barrier, members, a snapshot
 with KV usage, stalled, suspect and laggard engines), so that every family it can
@@ -20,12 +20,12 @@ from helpers import make_snapshot
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from redisbal.coordinator import CoordinatorStats
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.keys import DeploymentKeys
-from redisbal.metrics import META_COUNTERS, CoordinatorMetrics, _CoordinatorCollector
-from redisbal.routing import RouterCore
-from redisbal.snapshot import Snapshot
+from redisbal.ops.coordinator import CoordinatorStats
+from redisbal.ops.metrics import META_COUNTERS, CoordinatorMetrics, _CoordinatorCollector
+from redisbal.routing.core import RouterCore
 
 # the sample names a family of each type exposes (prometheus_client strips _total
 # and the like from the family name)

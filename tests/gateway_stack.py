@@ -16,7 +16,7 @@ from procs import free_port_block
 
 from redisbal.connection import make_client
 from redisbal.gateway.server import Gateway
-from redisbal.router import AsyncRouter
+from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.model import EngineParams
 

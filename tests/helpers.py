@@ -1,6 +1,6 @@
 """Shared helpers for the core tests: direct script calls, state dumps, polling.
 
-The barrier tests drive the real Lua scripts through ``redisbal.scripts.Scripts``
+The barrier tests drive the real Lua scripts through ``redisbal.barrier.operations.Scripts``
 (the same path the library uses) and read the raw keys back, so a test sees
 exactly what Redis stored, not what a Python wrapper believes it stored.
 """
@@ -23,12 +23,12 @@ from typing import Any, TypeVar
 import orjson
 import redis
 
-from redisbal.coordinator import Coordinator, CoordinatorConfig
+from redisbal.barrier.loader import script_source
+from redisbal.barrier.operations import Scripts, report_reply
+from redisbal.barrier.record import format_record, parse_record
+from redisbal.barrier.snapshot import EngineCounts, Snapshot
 from redisbal.keys import BARRIER_FIELDS, DeploymentKeys, is_engine_field
-from redisbal.lua_source import script_source
-from redisbal.record import format_record, parse_record
-from redisbal.scripts import Scripts, report_reply
-from redisbal.snapshot import EngineCounts, Snapshot
+from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 
 T = TypeVar("T")
 STEP_SPAN = 2**32
@@ -362,7 +362,7 @@ class Barrier:
 
     def records(self) -> dict[str, tuple[str, list[int]]]:
         """engine -> (flag, scores of its stored reports, newest first): flag "b" is a
-        barrier member, "p" a provisional joiner (redisbal.record)."""
+        barrier member, "p" a provisional joiner (redisbal.barrier.record)."""
         out: dict[str, tuple[str, list[int]]] = {}
         for k, v in self.r.hgetall(self.keys.reports).items():
             if is_engine_field(text(k)):

@@ -40,8 +40,8 @@ from typing import Any
 import redis
 from helpers import wait_until
 
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
-from redisbal.snapshot import Snapshot
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
@@ -468,8 +468,8 @@ class SnapshotObserver:
         self._thread.join(5)
 
     def _run(self) -> None:
+        from redisbal.barrier.snapshot import Snapshot
         from redisbal.connection import make_client
-        from redisbal.snapshot import Snapshot
 
         while not self._stop.is_set():
             client = pubsub = None
@@ -694,7 +694,7 @@ def run_engine(a: argparse.Namespace) -> None:
 
 
 def run_coordinator(a: argparse.Namespace) -> None:
-    from redisbal.coordinator import Coordinator, CoordinatorConfig
+    from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 
     cfg = CoordinatorConfig(
         dead_after_ms=a.dead_after_ms,

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 from helpers import make_snapshot
 
-from redisbal.policies import EngineView, Policy, RequestInfo, RoutingState
-from redisbal.routing import RouterCore
+from redisbal.routing.core import RouterCore
+from redisbal.routing.policies import EngineView, Policy, RequestInfo, RoutingState
 
 
 def cores(n_routers: int, loads: dict[str, tuple[int, int]], **kw: object) -> list[RouterCore]:
@@ -176,7 +176,7 @@ def test_bad_request_info_is_a_clear_error_and_routes_nothing(
 def test_with_use_cost_off_every_route_counts_one() -> None:
     """RedisbalPolicy.use_cost=False: a route holds one slot whatever its prompt, so
     pending counts routes, not sizes (the option the real-time straggler measured)."""
-    from redisbal.policies import RedisbalPolicy
+    from redisbal.routing.policies import RedisbalPolicy
 
     policy = RedisbalPolicy()
     policy.use_cost = False

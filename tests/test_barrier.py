@@ -16,10 +16,10 @@ import pytest
 import redis
 from helpers import Barrier, counts, score, server_ms, wait_until
 
-from redisbal.engine import EngineReporter
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
+from redisbal.reporting.reporter import EngineReporter
 from redisbal.sim.embedded import RedisServer
-from redisbal.snapshot import Snapshot
 
 pytestmark = pytest.mark.servers
 

@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
+from redisbal.reporting.reporter import new_incarnation
 
 pytestmark = pytest.mark.servers
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.bench.balance import (
     burst_max_over_mean,
     gap_closed,
@@ -29,9 +30,8 @@ from redisbal.bench.vllm import (
     vllm_model_for,
 )
 from redisbal.keys import DeploymentKeys
-from redisbal.routing import RouterCore
+from redisbal.routing.core import RouterCore
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
-from redisbal.snapshot import Snapshot
 
 # -- metrics ----------------------------------------------------------------------------------
 
@@ -292,7 +292,7 @@ def test_oracle_counts_requests_in_transit_and_skips_dead_engines() -> None:
 def _fill(n: int, c: int, routes: int, residual: int, seed: int = 5) -> tuple[int, int]:
     """c routers share one snapshot of n engines with residual loads 0..6*residual and
     route ``routes`` requests between them (no newer snapshot): the spread of total load."""
-    from redisbal.snapshot import EngineCounts
+    from redisbal.barrier.snapshot import EngineCounts
 
     loads = {f"e{i:04d}": (i % 7) * residual for i in range(n)}
     counts = {e: EngineCounts(w, 0, None, 0, 1, 0, (0,) * c) for e, w in loads.items()}
@@ -333,8 +333,8 @@ def test_bench_scenarios_add_a_procs_variant() -> None:
 def test_speed_aware_option_learns_a_slow_engine_from_completions() -> None:
     """RedisbalPolicy.use_speed (off by default): an engine completing half as many
     requests per running request gets speed ~0.5 and its queue counts double."""
-    from redisbal.policies import RedisbalPolicy
-    from redisbal.snapshot import EngineCounts
+    from redisbal.barrier.snapshot import EngineCounts
+    from redisbal.routing.policies import RedisbalPolicy
 
     def snaps(k: int) -> Snapshot:
         counts = {}
@@ -364,8 +364,8 @@ def test_engines_completing_a_few_requests_a_second_get_a_speed_and_an_age() -> 
     """8 slots of 1.6 s requests finish 5 a second (2.5 on the half-speed engine): the
     decayed completions settle at rate x half-life / ln 2, which must clear the least
     trusted, or the speed terms and the default's age correction never turn on."""
-    from redisbal.policies import RedisbalPolicy
-    from redisbal.snapshot import EngineCounts
+    from redisbal.barrier.snapshot import EngineCounts
+    from redisbal.routing.policies import RedisbalPolicy
 
     def snap(k: int) -> Snapshot:  # one every 100 ms, each report 50 ms old
         counts = {}
@@ -394,8 +394,8 @@ def test_sed_option_weighs_the_whole_queue_and_the_request_by_speed() -> None:
     """RedisbalPolicy.use_sed (off by default): score = (running + queued + 1) / speed,
     so a half-speed engine is chosen only once its count is under half the others';
     use_dither=False leaves every engine's offset at 0."""
-    from redisbal.policies import RedisbalPolicy
-    from redisbal.snapshot import EngineCounts
+    from redisbal.barrier.snapshot import EngineCounts
+    from redisbal.routing.policies import RedisbalPolicy
 
     def snaps(k: int, running: dict[str, int]) -> Snapshot:
         counts = {}
@@ -431,8 +431,8 @@ def test_slots_option_puts_free_slots_first_then_queues_by_speed() -> None:
     """RedisbalPolicy.use_slots (off by default): once the running cap is known (8:
     an engine with a queue runs 8), an engine where the request would queue scores
     above any with a free slot, and among full ones by what is queued over speed."""
-    from redisbal.policies import RedisbalPolicy
-    from redisbal.snapshot import EngineCounts
+    from redisbal.barrier.snapshot import EngineCounts
+    from redisbal.routing.policies import RedisbalPolicy
 
     def snaps(k: int, wr: dict[str, tuple[int, int]]) -> Snapshot:
         counts = {}

@@ -21,8 +21,8 @@ from helpers import wait_until
 
 import redisbal
 from redisbal import EngineReporter
-from redisbal.cli import cli
 from redisbal.keys import DeploymentKeys
+from redisbal.ops.cli import cli
 
 COMMANDS = ["coordinator", "engine-sim", "api", "status", "demo", "load-functions"]
 
@@ -174,7 +174,7 @@ def test_bad_numbers_and_values_are_usage_errors(
 def test_metrics_port_without_prometheus_names_the_extra(
     runner: CliRunner, redis_url: str, deployment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delitem(sys.modules, "redisbal.metrics", raising=False)
+    monkeypatch.delitem(sys.modules, "redisbal.ops.metrics", raising=False)
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import now fails
     res = run(
         runner,
@@ -461,7 +461,7 @@ def test_status_watch_refreshes_until_ctrl_c(redis_url: str, deployment: str) ->
 
 def test_load_functions(runner: CliRunner, redis_url: str, r: redis.Redis) -> None:
     """Redis 7: the library is loaded and named; 6.2: a clear refusal, exit 1."""
-    from redisbal.scripts import library
+    from redisbal.barrier.operations import library
 
     res = run(runner, "--redis-url", redis_url, "load-functions")
     major = int(str(r.info("server")["redis_version"]).split(".")[0])
@@ -484,7 +484,7 @@ def test_a_signal_landing_while_the_stop_event_is_locked_still_stops() -> None:
     code = textwrap.dedent(
         """
         import os, signal, threading
-        from redisbal.cli_common import signals_stop
+        from redisbal.ops.cli_options import signals_stop
         ev = threading.Event()
         with signals_stop(ev.set):
             with ev._cond:  # where Event.wait holds it

@@ -1,4 +1,4 @@
-"""Auto client indexes (redisbal.client_lease) against a real redis-server."""
+"""Auto client indexes (redisbal.routing.lease) against a real redis-server."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 import redis
 from helpers import Barrier, await_until, server_ms
 
-from redisbal.client_lease import ClientLease, apply_lease
 from redisbal.connection import make_client
 from redisbal.keys import DeploymentKeys
-from redisbal.router import AsyncRouter
-from redisbal.routing import RouterCore
+from redisbal.routing.core import RouterCore
+from redisbal.routing.lease import ClientLease, apply_lease
+from redisbal.routing.router import AsyncRouter
 
 pytestmark = pytest.mark.servers
 

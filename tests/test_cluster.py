@@ -35,8 +35,8 @@ from topology import (
 
 import redisbal
 from redisbal.connection import BadRedisURL, is_cluster, make_client, parse_url
-from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
+from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow]
 

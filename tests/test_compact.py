@@ -18,8 +18,8 @@ import pytest
 import redis
 from helpers import Barrier, wait_until
 
-from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
+from redisbal.reporting.reporter import new_incarnation
 
 pytestmark = pytest.mark.servers
 

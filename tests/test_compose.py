@@ -103,7 +103,7 @@ def test_service_command_is_a_real_cli_invocation(
 ) -> None:
     """The command parses with the real click CLI (options exist, values are valid),
     under the service's own environment."""
-    from redisbal.cli import cli
+    from redisbal.ops.cli import cli
 
     svc = services()[name]
     argv = command(svc)
@@ -131,7 +131,7 @@ def test_service_command_is_a_real_cli_invocation(
 def test_every_service_command_has_working_help_listing_its_options() -> None:
     """`redisbal <cmd> --help` succeeds (the installed entry point) and lists every
     option the compose file passes to it."""
-    from redisbal.cli import cli
+    from redisbal.ops.cli import cli
 
     for name in redisbal_services():
         _, sub, args = split_command(cli, command(services()[name])[1:])

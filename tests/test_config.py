@@ -9,9 +9,9 @@ import redis
 from click.testing import CliRunner
 from helpers import Barrier
 
-from redisbal.cli import cli
 from redisbal.config import LEASE_TTL, SETTINGS, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
+from redisbal.ops.cli import cli
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_config_refuses_each_bound_plus_one(name: str) -> None:
 
 
 def test_lease_ttl_floor_is_checked_by_the_coordinator_and_the_cli() -> None:
-    from redisbal.coordinator import Coordinator
+    from redisbal.ops.coordinator import Coordinator
 
     with pytest.raises(ValueError, match="lease_ttl_ms must be a whole number of ms in 200"):
         Coordinator("redis://127.0.0.1:1", "d", lease_ttl_ms=199)

@@ -12,8 +12,8 @@ import pytest
 import redis
 from helpers import Barrier, server_ms, text, wait_until
 
-from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys, InvalidName
+from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 from redisbal.sim.embedded import RedisServer
 
 FAST = {"dead_after_ms": 60_000, "stall_ms": 50, "join_grace_ms": 0, "idle_publish_ms": 3_600_000}
@@ -48,7 +48,7 @@ def config_of(r: redis.Redis, keys: DeploymentKeys) -> dict[str, str]:
 def test_standby_takes_over_after_release_and_the_old_fence_is_refused(
     redis_url: str, keys: DeploymentKeys, made: list[Coordinator], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, "redisbal.coordinator")
+    caplog.set_level(logging.INFO, "redisbal.ops.coordinator")
     c1 = coordinator(made, redis_url, keys.deployment, "c1", lease_ttl_ms=10_000)
     c2 = coordinator(made, redis_url, keys.deployment, "c2", lease_ttl_ms=10_000)
     c1.tick()

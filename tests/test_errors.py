@@ -32,7 +32,6 @@ from redis._parsers import (
 from topology import binaries
 
 import redisbal
-from redisbal.cli import cli
 from redisbal.connection import (
     OUTAGE_ERRORS,
     BadRedisURL,
@@ -40,6 +39,7 @@ from redisbal.connection import (
     WrongServer,
     make_client,
 )
+from redisbal.ops.cli import cli
 from redisbal.sim.embedded import RedisServer, free_port
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
@@ -407,7 +407,7 @@ def test_stats_out_in_a_missing_directory_fails_before_the_run(
 def test_write_json_failure_is_one_line(tmp_path: pytest.TempPathFactory) -> None:
     from click import ClickException
 
-    from redisbal.cli_common import write_json
+    from redisbal.ops.cli_options import write_json
 
     with pytest.raises(ClickException, match=r"cannot write .*: Is a directory"):
         write_json(str(tmp_path), {"a": 1})

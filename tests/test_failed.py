@@ -13,11 +13,11 @@ import redis
 from helpers import Barrier, await_until, make_snapshot, wait_until
 
 import redisbal
-from redisbal.engine import new_incarnation
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
-from redisbal.policies import Decision
-from redisbal.routing import RouterCore
-from redisbal.snapshot import Snapshot
+from redisbal.reporting.reporter import new_incarnation
+from redisbal.routing.core import RouterCore
+from redisbal.routing.policies import Decision
 
 INC = new_incarnation(1_700_000_000_000)
 
@@ -219,9 +219,9 @@ def test_pinning_takes_an_int_engine_id_as_its_text() -> None:
 def test_the_coordinator_logs_each_change_of_health_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from redisbal.coordinator import HealthLog
+    from redisbal.ops.coordinator import HealthLog
 
-    caplog.set_level(logging.WARNING, logger="redisbal.coordinator")
+    caplog.set_level(logging.WARNING, logger="redisbal.ops.coordinator")
     h = HealthLog()
     for v in range(1, 11):  # ten forced snapshots on one laggard: one line
         h.snapshot(make_snapshot({}, version=v, forced=True, laggards={"e2": 300 + v}), v, 250)

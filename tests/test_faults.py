@@ -41,10 +41,10 @@ from procs import (
 )
 from topology import SentinelTopology, binaries
 
+from redisbal.barrier.operations import Scripts, library
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import Scripts, library
 from redisbal.sim.embedded import RedisServer
-from redisbal.snapshot import Snapshot
 
 BINARIES = binaries()
 

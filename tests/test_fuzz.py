@@ -36,11 +36,11 @@ from redisbal import (
     Router,
     UnknownEngine,
 )
-from redisbal.coordinator import CoordinatorConfig
+from redisbal.barrier.operations import SCRIPT_NAMES, script_source
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import NAME_RE, DeploymentKeys
-from redisbal.routing import RouterCore
-from redisbal.scripts import SCRIPT_NAMES, script_source
-from redisbal.snapshot import Snapshot
+from redisbal.ops.coordinator import CoordinatorConfig
+from redisbal.routing.core import RouterCore
 
 FUZZ = settings(
     max_examples=60,
@@ -507,7 +507,7 @@ def ok_count(v: object, hi: int) -> bool:
 def report_is_valid(
     step: object, waiting: object, running: object, wave: object, kv: object, admitted: object
 ) -> bool:
-    """The contract of EngineReporter.report, written independently of engine.py."""
+    """The contract of EngineReporter.report, written independently of reporting/reporter.py."""
     if not (ok_count(step, MAX_STEP) and ok_count(wave, MAX_WAVE)):
         return False
     if not (ok_count(waiting, MAX_COUNT) and ok_count(running, MAX_COUNT)):
@@ -785,7 +785,7 @@ def test_fuzz_helpers_agree_with_the_scripts(target: Target) -> None:
 def _cli_options() -> list[tuple[str, click.Option]]:
     """(command, option) for every option with a checked type, found by introspection so
     that options added later are fuzzed too. bench parses its own lists: fuzzed separately."""
-    from redisbal.cli import cli
+    from redisbal.ops.cli import cli
 
     ctx = click.Context(cli)
     out = []
@@ -850,7 +850,7 @@ def test_cli_rejects_bad_option_values(redis_url: str, r: redis.Redis, data: st.
     traceback, and nothing stored (the command never got as far as Redis)."""
     from click.testing import CliRunner
 
-    from redisbal.cli import cli
+    from redisbal.ops.cli import cli
 
     command, opt = data.draw(st.sampled_from(CLI_OPTIONS), label="option")
     strategy = bad_option_value(opt)
@@ -891,7 +891,7 @@ def test_cli_rejects_bad_option_values(redis_url: str, r: redis.Redis, data: st.
 def test_cli_bad_redis_url_is_a_usage_error_without_the_password(url: str) -> None:
     from click.testing import CliRunner
 
-    from redisbal.cli import cli
+    from redisbal.ops.cli import cli
 
     for command in ("coordinator", "status", "engine-sim"):
         result = CliRunner().invoke(
@@ -907,7 +907,7 @@ def test_cli_bad_redis_url_is_a_usage_error_without_the_password(url: str) -> No
 def test_cli_float_options_reject_nan() -> None:
     from click.testing import CliRunner
 
-    from redisbal.cli import cli
+    from redisbal.ops.cli import cli
 
     for bad in ("nan", "inf", "-inf"):
         result = CliRunner().invoke(

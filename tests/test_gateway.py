@@ -25,14 +25,14 @@ from gateway_stack import FAST, MODEL, settled, stack, start_gateway, stop_gatew
 from helpers import Barrier
 
 from redisbal import endpoints
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.connection import make_client
 from redisbal.gateway.proxy import ENGINE_HEADER, KEY_HEADER, RANK_HEADER, request_hints
 from redisbal.gateway.server import Gateway
 from redisbal.integrations.metrics_page import parse_page
 from redisbal.keys import DeploymentKeys
-from redisbal.router import AsyncRouter
+from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
-from redisbal.snapshot import Snapshot
 
 # -- the official client -------------------------------------------------------------------
 
@@ -336,7 +336,7 @@ async def test_urls_registry_checks_what_it_stores_and_reads(
 def test_gateway_command_without_the_extra_fails_with_one_line() -> None:
     code = (
         "import sys; sys.modules['aiohttp'] = None\n"
-        "from redisbal.cli import main\n"
+        "from redisbal.ops.cli import main\n"
         "sys.argv = ['redisbal', 'gateway', '--redis-url', 'redis://127.0.0.1:1/0']\n"
         "main()\n"
     )

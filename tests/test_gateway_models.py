@@ -24,7 +24,7 @@ from redisbal.connection import make_client
 from redisbal.gateway.deployments import Deployment
 from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.gateway.server import Gateway
-from redisbal.router import AsyncRouter
+from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")

@@ -24,7 +24,7 @@ from gateway_stack import (
 from helpers import coordinator
 
 from redisbal.gateway.proxy import ENGINE_HEADER
-from redisbal.outcomes import OutcomeTracker
+from redisbal.routing.outcomes import OutcomeTracker
 
 
 async def set_fault(url: str, mode: str, status: int = 500) -> None:

@@ -20,12 +20,12 @@ import redis
 from helpers import Barrier, script_sha, text
 from redis.crc import key_slot
 
+from redisbal.barrier.loader import GENERATED, NUM_KEYS, SCRIPT_NAMES, include_order, library
 from redisbal.keys import DeploymentKeys, InvalidName, check_name
-from redisbal.lua_source import GENERATED, NUM_KEYS, SCRIPT_NAMES, include_order, library
 
 pytestmark = pytest.mark.servers
 
-LUA_DIR = Path(str(resources.files("redisbal") / "lua"))
+LUA_DIR = Path(str(resources.files("redisbal.barrier") / "lua"))
 
 # -- names ----------------------------------------------------------------------------------------
 

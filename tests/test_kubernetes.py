@@ -32,8 +32,8 @@ import pytest
 import yaml
 from exported_metrics import exported_series
 
-from redisbal.cli import cli as cli_main
 from redisbal.integrations.vllm_plugin import PluginConfig
+from redisbal.ops.cli import cli as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"

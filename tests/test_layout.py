@@ -12,7 +12,7 @@ import click
 import click.testing
 import pytest
 
-from redisbal.cli import EXTERNAL_COMMANDS, cli, load_command
+from redisbal.ops.cli import EXTERNAL_COMMANDS, cli, load_command
 
 TOOLING = ("redisbal.sim", "redisbal.bench", "matplotlib")
 
@@ -39,7 +39,7 @@ def test_import_redisbal_loads_no_cli_and_no_tooling() -> None:
 )
 def test_operator_commands_import_no_tooling(argv: list[str]) -> None:
     code = (
-        "from click.testing import CliRunner\nfrom redisbal.cli import cli\n"
+        "from click.testing import CliRunner\nfrom redisbal.ops.cli import cli\n"
         f"r = CliRunner().invoke(cli, {argv!r})\nassert r.exception is None or "
         "isinstance(r.exception, SystemExit), r.output"
     )

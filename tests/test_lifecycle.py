@@ -10,9 +10,9 @@ import pytest
 import redis
 from helpers import Barrier, text
 
-from redisbal.engine import new_incarnation
+from redisbal.barrier.record import parse_record
 from redisbal.keys import DeploymentKeys
-from redisbal.record import parse_record
+from redisbal.reporting.reporter import new_incarnation
 
 pytestmark = pytest.mark.servers
 

@@ -22,12 +22,12 @@ from procs import ProcGroup, Routers, SnapshotObserver, record, start_deployment
 from test_metrics import scrape, val
 
 import redisbal
-from redisbal.coordinator import Coordinator, CoordinatorConfig
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
-from redisbal.metrics import serve_coordinator_metrics
+from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
+from redisbal.ops.metrics import serve_coordinator_metrics
+from redisbal.ops.status import gather_status
 from redisbal.sim.embedded import RedisServer, free_port
-from redisbal.snapshot import Snapshot
-from redisbal.status import gather_status
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = [sys.executable, "-m", "redisbal", "demo"]

@@ -12,8 +12,7 @@ import pytest
 import redis
 from helpers import Barrier, text
 
-from redisbal.keys import DeploymentKeys
-from redisbal.lua_source import (
+from redisbal.barrier.loader import (
     SCRIPT_NAMES,
     LuaSourceError,
     include_order,
@@ -22,7 +21,8 @@ from redisbal.lua_source import (
     read_lua,
     script_source,
 )
-from redisbal.record import Record, ReportLine, format_record, parse_record
+from redisbal.barrier.record import Record, ReportLine, format_record, parse_record
+from redisbal.keys import DeploymentKeys
 
 pytestmark = pytest.mark.servers
 
@@ -93,7 +93,7 @@ def test_sources_hold_each_include_once_and_every_operation() -> None:
         script_source("nope")
 
 
-# -- the record format: lua/includes/record.lua writes, redisbal/record.py reads --------------
+# -- the record format: lua/includes/record.lua writes, redisbal/barrier/record.py reads ----
 
 
 def test_python_reads_and_writes_the_records_the_scripts_store(

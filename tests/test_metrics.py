@@ -17,12 +17,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import redisbal
-from redisbal.coordinator import Coordinator, CoordinatorConfig
+from redisbal.barrier.operations import Scripts, report_reply
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
-from redisbal.metrics import RouterMetrics, imbalance, serve_coordinator_metrics
-from redisbal.scripts import Scripts, report_reply
+from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
+from redisbal.ops.metrics import RouterMetrics, imbalance, serve_coordinator_metrics
 from redisbal.sim.embedded import RedisServer, free_port
-from redisbal.snapshot import Snapshot
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 
@@ -222,7 +222,7 @@ async def test_router_metrics_on_the_callers_registry(redis_url: str, deployment
 def test_missing_prometheus_client_names_the_extra() -> None:
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"
-        "try:\n    import redisbal.metrics\n"
+        "try:\n    import redisbal.ops.metrics\n"
         "except ImportError as e:\n    print(e.name, '|', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)

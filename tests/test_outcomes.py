@@ -1,10 +1,10 @@
-"""The per-engine outcome state machine (redisbal.outcomes): pure, on a given clock."""
+"""The per-engine outcome state machine (redisbal.routing.outcomes): pure, on a given clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from redisbal.outcomes import EJECTED, HEALTHY, PROBING, OutcomeTracker
+from redisbal.routing.outcomes import EJECTED, HEALTHY, PROBING, OutcomeTracker
 
 
 def test_a_failure_ejects_and_the_ejection_lapses_into_probing_not_healthy() -> None:

@@ -18,8 +18,8 @@ from redisbal.bench.peers import (
     _point,
     make_peer,
 )
-from redisbal.policies import Decision, Policy, RequestInfo
-from redisbal.routing import RouterCore
+from redisbal.routing.core import RouterCore
+from redisbal.routing.policies import Decision, Policy, RequestInfo
 
 
 class FakeClock:

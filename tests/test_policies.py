@@ -14,15 +14,15 @@ from collections import Counter
 import pytest
 from helpers import make_snapshot
 
-from redisbal.policies import (
+from redisbal.barrier.snapshot import EngineCounts, Snapshot
+from redisbal.routing.core import RouterCore
+from redisbal.routing.policies import (
     DEFAULT_POLICY,
     POLICIES,
     NoEngines,
     UnknownEngine,
     make_policy,
 )
-from redisbal.routing import RouterCore
-from redisbal.snapshot import EngineCounts, Snapshot
 
 T0_MS = 5_000_000
 

@@ -13,9 +13,9 @@ import orjson
 import pytest
 from helpers import make_snapshot
 
-from redisbal.policies import EngineView, RedisbalPolicy, RoutingState
-from redisbal.routing import RouterCore
-from redisbal.snapshot import Rosters, Snapshot
+from redisbal.barrier.snapshot import Rosters, Snapshot
+from redisbal.routing.core import RouterCore
+from redisbal.routing.policies import EngineView, RedisbalPolicy, RoutingState
 
 Entry = tuple[float, float, int, str]
 

@@ -182,15 +182,15 @@ def test_every_exception_redisbal_defines_is_a_redisbal_error() -> None:
     outside = sorted(q for q, c in found.items() if not issubclass(c, RedisbalError))
     assert outside == sorted(INTERNAL_SIGNALS), outside
     homes = {q.rsplit(".", 1)[0] for q in found if q not in INTERNAL_SIGNALS}
-    assert homes == {"redisbal.errors", "redisbal.cli_common"}, homes
+    assert homes == {"redisbal.errors", "redisbal.ops.cli_options"}, homes
 
 
 def test_exceptions_keep_their_builtin_bases_and_old_homes() -> None:
     """``except ValueError`` and the old import paths keep working."""
     from redisbal.connection import BadRedisURL, PasswordError, WrongServer
-    from redisbal.engine import InvalidReport
     from redisbal.keys import InvalidName
-    from redisbal.policies import NoEngines, UnknownEngine
+    from redisbal.reporting.reporter import InvalidReport
+    from redisbal.routing.policies import NoEngines, UnknownEngine
 
     for exc in (BadRedisURL, WrongServer, InvalidReport, InvalidName, UnknownEngine):
         assert issubclass(exc, ValueError) and issubclass(exc, RedisbalError), exc

@@ -23,7 +23,7 @@ from redisbal.bench.latency import (
 )
 from redisbal.bench.quality import simulate
 from redisbal.bench.traffic import QualityScenario, build_workload, default_quality_scenarios
-from redisbal.policies import EngineView, Policy, RoutingState
+from redisbal.routing.policies import EngineView, Policy, RoutingState
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.sim.prefix_cache import PrefixCache
 from redisbal.sim.workload import (

@@ -17,9 +17,9 @@ import redis
 from helpers import Barrier, Blocking, contents, text, wait_until
 
 from redisbal import AsyncBatchReporter, BatchReporter, InvalidReport
-from redisbal.engine import new_incarnation
+from redisbal.barrier.operations import report_reply
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import report_reply
+from redisbal.reporting.reporter import new_incarnation
 
 pytestmark = pytest.mark.servers
 

@@ -309,7 +309,7 @@ def test_stats_and_metrics_count_what_the_sender_did(
     sent, coalesced and refused; nothing is counted twice."""
     from prometheus_client import CollectorRegistry
 
-    from redisbal.metrics import ReporterMetrics
+    from redisbal.ops.metrics import ReporterMetrics
 
     registry = CollectorRegistry()
     metrics = ReporterMetrics(registry)
@@ -338,7 +338,7 @@ def test_one_sender_carries_several_engines_in_one_pipeline(
 ) -> None:
     """Reporters sharing a sender: their reports travel together (a pipeline of report
     calls, FCALL on Redis 7, EVALSHA on 6.2) and each engine's newest counts land."""
-    from redisbal.sender import ReportSender
+    from redisbal.reporting.sender import ReportSender
 
     sender = ReportSender(redis_url, threaded=True)
     reps = [
@@ -379,7 +379,7 @@ def test_url_is_registered_kept_after_a_state_loss_and_removed_on_leave(
     """``url=`` is where gateways send the engine's requests: the sender writes it to
     the deployment's urls hash, again every URL_REFRESH_S (so a flushed or restarted
     Redis gets it back), and a graceful leave removes it. A bad URL raises at once."""
-    from redisbal import sender
+    from redisbal.reporting import sender
 
     monkeypatch.setattr(sender, "URL_REFRESH_S", 0.2)
     with pytest.raises(ValueError, match="url"):

@@ -48,7 +48,7 @@ from helpers import Barrier
 
 from redisbal import AsyncEngineReporter, EngineReporter, Snapshot
 from redisbal.keys import DeploymentKeys
-from redisbal.sender import ReportSender
+from redisbal.reporting.sender import ReportSender
 from redisbal.sim.embedded import RedisServer
 
 pytestmark = pytest.mark.slow

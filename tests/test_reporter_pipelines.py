@@ -19,7 +19,7 @@ import pytest
 from topology import binaries
 
 from redisbal import AsyncEngineReporter
-from redisbal.sender import ReportSender
+from redisbal.reporting.sender import ReportSender
 from redisbal.sim.embedded import RedisServer
 
 BINARIES = binaries()

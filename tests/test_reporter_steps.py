@@ -22,9 +22,9 @@ from redisbal import (
     ReporterStats,
     Snapshot,
 )
+from redisbal.barrier.snapshot import Rosters
 from redisbal.keys import DeploymentKeys
-from redisbal.sender import ReportSender
-from redisbal.snapshot import Rosters
+from redisbal.reporting.sender import ReportSender
 
 ENGINES = ["e0", "e1", "e2"]
 
@@ -126,7 +126,7 @@ async def test_back_pressure_coalesces_beyond_the_queue_and_counts_it(
 ) -> None:
     """More steps handed over than MAX_QUEUED before the sender runs (a Redis slower
     than the engine): the newest replaces the last one held, counted as coalesced."""
-    from redisbal.lane import MAX_QUEUED
+    from redisbal.reporting.lane import MAX_QUEUED
 
     rep = AsyncEngineReporter(redis_url, deployment, "e0", heartbeat=False)
     try:

@@ -44,11 +44,11 @@ from procs import (
 from topology import SentinelTopology, binaries
 
 from redisbal import AsyncRouter, Router
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
-from redisbal.policies import NoEngines
-from redisbal.routing import RouterCore
+from redisbal.routing.core import RouterCore
+from redisbal.routing.policies import NoEngines
 from redisbal.sim.embedded import RedisServer
-from redisbal.snapshot import Snapshot
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import redis.asyncio
 from helpers import Barrier, await_until, io_of_this_thread, wait_until
 
 from redisbal import AsyncRouter, Router, UnknownEngine
+from redisbal.barrier.snapshot import Rosters
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
-from redisbal.snapshot import Rosters
 
 
 @pytest.fixture

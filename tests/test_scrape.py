@@ -20,11 +20,11 @@ from aiohttp import web
 from click.testing import CliRunner
 from helpers import Barrier, coordinator
 
-from redisbal.cli import cli
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page, relevant_text
 from redisbal.integrations.scrape import Sidecar, SidecarError, Target, build, sanitise
 from redisbal.keys import DeploymentKeys
-from redisbal.snapshot import Snapshot
+from redisbal.ops.cli import cli
 
 DATA = Path(__file__).parent / "data"
 

@@ -35,10 +35,10 @@ from topology import (
 )
 
 import redisbal
+from redisbal.barrier.operations import SCRIPT_NAMES, load_library, script_source
 from redisbal.connection import BadRedisURL, make_client, parse_url, redact
-from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import SCRIPT_NAMES, load_library, script_source
+from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 from redisbal.sim.embedded import RedisServer, free_port
 
 pytestmark = pytest.mark.servers
@@ -169,7 +169,7 @@ async def test_least_privilege_users_can_do_their_job(
         want = "functions" if functions else "scripts"
         assert [x.scripts.mode for x in (flow.rep, flow.arep, coord)] == [want] * 3
         # the coordinator user can serve the metrics too (they read the same keys)
-        from redisbal.metrics import serve_coordinator_metrics
+        from redisbal.ops.metrics import serve_coordinator_metrics
 
         server = serve_coordinator_metrics(coord, free_port())
         try:

@@ -21,8 +21,8 @@ from topology import EveryClass, SentinelTopology, binaries
 
 import redisbal
 from redisbal.connection import BadRedisURL, make_client, parse_url
-from redisbal.coordinator import Coordinator, CoordinatorConfig
 from redisbal.keys import DeploymentKeys
+from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow]
 

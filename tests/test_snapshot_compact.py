@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from redisbal.routing import RouterCore
-from redisbal.snapshot import EngineCounts, Rosters, RosterUnknown, Snapshot
+from redisbal.barrier.snapshot import EngineCounts, Rosters, RosterUnknown, Snapshot
+from redisbal.routing.core import RouterCore
 
 HEADER: dict[str, Any] = {
     "deployment": "d",

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import redis
 
-from redisbal.engine import new_incarnation
+from redisbal.barrier.loader import script_source
+from redisbal.barrier.record import parse_record
 from redisbal.keys import DeploymentKeys
-from redisbal.lua_source import script_source
-from redisbal.record import parse_record
+from redisbal.reporting.reporter import new_incarnation
 
 pytestmark = pytest.mark.servers
 
@@ -82,7 +82,7 @@ class Side:
 
 def steady_case(side: Side, entry: list[Any]) -> bool:
     """Whether a report (report_many's nine fields) meets the steady path's conditions
-    on the stored state before the call (read with redisbal/record.py)."""
+    on the stored state before the call (read with redisbal/barrier/record.py)."""
     engine, wave, step, *_, inc, progress = entry
     pub = side.r.hget(side.keys.reports, ".pub")
     text = side.r.hget(side.keys.reports, engine)

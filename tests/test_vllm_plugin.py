@@ -26,12 +26,12 @@ import pytest
 import redis
 from helpers import Barrier, coordinator, io_of_this_thread
 
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.integrations import vllm_plugin
-from redisbal.integrations.sender import CountsRelay
+from redisbal.integrations.relay import CountsRelay
 from redisbal.integrations.vllm_plugin import PluginConfig, PluginConfigError, RedisbalStatLogger
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
-from redisbal.snapshot import Snapshot
 
 
 @dataclass

@@ -17,9 +17,9 @@ import pytest
 import redis
 from helpers import Barrier
 
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.integrations import vllm_plugin
 from redisbal.keys import DeploymentKeys
-from redisbal.snapshot import Snapshot
 
 pytestmark = pytest.mark.vllm
 

@@ -38,7 +38,7 @@ import redis
 from helpers import await_until, wait_until
 
 import redisbal
-from redisbal.coordinator import Coordinator, CoordinatorConfig
+from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 from redisbal.sim.cluster import (
     ClusterTopology,
     TlsCerts,

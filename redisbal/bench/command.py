@@ -30,7 +30,7 @@ from redisbal.bench.scale import run_scale, scale_table
 from redisbal.bench.scenarios import BENCH_POLICIES, OUT_CAP, OUT_MEAN, OUT_SIGMA, SCENARIO_NAMES
 from redisbal.bench.suite import BenchConfig, bench_scenarios, run_all, run_all_simulated
 from redisbal.bench.traffic import QUALITY_ENGINE, QUALITY_SCENARIOS, SIZES
-from redisbal.cli_common import common_options, settings
+from redisbal.ops.cli_options import common_options, settings
 from redisbal.sim.model import EngineParams
 from redisbal.sim.workload import Request, TraceError, read_trace
 

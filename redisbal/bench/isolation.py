@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from redisbal.engine import AsyncEngineReporter
-from redisbal.sender import ReportSender
+from redisbal.reporting.reporter import AsyncEngineReporter
+from redisbal.reporting.sender import ReportSender
 
 ENGINES = ("e0", "e1")
 

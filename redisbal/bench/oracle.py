@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from redisbal.policies import EngineView, Policy, RoutingState
+from redisbal.routing.policies import EngineView, Policy, RoutingState
 from redisbal.sim.model import SimEngine
 
 

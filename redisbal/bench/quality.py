@@ -34,6 +34,7 @@ import random
 import time
 from typing import Any
 
+from redisbal.barrier.snapshot import EngineCounts, Snapshot
 from redisbal.bench.balance import burst_max_over_mean, load_imbalance, makespan, percentile
 from redisbal.bench.latency import (
     goodput,
@@ -60,11 +61,10 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.policies import DEFAULT_POLICY, POLICIES, Policy, RedisbalPolicy
-from redisbal.routing import RouterCore
+from redisbal.routing.core import RouterCore
+from redisbal.routing.policies import DEFAULT_POLICY, POLICIES, Policy, RedisbalPolicy
 from redisbal.sim.model import SimEngine, SimRequest
 from redisbal.sim.workload import Request
-from redisbal.snapshot import EngineCounts, Snapshot
 
 # the library's policies, the default last among them, then the oracle
 BASE_POLICIES = (

@@ -59,11 +59,11 @@ from redisbal.bench.vllm import (
     vllm_model_for,
 )
 from redisbal.config import CoordinatorConfig
-from redisbal.coordinator import Coordinator
-from redisbal.engine import AsyncEngineReporter
 from redisbal.keys import DeploymentKeys
-from redisbal.policies import Policy
-from redisbal.router import AsyncRouter
+from redisbal.ops.coordinator import Coordinator
+from redisbal.reporting.reporter import AsyncEngineReporter
+from redisbal.routing.policies import Policy
+from redisbal.routing.router import AsyncRouter
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 
 # event-loop lag (p99, s) above which a real-time run is flagged as untrustworthy

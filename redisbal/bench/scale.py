@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from redisbal.barrier.snapshot import EngineCounts, Snapshot
 from redisbal.bench.balance import (
     burst_max_over_mean,
     gap_closed,
@@ -40,9 +41,8 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.routing import RouterCore
+from redisbal.routing.core import RouterCore
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
-from redisbal.snapshot import EngineCounts, Snapshot
 
 SCALE_SCENARIO = Scenario(
     "scale-burst", engines=1024, clients=64, mode="lockstep", bursts=2, drain_s=1.5

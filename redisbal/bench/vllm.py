@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 
 from redisbal.keys import DeploymentKeys, is_engine_field
-from redisbal.policies import Policy
-from redisbal.router import AsyncRouter
+from redisbal.routing.policies import Policy
+from redisbal.routing.router import AsyncRouter
 
 VLLM_POLICIES = ("vllm-pre", "vllm-21617", "vllm-latest")
 # Engines report their counts after every step and, as vLLM's engines do since PR

@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from redisbal.cli_common import (
+from redisbal.gateway.options import check_model, exposure, exposure_options, warn_if_open
+from redisbal.ops.cli_options import (
     FiniteFloat,
     check_reachable,
     common_options,
     redis_errors,
     settings,
 )
-from redisbal.gateway.options import check_model, exposure, exposure_options, warn_if_open
-from redisbal.policies import DEFAULT_POLICY, POLICIES
+from redisbal.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
     from redisbal.gateway.server import Gateway
@@ -342,8 +342,8 @@ async def _serve(
     from redisbal.connection import make_client
     from redisbal.gateway.deployments import Deployment
     from redisbal.gateway.server import Gateway
-    from redisbal.outcomes import OutcomeTracker
-    from redisbal.router import AsyncRouter
+    from redisbal.routing.outcomes import OutcomeTracker
+    from redisbal.routing.router import AsyncRouter
 
     if client_index != "auto" and not int(client_index) < client_count:
         raise click.BadParameter(

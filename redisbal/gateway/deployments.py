@@ -25,7 +25,7 @@ from redisbal.background import cancel_and_wait
 from redisbal.gateway.errors import json_error
 from redisbal.gateway.options import MAX_MODEL_LEN
 from redisbal.gateway.retry import RetryBudget
-from redisbal.router import AsyncRouter
+from redisbal.routing.router import AsyncRouter
 
 log = logging.getLogger("redisbal.gateway")
 

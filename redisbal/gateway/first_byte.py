@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from redisbal.outcomes import SILENT_AFTER_S
+from redisbal.routing.outcomes import SILENT_AFTER_S
 
 T = TypeVar("T")
 

@@ -25,7 +25,7 @@ from typing import Any
 import click
 import orjson
 
-from redisbal.cli_common import (
+from redisbal.ops.cli_options import (
     FiniteFloat,
     common_options,
     run_until_signal,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from redisbal.routing import RouterCore
+from redisbal.routing.core import RouterCore
 
 # added latency is sub-millisecond when all is well: fine buckets there
 LATENCY_BUCKETS = (

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from redisbal.cli_common import FiniteFloat
+from redisbal.ops.cli_options import FiniteFloat
 
 log = logging.getLogger("redisbal.gateway")
 

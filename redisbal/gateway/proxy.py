@@ -7,7 +7,7 @@ the ``finally`` in ``_attempt`` runs either way).
 
 Every attempt's outcome goes to the router (``answered``, ``failed`` with its
 kind, ``finished``): an engine that fails is ejected for every router of the
-deployment until a probe of it is answered (redisbal.outcomes). Failures
+deployment until a probe of it is answered (redisbal.routing.outcomes). Failures
 before any byte reached the client (connect error, reset, an answer 429, 500,
 502, 503 or 504, no first byte within the engine's first-byte bound) go to
 another engine, up to ``max_attempts`` and within the retry budget (never for
@@ -38,8 +38,8 @@ from redisbal.gateway.first_byte import Silent, first_byte
 from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
 from redisbal.keys import InvalidName, check_name
-from redisbal.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
-from redisbal.router import AsyncRouter
+from redisbal.routing.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
+from redisbal.routing.router import AsyncRouter
 
 log = logging.getLogger("redisbal.gateway")
 

@@ -13,13 +13,13 @@ RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
 def status_kind(status: int) -> str:
-    """The outcome kind (redisbal.outcomes.FAILURES) of a retryable status."""
+    """The outcome kind (redisbal.routing.outcomes.FAILURES) of a retryable status."""
     return "429" if status == 429 else "5xx"
 
 
 class Retry(Exception):
     """An attempt failed before any byte reached the client: another engine may serve it.
-    ``kind`` is the outcome (redisbal.outcomes.FAILURES); ``unsent``: no engine works
+    ``kind`` is the outcome (redisbal.routing.outcomes.FAILURES); ``unsent``: no engine works
     on the request (the connection was refused, or the engine's process is not
     running: first_byte.Silent), so retrying it adds no load and needs no budget.
     ``detail`` is logged; ``public`` (``detail`` unless given) goes to the client: no

@@ -20,7 +20,7 @@ from redisbal.gateway.errors import unserved_as_json
 from redisbal.gateway.guard import ConnectionGuard, GuardedRunner, Limits
 from redisbal.gateway.metrics import CONTENT_TYPE
 from redisbal.gateway.proxy import PROXY_PATHS, Proxy
-from redisbal.router import AsyncRouter
+from redisbal.routing.router import AsyncRouter
 
 log = logging.getLogger("redisbal.gateway")
 

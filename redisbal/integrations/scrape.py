@@ -40,13 +40,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"(missing {exc.name})"
     ) from exc
 
-from redisbal.cli_common import check_reachable, common_options, run_until_signal, settings
 from redisbal.connection import redact
 from redisbal.endpoints import InvalidURL, check_url
 from redisbal.errors import SidecarError as SidecarError
 from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page
-from redisbal.integrations.sender import CountsRelay, RateLimitedLog, sanitise
+from redisbal.integrations.relay import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
+from redisbal.ops.cli_options import check_reachable, common_options, run_until_signal, settings
 
 log = logging.getLogger("redisbal.scrape")
 

@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from redisbal.engine import InvalidReport, new_incarnation
 from redisbal.errors import PluginConfigError as PluginConfigError
-from redisbal.integrations.sender import CountsRelay, RateLimitedLog, sanitise
+from redisbal.integrations.relay import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
+from redisbal.reporting.reporter import InvalidReport, new_incarnation
 
 log = logging.getLogger("redisbal.vllm")
 

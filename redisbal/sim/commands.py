@@ -1,6 +1,6 @@
 """The simulator's commands: ``redisbal engine-sim``, ``redisbal api``, ``redisbal demo``.
 
-The operator CLI registers them by name (``redisbal.cli.EXTERNAL_COMMANDS``), so
+The operator CLI registers them by name (``redisbal.ops.cli.EXTERNAL_COMMANDS``), so
 that ``redisbal --help`` and ``redisbal status`` never import the simulator.
 """
 
@@ -13,7 +13,8 @@ import sys
 import click
 from click.core import ParameterSource
 
-from redisbal.cli_common import (
+from redisbal.keys import InvalidName, check_name
+from redisbal.ops.cli_options import (
     DURATION_UNTIL_SIGNAL,
     SEED,
     FiniteFloat,
@@ -29,8 +30,7 @@ from redisbal.cli_common import (
     stats_out_option,
     write_json,
 )
-from redisbal.keys import InvalidName, check_name
-from redisbal.policies import POLICIES, NoEngines
+from redisbal.routing.policies import POLICIES, NoEngines
 from redisbal.sim.api_sim import ApiSimRunner, LoadSpec
 from redisbal.sim.demo import Demo, DemoOptions
 from redisbal.sim.demo_compare import Comparison

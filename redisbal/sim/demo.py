@@ -37,16 +37,16 @@ from typing import Any
 import click
 import orjson
 
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.connection import make_client, redact
 from redisbal.errors import DemoError as DemoError
 from redisbal.keys import DeploymentKeys
-from redisbal.policies import DEFAULT_POLICY
+from redisbal.ops.table import render_table
+from redisbal.routing.policies import DEFAULT_POLICY
 from redisbal.sim.api_sim import LoadSpec, latency_figures, schedule
 from redisbal.sim.embedded import RedisServer
 from redisbal.sim.engine_sim import format_engine_table
 from redisbal.sim.transport import SimKeys
-from redisbal.snapshot import Snapshot
-from redisbal.table import render_table
 
 Echo = Callable[..., Any]
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from redisbal.keys import check_name
+from redisbal.ops.table import render_table
 from redisbal.sim.demo import Demo, DemoOptions, Echo, _fmt, _raise_on_sigterm
 from redisbal.sim.embedded import RedisServer
-from redisbal.table import render_table
 
 # What one run each cannot tell apart, as a fraction of TTFT p99: policies that are
 # alike in a scenario (redisbal, vllm-latest and round-robin with bursts on lockstep

@@ -19,8 +19,8 @@ import orjson
 
 from redisbal import endpoints
 from redisbal.keys import DeploymentKeys
+from redisbal.ops.table import render_table
 from redisbal.sim.demo import Child, Children, Demo, DemoError, _fmt, user_lines
-from redisbal.table import render_table
 
 LISTENING = re.compile(rb"gateway listening on (http://\S+) \(client (\d+) of (\d+)")
 PROMPT_MEAN = 64.0  # tokens; the simulated engines do not charge for prompts

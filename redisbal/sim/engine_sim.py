@@ -35,12 +35,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redisbal.batch import AsyncBatchReporter
 from redisbal.connection import make_client, redact
 from redisbal.keys import check_name
+from redisbal.ops.table import render_table
+from redisbal.reporting.batch import AsyncBatchReporter
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.sim.transport import NO_BURST, POP_BATCH, DoneMsg, RequestMsg, SimKeys, popped
-from redisbal.table import render_table
 
 log = logging.getLogger("redisbal.sim.engine_sim")
 

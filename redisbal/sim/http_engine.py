@@ -56,9 +56,9 @@ from aiohttp.typedefs import Handler
 from redisbal import endpoints
 from redisbal.background import cancel_and_wait
 from redisbal.connection import OUTAGE_ERRORS
-from redisbal.engine import AsyncEngineReporter
 from redisbal.gateway.loadgen import output_text
 from redisbal.keys import check_name
+from redisbal.reporting.reporter import AsyncEngineReporter
 from redisbal.sim.engine_sim import EngineTally, SimStats
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
 from redisbal.sim.peer_endpoints import add_peer_routes

@@ -28,15 +28,15 @@ import time
 import redis
 import redis.asyncio
 
+from redisbal.barrier.operations import Scripts
 from redisbal.bench.redis_cost.common import (
     ADMITTED,
     add_server_option,
     load_average,
     server_binary,
 )
-from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
-from redisbal.scripts import Scripts
+from redisbal.reporting.reporter import new_incarnation
 from redisbal.sim.embedded import RedisServer
 
 WARMUP_STEPS = 5

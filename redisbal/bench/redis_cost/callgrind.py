@@ -43,6 +43,8 @@ from collections.abc import Callable
 
 import redis
 
+from redisbal.barrier.loader import library
+from redisbal.barrier.operations import Scripts
 from redisbal.bench.redis_cost.common import (
     ADMITTED,
     add_server_option,
@@ -50,10 +52,8 @@ from redisbal.bench.redis_cost.common import (
     report_fields,
     server_binary,
 )
-from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
-from redisbal.lua_source import library
-from redisbal.scripts import Scripts
+from redisbal.reporting.reporter import new_incarnation
 
 FLOOR_LIB = """#!lua name=redisbal_cg_floor
 redis.register_function('cg_empty', function(keys, argv) return 0 end)

@@ -24,6 +24,9 @@ from typing import Any
 
 import redis
 
+from redisbal.barrier.loader import script_source
+from redisbal.barrier.operations import Scripts
+from redisbal.barrier.snapshot import Rosters, Snapshot
 from redisbal.bench.redis_cost.common import (
     add_server_option,
     report_fields,
@@ -31,11 +34,8 @@ from redisbal.bench.redis_cost.common import (
     usec_per_call,
 )
 from redisbal.keys import DeploymentKeys
-from redisbal.lua_source import script_source
-from redisbal.policies import DEFAULT_POLICY
-from redisbal.routing import RouterCore
-from redisbal.scripts import Scripts
-from redisbal.snapshot import Rosters, Snapshot
+from redisbal.routing.core import RouterCore
+from redisbal.routing.policies import DEFAULT_POLICY
 
 
 def fake_snapshot(n: int, clients: int = 8) -> Snapshot:
@@ -300,7 +300,7 @@ def _router_process(
     url: str, deployment: str, index: int, count: int, ready: Any, out: Any, stop: Any
 ) -> None:
     """One API-server process: an AsyncRouter that timestamps every snapshot it adopts."""
-    from redisbal.router import AsyncRouter
+    from redisbal.routing.router import AsyncRouter
 
     class TimedRouter(AsyncRouter):
         def _apply(self, data: bytes | str | None) -> bool:
@@ -331,7 +331,7 @@ def bench_latency(url: str, n: int = 32, routers: int = 8, steps: int = 200) -> 
     router is its own process, as API servers are."""
     import multiprocessing as mp
 
-    from redisbal.engine import EngineReporter
+    from redisbal.reporting.reporter import EngineReporter
 
     dep = "lat"
     keys = DeploymentKeys(dep)

@@ -28,16 +28,16 @@ from collections.abc import Callable
 
 import redis
 
+from redisbal.barrier.loader import library
+from redisbal.barrier.operations import Scripts
 from redisbal.bench.redis_cost.common import (
     add_server_option,
     renamed_library,
     start_server,
     usec_per_call,
 )
-from redisbal.engine import new_incarnation
 from redisbal.keys import DeploymentKeys
-from redisbal.lua_source import library
-from redisbal.scripts import Scripts
+from redisbal.reporting.reporter import new_incarnation
 
 # report_many's body, at the start of each stage after the one named
 REPORT_STAGES = {

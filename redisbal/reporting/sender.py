@@ -52,9 +52,10 @@ import weakref
 from typing import Any
 
 from redisbal.background import BackgroundLoop
+from redisbal.barrier.operations import Scripts, report_reply
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
 from redisbal.keys import DeploymentKeys
-from redisbal.lane import (
+from redisbal.reporting.lane import (
     MAX_QUEUED,
     Group,
     Lane,
@@ -65,9 +66,8 @@ from redisbal.lane import (
     round_trip,
     tag_of,
 )
-from redisbal.scripts import Scripts, report_reply
 
-log = logging.getLogger("redisbal.engine")
+log = logging.getLogger("redisbal.reporting.reporter")
 # how often an engine's URL is written again: it comes back within this after a
 # state loss (restart without persistence, flush, failover to a lagging replica)
 URL_REFRESH_S = 5.0

@@ -3,7 +3,7 @@
 ``RouterCore`` holds what one API server knows: the latest snapshot's counts
 per engine, and its own bookkeeping per engine (routed, in flight, and the
 routes the snapshot does not contain yet: "pending"). Its ``Policy``
-(``redisbal.policies``) turns that into a choice.
+(``redisbal.routing.policies``) turns that into a choice.
 
 Pending is reconciled with each snapshot, never simply wiped:
 - exactly, when engines report ``admitted`` (cumulative requests received per
@@ -18,7 +18,7 @@ Engines the router should not choose are kept known but left out of
 (work and no progress), silent (their reports stopped ``SILENT_AFTER_S``
 ago: the process is stopped or gone) or suspect (ejected: requests failed on
 them, some router told the deployment), and those this router ejected on the outcomes
-of its own requests (``failed()``; ``redisbal.outcomes``). Engines probing
+of its own requests (``failed()``; ``redisbal.routing.outcomes``). Engines probing
 (an ejection whose back-off ended, here or in the snapshot) are left out too,
 but get one request at a time (``Decision.probe``) until one answers
 (``answered()``). A pinned request may still go to any of them; when every
@@ -35,8 +35,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from redisbal.outcomes import EJECTED, PROBING, SILENT_AFTER_S, OutcomeTracker
-from redisbal.policies import (
+from redisbal.barrier.snapshot import MAX_ADMITTED, Roster, Snapshot
+from redisbal.routing.outcomes import EJECTED, PROBING, SILENT_AFTER_S, OutcomeTracker
+from redisbal.routing.policies import (
     DEFAULT_POLICY,
     Decision,
     EngineView,
@@ -47,8 +48,7 @@ from redisbal.policies import (
     make_policy,
     request_info,
 )
-from redisbal.snapshot import MAX_ADMITTED, Roster, Snapshot
-from redisbal.unanswered import FirstByteWaits, Silence
+from redisbal.routing.unanswered import FirstByteWaits, Silence
 
 
 class RouterCore:
@@ -118,7 +118,7 @@ class RouterCore:
         self._probing_by_snapshot: set[str] = set()  # the snapshot's probing and suspect ones
         self._answered_here: set[str] = set()  # of those, the ones a probe here answered
         self._probing: list[str] = []  # probing now (here or in the snapshot): probes go there
-        self._silence = Silence()  # engines whose reports stopped (redisbal.unanswered)
+        self._silence = Silence()  # engines whose reports stopped (redisbal.routing.unanswered)
         self._waits = FirstByteWaits()  # requests waiting for a first byte, late engines
         self._recheck_at = math.inf  # when the next exclusion runs out
         self._all_excluded = False  # every known engine is excluded: choose among all
@@ -312,7 +312,7 @@ class RouterCore:
 
     def silent_ms(self, engine_id: str) -> int:
         """How long ``engine_id``'s reports had stopped when the latest snapshot was
-        published (0: not named a laggard; ``redisbal.unanswered.Silence``)."""
+        published (0: not named a laggard; ``redisbal.routing.unanswered.Silence``)."""
         return self._silence.ms(engine_id, self.snapshot)
 
     def _adopt_full(self, snap: Snapshot, now: float, observe: bool) -> tuple[int, int, bool]:
@@ -658,7 +658,7 @@ class RouterCore:
 
     def failed(self, decision: Decision, kind: str = "error") -> bool:
         """The engine of ``decision`` did not serve it (``kind``: one of
-        ``redisbal.outcomes.FAILURES``): the request ends, and this router ejects the
+        ``redisbal.routing.outcomes.FAILURES``): the request ends, and this router ejects the
         engine with a back-off (unless half of the engines are ejected or probing
         already). Returns whether to tell the deployment (it was ejected now)."""
         with self.lock:

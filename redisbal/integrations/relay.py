@@ -1,7 +1,7 @@
 """The reports of the engines an integration speaks for, on one batch reporter.
 
 ``submit()`` checks the counts and hands them to a ``BatchReporter``
-(``redisbal.batch``), whose sender delivers them: the caller (vLLM's output loop,
+(``redisbal.reporting.batch``), whose sender delivers them: the caller (vLLM's output loop,
 the sidecar's event loop) never waits on Redis, the reports of all the engines
 reach Redis together, in one report_many call per round, and outages are retried
 there. The sender also keeps engines alive between submissions by re-sending
@@ -37,11 +37,11 @@ from typing import Any, TypeVar
 
 import redis.exceptions
 
-from redisbal.batch import BatchReporter
+from redisbal.barrier.operations import suspect_reason
 from redisbal.connection import redact
-from redisbal.engine import Counts, EngineReporter
 from redisbal.keys import check_name
-from redisbal.scripts import suspect_reason
+from redisbal.reporting.batch import BatchReporter
+from redisbal.reporting.reporter import Counts, EngineReporter
 
 log = logging.getLogger("redisbal.integrations")
 

@@ -25,9 +25,9 @@ from redisbal.background import cancel_and_wait
 from redisbal.connection import AsyncRedisClient
 from redisbal.errors import LeaseUnavailable as LeaseUnavailable
 from redisbal.keys import DeploymentKeys
-from redisbal.routing import RouterCore
+from redisbal.routing.core import RouterCore
 
-log = logging.getLogger("redisbal.client_lease")
+log = logging.getLogger("redisbal.routing.lease")
 
 MAX_CLIENTS = 4096
 

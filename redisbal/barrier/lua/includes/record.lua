@@ -1,6 +1,6 @@
 --[[
   record: an engine's record, the value of its field in the reports hash, read
-  and written only here (and, for Python, only by redisbal/record.py; the
+  and written only here (and, for Python, only by redisbal/barrier/record.py; the
   format is in docs/DESIGN.md).
 
     <flag><heartbeat due ms> <incarnation> <offset> <progress ms> <suspect until ms>

@@ -29,16 +29,16 @@ if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from redisbal.background import BackgroundLoop, cancel_and_wait
-from redisbal.client_lease import ClientLease
+from redisbal.barrier.operations import Scripts, suspect_reason
+from redisbal.barrier.snapshot import Rosters, RosterUnknown, Snapshot
 from redisbal.connection import OUTAGE_ERRORS, AsyncRedisClient, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
-from redisbal.outcomes import FAILURES, OUTCOMES, OutcomeTracker
-from redisbal.policies import DEFAULT_POLICY, Decision, Policy
-from redisbal.routing import RouterCore
-from redisbal.scripts import Scripts, suspect_reason
-from redisbal.snapshot import Rosters, RosterUnknown, Snapshot
+from redisbal.routing.core import RouterCore
+from redisbal.routing.lease import ClientLease
+from redisbal.routing.outcomes import FAILURES, OUTCOMES, OutcomeTracker
+from redisbal.routing.policies import DEFAULT_POLICY, Decision, Policy
 
-log = logging.getLogger("redisbal.router")
+log = logging.getLogger("redisbal.routing.router")
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
 
 
@@ -92,7 +92,7 @@ class _LocalRouting:
     def failed(self, decision: Decision, reason: str = "", kind: str = "error") -> bool:
         """The engine of ``decision`` did not serve it: the request ends (no
         ``finished()`` needed; route it again to retry). ``kind`` says what happened
-        (``redisbal.outcomes.FAILURES``: connect, reset, 5xx, 429,
+        (``redisbal.routing.outcomes.FAILURES``: connect, reset, 5xx, 429,
         first_byte_timeout, idle_timeout, timeout, error). This router ejects the
         engine at once with a back-off that grows while it keeps failing, and tells
         the deployment (never waiting on Redis), so that every router stops choosing
@@ -169,8 +169,8 @@ class AsyncRouter(_LocalRouting):
 
     ``client_index`` / ``client_count`` say which of how many API servers this
     is; ``client_index="auto"`` leases the lowest free index in Redis and lets
-    ``client_count`` follow the live leases (redisbal.client_lease). ``policy``
-    is a name from ``redisbal.policies.POLICIES`` or a Policy.
+    ``client_count`` follow the live leases (redisbal.routing.lease). ``policy``
+    is a name from ``redisbal.routing.policies.POLICIES`` or a Policy.
     """
 
     def __init__(
@@ -223,7 +223,7 @@ class AsyncRouter(_LocalRouting):
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._first = asyncio.Event()
-        self._rosters = Rosters()  # of compact snapshots (redisbal/snapshot.py)
+        self._rosters = Rosters()  # of compact snapshots (redisbal/barrier/snapshot.py)
         self._attempted = asyncio.Event()  # the feed's first connection attempt ended
         self._subscribed_before = False  # a cluster feed re-reads the slot map after that
         self.last_error: str | None = None

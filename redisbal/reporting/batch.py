@@ -7,7 +7,7 @@ newest counts of all of them in one lua/report_many.lua call per round: the call
 entry, the barrier's fields and the publish check are paid once for all the engines,
 and a snapshot is published at most once per call.
 
-Per engine it is an engine reporter (``redisbal.engine``): ``report()`` never waits
+Per engine it is an engine reporter (``redisbal.reporting.reporter``): ``report()`` never waits
 on Redis, bad counts raise InvalidReport before anything is handed over, the newest
 report of each engine is coalesced into the next call, at most one call is in
 flight, outages are retried, idle engines heartbeat, results and stats are per
@@ -26,7 +26,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from redisbal.engine import (
+from redisbal.keys import check_name
+from redisbal.reporting.lane import MAX_REPORTS, ReporterStats, ReportResult
+from redisbal.reporting.reporter import (
     AsyncEngineReporter,
     Counts,
     EngineReporter,
@@ -39,9 +41,7 @@ from redisbal.engine import (
     _Wait,
     new_incarnation,
 )
-from redisbal.keys import check_name
-from redisbal.lane import MAX_REPORTS, ReporterStats, ReportResult
-from redisbal.sender import ReportSender
+from redisbal.reporting.sender import ReportSender
 
 __all__ = ["MAX_ENGINES", "AsyncBatchReporter", "BatchReporter"]
 

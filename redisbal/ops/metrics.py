@@ -48,14 +48,14 @@ try:
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - exercised by a test with the module hidden
     raise ImportError(
-        "redisbal.metrics needs prometheus_client: pip install 'redisbal[metrics]'",
+        "redisbal.ops.metrics needs prometheus_client: pip install 'redisbal[metrics]'",
         name="prometheus_client",
     ) from exc
 
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.connection import redact
-from redisbal.snapshot import Snapshot
 
-log = logging.getLogger("redisbal.metrics")
+log = logging.getLogger("redisbal.ops.metrics")
 
 __all__ = [
     "BARRIER_WAIT_BUCKETS",

@@ -1,6 +1,6 @@
 """The operator CLI: ``redisbal coordinator``, ``status``, ``load-functions``.
 
-The shared options and error handling live in ``redisbal.cli_common``. The
+The shared options and error handling live in ``redisbal.ops.cli_options``. The
 tooling commands (``engine-sim``, ``api``, ``demo``, ``bench``) are registered
 by "module:attribute" strings and imported only when run, so that ``redisbal
 --help`` and ``redisbal status`` never import the simulator or the benchmark,
@@ -19,7 +19,11 @@ import click
 import orjson
 
 from redisbal import __version__
-from redisbal.cli_common import (
+from redisbal.config import LEASE_TTL, SETTINGS, CoordinatorConfig
+from redisbal.connection import make_client
+from redisbal.endpoints import InvalidURL
+from redisbal.keys import InvalidName, check_name
+from redisbal.ops.cli_options import (
     DURATION_UNTIL_SIGNAL,
     FiniteFloat,
     check_reachable,
@@ -29,10 +33,6 @@ from redisbal.cli_common import (
     settings,
     signals_stop,
 )
-from redisbal.config import LEASE_TTL, SETTINGS, CoordinatorConfig
-from redisbal.connection import make_client
-from redisbal.endpoints import InvalidURL
-from redisbal.keys import InvalidName, check_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -226,7 +226,7 @@ def coordinator(
     Not on the request path; run a second one as a hot standby. SIGINT/SIGTERM
     release the lease and exit 0.
     """
-    from redisbal.coordinator import Coordinator
+    from redisbal.ops.coordinator import Coordinator
 
     s = settings()
     url = s.require_url()
@@ -242,7 +242,7 @@ def coordinator(
     server = None
     if metrics_port is not None:
         try:
-            from redisbal.metrics import serve_coordinator_metrics
+            from redisbal.ops.metrics import serve_coordinator_metrics
         except ImportError as exc:
             if (exc.name or "").startswith("prometheus_client"):
                 raise click.ClickException(
@@ -292,7 +292,7 @@ def coordinator(
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object).")
 def status(watch: float | None, as_json: bool) -> None:
     """Show the deployment: snapshot, counters and a per-engine table."""
-    from redisbal.status import format_status, gather_status
+    from redisbal.ops.status import format_status, gather_status
 
     s = settings()
     url = s.require_url()
@@ -335,8 +335,8 @@ def load_functions() -> None:
     the clients: a client that finds no library and may not load it uses EVALSHA
     until it is restarted (slower on the server, same results).
     """
-    from redisbal.lua_source import library
-    from redisbal.scripts import load_library
+    from redisbal.barrier.loader import library
+    from redisbal.barrier.operations import load_library
 
     s = settings()
     url = s.require_url()

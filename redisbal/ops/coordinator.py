@@ -37,6 +37,8 @@ from typing import Any
 
 import redis.exceptions
 
+from redisbal.barrier.operations import Scripts
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.config import LEASE_TTL, CoordinatorConfig
 from redisbal.connection import (
     OUTAGE_ERRORS,
@@ -47,10 +49,8 @@ from redisbal.connection import (
     refresh_slots,
 )
 from redisbal.keys import DeploymentKeys, check_name
-from redisbal.scripts import Scripts
-from redisbal.snapshot import Snapshot
 
-log = logging.getLogger("redisbal.coordinator")
+log = logging.getLogger("redisbal.ops.coordinator")
 HEALTH_EVERY_S = 0.5
 
 

@@ -1,6 +1,6 @@
 """Routing policies: pure logic, no I/O, so route() costs microseconds.
 
-A router's state (``redisbal.routing.RouterCore``) holds what one API server
+A router's state (``redisbal.routing.core.RouterCore``) holds what one API server
 knows; a ``Policy`` turns that into a choice of engine.
 
 Policies (``POLICIES``): ``redisbal`` (the default), and the baselines that the
@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.errors import NoEngines as NoEngines
 from redisbal.errors import UnknownEngine as UnknownEngine
-from redisbal.snapshot import Snapshot
 
 
 @dataclass(slots=True)

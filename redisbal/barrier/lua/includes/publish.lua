@@ -26,7 +26,7 @@
      The key always has ids and incs; the channel message only when R went up
      in this publish. (The order is the reports hash's when R goes up, then
      kept while the roster holds.)
-  redisbal/snapshot.py reads it; docs/DESIGN.md describes it.
+  redisbal/barrier/snapshot.py reads it; docs/DESIGN.md describes it.
 ]]
 --- @include "args"
 --- @include "deployment"

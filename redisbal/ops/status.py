@@ -30,12 +30,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from redisbal.barrier.record import PROVISIONAL, STALLED, Record, parse_record
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.config import SETTINGS
 from redisbal.connection import RedisClient
 from redisbal.keys import DeploymentKeys, is_engine_field
-from redisbal.record import PROVISIONAL, STALLED, Record, parse_record
-from redisbal.snapshot import Snapshot
-from redisbal.table import render_table
+from redisbal.ops.table import render_table
 
 COUNTERS = (
     "published",
@@ -64,7 +64,7 @@ def _natural(name: str) -> tuple[Any, ...]:
 
 
 def _engine_record(text: str) -> tuple[Record | None, dict[str, Any] | None]:
-    """(record, latest report decoded) of an engine's record (redisbal.record); the
+    """(record, latest report decoded) of an engine's record (redisbal.barrier.record); the
     report is None when the engine only registered, both are None when the record is
     not readable (status shows what it can)."""
     try:

@@ -1,7 +1,7 @@
 """Running the Lua operations: as Redis 7 functions (FCALL) or scripts (EVALSHA).
 
 Each operation is one file ``lua/<name>.lua`` with the includes it needs
-(redisbal/lua_source.py builds the sources), so it exists once in source while
+(redisbal/barrier/loader.py builds the sources), so it exists once in source while
 every call stays one atomic server-side operation. Two ways to run them, same
 source, same results:
 
@@ -29,9 +29,9 @@ from typing import Any
 
 import redis
 
+from redisbal.barrier.loader import NUM_KEYS, SCRIPT_NAMES, library, script_source
 from redisbal.connection import AsyncRedisClient, RedisClient
 from redisbal.keys import DeploymentKeys
-from redisbal.lua_source import NUM_KEYS, SCRIPT_NAMES, library, script_source
 
 MAX_REASON = 200  # lua/suspect.lua refuses a longer reason
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from redisbal.snapshot import Snapshot
+from redisbal.barrier.snapshot import Snapshot
 
 
 class Silence:

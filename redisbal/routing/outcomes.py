@@ -46,7 +46,7 @@ HEALTHY, EJECTED, PROBING = "healthy", "ejected", "probing"
 # An engine whose reports stopped this long ago (a forced snapshot names it a laggard)
 # is silent: its reporter heartbeats from a thread of its own, so its process is
 # stopped or gone. A silent engine is neither chosen nor probed until it reports
-# again (redisbal.unanswered), and a request waiting on it is given up early.
+# again (redisbal.routing.unanswered), and a request waiting on it is given up early.
 SILENT_AFTER_S = 0.5
 
 

@@ -8,7 +8,7 @@ before the command name or after it (``redisbal status --redis-url ...``, the
 form docker-compose uses); a value given on the command line wins over the
 environment, and one given after the command name wins over one before it.
 Names and URLs are checked before anything connects; errors name the option
-and never show a password. The operator CLI (``redisbal.cli``) and the tooling
+and never show a password. The operator CLI (``redisbal.ops.cli``) and the tooling
 commands (``redisbal.sim.commands``, ``redisbal.bench.command``) both build on
 this module, so neither imports the other.
 """
@@ -46,7 +46,7 @@ from redisbal.connection import (
 )
 from redisbal.errors import RedisbalError
 from redisbal.keys import InvalidName, check_name
-from redisbal.policies import DEFAULT_POLICY, POLICIES
+from redisbal.routing.policies import DEFAULT_POLICY, POLICIES
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")

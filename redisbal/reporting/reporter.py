@@ -6,7 +6,7 @@ anything is handed over), gives them to the engine's ``ReportSender`` and
 returns ``ReportResult("queued")``. The sender coalesces per engine, sends in
 the background (one round trip for every engine it holds), retries through
 outages with a back-off and re-sends the latest counts as a heartbeat;
-``redisbal.sender`` says how it orders and coalesces. A caller that wants one
+``redisbal.reporting.sender`` says how it orders and coalesces. A caller that wants one
 report's outcome passes ``wait=True``; ``flush()`` waits for everything.
 
 One implementation, written with asyncio (``_Reporter`` and the sender):
@@ -41,8 +41,8 @@ from redisbal.connection import OUTAGE_ERRORS
 from redisbal.endpoints import check_url
 from redisbal.errors import InvalidReport as InvalidReport
 from redisbal.keys import DeploymentKeys, check_name
-from redisbal.lane import Lane, ReporterStats, ReportResult, tag_of
-from redisbal.sender import ReportSender
+from redisbal.reporting.lane import Lane, ReporterStats, ReportResult, tag_of
+from redisbal.reporting.sender import ReportSender
 
 __all__ = [
     "OUTAGE_ERRORS",

@@ -1,9 +1,8 @@
 """One engine's slot in a report sender (``Lane``), one deployment's engines in it
 (``Group``), what becomes of its reports (``ReportResult``, ``ReporterStats``), and
 the operations of one round (``Op``), how they are grouped into calls and sent
-(``round_trip``): the types the reporters and
-the sender share (redisbal.engine, redisbal.sender, redisbal.batch) and the sender's
-Redis I/O."""
+(``round_trip``): the types the reporters and the sender share (reporter.py,
+sender.py, batch.py) and the sender's Redis I/O."""
 
 from __future__ import annotations
 
@@ -18,10 +17,10 @@ from typing import Any
 
 import redis.exceptions
 
+from redisbal.barrier.operations import Scripts
 from redisbal.connection import OUTAGE_ERRORS
-from redisbal.scripts import Scripts
 
-log = logging.getLogger("redisbal.engine")
+log = logging.getLogger("redisbal.reporting.reporter")
 WARN_EVERY_S = 60.0
 
 Tag = tuple[int, int]

@@ -1,6 +1,6 @@
 --[[
   incarnation: which process reports for an engine. A reporter names itself
-  when it is made: "<start ms in base 36>-<random hex>" (redisbal/engine.py), so
+  when it is made: "<start ms in base 36>-<random hex>" (redisbal/reporting/reporter.py), so
   that a process started later orders after one started earlier (ties: by the
   text). A report from a later incarnation than the engine's record is a
   restart: it replaces the record. One from an earlier incarnation comes from a

@@ -62,7 +62,7 @@ def settings_lua() -> str:
         for name, s in SETTINGS.items()
     )
     return (
-        "-- settings: generated from redisbal/config.py by redisbal/lua_source.py\n"
+        "-- settings: generated from redisbal/config.py by redisbal/barrier/loader.py\n"
         "-- (defaults, inclusive bounds and units); edit config.py, not this text\n"
         f"local SETTINGS = {{\n{rows}}}\n"
         f"local LEASE_TTL = {{lo = {LEASE_TTL.lo}, hi = {LEASE_TTL.hi}}}\n"
@@ -77,7 +77,7 @@ def read_lua(path: str) -> str:
     if path in GENERATED:
         return GENERATED[path]()
     try:
-        return (resources.files("redisbal") / "lua" / path).read_text(encoding="utf-8")
+        return (resources.files("redisbal.barrier") / "lua" / path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise LuaSourceError(f"lua/{path} is missing") from None
 

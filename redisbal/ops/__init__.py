@@ -1,0 +1,1 @@
+"""Operating a deployment: the coordinator, status, metrics and the command line."""

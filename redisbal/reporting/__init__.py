@@ -1,0 +1,1 @@
+"""Reporting: engines' step-tagged counts, sent to Redis."""

@@ -1,0 +1,1 @@
+"""Routing: the routers, their state, the policies and what requests taught them."""
