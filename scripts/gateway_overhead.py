@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import signal
 import socket
@@ -159,6 +160,8 @@ def main() -> None:
     ap.add_argument("--routers-venv", default=None, help="the peer routers' venv")
     a = ap.parse_args()
     peers = [p for p in a.peers.split(",") if p]
+    if "uvloop" in a.loops.split(",") and importlib.util.find_spec("uvloop") is None:
+        sys.exit("gateway_overhead: no uvloop here: pip install uvloop, or --loops asyncio")
     try:
         for p in peers:
             routers.split_name(p)
