@@ -36,6 +36,14 @@ import time
 from collections.abc import Callable, Iterable
 
 from redisbal.barrier.snapshot import MAX_ADMITTED, Roster, Snapshot
+from redisbal.routing.estimates import (
+    RouteCost,
+    ShareEstimate,
+    SpeedEstimate,
+    by_time,
+    no_report,
+    trim_costs,
+)
 from redisbal.routing.outcomes import EJECTED, PROBING, SILENT_AFTER_S, OutcomeTracker
 from redisbal.routing.policies import (
     DEFAULT_POLICY,
@@ -53,17 +61,6 @@ from redisbal.routing.unanswered import FirstByteWaits, Silence
 
 class RouterCore:
     """One API server's routing state. Thread-safe; no I/O."""
-
-    # engine speed estimate (see _rates): decay half-life, the least running-request-
-    # seconds and completions to trust, and the dead band around the median. The decayed
-    # completions settle at rate x half-life / ln 2, so the least must stay below that
-    # at the rates seen: 20 at 3 s left every engine finishing under 4.6 requests a
-    # second (8 slots of 1-2 s requests) without an estimate, and the speed and age
-    # terms silently off.
-    speed_halflife_s = 5.0
-    speed_min_exposure = 10.0
-    speed_min_done = 10.0
-    speed_band = (0.8, 1.25)
 
     def __init__(
         self,
@@ -134,14 +131,14 @@ class RouterCore:
         # epoch -> the highest version adopted in it (8 latest epochs): never back in one
         self._versions: dict[str, int] = {}
         self.seq = 0  # the last decision's
-        # share of traffic: EWMA of (mine, all) admitted deltas
-        self.share = 1.0 / client_count
-        self._adm_totals: tuple[int, int] | None = None
-        self._share_halflife = share_halflife
+        # share of traffic (redisbal.routing.estimates); policies read share and weight
+        self.share_estimate = ShareEstimate(client_count, share_halflife)
+        self.share = self.share_estimate.share
+        self.pending_weight = self.share_estimate.weight
+        self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
         self.running_cap = 0  # largest running count seen on an engine with a queue
-        self.pending_weight = float(client_count)
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
-        self._mean_work = 0.0  # EWMA of the work of routes that gave their size (_cost)
+        self.route_cost = RouteCost()  # a route's size against recent routes' (estimates)
         self.counters = {
             "routes": 0,
             "degraded_routes": 0,
@@ -302,11 +299,13 @@ class RouterCore:
             else:
                 mine, total, exact = self._adopt_full(snap, now, speed_on or age_on)
             if exact:
-                self._update_share(mine, total)
+                est = self.share_estimate
+                est.update(mine, total)
+                self.share, self.pending_weight = est.share, est.weight
                 if speed_on:
-                    self._update_speeds()
+                    self.speeds.update_speeds(self.known)
                 if age_on:
-                    self._update_aged(snap)
+                    self.speeds.update_aged(self.known, snap)
             self.policy.reset(self)
             return True
 
@@ -326,7 +325,7 @@ class RouterCore:
         for e in self.known:
             c = snap.engines.get(e.engine_id)
             if c is None:  # kept or carried
-                _no_report(e)
+                no_report(e)
                 continue
             e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
             e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
@@ -342,16 +341,16 @@ class RouterCore:
                 e.pending = max(0, min(e.routed - e.routed_before - got, e.inflight))
                 e.exact = exact = True
                 e.times.clear()
-                _trim_costs(e)
+                trim_costs(e)
                 mine += got
                 total += all_adm
                 if c.waiting > 0 and c.running > self.running_cap:
                     self.running_cap = c.running  # an engine with a queue is at its cap
                 if observe:
                     done = all_adm - c.waiting - c.running
-                    self._observe_speed(e, done, c.reported_ms, c.running)
+                    self.speeds.observe(e, done, c.reported_ms, c.running)
             else:
-                _by_time(e, now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s)
+                by_time(e, now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s)
         return mine, total, exact
 
     def _new_incarnation(self, e: EngineView, inc: str | None, got: int) -> None:
@@ -386,9 +385,9 @@ class RouterCore:
             e.age_s = age_s = age / 1000.0
             if e.pending or e.exact or e.costs or e.aged:
                 e.aged = 0.0
-                _by_time(e, now - age_s - transit)
+                by_time(e, now - age_s - transit)
         for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
-            _no_report(e)
+            no_report(e)
 
     def _carry(self, snap: Snapshot, cur: Snapshot | None) -> list[str]:
         """The known engines snap does not hold that stay routable (in known order).
@@ -415,67 +414,6 @@ class RouterCore:
             self.counters["rejoin_dropped"] += len(carried) if self._rejoin else 0
             carried.clear()
         return [e for e in self.by_id if e in carried]
-
-    def _observe_speed(self, e: EngineView, done: int, t_ms: int, running: int) -> None:
-        """Accumulate an engine's completions and running-request-seconds (decayed)."""
-        if e.t_prev >= 0 and t_ms > e.t_prev and done >= e.done_prev:
-            dt = (t_ms - e.t_prev) / 1000.0
-            decay = 0.5 ** (dt / self.speed_halflife_s)
-            e.done_acc = e.done_acc * decay + (done - e.done_prev)
-            e.exposure_acc = e.exposure_acc * decay + e.run_prev * dt
-        elif e.t_prev >= 0 and done < e.done_prev:  # engine restarted: start over
-            e.done_acc = e.exposure_acc = 0.0
-        if t_ms >= e.t_prev:
-            e.t_prev, e.done_prev, e.run_prev = t_ms, done, running
-
-    def _rates(self) -> dict[str, float]:
-        """Each engine's completion rate per running request, where it has enough
-        observations (decayed running-request-seconds and completions)."""
-        lo_exp, lo_done = self.speed_min_exposure, self.speed_min_done
-        return {
-            e.engine_id: e.done_acc / e.exposure_acc
-            for e in self.known
-            if e.exposure_acc >= lo_exp and e.done_acc >= lo_done
-        }
-
-    def _update_speeds(self) -> None:
-        """speed = completion rate per running request / the median engine's, clamped to
-        [0.25, 4]; 1.0 inside the dead band or without enough observations."""
-        rates = self._rates()
-        if len(rates) < 3:
-            for e in self.known:
-                e.speed = 1.0
-            return
-        mid = sorted(rates.values())[len(rates) // 2]
-        lo, hi = self.speed_band
-        for e in self.known:
-            r = rates.get(e.engine_id)
-            sp = 1.0 if r is None or mid <= 0 else min(4.0, max(0.25, r / mid))
-            e.speed = 1.0 if lo < sp < hi else sp
-
-    def _update_aged(self, snap: Snapshot) -> None:
-        """Expected completions on each engine since its report (use_age): running x
-        its completion rate per running request (decayed, as for the speed estimate;
-        the median engine's until known) x the report's age at the snapshot."""
-        rates = self._rates()
-        mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
-        for e in self.known:  # (0 for an engine the snapshot holds no report of)
-            held = e.engine_id in snap.engines
-            e.aged = e.running * rates.get(e.engine_id, mid) * e.age_s if held else 0.0
-
-    def _update_share(self, mine: int, total: int) -> None:
-        prev = self._adm_totals
-        self._adm_totals = (mine, total)
-        if prev is None or total < prev[1] or mine < prev[0]:
-            return
-        d_mine, d_total = mine - prev[0], total - prev[1]
-        if d_total <= 0:
-            return
-        alpha = min(1.0, d_total / self._share_halflife)
-        self.share += alpha * (d_mine / d_total - self.share)
-        # never trust a share below a tenth of an equal one: bounds the estimate's error
-        self.share = min(1.0, max(self.share, 0.1 / self.client_count))
-        self.pending_weight = 1.0 / self.share
 
     # -- hot path --------------------------------------------------------------------------------
 
@@ -527,7 +465,7 @@ class RouterCore:
                 eng.routed += 1
                 eng.inflight += 1
                 eng.pending += 1
-                cost = 1.0 if info is None or not self._sized else self._cost(info)
+                cost = 1.0 if info is None or not self._sized else self.route_cost(info)
                 eng.costs.append(cost)
                 eng.pending_cost += cost
                 if not eng.exact:
@@ -570,26 +508,6 @@ class RouterCore:
             )
         self.counters["pinned"] += 1
         return eng, True, False
-
-    # how much one prompt token weighs against one output token in a route's work:
-    # prefill runs many tokens per step, decode one per request per step
-    prompt_weight = 0.05
-
-    def _cost(self, info: RequestInfo) -> float:
-        """A route's cost relative to the typical route (1.0 when it gave no size):
-        its work (prompt tokens x prompt_weight + output tokens, 0 of them when not
-        given, so that routes without output sizes compare by prompt) over an EWMA
-        of the work of recent routes."""
-        if info.prompt_tokens is None and info.output_tokens is None:
-            return 1.0
-        out = info.output_tokens
-        work = (info.prompt_tokens or 0) * self.prompt_weight + (out if out is not None else 0)
-        mean = self._mean_work
-        if mean <= 0.0:
-            self._mean_work = max(work, 1e-9)
-            return 1.0
-        self._mean_work = mean + (work - mean) / 256.0
-        return min(10.0, max(0.1, work / mean))
 
     def finished(self, decision: Decision) -> None:
         """The request of ``decision`` ended (idempotent)."""
@@ -653,7 +571,7 @@ class RouterCore:
                     eng.times.pop()
                 if eng.costs:
                     eng.pending_cost -= eng.costs.pop()
-                _trim_costs(eng)
+                trim_costs(eng)
             self._finish(decision)
 
     def failed(self, decision: Decision, kind: str = "error") -> bool:
@@ -724,36 +642,3 @@ class RouterCore:
         with self.lock:
             w = self.pending_weight
             return {e.engine_id: e.waiting + e.running + e.pending_cost * w for e in self.known}
-
-
-def _by_time(e: EngineView, cutoff: float) -> None:
-    """Reconcile e's pending routes by time: the ones made at or before ``cutoff`` (the
-    report's time less the transit allowance) are taken to be in its counts."""
-    times = e.times
-    while times and times[0] <= cutoff:
-        times.popleft()
-    e.pending = len(times)
-    e.exact = False
-    _trim_costs(e)
-
-
-def _no_report(e: EngineView) -> None:
-    """An engine the snapshot holds no report of (kept or carried): nothing says which
-    of its routes it has taken, but the finished ones are no load any more."""
-    if e.pending > e.inflight:
-        e.pending = e.inflight
-        while len(e.times) > e.inflight:
-            e.times.popleft()
-        _trim_costs(e)
-
-
-def _trim_costs(e: EngineView) -> None:
-    """Keep the costs of the ``pending`` newest routes (the engine takes requests in
-    the order they reach it, so the oldest are the ones the snapshot counted)."""
-    costs = e.costs
-    if len(costs) > e.pending:
-        while len(costs) > e.pending:
-            costs.popleft()
-        e.pending_cost = sum(costs)
-    elif not costs:
-        e.pending_cost = 0.0

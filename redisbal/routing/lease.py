@@ -90,10 +90,10 @@ def apply_lease(core: RouterCore, index: int, count: int) -> None:
                 c = snap.engines.get(e.engine_id) if snap is not None else None
                 adm = c.admitted if c is not None else None
                 e.routed_before = e.routed - (adm[index] if adm and index < len(adm) else 0)
-        if changed or recount or core._adm_totals is None:
-            core._adm_totals = None
-            core.share = 1.0 / count
-            core.pending_weight = float(count)
+        est = core.share_estimate
+        if changed or recount or est.totals is None:
+            est.restart(count)
+            core.share, core.pending_weight = est.share, est.weight
 
 
 class ClientLease:

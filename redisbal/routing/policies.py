@@ -393,7 +393,7 @@ class RedisbalPolicy(ScoringPolicy):
     # where the request would queue scores above every one with a free slot, and among
     # those by its queue over its speed; use_share, own pending routes count 1 / share.
     use_sed, use_dither, use_slots, use_share = False, True, False, True
-    # pending routes count by their size (RouterCore._cost); off: each counts 1
+    # pending routes count by their size (routing.estimates.RouteCost); off: each counts 1
     use_cost = True
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)

@@ -1,0 +1,169 @@
+"""What a router estimates beyond its snapshot (``RouterCore`` keeps one of each).
+
+- Pending: its routes the snapshot does not hold yet. With admitted counts they
+  are exact (the core subtracts); without, routes made before the report's time
+  (less a transit allowance) are taken to be in it (``by_time``).
+- Its share of the deployment's traffic (``ShareEstimate``): its pending routes
+  stand for all routers' as pending / share (``weight``).
+- Each engine's completion rate per running request (``SpeedEstimate``), for the
+  speed and age terms of the default policy.
+- What a route weighs against recent routes (``RouteCost``), when it gives its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from redisbal.barrier.snapshot import Snapshot
+from redisbal.routing.policies import EngineView, RequestInfo
+
+
+class ShareEstimate:
+    """This router's share of all admitted requests: an EWMA of its part of each
+    snapshot's new admissions, weighted by their number (``halflife`` admissions)."""
+
+    def __init__(self, client_count: int, halflife: int) -> None:
+        self.halflife = halflife
+        self.restart(client_count)
+
+    def restart(self, client_count: int) -> None:
+        """Start over at 1 / client_count: the index or the router count changed."""
+        self.client_count = client_count
+        self.share = 1.0 / client_count
+        self.weight = float(client_count)  # 1 / share: what one own pending route stands for
+        self.totals: tuple[int, int] | None = None  # (mine, all) admitted at the last update
+
+    def update(self, mine: int, total: int) -> None:
+        """Admitted totals, this router's and all routers', of a new snapshot."""
+        prev, self.totals = self.totals, (mine, total)
+        if prev is None or total < prev[1] or mine < prev[0]:
+            return  # first totals, or counts that went back (a restart): measure from here
+        d_mine, d_total = mine - prev[0], total - prev[1]
+        if d_total <= 0:
+            return
+        alpha = min(1.0, d_total / self.halflife)
+        share = self.share + alpha * (d_mine / d_total - self.share)
+        # never trust a share below a tenth of an equal one: bounds the estimate's error
+        self.share = min(1.0, max(share, 0.1 / self.client_count))
+        self.weight = 1.0 / self.share
+
+
+class RouteCost:
+    """A route's cost relative to the typical route (1.0 when it gave no size): its
+    work (prompt tokens x ``prompt_weight`` + output tokens, 0 of them when not given,
+    so that routes without output sizes compare by prompt) over an EWMA of the work
+    of recent routes, clamped to 0.1-10."""
+
+    # how much one prompt token weighs against one output token in a route's work:
+    # prefill runs many tokens per step, decode one per request per step
+    prompt_weight = 0.05
+
+    def __init__(self) -> None:
+        self.mean_work = 0.0
+
+    def __call__(self, info: RequestInfo) -> float:
+        if info.prompt_tokens is None and info.output_tokens is None:
+            return 1.0
+        out = info.output_tokens
+        work = (info.prompt_tokens or 0) * self.prompt_weight + (out if out is not None else 0)
+        mean = self.mean_work
+        if mean <= 0.0:
+            self.mean_work = max(work, 1e-9)
+            return 1.0
+        self.mean_work = mean + (work - mean) / 256.0
+        return min(10.0, max(0.1, work / mean))
+
+
+class SpeedEstimate:
+    """Each engine's completions and running-request-seconds, decayed (half-life
+    ``halflife_s``), from the admitted, waiting and running counts of its reports.
+
+    A rate is trusted from ``min_exposure`` running-request-seconds and ``min_done``
+    completions. The decayed completions settle at rate x half-life / ln 2, so the
+    least must stay below that at the rates seen: 20 at 3 s left every engine
+    finishing under 4.6 requests a second (8 slots of 1-2 s requests) without an
+    estimate, and the speed and age terms silently off.
+    """
+
+    halflife_s = 5.0
+    min_exposure = 10.0
+    min_done = 10.0
+    band = (0.8, 1.25)  # speeds inside it count as 1.0
+
+    def observe(self, e: EngineView, done: int, t_ms: int, running: int) -> None:
+        """Accumulate e's completions since its previous report (at ``t_ms``)."""
+        if e.t_prev >= 0 and t_ms > e.t_prev and done >= e.done_prev:
+            dt = (t_ms - e.t_prev) / 1000.0
+            decay = 0.5 ** (dt / self.halflife_s)
+            e.done_acc = e.done_acc * decay + (done - e.done_prev)
+            e.exposure_acc = e.exposure_acc * decay + e.run_prev * dt
+        elif e.t_prev >= 0 and done < e.done_prev:  # engine restarted: start over
+            e.done_acc = e.exposure_acc = 0.0
+        if t_ms >= e.t_prev:
+            e.t_prev, e.done_prev, e.run_prev = t_ms, done, running
+
+    def rates(self, engines: Sequence[EngineView]) -> dict[str, float]:
+        """Completion rate per running request of the engines observed long enough."""
+        lo_exp, lo_done = self.min_exposure, self.min_done
+        return {
+            e.engine_id: e.done_acc / e.exposure_acc
+            for e in engines
+            if e.exposure_acc >= lo_exp and e.done_acc >= lo_done
+        }
+
+    def update_speeds(self, engines: Sequence[EngineView]) -> None:
+        """speed = rate / the median engine's, clamped to [0.25, 4]; 1.0 inside the
+        band or without enough observations (or fewer than 3 engines known)."""
+        rates = self.rates(engines)
+        if len(rates) < 3:
+            for e in engines:
+                e.speed = 1.0
+            return
+        mid = sorted(rates.values())[len(rates) // 2]
+        lo, hi = self.band
+        for e in engines:
+            r = rates.get(e.engine_id)
+            sp = 1.0 if r is None or mid <= 0 else min(4.0, max(0.25, r / mid))
+            e.speed = 1.0 if lo < sp < hi else sp
+
+    def update_aged(self, engines: Sequence[EngineView], snap: Snapshot) -> None:
+        """Expected completions on each engine since its report (``aged``): running x
+        its rate (the median engine's until known) x the report's age at the snapshot."""
+        rates = self.rates(engines)
+        mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
+        for e in engines:  # (0 for an engine the snapshot holds no report of)
+            held = e.engine_id in snap.engines
+            e.aged = e.running * rates.get(e.engine_id, mid) * e.age_s if held else 0.0
+
+
+def by_time(e: EngineView, cutoff: float) -> None:
+    """Reconcile e's pending routes by time: the ones made at or before ``cutoff`` (the
+    report's time less the transit allowance) are taken to be in its counts."""
+    times = e.times
+    while times and times[0] <= cutoff:
+        times.popleft()
+    e.pending = len(times)
+    e.exact = False
+    trim_costs(e)
+
+
+def no_report(e: EngineView) -> None:
+    """An engine the snapshot holds no report of (kept or carried): nothing says which
+    of its routes it has taken, but the finished ones are no load any more."""
+    if e.pending > e.inflight:
+        e.pending = e.inflight
+        while len(e.times) > e.inflight:
+            e.times.popleft()
+        trim_costs(e)
+
+
+def trim_costs(e: EngineView) -> None:
+    """Keep the costs of the ``pending`` newest routes (the engine takes requests in
+    the order they reach it, so the oldest are the ones the snapshot counted)."""
+    costs = e.costs
+    if len(costs) > e.pending:
+        while len(costs) > e.pending:
+            costs.popleft()
+        e.pending_cost = sum(costs)
+    elif not costs:
+        e.pending_cost = 0.0
