@@ -106,3 +106,30 @@ def plot_gap_closed(doc: dict[str, Any], path: str) -> str | None:
     fig.savefig(path, dpi=72)
     plt.close(fig)
     return path
+
+
+def plot_policy_seeds(doc: dict[str, Any], path: str, metric: str = "ttft_p99_ms") -> str:
+    """A real-time comparison (scripts/gateway_policies.py --json): each policy's
+    ``metric`` per seed (a line each, so a seed's hard traffic shows in every policy)
+    and its mean (a bar), best first."""
+    plt = pyplot()
+    by: dict[str, dict[int, float]] = {}
+    for r in doc["runs"]:
+        if r.get(metric) is not None:
+            by.setdefault(r["policy"], {})[int(r["seed"])] = float(r[metric])
+    if not by:
+        raise click.ClickException(f"no run has {metric!r}: nothing to plot")
+    order = sorted(by, key=lambda p: sum(by[p].values()) / len(by[p]))
+    seeds = sorted({s for v in by.values() for s in v})
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(order), 3.4))
+    xs = range(len(order))
+    ax.bar(xs, [sum(by[p].values()) / len(by[p]) for p in order], color="0.85", label="mean")
+    for s in seeds:
+        ax.plot(xs, [by[p].get(s, math.nan) for p in order], marker="o", lw=0.8, label=f"seed {s}")
+    ax.set_xticks(list(xs), order, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(metric.replace("_", " "))
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
