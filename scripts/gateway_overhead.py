@@ -18,6 +18,10 @@ runnable but not running: what a contended host adds) come from
 ``--auth``: also one gateway per loop kind that requires an API key (from a file), in
 the same interleaved run; every request carries the key, whatever its target.
 
+``--bare``: also, per loop kind, aiohttp passing requests to the engine and nothing
+else (redisbal.bench.bare_proxy): the floor under the gateway, so that its overhead
+splits into aiohttp's and redisbal's.
+
 ``--peers vllm-router:power_of_two,sglang-router:cache_aware``: also one replica of
 each real peer router (redisbal.bench.routers: pinned, installed into a venv of its
 own on first use, ``--routers-venv``) in front of the same engine, in the same
@@ -156,6 +160,7 @@ def main() -> None:
     ap.add_argument("--loops", default="uvloop", help="one gateway per event loop kind")
     ap.add_argument("--json", default=None)
     ap.add_argument("--auth", action="store_true", help="also a gateway with an API key")
+    ap.add_argument("--bare", action="store_true", help="also a bare aiohttp pass-through")
     ap.add_argument("--peers", default="", help="also these real routers (ROUTER:POLICY,...)")
     ap.add_argument("--routers-venv", default=None, help="the peer routers' venv")
     a = ap.parse_args()
@@ -206,6 +211,12 @@ def main() -> None:
                     procs.append(subprocess.Popen(cmd, env=env))
                     name = f"gateway-{kind}" + ("-auth" if auth else "")
                     gws[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
+                if a.bare:
+                    port = free_port()
+                    cmd = [sys.executable, "-m", "redisbal.bench.bare_proxy", "--port", str(port)]
+                    cmd += ["--upstream", f"http://127.0.0.1:{eport}", "--event-loop", kind]
+                    procs.append(subprocess.Popen(cmd, env=env))
+                    gws[f"bare-aiohttp-{kind}"] = (f"http://127.0.0.1:{port}", procs[-1].pid)
             for url, _ in gws.values():
                 wait_http(url + "/health")
             for name in peers:
