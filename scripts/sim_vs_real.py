@@ -7,6 +7,10 @@ and the two rankings of the policies by mean TTFT p99, compared pair by pair.
     python scripts/sim_vs_real.py straggler=rt-straggler.json sessions=rt-sessions.json \\
         --trace-dir . --json cmp.json
 
+``--reference oracle,redisbal-cost`` simulates more policies on the same seeds, to
+set beside the rest without a real-time run: the oracle (join-the-shortest-queue on
+exact global state) shows how much better any router could do there.
+
 A pair of policies is "settled" when every real-time seed orders it the same way;
 the simulator must order every settled pair as real time does. The calibration
 knobs (``--tick-ms``, ``--delivery-ms``, ``--jitter-ms``, ``--transit-ms``,
@@ -50,6 +54,9 @@ def main() -> None:
         help="ms added to every step, or 'measured': the real runs' mean overshoot per step",
     )
     ap.add_argument("--vllm-transport", action="store_true", help="vLLM's own publish loop")
+    ap.add_argument(
+        "--reference", default="", help="also simulate these policies (e.g. oracle), no real run"
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     docs: dict[str, tuple[str, dict[str, Any]]] = {}
@@ -82,7 +89,9 @@ def main() -> None:
             if want is None or r["policy"] in want:
                 real.setdefault(r["policy"], {})[r["seed"]] = r["ttft_p99_ms"]
         sim: dict[str, dict[int, float]] = {}
-        for policy, seeds in real.items():
+        seeds_run = sorted({s for v in real.values() for s in v})
+        refs = {p: seeds_run for p in a.reference.split(",") if p and p not in real}
+        for policy, seeds in [*real.items(), *refs.items()]:
             for seed in seeds:
                 trace = os.path.join(tdir, run_args["trace"].replace("{seed}", str(seed)))
                 try:
@@ -90,7 +99,7 @@ def main() -> None:
                 except (CalibrationError, OSError, ValueError) as exc:
                     sys.exit(f"sim_vs_real: {name} {policy} seed {seed}: {exc}")
                 sim.setdefault(policy, {})[seed] = 1000 * m["ttft_p99_s"]
-        pairs = pair_verdicts(real, sim)
+        pairs = pair_verdicts(real, {p: v for p, v in sim.items() if p in real})
         settled += sum(1 for p in pairs if p[2])
         agreed += sum(1 for p in pairs if p[2] and p[3])
         print(report(name, real, sim, pairs))
@@ -133,6 +142,14 @@ def report(
             for v in (real[p], sim[p])
         ]
         out.append(f"| {p} | {cells[0]} | {cells[1]} | {rr.index(p) + 1} | {sr.index(p) + 1} |")
+    for p in sr:
+        if p not in real:  # --reference: simulated only
+            v = sim[p]
+            cell = (
+                ", ".join(f"{v[s]:.0f}" for s in sorted(v))
+                + f" ({statistics.fmean(v.values()):.0f})"
+            )
+            out.append(f"| {p} (simulated only) | - | {cell} | - | {sr.index(p) + 1} |")
     for a, b, is_settled, same in pairs:
         if not same:
             why = "settled in real time" if is_settled else "real order within seed noise"

@@ -160,3 +160,23 @@ async def test_engines_count_their_steps_planned_and_taken(redis_url: str, deplo
                 state = await r.json()
     assert state["steps"] >= 5
     assert state["step_planned_s"] > 0 and state["step_taken_s"] > 0
+
+
+def test_sim_vs_real_sets_simulated_only_references_beside_the_runs(tmp_path: Path) -> None:
+    lines = [{"t": 0.01 * k, "prompt_tokens": 20, "output_tokens": 5} for k in range(40)]
+    for seed in (1, 2):
+        _trace(tmp_path / f"t-{seed}.jsonl", lines)
+    runs = [
+        {"policy": p, "seed": s, "ttft_p99_ms": v}
+        for p, v in (("least-inflight", 100.0), ("round-robin", 200.0))
+        for s in (1, 2)
+    ]
+    doc = {"args": RUN | {"trace": "t-{seed}.jsonl"}, "runs": runs}
+    (tmp_path / "run.json").write_bytes(orjson.dumps(doc))
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "sim_vs_real.py"), f"x={tmp_path / 'run.json'}",
+         "--reference", "oracle"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "| oracle (simulated only) | - |" in out
+    assert "| least-inflight | 100, 100 (100) |" in out  # the real runs, as they were
