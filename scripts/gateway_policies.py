@@ -109,6 +109,10 @@ class ScenarioDemo(HttpDemo):
         """The load's requests, which the bypass traffic is shaped on."""
         return self.planned()
 
+    def window(self) -> float:
+        """Seconds of the load's arrivals, the bypass traffic's too."""
+        return self.opts.duration
+
     def start_loadgen(self, args: list[str], total: int) -> Child:
         assert self.children is not None
         if self.split is not None:
@@ -123,9 +127,10 @@ class ScenarioDemo(HttpDemo):
         """A second loadgen, started just before the load's, to the bypass engines."""
         assert self.children is not None and self.bypass is not None
         o = self.opts
-        lines = bypass_trace(self.bypass, o.duration, o.seed, self.shapes())
+        window = self.window()
+        lines = bypass_trace(self.bypass, window, o.seed, self.shapes())
         if not lines:
-            raise DemoError(f"{self.bypass.label()}: no request falls within {o.duration:g} s")
+            raise DemoError(f"{self.bypass.label()}: no request falls within {window:g} s")
         path = self.logdir / "bypass.jsonl"
         path.write_bytes(b"".join(orjson.dumps(d) + b"\n" for d in lines))
         urls = endpoints.fetch_sync(self.client, DeploymentKeys(o.deployment))
@@ -206,6 +211,9 @@ class TraceDemo(ScenarioDemo):
 
     def shapes(self) -> list[Planned]:
         return read_trace(self.trace)
+
+    def window(self) -> float:
+        return max((p.t for p in self.shapes()), default=0.0)
 
     def run_load(self) -> list[Child]:
         assert self.children is not None
