@@ -34,6 +34,17 @@ command takes no Policy object, and does not tell its router a prompt's block ha
 which the prefix-aware emulations route by; that script does). Tables label them
 "emulation".
 
+Scenarios where state shared between the replicas should matter (redisbal.bench.
+gateway_scenarios), composing with ``--trace`` and every policy: ``--gateways``
+replicas; ``--split S`` (replica 0 takes a share S of the requests); ``--bypass
+RATE:IDS`` (a client of its own sends traffic straight to some engines, which only
+the engines' reports show); ``--slow`` (engines of two speeds); bursts (``--burst-*``,
+or ``session_trace.py burst``); long prompts sharing prefixes (``session_trace.py
+longprompt``). Each row records its scenario (``scenario``, and a table column), the
+requests each replica was sent (``sent_per_replica``) and the bypass client's own
+figures (``bypass``: never in the routed requests'; the engines' served counts and
+cache hit rate include its traffic).
+
 ``--load-gate L``: before each run wait (up to ``--load-gate-wait-s``) for the 1-minute
 load average to fall below L; each row records the load average at its start and end.
 """
@@ -54,9 +65,17 @@ import orjson
 
 from redisbal import endpoints
 from redisbal.bench import routers
+from redisbal.bench.gateway_scenarios import (
+    Bypass,
+    bypass_trace,
+    check_slow,
+    check_split,
+    parse_bypass,
+    scenario,
+)
 from redisbal.bench.peers import PEER_POLICIES
 from redisbal.bench.quality import VARIANTS
-from redisbal.gateway.loadgen import read_trace
+from redisbal.gateway.loadgen import Planned, read_trace
 from redisbal.keys import DeploymentKeys
 from redisbal.routing.policies import POLICIES
 from redisbal.sim.demo import Child, DemoError, DemoOptions, Echo
@@ -71,11 +90,69 @@ COLUMNS = (
     ("slo_attainment", "within SLO", ".3f"),
 )
 CACHE_COLUMN = ("hit_rate", "cache hit rate", ".3f")
+# the bypass client's own figures, kept apart from the routed requests'
+BYPASS_KEYS = ("requests", "ok", "errors", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms")
 # policies that stand for a peer without being it (the real routers run as themselves)
 EMULATIONS = frozenset(PEER_POLICIES) | {"vllm-latest", "vllm-21617", "vllm-pre"}
 
 
-class TraceDemo(HttpDemo):
+class ScenarioDemo(HttpDemo):
+    """The HTTP demo with the scenario options: the load split unevenly over the
+    replicas (``split``), and a client sending ``bypass`` traffic straight to some
+    engines while the load runs, whose figures it keeps apart (``bypassed``)."""
+
+    split: float | None = None
+    bypass: Bypass | None = None
+    bypassed: dict[str, Any] | None = None
+
+    def shapes(self) -> list[Planned]:
+        """The load's requests, which the bypass traffic is shaped on."""
+        return self.planned()
+
+    def window(self) -> float:
+        """Seconds of the load's arrivals, the bypass traffic's too."""
+        return self.opts.duration
+
+    def start_loadgen(self, args: list[str], total: int) -> Child:
+        assert self.children is not None
+        if self.split is not None:
+            args = [*args, "--split", str(self.split)]
+        side = self.start_bypass() if self.bypass is not None else None
+        gen = super().start_loadgen(args, total)
+        if side is not None:
+            self.finish_bypass(side)
+        return gen
+
+    def start_bypass(self) -> Child:
+        """A second loadgen, started just before the load's, to the bypass engines."""
+        assert self.children is not None and self.bypass is not None
+        o = self.opts
+        window = self.window()
+        lines = bypass_trace(self.bypass, window, o.seed, self.shapes())
+        if not lines:
+            raise DemoError(f"{self.bypass.label()}: no request falls within {window:g} s")
+        path = self.logdir / "bypass.jsonl"
+        path.write_bytes(b"".join(orjson.dumps(d) + b"\n" for d in lines))
+        urls = endpoints.fetch_sync(self.client, DeploymentKeys(o.deployment))
+        args = ["--trace", str(path), "--session-prompts", "--seed", str(o.seed)]
+        args += ["--timeout-s", str(o.duration + o.drain_timeout + 30)]
+        if o.slo_ttft_ms:
+            args += ["--slo-ttft-ms", str(o.slo_ttft_ms)]
+        for engine in self.bypass.engines:
+            args += ["--url", urls[engine]]
+        out = str(self.logdir / "bypass.json")
+        return self.children.start("bypass", "loadgen", *args, "--stats-out", out, "--no-progress")
+
+    def finish_bypass(self, side: Child) -> None:
+        try:
+            side.proc.wait(self.opts.drain_timeout + 30)
+        except subprocess.TimeoutExpired:
+            raise DemoError("the bypass client did not finish in time") from None
+        self._check_children()
+        self.bypassed = orjson.loads((self.logdir / "bypass.json").read_bytes())
+
+
+class TraceDemo(ScenarioDemo):
     """The HTTP demo replaying a trace with conversation-shaped prompts, on engines
     with more options; records the engines' prefix-cache figures before they stop."""
 
@@ -131,6 +208,12 @@ class TraceDemo(HttpDemo):
 
     def engine_args(self) -> list[str]:
         return super().engine_args() + self.extra
+
+    def shapes(self) -> list[Planned]:
+        return read_trace(self.trace)
+
+    def window(self) -> float:
+        return max((p.t for p in self.shapes()), default=0.0)
 
     def run_load(self) -> list[Child]:
         assert self.children is not None
@@ -249,7 +332,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
     )
     lines: list[str] = []
     echo: Echo = lambda msg="", **kw: lines.append(str(msg))  # noqa: E731
-    demo: HttpDemo
+    demo: ScenarioDemo
     if args.trace:
         trace = args.trace.replace("{seed}", str(seed))
         extra = shlex.split(args.engine_args)
@@ -258,7 +341,8 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         else:
             demo = TraceDemo(opts, echo, trace, extra, peer)
     else:
-        demo = HttpDemo(opts, echo)
+        demo = ScenarioDemo(opts, echo)
+    demo.split, demo.bypass = args.split, args.bypass_spec
     gated = wait_for_load(args.load_gate, args.load_gate_wait_s)
     load = os.getloadavg()[0]
     code = demo.run()
@@ -278,7 +362,11 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         loadavg=load,
         loadavg_end=os.getloadavg()[0],
         load_gate_met=gated,
+        scenario=scenario(args.gateways, args.engines, args.split, args.bypass_spec, args.slow),
+        sent_per_replica=[d["requests"] for d in (lg.get("per_url") or {"": lg}).values()],
     )
+    if demo.bypassed is not None:  # apart: never in the routed requests' figures
+        row["bypass"] = {k: demo.bypassed.get(k) for k in BYPASS_KEYS}
     if isinstance(demo, TraceDemo):
         c = demo.cache
         row["hit_rate"] = c["cached_tokens"] / max(1, c["prompt_tokens"])
@@ -294,6 +382,11 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
     return row
 
 
+def bypass_line(b: dict[str, Any]) -> str:
+    p99 = b["ttft_p99_ms"]
+    return f"{b['ok']}/{b['requests']} ok, TTFT p99 " + ("-" if p99 is None else f"{p99:.0f} ms")
+
+
 def cell(values: list[float], spec: str) -> str:
     if len(values) == 1:
         return format(values[0], spec)
@@ -302,22 +395,30 @@ def cell(values: list[float], spec: str) -> str:
 
 
 def table(rows: list[dict[str, Any]], policies: list[str]) -> str:
+    """One row per policy (mean [min-max] over seeds), saying the scenario that ran;
+    the bypass client's figures in columns of their own."""
     cols = COLUMNS + ((CACHE_COLUMN,) if rows and "hit_rate" in rows[0] else ())
-    out = [
-        "| policy | " + " | ".join(h for _, h, _ in cols) + " | ok / sent |",
-        "|---" * (len(cols) + 2) + "|",
-    ]
+    bypass = bool(rows) and "bypass" in rows[0]
+    extra = ["bypass TTFT p99 (ms)", "bypass ok / sent"] if bypass else []
+    heads = ["policy", "scenario", *(h for _, h, _ in cols), "ok / sent", *extra]
+    out = ["| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]
     notes = []
     for p in policies:
         mine = [r for r in rows if r["policy"] == p]
         cells = [cell([r[k] for r in mine], spec) for k, _, spec in cols]
-        ok = f"{sum(r['ok'] for r in mine)} / {sum(r['requests'] for r in mine)}"
+        cells.append(f"{sum(r['ok'] for r in mine)} / {sum(r['requests'] for r in mine)}")
+        if bypass:
+            by = [r["bypass"] for r in mine]
+            p99 = [b["ttft_p99_ms"] for b in by if b["ttft_p99_ms"] is not None]
+            cells.append(cell(p99, ".0f") if p99 else "-")
+            cells.append(f"{sum(b['ok'] for b in by)} / {sum(b['requests'] for b in by)}")
         label = f"{p} (emulation)" if p in EMULATIONS else p
         if p in routers.NAMES:
             ran = sum(bool(r["paths"]["ok"]) for r in mine)
             label = f"{p} (real, path ran {ran}/{len(mine)})"
             notes += [f"- {p} seed {r['seed']}: {r['paths']['note']}" for r in mine]
-        out.append(f"| {label} | " + " | ".join(cells) + f" | {ok} |")
+        what = mine[0]["scenario"]["label"] if mine else ""
+        out.append(f"| {label} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(out + (["", *notes] if notes else []))
 
 
@@ -326,7 +427,7 @@ def main() -> None:
     ap.add_argument("--policies", default="redisbal,round-robin,vllm-latest,random")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--engines", type=int, default=8)
-    ap.add_argument("--gateways", type=int, default=2)
+    ap.add_argument("--gateways", type=int, default=2, help="router replicas of each policy")
     ap.add_argument("--running-cap", type=int, default=16)
     ap.add_argument("--burst-factor", type=float, default=1.5, help="x engines x running cap")
     ap.add_argument("--burst-every", type=float, default=2.0)
@@ -334,7 +435,29 @@ def main() -> None:
     ap.add_argument("--mean-output", type=float, default=40.0)
     ap.add_argument("--max-output", type=int, default=400)
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of output lengths")
-    ap.add_argument("--slow", action="append", default=[], help="ID:FACTOR, as demo --slow")
+    ap.add_argument(
+        "--slow",
+        action="append",
+        default=[],
+        metavar="ID[,ID...]:FACTOR",
+        help="engines that step FACTOR times slower (repeatable; as demo --slow): "
+        "heterogeneous engines, e.g. --slow 0,1,2,3:2",
+    )
+    ap.add_argument(
+        "--split",
+        type=float,
+        default=None,
+        help="replica 0's share of the requests (drawn per request from the seed: the same "
+        "for every policy); the other replicas share the rest in turn [default: all in turn]",
+    )
+    ap.add_argument(
+        "--bypass",
+        default=None,
+        metavar="RATE:ID[,ID...]",
+        help="a client of its own sending Poisson RATE req/s straight to these engines (no "
+        "router sees it) while the load runs, each request the lengths of a load request "
+        "drawn at random; its figures are reported apart",
+    )
     ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
     ap.add_argument("--trace", default=None, help="replay this trace ({seed}: the seed)")
     ap.add_argument(
@@ -359,6 +482,12 @@ def main() -> None:
     ap.add_argument("--load-gate-wait-s", type=float, default=600.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    try:
+        check_slow(args.slow, args.engines)
+        check_split(args.split, args.gateways)
+        args.bypass_spec = None if args.bypass is None else parse_bypass(args.bypass, args.engines)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.drain_timeout is None:
         args.drain_timeout = 90.0 if args.trace else 15.0
     if args.trace:
@@ -399,7 +528,8 @@ def main() -> None:
                     f"{r['goodput_rps']:.1f} req/s, hit {r.get('hit_rate', 0):.3f}, "
                     f"{r['ok']}/{r['requests']} ok, served "
                     f"{r['served']}, lag p99 {r['lag_p99_ms']:.1f} ms, load {r['loadavg']:.2f}"
-                    + (f"; {r['paths']['note']}" if "paths" in r else ""),
+                    + (f"; {r['paths']['note']}" if "paths" in r else "")
+                    + (f"; bypass {bypass_line(r['bypass'])}" if "bypass" in r else ""),
                     flush=True,
                 )
     finally:
@@ -413,7 +543,8 @@ def main() -> None:
     print(table(rows, policies))
     if args.json:
         with open(args.json, "wb") as fh:
-            kept = {k: v for k, v in vars(args).items() if k != "routers_venv"}  # a machine path
+            drop = ("routers_venv", "bypass_spec")  # a machine path; in each row's scenario
+            kept = {k: v for k, v in vars(args).items() if k not in drop}
             fh.write(orjson.dumps({"args": kept, "runs": rows}, option=orjson.OPT_INDENT_2))
 
 

@@ -12,7 +12,12 @@ estimate of its service time (``--step-ms`` x its output tokens) + its think tim
 where the simulator waits for the previous turn to end. ``poisson``: independent
 ShareGPT-like requests (``workload.poisson``), outputs heavy-tailed. ``burst``: the
 same requests in bursts (``workload.bursts``): ``--burst-size`` requests within
-``--burst-window-s``, every ``--burst-every-s`` over ``--duration``.
+``--burst-window-s``, every ``--burst-every-s`` over ``--duration``. ``longprompt``:
+long prompts sharing prefixes (documents, few-shot examples): Poisson requests, each
+one of ``--prefixes`` shared prefixes (lengths drawn once in ``--prefix-min`` ..
+``--prefix-max`` tokens; written as the line's ``system`` and ``system_tokens``) and a
+short suffix of its own (lognormal, mean ``--suffix-mean``) under a key of its own;
+outputs as poisson's.
 
     python scripts/session_trace.py sessions --rate 4 --duration 20 --seed 1 -o s.jsonl
 """
@@ -20,11 +25,19 @@ same requests in bursts (``workload.bursts``): ``--burst-size`` requests within
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 
 import orjson
 
-from redisbal.sim.workload import Request, SessionShape, bursts, poisson, sessions
+from redisbal.sim.workload import (
+    Request,
+    SessionShape,
+    bursts,
+    lognormal_tokens,
+    poisson,
+    sessions,
+)
 
 
 def _system_of(first_block: int, shape: SessionShape) -> tuple[int, int] | None:
@@ -75,9 +88,31 @@ def single_lines(reqs: list[Request], output_scale: float) -> list[dict[str, obj
     ]
 
 
+def longprompt_lines(
+    reqs: list[Request],
+    prefixes: int,
+    prefix_range: tuple[int, int],
+    suffix_mean: float,
+    output_scale: float,
+    seed: int,
+) -> list[dict[str, object]]:
+    """Poisson requests as long prompts: a shared prefix (one of ``prefixes``, drawn at
+    random, its length fixed) and a suffix of their own."""
+    rng = random.Random(f"longprompt-{seed}")
+    lengths = [rng.randint(*prefix_range) for _ in range(prefixes)]
+    out = single_lines(reqs, output_scale)
+    for i, line in enumerate(out):
+        k = rng.randrange(prefixes)
+        suffix = lognormal_tokens(rng, suffix_mean, 1.0, 8 * int(suffix_mean) + 1)
+        line.update(
+            prompt_tokens=lengths[k] + suffix, key=f"lp-{i}", system=k, system_tokens=lengths[k]
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("traffic", choices=("sessions", "poisson", "burst"))
+    ap.add_argument("traffic", choices=("sessions", "poisson", "burst", "longprompt"))
     ap.add_argument("--rate", type=float, default=None, help="sessions (or requests) per s")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     ap.add_argument("--seed", type=int, default=1)
@@ -87,11 +122,18 @@ def main() -> None:
     ap.add_argument("--turns-mean", type=float, default=4.0)
     ap.add_argument("--step-ms", type=float, default=15.0, help="sessions: decode step estimate")
     ap.add_argument(
-        "--output-scale", type=float, default=1.0, help="poisson, burst: scale output lengths"
+        "--output-scale",
+        type=float,
+        default=1.0,
+        help="poisson, burst, longprompt: scale output lengths",
     )
     ap.add_argument("--burst-size", type=int, default=96, help="burst: requests a burst")
     ap.add_argument("--burst-every-s", type=float, default=6.0, help="burst: period")
     ap.add_argument("--burst-window-s", type=float, default=0.5, help="burst: spread of one")
+    ap.add_argument("--prefixes", type=int, default=4, help="longprompt: shared prefixes")
+    ap.add_argument("--prefix-min", type=int, default=2048, help="longprompt: tokens")
+    ap.add_argument("--prefix-max", type=int, default=6144, help="longprompt: tokens")
+    ap.add_argument("--suffix-mean", type=float, default=64.0, help="longprompt: mean own tokens")
     ap.add_argument(
         "--cut-s", type=float, default=None, help="drop requests sent later (sessions' tails)"
     )
@@ -103,6 +145,14 @@ def main() -> None:
         count = max(1, int(a.duration / a.burst_every_s))
         reqs = bursts(a.burst_size, count, a.burst_every_s, a.burst_window_s, 1, a.seed)
         lines = single_lines(reqs, a.output_scale)
+    elif a.traffic == "longprompt":
+        if not (1 <= a.prefixes <= 1000 and 1 <= a.prefix_min <= a.prefix_max <= 100_000):
+            ap.error("longprompt: --prefixes in 1..1000, 1 <= --prefix-min <= --prefix-max")
+        if not 1 <= a.suffix_mean <= 10_000:
+            ap.error("longprompt: --suffix-mean in 1..10000")
+        reqs = poisson(a.rate, a.duration, 1, a.seed)
+        span = (a.prefix_min, a.prefix_max)
+        lines = longprompt_lines(reqs, a.prefixes, span, a.suffix_mean, a.output_scale, a.seed)
     elif a.traffic == "sessions":
         shape = SessionShape(
             turns_mean=a.turns_mean,

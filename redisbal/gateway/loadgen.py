@@ -9,8 +9,10 @@ schedule instead. Reports TTFT, inter-token latency and end-to-end latency
 (p50/p99), throughput, errors and, with ``--slo-ttft-ms``, goodput (requests per
 second of load answered within that TTFT); ``--json`` for machines. Several ``--url``
 (gateway replicas) share the requests in turn, and each gets its own figures too.
-``lag_p99_ms`` says how late the generator itself sent requests (if it is large,
-the figures measure the generator, not the server).
+``--split S`` sends the first URL a share S of the requests instead (the others share
+the rest in turn), drawn per request from ``--seed``. ``lag_p99_ms`` says how late
+the generator itself sent requests (if it is large, the figures measure the
+generator, not the server).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import asyncio
 import math
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import click
 import orjson
 
+from redisbal.gateway.load_summary import Result, summarize
 from redisbal.ops.cli_options import (
     FiniteFloat,
     common_options,
@@ -46,19 +49,6 @@ class Planned:
     system: int | None = None  # a shared system prompt the key's prompts start with
     system_tokens: int = 0
     text: str | None = None  # the prompt (session_prompts); else filler of the length
-
-
-@dataclass(slots=True)
-class Result:
-    ok: bool
-    status: int
-    lag: float  # how late it was sent, s
-    ttft: float | None = None
-    e2e: float = 0.0
-    tokens: int = 0
-    gaps: list[float] = field(default_factory=list)
-    error: str | None = None
-    target: int = 0  # which of the URLs it went to
 
 
 def lognormal_int(rng: random.Random, mean: float, sigma: float, cap: int) -> int:
@@ -101,6 +91,23 @@ def plan(
         )
         for t in times
     ]
+
+
+def split_targets(n: int, urls: int, share: float | None, seed: int) -> list[int]:
+    """Which URL each of ``n`` requests goes to: in turn, or with ``share`` the first URL
+    with that probability (drawn per request index from ``seed``) and the others in turn
+    with the rest; the same seed gives every server under test the same assignment."""
+    if share is None or urls < 2:
+        return [k % urls for k in range(n)]
+    rng = random.Random(f"split-{seed}")
+    out, rest = [], 0
+    for _ in range(n):
+        if rng.random() < share:
+            out.append(0)
+        else:
+            out.append(1 + rest % (urls - 1))
+            rest += 1
+    return out
 
 
 def read_trace(path: str) -> list[Planned]:
@@ -176,13 +183,6 @@ def session_prompts(planned: list[Planned], seed: int = 0) -> None:
         history[p.key] = text + output_text(p.output_tokens)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
 async def _one(session: Any, url: str, p: Planned, start: float, opts: dict[str, Any]) -> Result:
     import aiohttp
 
@@ -252,7 +252,8 @@ async def _sent(
 
 
 async def run(url: str | list[str], planned: list[Planned], opts: dict[str, Any]) -> dict[str, Any]:
-    """Send ``planned`` open loop, request k to ``urls[k % len(urls)]``; the summary."""
+    """Send ``planned`` open loop, request k to ``urls[opts["targets"][k]]`` (default: in
+    turn); the summary."""
     import aiohttp
 
     urls = [url] if isinstance(url, str) else url
@@ -264,10 +265,9 @@ async def run(url: str | list[str], planned: list[Planned], opts: dict[str, Any]
     results: list[Result] = []
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         start = loop.time() + 0.05
+        to = opts.get("targets") or [k % len(targets) for k in range(len(planned))]
         tasks = [
-            loop.create_task(
-                _sent(session, targets[k % len(targets)], p, start, opts, k % len(targets))
-            )
+            loop.create_task(_sent(session, targets[to[k]], p, start, opts, to[k]))
             for k, p in enumerate(planned)
         ]
         total = len(tasks)
@@ -299,59 +299,6 @@ async def run(url: str | list[str], planned: list[Planned], opts: dict[str, Any]
             for i, u in enumerate(urls)
         }
     return summary
-
-
-def summarize(
-    results: list[Result],
-    elapsed: float,
-    slo_ttft_s: float | None = None,
-    window_s: float | None = None,
-) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-
-    def ms(v: float | None) -> float | None:
-        return None if v is None else round(v * 1000, 3)
-
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    gaps = [g for r in ok for g in r.gaps]
-    e2e = [r.e2e for r in ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
-    return {
-        "requests": len(results),
-        "ok": len(ok),
-        "errors": errors,
-        "elapsed_s": round(elapsed, 3),
-        "throughput_rps": round(len(ok) / elapsed, 2) if elapsed > 0 else None,
-        "tokens_per_s": round(sum(r.tokens for r in ok) / elapsed, 1) if elapsed > 0 else None,
-        "ttft_p50_ms": ms(percentile(ttft, 0.5)),
-        "ttft_p99_ms": ms(percentile(ttft, 0.99)),
-        "itl_p50_ms": ms(percentile(gaps, 0.5)),
-        "itl_p99_ms": ms(percentile(gaps, 0.99)),
-        "e2e_p50_ms": ms(percentile(e2e, 0.5)),
-        "e2e_p99_ms": ms(percentile(e2e, 0.99)),
-        "lag_p99_ms": ms(percentile([r.lag for r in results], 0.99)),
-        **_goodput(ttft, len(results), window_s or elapsed, slo_ttft_s),
-    }
-
-
-def _goodput(
-    ttft: list[float], requests: int, window: float, slo_ttft_s: float | None
-) -> dict[str, Any]:
-    """Requests answered with their first token within the TTFT objective: per second of
-    the load's window (``--duration``; the same for every server given the same
-    schedule, unlike the run's end, which one long answer moves) and as a share of all
-    requests sent."""
-    if slo_ttft_s is None:
-        return {}
-    good = sum(t <= slo_ttft_s for t in ttft)
-    return {
-        "slo_ttft_ms": round(slo_ttft_s * 1000, 3),
-        "goodput_rps": round(good / window, 2) if window > 0 else None,
-        "slo_attainment": round(good / requests, 4) if requests else None,
-    }
 
 
 @click.command("loadgen")
@@ -437,6 +384,13 @@ def _goodput(
     help="With --trace: prompts shaped like conversations (a key's prompts share its "
     "history as prefix, starting with the shared system prompt the trace's optional "
     '"system" and "system_tokens" name), so engines with a prefix cache reuse it.',
+)
+@click.option(
+    "--split",
+    type=FiniteFloat(0, 1),
+    default=None,
+    help="The first --url's share of the requests (drawn per request from --seed); the "
+    "others share the rest in turn [default: every URL in turn].",
 )
 @click.option(
     "--stream/--no-stream",
@@ -536,6 +490,8 @@ def loadgen(**kw: Any) -> None:
             if kw["trace"]
             else "nothing to send: no request falls within --duration at this --rate"
         )
+    if kw["split"] is not None and len(urls) < 2:
+        raise click.BadParameter("needs two --url or more", param_hint="'--split'")
     headers = {"Content-Type": "application/json"}
     if kw["api_key"]:
         headers["Authorization"] = f"Bearer {kw['api_key']}"
@@ -549,6 +505,7 @@ def loadgen(**kw: Any) -> None:
         "progress": kw["progress"] and not kw["as_json"],
         "slo_ttft_s": None if kw["slo_ttft_ms"] is None else kw["slo_ttft_ms"] / 1000,
         "window_s": max((p.t for p in planned), default=0.0) if kw["trace"] else kw["duration"],
+        "targets": split_targets(len(planned), len(urls), kw["split"], kw["seed"]),
     }
 
     async def main() -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -21,6 +21,9 @@ from redisbal import endpoints
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.table import render_table
 from redisbal.sim.demo import Child, Children, Demo, DemoError, _fmt, user_lines
+
+if TYPE_CHECKING:
+    from redisbal.gateway.loadgen import Planned
 
 LISTENING = re.compile(rb"gateway listening on (http://\S+) \(client (\d+) of (\d+)")
 PROMPT_MEAN = 64.0  # tokens; the simulated engines do not charge for prompts
@@ -89,26 +92,30 @@ class HttpDemo(Demo):
         urls = ", ".join(u for _, u in self.gateways)
         self.echo(f"{o.api_servers} gateways (policy {o.policy}) leased their indexes: {urls}")
 
-    def run_load(self) -> list[Child]:
+    def planned(self) -> list[Planned]:
+        """The load's requests (what loadgen will draw from the same options and seed)."""
         from redisbal.gateway.loadgen import plan
 
+        o = self.opts
+        return plan(
+            rate=o.rate or 1.0,
+            duration=o.duration,
+            arrival="bursts" if o.burst else "poisson",
+            burst=o.burst,
+            burst_every=o.burst_every,
+            prompt_mean=PROMPT_MEAN,
+            output_mean=o.mean_output,
+            sigma=o.sigma,
+            seed=o.seed,
+            output_cap=o.max_output,
+        )
+
+    def run_load(self) -> list[Child]:
         assert self.children is not None
         o = self.opts
         self.start_gateways()
         arrival = "bursts" if o.burst else "poisson"
-        total = len(
-            plan(
-                rate=o.rate or 1.0,
-                duration=o.duration,
-                arrival=arrival,
-                burst=o.burst,
-                burst_every=o.burst_every,
-                prompt_mean=PROMPT_MEAN,
-                output_mean=o.mean_output,
-                sigma=o.sigma,
-                seed=o.seed,
-            )
-        )
+        total = len(self.planned())
         load = (
             f"bursts of {o.burst} requests every {o.burst_every:g} s"
             if o.burst

@@ -7,13 +7,7 @@ names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc``, labelled ``model_name`` and ``engine``) and
 ``GET /sim/state`` (what the tests read: requests in flight at the engine).
 
-Faults, for reliability tests (``POST /sim/fault`` with a JSON body; its model
-and reports go on as if all were well, which is the point):
-``{"mode": "status", "status": 500}`` answers every generation request with
-that status (429, 500, 503, or a 4xx: a rejection) before taking it in;
-``{"mode": "stall"}`` stops every stream and whole answer from sending (the
-connection stays open); ``{"mode": "none"}`` ends the fault (stalled answers
-flow again). A hung engine is SIGSTOP's.
+Faults, for reliability tests: ``POST /sim/fault`` (redisbal.sim.fault_injection).
 
 Each engine is a ``SimEngine`` (redisbal.sim.model) stepping on its own clock
 ("tick" mode), reports through the real ``AsyncEngineReporter`` and registers
@@ -60,6 +54,7 @@ from redisbal.gateway.loadgen import output_text
 from redisbal.keys import check_name
 from redisbal.reporting.reporter import AsyncEngineReporter
 from redisbal.sim.engine_sim import EngineTally, SimStats
+from redisbal.sim.fault_injection import FaultInjection
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
 from redisbal.sim.peer_endpoints import add_peer_routes
 from redisbal.sim.prefix_cache import CHARS_PER_TOKEN, text_blocks
@@ -152,10 +147,7 @@ class HttpEngine:
         self.draining = False  # stopping: new requests get a 503
         self.report_min_s = 0.002
         self._reported_at = 0.0
-        self.fault = "none"  # "none", "status" or "stall" (POST /sim/fault)
-        self.fault_status = 500
-        self._flowing = asyncio.Event()  # cleared while stalled
-        self._flowing.set()
+        self.faults = FaultInjection()  # POST /sim/fault
 
     # -- model loop -----------------------------------------------------------------------------
 
@@ -243,25 +235,13 @@ class HttpEngine:
         return await handler(request)
 
     async def _set_fault(self, request: web.Request) -> web.Response:
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as exc:
-            return _error(400, f"malformed JSON: {exc}")
-        mode = body.get("mode") if isinstance(body, dict) else None
-        status = body.get("status", 500) if isinstance(body, dict) else None
-        if mode not in ("none", "status", "stall"):
-            return _error(400, "mode must be one of none, status, stall")
-        if mode == "status" and (
-            isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599
-        ):
-            return _error(400, "status must be a whole number in 400..599")
-        self.fault, self.fault_status = mode, int(status or 500)
-        if mode == "stall":
-            self._flowing.clear()
-        else:
-            self._flowing.set()
-        log.info("engine %s: fault %s", self.engine_id, mode)
-        return web.Response(body=orjson.dumps({"mode": mode}), content_type="application/json")
+        refused = self.faults.set(await request.read())
+        if refused is not None:
+            return _error(400, refused)
+        log.info("engine %s: fault %s", self.engine_id, self.faults.mode)
+        return web.Response(
+            body=orjson.dumps({"mode": self.faults.mode}), content_type="application/json"
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -369,8 +349,8 @@ class HttpEngine:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if self.draining:
             return _error(503, f"engine {self.engine_id} is shutting down", "unavailable")
-        if self.fault == "status":
-            status = self.fault_status
+        status = self.faults.rejection
+        if status is not None:
             return _error(status, f"engine {self.engine_id}: injected fault {status}", "fault")
         try:
             body = orjson.loads(await request.read())
@@ -408,7 +388,7 @@ class HttpEngine:
                 while req.finished_at < 0:
                     await st.event.wait()
                     st.event.clear()
-                await self._flowing.wait()
+                await self.faults.flowing()
                 finished = True
                 return web.Response(
                     body=orjson.dumps(self._whole(rid, chat, st, reason)),
@@ -421,7 +401,7 @@ class HttpEngine:
             while True:
                 await st.event.wait()
                 st.event.clear()
-                await self._flowing.wait()
+                await self.faults.flowing()
                 chunks = []
                 while sent < req.produced:
                     last = sent + 1 == req.produced and req.finished_at >= 0
