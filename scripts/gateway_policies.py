@@ -74,6 +74,7 @@ from redisbal.bench.gateway_scenarios import (
     scenario,
 )
 from redisbal.bench.peers import PEER_POLICIES
+from redisbal.bench.plots import plot_policy_seeds
 from redisbal.bench.quality import VARIANTS
 from redisbal.gateway.loadgen import Planned, read_trace
 from redisbal.keys import DeploymentKeys
@@ -481,6 +482,7 @@ def main() -> None:
     ap.add_argument("--load-gate", type=float, default=None, help="wait for load avg below this")
     ap.add_argument("--load-gate-wait-s", type=float, default=600.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="a PNG of each policy's TTFT p99 per seed")
     args = ap.parse_args()
     try:
         check_slow(args.slow, args.engines)
@@ -541,11 +543,13 @@ def main() -> None:
         f"lag p99 max {max(r['lag_p99_ms'] for r in rows):.1f} ms\n"
     )
     print(table(rows, policies))
+    drop = ("routers_venv", "bypass_spec")  # a machine path; in each row's scenario
+    doc = {"args": {k: v for k, v in vars(args).items() if k not in drop}, "runs": rows}
     if args.json:
         with open(args.json, "wb") as fh:
-            drop = ("routers_venv", "bypass_spec")  # a machine path; in each row's scenario
-            kept = {k: v for k, v in vars(args).items() if k not in drop}
-            fh.write(orjson.dumps({"args": kept, "runs": rows}, option=orjson.OPT_INDENT_2))
+            fh.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    if args.plot:
+        print(f"plot: {plot_policy_seeds(doc, args.plot)}")
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def test_gateway_policies_runs_split_and_bypass_apart(tmp_path: Path) -> None:
         str(SCRIPTS / "gateway_policies.py"), "--trace", str(tmp_path / "t-{seed}.jsonl"),
         "--engines", "2", "--gateways", "2", "--policies", "redisbal,least-inflight",
         "--seeds", "1", "--split", "0.7", "--bypass", "5:0", "--running-cap", "8",
-        "--json", str(out),
+        "--json", str(out), "--plot", str(tmp_path / "p.png"),
         timeout=300,
     )  # fmt: skip
     assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
@@ -204,3 +204,4 @@ def test_gateway_policies_runs_split_and_bypass_apart(tmp_path: Path) -> None:
         assert r["bypass"]["ttft_p99_ms"] is not None
         assert sum(r["served"]) == len(planned) + bypassed  # the engines saw both
     assert "bypass TTFT p99 (ms)" in got.stdout and "split 0.7, bypass 5/s to 0" in got.stdout
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
