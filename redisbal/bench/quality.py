@@ -86,7 +86,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal-share": {"use_share": False},
     "redisbal+sed-dither": {"use_sed": True, "use_dither": False},
     "redisbal-cost": {"use_cost": False},
-    "redisbal+floor": {"use_floor": True, "use_dither": False},
 }
 
 

@@ -393,11 +393,6 @@ class RedisbalPolicy(ScoringPolicy):
     # where the request would queue scores above every one with a free slot, and among
     # those by its queue over its speed; use_share, own pending routes count 1 / share.
     use_sed, use_dither, use_slots, use_share = False, True, False, True
-    # use_floor: an engine's load is at least this router's requests still open on it x
-    # pending_weight (vLLM's own balancer floors its score so): what this router's
-    # requests hold there for certain, where the snapshot is a step old and pending an
-    # estimate. Variant redisbal+floor (with the dither off), measured in BENCHMARKS.
-    use_floor = False
     # pending routes count by their size (routing.estimates.RouteCost); off: each counts 1
     use_cost = True
     # a key's engine takes it while its score is within this of the least-loaded
@@ -419,7 +414,6 @@ class RedisbalPolicy(ScoringPolicy):
         self.routes_per_snapshot = 1.0  # EWMA of own routes between snapshots
         self._routes_since = 0
         self._dither_snap: Snapshot | None = None
-        self._in_heap: set[int] = set()  # id() of core.engines' views (use_floor)
 
     @property
     def wants_speed(self) -> bool:
@@ -438,16 +432,12 @@ class RedisbalPolicy(ScoringPolicy):
             over = load + 1.0 - cap
             return load + e.dither + (over * cap / e.speed if over > 0 else 0.0)
         if not self.use_speed or e.speed == 1.0:
-            s = e.running + queued
+            s = e.running + queued + e.dither
         else:
             # what is queued beyond the free slots waits on the engine's speed
             free = max(0, core.running_cap - e.running) if core.running_cap > 0 else queued
             direct = min(queued, free)
-            s = e.running + direct + (queued - direct) / e.speed
-        if self.use_floor:
-            load = s - e.aged if self.use_age else s
-            return max(load, e.inflight * core.pending_weight) + e.dither
-        s += e.dither
+            s = e.running + direct + (queued - direct) / e.speed + e.dither
         return s - e.aged if self.use_age else s
 
     def _dither(self, core: RoutingState) -> None:
@@ -481,8 +471,6 @@ class RedisbalPolicy(ScoringPolicy):
     def reset(self, core: RoutingState) -> None:
         self._dither(core)
         self.heap = self._heap(core)
-        if self.use_floor:  # (finished() re-scores only engines the heap holds)
-            self._in_heap = {id(e) for e in core.engines}
         if core.engines is not self.ring_engines:
             self.ring_engines = core.engines
             if tuple(e.engine_id for e in core.engines) != self.ring_ids:
@@ -492,9 +480,7 @@ class RedisbalPolicy(ScoringPolicy):
         """A new heap of every engine's entry (its old entries are gone with the old
         heap, so e.gen need not move)."""
         rnd, engines = core.rng.random, core.engines
-        default = self.use_share and not (
-            self.use_speed or self.use_sed or self.use_slots or self.use_floor
-        )
+        default = self.use_share and not (self.use_speed or self.use_sed or self.use_slots)
         if self.use_age and default and type(self).score is RedisbalPolicy.score:
             # the default settings' score(), inlined: a call per engine cost a third of this
             w = core.pending_weight
@@ -589,12 +575,6 @@ class RedisbalPolicy(ScoringPolicy):
             self._push(core, eng)
         if len(self.heap) > 4 * len(core.engines) + 64:
             self.reset(core)
-
-    def finished(self, core: RoutingState, eng: EngineView) -> None:
-        if self.use_floor and id(eng) in self._in_heap:  # its floor fell: a new entry
-            self._push(core, eng)
-            if len(self.heap) > 4 * len(core.engines) + 64:
-                self.reset(core)
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {
