@@ -96,7 +96,7 @@ def plot_gap_closed(doc: dict[str, Any], path: str) -> str | None:
     ax.set_xticklabels(names, fontsize=8)
     ax.set_ylabel("gap closed", fontsize=8)
     ax.set_ylim(-1.0, 2.0)
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(
         "(vllm-21617 - redisbal) / (vllm-21617 - oracle), clipped to [-1, 2]; "
         "hatched: gap within seed noise",
@@ -121,14 +121,14 @@ def plot_policy_seeds(doc: dict[str, Any], path: str, metric: str = "ttft_p99_ms
         raise click.ClickException(f"no run has {metric!r}: nothing to plot")
     order = sorted(by, key=lambda p: sum(by[p].values()) / len(by[p]))
     seeds = sorted({s for v in by.values() for s in v})
-    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(order), 3.4))
+    fig, ax = plt.subplots(figsize=(2.4 + 1.5 * len(order), 3.4))
     xs = range(len(order))
     ax.bar(xs, [sum(by[p].values()) / len(by[p]) for p in order], color="0.85", label="mean")
     for s in seeds:
         ax.plot(xs, [by[p].get(s, math.nan) for p in order], marker="o", lw=0.8, label=f"seed {s}")
     ax.set_xticks(list(xs), order, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(metric.replace("_", " "))
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
