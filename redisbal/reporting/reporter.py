@@ -321,11 +321,15 @@ class _Reporting:
         self._closed = True
         await self._flush(timeout)
         lanes = list(self._lanes.values())
-        if leave:  # (leave detaches first)
-            await asyncio.gather(*map(self.sender.leave, lanes), return_exceptions=True)
-        else:
+        if not leave:
             for lane in lanes:
                 self.sender.detach(lane)
+            return
+        # every engine leaves (detached first); a refusal (not an outage) is raised
+        left = await asyncio.gather(*map(self.sender.leave, lanes), return_exceptions=True)
+        refused = next((out for out in left if isinstance(out, BaseException)), None)
+        if refused is not None:
+            raise refused
 
 
 class AsyncReporter(_Reporting):
@@ -404,9 +408,11 @@ class AsyncReporter(_Reporting):
     async def aclose(self, leave: bool = True, timeout: float = 2.0) -> None:
         """Deliver what is queued (up to ``timeout``) and (by default) leave gracefully."""
         closing = not self._closed
-        await self._close(leave, timeout)
-        if closing and self._owns_sender:
-            await self.sender.aclose()
+        try:
+            await self._close(leave, timeout)
+        finally:
+            if closing and self._owns_sender:
+                await self.sender.aclose()
 
     async def __aenter__(self) -> AsyncReporter:
         return self
@@ -470,10 +476,12 @@ class Reporter(_Reporting):
         bg = self.sender.background
         if self._closed or bg is None or not bg.running:
             return
-        with contextlib.suppress(TimeoutError):
-            self._run(self._close(leave, timeout), timeout + 10)
-        if self._owns_sender and self.sender.release():
-            self.sender.close()
+        try:
+            with contextlib.suppress(TimeoutError):
+                self._run(self._close(leave, timeout), timeout + 10)
+        finally:
+            if self._owns_sender and self.sender.release():
+                self.sender.close()
 
     def __enter__(self) -> Reporter:
         return self
