@@ -370,7 +370,7 @@ class AsyncReporter(_Reporting):
 
     def report_nowait(self, counts: CountsLike, *, engine: str | None = None) -> ReportResult:
         """``report()`` without await (and without waiting for the outcome)."""
-        return _blocking(self._hand_over(counts, engine, False, None))
+        return _blocking(self._hand_over(counts, engine, False, None))  # (nothing to wait for)
 
     async def report_many(
         self,
