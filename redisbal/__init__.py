@@ -1,7 +1,7 @@
 """redisbal: a Redis-backed shared-state load balancer for data-parallel LLM engines.
 
-Engines report step-tagged queue counts (``EngineReporter``; ``BatchReporter`` for a
-process that reports several engines, one call per round); a Lua barrier in
+Engines report step-tagged queue counts (``Reporter`` / ``AsyncReporter``, for one
+engine or for several from one process, one call per round); a Lua barrier in
 Redis publishes a consistent snapshot once every live engine has reported the
 step; API servers route each request locally from that snapshot plus their own
 bookkeeping (``AsyncRouter`` / ``Router``); ``redisbal coordinator`` keeps
@@ -12,12 +12,11 @@ exception redisbal raises is a ``RedisbalError`` (redisbal.errors).
 
 from redisbal.barrier.snapshot import EngineCounts, Snapshot
 from redisbal.errors import BadRedisURL, InvalidName, LeaseUnavailable, RedisbalError
-from redisbal.reporting.batch import AsyncBatchReporter, BatchReporter
 from redisbal.reporting.reporter import (
-    AsyncEngineReporter,
+    AsyncReporter,
     Counts,
-    EngineReporter,
     InvalidReport,
+    Reporter,
     ReporterStats,
     ReportResult,
 )
@@ -40,15 +39,12 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
-    "AsyncBatchReporter",
-    "AsyncEngineReporter",
+    "AsyncReporter",
     "AsyncRouter",
     "BadRedisURL",
-    "BatchReporter",
     "Counts",
     "Decision",
     "EngineCounts",
-    "EngineReporter",
     "EngineView",
     "InvalidName",
     "InvalidReport",
@@ -57,6 +53,7 @@ __all__ = [
     "Policy",
     "RedisbalError",
     "ReportResult",
+    "Reporter",
     "ReporterStats",
     "RequestInfo",
     "Router",

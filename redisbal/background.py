@@ -1,8 +1,8 @@
 """An asyncio event loop on a daemon thread: how the blocking classes run the async ones.
 
 Everything in the library that waits on Redis is written once, with asyncio
-(``AsyncRouter``, ``AsyncEngineReporter`` and its ``ReportSender``). Each blocking
-twin (``Router``, ``EngineReporter``) is a thin facade that runs that code on a
+(``AsyncRouter``, ``AsyncReporter`` and its ``ReportSender``). Each blocking
+twin (``Router``, ``Reporter``) is a thin facade that runs that code on a
 private ``BackgroundLoop``, so the two can never drift and a blocking caller's
 thread never waits on a socket.
 """

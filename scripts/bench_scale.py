@@ -27,7 +27,7 @@ router feed (``AsyncRouter``). After ``--warmup`` s it measures for
   parsing included), as ms and as % of a core at the snapshot rate it got.
 
 ``--nodes`` sends each node's reports (``--batch`` engines) on a connection of its
-own, one call per step, as a BatchReporter per node does, instead of one pipeline
+own, one call per step, as a Reporter per node does, instead of one pipeline
 per driver: Redis then pays a read and a write per call. ``--independent`` drives
 engines that step on their own (tick mode, the deployment's tick_ms = one period):
 nodes each report once per period at a phase of their own, spread over the period,
@@ -40,7 +40,7 @@ starts runs at niceness ``--redis-nice`` and the drivers at ``--driver-nice``
 inflated whenever redis-server waits for a CPU. Routers get what is left, so on
 a small host their latency at large K measures the host, not redisbal.
 ``--batch N`` sends N engines' reports per lua/report_many.lua call (what
-``BatchReporter`` sends), in ``StepSender`` (scripts/bench_scale_procs.py), the
+``Reporter`` sends), in ``StepSender`` (scripts/bench_scale_procs.py), the
 one place a step is sent.
 Routers poll the stored snapshot every ``--poll-s`` (the feed's default 1 s),
 which Redis pays as GETs.
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         "--nodes",
         action="store_true",
         help="each node of --batch engines on a connection of its own, one call per step "
-        "(a BatchReporter per node), not one pipeline per driver",
+        "(a Reporter per node), not one pipeline per driver",
     )
     ap.add_argument(
         "--independent",

@@ -9,7 +9,7 @@ report_many calls (``--batch``). It records the wall-clock time
 (``time.time()``) just before each step's reports were written to the socket.
 
 With ``--nodes`` a driver's engines form nodes of ``--batch`` engines (one engine
-each without it), a node being what one BatchReporter sends for: each node on a
+each without it), a node being what one Reporter sends for: each node on a
 connection of its own, one call per step, the next after its reply. With
 independent engines (``--independent``, which implies nodes: tick mode, the
 server tags each report with its tick) every node reports once per period at a
@@ -151,7 +151,7 @@ class StepSender:
 
     def _calls(self, fields: list[list[str]]) -> list[tuple[str, ...]]:
         """The report calls carrying these reports: ``batch`` a report_many call (as
-        BatchReporter sends them), or one report call each."""
+        a Reporter sends them), or one report call each."""
         if self.batch:
             return [
                 ("report_many", self.candidate, str(len(chunk)), *(f for e in chunk for f in e))
@@ -189,7 +189,7 @@ class StepSender:
 async def _node_loop(
     job: DriverJob, sender: StepSender, node: int, phase: float, url: str
 ) -> tuple[int, int]:
-    """One node: its own connection (as its BatchReporter has), one report call per
+    """One node: its own connection (as its Reporter has), one report call per
     period at its phase, the next only after the reply (a node behind sends the next
     step at once, never skips one). Returns (calls, calls sent more than a period late:
     independent nodes are always a little late, so only those count)."""

@@ -250,7 +250,7 @@ def metrics(which: str) -> str:
 
         stats = SimpleNamespace(**dict.fromkeys(REPORTER_COUNTERS, 0))
         ReporterMetrics(registry).bind(
-            SimpleNamespace(stats=stats, keys=DeploymentKeys("d"), engine_id="e0")
+            SimpleNamespace(stats=lambda engine: stats, keys=DeploymentKeys("d"), engines=["e0"])
         )
     else:
         from redisbal.gateway.metrics import GatewayMetrics

@@ -4,7 +4,7 @@
     python scripts/soak.py                       # 256 engines x 50 reports/s, 16 routers, 10 min
     python scripts/soak.py --duration 60 --engines 64 --rate 20 --routers 4
 
-Engines are lockstep reporters (AsyncEngineReporter, public API) spread over
+Engines are lockstep reporters (AsyncReporter, public API) spread over
 ``--engine-procs`` processes, all stepping on a shared clock (``--rate`` steps a
 second: every engine reports every step); routers are AsyncRouter objects spread
 over ``--router-procs`` processes, each routing ``--route-hz`` requests a second;
@@ -43,7 +43,7 @@ from typing import Any
 
 import redis
 
-from redisbal import AsyncEngineReporter, AsyncRouter
+from redisbal import AsyncReporter, AsyncRouter, Counts
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.connection import make_client
 from redisbal.keys import DeploymentKeys
@@ -74,7 +74,7 @@ def engine_worker(
     async def main() -> dict[str, Any]:
         client = make_client(url, asyncio=True, socket_timeout=5.0, max_connections=64)
         reps = [
-            AsyncEngineReporter(deployment=deployment, engine_id=e, client=client, heartbeat=False)
+            AsyncReporter(deployment=deployment, engines=e, client=client, heartbeat=False)
             for e in ids
         ]
         rng = random.Random(ids[0])
@@ -87,11 +87,11 @@ def engine_worker(
         last = int((time.time() - t0) * rate) - 1
         sem = asyncio.Semaphore(64)
 
-        async def one(rep: AsyncEngineReporter, step: int) -> None:
+        async def one(rep: AsyncReporter, step: int) -> None:
             async with sem:
                 try:
                     res = await rep.report(
-                        step, rng.randint(0, 8), rng.randint(0, 64), 0, wait=True
+                        Counts(step, rng.randint(0, 8), rng.randint(0, 64), 0), wait=True
                     )
                     counts[res.status] = counts.get(res.status, 0) + 1
                 except Exception as exc:  # counted: the soak must show zero

@@ -97,8 +97,8 @@ def _timed_out(pred: Callable[[], object], timeout: float, what: str, exc: Excep
 
 
 class Blocking:
-    """Drive either twin of a blocking/asyncio pair (EngineReporter and
-    AsyncEngineReporter, Router and AsyncRouter) through one test flow: a coroutine a
+    """Drive either twin of a blocking/asyncio pair (Reporter and
+    AsyncReporter, Router and AsyncRouter) through one test flow: a coroutine a
     method returns is run to completion on a private event loop, and ``close()``
     calls ``aclose()`` where the object has one."""
 

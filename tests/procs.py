@@ -40,6 +40,7 @@ from typing import Any
 import redis
 from helpers import wait_until
 
+from redisbal import Counts
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
 
@@ -621,7 +622,7 @@ def run_engine(a: argparse.Namespace) -> None:
         counts[status] += 1
 
     def status_line(rep: Any, last: int) -> dict[str, Any]:
-        st = rep.stats
+        st = rep.stats()
         return {
             "id": a.id,
             "step": last,
@@ -640,9 +641,9 @@ def run_engine(a: argparse.Namespace) -> None:
 
         async def main() -> None:
             nonlocal last_error
-            from redisbal import AsyncEngineReporter
+            from redisbal import AsyncReporter
 
-            rep = AsyncEngineReporter(a.url, a.deployment, a.id)
+            rep = AsyncReporter(a.url, a.deployment, a.id)
             await rep.register()
             _emit({"ready": True, "id": a.id})
             last, next_status = -1, 0.0
@@ -651,7 +652,9 @@ def run_engine(a: argparse.Namespace) -> None:
                 if s > last:
                     last = s
                     try:
-                        await rep.report(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad)
+                        await rep.report(
+                            Counts(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad)
+                        )
                     except redis.exceptions.RedisError as exc:
                         account("error")
                         last_error = str(exc)
@@ -664,13 +667,13 @@ def run_engine(a: argparse.Namespace) -> None:
         asyncio.run(main())
         return
 
-    from redisbal import EngineReporter
+    from redisbal import Reporter
 
     # SIGUSR1: the engine's loop hangs (no more reports) while the process and its
     # reporter's heartbeat live on: a hung engine, not a dead one; again: it steps again
     hung = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: hung.clear() if hung.is_set() else hung.set())
-    rep = EngineReporter(a.url, a.deployment, a.id, mode="tick" if a.tick else "lockstep")
+    rep = Reporter(a.url, a.deployment, a.id, mode="tick" if a.tick else "lockstep")
     rep.register()
     _emit({"ready": True, "id": a.id, "incarnation": rep.incarnation})
     last, next_status = -1, 0.0
@@ -680,9 +683,9 @@ def run_engine(a: argparse.Namespace) -> None:
             last = s
             try:
                 if a.tick:
-                    rep.report(waiting=a.waiting, running=a.running, kv_usage=0.25)
+                    rep.report(Counts(waiting=a.waiting, running=a.running, kv_usage=0.25))
                 else:
-                    rep.report(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad)
+                    rep.report(Counts(s, a.waiting, a.running, 0, kv_usage=0.25, admitted=pad))
             except redis.exceptions.RedisError as exc:
                 account("error")
                 last_error = str(exc)
@@ -795,7 +798,7 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--waiting", type=int, default=1)
     e.add_argument("--running", type=int, default=4)
     e.add_argument("--pad", type=int, default=0, help="admitted list length (bigger snapshots)")
-    e.add_argument("--use-async", action="store_true", help="AsyncEngineReporter")
+    e.add_argument("--use-async", action="store_true", help="AsyncReporter")
     e.add_argument("--no-leave", action="store_true")
     e.add_argument("--tick", action="store_true", help="an independent engine (tick mode)")
     c = sub.choices["coordinator"]

@@ -18,7 +18,7 @@ from helpers import Barrier, counts, score, server_ms, wait_until
 
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
-from redisbal.reporting.reporter import EngineReporter
+from redisbal.reporting.reporter import Counts, Reporter
 from redisbal.sim.embedded import RedisServer
 
 pytestmark = pytest.mark.servers
@@ -569,19 +569,19 @@ def test_flushall_starts_a_new_epoch(fresh_server: RedisServer) -> None:
     engine creates a new one, from that engine's own random candidate."""
     c = fresh_server.client()
     keys = DeploymentKeys("dep")
-    rep1 = EngineReporter(fresh_server.url, "dep", "e0", heartbeat=False)
+    rep1 = Reporter(fresh_server.url, "dep", "e0", heartbeat=False)
     try:
-        rep1.report(step=1, waiting=0, running=0, wait=True)
+        rep1.report(Counts(step=1, waiting=0, running=0), wait=True)
         first = c.get(keys.epoch)
         c.flushall()
-        rep1.report(step=1, waiting=0, running=0, wait=True)
+        rep1.report(Counts(step=1, waiting=0, running=0), wait=True)
         second = c.get(keys.epoch)
         assert first and second and first != second
         # default config again (it was flushed too): the first snapshot waits join_grace_ms
         steps = iter(range(2, 10_000))
         raw = wait_until(
             lambda: (
-                rep1.report(step=next(steps), waiting=0, running=0, wait=True).version
+                rep1.report(Counts(step=next(steps), waiting=0, running=0), wait=True).version
                 and c.get(keys.snapshot)
             ),
             timeout=5,

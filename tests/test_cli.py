@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from helpers import wait_until
 
 import redisbal
-from redisbal import EngineReporter
+from redisbal import Counts, Reporter
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.cli import cli
 
@@ -222,14 +222,14 @@ def test_option_before_or_after_the_command_and_env(
         assert st["snapshot"] is None and st["engines"] == []
 
 
-def _two_engines(redis_url: str, deployment: str, r: redis.Redis) -> list[EngineReporter]:
+def _two_engines(redis_url: str, deployment: str, r: redis.Redis) -> list[Reporter]:
     keys = DeploymentKeys(deployment)
     r.hset(keys.config, mapping={"join_grace_ms": "0"})
-    reps = [EngineReporter(redis_url, deployment, engine_id=e, heartbeat=False) for e in ("0", "1")]
+    reps = [Reporter(redis_url, deployment, engines=e, heartbeat=False) for e in ("0", "1")]
     for rep in reps:
         rep.register(wait=True)  # the first snapshot waits for both
-    reps[0].report(step=1, waiting=3, running=7, kv_usage=0.25, wait=True)
-    res = reps[1].report(step=1, waiting=5, running=2, wait=True)
+    reps[0].report(Counts(step=1, waiting=3, running=7, kv_usage=0.25), wait=True)
+    res = reps[1].report(Counts(step=1, waiting=5, running=2), wait=True)
     assert res.version >= 1  # the barrier completed: a snapshot exists
     return reps
 
@@ -265,9 +265,9 @@ def test_status_json_and_gone_engines(
     reps[1].close()  # graceful leave: republished without it
     # a new process behind the published step (1) starts a new step sequence: live at
     # once; one that only registered waits
-    late = EngineReporter(redis_url, deployment, engine_id="late", heartbeat=False)
-    assert late.report(step=0, waiting=1, running=1, wait=True).accepted
-    quiet = EngineReporter(redis_url, deployment, engine_id="quiet", heartbeat=False)
+    late = Reporter(redis_url, deployment, engines="late", heartbeat=False)
+    assert late.report(Counts(step=0, waiting=1, running=1), wait=True).accepted
+    quiet = Reporter(redis_url, deployment, engines="quiet", heartbeat=False)
     quiet.register(wait=True)
     try:
         res = run(runner, "status", "--json", "--redis-url", redis_url, "--deployment", deployment)

@@ -34,6 +34,7 @@ from topology import (
 )
 
 import redisbal
+from redisbal import Counts
 from redisbal.connection import BadRedisURL, is_cluster, make_client, parse_url
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
@@ -114,8 +115,8 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
     deps = cluster.deployments_on_distinct_primaries(3, f"flow{int(time.time() * 1000) % 100000}")
     cfg = CoordinatorConfig(join_grace_ms=0, stall_ms=150, idle_publish_ms=60_000)
     coords = [Coordinator(url, d, cfg, interval_s=0.02) for d in deps]
-    sync_reps = [redisbal.EngineReporter(url, d, "e0", heartbeat=False) for d in deps]
-    async_reps = [redisbal.AsyncEngineReporter(url, d, "e1", heartbeat=False) for d in deps]
+    sync_reps = [redisbal.Reporter(url, d, "e0", heartbeat=False) for d in deps]
+    async_reps = [redisbal.AsyncReporter(url, d, "e1", heartbeat=False) for d in deps]
     arouters = [redisbal.AsyncRouter(url, d, 0, 2, poll_s=30.0) for d in deps]
     srouters = [redisbal.Router(url, d, 1, 2, poll_s=30.0) for d in deps]
     try:
@@ -132,8 +133,8 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
             await asyncio.to_thread(sr.start)
         for step in range(1, 4):
             for rep, arep in zip(sync_reps, async_reps, strict=True):
-                assert rep.report(step=step, waiting=step, running=10, wait=True).accepted
-                res = await arep.report(step=step, waiting=0, running=10 + step, wait=True)
+                assert rep.report(Counts(step=step, waiting=step, running=10), wait=True).accepted
+                res = await arep.report(Counts(step=step, waiting=0, running=10 + step), wait=True)
                 assert res.accepted and res.version == step, res
 
             def all_routers_at(step: int = step) -> bool:
@@ -152,7 +153,7 @@ async def test_full_flow_on_cluster_for_deployments_on_three_shards(
 
         # the stall guard on the cluster: e1 goes quiet, the coordinator forces step 4
         for rep in sync_reps:
-            rep.report(step=4, waiting=4, running=10, wait=True)
+            rep.report(Counts(step=4, waiting=4, running=10), wait=True)
 
         def forced_everywhere() -> bool:
             for c in coords:
@@ -220,7 +221,7 @@ async def test_a_deployment_does_not_depend_on_the_primary_of_slot_0(
     keys = DeploymentKeys(dep)
     cfg = CoordinatorConfig(join_grace_ms=0, idle_publish_ms=60_000)
     coord = Coordinator(url, dep, cfg, interval_s=0.02)
-    rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
+    rep = redisbal.Reporter(url, dep, "e0", heartbeat=False)
     router = redisbal.AsyncRouter(url, dep, 0, 1, poll_s=30.0)
     client = make_client(url, asyncio=True)
     held = None
@@ -228,14 +229,14 @@ async def test_a_deployment_does_not_depend_on_the_primary_of_slot_0(
         coord.tick()  # lease + config
         rep.register(wait=True)
         await router.start()
-        assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
+        assert rep.report(Counts(step=1, waiting=1, running=1), wait=True).accepted
         await await_until(lambda: router.snapshot is not None, 10, "a first snapshot")
         assert await client.get(keys.snapshot) is not None
 
         doomed.kill()
         held = hold_port(cluster.ports[cluster.nodes.index(doomed)])  # refused, not taken
         coord.tick()  # FCALL on 7.x: its keys are read locally, no GETKEYS anywhere
-        res = rep.report(step=2, waiting=2, running=1, wait=True)
+        res = rep.report(Counts(step=2, waiting=2, running=1), wait=True)
         assert res.accepted, res
 
         def at_step_2() -> bool:
@@ -261,13 +262,13 @@ def test_scripts_reload_after_script_flush_on_every_node(cluster: ClusterTopolog
     """NOSCRIPT on the slot's node (SCRIPT FLUSH, or a node that never saw the
     script) is handled by register_script: the report still goes through."""
     dep = f"flush{int(time.time() * 1000) % 100000}"
-    rep = redisbal.EngineReporter(cluster.url, dep, "e0", heartbeat=False)
+    rep = redisbal.Reporter(cluster.url, dep, "e0", heartbeat=False)
     try:
-        assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
+        assert rep.report(Counts(step=1, waiting=1, running=1), wait=True).accepted
         for n in cluster.nodes:
             with n.client() as c:
                 c.script_flush()
-        assert rep.report(step=2, waiting=1, running=1, wait=True).accepted
+        assert rep.report(Counts(step=2, waiting=1, running=1), wait=True).accepted
     finally:
         rep.close()
 

@@ -32,6 +32,7 @@ from redis._parsers import (
 from topology import binaries
 
 import redisbal
+from redisbal import Counts
 from redisbal.connection import (
     OUTAGE_ERRORS,
     BadRedisURL,
@@ -151,9 +152,9 @@ async def test_reporters_and_routers_refuse_a_server_that_is_not_redis(
 ) -> None:
     """A reporter raises at once (no "unavailable" to retry), a router names the mistake;
     nothing listening at all is still an outage."""
-    rep = redisbal.EngineReporter(http_server, deployment, "e0", heartbeat=False)
+    rep = redisbal.Reporter(http_server, deployment, "e0", heartbeat=False)
     with pytest.raises(WrongServer, match="does not speak the Redis protocol"):
-        rep.report(step=1, waiting=1, running=1, wait=True)
+        rep.report(Counts(step=1, waiting=1, running=1), wait=True)
     with pytest.raises(WrongServer):
         rep.close(leave=True)
     router = redisbal.AsyncRouter(http_server, deployment, engines=["e0"])
@@ -162,8 +163,8 @@ async def test_reporters_and_routers_refuse_a_server_that_is_not_redis(
     assert router.last_error == f"WrongServer: {_not_redis_line(http_server)}"
     await router.aclose()
     closed = f"redis://127.0.0.1:{free_port()}/0"
-    outage = redisbal.EngineReporter(closed, deployment, "e0", heartbeat=False)
-    assert outage.report(step=1, waiting=1, running=1, wait=True).status == "unavailable"
+    outage = redisbal.Reporter(closed, deployment, "e0", heartbeat=False)
+    assert outage.report(Counts(step=1, waiting=1, running=1), wait=True).status == "unavailable"
     outage.close()
 
 
@@ -286,8 +287,10 @@ async def test_password_errors_stay_outages_with_a_clear_message(
         assert isinstance(err.value, OUTAGE_ERRORS)
         assert SECRET not in str(err.value) + repr(err.value)
     url, line = _cases(secured.port)[0]
-    rep = redisbal.AsyncEngineReporter(url, deployment, "e0", heartbeat=False)
-    assert (await rep.report(step=1, waiting=1, running=1, wait=True)).status == "unavailable"
+    rep = redisbal.AsyncReporter(url, deployment, "e0", heartbeat=False)
+    assert (
+        await rep.report(Counts(step=1, waiting=1, running=1), wait=True)
+    ).status == "unavailable"
     await rep.aclose()
     router = redisbal.AsyncRouter(url, deployment, engines=["e0"])
     await router.start()
@@ -295,8 +298,8 @@ async def test_password_errors_stay_outages_with_a_clear_message(
     assert router.last_error is not None and "the server requires a password" in router.last_error
     await router.aclose()
     good = f"redis://:{SECRET}@127.0.0.1:{secured.port}/0"
-    with redisbal.EngineReporter(good, deployment, "e0", heartbeat=False) as ok:
-        assert ok.report(step=1, waiting=1, running=1, wait=True).status != "unavailable"
+    with redisbal.Reporter(good, deployment, "e0", heartbeat=False) as ok:
+        assert ok.report(Counts(step=1, waiting=1, running=1), wait=True).status != "unavailable"
 
 
 # -- bad --expect lists ----------------------------------------------------------------------------

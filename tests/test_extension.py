@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 import redisbal
+from redisbal import Counts
 
 
 async def await_for(cond: Callable[[], object], timeout: float = 10.0) -> None:
@@ -33,15 +34,14 @@ async def test_a_custom_scorer_routes_on_what_the_public_view_shows(
 
     policy = redisbal.ScoringPolicy(kv_first, name="kv-first")
     assert isinstance(policy, redisbal.Policy) and policy.name == "kv-first"
-    reps = [
-        redisbal.EngineReporter(redis_url, deployment=deployment, engine_id=e)
-        for e in ("a", "b", "c")
-    ]
+    reps = [redisbal.Reporter(redis_url, deployment=deployment, engines=e) for e in ("a", "b", "c")]
     router = redisbal.AsyncRouter(redis_url, deployment, 0, 1, policy=policy)
     await router.start()
     try:
         for rep, kv, running in zip(reps, (0.9, 0.2, 0.5), (3, 50, 7), strict=True):
-            assert rep.report(step=1, waiting=1, running=running, kv_usage=kv, wait=True).accepted
+            assert rep.report(
+                Counts(step=1, waiting=1, running=running, kv_usage=kv), wait=True
+            ).accepted
         await await_for(lambda: router.snapshot is not None and len(router.snapshot.engines) == 3)
         first = router.route()
         # "b" has the least KV in use although it runs the most: the scorer decided

@@ -28,11 +28,12 @@ from hypothesis import strategies as st
 
 from redisbal import (
     POLICIES,
-    AsyncEngineReporter,
+    AsyncReporter,
     AsyncRouter,
-    EngineReporter,
+    Counts,
     InvalidName,
     InvalidReport,
+    Reporter,
     Router,
     UnknownEngine,
 )
@@ -507,7 +508,7 @@ def ok_count(v: object, hi: int) -> bool:
 def report_is_valid(
     step: object, waiting: object, running: object, wave: object, kv: object, admitted: object
 ) -> bool:
-    """The contract of EngineReporter.report, written independently of reporting/reporter.py."""
+    """The contract of Reporter.report, written independently of reporting/reporter.py."""
     if not (ok_count(step, MAX_STEP) and ok_count(wave, MAX_WAVE)):
         return False
     if not (ok_count(waiting, MAX_COUNT) and ok_count(running, MAX_COUNT)):
@@ -566,9 +567,9 @@ def _check_report(
 @FUZZ
 @given(args=report_args)
 def test_engine_reporter_report(target: Target, redis_url: str, args: dict[str, Any]) -> None:
-    rep = EngineReporter(redis_url, target.keys.deployment, "e0", heartbeat=False, register=False)
+    rep = Reporter(redis_url, target.keys.deployment, "e0", heartbeat=False, register=False)
     try:
-        _check_report(lambda a: rep.report(**a, wait=True), target, args)
+        _check_report(lambda a: rep.report(a, wait=True), target, args)
     finally:
         rep.close(leave=False)
 
@@ -576,9 +577,9 @@ def test_engine_reporter_report(target: Target, redis_url: str, args: dict[str, 
 @FUZZ
 @given(args=report_args)
 def test_async_engine_reporter_report(target: Target, redis_url: str, args: dict[str, Any]) -> None:
-    rep = Blocking(AsyncEngineReporter(redis_url, target.keys.deployment, "e0", heartbeat=False))
+    rep = Blocking(AsyncReporter(redis_url, target.keys.deployment, "e0", heartbeat=False))
     try:
-        _check_report(lambda a: rep.report(**a, wait=True), target, args)
+        _check_report(lambda a: rep.report(a, wait=True), target, args)
     finally:
         rep.close(leave=False)
 
@@ -604,18 +605,18 @@ def test_reporter_constructor_checks_names_before_touching_redis(
         and mode in ("lockstep", "tick")
     )
     if ok:  # a valid reporter may register itself: that is its job
-        rep = EngineReporter(
-            redis_url, deployment=deployment, engine_id=engine_id, mode=mode, heartbeat=False
+        rep = Reporter(
+            redis_url, deployment=deployment, engines=engine_id, mode=mode, heartbeat=False
         )
         rep.close(leave=True)
         if deployment not in (target.keys.deployment, target.other.deployment):
             target.r.delete(*DeploymentKeys(deployment).all_keys())
         return
     with pytest.raises((InvalidName, InvalidReport)):
-        EngineReporter(
+        Reporter(
             redis_url,
             deployment=deployment,
-            engine_id=engine_id,
+            engines=engine_id,
             mode=mode,
             heartbeat=False,
         )
@@ -918,11 +919,11 @@ def test_cli_float_options_reject_nan() -> None:
 
 def test_unknown_report_field_is_refused_by_name(target: Target, redis_url: str) -> None:
     """An unknown field is a TypeError naming it (Python's own check), before any I/O."""
-    rep = EngineReporter(redis_url, target.keys.deployment, "e0", heartbeat=False, register=False)
+    rep = Reporter(redis_url, target.keys.deployment, "e0", heartbeat=False, register=False)
     try:
         before = target.state()
         with pytest.raises(TypeError, match="queue_depth"):
-            rep.report(step=99, waiting=1, running=1, queue_depth=3)  # type: ignore[call-arg]
+            rep.report(Counts(step=99, waiting=1, running=1, queue_depth=3))  # type: ignore[call-arg]
         assert rep.flush(5)
         assert target.state() == before
     finally:

@@ -22,6 +22,7 @@ from procs import ProcGroup, Routers, SnapshotObserver, record, start_deployment
 from test_metrics import scrape, val
 
 import redisbal
+from redisbal import Counts
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
@@ -279,24 +280,22 @@ def test_two_processes_under_one_engine_id_is_a_conflict_and_a_restart_is_not(
     coord = Coordinator(redis_url, deployment, CoordinatorConfig(dead_after_ms=5000))
     metrics = serve_coordinator_metrics(coord, free_port())
     caplog.set_level(logging.ERROR)
-    first = redisbal.EngineReporter(redis_url, deployment, "0", heartbeat_s=0.05)
-    other = redisbal.EngineReporter(redis_url, deployment, "1", heartbeat_s=0.05)
+    first = redisbal.Reporter(redis_url, deployment, "0", heartbeat_s=0.05)
+    other = redisbal.Reporter(redis_url, deployment, "1", heartbeat_s=0.05)
     second: Any = None
     try:
         for step in (1, 2):
-            first.report(step, 1, 1, wait=True)
-            other.report(step, 1, 1, wait=True)
+            first.report(Counts(step, 1, 1), wait=True)
+            other.report(Counts(step, 1, 1), wait=True)
         coord.tick()
         # a plain restart: the first process stops (crash: no leave), a second one starts;
         # a third process started between them (a copied pod spec) is still quiet
         first.close(leave=False)
-        zombie = redisbal.EngineReporter(
-            redis_url, deployment, "0", heartbeat_s=0.05, register=False
-        )
+        zombie = redisbal.Reporter(redis_url, deployment, "0", heartbeat_s=0.05, register=False)
         time.sleep(0.01)  # incarnations order by start ms
-        second = redisbal.EngineReporter(redis_url, deployment, "0", heartbeat_s=0.05)
-        assert second.report(0, 2, 2, wait=True).accepted
-        assert other.report(3, 1, 1, wait=True).version > 0  # the next step: unforced
+        second = redisbal.Reporter(redis_url, deployment, "0", heartbeat_s=0.05)
+        assert second.report(Counts(0, 2, 2), wait=True).accepted
+        assert other.report(Counts(3, 1, 1), wait=True).version > 0  # the next step: unforced
         coord.tick()
         st = {e["engine"]: e for e in gather_status(r, deployment)["engines"]}
         assert st["0"]["state"] == "live" and st["0"]["incarnation"] == second.incarnation
@@ -304,9 +303,9 @@ def test_two_processes_under_one_engine_id_is_a_conflict_and_a_restart_is_not(
         assert not [rec for rec in caplog.records if "refused" in rec.getMessage()]
         try:
             # the quiet one starts reporting: two live processes under one id
-            got = zombie.report(3, 9, 9, wait=True)
+            got = zombie.report(Counts(3, 9, 9), wait=True)
             assert got.status == "conflict"
-            wait_until(lambda: zombie.stats.conflict >= 2, 5, "heartbeats refused too")
+            wait_until(lambda: zombie.stats().conflict >= 2, 5, "heartbeats refused too")
             coord.tick()
             coord.watch_health()
             st = {e["engine"]: e for e in gather_status(r, deployment)["engines"]}

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import redisbal
+from redisbal import Counts
 from redisbal.barrier.operations import Scripts, report_reply
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
@@ -52,30 +53,30 @@ def test_coordinator_exporter_over_http(redis_url: str, deployment: str) -> None
     server = serve_coordinator_metrics(coord, free_port())
     assert server.metrics is not None
     server.metrics.sample_interval_s = 0.0  # sample at every tick: every cut below is seen
-    e0 = redisbal.EngineReporter(redis_url, deployment, "e0", heartbeat=False)
-    e1 = redisbal.EngineReporter(redis_url, deployment, "e1", heartbeat=False)
+    e0 = redisbal.Reporter(redis_url, deployment, "e0", heartbeat=False)
+    e1 = redisbal.Reporter(redis_url, deployment, "e1", heartbeat=False)
     d = {"deployment": deployment}
     try:
         coord.tick()
         e0.register(wait=True)  # idempotent (a blocking reporter registers when built)
         e1.register(wait=True)
-        e0.report(step=1, waiting=1, running=2, wait=True)
-        assert e1.report(step=1, waiting=5, running=0, wait=True).version == 1
+        e0.report(Counts(step=1, waiting=1, running=2), wait=True)
+        assert e1.report(Counts(step=1, waiting=5, running=0), wait=True).version == 1
         coord.tick()  # samples cut 1
-        e0.report(step=2, waiting=2, running=2, wait=True)
+        e0.report(Counts(step=2, waiting=2, running=2), wait=True)
         time.sleep(0.15)  # the barrier for step 2 stays open >= 150 ms
-        assert e1.report(step=2, waiting=6, running=1, wait=True).version == 2
+        assert e1.report(Counts(step=2, waiting=6, running=1), wait=True).version == 2
         coord.tick()  # samples cut 2
         # an older step: the reporter refuses it itself (never sent); sent around it, by
         # the same process (its incarnation), the barrier refuses it
-        assert e1.report(step=1, waiting=9, running=9, wait=True).status == "stale"
+        assert e1.report(Counts(step=1, waiting=9, running=9), wait=True).status == "stale"
         raw = Scripts(coord.client, DeploymentKeys(deployment)).call(
             "report", "ep", "e1", 0, 1, 9, 9, "", "", e1.incarnation, "1"
         )
         assert report_reply(raw)[0] == "stale"
-        e0.report(step=3, waiting=3, running=3, wait=True)
+        e0.report(Counts(step=3, waiting=3, running=3), wait=True)
         wait_until(lambda: (coord.tick(), coord.stats.forced)[1] == 1, 10, "a forced snapshot")
-        late = e1.report(step=3, waiting=7, running=1, wait=True)
+        late = e1.report(Counts(step=3, waiting=7, running=1), wait=True)
         assert late.accepted  # late: step 3 is published
 
         m = scrape(server.url)
@@ -141,13 +142,13 @@ def test_cli_coordinator_metrics_port_serves_metrics(redis_url: str, deployment:
          "--metrics-port", str(port), "--duration", "20", "--join-grace-ms", "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    rep = redisbal.EngineReporter(redis_url, deployment, "0", heartbeat=False)
+    rep = redisbal.Reporter(redis_url, deployment, "0", heartbeat=False)
     try:
         url = f"http://127.0.0.1:{port}/metrics"
         d = (("deployment", deployment),)
 
         def leader_with_snapshot() -> dict[Any, float] | None:
-            rep.report(step=int(time.monotonic() * 10), waiting=1, running=1, wait=True)
+            rep.report(Counts(step=int(time.monotonic() * 10), waiting=1, running=1), wait=True)
             m = scrape(url)
             ok = m.get(("redisbal_coordinator_leader", d)) == 1
             ok = ok and m.get(("redisbal_barrier_wait_seconds_count", d), 0) >= 1
@@ -166,8 +167,8 @@ async def test_router_metrics_on_the_callers_registry(redis_url: str, deployment
     started = time.monotonic()  # the snapshot below cannot be older than the test
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
-    e0 = redisbal.AsyncEngineReporter(redis_url, deployment, "a", heartbeat=False)
-    e1 = redisbal.AsyncEngineReporter(redis_url, deployment, "b", heartbeat=False)
+    e0 = redisbal.AsyncReporter(redis_url, deployment, "a", heartbeat=False)
+    e1 = redisbal.AsyncReporter(redis_url, deployment, "b", heartbeat=False)
     arouter = metrics.bind(redisbal.AsyncRouter(redis_url, deployment, 0, 2))
     router = metrics.bind(redisbal.Router(redis_url, deployment, 1, 2))
     # a router that cannot reach Redis routes degraded (on engines it was given)
@@ -180,8 +181,8 @@ async def test_router_metrics_on_the_callers_registry(redis_url: str, deployment
         await e0.client.hset(DeploymentKeys(deployment).config, "join_grace_ms", "0")
         await e0.register(wait=True)
         await e1.register(wait=True)
-        await e0.report(step=1, waiting=0, running=1, wait=True)
-        assert (await e1.report(step=1, waiting=0, running=1, wait=True)).version == 1
+        await e0.report(Counts(step=1, waiting=0, running=1), wait=True)
+        assert (await e1.report(Counts(step=1, waiting=0, running=1), wait=True)).version == 1
         await arouter.start(wait=5)
         await asyncio.to_thread(router.start, 5)
         await offline.start()

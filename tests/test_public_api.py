@@ -1,6 +1,6 @@
 """What an outside checker can drive with only the public names of docs/DESIGN.md.
 
-Each test uses ``redisbal.EngineReporter`` / ``redisbal.AsyncRouter`` /
+Each test uses ``redisbal.Reporter`` / ``redisbal.AsyncRouter`` /
 ``redisbal.Router`` exactly as the README shows them, with default settings
 unless the public API offers a knob, against a real redis-server.
 """
@@ -18,6 +18,7 @@ import redis
 from helpers import await_until, io_of_this_thread, wait_until
 
 import redisbal
+from redisbal import Counts
 from redisbal.errors import RedisbalError
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
@@ -26,32 +27,30 @@ from redisbal.sim.embedded import RedisServer
 async def test_checker_flow(redis_url: str, deployment: str) -> None:
     """No snapshot until every engine reported; consistent cut; stale rejection;
     routing avoids the loaded engine; pinning; unknown pins are clear errors."""
-    reps = [
-        redisbal.EngineReporter(redis_url, deployment=deployment, engine_id=str(i))
-        for i in range(4)
-    ]
+    reps = [redisbal.Reporter(redis_url, deployment=deployment, engines=str(i)) for i in range(4)]
     router = redisbal.AsyncRouter(redis_url, deployment=deployment, client_index=0, client_count=2)
     await router.start()
     try:
         for i, rep in enumerate(reps[:3]):
-            assert rep.report(step=1, waiting=0, running=10 + i, wave=0, wait=True).accepted
+            assert rep.report(Counts(step=1, waiting=0, running=10 + i, wave=0), wait=True).accepted
         await asyncio.sleep(0.2)
         assert router.snapshot is None, "a snapshot before every engine reported"
         # engine 0 is already at step 2 when the last engine reports step 1
-        assert reps[0].report(step=2, waiting=50, running=64, wave=0, wait=True).accepted
-        assert reps[3].report(step=1, waiting=0, running=0, wave=0, wait=True).accepted
+        assert reps[0].report(Counts(step=2, waiting=50, running=64, wave=0), wait=True).accepted
+        assert reps[3].report(Counts(step=1, waiting=0, running=0, wave=0), wait=True).accepted
         await await_until(lambda: router.snapshot is not None)
         snap = router.snapshot
         assert snap is not None and (snap.wave, snap.step) == (0, 1)
         assert snap.engines["0"].running == 10, "the cut holds engine 0's step-1 counts"
         assert {e: c.step for e, c in snap.engines.items()} == {str(i): 1 for i in range(4)}
         # a report older than the engine's latest is rejected and changes nothing
-        stale = reps[0].report(step=1, waiting=99, running=99, wave=0, wait=True)
+        stale = reps[0].report(Counts(step=1, waiting=99, running=99, wave=0), wait=True)
         assert stale.status == "stale" and not stale.accepted
         # next step: engine 2 is loaded; the router avoids it
         for i, rep in enumerate(reps):
             rep.report(
-                step=3, waiting=40 if i == 2 else 0, running=64 if i == 2 else 1, wave=0, wait=True
+                Counts(step=3, waiting=40 if i == 2 else 0, running=64 if i == 2 else 1, wave=0),
+                wait=True,
             )
         await await_until(lambda: router.snapshot is not None and router.snapshot.step == 3)
         chosen = [router.route() for _ in range(30)]
@@ -75,21 +74,21 @@ def test_dead_engine_expires_and_barrier_resumes(
     """A crashed engine (no leave, no heartbeat) expires after dead_after (5 s by
     default, no coordinator running), the barrier resumes, routing avoids it."""
     url = fresh_server.url
-    live = [redisbal.EngineReporter(url, deployment=deployment, engine_id=e) for e in ("a", "b")]
-    crashed = redisbal.EngineReporter(url, deployment=deployment, engine_id="c", heartbeat=False)
+    live = [redisbal.Reporter(url, deployment=deployment, engines=e) for e in ("a", "b")]
+    crashed = redisbal.Reporter(url, deployment=deployment, engines="c", heartbeat=False)
     router = redisbal.Router(url, deployment=deployment, client_index=0, client_count=1)
     router.start()
     try:
         t0 = time.monotonic()  # before c's last report: expiry is dead_after after that
         for rep in (*live, crashed):
-            rep.report(step=1, waiting=0, running=1, wait=True)
+            rep.report(Counts(step=1, waiting=0, running=1), wait=True)
         wait_until(lambda: router.snapshot is not None and "c" in router.snapshot.engines)
         step = 2
         # "c" crashed: it reports no more; the live engines keep stepping
         while router.snapshot is None or "c" in router.snapshot.engines:
             assert time.monotonic() - t0 < 20, "the dead engine never expired"
             for rep in live:
-                rep.report(step=step, waiting=0, running=1, wait=True)
+                rep.report(Counts(step=step, waiting=0, running=1), wait=True)
             step += 1
             time.sleep(0.05)
         assert time.monotonic() - t0 >= 4.9, "expired before dead_after"
@@ -109,14 +108,14 @@ async def test_routing_goes_on_with_redis_stopped(
 ) -> None:
     url = fresh_server.url
     reps = [
-        redisbal.EngineReporter(url, deployment=deployment, engine_id=str(i), heartbeat=False)
+        redisbal.Reporter(url, deployment=deployment, engines=str(i), heartbeat=False)
         for i in range(3)
     ]
     router = redisbal.AsyncRouter(url, deployment=deployment, client_index=0, client_count=1)
     await router.start()
     try:
         for rep in reps:
-            rep.report(step=1, waiting=0, running=1, wait=True)
+            rep.report(Counts(step=1, waiting=0, running=1), wait=True)
         await await_until(lambda: router.snapshot is not None)
         assert not router.route().degraded
         fresh_server.kill()
@@ -137,12 +136,12 @@ async def test_routing_goes_on_with_redis_stopped(
 def test_the_stored_snapshot_is_the_published_one(redis_url: str, deployment: str) -> None:
     """Sanity for checkers that read Redis: the stored snapshot parses as a Snapshot."""
     reps = [
-        redisbal.EngineReporter(redis_url, deployment=deployment, engine_id=str(i), heartbeat=False)
+        redisbal.Reporter(redis_url, deployment=deployment, engines=str(i), heartbeat=False)
         for i in range(2)
     ]
     try:
         for rep in reps:
-            rep.report(step=5, waiting=1, running=2, kv_usage=0.25, wait=True)
+            rep.report(Counts(step=5, waiting=1, running=2, kv_usage=0.25), wait=True)
         raw = redis.Redis.from_url(redis_url).get(DeploymentKeys(deployment).snapshot)
         snap = redisbal.Snapshot.from_json(raw)  # type: ignore[arg-type]
         assert snap.step == 5 and snap.engines["1"].kv_usage == 0.25

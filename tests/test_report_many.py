@@ -1,4 +1,4 @@
-"""lua/report_many.lua and the batch reporters on real servers.
+"""lua/report_many.lua and reporters of several engines on real servers.
 
 The same reports sent one by one (lua/report.lua) and in batches must leave the same
 stored state and publish the same snapshots when each batch ends where the barrier
@@ -16,7 +16,7 @@ import pytest
 import redis
 from helpers import Barrier, Blocking, contents, text, wait_until
 
-from redisbal import AsyncBatchReporter, BatchReporter, InvalidReport
+from redisbal import AsyncReporter, Counts, InvalidReport, Reporter
 from redisbal.barrier.operations import report_reply
 from redisbal.keys import DeploymentKeys
 from redisbal.reporting.reporter import new_incarnation
@@ -197,19 +197,19 @@ def test_report_many_refuses_a_count_that_does_not_match(pair: tuple[Barrier, Ba
             bar.scripts.call("report_many", bar.epoch, count, *args)
 
 
-# -- the batch reporters --------------------------------------------------------------------
+# -- reporters of several engines ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("twin", [BatchReporter, AsyncBatchReporter])
+@pytest.mark.parametrize("twin", [Reporter, AsyncReporter])
 def test_batch_reporter_reports_every_engine_in_one_call(
     redis_url: str, r: redis.Redis, deployment: str, twin: type
 ) -> None:
     bar = Barrier(r, DeploymentKeys(deployment))
     bar.configure()
-    kw: dict[str, Any] = {"register": True} if twin is BatchReporter else {}
+    kw: dict[str, Any] = {"register": True} if twin is Reporter else {}
     rep = Blocking(twin(redis_url, deployment, ENGINES, heartbeat=False, **kw))
     try:
-        if twin is AsyncBatchReporter:
+        if twin is AsyncReporter:
             rep.register()
         for step in (1, 2, 3):
             out = rep.report_many(
@@ -222,14 +222,14 @@ def test_batch_reporter_reports_every_engine_in_one_call(
             assert {e: c.waiting for e, c in snap.engines.items()} == {
                 e: i for i, e in enumerate(ENGINES)
             }
-        assert rep.report("e2", 1, wait=True).status == "stale"
-        assert rep.stats["e2"].stale == 1 and rep.stats["e0"].accepted == 3
+        assert rep.report(Counts(1), engine="e2", wait=True).status == "stale"
+        assert rep.stats("e2").stale == 1 and rep.stats("e0").accepted == 3
         # a bad engine or count: one line naming it, nothing handed over
         with pytest.raises(InvalidReport, match="engine e1: waiting must be in"):
             rep.report_many({"e0": {"step": 4}, "e1": {"step": 4, "waiting": -1}})
         with pytest.raises(InvalidReport, match="unknown engine 'x9'"):
-            rep.report("x9", 4)
-        assert rep.stats["e0"].queued == 3
+            rep.report(Counts(4), engine="x9")
+        assert rep.stats("e0").queued == 3
         assert rep.flush()
     finally:
         rep.close()
@@ -241,8 +241,12 @@ def test_batch_reporter_checks_its_engine_ids(redis_url: str) -> None:
     for ids, msg in (
         (["e0", "e0"], "engine id 'e0' given twice"),
         (["e0", "a b"], "engine_id"),
-        ("e0", "must be a list"),
         ([f"e{i}" for i in range(1025)], "at most 1024 engines"),
     ):
         with pytest.raises(ValueError, match=msg):
-            BatchReporter(redis_url, "d", ids)
+            Reporter(redis_url, "d", ids)
+    one = Reporter(redis_url, "d", "e0", register=False)  # one id: one engine
+    try:
+        assert one.engines == ["e0"]
+    finally:
+        one.close(leave=False)

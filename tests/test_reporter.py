@@ -13,7 +13,7 @@ import pytest
 import redis
 from helpers import Barrier, Blocking, await_until, keys_of, score, server_ms, wait_until
 
-from redisbal import AsyncEngineReporter, EngineReporter, InvalidName, InvalidReport
+from redisbal import AsyncReporter, Counts, InvalidName, InvalidReport, Reporter
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
 
@@ -45,23 +45,23 @@ BAD_REPORTS: list[tuple[str, dict[str, Any]]] = [
 def test_every_bad_field_raises_naming_it_and_stores_nothing(
     redis_url: str, keys: DeploymentKeys, bar: Barrier
 ) -> None:
-    rep = EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False)
+    rep = Reporter(redis_url, keys.deployment, "e0", heartbeat=False)
     try:
         bar.register("e1")  # keeps the barrier open so that state is rich but stable
-        assert rep.report(**GOOD, wait=True).accepted
+        assert rep.report(Counts(**GOOD), wait=True).accepted
         assert rep.report(
-            step=3, waiting=4, running=5, kv_usage=0.5, admitted=[1, 2], wait=True
+            Counts(step=3, waiting=4, running=5, kv_usage=0.5, admitted=[1, 2]), wait=True
         ).accepted
         before = bar.dump()
         for field, change in BAD_REPORTS:
             with pytest.raises(InvalidReport) as exc:
-                rep.report(**{**GOOD, **change})
+                rep.report({**GOOD, **change})
             assert field in str(exc.value), f"{change}: {exc.value}"
             assert bar.dump() == before, f"{change} changed Redis"
         with pytest.raises(TypeError, match="colour"):
-            rep.report(**GOOD, colour=1)  # type: ignore[call-arg]
+            rep.report(Counts(**GOOD, colour=1))  # type: ignore[call-arg]
         assert bar.dump() == before
-        assert rep.report(step=4, waiting=0, running=0, wait=True).accepted  # still usable
+        assert rep.report(Counts(step=4, waiting=0, running=0), wait=True).accepted  # still usable
     finally:
         rep.close()
 
@@ -72,19 +72,19 @@ def test_every_bad_field_raises_naming_it_and_stores_nothing(
         ({"deployment": "a b"}, "deployment"),
         ({"deployment": "x{y}"}, "deployment"),
         ({"deployment": "d" * 65}, "deployment"),
-        ({"engine_id": "{e0}"}, "engine_id"),
-        ({"engine_id": "e 0"}, "engine_id"),
-        ({"engine_id": ""}, "engine_id"),
-        ({"engine_id": 3}, "engine_id"),
+        ({"engines": "{e0}"}, "engine_id"),
+        ({"engines": "e 0"}, "engine_id"),
+        ({"engines": ""}, "engine_id"),
+        ({"engines": 3}, "engine_id"),
     ],
 )
 def test_bad_names_raise_before_any_key_exists(
     r: redis.Redis, redis_url: str, deployment: str, kwargs: dict[str, Any], what: str
 ) -> None:
-    args = {"deployment": deployment, "engine_id": "e0", **kwargs}
-    names = [str(args["deployment"]), str(args["engine_id"])]
+    args = {"deployment": deployment, "engines": "e0", **kwargs}
+    names = [str(args["deployment"]), str(args["engines"])]
     before = keys_of(r, names)
-    for cls in (EngineReporter, AsyncEngineReporter):
+    for cls in (Reporter, AsyncReporter):
         with pytest.raises(InvalidName, match=what):
             cls(redis_url, heartbeat=False, **args)
     assert keys_of(r, names) == before
@@ -92,11 +92,11 @@ def test_bad_names_raise_before_any_key_exists(
 
 def test_mode_is_validated(redis_url: str, keys: DeploymentKeys) -> None:
     with pytest.raises(InvalidReport, match="mode"):
-        EngineReporter(redis_url, keys.deployment, "e0", mode="sometimes", heartbeat=False)
-    rep = EngineReporter(redis_url, keys.deployment, "e0", mode="tick", heartbeat=False)
+        Reporter(redis_url, keys.deployment, "e0", mode="sometimes", heartbeat=False)
+    rep = Reporter(redis_url, keys.deployment, "e0", mode="tick", heartbeat=False)
     try:
         with pytest.raises(InvalidReport, match="step"):
-            rep.report(step=5, waiting=1, running=1)
+            rep.report(Counts(step=5, waiting=1, running=1))
     finally:
         rep.close()
 
@@ -108,13 +108,13 @@ def test_tick_mode_tags_with_the_server_tick_and_idle_engines_keep_the_barrier_m
     the heartbeat reports every tick, so snapshots keep coming while nothing changes."""
     bar.configure(tick_ms=50)
     reps = [
-        EngineReporter(redis_url, keys.deployment, f"e{i}", mode="tick", heartbeat_s=0.05)
+        Reporter(redis_url, keys.deployment, f"e{i}", mode="tick", heartbeat_s=0.05)
         for i in range(2)
     ]
     try:
         for i, rep in enumerate(reps):
             before = server_ms(r) // 50
-            res = rep.report(waiting=i + 1, running=10 * (i + 1), wait=True)
+            res = rep.report(Counts(waiting=i + 1, running=10 * (i + 1)), wait=True)
             after = server_ms(r) // 50
             # the tick number is the (wave, step) pair's single score: wave * 2^32 + step
             assert res.accepted and before <= score(res.wave, res.step) <= after
@@ -146,11 +146,11 @@ def test_heartbeat_keeps_an_idle_engine_alive_past_dead_after(
 ) -> None:
     # dead_after 20 heartbeats: a loaded machine may pause the heartbeat thread a while
     bar.configure(dead_after_ms=1000)
-    beating = EngineReporter(redis_url, keys.deployment, "e0", heartbeat_s=0.05)
-    silent = EngineReporter(redis_url, keys.deployment, "e1", heartbeat=False)
+    beating = Reporter(redis_url, keys.deployment, "e0", heartbeat_s=0.05)
+    silent = Reporter(redis_url, keys.deployment, "e1", heartbeat=False)
     try:
-        assert beating.report(step=1, waiting=0, running=0, wait=True).accepted
-        assert silent.report(step=1, waiting=0, running=0, wait=True).accepted
+        assert beating.report(Counts(step=1, waiting=0, running=0), wait=True).accepted
+        assert silent.report(Counts(step=1, waiting=0, running=0), wait=True).accepted
         started = time.monotonic()
         # expired by a reap, or on the way by one of e0's heartbeat reports
         wait_until(lambda: bar.reap() and "e1" not in bar.members(), timeout=5)
@@ -169,20 +169,20 @@ def test_heartbeat_keeps_an_idle_engine_alive_past_dead_after(
 def test_register_is_idempotent_and_close_leaves(
     redis_url: str, keys: DeploymentKeys, bar: Barrier
 ) -> None:
-    with EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False) as rep:
+    with Reporter(redis_url, keys.deployment, "e0", heartbeat=False) as rep:
         assert rep.flush(5)
         assert "e0" in bar.members(), "constructing a reporter registers its engine"
         assert rep.register(wait=True) is False  # a retry is harmless
-    with EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False, register=False) as rep:
+    with Reporter(redis_url, keys.deployment, "e0", heartbeat=False, register=False) as rep:
         assert rep.flush(5)
         assert "e0" not in bar.members()
         assert rep.register() is None  # handed over, not waited for
         assert rep.flush(5) and "e0" in bar.members()
         assert rep.register(wait=True) is False
-        assert rep.report(step=1, waiting=0, running=0, wait=True).accepted
+        assert rep.report(Counts(step=1, waiting=0, running=0), wait=True).accepted
         # older than the newest handed over: refused at once, without a round trip
-        assert rep.report(step=0, waiting=0, running=0).status == "stale"
-        assert rep.stale_count == 1
+        assert rep.report(Counts(step=0, waiting=0, running=0)).status == "stale"
+        assert rep.stats().stale == 1
     assert "e0" not in bar.members()
     assert bar.counter("left") == 2
 
@@ -191,19 +191,19 @@ async def test_async_reporter_reports_every_step_and_leaves(
     r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
 ) -> None:
     bar.register("other")  # never reports: no snapshot, so the history is never pruned
-    rep = AsyncEngineReporter(redis_url, keys.deployment, "e0", heartbeat=False)
-    res = await rep.report(step=1, waiting=2, running=3, kv_usage=0.25, wait=True)
+    rep = AsyncReporter(redis_url, keys.deployment, "e0", heartbeat=False)
+    res = await rep.report(Counts(step=1, waiting=2, running=3, kv_usage=0.25), wait=True)
     assert (res.status, res.version, res.wave, res.step) == ("accepted", 0, 0, 1)
     # report_nowait never waits; three calls before the sender runs: while Redis answers
     # every step reaches it, in order (the barrier's cut of each step needs its counts)
     for step in (2, 3, 4):
-        rep.report_nowait(step=step, waiting=step, running=step)
+        rep.report_nowait(Counts(step=step, waiting=step, running=step))
     await asyncio.sleep(0)
     await await_until(lambda: bar.history("e0")[0] == 4, 10, "the latest report sent")
     assert bar.history("e0") == [4, 3, 2, 1], "a step was coalesced while Redis answered"
-    assert rep.coalesced_count == 0 and rep.stats.sent == 4
+    assert rep.stats().coalesced == 0 and rep.stats().sent == 4
     with pytest.raises(InvalidReport, match="waiting"):
-        rep.report_nowait(step=5, waiting=-1, running=0)
+        rep.report_nowait(Counts(step=5, waiting=-1, running=0))
     await rep.aclose()
     assert "e0" not in bar.members()
 
@@ -211,36 +211,36 @@ async def test_async_reporter_reports_every_step_and_leaves(
 async def test_async_aclose_without_leave_flushes_the_pending_report(
     r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
 ) -> None:
-    rep = AsyncEngineReporter(redis_url, keys.deployment, "e0", heartbeat=False)
-    rep.report_nowait(step=7, waiting=1, running=1)
+    rep = AsyncReporter(redis_url, keys.deployment, "e0", heartbeat=False)
+    rep.report_nowait(Counts(step=7, waiting=1, running=1))
     await rep.aclose(leave=False)
     assert bar.history("e0") == [7]
     assert "e0" in bar.members()
 
 
-@pytest.mark.parametrize("cls", [EngineReporter, AsyncEngineReporter])
+@pytest.mark.parametrize("cls", [Reporter, AsyncReporter])
 def test_reporter_returns_unavailable_when_redis_is_down(
-    fresh_server: RedisServer, cls: type[EngineReporter | AsyncEngineReporter]
+    fresh_server: RedisServer, cls: type[Reporter | AsyncReporter]
 ) -> None:
     """A Redis outage never raises into the engine loop; after a restart the engine is
     back in the new epoch with its next report (both twins, one flow)."""
     rep = Blocking(cls(fresh_server.url, "dep", "e0", heartbeat=False, backoff_s=0.2))
     try:
-        assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
+        assert rep.report(Counts(step=1, waiting=1, running=1), wait=True).accepted
         old_epoch = fresh_server.client().get(DeploymentKeys("dep").epoch)
         fresh_server.kill()
-        assert rep.report(step=2, waiting=1, running=1, wait=True).status == "unavailable"
-        assert rep.report(step=3, waiting=1, running=1, wait=True).status == "unavailable"
-        assert rep.report(step=4, waiting=4, running=1).status == "queued"  # never waits
+        assert rep.report(Counts(step=2, waiting=1, running=1), wait=True).status == "unavailable"
+        assert rep.report(Counts(step=3, waiting=1, running=1), wait=True).status == "unavailable"
+        assert rep.report(Counts(step=4, waiting=4, running=1)).status == "queued"  # never waits
         assert rep.register(wait=True) is False
-        assert rep.unavailable_count >= 2
+        assert rep.stats().unavailable >= 2
         assert rep.flush(0.3) is False  # nothing can be delivered yet
         fresh_server.start()
-        assert rep.flush(10), rep.stats
+        assert rep.flush(10), rep.stats()
         c = fresh_server.client()
         assert Barrier(c, DeploymentKeys("dep")).history("e0")[0] == 4
         assert c.get(DeploymentKeys("dep").epoch) not in (None, old_epoch)
-        assert rep.stats.coalesced >= 1  # steps 2 and 3 were replaced by newer counts
+        assert rep.stats().coalesced >= 1  # steps 2 and 3 were replaced by newer counts
         c.close()
     finally:
         rep.close()  # leave is attempted and fails quietly if Redis is down
@@ -314,14 +314,14 @@ def test_stats_and_metrics_count_what_the_sender_did(
     registry = CollectorRegistry()
     metrics = ReporterMetrics(registry)
     bar.register("other")  # holds the barrier: no snapshot, no pruning
-    rep = metrics.bind(EngineReporter(redis_url, keys.deployment, "e0", heartbeat=False))
+    rep = metrics.bind(Reporter(redis_url, keys.deployment, "e0", heartbeat=False))
     try:
-        assert rep.report(step=1, waiting=1, running=1, wait=True).accepted
-        assert rep.report(step=0, waiting=1, running=1).status == "stale"  # refused at once
+        assert rep.report(Counts(step=1, waiting=1, running=1), wait=True).accepted
+        assert rep.report(Counts(step=0, waiting=1, running=1)).status == "stale"  # refused at once
         for step in range(2, 40):
-            assert rep.report(step=step, waiting=step, running=1).status == "queued"
+            assert rep.report(Counts(step=step, waiting=step, running=1)).status == "queued"
         assert rep.flush(5)
-        st = rep.stats
+        st = rep.stats()
         assert st.queued == 39 and st.stale == 1 and st.errors == st.unavailable == 0
         assert st.sent + st.coalesced == st.queued and st.sent == st.accepted
         assert bar.history("e0")[0] == 39  # the newest counts always arrive
@@ -342,7 +342,7 @@ def test_one_sender_carries_several_engines_in_one_pipeline(
 
     sender = ReportSender(redis_url, threaded=True)
     reps = [
-        EngineReporter(redis_url, keys.deployment, f"e{i}", sender=sender, heartbeat=False)
+        Reporter(redis_url, keys.deployment, f"e{i}", sender=sender, heartbeat=False)
         for i in range(3)
     ]
 
@@ -350,7 +350,7 @@ def test_one_sender_carries_several_engines_in_one_pipeline(
         # on the sender's own loop, with no await between them: the three reports are
         # all waiting when its task runs next, whatever the machine's speed
         for rep in reps:
-            rep.report(step=step, waiting=step, running=1)
+            rep.report(Counts(step=step, waiting=step, running=1))
 
     assert sender.background is not None
     try:
@@ -358,8 +358,8 @@ def test_one_sender_carries_several_engines_in_one_pipeline(
             sender.background.run(hand_over(step), 5)
         assert all(rep.flush(5) for rep in reps)
         assert [bar.history(f"e{i}")[0] for i in range(3)] == [29, 29, 29]
-        assert all(rep.stats.errors == 0 and rep.stats.sent >= 1 for rep in reps)
-        assert sender.batches < sum(rep.stats.sent for rep in reps)  # some went together
+        assert all(rep.stats().errors == 0 and rep.stats().sent >= 1 for rep in reps)
+        assert sender.batches < sum(rep.stats().sent for rep in reps)  # some went together
         snap = bar.snapshot()
         assert snap is not None and snap.step == 29 and not snap.forced
     finally:
@@ -368,7 +368,7 @@ def test_one_sender_carries_several_engines_in_one_pipeline(
         sender.close()
 
 
-@pytest.mark.parametrize("cls", [EngineReporter, AsyncEngineReporter], ids=["sync", "async"])
+@pytest.mark.parametrize("cls", [Reporter, AsyncReporter], ids=["sync", "async"])
 def test_url_is_registered_kept_after_a_state_loss_and_removed_on_leave(
     r: redis.Redis,
     redis_url: str,
@@ -391,7 +391,7 @@ def test_url_is_registered_kept_after_a_state_loss_and_removed_on_leave(
 
         def url_after_a_step() -> bool:
             # (a report waited for: the asyncio twin's sender runs while it is awaited)
-            rep.report(step=next(steps), waiting=0, running=1, wait=True)
+            rep.report(Counts(step=next(steps), waiting=0, running=1), wait=True)
             return r.hget(keys.urls, "e0") == b"http://127.0.0.1:8400"
 
         wait_until(url_after_a_step, 5, "the url written")

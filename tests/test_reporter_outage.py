@@ -46,7 +46,7 @@ import pytest
 import redis
 from helpers import Barrier
 
-from redisbal import AsyncEngineReporter, EngineReporter, Snapshot
+from redisbal import AsyncReporter, Counts, Reporter, Snapshot
 from redisbal.keys import DeploymentKeys
 from redisbal.reporting.sender import ReportSender
 from redisbal.sim.embedded import RedisServer
@@ -213,14 +213,14 @@ def _next_slot(due: float) -> tuple[float, float]:
     return (due, due - now) if due > now else (now, 0.0)
 
 
-def _blocking_loop(reps: list[EngineReporter], log: LoopLog, stop: threading.Event) -> None:
+def _blocking_loop(reps: list[Reporter], log: LoopLog, stop: threading.Event) -> None:
     step, due = 0, time.monotonic()
     while not stop.is_set():
         due, pause = _next_slot(due)
         time.sleep(pause)
         step += 1
         for i, rep in enumerate(reps):
-            res = log.timed(lambda: rep.report(step=step, waiting=i, running=step % 7))  # noqa: B023
+            res = log.timed(lambda: rep.report(Counts(step=step, waiting=i, running=step % 7)))  # noqa: B023
             log.statuses.add(res.status)
         log.steps.append(time.monotonic())
 
@@ -247,14 +247,14 @@ def test_blocking_reporters_never_wait_on_a_frozen_or_paused_redis(
     Redis URL; or one given explicitly."""
     keys = DeploymentKeys(deployment)
     sender = ReportSender(server.url, threaded=True) if shared else None
-    reps = [EngineReporter(server.url, deployment, f"e{i}", sender=sender) for i in range(ENGINES)]
+    reps = [Reporter(server.url, deployment, f"e{i}", sender=sender) for i in range(ENGINES)]
     assert all(rep.sender is reps[0].sender for rep in reps)
     log, stop = LoopLog(), threading.Event()
     loop = threading.Thread(target=_blocking_loop, args=(reps, log, stop), daemon=True)
     loop.start()
     try:
         _run_scenario(server, keys, log)
-        stats = [rep.stats for rep in reps]
+        stats = [rep.stats() for rep in reps]
         assert all(s.coalesced > 0 and s.unavailable > 0 for s in stats), stats
         # the engines travelled together: fewer round trips than steps
         assert reps[0].sender.batches < sum(s.queued for s in stats) / ENGINES, stats
@@ -276,7 +276,7 @@ def _run_now(coro: Any) -> Any:
     raise AssertionError("report() suspended: it waited")
 
 
-async def _async_loop(reps: list[AsyncEngineReporter], log: LoopLog, stop: asyncio.Event) -> None:
+async def _async_loop(reps: list[AsyncReporter], log: LoopLog, stop: asyncio.Event) -> None:
     step, due = 0, time.monotonic()
     while not stop.is_set():
         due, pause = _next_slot(due)
@@ -284,7 +284,8 @@ async def _async_loop(reps: list[AsyncEngineReporter], log: LoopLog, stop: async
         step += 1
         for i, rep in enumerate(reps):
             # the coroutine's body runs at its first send; time that, as await would
-            res = log.timed(lambda: _run_now(rep.report(step=step, waiting=i, running=step % 7)))  # noqa: B023
+            counts = Counts(step=step, waiting=i, running=step % 7)
+            res = log.timed(lambda: _run_now(rep.report(counts)))  # noqa: B023
             log.statuses.add(res.status)
         log.steps.append(time.monotonic())
 
@@ -301,8 +302,7 @@ async def test_async_reporters_never_wait_on_a_frozen_or_paused_redis(
         server.url, socket_connect_timeout=0.25, socket_timeout=1.0
     )
     reps = [
-        AsyncEngineReporter(deployment=deployment, engine_id=f"e{i}", client=client)
-        for i in range(ENGINES)
+        AsyncReporter(deployment=deployment, engines=f"e{i}", client=client) for i in range(ENGINES)
     ]
     for rep in reps:
         await rep.register()
@@ -310,7 +310,7 @@ async def test_async_reporters_never_wait_on_a_frozen_or_paused_redis(
     engine: Awaitable[None] = asyncio.create_task(_async_loop(reps, log, stop))
     try:
         await asyncio.to_thread(_run_scenario, server, keys, log)
-        stats = [rep.stats for rep in reps]
+        stats = [rep.stats() for rep in reps]
         assert all(s.coalesced > 0 and s.unavailable > 0 for s in stats), stats
         assert reps[0].sender is reps[-1].sender
         assert reps[0].sender.batches < sum(s.queued for s in stats) / ENGINES

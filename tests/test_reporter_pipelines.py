@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from topology import binaries
 
-from redisbal import AsyncEngineReporter
+from redisbal import AsyncReporter, Counts
 from redisbal.reporting.sender import ReportSender
 from redisbal.sim.embedded import RedisServer
 
@@ -39,7 +39,7 @@ async def test_outage_leaves_no_pipeline_unclosed(binary: str) -> None:
     server = RedisServer(BINARIES[binary], tcp=True).start()
     sender = ReportSender(server.url, backoff_s=0.05, max_backoff_s=0.1, timeout_s=0.2)
     reps = [
-        AsyncEngineReporter(deployment="dep", engine_id=e, sender=sender, heartbeat_s=0.02)
+        AsyncReporter(deployment="dep", engines=e, sender=sender, heartbeat_s=0.02)
         for e in ("e0", "e1")
     ]
     try:
@@ -47,21 +47,23 @@ async def test_outage_leaves_no_pipeline_unclosed(binary: str) -> None:
             warnings.simplefilter("always")
             for step in range(1, 4):
                 for rep in reps:
-                    assert (await rep.report(step=step, waiting=0, running=1, wait=True)).accepted
+                    assert (
+                        await rep.report(Counts(step=step, waiting=0, running=1), wait=True)
+                    ).accepted
             assert server.proc is not None
             os.kill(server.proc.pid, signal.SIGSTOP)  # frozen: calls time out
             for step in range(4, 30):
                 for rep in reps:
-                    rep.report_nowait(step=step, waiting=0, running=1)
+                    rep.report_nowait(Counts(step=step, waiting=0, running=1))
                 await asyncio.sleep(0.02)
             server.kill()  # gone: calls are refused (a stopped process dies on SIGKILL)
             for step in range(30, 50):
                 for rep in reps:
-                    rep.report_nowait(step=step, waiting=0, running=1)
+                    rep.report_nowait(Counts(step=step, waiting=0, running=1))
                 await asyncio.sleep(0.02)
             gc.collect()
             await asyncio.sleep(0)
-        assert all(rep.stats.unavailable > 0 for rep in reps), [r.stats for r in reps]
+        assert all(rep.stats().unavailable > 0 for rep in reps), [r.stats() for r in reps]
         assert not [w for w in caught if "Unclosed" in str(w.message)], caught
         assert not [m for m in unclosed if "Unclosed" in m], unclosed
     finally:

@@ -16,8 +16,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio
 
 from redisbal import (
-    AsyncBatchReporter,
-    AsyncEngineReporter,
+    AsyncReporter,
     Counts,
     ReporterStats,
     Snapshot,
@@ -81,7 +80,7 @@ async def _assert_every_step(snaps: list[Snapshot], stats: list[ReporterStats]) 
 
 async def test_batch_back_to_back_steps_each_reach_redis(redis_url: str, deployment: str) -> None:
     async with _published(redis_url, deployment) as snaps:
-        rep = AsyncBatchReporter(redis_url, deployment, ENGINES, heartbeat=False)
+        rep = AsyncReporter(redis_url, deployment, ENGINES, heartbeat=False)
         try:
             await rep.register()
             # steps 1..4 of all three engines, back to back: the sender runs only after
@@ -91,7 +90,7 @@ async def test_batch_back_to_back_steps_each_reach_redis(redis_url: str, deploym
                     {e: Counts(**_counts(step, i)) for i, e in enumerate(ENGINES)}
                 )
             assert await rep.flush(10.0)
-            await _assert_every_step(snaps, list(rep.stats.values()))
+            await _assert_every_step(snaps, [rep.stats(e) for e in rep.engines])
         finally:
             await rep.aclose()
 
@@ -103,7 +102,7 @@ async def test_engine_reporters_back_to_back_steps_each_reach_redis(
     async with _published(redis_url, deployment) as snaps:
         sender = ReportSender(redis_url)
         reps = [
-            AsyncEngineReporter(deployment=deployment, engine_id=e, sender=sender, heartbeat=False)
+            AsyncReporter(deployment=deployment, engines=e, sender=sender, heartbeat=False)
             for e in ENGINES
         ]
         try:
@@ -111,10 +110,10 @@ async def test_engine_reporters_back_to_back_steps_each_reach_redis(
                 await r.register()
             for step in range(1, 5):
                 for i, r in enumerate(reps):
-                    r.report_nowait(**_counts(step, i))
+                    r.report_nowait(Counts(**_counts(step, i)))
             for r in reps:
                 assert await r.flush(10.0)
-            await _assert_every_step(snaps, [r.stats for r in reps])
+            await _assert_every_step(snaps, [r.stats() for r in reps])
         finally:
             for r in reps:
                 await r.aclose()
@@ -128,13 +127,13 @@ async def test_back_pressure_coalesces_beyond_the_queue_and_counts_it(
     than the engine): the newest replaces the last one held, counted as coalesced."""
     from redisbal.reporting.lane import MAX_QUEUED
 
-    rep = AsyncEngineReporter(redis_url, deployment, "e0", heartbeat=False)
+    rep = AsyncReporter(redis_url, deployment, "e0", heartbeat=False)
     try:
         extra = 4
         for step in range(1, MAX_QUEUED + extra + 1):
-            rep.report_nowait(step=step, waiting=0, running=step)
+            rep.report_nowait(Counts(step=step, waiting=0, running=step))
         assert await rep.flush(10.0)
-        st = rep.stats
+        st = rep.stats()
         assert (st.queued, st.coalesced, st.sent) == (MAX_QUEUED + extra, extra, MAX_QUEUED)
         assert st.accepted == MAX_QUEUED
     finally:

@@ -35,6 +35,7 @@ from topology import (
 )
 
 import redisbal
+from redisbal import Counts
 from redisbal.barrier.operations import SCRIPT_NAMES, load_library, script_source
 from redisbal.connection import BadRedisURL, make_client, parse_url, redact
 from redisbal.keys import DeploymentKeys
@@ -97,9 +98,9 @@ def test_cli_status_with_a_password_url_works_and_never_prints_it(
     secured: RedisServer, deployment: str
 ) -> None:
     url = f"redis://app:{SECRET}@127.0.0.1:{secured.port}/0"
-    with redisbal.EngineReporter(url, deployment, "e0", heartbeat=False) as rep:
+    with redisbal.Reporter(url, deployment, "e0", heartbeat=False) as rep:
         admin(secured).hset(DeploymentKeys(deployment).config, "join_grace_ms", "0")
-        assert rep.report(step=1, waiting=2, running=3, wait=True).version == 1
+        assert rep.report(Counts(step=1, waiting=2, running=3), wait=True).version == 1
         for args in (["status"], ["status", "--json"], ["--log-level", "debug", "status"]):
             out = _cli("--redis-url", url, "--deployment", deployment, *args)
             assert out.returncode == 0, out.stderr
@@ -207,10 +208,10 @@ def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: 
     apply_acl_lines(admin(secured), other, SECRET, sharded=secured.version >= (7,))
     keys, okeys = DeploymentKeys(deployment), DeploymentKeys(other)
     # another deployment with state, to prove nobody can read or touch it
-    rep = redisbal.EngineReporter(
+    rep = redisbal.Reporter(
         f"redis://:{ADMIN_PW}@127.0.0.1:{secured.port}/0", other, "z", heartbeat=False
     )
-    assert rep.report(step=1, waiting=0, running=0, wait=True).accepted
+    assert rep.report(Counts(step=1, waiting=0, running=0), wait=True).accepted
     rep.close(leave=False)
     adm = admin(secured)
     before = contents(adm, okeys.all_keys())
@@ -248,11 +249,11 @@ def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: 
 
         # engine: its deployment only, through the scripts' commands; no EVAL, no admin
         engine_url = f"redis://{users['engine']}:engine-{SECRET}@127.0.0.1:{secured.port}/0"
-        rep = redisbal.EngineReporter(engine_url, other, "e0", heartbeat=False, register=False)
+        rep = redisbal.Reporter(engine_url, other, "e0", heartbeat=False, register=False)
         with pytest.raises(denied):  # registering into another deployment
             rep.register(wait=True)
         with pytest.raises(denied):
-            rep.report(step=1, waiting=1, running=1, wait=True)
+            rep.report(Counts(step=1, waiting=1, running=1), wait=True)
         rep.close(leave=False)
         for call in (
             lambda: engine.get(okeys.snapshot),
@@ -401,11 +402,13 @@ async def test_connection_errors_never_show_the_password(
     ]
     texts: list[str] = []
     for url in urls:
-        rep = redisbal.EngineReporter(url, deployment, "e0", heartbeat=False)
-        assert rep.report(step=1, waiting=1, running=1, wait=True).status == "unavailable"
+        rep = redisbal.Reporter(url, deployment, "e0", heartbeat=False)
+        assert rep.report(Counts(step=1, waiting=1, running=1), wait=True).status == "unavailable"
         rep.close(leave=True)
-        arep = redisbal.AsyncEngineReporter(url, deployment, "e1", heartbeat=False)
-        assert (await arep.report(step=1, waiting=1, running=1, wait=True)).status == "unavailable"
+        arep = redisbal.AsyncReporter(url, deployment, "e1", heartbeat=False)
+        assert (
+            await arep.report(Counts(step=1, waiting=1, running=1), wait=True)
+        ).status == "unavailable"
         await arep.aclose()
         router = redisbal.AsyncRouter(url, deployment, engines=["e0"])
         await router.start()

@@ -20,6 +20,7 @@ from helpers import await_until, wait_until
 from topology import EveryClass, SentinelTopology, binaries
 
 import redisbal
+from redisbal import Counts
 from redisbal.connection import BadRedisURL, make_client, parse_url
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
@@ -84,11 +85,11 @@ def test_cli_coordinator_and_status_through_a_sentinel_url(sentinels: SentinelTo
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     with (
-        redisbal.EngineReporter(url, dep, "0", heartbeat=False) as a,
-        redisbal.EngineReporter(url, dep, "1", heartbeat=False) as b,
+        redisbal.Reporter(url, dep, "0", heartbeat=False) as a,
+        redisbal.Reporter(url, dep, "1", heartbeat=False) as b,
     ):
-        a.report(step=1, waiting=3, running=1, wait=True)
-        assert b.report(step=1, waiting=0, running=4, wait=True).version >= 1
+        a.report(Counts(step=1, waiting=3, running=1), wait=True)
+        assert b.report(Counts(step=1, waiting=0, running=4), wait=True).version >= 1
         out = _cli("--redis-url", url, "--deployment", dep, "status", "--json")
         assert out.returncode == 0, out.stderr
         st = json.loads(out.stdout)
@@ -115,7 +116,7 @@ def test_failover_everything_reconnects_and_versions_never_go_back() -> None:
     dep = "failover"
     stop = threading.Event()
     coord = Coordinator(url, dep, FAST, interval_s=0.02)
-    reps = [redisbal.EngineReporter(url, dep, f"e{i}", heartbeat=False) for i in range(2)]
+    reps = [redisbal.Reporter(url, dep, f"e{i}", heartbeat=False) for i in range(2)]
     routers = [redisbal.Router(url, dep, i, 2, poll_s=0.5) for i in range(2)]
     seen: list[list[tuple[str, int]]] = [[] for _ in routers]
     accepted_after: list[float] = []
@@ -127,7 +128,7 @@ def test_failover_everything_reconnects_and_versions_never_go_back() -> None:
             step += 1
             for i, rep in enumerate(reps):
                 sent = time.monotonic()  # (a report sent after the kill met the new primary)
-                res = rep.report(step=step, waiting=i, running=step % 50, wait=True)
+                res = rep.report(Counts(step=step, waiting=i, running=step % 50), wait=True)
                 if res.accepted:
                     accepted_after.append(sent)
             stop.wait(0.03)
@@ -209,13 +210,13 @@ async def test_password_protected_data_nodes_through_sentinels(
         url = f"redis+sentinel://:{secret}@{hosts}"
         dep = "senpw"
         coord = Coordinator(url, dep, FAST, interval_s=0.02)
-        rep = redisbal.EngineReporter(url, dep, "e0", heartbeat=False)
+        rep = redisbal.Reporter(url, dep, "e0", heartbeat=False)
         router = redisbal.AsyncRouter(url, dep, poll_s=30.0)
         try:
             await asyncio.to_thread(coord.tick)
             assert coord.stats.leader
             await router.start()
-            assert rep.report(step=1, waiting=1, running=1, wait=True).version >= 1
+            assert rep.report(Counts(step=1, waiting=1, running=1), wait=True).version >= 1
             await await_until(lambda: router.snapshot is not None, 10, "a snapshot")
             assert router.snapshot is not None and set(router.snapshot.engines) == {"e0"}
         finally:
@@ -223,7 +224,7 @@ async def test_password_protected_data_nodes_through_sentinels(
             rep.close()
             coord.release()
             coord.client.close()
-        bad = redisbal.EngineReporter(f"redis+sentinel://:wrong-{secret}@{hosts}", dep, "e1")
-        assert bad.report(step=1, waiting=0, running=0, wait=True).status == "unavailable"
+        bad = redisbal.Reporter(f"redis+sentinel://:wrong-{secret}@{hosts}", dep, "e1")
+        assert bad.report(Counts(step=1, waiting=0, running=0), wait=True).status == "unavailable"
         bad.close(leave=False)
     assert secret not in caplog.text

@@ -26,6 +26,7 @@ import pytest
 import redis
 from helpers import Barrier, coordinator, io_of_this_thread
 
+from redisbal import Counts
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.integrations import vllm_plugin
 from redisbal.integrations.relay import CountsRelay
@@ -319,7 +320,7 @@ def test_several_api_servers_report_one_engine_without_a_conflict(
         for relay in relays:
             relay.add("e0")
         for i in range(10):
-            relays[i % 2].submit("e0", waiting=i, running=1)
+            relays[i % 2].submit("e0", Counts(waiting=i, running=1))
         # both relays' reports are accepted (the snapshot may flip between their counts:
         # the plugin warns of that), none refused
         until(lambda: all(relay.stats("e0")["accepted"] >= 5 for relay in relays))

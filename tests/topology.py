@@ -38,6 +38,7 @@ import redis
 from helpers import await_until, wait_until
 
 import redisbal
+from redisbal import Counts
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 from redisbal.sim.cluster import (
     ClusterTopology,
@@ -427,8 +428,8 @@ class EveryClass:
         config: CoordinatorConfig = FLOW_CONFIG,
     ) -> None:
         self.coord = Coordinator(url, dep, config, interval_s=0.02)
-        self.rep = redisbal.EngineReporter(engine_url or url, dep, "e0", heartbeat=False)
-        self.arep = redisbal.AsyncEngineReporter(engine_url or url, dep, "e1", heartbeat=False)
+        self.rep = redisbal.Reporter(engine_url or url, dep, "e0", heartbeat=False)
+        self.arep = redisbal.AsyncReporter(engine_url or url, dep, "e1", heartbeat=False)
         self.arouter = redisbal.AsyncRouter(router_url or url, dep, 0, 2, poll_s=30.0)
         self.router = redisbal.Router(router_url or url, dep, 1, 2, poll_s=30.0)
 
@@ -453,8 +454,10 @@ class EveryClass:
         assert await self.arep.register(wait=True)
         await self.arouter.start()
         await asyncio.to_thread(self.router.start)
-        assert self.rep.report(step=1, waiting=1, running=2, wait=True).accepted
-        assert (await self.arep.report(step=1, waiting=3, running=4, wait=True)).version >= 1
+        assert self.rep.report(Counts(step=1, waiting=1, running=2), wait=True).accepted
+        assert (
+            await self.arep.report(Counts(step=1, waiting=3, running=4), wait=True)
+        ).version >= 1
         routers = (self.arouter, self.router)
         await await_until(
             lambda: all(r.snapshot is not None and r.snapshot.cut == (0, 1) for r in routers),
@@ -468,7 +471,7 @@ class EveryClass:
             assert not r.degraded
         assert self.arouter.last_error is None
         # the stall guard through the same URL: e1 goes quiet at step 1
-        self.rep.report(step=2, waiting=1, running=2, wait=True)
+        self.rep.report(Counts(step=2, waiting=1, running=2), wait=True)
 
         def forced() -> bool:
             coord.tick()

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from redisbal.reporting.reporter import AsyncEngineReporter
+from redisbal.reporting.reporter import AsyncReporter, Counts
 from redisbal.reporting.sender import ReportSender
 
 ENGINES = ("e0", "e1")
@@ -51,8 +51,8 @@ async def run_isolation(
     """Kill the victim's primary (``kill``) while both deployments report; returns once
     the victim's reports are accepted again (``promoted`` tells when the slot moved)."""
     sender = ReportSender(url)
-    victims = [AsyncEngineReporter(deployment=victim, engine_id=e, sender=sender) for e in ENGINES]
-    others = [AsyncEngineReporter(deployment=other, engine_id=e, sender=sender) for e in ENGINES]
+    victims = [AsyncReporter(deployment=victim, engines=e, sender=sender) for e in ENGINES]
+    others = [AsyncReporter(deployment=other, engines=e, sender=sender) for e in ENGINES]
     out = Isolation()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -62,7 +62,7 @@ async def run_isolation(
         while not stop.is_set():
             step += 1
             for rep in victims:
-                rep.report_nowait(step=step, waiting=0, running=1)
+                rep.report_nowait(Counts(step=step, waiting=0, running=1))
             await asyncio.sleep(step_s)
 
     async def other_loop() -> None:
@@ -70,7 +70,7 @@ async def run_isolation(
         while not stop.is_set():
             step += 1
             outs = await asyncio.gather(
-                *(rep.report(step=step, waiting=0, running=1, wait=True) for rep in others)
+                *(rep.report(Counts(step=step, waiting=0, running=1), wait=True) for rep in others)
             )
             if all(o.accepted for o in outs):
                 out.other_done.append(time.monotonic())
@@ -92,7 +92,7 @@ async def run_isolation(
             await asyncio.sleep(0.05)
         t_promoted = time.monotonic()
         while True:
-            res = await victims[0].report(step=10**6, waiting=0, running=1, wait=True)
+            res = await victims[0].report(Counts(step=10**6, waiting=0, running=1), wait=True)
             if res.accepted or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)

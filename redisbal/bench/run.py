@@ -6,7 +6,7 @@ given; a fresh deployment name per run) with the real Lua scripts:
 
 - simulated engines (``redisbal.sim.model``: continuous batching, running cap 64,
   step time growing with the batch, prefill cost, heavy-tailed output lengths,
-  optional slow engines), each with its own ``AsyncEngineReporter`` reporting
+  optional slow engines), each with its own ``AsyncReporter`` reporting
   after every step with ``admitted`` counts per API-server index. Lockstep mode:
   all engines step together, a step lasts as long as the slowest engine's,
   reporter mode "lockstep" with the shared step counter. Independent mode:
@@ -61,7 +61,7 @@ from redisbal.bench.vllm import (
 from redisbal.config import CoordinatorConfig
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.coordinator import Coordinator
-from redisbal.reporting.reporter import AsyncEngineReporter
+from redisbal.reporting.reporter import AsyncReporter, Counts
 from redisbal.routing.policies import Policy
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
@@ -110,7 +110,7 @@ class Run:
         self.deployment = f"{prefix}-{sc.name}-{policy}-{seed}-{secrets.token_hex(3)}"
         self.keys = DeploymentKeys(self.deployment)
         self.world = World()
-        self.reporters: dict[str, AsyncEngineReporter] = {}
+        self.reporters: dict[str, AsyncReporter] = {}
         self.wake: dict[str, asyncio.Event] = {}
         self.engine_order: list[str] = []
         self.routers: list[AsyncRouter] = []
@@ -146,7 +146,7 @@ class Run:
         p = replace(self.params, slow=slow)
         eng = SimEngine(eid, p, num_clients=self.sc.clients, on_finish=self._finish)
         mode = "lockstep" if self.sc.mode == "lockstep" else "tick"
-        rep = AsyncEngineReporter(self.url, self.deployment, eid, mode=mode)
+        rep = AsyncReporter(self.url, self.deployment, eid, mode=mode)
         self.world.engines[eid] = eng
         self.world.transit.setdefault(eid, 0)
         self.reporters[eid] = rep
@@ -154,14 +154,14 @@ class Run:
         self.engine_order.append(eid)
         await rep.register()
         if mode == "lockstep":
-            await rep.report(step=0, waiting=0, running=0, admitted=eng.admitted)
+            await rep.report(Counts(step=0, waiting=0, running=0, admitted=eng.admitted))
         else:
-            await rep.report(waiting=0, running=0, admitted=eng.admitted)
+            await rep.report(Counts(waiting=0, running=0, admitted=eng.admitted))
 
     def _report(self, eid: str, step: int | None) -> None:
         e = self.world.engines[eid]
         self.reporters[eid].report_nowait(
-            step, len(e.waiting), len(e.running), admitted=list(e.admitted)
+            Counts(step, len(e.waiting), len(e.running), admitted=list(e.admitted))
         )
 
     def _step_start(self, intended: float) -> float:

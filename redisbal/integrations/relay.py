@@ -1,7 +1,7 @@
 """The reports of the engines an integration speaks for, on one batch reporter.
 
-``submit()`` checks the counts and hands them to a ``BatchReporter``
-(``redisbal.reporting.batch``), whose sender delivers them: the caller (vLLM's output loop,
+``submit()`` checks the counts and hands them to a ``Reporter`` of all the engines
+(``redisbal.reporting.reporter``), whose sender delivers them: the caller (vLLM's output loop,
 the sidecar's event loop) never waits on Redis, the reports of all the engines
 reach Redis together, in one report_many call per round, and outages are retried
 there. The sender also keeps engines alive between submissions by re-sending
@@ -20,7 +20,7 @@ new counts come. How long counts are re-sent:
 ``pause()`` silences an engine at once (a failed scrape), and ``suspect()`` tells
 the deployment's routers to avoid it (the mark lasts the deployment's
 ``suspect_ms``; at most one a second per engine), through the same sender's
-client. No thread of its own: everything runs on the batch reporter's sender.
+client. No thread of its own: everything runs on the reporter's sender.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 import redis.exceptions
@@ -40,8 +40,8 @@ import redis.exceptions
 from redisbal.barrier.operations import suspect_reason
 from redisbal.connection import redact
 from redisbal.keys import check_name
-from redisbal.reporting.batch import BatchReporter
-from redisbal.reporting.reporter import Counts, EngineReporter
+from redisbal.reporting.lane import Lane
+from redisbal.reporting.reporter import Counts, InvalidReport, Reporter
 
 log = logging.getLogger("redisbal.integrations")
 
@@ -97,7 +97,7 @@ class CountsRelay:
         self.max_age_s = max_age_s
         self.idle_forever = idle_forever
         self.incarnation = incarnation  # shared by processes that speak for one engine
-        self._batch = BatchReporter(
+        self._reporter = Reporter(
             redis_url, self.deployment, mode=mode, heartbeat_s=heartbeat_s, incarnation=incarnation
         )
         self._lock = threading.Lock()
@@ -109,86 +109,75 @@ class CountsRelay:
         It registers at once: the sender sends registrations before reports."""
         check_name(engine_id, "engine id")
         with self._lock:
-            if engine_id in self._batch.engine_ids:
+            if engine_id in self._reporter.engines:
                 return
-            self._batch.add(engine_id, url or None)
-            lane = self._reporter(engine_id)._lane
+            self._reporter.add(engine_id, url or None)
+            lane = self._reporter.lane(engine_id)
             lane.beat_for_s, lane.beat_idle_forever = self.max_age_s, self.idle_forever
-
-    def _reporter(self, engine_id: str) -> EngineReporter:
-        rep = self._batch._reporters.get(engine_id)
-        if rep is None:
-            raise KeyError(f"unknown engine {engine_id!r}: add() it first")
-        assert isinstance(rep, EngineReporter)
-        return rep
 
     def ready(self, engine_id: str) -> None:
         """``engine_id`` can take requests: report it idle now, unless counts of its own
         came first. The heartbeat keeps an idle engine alive, so a server that nobody has
         sent a request to yet (it has no steps, so no counts) is routable as soon as it
         is ready, instead of expiring as a registration that never reported."""
-        rep = self._reporter(engine_id)
+        lane = self._lane(engine_id)
         step = None if self.mode == "tick" else 0  # lockstep: before the first step
         args = Counts(step).argv(self.mode)
-        rep.sender.submit(rep._lane, args, None if step is None else (0, 0), False, first=True)
+        tag = None if step is None else (0, 0)
+        self._reporter.sender.submit(lane, args, tag, False, first=True)
+
+    def _lane(self, engine_id: str) -> Lane:
+        try:
+            return self._reporter.lane(engine_id)
+        except InvalidReport:
+            raise KeyError(f"unknown engine {engine_id!r}: add() it first") from None
 
     def engines(self) -> list[str]:
-        return self._batch.engine_ids
+        return self._reporter.engines
 
-    def submit(
-        self,
-        engine_id: str,
-        *,
-        step: int | None = None,
-        waiting: int = 0,
-        running: int = 0,
-        wave: int = 0,
-        kv_usage: float | None = None,
-        progress: bool = True,
-    ) -> None:
-        """Hand one engine's counts over (checked now: InvalidReport). ``progress=False``:
-        the engine did not move since its last counts (a stalled engine with work is not
-        routed to: EngineReporter.report)."""
-        counts = Counts(step, waiting, running, wave, kv_usage, None, progress)
-        rep = self._reporter(engine_id)
-        rep._submit(counts.argv(self.mode), False, None)  # a stale step is counted there
+    def submit(self, engine_id: str, counts: Counts | Mapping[str, Any]) -> None:
+        """Hand one engine's counts over (checked now: InvalidReport). ``Counts(progress=
+        False)``: the engine did not move since its last counts (a stalled engine with
+        work is not routed to: Reporter.report)."""
+        self._lane(engine_id)  # KeyError for an engine not added
+        self._reporter.report(counts, engine=engine_id)  # a stale step is counted there
 
     def pause(self, engine_id: str) -> None:
         """Stop reporting ``engine_id`` until its next submit(): it stalls, then expires."""
-        if engine_id in self._batch.engine_ids:
-            rep = self._reporter(engine_id)
-            rep.sender.pause(rep._lane)
+        if engine_id in self._reporter.engines:
+            self._reporter.sender.pause(self._reporter.lane(engine_id))
 
     def suspect(self, engine_id: str, reason: str) -> None:
         """Have routers avoid ``engine_id`` (it did not answer); sent by the sender."""
         now = time.monotonic()
         with self._lock:
-            if engine_id not in self._batch.engine_ids:
+            if engine_id not in self._reporter.engines:
                 return
-            rep = self._reporter(engine_id)
             if now < self._suspect_after.get(engine_id, 0.0):
                 return
             self._suspect_after[engine_id] = now + SUSPECT_EVERY_S
-        bg = rep.sender.background
+        bg = self._reporter.sender.background
         if bg is not None and bg.running:
-            bg.submit(self._mark(rep, suspect_reason(reason)))
+            bg.submit(self._mark(engine_id, suspect_reason(reason)))
 
-    async def _mark(self, rep: EngineReporter, reason: str) -> None:
+    async def _mark(self, engine_id: str, reason: str) -> None:
+        call = self._reporter.scripts.call("suspect", engine_id, "-", reason)
         try:
-            await asyncio.wait_for(rep.scripts.call("suspect", rep.engine_id, "-", reason), 2.0)
+            await asyncio.wait_for(call, 2.0)
         except (redis.exceptions.RedisError, asyncio.TimeoutError) as exc:
             self.warn.warning("suspect", "redisbal: suspect mark refused (%s): %r", self.url, exc)
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` on the sender's event loop (cancelled when the relay closes)."""
-        bg = self._batch.sender.background
-        assert bg is not None  # a BatchReporter's sender runs on its own loop
+        bg = self._reporter.sender.background
+        assert bg is not None  # a Reporter's sender runs on its own loop
         return bg.submit(coro)
 
     def stats(self, engine_id: str) -> dict[str, int]:
         """The engine's reporter counters (queued, sent, accepted, unavailable, ...)."""
-        return dataclasses.asdict(self._reporter(engine_id).stats)
+        self._lane(engine_id)  # KeyError for an engine not added
+        return dataclasses.asdict(self._reporter.stats(engine_id))
 
     def close(self, leave: bool = True) -> None:
         """Deliver what is queued and (by default) leave gracefully."""
-        self._batch.close(leave=leave)
+        self._reporter.close(leave=leave)

@@ -47,6 +47,7 @@ from redisbal.integrations.metrics_page import EngineSample, PageError, parse_pa
 from redisbal.integrations.relay import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
 from redisbal.ops.cli_options import check_reachable, common_options, run_until_signal, settings
+from redisbal.reporting.counts import Counts
 
 log = logging.getLogger("redisbal.scrape")
 
@@ -171,9 +172,8 @@ class Sidecar:
             # progress: the page's progress counters moved (unknown without them)
             last, self._progress[eid] = self._progress.get(eid), s.progress
             progress = s.progress is None or s.progress != last
-            self.sender.submit(
-                eid, waiting=s.waiting, running=s.running, kv_usage=s.kv_usage, progress=progress
-            )
+            counts = Counts(None, s.waiting, s.running, kv_usage=s.kv_usage, progress=progress)
+            self.sender.submit(eid, counts)
         for label, eid in target.engines.items():
             if label not in seen:
                 self.sender.pause(eid)

@@ -54,6 +54,7 @@ from urllib.parse import urlsplit
 from redisbal.errors import PluginConfigError as PluginConfigError
 from redisbal.integrations.relay import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
+from redisbal.reporting.counts import Counts
 from redisbal.reporting.reporter import InvalidReport, new_incarnation
 
 log = logging.getLogger("redisbal.vllm")
@@ -337,9 +338,7 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
                     "barrier; use REDISBAL_MODE=tick"
                 )
         try:
-            self.sender.submit(
-                eid, step=step, waiting=waiting, running=running, wave=wave, kv_usage=kv_usage
-            )
+            self.sender.submit(eid, Counts(step, waiting, running, wave, kv_usage))
         except (InvalidReport, KeyError) as exc:
             self.warn.warning("bad", "redisbal plugin: not reporting engine %s: %s", eid, exc)
 

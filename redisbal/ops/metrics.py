@@ -536,8 +536,8 @@ REPORTER_COUNTERS = {
 
 class ReporterMetrics:
     """Engine-side reporter metrics on a registry the host application passes in:
-    ``ReporterMetrics(registry).bind(reporter)`` for each EngineReporter or
-    AsyncEngineReporter. Labels: ``deployment`` and ``engine``; read at scrape time."""
+    ``ReporterMetrics(registry).bind(reporter)`` for each Reporter or AsyncReporter.
+    Labels: ``deployment`` and ``engine`` (each of the reporter's engines, at scrape time)."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str = "redisbal_reporter") -> None:
         self.prefix = prefix
@@ -570,7 +570,8 @@ class _ReporterCollector(Collector):
             for k, doc in REPORTER_COUNTERS.items()
         }
         for rep in self.owner.reporters():
-            stats = rep.stats
-            for k, fam in fams.items():
-                fam.add_metric([rep.keys.deployment, rep.engine_id], float(getattr(stats, k)))
+            for engine in rep.engines:
+                stats = rep.stats(engine)
+                for k, fam in fams.items():
+                    fam.add_metric([rep.keys.deployment, engine], float(getattr(stats, k)))
         yield from fams.values()

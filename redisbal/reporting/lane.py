@@ -2,7 +2,7 @@
 (``Group``), what becomes of its reports (``ReportResult``, ``ReporterStats``), and
 the operations of one round (``Op``), how they are grouped into calls and sent
 (``round_trip``): the types the reporters and the sender share (reporter.py,
-sender.py, batch.py) and the sender's Redis I/O."""
+sender.py) and the sender's Redis I/O."""
 
 from __future__ import annotations
 

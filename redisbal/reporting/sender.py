@@ -86,10 +86,10 @@ class ReportSender:
 
     Share one between many reporters of a process (``sender=``) and their reports
     travel together, one round trip per deployment and round. ``threaded=True`` runs
-    it on its own event loop in a daemon thread (what ``EngineReporter`` needs);
-    otherwise it runs on the event loop of the first reporter that uses it. ``batch=True`` sends the
-    reports of one deployment in one lua/report_many.lua call per round (what
-    ``BatchReporter`` uses) instead of one report call each.
+    it on its own event loop in a daemon thread (what ``Reporter`` needs); otherwise it
+    runs on the event loop of the first reporter that uses it. ``batch=True`` sends the
+    reports of one deployment in one lua/report_many.lua call per round (what the
+    senders a reporter makes use) instead of one report call each.
     """
 
     def __init__(

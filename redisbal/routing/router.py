@@ -10,7 +10,7 @@ routing to the engines it knew until they re-register (``RouterCore._carry``).
 
 ``AsyncRouter`` runs the feed as an asyncio task. ``Router`` is its blocking
 twin: the same object, run on a private event loop in a daemon thread
-(``redisbal.background``), as ``EngineReporter`` runs ``AsyncEngineReporter``.
+(``redisbal.background``), as ``Reporter`` runs ``AsyncReporter``.
 """
 
 from __future__ import annotations

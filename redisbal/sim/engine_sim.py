@@ -38,7 +38,7 @@ from typing import Any
 from redisbal.connection import make_client, redact
 from redisbal.keys import check_name
 from redisbal.ops.table import render_table
-from redisbal.reporting.batch import AsyncBatchReporter
+from redisbal.reporting.reporter import AsyncReporter, Counts
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.sim.transport import NO_BURST, POP_BATCH, DoneMsg, RequestMsg, SimKeys, popped
 
@@ -209,7 +209,7 @@ class EngineSimRunner:
         self._stop = asyncio.Event()
         self._last_pull = float("-inf")
         self.client: Any = None
-        self.reporter: AsyncBatchReporter | None = None  # every engine: one call per round
+        self.reporter: AsyncReporter | None = None  # every engine: one call per round
 
     def stop(self) -> None:
         self._stop.set()
@@ -268,9 +268,9 @@ class EngineSimRunner:
         w, r = len(eng.waiting), len(eng.running)
         if self.mode == "lockstep":
             step = eng.step_no + 1 if before_step else eng.step_no
-            rep.report_nowait(eid, step, w, r, eng.wave, admitted=eng.admitted)
+            rep.report_nowait(Counts(step, w, r, eng.wave, admitted=eng.admitted), engine=eid)
         else:
-            rep.report_nowait(eid, None, w, r, admitted=eng.admitted)
+            rep.report_nowait(Counts(None, w, r, admitted=eng.admitted), engine=eid)
 
     def done_msg(self, req: SimRequest) -> DoneMsg:
         """The completion of a finished request, with its decode time: from its first
@@ -367,9 +367,9 @@ class EngineSimRunner:
         self.client = make_client(self.url, asyncio=True, socket_timeout=5.0)
         try:
             await self.client.delete(*self._req_keys.values())
-            rep = self.reporter = AsyncBatchReporter(
+            rep = self.reporter = AsyncReporter(
                 deployment=self.deployment,
-                engine_ids=list(self.engines),
+                engines=list(self.engines),
                 mode=self.mode,
                 client=self.client,
                 heartbeat_s=self.heartbeat_s,

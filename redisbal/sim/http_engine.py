@@ -10,7 +10,7 @@ names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 Faults, for reliability tests: ``POST /sim/fault`` (redisbal.sim.fault_injection).
 
 Each engine is a ``SimEngine`` (redisbal.sim.model) stepping on its own clock
-("tick" mode), reports through the real ``AsyncEngineReporter`` and registers
+("tick" mode), reports through the real ``AsyncReporter`` and registers
 its base URL in the deployment (redisbal.endpoints). The output length is the
 model's heavy-tailed draw capped by ``max_tokens`` (exactly ``max_tokens`` with
 vLLM's ``ignore_eos``). A request whose client goes away leaves the engine at
@@ -52,7 +52,7 @@ from redisbal.background import cancel_and_wait
 from redisbal.connection import OUTAGE_ERRORS
 from redisbal.gateway.loadgen import output_text
 from redisbal.keys import check_name
-from redisbal.reporting.reporter import AsyncEngineReporter
+from redisbal.reporting.reporter import AsyncReporter, Counts
 from redisbal.sim.engine_sim import EngineTally, SimStats
 from redisbal.sim.fault_injection import FaultInjection
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
@@ -131,7 +131,7 @@ class HttpEngine:
         self.model_name = model_name
         self.mean_output = mean_output
         self.rng = random.Random(seed)
-        self.reporter: AsyncEngineReporter | None = None
+        self.reporter: AsyncReporter | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._url_task: asyncio.Task[None] | None = None
@@ -171,12 +171,8 @@ class HttpEngine:
         if not force and m.busy() and now - self._reported_at < self.report_min_s:
             return
         self._reported_at = now
-        self.reporter.report_nowait(
-            waiting=len(m.waiting),
-            running=len(m.running),
-            kv_usage=self.kv_usage(),
-            admitted=list(m.admitted),
-        )
+        counts = Counts(None, len(m.waiting), len(m.running), 0, self.kv_usage(), m.admitted)
+        self.reporter.report_nowait(counts)
 
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
@@ -490,7 +486,7 @@ class HttpEngine:
             )
         self._task = asyncio.get_running_loop().create_task(self._steps())
         if self.redis_url:
-            self.reporter = AsyncEngineReporter(
+            self.reporter = AsyncReporter(
                 self.redis_url, self.deployment, self.engine_id, mode="tick"
             )
             await self.reporter.register()

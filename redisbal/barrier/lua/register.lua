@@ -1,6 +1,6 @@
 --[[
   register: announce engines before their first report, so that the first
-  snapshot waits for them. Used by EngineReporter.register and by the
+  snapshot waits for them. Used by Reporter.register and by the
   coordinator for the engines its config expects.
 
   KEYS: the deployment's seven keys (includes/deployment.lua)

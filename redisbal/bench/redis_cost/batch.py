@@ -5,10 +5,10 @@ For each N it starts a fresh redis-server (TCP on 127.0.0.1, as a deployment rea
 registers N lockstep engines in one deployment per mode and drives them step by step:
 
 - ``a``: every engine on its own connection, one lua/report.lua call per round trip, the
-  engines of a step all at once (asyncio): what an EngineReporter per engine sends, so
+  engines of a step all at once (asyncio): what a Reporter per engine process sends, so
   Redis also pays a read and a write per report;
 - ``bB``: lua/report_many.lua, B engines per call, one connection per call (a
-  BatchReporter per process of B engines), the calls of a step all at once.
+  Reporter per process of B engines), the calls of a step all at once.
 
 Each repeat runs every mode once, one after the other on the same server, and measures
 Redis CPU (INFO cpu: used_cpu_user + used_cpu_sys) over ``--steps`` steps after a few

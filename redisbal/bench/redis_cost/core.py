@@ -331,13 +331,13 @@ def bench_latency(url: str, n: int = 32, routers: int = 8, steps: int = 200) -> 
     router is its own process, as API servers are."""
     import multiprocessing as mp
 
-    from redisbal.reporting.reporter import EngineReporter
+    from redisbal.reporting.reporter import Counts, Reporter
 
     dep = "lat"
     keys = DeploymentKeys(dep)
     admin = redis.Redis.from_url(url)
     admin.delete(*keys.all_keys())
-    reps = [EngineReporter(url, dep, str(i), heartbeat=False) for i in range(n)]
+    reps = [Reporter(url, dep, str(i), heartbeat=False) for i in range(n)]
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
     readies = [ctx.Event() for _ in range(routers)]
@@ -352,9 +352,9 @@ def bench_latency(url: str, n: int = 32, routers: int = 8, steps: int = 200) -> 
     sent: dict[int, float] = {}
     for step in range(steps):
         for rep in reps[:-1]:
-            rep.report(step=step, waiting=1, running=2, wait=True)
+            rep.report(Counts(step=step, waiting=1, running=2), wait=True)
         t0 = time.time()
-        res = reps[-1].report(step=step, waiting=1, running=2, wait=True)
+        res = reps[-1].report(Counts(step=step, waiting=1, running=2), wait=True)
         assert res.version, "the last report must publish"
         sent[res.version] = t0
         time.sleep(0.005)
