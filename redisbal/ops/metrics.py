@@ -436,6 +436,29 @@ ROUTER_COUNTERS = {
 }
 
 
+class _Bound:
+    """The objects a registry exports the metrics of: bound and unbound from any
+    thread, read at scrape time."""
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._lock = threading.Lock()
+
+    def add(self, obj: Any) -> None:
+        with self._lock:
+            if obj not in self._items:
+                self._items.append(obj)
+
+    def remove(self, obj: Any) -> None:
+        with self._lock:
+            if obj in self._items:
+                self._items.remove(obj)
+
+    def items(self) -> list[Any]:
+        with self._lock:
+            return list(self._items)
+
+
 class RouterMetrics:
     """Client-side router metrics on a registry the host application passes in.
 
@@ -447,25 +470,19 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry, prefix: str = "redisbal_router") -> None:
         self.prefix = prefix
-        self._routers: list[Any] = []
-        self._lock = threading.Lock()
+        self._bound = _Bound()
         registry.register(_RouterCollector(self))
 
     def bind(self, router: Any) -> Any:
         """Export ``router``'s metrics (a Router or AsyncRouter); returns it."""
-        with self._lock:
-            if router not in self._routers:
-                self._routers.append(router)
+        self._bound.add(router)
         return router
 
     def unbind(self, router: Any) -> None:
-        with self._lock:
-            if router in self._routers:
-                self._routers.remove(router)
+        self._bound.remove(router)
 
     def routers(self) -> list[Any]:
-        with self._lock:
-            return list(self._routers)
+        return self._bound.items()
 
 
 def _router_deployment(router: Any) -> str:
@@ -541,19 +558,16 @@ class ReporterMetrics:
 
     def __init__(self, registry: CollectorRegistry, prefix: str = "redisbal_reporter") -> None:
         self.prefix = prefix
-        self._reporters: list[Any] = []
-        self._lock = threading.Lock()
+        self._bound = _Bound()
         registry.register(_ReporterCollector(self))
 
     def bind(self, reporter: Any) -> Any:
-        with self._lock:
-            if reporter not in self._reporters:
-                self._reporters.append(reporter)
+        """Export ``reporter``'s metrics (a Reporter or AsyncReporter); returns it."""
+        self._bound.add(reporter)
         return reporter
 
     def reporters(self) -> list[Any]:
-        with self._lock:
-            return list(self._reporters)
+        return self._bound.items()
 
 
 class _ReporterCollector(Collector):
