@@ -137,25 +137,19 @@ async def test_a_router_moved_to_another_index_reconciles_against_that_index(
         await router.aclose()
 
 
-def update_share(core: RouterCore, mine: int, total: int) -> None:
-    """What apply_snapshot does with a snapshot's admitted totals."""
-    core.share_estimate.update(mine, total)
-    core.share, core.pending_weight = core.share_estimate.share, core.share_estimate.weight
-
-
 def test_a_new_count_restarts_the_share_estimate() -> None:
     """A router that leased its index alone estimated a share of 1.0; when a second
     router joins (same index, count 2) its own routes must stand for the other's too."""
     core = RouterCore(0, 1)
     apply_lease(core, 0, 1)
-    update_share(core, 100, 100)  # alone: everything admitted was its own
-    update_share(core, 300, 300)
+    core._update_share(100, 100)  # alone: everything admitted was its own
+    core._update_share(300, 300)
     assert core.share == 1.0 and core.pending_weight == 1.0
     apply_lease(core, 0, 2)
     assert core.share == pytest.approx(0.5) and core.pending_weight == 2.0
     assert core.share_estimate.totals is None  # the next deltas are measured from the next snapshot
-    update_share(core, 300, 300)
-    update_share(core, 315, 320)  # 15 of the next 20 admissions
+    core._update_share(300, 300)
+    core._update_share(315, 320)  # 15 of the next 20 admissions
     moved = 0.5 + 20 / 2000 * (15 / 20 - 0.5)
     assert core.share == pytest.approx(moved)
     apply_lease(core, 0, 2)  # the same lease renewed: the estimate goes on

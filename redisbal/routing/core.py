@@ -131,9 +131,9 @@ class RouterCore:
         # epoch -> the highest version adopted in it (8 latest epochs): never back in one
         self._versions: dict[str, int] = {}
         self.seq = 0  # the last decision's
-        # share of traffic (redisbal.routing.estimates); policies read share and weight
+        # share of traffic (redisbal.routing.estimates); its weight copied where it moves
+        # (restart_share, _update_share): policies read it per route
         self.share_estimate = ShareEstimate(client_count, share_halflife)
-        self.share = self.share_estimate.share
         self.pending_weight = self.share_estimate.weight
         self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
         self.running_cap = 0  # largest running count seen on an engine with a queue
@@ -299,15 +299,29 @@ class RouterCore:
             else:
                 mine, total, exact = self._adopt_full(snap, now, speed_on or age_on)
             if exact:
-                est = self.share_estimate
-                est.update(mine, total)
-                self.share, self.pending_weight = est.share, est.weight
+                self._update_share(mine, total)
                 if speed_on:
                     self.speeds.update_speeds(self.known)
                 if age_on:
                     self.speeds.update_aged(self.known, snap)
             self.policy.reset(self)
             return True
+
+    @property
+    def share(self) -> float:
+        """This router's estimated share of all routes (``ShareEstimate``)."""
+        return self.share_estimate.share
+
+    def restart_share(self, client_count: int) -> None:
+        """Start the share estimate over at 1 / client_count (the index or the router
+        count changed: redisbal.routing.lease)."""
+        self.share_estimate.restart(client_count)
+        self.pending_weight = self.share_estimate.weight
+
+    def _update_share(self, mine: int, total: int) -> None:
+        """A snapshot's admitted totals, this router's and all routers', into the estimate."""
+        self.share_estimate.update(mine, total)
+        self.pending_weight = self.share_estimate.weight
 
     def silent_ms(self, engine_id: str) -> int:
         """How long ``engine_id``'s reports had stopped when the latest snapshot was

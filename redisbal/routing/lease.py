@@ -90,10 +90,8 @@ def apply_lease(core: RouterCore, index: int, count: int) -> None:
                 c = snap.engines.get(e.engine_id) if snap is not None else None
                 adm = c.admitted if c is not None else None
                 e.routed_before = e.routed - (adm[index] if adm and index < len(adm) else 0)
-        est = core.share_estimate
-        if changed or recount or est.totals is None:
-            est.restart(count)
-            core.share, core.pending_weight = est.share, est.weight
+        if changed or recount or core.share_estimate.totals is None:
+            core.restart_share(count)
 
 
 class ClientLease:
