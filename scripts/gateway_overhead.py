@@ -6,10 +6,11 @@ Starts a redis-server, one HTTP engine simulator (1 ms steps: it answers within 
 millisecond or two and does not spin) and one ``redisbal gateway`` process per
 ``--loops`` kind (asyncio, uvloop), then for each rate runs ``redisbal loadgen``'s
 generator against the engine and against each gateway, ``--reps`` times each,
-alternating. Non-streamed
-small bodies (one output token) give added end-to-end latency; streamed requests
-give added time to first token. The gateway's CPU time and its run-queue wait (time
-runnable but not running: what a contended host adds) come from
+alternating. Non-streamed small bodies (one output token) give added end-to-end
+latency; streamed requests give added time to first token. ``--whole-tokens N`` makes
+the whole requests N tokens long, so that many wait on the engine at once (what a
+gateway costs per waiting request). The gateway's CPU time and its run-queue wait
+(time runnable but not running: what a contended host adds) come from
 /proc/<pid>/schedstat; "inside" is the gateway's own added-latency histogram.
 
     python scripts/gateway_overhead.py --rates 100,200,500 --duration 5 --reps 2 \
@@ -103,7 +104,9 @@ def hist_quantile(buckets: dict[float, float], q: float) -> float | None:
     return None
 
 
-def one_run(url: str, rate: float, duration: float, stream: bool, seed: int) -> dict[str, Any]:
+def one_run(
+    url: str, rate: float, duration: float, stream: bool, seed: int, whole_tokens: int = 1
+) -> dict[str, Any]:
     planned = plan(
         rate=rate,
         duration=duration,
@@ -111,7 +114,7 @@ def one_run(url: str, rate: float, duration: float, stream: bool, seed: int) -> 
         burst=1,
         burst_every=1.0,
         prompt_mean=8,
-        output_mean=8 if stream else 1,
+        output_mean=8 if stream else whole_tokens,
         sigma=0.0,
         seed=seed,
     )
@@ -158,6 +161,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--modes", default="whole,stream")
     ap.add_argument("--loops", default="uvloop", help="one gateway per event loop kind")
+    ap.add_argument(
+        "--whole-tokens",
+        type=int,
+        default=1,
+        help="output tokens of each whole (non-streamed) request: more keeps more in flight",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--auth", action="store_true", help="also a gateway with an API key")
     ap.add_argument("--bare", action="store_true", help="also a bare aiohttp pass-through")
@@ -272,10 +281,12 @@ def measure(
     h0 = added_hist(url, stream) if ours else {}
     (c0, w0), t0 = schedstat(pid) if gateway else (0.0, 0.0), time.monotonic()
     o0 = listen_overflows()
-    res = one_run(url, rate, a.duration, stream, seed=rep)
+    res = one_run(url, rate, a.duration, stream, seed=rep, whole_tokens=a.whole_tokens)
     res["listen_overflows"] = listen_overflows() - o0
     (c1, w1), el = schedstat(pid) if gateway else (0.0, 0.0), time.monotonic() - t0
     row = {"target": name, "rate": rate, "stream": stream, "rep": rep, **res}
+    if not stream:
+        row["whole_tokens"] = a.whole_tokens
     if gateway:
         h1 = added_hist(url, stream) if ours else {}
         delta = {le: h1[le] - h0.get(le, 0) for le in h1}

@@ -23,6 +23,7 @@ from aiohttp import web
 from redisbal import endpoints
 from redisbal.background import cancel_and_wait
 from redisbal.gateway.errors import json_error
+from redisbal.gateway.first_byte import SilenceWatch
 from redisbal.gateway.options import MAX_MODEL_LEN
 from redisbal.gateway.retry import RetryBudget
 from redisbal.routing.router import AsyncRouter
@@ -50,6 +51,7 @@ class Deployment:
         self.urls: dict[str, str] = dict(self.static_urls)
         self.refresh_s = refresh_s
         self.budget = RetryBudget(retry_budget)
+        self.silence = SilenceWatch(router.silent_s)  # its engines gone silent, for waits
         self.label = ""  # before its engine ids in metrics: "<name>/" with several
         self._refresher: asyncio.Task[None] | None = None
         self._refetch: asyncio.Task[None] | None = None  # one re-read for many requests

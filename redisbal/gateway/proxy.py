@@ -34,7 +34,7 @@ from aiohttp import web
 
 from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
-from redisbal.gateway.first_byte import Silent, first_byte
+from redisbal.gateway.first_byte import Silent, first_byte, timeout
 from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
 from redisbal.keys import InvalidName, check_name
@@ -277,7 +277,8 @@ class Proxy:
             m.errors.labels("too_large").inc()
             return _json_error(413, f"the body exceeds {self.max_body} bytes")
         try:
-            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
+            async with timeout(self.body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             m.errors.labels("too_large").inc()
             return _json_error(413, f"the body exceeds {self.max_body} bytes")
@@ -408,9 +409,7 @@ class Proxy:
         try:
             try:
                 up = await first_byte(
-                    self.session.post(url, data=raw, headers=headers),
-                    bound,
-                    lambda: router.silent_s(eid),
+                    self.session.post(url, data=raw, headers=headers), bound, dep.silence, eid
                 )
             except aiohttp.ClientConnectorError as exc:
                 _unroute(router, d)  # it never got there: no route to take back later
@@ -433,7 +432,7 @@ class Proxy:
             if not ctype.startswith("text/event-stream"):
                 whole, kind = await self._whole(router, d, up, ctype, t0, t_up)
                 return whole
-            streamed, kind, detail = await self._relay(request, router, d, up, t0, t_up, bound)
+            streamed, kind, detail = await self._relay(request, dep, d, up, t0, t_up, bound)
             return streamed
         except Retry as exc:
             kind, detail = exc.kind, exc.detail
@@ -478,7 +477,7 @@ class Proxy:
     async def _relay(
         self,
         request: web.Request,
-        router: AsyncRouter,
+        dep: Deployment,
         d: Decision,
         up: aiohttp.ClientResponse,
         t0: float,
@@ -489,11 +488,11 @@ class Proxy:
         go out with the first chunk, so an engine that gives none within ``bound`` of
         the request (or drops first) is retried; after it, ``idle_timeout_s`` without a
         chunk ends the stream with an error event."""
-        m, eid = self.metrics, d.engine_id
+        m, eid, router = self.metrics, d.engine_id, dep.router
         chunks = up.content.iter_any()
         left = max(0.001, bound - (time.perf_counter() - t_up))
         try:
-            first = await first_byte(chunks.__anext__(), left, lambda: router.silent_s(eid))
+            first = await first_byte(chunks.__anext__(), left, dep.silence, eid)
         except StopAsyncIteration:
             first = b""
         except asyncio.TimeoutError:
@@ -521,7 +520,8 @@ class Proxy:
             idle = self.idle_timeout_s
             while True:
                 try:
-                    chunk = await asyncio.wait_for(chunks.__anext__(), idle)
+                    async with timeout(idle):
+                        chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:

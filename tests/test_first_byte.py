@@ -1,0 +1,99 @@
+"""redisbal.gateway.first_byte: the wait for an engine's first byte ends with the
+answer, at its bound, or early once the engine is silent; one watch checks silence for
+every waiting request at once, and a wait that ends or is cancelled leaves nothing
+behind in it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from redisbal.gateway.first_byte import (
+    CHECK_EVERY_S,
+    SILENT_WAIT_S,
+    SilenceWatch,
+    Silent,
+    first_byte,
+)
+from redisbal.routing.outcomes import SILENT_AFTER_S
+
+
+class Quiet:
+    """``silent_s`` for a watch: engines named in ``silent`` have been silent for
+    ``SILENT_AFTER_S``; counts the calls."""
+
+    def __init__(self, *silent: str) -> None:
+        self.silent = set(silent)
+        self.calls = 0
+
+    def __call__(self, engine_id: str) -> float:
+        self.calls += 1
+        return SILENT_AFTER_S if engine_id in self.silent else 0.0
+
+
+async def answer_after(delay: float, value: str = "ok") -> str:
+    await asyncio.sleep(delay)
+    return value
+
+
+async def test_an_answer_within_the_bound_is_returned_and_nothing_stays_watched() -> None:
+    watch = SilenceWatch(Quiet())
+    assert await first_byte(answer_after(0.0), 5.0, watch, "0") == "ok"
+    assert await first_byte(answer_after(SILENT_WAIT_S + 0.05), 5.0, watch, "0") == "ok"
+    assert watch.waiting() == 0
+
+
+async def test_the_bound_ends_the_wait_on_an_engine_that_still_reports() -> None:
+    watch = SilenceWatch(Quiet())
+    slow = asyncio.ensure_future(answer_after(60.0))
+    with pytest.raises(asyncio.TimeoutError):
+        await first_byte(slow, SILENT_WAIT_S + 0.1, watch, "0")
+    assert slow.cancelled()  # the request is dropped, not left running
+    assert watch.waiting() == 0
+    with pytest.raises(asyncio.TimeoutError):  # a bound below SILENT_WAIT_S: one wait
+        await first_byte(answer_after(60.0), 0.01, watch, "0")
+
+
+async def test_a_silent_engine_ends_the_wait_long_before_its_bound() -> None:
+    quiet = Quiet("hung")
+    watch = SilenceWatch(quiet)
+    with pytest.raises(Silent) as err:
+        await first_byte(answer_after(60.0), 60.0, watch, "hung")  # (the test's timeout)
+    assert err.value.silent_s == SILENT_AFTER_S
+    assert watch.waiting() == 0
+    # a request to another, healthy engine is unaffected
+    assert await first_byte(answer_after(SILENT_WAIT_S + 2 * CHECK_EVERY_S), 60.0, watch, "0")
+
+
+async def test_one_check_per_engine_serves_every_waiting_request() -> None:
+    quiet = Quiet()
+    watch = SilenceWatch(quiet)
+    waits = [
+        asyncio.ensure_future(first_byte(answer_after(SILENT_WAIT_S + 0.3), 60.0, watch, "0"))
+        for _ in range(100)
+    ]
+    await asyncio.sleep(SILENT_WAIT_S + 0.1)
+    assert watch.waiting() == 100
+    assert await asyncio.gather(*waits) == ["ok"] * 100
+    # each check asks once for engine "0", however many requests wait on it: a poll per
+    # request would have asked 100 times per check
+    assert 1 <= quiet.calls < 100
+    assert watch.waiting() == 0
+    await asyncio.sleep(2 * CHECK_EVERY_S)
+    calls = quiet.calls
+    await asyncio.sleep(3 * CHECK_EVERY_S)
+    assert quiet.calls == calls  # nobody waits: the timer stopped
+
+
+async def test_a_cancelled_wait_cancels_its_request_and_forgets_its_watch() -> None:
+    watch = SilenceWatch(Quiet())
+    inner = asyncio.ensure_future(answer_after(60.0))
+    outer = asyncio.ensure_future(first_byte(inner, 60.0, watch, "0"))
+    await asyncio.sleep(SILENT_WAIT_S + 0.1)
+    assert watch.waiting() == 1
+    outer.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert inner.cancelled()
+    assert watch.waiting() == 0
