@@ -86,6 +86,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal-share": {"use_share": False},
     "redisbal+sed-dither": {"use_sed": True, "use_dither": False},
     "redisbal-cost": {"use_cost": False},
+    "redisbal-room": {"affinity_room": False},
 }
 
 

@@ -399,6 +399,7 @@ class RedisbalPolicy(ScoringPolicy):
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0
     affinity_probes = 4  # engines of a key tried, clockwise on the ring
+    affinity_room = True  # a key's engine with no queue and room now takes it, whatever its load
     affinity_kv = 0.9  # an engine has room only below this KV usage
     # dither amplitude: this x own routes per snapshot x pending_weight (1-4 measured)
     dither_gain = 1.0
@@ -526,7 +527,7 @@ class RedisbalPolicy(ScoringPolicy):
             e = engines[i]
             if e is top or self.score(core, e) - e.dither <= ref:
                 return e
-            if e.waiting == 0 and self._has_room(e, cap, w):
+            if self.affinity_room and e.waiting == 0 and self._has_room(e, cap, w):
                 return e  # no queue and room now: the key's cache saves its prefill
             seen.append(i)
             if len(seen) >= self.affinity_probes:
