@@ -9,7 +9,8 @@ generator against the engine and against each gateway, ``--reps`` times each,
 alternating. Non-streamed small bodies (one output token) give added end-to-end
 latency; streamed requests give added time to first token. ``--whole-tokens N`` makes
 the whole requests N tokens long, so that many wait on the engine at once (what a
-gateway costs per waiting request). The gateway's CPU time and its run-queue wait
+gateway costs per waiting request; ``--engine-args '--per-seq-ms 0.01'`` keeps the
+engine's steps short with many running). The gateway's CPU time and its run-queue wait
 (time runnable but not running: what a contended host adds) come from
 /proc/<pid>/schedstat; "inside" is the gateway's own added-latency histogram.
 
@@ -167,6 +168,9 @@ def main() -> None:
         default=1,
         help="output tokens of each whole (non-streamed) request: more keeps more in flight",
     )
+    ap.add_argument(
+        "--engine-args", default="", help="more engine-sim arguments, e.g. '--per-seq-ms 0.01'"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--auth", action="store_true", help="also a gateway with an API key")
     ap.add_argument("--bare", action="store_true", help="also a bare aiohttp pass-through")
@@ -202,6 +206,7 @@ def main() -> None:
             "1024",
             "--log-level",
             "warning",
+            *a.engine_args.split(),
         ]
         try:
             procs.append(subprocess.Popen(engine, env=env))

@@ -7,7 +7,7 @@ and the two rankings of the policies by mean TTFT p99, compared pair by pair.
     python scripts/sim_vs_real.py straggler=rt-straggler.json sessions=rt-sessions.json \\
         --trace-dir . --json cmp.json
 
-``--reference oracle,redisbal-cost`` simulates more policies on the same seeds, to
+``--reference oracle,redisbal+cost`` simulates more policies on the same seeds, to
 set beside the rest without a real-time run: the oracle (join-the-shortest-queue on
 exact global state) shows how much better any router could do there.
 

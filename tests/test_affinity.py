@@ -10,7 +10,7 @@ import pytest
 from helpers import make_snapshot
 
 from redisbal.routing.core import RouterCore
-from redisbal.routing.policies import EngineView, Policy, RequestInfo, RoutingState
+from redisbal.routing.policies import EngineView, Policy, RedisbalPolicy, RequestInfo, RoutingState
 
 
 def cores(n_routers: int, loads: dict[str, tuple[int, int]], **kw: object) -> list[RouterCore]:
@@ -93,8 +93,15 @@ def test_a_hot_key_is_bounded_not_piled_on_one_engine() -> None:
     assert max(got.values()) <= 1.25 * (80 / 8 + 1) + 1
 
 
-def test_a_large_route_counts_more_than_a_small_one() -> None:
-    (core,) = cores(1, {"a": (0, 0), "b": (0, 0)})
+def sized() -> RedisbalPolicy:
+    """The default policy with ``use_cost`` on: routes count by their size."""
+    policy = RedisbalPolicy()
+    policy.use_cost = True
+    return policy
+
+
+def test_with_use_cost_a_large_route_counts_more_than_a_small_one() -> None:
+    (core,) = cores(1, {"a": (0, 0), "b": (0, 0)}, policy=sized())
     for _ in range(50):  # the typical size
         core.unroute(core.route(prompt_tokens=1000, output_tokens=100))
     big = core.route(engine_id="a", prompt_tokens=20000, output_tokens=2000)
@@ -109,7 +116,7 @@ def test_a_large_route_counts_more_than_a_small_one() -> None:
 
 
 def test_costs_of_routes_the_snapshot_counted_are_dropped() -> None:
-    (core,) = cores(1, {"a": (0, 0)})
+    (core,) = cores(1, {"a": (0, 0)}, policy=sized())
     for size in (100, 100, 5000):
         core.route(prompt_tokens=size, output_tokens=50)
     e = core.known[0]
@@ -173,14 +180,10 @@ def test_bad_request_info_is_a_clear_error_and_routes_nothing(
     assert core.known[0].routed == 0 and core.request is None
 
 
-def test_with_use_cost_off_every_route_counts_one() -> None:
-    """RedisbalPolicy.use_cost=False: a route holds one slot whatever its prompt, so
-    pending counts routes, not sizes (the option the real-time straggler measured)."""
-    from redisbal.routing.policies import RedisbalPolicy
-
-    policy = RedisbalPolicy()
-    policy.use_cost = False
-    (core,) = cores(1, {"a": (0, 0), "b": (0, 0)}, policy=policy)
+def test_by_default_every_route_counts_one() -> None:
+    """The default (``use_cost`` off): a route holds one slot whatever its prompt, so
+    pending counts routes, not sizes."""
+    (core,) = cores(1, {"a": (0, 0), "b": (0, 0)})
     for _ in range(50):
         core.unroute(core.route(prompt_tokens=1000, output_tokens=100))
     core.route(engine_id="a", prompt_tokens=20000, output_tokens=2000)

@@ -85,7 +85,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal+slots": {"use_slots": True},
     "redisbal-share": {"use_share": False},
     "redisbal+sed-dither": {"use_sed": True, "use_dither": False},
-    "redisbal-cost": {"use_cost": False},
+    "redisbal+cost": {"use_cost": True},
     "redisbal-room": {"affinity_room": False},
 }
 

@@ -95,7 +95,7 @@ class RouterCore:
         self.client_count = client_count
         self.policy = make_policy(policy)
         # whether a route counts by its size (the policy's use_cost; RedisbalPolicy)
-        self._sized: bool = getattr(self.policy, "use_cost", True)
+        self._sized: bool = getattr(self.policy, "use_cost", False)
         self.stale_after_s = stale_after_s
         self.transit_s = transit_s
         self.clock = clock
