@@ -75,7 +75,7 @@ class SilenceWatch:
                 del self._waiting[engine_id]
 
     def waiting(self) -> int:
-        """Requests being watched (for tests and metrics)."""
+        """Requests being watched now (what the tests check is left behind)."""
         return sum(map(len, self._waiting.values()))
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:

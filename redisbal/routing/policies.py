@@ -362,7 +362,8 @@ class RedisbalPolicy(ScoringPolicy):
 
     Each pending route counts 1: it will hold one slot, whatever its size. With
     ``use_cost`` (off) a route that said its size in tokens counts as that size over
-    the typical route's (``EngineView.pending_cost``).
+    the typical route's (``EngineView.pending_cost``); through the gateway the size is
+    the prompt's, short prompts counted a tenth, and routers piled them onto one engine.
 
     A request with a ``key`` (``route(key=...)``) goes to the first of the key's
     engines on a consistent-hash ring of the choosable engines (clockwise from the
@@ -394,11 +395,8 @@ class RedisbalPolicy(ScoringPolicy):
     # where the request would queue scores above every one with a free slot, and among
     # those by its queue over its speed; use_share, own pending routes count 1 / share.
     use_sed, use_dither, use_slots, use_share = False, True, False, True
-    # Pending routes count by their size (routing.estimates.RouteCost), not 1 each.
-    # Off: through the gateway a route's size is its prompt over the typical prompt
-    # (0.1-10), while what it holds for TTFT is a slot; short prompts counted a tenth,
-    # and the routers piled them onto one engine until the next snapshot (real-time
-    # Poisson, docs/BENCHMARKS.md: redisbal+cost).
+    # Pending routes count by their size (routing.estimates.RouteCost), not 1 each; off
+    # (the class docstring; measured: docs/BENCHMARKS.md, real-time Poisson)
     use_cost = False
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
