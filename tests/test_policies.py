@@ -8,6 +8,7 @@ time-based reconciliation, unbiased ties, pinning, balanced start.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -455,8 +456,9 @@ def _counts(w: int, r: int, t_ms: int, adm: int) -> EngineCounts:
 
 
 def test_age_weighting_discounts_an_older_report_by_its_expected_completions() -> None:
-    """use_age: an engine's reported load is read in the light of its age: running x
-    its completion rate x (snapshot time - report time) is subtracted."""
+    """use_age: an engine's reported load is read in the light of its age: the
+    completions expected since the report, running x (1 - exp(-rate x age)), are
+    subtracted."""
     core = make_core()
     assert core.policy.use_age  # type: ignore[attr-defined]
     t = T0_MS
@@ -469,7 +471,7 @@ def test_age_weighting_discounts_an_older_report_by_its_expected_completions() -
         )
         core.apply_snapshot(snap)
     assert core.by_id["a"].aged == 0.0
-    # b's report is 500 ms older than the cut: 40 x 1/s x 0.5 s = 20 expected completions
+    # b's report is 500 ms older than the cut: at 1/s, 40 x (1 - e^-0.5) = 15.7 expected
     snap = make_snapshot(
         {"a": _counts(0, 40, t + 2000, 120), "b": _counts(0, 40, t + 1500, 100)},
         version=3,
@@ -477,8 +479,29 @@ def test_age_weighting_discounts_an_older_report_by_its_expected_completions() -
     )
     core.apply_snapshot(snap)
     assert core.by_id["a"].aged == 0.0
-    assert core.by_id["b"].aged == pytest.approx(20.0, rel=0.05)
+    assert core.by_id["b"].aged == pytest.approx(40 * (1 - math.exp(-0.5)), rel=0.05)
     assert {core.route().engine_id for _ in range(10)} == {"b"}
+
+
+def test_an_old_report_never_ages_below_empty() -> None:
+    """A busy engine's report seconds old is read as fewer of its requests left, never
+    as fewer than none: an idle engine still scores below it (linear in the age, a
+    10 s old report of 16 running at 1/s made it 16 - 160, the most attractive engine)."""
+    core = make_core()
+    t = T0_MS
+    for k, adm in enumerate((16, 32)):  # 16 running, 16 ended a second: 1/s per request
+        counts = {"a": _counts(0, 16, t + 1000 * k, adm), "b": _counts(0, 0, t + 1000 * k, 0)}
+        core.apply_snapshot(make_snapshot(counts, version=k + 1, time_ms=t + 1000 * k))
+    snap = make_snapshot(
+        {"a": _counts(0, 16, t + 1000, 32), "b": _counts(0, 0, t + 11_000, 0)},
+        version=3,
+        time_ms=t + 11_000,
+    )
+    core.apply_snapshot(snap)
+    a = core.by_id["a"]
+    assert a.age_s == pytest.approx(10.0)
+    assert 15.9 < a.aged < 16.0  # 16 x (1 - e^-10)
+    assert core.route().engine_id == "b"
 
 
 def test_age_weighting_can_be_switched_off() -> None:

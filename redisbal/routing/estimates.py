@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from redisbal.barrier.snapshot import Snapshot
@@ -127,13 +128,18 @@ class SpeedEstimate:
             e.speed = 1.0 if lo < sp < hi else sp
 
     def update_aged(self, engines: Sequence[EngineView], snap: Snapshot) -> None:
-        """Expected completions on each engine since its report (``aged``): running x
-        its rate (the median engine's until known) x the report's age at the snapshot."""
+        """Expected completions on each engine since its report (``aged``): of its
+        ``running`` requests, each ending at its rate r (the median engine's until
+        known), running x (1 - exp(-r x age)) ended within the report's age. About
+        running x r x age for a fresh report; never more than running for an old one
+        (linear, a report seconds old made a busy engine look emptier than idle)."""
         rates = self.rates(engines)
         mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
         for e in engines:  # (0 for an engine the snapshot holds no report of)
-            held = e.engine_id in snap.engines
-            e.aged = e.running * rates.get(e.engine_id, mid) * e.age_s if held else 0.0
+            if e.running and e.engine_id in snap.engines:
+                e.aged = -e.running * math.expm1(-rates.get(e.engine_id, mid) * e.age_s)
+            else:
+                e.aged = 0.0
 
 
 def by_time(e: EngineView, cutoff: float) -> None:

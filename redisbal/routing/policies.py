@@ -350,10 +350,10 @@ class RedisbalPolicy(ScoringPolicy):
     would only blur which engine is shortest.
 
     With ``use_age`` (on), each engine's snapshot load is lowered by the completions
-    expected since its report was made (its running count x its completion rate per
-    running request x the report's age), so an older report is read as the lighter
-    load it has become. ``p2c_from`` (off) switches to the better of two random
-    engines at large N.
+    expected since its report was made (``SpeedEstimate.update_aged``: about its running
+    count x its completion rate per running request x the report's age, never more
+    than its running count), so an older report is read as the lighter load it has
+    become. ``p2c_from`` (off) switches to the better of two random engines at large N.
 
     With ``use_speed`` (off by default), what is queued beyond an engine's free
     slots is divided by the engine's estimated speed (its completion rate per
@@ -380,11 +380,9 @@ class RedisbalPolicy(ScoringPolicy):
     # Off by default: on the quality benchmark it moves nothing beyond the seed spread
     # (docs/BENCHMARKS.md, "Policy experiments": redisbal+speed).
     use_speed = False
-    # Weigh each engine's reported load by its age (Dahlin 2000): subtract the
-    # completions expected since the report (running x the engine's completion rate
-    # per running request x the report's age at the snapshot). On; reports of one
-    # lockstep step have no age, and on the quality benchmark turning it off moves
-    # nothing beyond the seed spread (BENCHMARKS.md: redisbal-age).
+    # Weigh each engine's reported load by its age (Dahlin 2000; the class docstring).
+    # On; reports of one lockstep step have no age, and on the quality benchmark
+    # turning it off moves nothing beyond the seed spread (BENCHMARKS.md: redisbal-age).
     use_age = True
     # Power-of-two choices (Mitzenmacher 2000) from this many engines up; 0 = off.
     # Measured and left off: a higher TTFT p99 wherever queues form (BENCHMARKS.md:
