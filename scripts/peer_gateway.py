@@ -37,8 +37,10 @@ _hints = proxy.request_hints
 _route = AsyncRouter.route
 
 
-def _hints_with_blocks(body: Mapping[str, Any], key_header: str | None) -> tuple[str | None, int]:
-    got = _hints(body, key_header)
+def _hints_with_blocks(
+    body: Mapping[str, Any], key_header: str | None, user_key: bool = True
+) -> tuple[str | None, int]:
+    got = _hints(body, key_header, user_key)
     _BLOCKS.set(text_blocks(_prompt_text(dict(body), "messages" in body)))  # this request's task
     return got
 

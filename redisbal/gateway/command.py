@@ -247,6 +247,17 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     "it, doubling while its probes fail).",
 )
 @click.option(
+    "--user-key/--no-user-key",
+    default=True,
+    show_default=True,
+    envvar="REDISBAL_USER_KEY",
+    show_envvar=True,
+    help="Without an X-Redisbal-Key header, the body's user is the request's key: a "
+    "user's requests go to one engine while its load allows, for its prefix cache. "
+    "Turn it off when users rarely send twice: a key that never repeats only narrows "
+    "the choice of engine.",
+)
+@click.option(
     "--max-body-bytes",
     type=click.IntRange(1024, 1 << 30),
     default=4 << 20,
@@ -336,6 +347,7 @@ async def _serve(
     max_attempts: int,
     retry_budget: float,
     eject_max_s: float,
+    user_key: bool = True,
     nofile: int = 0,
     **served: Any,
 ) -> bool:
@@ -357,6 +369,7 @@ async def _serve(
         "idle_timeout_s": idle_timeout_s,
         "first_byte_timeout_s": first_byte_timeout_s,
         "max_attempts": max_attempts,
+        "user_key": user_key,
     }
 
     def make_router(name: str) -> AsyncRouter:

@@ -52,11 +52,14 @@ KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer on
 CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, roughly)
 
 
-def request_hints(body: Mapping[str, Any], key_header: str | None) -> tuple[str | None, int]:
+def request_hints(
+    body: Mapping[str, Any], key_header: str | None, user_key: bool = True
+) -> tuple[str | None, int]:
     """What the router is told of a request: its key (the X-Redisbal-Key header,
-    else the body's ``user``) and its prompt size in tokens, estimated from the
-    prompt's characters (no tokenizer on the request path). ValueError on a bad key."""
-    key = key_header if key_header is not None else body.get("user")
+    else, with ``user_key``, the body's ``user``) and its prompt size in tokens,
+    estimated from the prompt's characters (no tokenizer on the request path).
+    ValueError on a bad key."""
+    key = key_header if key_header is not None or not user_key else body.get("user")
     if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LEN):
         raise ValueError(f"{KEY_HEADER} (or user) must be 1-{MAX_KEY_LEN} characters")
     if key is not None:
@@ -115,6 +118,7 @@ class Proxy:
         max_concurrent: int = 0,
         body_timeout_s: float = 30.0,
         engine_api_key: str | None = None,
+        user_key: bool = True,
     ) -> None:
         if (router is None) == (not models):
             raise ValueError("give a router (one deployment) or models, not both")
@@ -140,6 +144,7 @@ class Proxy:
         self.max_concurrent = max_concurrent  # 0: no limit
         self.body_timeout_s = body_timeout_s
         self._engine_auth = None if engine_api_key is None else f"Bearer {engine_api_key}"
+        self.user_key = user_key  # the body's user is a request's key (without the header)
         self.inflight = 0
         self.draining = False
         self.metrics = GatewayMetrics(
@@ -308,7 +313,7 @@ class Proxy:
             return got
         raw, stream, body = got
         try:
-            key, tokens = request_hints(body, request.headers.get(KEY_HEADER))
+            key, tokens = request_hints(body, request.headers.get(KEY_HEADER), self.user_key)
         except ValueError as exc:
             m.errors.labels("bad_request").inc()
             return _json_error(400, str(exc))
