@@ -87,6 +87,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal+sed-dither": {"use_sed": True, "use_dither": False},
     "redisbal+cost": {"use_cost": True},
     "redisbal-room": {"affinity_room": False},
+    "redisbal-dither1": {"dither_gain": 0.0},  # the dither's amplitude stays 1, never a lump
 }
 
 
