@@ -44,7 +44,8 @@ from redisbal.routing.estimates import (
     no_report,
     trim_costs,
 )
-from redisbal.routing.outcomes import EJECTED, PROBING, SILENT_AFTER_S, OutcomeTracker
+from redisbal.routing.exclusions import Exclusions
+from redisbal.routing.outcomes import OutcomeTracker
 from redisbal.routing.policies import (
     DEFAULT_POLICY,
     Decision,
@@ -56,7 +57,6 @@ from redisbal.routing.policies import (
     make_policy,
     request_info,
 )
-from redisbal.routing.unanswered import FirstByteWaits, Silence
 
 
 class RouterCore:
@@ -110,16 +110,7 @@ class RouterCore:
         self.suspect_s = suspect_s
         # this router's evidence: ejections back off from suspect_s / 8 to suspect_s
         self.outcomes = outcomes or OutcomeTracker(base_s=suspect_s / 8, max_s=suspect_s)
-        # engine -> local clock until which it is not chosen (inf: until the next snapshot)
-        self._excluded_by_snapshot: dict[str, float] = {}
-        self._probing_by_snapshot: set[str] = set()  # the snapshot's probing and suspect ones
-        self._answered_here: set[str] = set()  # of those, the ones a probe here answered
-        self._probing: list[str] = []  # probing now (here or in the snapshot): probes go there
-        self._silence = Silence()  # engines whose reports stopped (redisbal.routing.unanswered)
-        self._waits = FirstByteWaits()  # requests waiting for a first byte, late engines
-        self._recheck_at = math.inf  # when the next exclusion runs out
-        self._all_excluded = False  # every known engine is excluded: choose among all
-        self._avoided: set[str] = set()  # excluded, while some engine is not
+        self.excl = Exclusions(self.outcomes)  # engines not chosen now (routing.exclusions)
         self._knew_any = False
         self.snapshot: Snapshot | None = None
         self.snapshot_at = float("-inf")  # local clock when the snapshot was applied
@@ -183,37 +174,13 @@ class RouterCore:
         self._knew_any = self._knew_any or bool(ids)
         self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
         self.known = list(self.by_id.values())
-        self._waits.keep(self.by_id)
+        self.excl.waits.keep(self.by_id)
         self._choosable(self.clock())
 
     def _choosable(self, now: float) -> None:
         """Set ``engines``: the known ones not excluded or probing at ``now`` (all of
-        them when every one is), the probing ones, and when to look again. The caller
-        resets the policy."""
-        out = self.outcomes
-        excluded = {e for e, until in self._excluded_by_snapshot.items() if until > now}
-        untils = [t for t in self._excluded_by_snapshot.values() if t > now]
-        probing = self._probing_by_snapshot - self._answered_here - excluded
-        for e in out.marked:
-            state = out.state(e, now)
-            if state == EJECTED:
-                excluded.add(e)
-                untils.append(out.engines[e].until)
-            elif state == PROBING and e not in excluded:
-                probing.add(e)
-        probing -= excluded  # ejected here: no probe, whatever the snapshot says
-        avoid = excluded | probing
-        # late engines (no first byte yet): a preference, so at most half of them all
-        room = len(self.known) // 2 - len(avoid)
-        for e in self._waits.late:
-            if room > 0 and e not in avoid and e in self.by_id:
-                avoid.add(e)
-                room -= 1
-        choosable = [e for e in self.known if e.engine_id not in avoid]
-        self._all_excluded = not choosable and bool(self.known)
-        self.engines, self._avoided = choosable or self.known, avoid if choosable else set()
-        self._probing = [e for e in self.by_id if e in probing] if choosable else []
-        self._recheck_at = min(untils, default=math.inf)
+        them when every one is). The caller resets the policy."""
+        self.engines = self.excl.choosable(self.known, self.by_id, now)
 
     def excluded(self) -> dict[str, str]:
         """Known engines this router does not choose now -> why ("stalled", "silent":
@@ -221,23 +188,7 @@ class RouterCore:
         one request at a time, "late": a request sent here waits too long for its
         first byte)."""
         with self.lock:
-            now, snap = self.clock(), self.snapshot
-            out = {e: "probing" for e in self._probing_by_snapshot - self._answered_here}
-            for e in self.outcomes.marked:
-                state = self.outcomes.state(e, now)
-                out[e] = "suspect" if state == EJECTED else "probing"
-            for e, t in self._excluded_by_snapshot.items():
-                if t > now:
-                    if snap is not None and e in snap.stalled:
-                        out[e] = "stalled"
-                    elif t == math.inf:
-                        out[e] = "silent"
-                    else:
-                        out[e] = "suspect"
-            for e in self._waits.late:
-                if e in self._avoided:
-                    out.setdefault(e, "late")
-            return out
+            return self.excl.why(self.clock(), self.snapshot)
 
     def accepts(self, snap: Snapshot) -> bool:
         """Whether snap is newer than any we adopted in its epoch (or of a new epoch); one of
@@ -269,27 +220,11 @@ class RouterCore:
             # with its last counts instead of vanishing for a snapshot
             kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
             carried = self._carry(snap, cur)
-            self._silence.track(snap)
-            excluded = dict.fromkeys(snap.stalled, math.inf)  # until the next snapshot
-            for eid, ms_left in snap.suspect.items():
-                excluded[eid] = now + ms_left / 1000.0
-            for eid in self._silence.reported_ms:  # stopped or gone: until it reports again
-                if self.silent_ms(eid) >= SILENT_AFTER_S * 1000:
-                    excluded[eid] = math.inf
-            # marked in the snapshot: probing once its ejection ends, even with no newer
-            # snapshot saying so (a mark never lapses into routable)
-            was_probing = self._probing_by_snapshot
-            self._probing_by_snapshot = {*snap.probing, *snap.suspect}
-            self._answered_here &= self._probing_by_snapshot
-            for e in was_probing - self._probing_by_snapshot:  # cleared: some router's probe
-                if self.outcomes.state(e, now) == PROBING:  # was answered (not fresh evidence)
-                    self.outcomes.answered(e, now)
+            marked = self.excl.adopt(snap, now)
             # the speed estimate only feeds a policy that uses it (off by default)
             speed_on, age_on = (getattr(self.policy, a, False) for a in ("wants_speed", "use_age"))
-            prev_excluded, self._excluded_by_snapshot = self._excluded_by_snapshot, excluded
             ids = [*snap.engines, *kept, *carried]
-            marked = excluded or prev_excluded or self.outcomes.marked
-            if ids != self._ids or marked or was_probing or snap.probing:
+            if ids != self._ids or marked:
                 self._set_engines(ids)
             # else the same engines, none excluded: known and engines stand as they are
             if snap.roster is not None:
@@ -326,7 +261,7 @@ class RouterCore:
     def silent_ms(self, engine_id: str) -> int:
         """How long ``engine_id``'s reports had stopped when the latest snapshot was
         published (0: not named a laggard; ``redisbal.routing.unanswered.Silence``)."""
-        return self._silence.ms(engine_id, self.snapshot)
+        return self.excl.silence.ms(engine_id, self.snapshot)
 
     def _adopt_full(self, snap: Snapshot, now: float, observe: bool) -> tuple[int, int, bool]:
         """A full snapshot's counts into the engine views; returns this router's and
@@ -454,7 +389,8 @@ class RouterCore:
             else:
                 raise TypeError(f"engine_id must be a str, got {type(engine_id).__name__}")
         with self.lock:
-            if self._recheck_at <= self.clock():  # an exclusion ran out
+            excl = self.excl
+            if excl.recheck_at <= self.clock():  # an exclusion ran out
                 self._choosable(self.clock())
                 self.policy.reset(self)
             if not self.engines:
@@ -471,8 +407,8 @@ class RouterCore:
             now = self.clock()
             try:
                 eng, pinned, probe = self._choose(engine_id, now)
-                if self._waits and not (pinned or probe) and self._overdue(eng.engine_id, now):
-                    self._waits.late[eng.engine_id] = None  # waiting on it: pick another
+                if excl.waits and not (pinned or probe) and self._overdue(eng.engine_id, now):
+                    excl.waits.late[eng.engine_id] = None  # waiting on it: pick another
                     self._choosable(now)
                     self.policy.reset(self)
                     eng, pinned, probe = self._choose(engine_id, now)
@@ -484,7 +420,7 @@ class RouterCore:
                 eng.pending_cost += cost
                 if not eng.exact:
                     eng.times.append(now)
-                if not probe and (not pinned or eng.engine_id not in self._avoided):
+                if not probe and (not pinned or eng.engine_id not in excl.avoided):
                     self.policy.routed(self, eng)  # (only engines in self.engines)
             finally:
                 self.request = None
@@ -501,11 +437,11 @@ class RouterCore:
         """The policy's pick, a probe of a probing engine (one at a time), or the pinned
         engine; and whether it was pinned, whether a probe."""
         if engine_id is None:
-            for eid in self._probing:  # (a silent one is excluded: no probe)
+            for eid in self.excl.probing:  # (a silent one is excluded: no probe)
                 if self.outcomes.take_probe(eid, now):
                     self.counters["probes"] += 1
                     return self.by_id[eid], False, True
-            if self._all_excluded:
+            if self.excl.all_excluded:
                 self.counters["all_excluded_routes"] += 1
             return self.policy.pick(self), False, False
         eng = self.by_id.get(engine_id)
@@ -542,17 +478,17 @@ class RouterCore:
         long before the request fails. Not evidence: nothing is ejected or told."""
         with self.lock:
             if not decision.done and self._view(decision) is not None:
-                self._waits.sent(decision.engine_id, decision.seq, self.clock())
+                self.excl.waits.sent(decision.engine_id, decision.seq, self.clock())
 
     def _overdue(self, engine: str, now: float) -> bool:
         """Whether ``engine`` left a request sent() waiting past its late bound, and
         answered none since it was sent."""
-        return self._waits.overdue(engine, now, self.outcomes.late_bound(engine))
+        return self.excl.waits.overdue(engine, now, self.outcomes.late_bound(engine))
 
     def _settle(self, decision: Decision, now: float) -> None:
         """The request of ``decision`` waits for no first byte any more: the engine is no
         longer late unless another request still waits too long on it."""
-        eid, waits = decision.engine_id, self._waits
+        eid, waits = decision.engine_id, self.excl.waits
         waits.ended(eid, decision.seq)
         if eid in waits.late and not (eid in self.by_id and self._overdue(eid, now)):
             del waits.late[eid]
@@ -563,7 +499,7 @@ class RouterCore:
         if decision.done:
             return
         decision.done = True
-        if self._waits:
+        if self.excl.waits:
             self._settle(decision, self.clock())
         if decision.probe:  # ended, answered or not: the next request may probe again
             self.outcomes.release_probe(decision.engine_id)
@@ -599,12 +535,8 @@ class RouterCore:
             if engine not in self.by_id:
                 return False
             self.counters["failed"] += 1
-            now, out = self.clock(), self.outcomes
-            self._answered_here.discard(engine)
-            marked = out.marked | self._probing_by_snapshot
-            marked.update(e for e, t in self._excluded_by_snapshot.items() if t > now)
-            may_eject = engine in marked or len(marked) + 1 <= len(self.known) // 2
-            tell = out.failure(engine, kind, now, may_eject=may_eject)
+            now = self.clock()
+            tell = self.excl.failed(engine, kind, now, len(self.known))
             if tell:
                 self._choosable(now)
                 self.policy.reset(self)
@@ -619,21 +551,13 @@ class RouterCore:
             engine = decision.engine_id
             if engine not in self.by_id:
                 return False
-            now, out = self.clock(), self.outcomes
+            now, excl = self.clock(), self.excl
             took = now - decision.routed_at if first_byte_s is None else first_byte_s
-            if self._waits:
-                self._waits.answered(engine)  # (what was sent before says nothing now)
+            if excl.waits:
+                excl.waits.answered(engine)  # (what was sent before says nothing now)
                 self._settle(decision, now)
-            if not out.marked and engine not in self._probing_by_snapshot:
-                out.answered(engine, now, took)  # (the steady case: no state changes)
-                return False
-            recovered = out.answered(engine, now, took)
-            tell = (
-                decision.probe or recovered
-            ) and engine in self._probing_by_snapshot - self._answered_here
-            if tell:
-                self._answered_here.add(engine)
-            if recovered or tell:
+            tell, changed = excl.answered(engine, now, took, decision.probe)
+            if changed:
                 self.counters["recovered"] += 1
                 self._choosable(now)
                 self.policy.reset(self)
