@@ -42,6 +42,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(url: str, timeout: float = 60.0) -> None:
-    import urllib.request
+def check_one_engine(name: str, url: str) -> None:
+    """Exit unless the gateway routes to exactly the one engine that direct loads (with
+    more, its side of the comparison would run at a fraction of the engine load)."""
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        engines = orjson.loads(r.read()).get("engines", [])
+    if len(engines) != 1:
+        sys.exit(f"{name} sees {len(engines)} engines ({engines}), not the one measured direct")
 
+
+def wait_http(url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -198,6 +206,8 @@ def main() -> None:
         engine = [
             REDISBAL,
             "engine-sim",
+            "--engines",  # one: direct, the gateways and the peers all load the same engine
+            "1",
             "--http-port",
             str(eport),
             "--base-step-ms",
@@ -231,8 +241,10 @@ def main() -> None:
                     cmd += ["--upstream", f"http://127.0.0.1:{eport}", "--event-loop", kind]
                     procs.append(subprocess.Popen(cmd, env=env))
                     gws[f"bare-aiohttp-{kind}"] = (f"http://127.0.0.1:{port}", procs[-1].pid)
-            for url, _ in gws.values():
+            for name, (url, _) in gws.items():
                 wait_http(url + "/health")
+                if name.startswith("gateway-"):
+                    check_one_engine(name, url)
             for name in peers:
                 replicas.append(start_peer(name, venv, eport, server.dir))
                 gws[name] = (replicas[-1].url, replicas[-1].proc.pid)  # type: ignore[union-attr]
