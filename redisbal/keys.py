@@ -102,6 +102,12 @@ class DeploymentKeys:
         return self.key("snapshots")
 
     @property
+    def routes(self) -> str:
+        """Pub/sub channel on which routers tell each other their routes
+        (redisbal.routing.peers)."""
+        return self.key("routes")
+
+    @property
     def urls(self) -> str:
         """HASH engine -> its HTTP base URL (gateways discover engines from it)."""
         return self.key("urls")

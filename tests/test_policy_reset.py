@@ -27,7 +27,7 @@ class Reference(RedisbalPolicy):
         super()._dither(core)  # (for its routes-per-snapshot bookkeeping)
         snap = core.snapshot
         salt = (snap.version if snap is not None else 0).to_bytes(8, "little", signed=False)
-        w = core.pending_weight
+        w = core.share_weight
         w = min(w, max(1.0, self.dither_gain * self.routes_per_snapshot * w))
         base = core.client_index / core.client_count
         for e in core.engines:

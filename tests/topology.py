@@ -390,11 +390,13 @@ def apply_acl_lines(
 ) -> dict[str, str]:
     """Run the documented lines for deployment ``dep`` (instead of ``llama``), with
     password ``<role>-<secret>``; returns role -> user name. ``sharded=False``: the
-    Redis 6.2 variant of DEPLOY.md (without ``+spublish`` / ``+ssubscribe``)."""
+    Redis 6.2 variant of DEPLOY.md (without ``+spublish`` / ``+ssubscribe`` and the
+    routes channel's selector)."""
     users = {}
     for block in blocks:
         for line in documented_acl_lines(block):
-            if not sharded:
+            if not sharded:  # Redis 6.2: no sharded pub/sub, no selectors
+                line = re.sub(r" '\(.*?\)'", "", line)
                 line = line.replace(" +spublish", "").replace(" +ssubscribe", "")
             line = line.replace("{llama}", "{" + dep + "}").replace("-llama ", f"-{dep} ")
             for role in ("ENGINE", "ROUTER", "COORDINATOR"):
@@ -444,9 +446,10 @@ class EveryClass:
         self.coord.release()
         self.coord.client.close()
 
-    async def run(self) -> None:
-        """A snapshot with both engines' counts reaches both routers, and the stall guard
-        forces one over a silent engine, every class through its URL."""
+    async def run(self, exchange: bool = True) -> None:
+        """A snapshot with both engines' counts reaches both routers, the routers hear
+        each other on the routes channel (``exchange``), and the stall guard forces a
+        snapshot over a silent engine, every class through its URL."""
         coord = self.coord
         await asyncio.to_thread(coord.tick)
         assert coord.stats.leader
@@ -470,6 +473,12 @@ class EveryClass:
             assert (snap.engines["e0"].waiting, snap.engines["e1"].running) == (1, 4)
             assert not r.degraded
         assert self.arouter.last_error is None
+        if exchange:  # each tells the other (a heartbeat at least), on any topology
+            await await_until(
+                lambda: all(r.core.peers.live for r in routers),
+                10,
+                "both routers to hear each other on the routes channel",
+            )
         # the stall guard through the same URL: e1 goes quiet at step 1
         self.rep.report(Counts(step=2, waiting=1, running=2), wait=True)
 

@@ -15,6 +15,9 @@ the vLLM coordinator's publish loop for the vllm-* baselines (as in
   the slowest engine's).
 - A snapshot reaches each router ``delivery_ms`` plus a per-router jitter after
   it is made; a request reaches its engine ``transit_ms`` after it is routed.
+- Up to ``MAX_ROUTERS`` routers tell each other their routes as the gateways do
+  (``redisbal.routing.peers``): ``COALESCE_S`` after a change and every
+  ``TELL_EVERY_S``, each message reaching the others ``delivery_ms`` plus jitter later.
 - The peers (``redisbal.bench.peers``) get the same snapshots as ``redisbal``: an
   assumption in their favour (their own systems gather less, or later); their
   prefix indexes are sized for the simulated engine's cache.
@@ -62,6 +65,7 @@ from redisbal.bench.vllm import (
     vllm_model_for,
 )
 from redisbal.routing.core import RouterCore
+from redisbal.routing.peers import COALESCE_S, TELL_EVERY_S, telling
 from redisbal.routing.policies import DEFAULT_POLICY, POLICIES, Policy, RedisbalPolicy
 from redisbal.sim.model import SimEngine, SimRequest
 from redisbal.sim.workload import Request
@@ -111,7 +115,7 @@ def _policy(name: str, world: World, kv_blocks: int = QUALITY_ENGINE.cache_block
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
 
 
-ARRIVE, DELIVER, ESTEP, TICK, STEP, STATS, SNAP, SAMPLE = range(8)
+ARRIVE, DELIVER, ESTEP, TICK, STEP, STATS, SNAP, SAMPLE, TELL, HEAR = range(10)
 
 
 def simulate(
@@ -179,6 +183,9 @@ def simulate(
         )
         core.connected = True
         core.set_engines(ids)
+        if telling(sc.clients):
+            core.peers.on_change = lambda i=i: push(clock[0] + COALESCE_S, TELL, (i, False))
+            push(rng.random() * TELL_EVERY_S, TELL, (i, True))  # heartbeats, spread
         routers.append(core)
     inbox: list[tuple[float, Snapshot] | None] = [None] * sc.clients
     vmodel: VllmCoordinatorModel | None = (
@@ -250,7 +257,7 @@ def simulate(
         t, _, kind, data = heapq.heappop(events)
         if t > end_by:
             break
-        now = t
+        now = clock[0] = t
         if kind == ARRIVE:
             r = work[data]
             i = r.client
@@ -353,6 +360,16 @@ def simulate(
             held = inbox[i]
             if held is None or snap.version > held[1].version:
                 inbox[i] = (t, snap)
+        elif kind == TELL and telling(sc.clients):
+            i, beat = data
+            told = routers[i].told()
+            for j in range(sc.clients):
+                if j != i:
+                    push(t + (delivery_ms + rng.random() * jitter_ms) / 1000, HEAR, (j, told))
+            if beat:
+                push(t + TELL_EVERY_S, TELL, (i, True))
+        elif kind == HEAR:
+            routers[data[0]].hear(data[1])
         elif kind == SAMPLE:
             times.append(t)
             loads.append([float(world.engines[e].load) for e in ids])

@@ -110,6 +110,13 @@ class GatewayMetrics:
         count = Gauge(
             "redisbal_gateway_client_count", "API servers of the deployment.", labels, registry=r
         )
+        told = Gauge(
+            "redisbal_gateway_routes_told",
+            "1 while every other router of the deployment tells its routes (counted as "
+            "told); 0 while they are estimated from this router's share.",
+            labels,
+            registry=r,
+        )
         for name, core in routers.items():
             values = (name,) if by_deployment else ()
 
@@ -122,7 +129,10 @@ class GatewayMetrics:
             def _count(core: RouterCore = core) -> float:
                 return core.client_count
 
-            for gauge, fn in ((age, _age), (index, _index), (count, _count)):
+            def _told(core: RouterCore = core) -> float:
+                return float(core.peers.live)
+
+            for gauge, fn in ((age, _age), (index, _index), (count, _count), (told, _told)):
                 (gauge.labels(*values) if values else gauge).set_function(fn)
         Gauge("redisbal_gateway_inflight", "Requests being proxied now.", registry=r).set_function(
             inflight

@@ -46,6 +46,7 @@ from redisbal.routing.estimates import (
 )
 from redisbal.routing.exclusions import Exclusions
 from redisbal.routing.outcomes import OutcomeTracker
+from redisbal.routing.peers import PeerRoutes
 from redisbal.routing.policies import (
     DEFAULT_POLICY,
     Decision,
@@ -122,10 +123,13 @@ class RouterCore:
         # epoch -> the highest version adopted in it (8 latest epochs): never back in one
         self._versions: dict[str, int] = {}
         self.seq = 0  # the last decision's
-        # share of traffic (redisbal.routing.estimates); its weight copied where it moves
-        # (restart_share, _update_share): policies read it per route
+        # share of traffic (redisbal.routing.estimates); its weights set where it moves
+        # (_weigh): policies read them per route
         self.share_estimate = ShareEstimate(client_count, share_halflife)
-        self.pending_weight = self.share_estimate.weight
+        self.share_weight = self.pending_weight = self.share_estimate.weight
+        # the other routers' routes on their way, as they tell them: while every other one
+        # is heard from, they count instead of the share (routing.peers)
+        self.peers = PeerRoutes()
         self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
         self.running_cap = 0  # largest running count seen on an engine with a queue
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
@@ -175,6 +179,7 @@ class RouterCore:
         self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
         self.known = list(self.by_id.values())
         self.excl.waits.keep(self.by_id)
+        self.peers.forget(ids)
         self._choosable(self.clock())
 
     def _choosable(self, now: float) -> None:
@@ -239,6 +244,7 @@ class RouterCore:
                     self.speeds.update_speeds(self.known)
                 if age_on:
                     self.speeds.update_aged(self.known, snap)
+            self._count_others(self.known)
             self.policy.reset(self)
             return True
 
@@ -251,12 +257,46 @@ class RouterCore:
         """Start the share estimate over at 1 / client_count (the index or the router
         count changed: redisbal.routing.lease)."""
         self.share_estimate.restart(client_count)
-        self.pending_weight = self.share_estimate.weight
+        self._weigh()
 
     def _update_share(self, mine: int, total: int) -> None:
         """A snapshot's admitted totals, this router's and all routers', into the estimate."""
         self.share_estimate.update(mine, total)
-        self.pending_weight = self.share_estimate.weight
+        self._weigh()
+
+    def _weigh(self) -> None:
+        """What one own pending route counts: 1 / share, or 1 while the others' are told."""
+        self.share_weight = self.share_estimate.weight
+        self.pending_weight = 1.0 if self.peers.live else self.share_weight
+
+    def _count_others(self, views: Iterable[EngineView]) -> list[EngineView]:
+        """``others`` of ``views`` counted again (every view's when peers.live flips:
+        then the share comes back or goes); returns the views it changed."""
+        was = self.peers.live
+        index, count = self.client_index, self.client_count
+        changed = self.peers.count(views, self.known, index, count, self.clock())
+        if self.peers.live != was:
+            self._weigh()
+        return changed
+
+    def hear(self, data: bytes | str) -> None:
+        """Another router's message on the routes channel (routing.peers)."""
+        with self.lock:
+            ids = self.peers.hear(data, self.client_index, self.clock())
+            if ids is None:
+                return
+            was = self.peers.live
+            changed = self._count_others([e for i in ids if (e := self.by_id.get(i))])
+            if self.peers.live != was:
+                self.policy.reset(self)
+                return
+            for e in changed:
+                self.policy.changed(self, e)
+
+    def told(self) -> bytes:
+        """This router's message to the others: its counts that changed since the last one."""
+        with self.lock:
+            return self.peers.message(self.by_id, self.client_index)
 
     def silent_ms(self, engine_id: str) -> int:
         """How long ``engine_id``'s reports had stopped when the latest snapshot was
@@ -289,6 +329,7 @@ class RouterCore:
                 # most the requests still open here are (no phantom load after errors)
                 e.pending = max(0, min(e.routed - e.routed_before - got, e.inflight))
                 e.exact = exact = True
+                e.admitted = adm
                 e.times.clear()
                 trim_costs(e)
                 mine += got
@@ -414,6 +455,7 @@ class RouterCore:
                     eng, pinned, probe = self._choose(engine_id, now)
                 eng.routed += 1
                 eng.inflight += 1
+                self.peers.mark(eng.engine_id)
                 eng.pending += 1
                 cost = 1.0 if info is None or not self._sized else self.route_cost(info)
                 eng.costs.append(cost)
@@ -499,6 +541,7 @@ class RouterCore:
         if decision.done:
             return
         decision.done = True
+        self.peers.mark(decision.engine_id)
         if self.excl.waits:
             self._settle(decision, self.clock())
         if decision.probe:  # ended, answered or not: the next request may probe again

@@ -1,0 +1,138 @@
+"""Routers telling each other their routes (redisbal.routing.peers): each counts the
+others' routes still on their way, exactly, instead of its own times 1 / its share.
+On RouterCores fed hand-built snapshots and each other's messages (no Redis, a fake
+clock); the feed's side runs against a real Redis at the end."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from helpers import await_until, make_snapshot
+
+from redisbal.routing.core import RouterCore
+from redisbal.routing.peers import FRESH_S, PeerRoutes
+from redisbal.routing.router import AsyncRouter
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def pair(clock: FakeClock, count: int = 2) -> list[RouterCore]:
+    return [RouterCore(i, count, clock=clock) for i in range(count)]
+
+
+def snap(version: int, admitted: dict[str, tuple[int, ...]], **kw: object) -> object:
+    return make_snapshot({e: (0, 0) for e in admitted}, version=version, admitted=admitted, **kw)
+
+
+def test_a_router_counts_the_routes_another_told_until_the_engine_admitted_them() -> None:
+    clock = FakeClock()
+    a, b = pair(clock)
+    for c in (a, b):
+        c.apply_snapshot(snap(1, {"e0": (0, 0), "e1": (0, 0)}))
+    assert not b.peers.live and b.pending_weight == pytest.approx(2.0)  # the share model
+    for _ in range(3):
+        a.route(engine_id="e0")
+    b.hear(a.told())
+    e0 = b.by_id["e0"]
+    assert b.peers.live and b.pending_weight == 1.0  # everyone's heard: own routes count 1
+    assert e0.others == 3.0
+    # the engine admitted two of them: one is still on its way
+    b.apply_snapshot(snap(2, {"e0": (2, 0), "e1": (0, 0)}))
+    assert e0.others == 1.0
+    b.apply_snapshot(snap(3, {"e0": (3, 0), "e1": (0, 0)}))
+    assert e0.others == 0.0 and "e0" not in b.peers.told  # nothing left on its way
+    # what a told: only what changed since its last message
+    assert orjson.loads(a.told()) == {"i": 0, "e": {}}
+
+
+def test_the_others_routes_steer_the_default_policy() -> None:
+    clock = FakeClock()
+    a, b = pair(clock)
+    for c in (a, b):
+        c.apply_snapshot(snap(1, {"e0": (0, 0), "e1": (0, 0)}))
+    a.route(engine_id="e0")
+    a.route(engine_id="e0")
+    b.hear(a.told())
+    # e0 has two routes on their way from a: b sends its next two to e1
+    assert [b.route().engine_id for _ in range(2)] == ["e1", "e1"]
+
+
+def test_an_other_router_not_heard_from_brings_the_share_back() -> None:
+    clock = FakeClock()
+    a, b, c = pair(clock, 3)
+    for r in (a, b, c):
+        r.apply_snapshot(snap(1, {"e0": (0, 0, 0)}))
+    a.route(engine_id="e0")
+    c.hear(a.told())
+    assert not c.peers.live  # b was never heard from
+    assert c.by_id["e0"].others == 0.0
+    c.hear(b.told())  # a heartbeat: nothing changed
+    assert c.peers.live and c.by_id["e0"].others == 1.0
+    clock.t += FRESH_S + 0.1
+    c.apply_snapshot(snap(2, {"e0": (0, 0, 0)}))
+    assert not c.peers.live and c.by_id["e0"].others == 0.0
+    assert c.pending_weight == pytest.approx(3.0)
+
+
+def test_routes_to_an_earlier_process_or_ended_unadmitted_do_not_count() -> None:
+    clock = FakeClock()
+    a, b = pair(clock)
+    inc = {"e0": "p1"}
+    for r in (a, b):
+        r.apply_snapshot(snap(1, {"e0": (0, 0)}, incarnation=inc))
+    d = a.route(engine_id="e0")
+    a.route(engine_id="e0")
+    b.hear(a.told())
+    assert b.by_id["e0"].others == 2.0
+    a.finished(d)  # one ended without the engine admitting it: refused, say
+    b.hear(a.told())
+    assert b.by_id["e0"].others == 1.0  # at most what a still has open there
+    b.apply_snapshot(snap(2, {"e0": (0, 0)}, incarnation={"e0": "p2"}))  # a restart
+    assert b.by_id["e0"].others == 0.0
+
+
+def test_bad_messages_are_counted_and_change_nothing() -> None:
+    clock = FakeClock()
+    b = RouterCore(1, 2, clock=clock)
+    b.apply_snapshot(snap(1, {"e0": (0, 0)}))
+    for bad in (
+        b"not json",
+        b"[]",
+        b'{"i": -1}',
+        b'{"i": true}',
+        b'{"i": 0, "e": {"e0": [null, 1]}}',
+        b'{"i": 0, "e": {"e0": [null, -1, 0]}}',
+        b'{"i": 0, "e": {"e0": [3, 1, 1]}}',
+        b'{"i": 0, "e": []}',
+    ):
+        b.hear(bad)
+    assert b.peers.malformed == 8 and b.peers.messages == 0
+    assert not b.peers.live and b.by_id["e0"].others == 0.0
+    b.hear(b.told())  # its own message, read back from the channel
+    assert b.peers.messages == 0
+
+
+def test_the_table_keeps_only_engines_still_known() -> None:
+    p = PeerRoutes()
+    p.hear(b'{"i": 0, "e": {"a": [null, 1, 1], "b": [null, 1, 1]}}', 1, 0.0)
+    p.forget(["a"])
+    assert list(p.told) == ["a"]
+
+
+async def test_two_gateways_routers_hear_each_other_through_redis(redis_url: str) -> None:
+    """The feed subscribes to the routes channel and tells what changed within a few
+    milliseconds, and a heartbeat while idle: each router is live for the other."""
+    a = AsyncRouter(redis_url, "exch", 0, 2, engines=["e0", "e1"], poll_s=30)
+    b = AsyncRouter(redis_url, "exch", 1, 2, engines=["e0", "e1"], poll_s=30)
+    async with a, b:
+        await await_until(lambda: a.core.peers.live and b.core.peers.live, what="heartbeats")
+        before = b.core.peers.messages
+        a.route(engine_id="e0")
+        await await_until(lambda: b.core.peers.messages > before, what="a's route told")
+        assert b.core.peers.told["e0"][0][1:] == (1, 1)
