@@ -136,3 +136,16 @@ async def test_two_gateways_routers_hear_each_other_through_redis(redis_url: str
         a.route(engine_id="e0")
         await await_until(lambda: b.core.peers.messages > before, what="a's route told")
         assert b.core.peers.told["e0"][0][1:] == (1, 1)
+
+
+async def test_a_router_gone_stops_counting_and_brings_the_share_back(redis_url: str) -> None:
+    """No message and no snapshot says a router is gone: the other notices that it has
+    not heard from it within FRESH_S by itself."""
+    a = AsyncRouter(redis_url, "exch-gone", 0, 2, engines=["e0"], poll_s=30)
+    b = AsyncRouter(redis_url, "exch-gone", 1, 2, engines=["e0"], poll_s=30)
+    async with b:
+        async with a:
+            await await_until(lambda: b.core.peers.live, what="a heard")
+            assert b.core.pending_weight == 1.0
+        await await_until(lambda: not b.core.peers.live, what="a taken as gone")
+        assert b.core.pending_weight == pytest.approx(2.0)

@@ -293,6 +293,15 @@ class RouterCore:
             for e in changed:
                 self.policy.changed(self, e)
 
+    def check_peers(self) -> None:
+        """Whether every other router is still heard from (the feed asks every 0.5 s:
+        a router gone stops counting without a message or a snapshot to say so)."""
+        with self.lock:
+            was = self.peers.live
+            self._count_others(())
+            if self.peers.live != was:
+                self.policy.reset(self)
+
     def told(self) -> bytes:
         """This router's message to the others: its counts that changed since the last one."""
         with self.lock:

@@ -472,9 +472,12 @@ class AsyncRouter(_LocalRouting):
                     if loop.time() >= next_poll:
                         await self._fetch()
                         next_poll = loop.time() + self.poll_s
-                    due = loop.time() - self._told_at >= TELL_EVERY_S
-                    if due and telling(self.core.client_count):
-                        self._tell_now()  # (a heartbeat when nothing changed)
+                    if loop.time() - self._told_at >= TELL_EVERY_S:
+                        self.core.check_peers()
+                        if self._telling and telling(self.core.client_count):
+                            self._tell_now()  # (a heartbeat when nothing changed)
+                        else:
+                            self._told_at = loop.time()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never let the feed end: resubscribe, GET, go on
