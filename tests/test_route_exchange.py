@@ -120,7 +120,8 @@ def test_bad_messages_are_counted_and_change_nothing() -> None:
 
 def test_the_table_keeps_only_engines_still_known() -> None:
     p = PeerRoutes()
-    p.hear(b'{"i": 0, "e": {"a": [null, 1, 1], "b": [null, 1, 1]}}', 1, 0.0)
+    msg = b'{"i": 0, "e": {"a": [null, 1, 1], "b": [null, 1, 1], "c": [null, 1, 1]}}'
+    assert p.hear(msg, 1, 0.0, {"a": 1, "b": 1}) == ["a", "b"]  # c: not known here
     p.forget(["a"])
     assert list(p.told) == ["a"]
 

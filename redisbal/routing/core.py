@@ -282,11 +282,11 @@ class RouterCore:
     def hear(self, data: bytes | str) -> None:
         """Another router's message on the routes channel (routing.peers)."""
         with self.lock:
-            ids = self.peers.hear(data, self.client_index, self.clock())
+            ids = self.peers.hear(data, self.client_index, self.clock(), self.by_id)
             if ids is None:
                 return
             was = self.peers.live
-            changed = self._count_others([e for i in ids if (e := self.by_id.get(i))])
+            changed = self._count_others([self.by_id[i] for i in ids])
             if self.peers.live != was:
                 self.policy.reset(self)
                 return

@@ -121,9 +121,12 @@ class PeerRoutes:
 
     # -- hearing ------------------------------------------------------------------------------
 
-    def hear(self, data: bytes | str, own_index: int, now: float) -> list[str] | None:
-        """Take one message in; returns the engines it told about (None: malformed,
-        or this router's own)."""
+    def hear(
+        self, data: bytes | str, own_index: int, now: float, known: Mapping[str, object]
+    ) -> list[str] | None:
+        """Take one message in; returns the engines it told about that are ``known``
+        (the others are not kept: None of them can be routed to here), or None for a
+        malformed message or this router's own."""
         try:
             index, counts = _decode(data)
         except ValueError:  # (orjson.JSONDecodeError is one)
@@ -133,9 +136,10 @@ class PeerRoutes:
             return None
         self.messages += 1
         self.heard[index] = now
-        for eid, c in counts.items():
-            self.told.setdefault(eid, {})[index] = c
-        return list(counts)
+        ids = [eid for eid in counts if eid in known]
+        for eid in ids:
+            self.told.setdefault(eid, {})[index] = counts[eid]
+        return ids
 
     def count(
         self,
