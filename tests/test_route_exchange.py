@@ -150,3 +150,19 @@ async def test_a_router_gone_stops_counting_and_brings_the_share_back(redis_url:
             assert b.core.pending_weight == 1.0
         await await_until(lambda: not b.core.peers.live, what="a taken as gone")
         assert b.core.pending_weight == pytest.approx(2.0)
+
+
+def test_a_route_is_told_soon_and_an_end_goes_with_the_next_message() -> None:
+    a = RouterCore(0, 2, clock=FakeClock())
+    a.set_engines(["e0", "e1"])
+    owed: list[int] = []
+    a.peers.on_change = lambda: owed.append(1)
+    d = a.route(engine_id="e0")
+    a.route(engine_id="e1")
+    assert owed == [1]  # one message owed for both routes
+    assert orjson.loads(a.told())["e"] == {"e0": [None, 1, 1], "e1": [None, 1, 1]}
+    a.finished(d)
+    assert owed == [1]  # an end owes no message of its own ...
+    assert orjson.loads(a.told())["e"] == {"e0": [None, 1, 0]}  # ... it goes with the next
+    a.route(engine_id="e1")
+    assert owed == [1, 1]

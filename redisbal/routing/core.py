@@ -464,7 +464,7 @@ class RouterCore:
                     eng, pinned, probe = self._choose(engine_id, now)
                 eng.routed += 1
                 eng.inflight += 1
-                self.peers.mark(eng.engine_id)
+                self.peers.mark(eng.engine_id, True)
                 eng.pending += 1
                 cost = 1.0 if info is None or not self._sized else self.route_cost(info)
                 eng.costs.append(cost)
@@ -550,7 +550,7 @@ class RouterCore:
         if decision.done:
             return
         decision.done = True
-        self.peers.mark(decision.engine_id)
+        self.peers.mark(decision.engine_id, False)
         if self.excl.waits:
             self._settle(decision, self.clock())
         if decision.probe:  # ended, answered or not: the next request may probe again
@@ -567,6 +567,7 @@ class RouterCore:
         with self.lock:
             eng = self._view(decision)
             if eng is not None and not decision.done:
+                self.peers.mark(eng.engine_id, True)
                 eng.routed = max(0, eng.routed - 1)
                 eng.pending = max(0, eng.pending - 1)
                 if eng.times:

@@ -96,17 +96,23 @@ class PeerRoutes:
         self.heard: dict[int, float] = {}
         self.live = False
         self.changed: set[str] = set()  # own counts changed since the last message
-        self.on_change: Callable[[], None] | None = None  # when ``changed`` stops being empty
+        self.due = False  # a route is among them: the message is owed soon
+        self.on_change: Callable[[], None] | None = None  # when a message becomes due
         self.messages = 0
         self.malformed = 0
 
     # -- telling ------------------------------------------------------------------------------
 
-    def mark(self, engine_id: str) -> None:
-        """This router's counts for ``engine_id`` changed (a route, an end)."""
-        if not self.changed and self.on_change is not None:
-            self.on_change()
+    def mark(self, engine_id: str, route: bool) -> None:
+        """This router's counts for ``engine_id`` changed: a route (or one taken back)
+        is told within COALESCE_S; an end only changes the cap on what is on its way
+        (requests open), so it goes with the next message, a heartbeat at the latest:
+        half the messages where requests last longer than the coalescing window."""
         self.changed.add(engine_id)
+        if route and not self.due:
+            self.due = True
+            if self.on_change is not None:
+                self.on_change()
 
     def message(self, views: Mapping[str, EngineView], index: int) -> bytes:
         """The message telling the counts that changed since the last one (a
@@ -117,6 +123,7 @@ class PeerRoutes:
             if e is not None:
                 counts[eid] = (e.incarnation, max(0, e.routed - e.routed_before), e.inflight)
         self.changed.clear()
+        self.due = False
         return encode(index, counts)
 
     # -- hearing ------------------------------------------------------------------------------

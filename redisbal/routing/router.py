@@ -233,7 +233,6 @@ class AsyncRouter(_LocalRouting):
         self._scripts: Scripts | None = None  # made with the first mark
         # telling the other routers this one's routes (routing.peers)
         self._tells: set[asyncio.Task[None]] = set()
-        self._tell_due = False
         self._told_at = -math.inf
         self._telling = True  # until Redis refuses it (an ACL without the routes channel)
         self._sharded = False  # the feed's subscription: SPUBLISH then
@@ -331,14 +330,13 @@ class AsyncRouter(_LocalRouting):
     # -- telling the other routers (routing.peers) -------------------------------------------------
 
     def _tell_soon(self) -> None:
-        """This router's counts changed: tell the other routers within COALESCE_S (any
-        thread; called under the core's lock)."""
+        """A route was made or taken back: tell the other routers within COALESCE_S
+        (any thread; called under the core's lock, once per message)."""
         loop = self._loop
-        if loop is None or self._closed or self._tell_due or not self._telling:
+        if loop is None or self._closed or not self._telling:
             return
         if not telling(self.core.client_count):
             return  # (the heartbeat tells what changed once there is someone to tell)
-        self._tell_due = True
         try:
             here = asyncio.get_running_loop() is loop
         except RuntimeError:
@@ -350,7 +348,6 @@ class AsyncRouter(_LocalRouting):
                 loop.call_soon_threadsafe(loop.call_later, COALESCE_S, self._tell_now)
 
     def _tell_now(self) -> None:
-        self._tell_due = False
         if self._closed or self._client is None or not self._telling:
             return
         loop = asyncio.get_running_loop()
