@@ -166,3 +166,34 @@ def test_a_route_is_told_soon_and_an_end_goes_with_the_next_message() -> None:
     assert orjson.loads(a.told())["e"] == {"e0": [None, 1, 0]}  # ... it goes with the next
     a.route(engine_id="e1")
     assert owed == [1, 1]
+
+
+async def test_a_router_told_not_to_tell_neither_tells_nor_hears(redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    a = AsyncRouter(redis_url, "exch-off", 0, 2, engines=["e0"], poll_s=30, tell_routes=False)
+    b = AsyncRouter(redis_url, "exch-off", 1, 2, engines=["e0"], poll_s=30)
+    watcher = aioredis.from_url(redis_url)
+    ps = watcher.pubsub()
+    await ps.subscribe(b.keys.routes)
+    try:
+        async with a, b:
+            a.route(engine_id="e0")
+            seen: list[bytes] = []
+
+            async def two_heartbeats() -> bool:
+                msg = await ps.get_message(ignore_subscribe_messages=True, timeout=0.1)
+                if msg is not None:
+                    seen.append(msg["data"])
+                return len(seen) >= 2
+
+            while not await two_heartbeats():
+                pass
+            # a told nothing in that time (b did, twice), and listens to no routes
+            assert all(orjson.loads(m)["i"] == 1 for m in seen)
+            assert b.core.peers.messages == 0 and not b.core.peers.live
+            numsub = dict(await watcher.pubsub_numsub(b.keys.routes))
+            assert list(numsub.values()) == [2]  # b and this test's watcher
+    finally:
+        await ps.aclose()
+        await watcher.aclose()

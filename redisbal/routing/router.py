@@ -172,6 +172,8 @@ class AsyncRouter(_LocalRouting):
     is; ``client_index="auto"`` leases the lowest free index in Redis and lets
     ``client_count`` follow the live leases (redisbal.routing.lease). ``policy``
     is a name from ``redisbal.routing.policies.POLICIES`` or a Policy.
+    ``tell_routes``: with 2 to 8 API servers, tell the others each route on the
+    deployment's routes channel and count theirs as told (``redisbal.routing.peers``).
     """
 
     def __init__(
@@ -190,6 +192,7 @@ class AsyncRouter(_LocalRouting):
         lease_ttl_s: float = 10.0,
         suspect_s: float = 1.0,
         outcomes: OutcomeTracker | None = None,
+        tell_routes: bool = True,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
@@ -234,7 +237,10 @@ class AsyncRouter(_LocalRouting):
         # telling the other routers this one's routes (routing.peers)
         self._tells: set[asyncio.Task[None]] = set()
         self._told_at = -math.inf
-        self._telling = True  # until Redis refuses it (an ACL without the routes channel)
+        # told routes (tell_routes=False: neither tell nor hear); off too once Redis refuses
+        # the channel (an ACL without it)
+        self._telling = tell_routes
+        self._hearing = tell_routes
         self._sharded = False  # the feed's subscription: SPUBLISH then
         self.core.peers.on_change = self._tell_soon
 
@@ -538,6 +544,8 @@ class AsyncRouter(_LocalRouting):
     async def _subscribe_routes(self, pubsub: Any, sharded: bool) -> None:
         """Subscribe to the routes channel too; without the permission (an ACL made
         before it existed) the router goes on without (a warning says so)."""
+        if not self._hearing:
+            return
         try:
             if sharded:
                 await pubsub.ssubscribe(self.keys.routes)
@@ -547,7 +555,7 @@ class AsyncRouter(_LocalRouting):
         except redis.exceptions.NoPermissionError as exc:
             if self._telling:  # (once)
                 self._no_routes_channel("subscribe to", exc)
-            self._telling = False
+            self._telling = self._hearing = False
 
     async def _confirmed(self, pubsub: Any, sharded: bool, timeout: float = 5.0) -> None:
         loop = asyncio.get_running_loop()
