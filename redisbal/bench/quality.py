@@ -360,7 +360,7 @@ def simulate(
             held = inbox[i]
             if held is None or snap.version > held[1].version:
                 inbox[i] = (t, snap)
-        elif kind == TELL and telling(sc.clients):
+        elif kind == TELL:  # (only pushed while telling)
             i, beat = data
             told = routers[i].told()
             for j in range(sc.clients):

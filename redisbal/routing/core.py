@@ -126,10 +126,10 @@ class RouterCore:
         # share of traffic (redisbal.routing.estimates); its weights set where it moves
         # (_weigh): policies read them per route
         self.share_estimate = ShareEstimate(client_count, share_halflife)
-        self.share_weight = self.pending_weight = self.share_estimate.weight
         # the other routers' routes on their way, as they tell them: while every other one
         # is heard from, they count instead of the share (routing.peers)
         self.peers = PeerRoutes()
+        self._weigh()  # share_weight, pending_weight
         self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
         self.running_cap = 0  # largest running count seen on an engine with a queue
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
@@ -244,7 +244,7 @@ class RouterCore:
                     self.speeds.update_speeds(self.known)
                 if age_on:
                     self.speeds.update_aged(self.known, snap)
-            self._count_others(self.known)
+            self._count_others(None, reset=False)  # (reset just below)
             self.policy.reset(self)
             return True
 
@@ -269,38 +269,33 @@ class RouterCore:
         self.share_weight = self.share_estimate.weight
         self.pending_weight = 1.0 if self.peers.live else self.share_weight
 
-    def _count_others(self, views: Iterable[EngineView]) -> list[EngineView]:
-        """``others`` of ``views`` counted again (every view's when peers.live flips:
-        then the share comes back or goes); returns the views it changed."""
+    def _count_others(self, views: Iterable[EngineView] | None, reset: bool = True) -> None:
+        """``others`` of ``views`` (None: of every engine told about) counted again, and
+        the policy told; when peers.live flips, every view's, the weights and, with
+        ``reset``, the policy reset (the share comes back or goes)."""
         was = self.peers.live
         index, count = self.client_index, self.client_count
-        changed = self.peers.count(views, self.known, index, count, self.clock())
+        changed = self.peers.count(views, self.by_id, index, count, self.clock())
         if self.peers.live != was:
             self._weigh()
-        return changed
+            if reset:
+                self.policy.reset(self)
+        elif reset:
+            for e in changed:
+                self.policy.changed(self, e)
 
     def hear(self, data: bytes | str) -> None:
         """Another router's message on the routes channel (routing.peers)."""
         with self.lock:
             ids = self.peers.hear(data, self.client_index, self.clock(), self.by_id)
-            if ids is None:
-                return
-            was = self.peers.live
-            changed = self._count_others([self.by_id[i] for i in ids])
-            if self.peers.live != was:
-                self.policy.reset(self)
-                return
-            for e in changed:
-                self.policy.changed(self, e)
+            if ids is not None:
+                self._count_others([self.by_id[i] for i in ids])
 
     def check_peers(self) -> None:
         """Whether every other router is still heard from (the feed asks every 0.5 s:
         a router gone stops counting without a message or a snapshot to say so)."""
         with self.lock:
-            was = self.peers.live
             self._count_others(())
-            if self.peers.live != was:
-                self.policy.reset(self)
 
     def told(self) -> bytes:
         """This router's message to the others: its counts that changed since the last one."""

@@ -150,20 +150,25 @@ class PeerRoutes:
 
     def count(
         self,
-        views: Iterable[EngineView],
-        known: Iterable[EngineView],
+        views: Iterable[EngineView] | None,
+        known: Mapping[str, EngineView],
         own_index: int,
         count: int,
         now: float,
     ) -> list[EngineView]:
-        """Set ``others`` of ``views`` (of all ``known`` when ``live`` flips); returns
-        the views changed."""
+        """Set ``others`` of ``views`` (None: of the engines something was told about;
+        every ``known`` one when ``live`` flips); returns the views changed. While not
+        live every ``others`` is 0 already: nothing to count."""
         heard = self.heard
         live = telling(count) and all(
             i == own_index or now - heard.get(i, -math.inf) < FRESH_S for i in range(count)
         )
         if live != self.live:
-            self.live, views = live, known
+            self.live, views = live, known.values()
+        elif not live:
+            return []
+        elif views is None:  # (an engine with others > 0 has an entry in told)
+            views = [known[eid] for eid in self.told if eid in known]
         changed = []
         for e in views:
             n = self._pending(e, count) if live and e.exact else 0.0
