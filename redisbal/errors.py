@@ -105,3 +105,16 @@ class RouterError(RedisbalError, RuntimeError):
 
 class CalibrationError(RedisbalError, ValueError):
     """A real-time run the simulator cannot mirror; the message says what."""
+
+
+class UpstreamError(RedisbalError):
+    """The gateway's request to an engine failed: dropped, reset or malformed."""
+
+
+class UpstreamClosed(UpstreamError):
+    """The engine closed the connection before its answer's end."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """No connection to the engine (refused, unresolvable, connect timeout): the
+    request never reached it."""

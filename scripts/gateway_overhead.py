@@ -20,9 +20,9 @@ engine's steps short with many running). The gateway's CPU time and its run-queu
 ``--auth``: also one gateway per loop kind that requires an API key (from a file), in
 the same interleaved run; every request carries the key, whatever its target.
 
-``--bare``: also, per loop kind, aiohttp passing requests to the engine and nothing
-else (redisbal.bench.bare_proxy): the floor under the gateway, so that its overhead
-splits into aiohttp's and redisbal's.
+``--bare``: also, per loop kind, the gateway's HTTP parts passing requests to the
+engine and nothing else (redisbal.bench.bare_proxy): the floor under the gateway, so
+that its overhead splits into what carrying a request costs and what redisbal adds.
 
 ``--peers vllm-router:power_of_two,sglang-router:cache_aware``: also one replica of
 each real peer router (redisbal.bench.routers: pinned, installed into a venv of its
@@ -181,7 +181,7 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None)
     ap.add_argument("--auth", action="store_true", help="also a gateway with an API key")
-    ap.add_argument("--bare", action="store_true", help="also a bare aiohttp pass-through")
+    ap.add_argument("--bare", action="store_true", help="also the gateway's HTTP parts alone")
     ap.add_argument("--peers", default="", help="also these real routers (ROUTER:POLICY,...)")
     ap.add_argument("--routers-venv", default=None, help="the peer routers' venv")
     a = ap.parse_args()
@@ -240,7 +240,7 @@ def main() -> None:
                     cmd = [sys.executable, "-m", "redisbal.bench.bare_proxy", "--port", str(port)]
                     cmd += ["--upstream", f"http://127.0.0.1:{eport}", "--event-loop", kind]
                     procs.append(subprocess.Popen(cmd, env=env))
-                    gws[f"bare-aiohttp-{kind}"] = (f"http://127.0.0.1:{port}", procs[-1].pid)
+                    gws[f"bare-{kind}"] = (f"http://127.0.0.1:{port}", procs[-1].pid)
             for name, (url, _) in gws.items():
                 health = wait_http(url + "/health")
                 if name.startswith("gateway-"):

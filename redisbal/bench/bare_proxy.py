@@ -1,9 +1,10 @@
-"""The floor under the gateway's overhead: aiohttp passing requests to one engine and
-nothing else (no routing, Redis, metrics, retries, timeouts or checks).
+"""The floor under the gateway's overhead: its HTTP parts (aiohttp's server, the
+gateway's own client to engines) passing requests to one engine and nothing else (no
+routing, Redis, metrics, retries, timeouts or checks).
 
 scripts/gateway_overhead.py ``--bare`` runs it beside the gateway, on the same event
-loop kind, so that what the gateway costs splits into what aiohttp costs to carry a
-request and what redisbal adds on top. Not a product: it trusts its one upstream.
+loop kind, so that what the gateway costs splits into what carrying a request costs
+and what redisbal adds on top. Not a product: it trusts its one upstream.
 
     python -m redisbal.bench.bare_proxy --port 8400 --upstream http://127.0.0.1:8000
 """
@@ -13,39 +14,45 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-import aiohttp
 from aiohttp import web
 
-# hop-by-hop and framing headers the proxy does not pass on (aiohttp sets its own)
-_DROP = {"content-length", "transfer-encoding", "connection", "host"}
-SESSION = web.AppKey("session", aiohttp.ClientSession)
+from redisbal.gateway.upstream import Upstreams
+
+UPSTREAMS = web.AppKey("upstreams", Upstreams)
 
 
 def make_app(upstream: str) -> web.Application:
-    """A web app that sends every POST to ``upstream`` (same path) and streams the answer."""
+    """A web app that sends every POST to ``upstream`` (same path) and passes the
+    answer on: whole, or chunk by chunk when it is a stream."""
     app = web.Application()
 
     async def start(app: web.Application) -> None:
-        conn = aiohttp.TCPConnector(limit=0)
-        app[SESSION] = aiohttp.ClientSession(connector=conn, auto_decompress=False)
+        app[UPSTREAMS] = Upstreams()
 
     async def stop(app: web.Application) -> None:
-        await app[SESSION].close()
+        app[UPSTREAMS].close()
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        async with app[SESSION].post(upstream + request.path, data=body, headers=headers) as up:
-            resp = web.StreamResponse(status=up.status)
-            resp.headers.update({k: v for k, v in up.headers.items() if k.lower() not in _DROP})
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
+        ctype = request.headers.get("Content-Type", "application/json")
+        up = await app[UPSTREAMS].request(
+            "POST", upstream + request.path, body, {"Content-Type": ctype}
+        )
+        answer_type = up.headers.get("content-type", "application/json")
+        if not answer_type.startswith("text/event-stream"):
+            whole = web.Response(status=up.status, body=await up.read())
+            whole.headers["Content-Type"] = answer_type
+            return whole
+        resp = web.StreamResponse(status=up.status)
+        resp.headers["Content-Type"] = answer_type
+        await resp.prepare(request)
+        while (chunk := await up.chunk()) is not None:
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)

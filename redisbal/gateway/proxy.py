@@ -28,7 +28,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -37,6 +36,7 @@ from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.first_byte import Silent, first_byte, timeout
 from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
+from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, UpstreamUnreachable
 from redisbal.keys import InvalidName, check_name
 from redisbal.routing.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
 from redisbal.routing.router import AsyncRouter
@@ -134,7 +134,7 @@ class Proxy:
             else next(iter(models.values()))  # type: ignore[union-attr]
         )
         self.models = Models(default, models)
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.first_byte_timeout_s = first_byte_timeout_s  # streamed: the first token
@@ -152,7 +152,7 @@ class Proxy:
             inflight=lambda: self.inflight,
             by_deployment=models is not None,
         )
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: Upstreams | None = None  # from start() on
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -397,13 +397,13 @@ class Proxy:
         t0: float,
     ) -> web.StreamResponse:
         """One upstream try. Raises Retry only while nothing was sent to the client."""
-        assert self.session is not None
+        assert self.upstream is not None
         router = dep.router
         eid = d.engine_id
         url = dep.urls[eid] + request.path
         kind = "client_disconnect"  # the outcome, unless set below
         detail = ""
-        up: aiohttp.ClientResponse | None = None
+        up: Response | None = None
         t_up = time.perf_counter()
         # streamed: a bound from what this engine usually takes to its first token;
         # whole answers come at the end, so only the whole-response timeout applies
@@ -414,14 +414,14 @@ class Proxy:
         try:
             try:
                 up = await first_byte(
-                    self.session.post(url, data=raw, headers=headers), bound, dep.silence, eid
+                    self.upstream.request("POST", url, raw, headers), bound, dep.silence, eid
                 )
-            except aiohttp.ClientConnectorError as exc:
+            except UpstreamUnreachable as exc:
                 _unroute(router, d)  # it never got there: no route to take back later
                 kind, detail = "connect", f"engine {eid} unreachable: {exc}"
                 raise Retry(kind, detail, unsent=True, public=f"engine {eid} unreachable") from None
-            except aiohttp.ClientError as exc:
-                kind, detail = "reset", f"engine {eid} failed: {type(exc).__name__}: {exc}"
+            except UpstreamError as exc:
+                kind, detail = "reset", f"engine {eid} failed: {exc}"
                 public = f"engine {eid} failed: {type(exc).__name__}"
                 raise Retry(kind, detail, public=public) from None
             except asyncio.TimeoutError:
@@ -433,7 +433,7 @@ class Proxy:
             if up.status in RETRY_STATUSES:
                 kind, detail = status_kind(up.status), f"engine {eid} answered {up.status}"
                 raise Retry(kind, detail, up.status)
-            ctype = up.headers.get("Content-Type", "application/json")
+            ctype = up.headers.get("content-type", "application/json")
             if not ctype.startswith("text/event-stream"):
                 whole, kind = await self._whole(router, d, up, ctype, t0, t_up)
                 return whole
@@ -443,18 +443,15 @@ class Proxy:
             kind, detail = exc.kind, exc.detail
             raise
         finally:
-            if up is not None:
-                if kind == "ok":
-                    up.release()
-                else:  # drop the connection: the engine sees the client leave and aborts
-                    up.close()
+            if up is not None:  # an answer not passed on whole drops its connection: the
+                up.close()  # engine sees the client leave and aborts
             self._outcome(dep, d, kind, detail)
 
     async def _whole(
         self,
         router: AsyncRouter,
         d: Decision,
-        up: aiohttp.ClientResponse,
+        up: Response,
         ctype: str,
         t0: float,
         t_up: float,
@@ -463,9 +460,10 @@ class Proxy:
         outcome kind)."""
         eid = d.engine_id
         try:
-            body = await up.read()
-        except aiohttp.ClientError as exc:
-            raise Retry("reset", f"engine {eid} dropped: {type(exc).__name__}") from None
+            async with timeout(max(0.001, self.timeout_s - (time.perf_counter() - t_up))):
+                body = await up.read()
+        except UpstreamError as exc:
+            raise Retry("reset", f"engine {eid} dropped: {exc}") from None
         except asyncio.TimeoutError:  # the whole-response timeout: not worth another try
             self.metrics.errors.labels("timeout").inc()
             return _json_error(504, f"engine {eid} timed out", "timeout"), "timeout"
@@ -484,7 +482,7 @@ class Proxy:
         request: web.Request,
         dep: Deployment,
         d: Decision,
-        up: aiohttp.ClientResponse,
+        up: Response,
         t0: float,
         t_up: float,
         bound: float,
@@ -494,22 +492,17 @@ class Proxy:
         the request (or drops first) is retried; after it, ``idle_timeout_s`` without a
         chunk ends the stream with an error event."""
         m, eid, router = self.metrics, d.engine_id, dep.router
-        chunks = up.content.iter_any()
         left = max(0.001, bound - (time.perf_counter() - t_up))
         try:
-            first = await first_byte(chunks.__anext__(), left, dep.silence, eid)
-        except StopAsyncIteration:
-            first = b""
+            first = await first_byte(up.chunk(), left, dep.silence, eid) or b""
         except asyncio.TimeoutError:
             raise Retry(
                 "first_byte_timeout", f"engine {eid}: no first token in {bound:.2f}s", 504
             ) from None
         except Silent as exc:
             raise Retry("first_byte_timeout", f"engine {eid}: {exc}", 504, unsent=True) from None
-        except aiohttp.ClientError as exc:
-            raise Retry(
-                "reset", f"engine {eid} dropped before its first token: {type(exc).__name__}"
-            ) from None
+        except UpstreamError as exc:
+            raise Retry("reset", f"engine {eid} dropped before its first token: {exc}") from None
         t_first = time.perf_counter()
         router.answered(d, t_first - t_up)
         resp = web.StreamResponse(status=up.status)
@@ -524,18 +517,19 @@ class Proxy:
             m.observe_added(True, (t_up - t0) + (time.perf_counter() - t_first))
             idle = self.idle_timeout_s
             while True:
+                wait = min(idle, self.timeout_s - (time.perf_counter() - t0))
                 try:
-                    async with timeout(idle):
-                        chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
+                    async with timeout(max(0.001, wait)):
+                        chunk = await up.chunk()
+                    if chunk is None:
+                        break
                 except asyncio.TimeoutError:
                     gone = time.perf_counter() - t0 >= self.timeout_s
                     kind = "timeout" if gone else "idle_timeout"
                     detail = f"engine {eid}: no token for {idle:.1f}s mid-stream"
                     break
-                except (aiohttp.ClientPayloadError, aiohttp.ClientError) as exc:
-                    kind, detail = "reset", f"engine {eid} failed mid-stream: {type(exc).__name__}"
+                except UpstreamError as exc:
+                    kind, detail = "reset", f"engine {eid} failed mid-stream: {exc}"
                     break
                 await resp.write(chunk)
             if kind != "ok":

@@ -9,7 +9,6 @@ import logging
 import ssl
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -20,6 +19,7 @@ from redisbal.gateway.errors import unserved_as_json
 from redisbal.gateway.guard import ConnectionGuard, GuardedRunner, Limits
 from redisbal.gateway.metrics import CONTENT_TYPE
 from redisbal.gateway.proxy import PROXY_PATHS, Proxy
+from redisbal.gateway.upstream import Upstreams
 from redisbal.routing.router import AsyncRouter
 
 log = logging.getLogger("redisbal.gateway")
@@ -69,10 +69,7 @@ class Gateway(Proxy):
         return app
 
     async def start(self, host: str, port: int) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-        self.session = aiohttp.ClientSession(
-            connector=connector, timeout=self.timeout, auto_decompress=False
-        )
+        self.upstream = Upstreams(self.connect_timeout_s)
         await asyncio.gather(*(d.start() for d in self.models.deployments))
         lim = self.guard.limits
         self.runner = GuardedRunner(
@@ -117,8 +114,8 @@ class Gateway(Proxy):
             await d.close()
         if self.runner is not None:
             await self.runner.cleanup()
-        if self.session is not None:
-            await self.session.close()
+        if self.upstream is not None:
+            self.upstream.close()
 
     # -- small endpoints -----------------------------------------------------------------------
 
@@ -179,18 +176,21 @@ class Gateway(Proxy):
         """Ask the engines of ``dep`` the router would choose (the others after them)
         at once; the first that answers 200 within ``models_timeout_s`` wins, so a hung
         engine never holds it up. None: the last answer seen, else None."""
-        assert self.session is not None
+        assert self.upstream is not None
         excluded = dep.router.core.excluded()
         live = dep.live_engines()
         order = [e for e in live if e not in excluded] + [e for e in live if e in excluded]
-        session, urls = self.session, dep.urls
+        upstream, urls = self.upstream, dep.urls
 
         async def ask(eid: str) -> bytes:
-            async with session.get(urls[eid] + "/v1/models", headers=headers) as up:
+            up = await upstream.request("GET", urls[eid] + "/v1/models", headers=headers)
+            try:
                 body = await up.read()
-                if up.status != 200:
-                    raise ValueError(f"{up.status}")
-                return body
+            finally:
+                up.close()
+            if up.status != 200:
+                raise ValueError(f"{up.status}")
+            return body
 
         tasks = [asyncio.ensure_future(ask(e)) for e in order[:8]]
         try:
