@@ -21,6 +21,7 @@ import logging
 import math
 import random
 from collections.abc import Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import redis.exceptions
@@ -36,8 +37,8 @@ from redisbal.keys import DeploymentKeys, check_name
 from redisbal.routing.core import RouterCore
 from redisbal.routing.lease import ClientLease
 from redisbal.routing.outcomes import FAILURES, OUTCOMES, OutcomeTracker
-from redisbal.routing.peers import COALESCE_S, TELL_EVERY_S, telling
 from redisbal.routing.policies import DEFAULT_POLICY, Decision, Policy
+from redisbal.routing.routes_channel import RoutesChannel
 
 log = logging.getLogger("redisbal.routing.router")
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
@@ -234,15 +235,7 @@ class AsyncRouter(_LocalRouting):
         self._loop: asyncio.AbstractEventLoop | None = None  # the feed's (start())
         self._marks: set[asyncio.Task[None]] = set()  # suspect marks on their way
         self._scripts: Scripts | None = None  # made with the first mark
-        # telling the other routers this one's routes (routing.peers)
-        self._tells: set[asyncio.Task[None]] = set()
-        self._told_at = -math.inf
-        # told routes (tell_routes=False: neither tell nor hear); off too once Redis refuses
-        # the channel (an ACL without it)
-        self._telling = tell_routes
-        self._hearing = tell_routes
-        self._sharded = False  # the feed's subscription: SPUBLISH then
-        self.core.peers.on_change = self._tell_soon
+        self.routes = RoutesChannel(self.core, self.keys.routes, tell_routes)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -263,6 +256,7 @@ class AsyncRouter(_LocalRouting):
                 health_check_interval=10,
             )
         self._loop = asyncio.get_running_loop()
+        self.routes.attach(self._loop, self._client)
         if self._auto_index and self.lease is None:
             self.lease = ClientLease(self._client, self.keys, ttl_s=self.lease_ttl_s)
             self.lease.attach(self.core)
@@ -278,8 +272,7 @@ class AsyncRouter(_LocalRouting):
     async def aclose(self) -> None:
         self._closed = True
         await cancel_and_wait(self._task)  # (the feed sits in redis-py calls)
-        for task in list(self._tells):
-            await cancel_and_wait(task)
+        await self.routes.aclose()
         if self.lease is not None:
             await self.lease.aclose()
         self.core.connected = False  # routes after close are made without a feed: degraded
@@ -332,57 +325,6 @@ class AsyncRouter(_LocalRouting):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    # -- telling the other routers (routing.peers) -------------------------------------------------
-
-    def _tell_soon(self) -> None:
-        """A route was made or taken back: tell the other routers within COALESCE_S
-        (any thread; called under the core's lock, once per message)."""
-        loop = self._loop
-        if loop is None or self._closed or not self._telling:
-            return
-        if not telling(self.core.client_count):
-            return  # (the heartbeat tells what changed once there is someone to tell)
-        try:
-            here = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            here = False
-        if here:
-            loop.call_later(COALESCE_S, self._tell_now)
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop closed under us
-                loop.call_soon_threadsafe(loop.call_later, COALESCE_S, self._tell_now)
-
-    def _tell_now(self) -> None:
-        if self._closed or self._client is None or not self._telling:
-            return
-        loop = asyncio.get_running_loop()
-        self._told_at = loop.time()
-        task = loop.create_task(self._publish_routes(self.core.told()))
-        self._tells.add(task)
-        task.add_done_callback(self._tells.discard)
-
-    async def _publish_routes(self, data: bytes) -> None:
-        try:
-            if self._sharded:
-                await self._redis.execute_command("SPUBLISH", self.keys.routes, data)
-            else:
-                await self._redis.publish(self.keys.routes, data)
-        except redis.exceptions.NoPermissionError as exc:
-            self._telling = False
-            self._no_routes_channel("publish on", exc)
-        except (redis.exceptions.RedisError, OSError):
-            pass  # the others count this router's routes by share until it tells again
-
-    def _no_routes_channel(self, what: str, exc: Exception) -> None:
-        log.warning(
-            "router %d: may not %s %s (%s): other routers' routes are estimated from this "
-            "router's share; grant the channel and PUBLISH (docs/DEPLOY.md, ACL users)",
-            self.core.client_index,
-            what,
-            self.keys.routes,
-            redact(str(exc)),
-        )
 
     # -- feed -------------------------------------------------------------------------------------
 
@@ -444,13 +386,12 @@ class AsyncRouter(_LocalRouting):
 
     async def _feed(self) -> None:
         backoff = 0.05
-        routes = (self.keys.routes, self.keys.routes.encode())
+        routes = self.routes
         while not self._closed:
             pubsub = None
             try:
                 pubsub, sharded = await self._subscribe()
-                self._sharded = sharded
-                await self._subscribe_routes(pubsub, sharded)
+                await routes.subscribe(pubsub, sharded, partial(self._confirmed, pubsub, sharded))
                 await self._known_engines()
                 await self._fetch()
                 self.core.connected = True
@@ -464,7 +405,7 @@ class AsyncRouter(_LocalRouting):
                     kind = msg.get("type") if msg is not None else None
                     if kind in ("message", "smessage"):
                         assert msg is not None
-                        if msg["channel"] in routes:
+                        if msg["channel"] in routes.names:
                             self.core.hear(msg["data"])
                         elif self._apply(msg["data"]):
                             self.core.counters["roster_fetches"] += 1
@@ -475,12 +416,7 @@ class AsyncRouter(_LocalRouting):
                     if loop.time() >= next_poll:
                         await self._fetch()
                         next_poll = loop.time() + self.poll_s
-                    if loop.time() - self._told_at >= TELL_EVERY_S:
-                        self.core.check_peers()
-                        if self._telling and telling(self.core.client_count):
-                            self._tell_now()  # (a heartbeat when nothing changed)
-                        else:
-                            self._told_at = loop.time()
+                    routes.tick()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never let the feed end: resubscribe, GET, go on
@@ -540,22 +476,6 @@ class AsyncRouter(_LocalRouting):
         await pubsub.subscribe(self.keys.channel)
         await self._confirmed(pubsub, False)
         return pubsub, False
-
-    async def _subscribe_routes(self, pubsub: Any, sharded: bool) -> None:
-        """Subscribe to the routes channel too; without the permission (an ACL made
-        before it existed) the router goes on without (a warning says so)."""
-        if not self._hearing:
-            return
-        try:
-            if sharded:
-                await pubsub.ssubscribe(self.keys.routes)
-            else:
-                await pubsub.subscribe(self.keys.routes)
-            await self._confirmed(pubsub, sharded)
-        except redis.exceptions.NoPermissionError as exc:
-            if self._telling:  # (once)
-                self._no_routes_channel("subscribe to", exc)
-            self._telling = self._hearing = False
 
     async def _confirmed(self, pubsub: Any, sharded: bool, timeout: float = 5.0) -> None:
         loop = asyncio.get_running_loop()
