@@ -20,6 +20,10 @@ engine's steps short with many running). The gateway's CPU time and its run-queu
 ``--auth``: also one gateway per loop kind that requires an API key (from a file), in
 the same interleaved run; every request carries the key, whatever its target.
 
+The gateways of one run are replicas of one deployment (indexes leased in Redis); they
+tell each other their routes only with ``--tell-routes`` (what two replicas pay for
+shared routes: each request's PUBLISH; the idle one's hearing is not counted).
+
 ``--bare``: also, per loop kind, the gateway's HTTP parts passing requests to the
 engine and nothing else (redisbal.bench.bare_proxy): the floor under the gateway, so
 that its overhead splits into what carrying a request costs and what redisbal adds.
@@ -181,6 +185,11 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None)
     ap.add_argument("--auth", action="store_true", help="also a gateway with an API key")
+    ap.add_argument(
+        "--tell-routes",
+        action="store_true",
+        help="the gateways tell each other their routes (as replicas do; off: each alone)",
+    )
     ap.add_argument("--bare", action="store_true", help="also the gateway's HTTP parts alone")
     ap.add_argument("--peers", default="", help="also these real routers (ROUTER:POLICY,...)")
     ap.add_argument("--routers-venv", default=None, help="the peer routers' venv")
@@ -230,6 +239,9 @@ def main() -> None:
                     port = free_port()
                     cmd = [REDISBAL, "gateway", "--port", str(port), "--log-level", "warning"]
                     cmd += ["--event-loop", kind, "--client-index", "auto"]
+                    # the run's gateways lease indexes of one deployment: 2+ replicas,
+                    # which tell each other their routes only when asked to
+                    cmd += ["--tell-routes" if a.tell_routes else "--no-tell-routes"]
                     if auth:
                         cmd += ["--api-key-file", key_file]
                     procs.append(subprocess.Popen(cmd, env=env))
