@@ -6,8 +6,8 @@ status, a content type and the body, and nothing else a general client carries
 0.1 ms of CPU per whole request and 0.2 ms per streamed one more than this (the
 gateway-overhead benchmark), a fifth of all it spends. Kept-alive connections are
 pooled per engine, reused last-in first-out, and dropped after ``IDLE_S`` unused, before
-engines close theirs (uvicorn, under vLLM, closes at 5 s): a request is never written
-to a connection the engine may be closing.
+engines close theirs (uvicorn, under vLLM, closes at 5 s); a request written to one the
+engine closes unanswered all the same (a restart) goes again on a new connection.
 
 A response is returned once its status line and headers are in; its body comes with
 ``chunk()`` or ``read()``. Reading pauses while more than ``HIGH_WATER`` bytes wait
