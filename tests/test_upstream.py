@@ -11,10 +11,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from topology import make_certs
 
 from redisbal.gateway import upstream
 from redisbal.gateway.upstream import UpstreamError, Upstreams, UpstreamUnreachable
-from tests.topology import make_certs
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
