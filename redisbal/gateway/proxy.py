@@ -517,7 +517,8 @@ class Proxy:
             m.observe_added(True, (t_up - t0) + (time.perf_counter() - t_first))
             idle = self.idle_timeout_s
             while True:
-                wait = min(idle, self.timeout_s - (time.perf_counter() - t0))
+                # (the whole-response timeout counts from this attempt, as in _whole)
+                wait = min(idle, self.timeout_s - (time.perf_counter() - t_up))
                 try:
                     async with timeout(max(0.001, wait)):
                         chunk = await up.chunk()

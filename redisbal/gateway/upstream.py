@@ -205,9 +205,19 @@ class _Conn(asyncio.Protocol):
         if keep and self.transport is not None and len(self.pool) < POOL_PER_ENGINE:
             self.idle_since = time.monotonic()
             self.pool.append(self)
-        else:
-            if self.transport is not None:
-                self.transport.close()
+        elif self.transport is not None:
+            self.transport.close()
+
+
+async def _answer(conn: _Conn, request: bytes) -> Response:
+    """Send ``request`` on ``conn``; its answer once the head is in."""
+    resp = conn.send(request)
+    try:
+        await resp._head
+    except BaseException:  # cancelled (a timeout) or failed: the connection goes
+        resp.close()
+        raise
+    return resp
 
 
 class _Target:
@@ -268,22 +278,11 @@ class Upstreams:
         request = b"".join(head) + body
         conn = self._idle(t)
         if conn is not None:
-            resp = conn.send(request)
             try:
-                await resp._head
-                return resp
+                return await _answer(conn, request)
             except UpstreamClosed:  # an engine closing (or restarted) as it was reused: no
                 pass  # answer came on it; once more, on a new connection
-            except BaseException:
-                resp.close()
-                raise
-        resp = (await self._connect(t)).send(request)
-        try:
-            await resp._head
-        except BaseException:  # cancelled (a timeout) or failed: the connection goes
-            resp.close()
-            raise
-        return resp
+        return await _answer(await self._connect(t), request)
 
     def _idle(self, t: _Target) -> _Conn | None:
         pool = self._pools.get(t.key)
