@@ -244,7 +244,7 @@ class RouterCore:
                     self.speeds.update_speeds(self.known)
                 if age_on:
                     self.speeds.update_aged(self.known, snap)
-            self._count_others(None, reset=False)  # (reset just below)
+            self._count_others(None, tell_policy=False)  # (reset just below)
             self.policy.reset(self)
             return True
 
@@ -269,18 +269,19 @@ class RouterCore:
         self.share_weight = self.share_estimate.weight
         self.pending_weight = 1.0 if self.peers.live else self.share_weight
 
-    def _count_others(self, views: Iterable[EngineView] | None, reset: bool = True) -> None:
-        """``others`` of ``views`` (None: of every engine told about) counted again, and
-        the policy told; when peers.live flips, every view's, the weights and, with
-        ``reset``, the policy reset (the share comes back or goes)."""
+    def _count_others(self, views: Iterable[EngineView] | None, tell_policy: bool = True) -> None:
+        """``others`` of ``views`` (None: of every engine told about) counted again;
+        when peers.live flips, every view's and the weights (the share comes back or
+        goes). With ``tell_policy`` the policy hears of it: reset on a flip, else the
+        views changed."""
         was = self.peers.live
         index, count = self.client_index, self.client_count
         changed = self.peers.count(views, self.by_id, index, count, self.clock())
         if self.peers.live != was:
             self._weigh()
-            if reset:
+            if tell_policy:
                 self.policy.reset(self)
-        elif reset:
+        elif tell_policy:
             for e in changed:
                 self.policy.changed(self, e)
 

@@ -19,11 +19,12 @@ from typing import Any
 
 import redis.exceptions
 
+from redisbal.background import cancel_and_wait
 from redisbal.connection import AsyncRedisClient, redact
 from redisbal.routing.core import RouterCore
 from redisbal.routing.peers import COALESCE_S, TELL_EVERY_S, telling
 
-log = logging.getLogger("redisbal.routing.router")
+log = logging.getLogger("redisbal.routing.router")  # (its warnings are the router's)
 
 
 class RoutesChannel:
@@ -50,9 +51,7 @@ class RoutesChannel:
     async def aclose(self) -> None:
         self._closed = True
         for task in list(self._tasks):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)  # (a publish sits in a redis-py call)
 
     # -- telling -------------------------------------------------------------------------------
 
