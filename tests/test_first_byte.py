@@ -97,3 +97,18 @@ async def test_a_cancelled_wait_cancels_its_request_and_forgets_its_watch() -> N
         await outer
     assert inner.cancelled()
     assert watch.waiting() == 0
+
+
+async def test_a_client_leaving_as_the_engine_is_found_silent_is_a_cancel_not_silent() -> None:
+    # the watch's cancel and the client's arrive together: the wait must end as the
+    # client's cancel (the handler's task is going away), not turn into a retry
+    quiet = Quiet()
+    watch = SilenceWatch(quiet)
+    outer = asyncio.ensure_future(first_byte(answer_after(60.0), 60.0, watch, "hung"))
+    await asyncio.sleep(SILENT_WAIT_S + 0.01)
+    quiet.silent.add("hung")  # it stops reporting, and in the same tick:
+    watch._check(asyncio.get_running_loop())  # the watch's turn (cancels the wait)
+    outer.cancel()  # and the client's
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert watch.waiting() == 0

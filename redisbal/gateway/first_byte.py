@@ -19,7 +19,6 @@ thousand of them in flight would otherwise wake twenty thousand times a second.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -47,30 +46,43 @@ class Silent(Exception):
         self.silent_s = silent_s
 
 
+class _Wait:
+    """One request waiting on an engine: its task, since when, and the engine's silent
+    seconds once the watch ended the wait."""
+
+    __slots__ = ("silent_s", "since", "task")
+
+    def __init__(self, task: asyncio.Task[Any], since: float) -> None:
+        self.task, self.since = task, since
+        self.silent_s: float | None = None
+
+
 class SilenceWatch:
-    """Tells waiting requests when their engine has gone silent: one timer every
+    """Ends the waits of requests whose engine has gone silent: one timer every
     ``CHECK_EVERY_S`` while any request waits, asking ``silent_s(engine)`` (seconds
-    since the engine last reported, as the latest snapshot says) once per engine."""
+    since the engine last reported, as the latest snapshot says) once per engine, and
+    cancelling the tasks that have waited ``SILENT_WAIT_S`` on a silent one."""
 
     def __init__(self, silent_s: Callable[[str], float]) -> None:
         self._silent_s = silent_s
-        self._waiting: dict[str, set[asyncio.Future[float]]] = {}
+        self._waiting: dict[str, set[_Wait]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
-    def watch(self, engine_id: str) -> asyncio.Future[float]:
-        """A future that gets the engine's silent seconds once they reach
-        ``SILENT_AFTER_S``; ``forget`` it when the wait ends."""
+    def watch(self, engine_id: str) -> _Wait:
+        """Watch the current task's wait on ``engine_id``; ``forget`` it when it ends."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[float] = loop.create_future()
-        self._waiting.setdefault(engine_id, set()).add(fut)
+        task = asyncio.current_task()
+        assert task is not None
+        wait = _Wait(task, loop.time())
+        self._waiting.setdefault(engine_id, set()).add(wait)
         if self._timer is None:
             self._timer = loop.call_later(CHECK_EVERY_S, self._check, loop)
-        return fut
+        return wait
 
-    def forget(self, engine_id: str, fut: asyncio.Future[float]) -> None:
+    def forget(self, engine_id: str, wait: _Wait) -> None:
         waiting = self._waiting.get(engine_id)
         if waiting is not None:
-            waiting.discard(fut)
+            waiting.discard(wait)
             if not waiting:
                 del self._waiting[engine_id]
 
@@ -80,12 +92,14 @@ class SilenceWatch:
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
-        for eid in list(self._waiting):
+        long_ago = loop.time() - SILENT_WAIT_S
+        for eid, waiting in list(self._waiting.items()):
             quiet = self._silent_s(eid)
-            if quiet >= SILENT_AFTER_S:
-                for fut in self._waiting.pop(eid):
-                    if not fut.done():
-                        fut.set_result(quiet)
+            if quiet < SILENT_AFTER_S:
+                continue
+            for wait in [w for w in waiting if w.since <= long_ago and w.silent_s is None]:
+                wait.silent_s = quiet
+                wait.task.cancel()  # first_byte turns this cancel into Silent
         if self._waiting:  # the timer runs only while someone waits
             self._timer = loop.call_later(CHECK_EVERY_S, self._check, loop)
 
@@ -95,27 +109,21 @@ async def first_byte(
 ) -> T:
     """``answer``'s result, or ``asyncio.TimeoutError`` after ``bound_s``, or
     ``Silent`` once it waited ``SILENT_WAIT_S`` while ``engine_id`` has not reported
-    for ``SILENT_AFTER_S`` (``watch`` says so). At most two waits, whatever the bound."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(answer)
-    start = loop.time()
-    silence: asyncio.Future[float] | None = None
+    for ``SILENT_AFTER_S`` (``watch`` says so). ``answer`` runs in the caller's task,
+    cancelled when either ends the wait, as ``asyncio.timeout`` does: no task of its
+    own and no second wait, which cost the gateway more than the rest of its wait."""
+    if bound_s <= SILENT_WAIT_S:
+        async with timeout(bound_s):
+            return await answer
+    wait = watch.watch(engine_id)
     try:
-        await asyncio.wait({task}, timeout=min(bound_s, SILENT_WAIT_S))
-        if not task.done() and bound_s > SILENT_WAIT_S:
-            silence = watch.watch(engine_id)
-            left = bound_s - (loop.time() - start)
-            either: set[asyncio.Future[Any]] = {task, silence}
-            await asyncio.wait(either, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        if silence is not None and silence.done():
-            raise Silent(silence.result())
-        raise asyncio.TimeoutError
+        async with timeout(bound_s):
+            return await answer
+    except asyncio.CancelledError:
+        # the watch's cancel, unless another came too (the client left): that one wins
+        uncancel = getattr(wait.task, "uncancel", None)  # (Python 3.10 has no counts)
+        if wait.silent_s is not None and (uncancel is None or uncancel() == 0):
+            raise Silent(wait.silent_s) from None
+        raise
     finally:
-        if silence is not None:
-            watch.forget(engine_id, silence)
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        watch.forget(engine_id, wait)

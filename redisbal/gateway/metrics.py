@@ -139,16 +139,23 @@ class GatewayMetrics:
         )
         # children resolved once: labels() costs a dict lookup and a lock per call
         self._added = {True: self.added.labels("true"), False: self.added.labels("false")}
-        self._engines: dict[str, Counter] = {}
+        self._children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
 
-    def decision(self, engine_id: str) -> None:
-        c = self._engines.get(engine_id)
+    def _inc(self, counter: Counter, *values: str) -> None:
+        c = self._children.get((counter, values))
         if c is None:
-            c = self._engines[engine_id] = self.decisions.labels(engine_id)
+            c = self._children[(counter, values)] = counter.labels(*values)
         c.inc()
 
+    def decision(self, engine_id: str) -> None:
+        self._inc(self.decisions, engine_id)
+
     def outcome(self, engine_id: str, kind: str) -> None:
-        self.outcomes.labels(engine_id, kind).inc()
+        self._inc(self.outcomes, engine_id, kind)
+
+    def answered(self, path: str, status: int | str) -> None:
+        """A request to ``path`` answered with ``status``."""
+        self._inc(self.requests, path, str(status))
 
     def observe_added(self, stream: bool, seconds: float) -> None:
         self._added[stream].observe(max(0.0, seconds))

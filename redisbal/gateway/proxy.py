@@ -245,7 +245,7 @@ class Proxy:
         path = request.path
         m = self.metrics
         if self.draining:
-            m.requests.labels(path, "503").inc()
+            m.answered(path, 503)
             return _json_error(
                 503,
                 "gateway is shutting down",
@@ -253,7 +253,7 @@ class Proxy:
                 **{"Retry-After": "1", "Connection": "close"},
             )
         if self.max_concurrent and self.inflight >= self.max_concurrent:
-            m.requests.labels(path, "429").inc()
+            m.answered(path, 429)
             m.errors.labels("overloaded").inc()
             return _json_error(
                 429,
@@ -264,7 +264,7 @@ class Proxy:
         self._begin()
         try:
             resp = await self._proxy_inner(request, t0)
-            m.requests.labels(path, str(resp.status)).inc()
+            m.answered(path, resp.status)
             return resp
         except asyncio.CancelledError:
             if id(request) not in self._complete:  # (not once the answer was all sent)
@@ -282,8 +282,11 @@ class Proxy:
             m.errors.labels("too_large").inc()
             return _json_error(413, f"the body exceeds {self.max_body} bytes")
         try:
-            async with timeout(self.body_timeout_s):
+            if request.content.is_eof():  # all in with its head: no timer to set
                 raw = await request.read()
+            else:
+                async with timeout(self.body_timeout_s):
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             m.errors.labels("too_large").inc()
             return _json_error(413, f"the body exceeds {self.max_body} bytes")
@@ -460,8 +463,7 @@ class Proxy:
         outcome kind)."""
         eid = d.engine_id
         try:
-            async with timeout(max(0.001, self.timeout_s - (time.perf_counter() - t_up))):
-                body = await up.read()
+            body = await up.read(max(0.001, self.timeout_s - (time.perf_counter() - t_up)))
         except UpstreamError as exc:
             raise Retry("reset", f"engine {eid} dropped: {exc}") from None
         except asyncio.TimeoutError:  # the whole-response timeout: not worth another try

@@ -72,8 +72,15 @@ class Response:
             conn.resume()
         return out
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, within_s: float | None = None) -> bytes:
+        """The whole body; ``asyncio.TimeoutError`` if it is not all in ``within_s``
+        (no timer is set for a body already in, as most short answers are)."""
+        if within_s is None or self._ended:
+            return await self._read()
+        async with timeout(within_s):
+            return await self._read()
+
+    async def _read(self) -> bytes:
         parts = []
         while (part := await self.chunk()) is not None:
             parts.append(part)
