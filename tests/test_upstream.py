@@ -94,6 +94,28 @@ async def test_a_chunked_stream_comes_chunk_by_chunk_as_the_engine_sends_it() ->
     ups.close()
 
 
+async def test_a_body_not_all_in_within_its_time_times_out_and_one_all_in_is_read() -> None:
+    stall = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(whole(b'{"a": 1}'))  # all at once
+        await read_request(r)
+        w.write(b'HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n{"partial')  # then nothing
+        await stall.wait()
+
+    ups = Upstreams()
+    async with serving(handler) as url:
+        resp = await ups.request("POST", url + "/v1/completions", b"{}")
+        assert await resp.read(0.2) == b'{"a": 1}'
+        resp = await ups.request("POST", url + "/v1/completions", b"{}")
+        with pytest.raises(asyncio.TimeoutError):
+            await resp.read(0.2)
+        resp.close()
+        stall.set()
+    ups.close()
+
+
 async def test_an_answer_cut_off_mid_body_raises_and_an_unreachable_engine_is_named() -> None:
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await read_request(r)
