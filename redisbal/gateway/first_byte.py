@@ -110,8 +110,8 @@ async def first_byte(
     """``answer``'s result, or ``asyncio.TimeoutError`` after ``bound_s``, or
     ``Silent`` once it waited ``SILENT_WAIT_S`` while ``engine_id`` has not reported
     for ``SILENT_AFTER_S`` (``watch`` says so). ``answer`` runs in the caller's task,
-    cancelled when either ends the wait, as ``asyncio.timeout`` does: no task of its
-    own and no second wait, which cost the gateway more than the rest of its wait."""
+    cancelled by whichever ends the wait, as ``asyncio.timeout`` does: a task of its
+    own and ``asyncio.wait`` per request cost more CPU than all the rest of the wait."""
     if bound_s <= SILENT_WAIT_S:
         async with timeout(bound_s):
             return await answer
