@@ -32,7 +32,8 @@ that its overhead splits into what carrying a request costs and what redisbal ad
 each real peer router (redisbal.bench.routers: pinned, installed into a venv of its
 own on first use, ``--routers-venv``) in front of the same engine, in the same
 interleaved run; their CPU comes from schedstat as the gateway's (they have no
-"inside" histogram).
+"inside" histogram). A second table then gives each target's CPU over the first
+peer's in the same repetition: its median and range say how far host noise moves it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import importlib.util
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -279,6 +281,8 @@ def main() -> None:
                 p.wait(10)
     print(orjson.dumps({"load_average": os.getloadavg()}).decode())
     print(summarize(rows))
+    if peers:
+        print(ratios(rows, peers[0]))
     if a.json:
         with open(a.json, "wb") as fh:
             fh.write(orjson.dumps({"rows": rows}, option=orjson.OPT_INDENT_2))
@@ -363,9 +367,31 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def ratios(rows: list[dict[str, Any]], base: str) -> str:
+    """Markdown: each target's CPU per request over ``base``'s in the same repetition
+    (interleaved, so host noise hits both alike): median and range over repetitions."""
+    out = [f"| mode | rate | target | CPU x {base}'s, median (range) |", "|---|---|---|---|"]
+    cpu = {
+        (r["target"], r["stream"], r["rate"], r["rep"]): r["cpu_ms_per_request"]
+        for r in rows
+        if r.get("cpu_ms_per_request")
+    }
+    for target, stream, rate in sorted({k[:3] for k in cpu if k[0] != base}):
+        x = [
+            v / cpu[(base, *k[1:])]
+            for k, v in cpu.items()
+            if k[:3] == (target, stream, rate) and (base, *k[1:]) in cpu
+        ]
+        if x:
+            out.append(
+                f"| {'stream' if stream else 'whole'} | {rate:g} | {target} "
+                f"| {_median(x):.2f} ({min(x):.2f}-{max(x):.2f}) |"
+            )
+    return "\n".join(out)
+
+
 def _median(v: list[float]) -> float:
-    s = sorted(v)
-    return s[len(s) // 2] if s else float("nan")
+    return statistics.median(v) if v else float("nan")
 
 
 if __name__ == "__main__":
