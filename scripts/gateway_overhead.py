@@ -15,7 +15,7 @@ engine's steps short with many running). The gateway's CPU time and its run-queu
 /proc/<pid>/schedstat; "inside" is the gateway's own added-latency histogram.
 
     python scripts/gateway_overhead.py --rates 100,200,500 --duration 5 --reps 2 \
-        --loops asyncio,uvloop --json out.json
+        --loops asyncio,uvloop --json out.json --plot out.png
 
 ``--auth``: also one gateway per loop kind that requires an API key (from a file), in
 the same interleaved run; every request carries the key, whatever its target.
@@ -55,6 +55,7 @@ from typing import Any
 import orjson
 
 from redisbal.bench import routers
+from redisbal.bench.plots import plot_overhead
 from redisbal.gateway.loadgen import plan, run
 from redisbal.sim.embedded import RedisServer
 
@@ -186,6 +187,7 @@ def main() -> None:
         "--engine-args", default="", help="more engine-sim arguments, e.g. '--per-seq-ms 0.01'"
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="also a PNG of CPU per request (matplotlib)")
     ap.add_argument("--auth", action="store_true", help="also a gateway with an API key")
     ap.add_argument(
         "--tell-routes",
@@ -199,6 +201,8 @@ def main() -> None:
     peers = [p for p in a.peers.split(",") if p]
     if "uvloop" in a.loops.split(",") and importlib.util.find_spec("uvloop") is None:
         sys.exit("gateway_overhead: no uvloop here: pip install uvloop, or --loops asyncio")
+    if a.plot and importlib.util.find_spec("matplotlib") is None:  # (before the run)
+        sys.exit("gateway_overhead: --plot needs matplotlib: pip install 'redisbal[plot]'")
     try:
         for p in peers:
             routers.split_name(p)
@@ -286,6 +290,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "wb") as fh:
             fh.write(orjson.dumps({"rows": rows}, option=orjson.OPT_INDENT_2))
+    if a.plot:
+        print(f"plot: {plot_overhead(rows, a.plot, peers[0] if peers else None)}")
 
 
 def start_peer(name: str, venv: Path, engine_port: int, logdir: Path) -> routers.RouterProcess:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from typing import Any
 
 import click
@@ -129,6 +130,38 @@ def plot_policy_seeds(doc: dict[str, Any], path: str, metric: str = "ttft_p99_ms
     ax.set_xticks(list(xs), order, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(metric.replace("_", " "))
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_overhead(rows: list[dict[str, Any]], path: str, base: str | None = None) -> str:
+    """The gateway-overhead benchmark (scripts/gateway_overhead.py --json): CPU per
+    request of each target, whole and streamed, a dot per repetition and a bar at the
+    median; with ``base`` (a peer router), a line at 1.5x its median."""
+    plt = pyplot()
+    cpu: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
+    for r in rows:
+        if r.get("cpu_ms_per_request"):
+            cpu[bool(r["stream"])].setdefault(r["target"], []).append(r["cpu_ms_per_request"])
+    if not any(cpu.values()):
+        raise click.ClickException("no row has CPU per request: nothing to plot")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), squeeze=False)
+    for ax, stream in zip(axes[0], (False, True), strict=True):
+        by = cpu[stream]
+        order = sorted(by, key=lambda t: statistics.median(by[t]))
+        xs = range(len(order))
+        ax.bar(xs, [statistics.median(by[t]) for t in order], color="0.85", label="median")
+        for x, t in zip(xs, order, strict=True):
+            ax.plot([x] * len(by[t]), by[t], "o", ms=3, color="C0", alpha=0.7)
+        if base in by:
+            target = 1.5 * statistics.median(by[base])
+            ax.axhline(target, ls="--", lw=0.8, color="C3", label=f"1.5x {base}")
+        ax.set_xticks(list(xs), order, rotation=25, ha="right", fontsize=7)
+        ax.set_title("streamed" if stream else "whole", fontsize=9)
+        ax.set_ylabel("CPU ms per request")
+        ax.legend(fontsize=6, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
