@@ -35,7 +35,15 @@ T = TypeVar("T")
 SILENT_WAIT_S = 0.25  # a request has waited this long on a silent engine: it is hung
 CHECK_EVERY_S = 0.05
 
-__all__ = ["CHECK_EVERY_S", "SILENT_WAIT_S", "SilenceWatch", "Silent", "first_byte", "timeout"]
+__all__ = [
+    "CHECK_EVERY_S",
+    "SILENT_WAIT_S",
+    "SilenceWatch",
+    "Silent",
+    "first_byte",
+    "timeout",
+    "within",
+]
 
 
 class Silent(Exception):
@@ -93,11 +101,15 @@ class SilenceWatch:
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
         long_ago = loop.time() - SILENT_WAIT_S
-        for eid, waiting in list(self._waiting.items()):
+        # a cancel only schedules the task's wake-up: forget() runs later, in the task,
+        # so nothing changes these sets while they are walked
+        for eid, waiting in self._waiting.items():
             quiet = self._silent_s(eid)
             if quiet < SILENT_AFTER_S:
                 continue
-            for wait in [w for w in waiting if w.since <= long_ago and w.silent_s is None]:
+            for wait in waiting:
+                if wait.since > long_ago or wait.silent_s is not None:
+                    continue
                 wait.silent_s = quiet
                 wait.task.cancel()  # first_byte turns this cancel into Silent
         if self._waiting:  # the timer runs only while someone waits
@@ -127,3 +139,13 @@ async def first_byte(
         raise
     finally:
         watch.forget(engine_id, wait)
+
+
+async def within(answer: Awaitable[T], seconds: float | None) -> T:
+    """``answer``'s result, or ``asyncio.TimeoutError`` after ``seconds``; with
+    ``None`` no timer is set (for what has already arrived, as most short bodies
+    and answers have: a timer per request is a measurable part of the gateway's CPU)."""
+    if seconds is None:
+        return await answer
+    async with timeout(seconds):
+        return await answer

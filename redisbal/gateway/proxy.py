@@ -33,7 +33,7 @@ from aiohttp import web
 
 from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
-from redisbal.gateway.first_byte import Silent, first_byte, timeout
+from redisbal.gateway.first_byte import Silent, first_byte, timeout, within
 from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
 from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, UpstreamUnreachable
@@ -282,11 +282,9 @@ class Proxy:
             m.errors.labels("too_large").inc()
             return _json_error(413, f"the body exceeds {self.max_body} bytes")
         try:
-            if request.content.is_eof():  # all in with its head: no timer to set
-                raw = await request.read()
-            else:
-                async with timeout(self.body_timeout_s):
-                    raw = await request.read()
+            # a body that came with its head needs no timer
+            bound = None if request.content.is_eof() else self.body_timeout_s
+            raw = await within(request.read(), bound)
         except web.HTTPRequestEntityTooLarge:
             m.errors.labels("too_large").inc()
             return _json_error(413, f"the body exceeds {self.max_body} bytes")

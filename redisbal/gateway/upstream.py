@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from redisbal.errors import UpstreamClosed, UpstreamError, UpstreamUnreachable
-from redisbal.gateway.first_byte import timeout
+from redisbal.gateway.first_byte import timeout, within
 
 IDLE_S = 4.0  # a pooled connection unused this long is closed, not reused
 HIGH_WATER = 256 * 1024  # unread body bytes at which reading pauses
@@ -75,10 +75,7 @@ class Response:
     async def read(self, within_s: float | None = None) -> bytes:
         """The whole body; ``asyncio.TimeoutError`` if it is not all in ``within_s``
         (no timer is set for a body already in, as most short answers are)."""
-        if within_s is None or self._ended:
-            return await self._read()
-        async with timeout(within_s):
-            return await self._read()
+        return await within(self._read(), None if self._ended else within_s)
 
     async def _read(self) -> bytes:
         parts = []
