@@ -165,8 +165,9 @@ class _Sentinel:
 class SentinelTopology:
     """One primary + one replica + three sentinels (quorum 2) for ``service``.
 
-    With ``password`` the data nodes require it (``requirepass`` / ``masterauth``,
-    set once they run) and the sentinels use it (``sentinel auth-pass``); the
+    With ``password`` the data nodes require it from their start (``requirepass`` /
+    ``masterauth``; set once they ran, replication or a sentinel could connect in
+    between and be refused) and the sentinels use it (``sentinel auth-pass``); the
     sentinels themselves need none. ``.url`` carries no password: add it.
 
     With ``certs`` every TCP port speaks TLS only and requires a client certificate:
@@ -190,6 +191,7 @@ class SentinelTopology:
         self.servers: list[RedisServer] = []
         self.ports: list[int] = []
         self.sentinels: list[_Sentinel] = []
+        self._seen = "nothing yet"  # what _ready() saw last
 
     @property
     def url(self) -> str:
@@ -208,22 +210,20 @@ class SentinelTopology:
         try:
             p_port, r_port, *s_ports = free_ports(5)
             primary = RedisServer(
-                self.binary, workdir=self._sub("primary"), **self._data_args(p_port)
+                self.binary,
+                workdir=self._sub("primary"),
+                password=self.password,
+                **self._data_args(p_port),
             )
             self.servers.append(primary.start())
             rargs = self._data_args(r_port)
             rargs["extra_args"] = [*rargs.get("extra_args", []), "--replicaof", "127.0.0.1"]
             rargs["extra_args"].append(str(p_port))
-            replica = RedisServer(self.binary, workdir=self._sub("replica"), **rargs)
+            replica = RedisServer(
+                self.binary, workdir=self._sub("replica"), password=self.password, **rargs
+            )
             self.servers.append(replica.start())
             self.ports = [p_port, r_port]  # what sentinels and clients use (TLS with certs)
-            if self.password:
-                with replica.client() as c:
-                    c.config_set("masterauth", self.password)
-                    c.config_set("requirepass", self.password)
-                with primary.client() as c:
-                    c.config_set("masterauth", self.password)
-                    c.config_set("requirepass", self.password)
             for i, port in enumerate(s_ports):
                 s = _Sentinel(
                     self.binary,
@@ -236,7 +236,10 @@ class SentinelTopology:
                 )
                 s.start()
                 self.sentinels.append(s)
-            wait_until(self._ready, timeout, "sentinels to see the replica and each other", 0.1)
+            try:
+                wait_until(self._ready, timeout, "sentinels to see the replica and each other", 0.1)
+            except AssertionError as exc:  # say what was missing, and what the logs said
+                raise AssertionError(f"{exc}\nlast seen: {self._seen}\n{self._logs()}") from None
         except BaseException:
             self.cleanup()
             raise
@@ -248,16 +251,25 @@ class SentinelTopology:
         return str(d)
 
     def _ready(self) -> bool:
+        views = []  # (sentinel port, other sentinels it knows, replicas it knows)
         for s in self.sentinels:
             with s.client() as c:
                 m = c.sentinel_master(self.service)
-                if int(m["num-other-sentinels"]) < len(self.sentinels) - 1:
-                    return False
-                if int(m["num-slaves"]) < 1:
-                    return False
+            views.append((s.port, int(m["num-other-sentinels"]), int(m["num-slaves"])))
         with self.data_client(self.servers[0]) as c:
-            repl = c.info("replication")
-            return int(repl.get("connected_slaves", 0)) >= 1
+            connected = int(c.info("replication").get("connected_slaves", 0))
+        self._seen = "; ".join(
+            [f"sentinel {p}: {o} others, {r} replicas" for p, o, r in views]
+            + [f"primary: {connected} replicas connected"]
+        )
+        others = len(self.sentinels) - 1
+        return connected >= 1 and all(o >= others and r >= 1 for _p, o, r in views)
+
+    def _logs(self) -> str:
+        """The end of every server's and sentinel's log, for a set-up that timed out."""
+        logs = [Path(srv.dir) / "redis.log" for srv in self.servers]
+        logs += [s.dir / "sentinel.log" for s in self.sentinels]
+        return "\n".join(f"{log}:\n{log.read_text()[-600:]}" for log in logs if log.exists())
 
     def primary_port(self) -> int:
         """Port of the current primary according to the first live sentinel."""

@@ -106,7 +106,10 @@ def server_version(binary: str) -> tuple[int, int, int]:
 
 
 class RedisServer:
-    """A redis-server process we own. ``url`` is a unix:// URL unless tcp=True."""
+    """A redis-server process we own. ``url`` is a unix:// URL unless tcp=True.
+
+    With ``password`` it requires it from the start (``requirepass``, and
+    ``masterauth`` for a replica), and ``client()`` uses it."""
 
     def __init__(
         self,
@@ -116,8 +119,10 @@ class RedisServer:
         port: int | None = None,
         extra_args: list[str] | None = None,
         workdir: str | None = None,
+        password: str | None = None,
     ) -> None:
         self.binary = binary or find_redis_server()
+        self.password = password
         self.version = server_version(self.binary)
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="redisbal-redis-"))
         self._own_dir = workdir is None
@@ -137,6 +142,7 @@ class RedisServer:
     def args(self) -> list[str]:
         return [
             self.binary,
+            *([str(self._password_conf)] if self.password else []),
             "--port",
             str(self.port),
             "--bind",
@@ -156,7 +162,17 @@ class RedisServer:
             *self.extra_args,
         ]
 
+    @property
+    def _password_conf(self) -> Path:
+        """The password's config file (not the command line, where ``ps`` shows it)."""
+        return self.dir / "password.conf"
+
     def start(self, timeout: float = 10.0) -> RedisServer:
+        if self.password:
+            self._password_conf.touch(mode=0o600)
+            self._password_conf.write_text(
+                f"requirepass {self.password}\nmasterauth {self.password}\n"
+            )
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket)
         self.proc = subprocess.Popen(
@@ -172,7 +188,7 @@ class RedisServer:
                 tail = log.read_text()[-800:] if log.exists() else ""
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {tail}")
             try:
-                with redis.Redis(unix_socket_path=self.socket, socket_timeout=1) as c:
+                with self.client(socket_timeout=1) as c:
                     if c.ping():
                         return self
             except (redis.exceptions.ConnectionError, FileNotFoundError, OSError):
@@ -183,6 +199,7 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not become ready in {timeout}s")
 
     def client(self, **kw: object) -> redis.Redis:
+        kw.setdefault("password", self.password)
         return redis.Redis(unix_socket_path=self.socket, **kw)  # type: ignore[arg-type]
 
     def kill(self) -> None:
