@@ -16,7 +16,11 @@ A scrape that fails (refused, HTTP error, timeout, a page without the counts) is
 never reported as idle: the engines of that URL are paused, so they stop
 reporting, the barrier stops waiting for them once the stall guard runs, and
 they expire after ``dead_after_ms``; a rate-limited warning says why. They come
-back with the next good scrape.
+back with the next good scrape. A refused or wrong answer also marks them
+suspect, so routers keep to probes until a request is answered there. A slow
+page does not: a busy engine can serve /metrics late (vLLM on CPU, under load)
+and still answer its requests; its silence keeps new requests away meanwhile,
+and the requests it answers, or fails, say the rest.
 """
 
 from __future__ import annotations
@@ -185,13 +189,14 @@ class Sidecar:
                     eid,
                 )
 
-    def fail(self, target: Target, reason: str) -> None:
-        """A failed scrape: silence the target's engines, never report them idle, and
-        have routers avoid them (suspect) until they answer again."""
+    def fail(self, target: Target, reason: str, suspect: bool = True) -> None:
+        """A failed scrape: silence the target's engines and never report them idle;
+        with ``suspect``, have routers avoid them (but for probes) until they answer."""
         self.failures += 1
         for eid in target.engines.values():
             self.sender.pause(eid)
-            self.sender.suspect(eid, f"scrape of {target.metrics_url} failed: {reason}")
+            if suspect:
+                self.sender.suspect(eid, f"scrape of {target.metrics_url} failed: {reason}")
         self.warn.warning(
             f"fail:{target.index}",
             "scrape: %s failed (%s): its engines %s stop reporting until it answers again",
@@ -207,8 +212,8 @@ class Sidecar:
         except PageError as exc:
             self.fail(target, str(exc))
             return False
-        except asyncio.TimeoutError:
-            self.fail(target, f"no answer within {self.timeout_s:g}s")
+        except asyncio.TimeoutError:  # slow, not refused: no evidence against requests
+            self.fail(target, f"no answer within {self.timeout_s:g}s", suspect=False)
             return False
         except (aiohttp.ClientError, OSError) as exc:
             self.fail(target, f"{type(exc).__name__}: {exc}")
@@ -362,7 +367,8 @@ def build(
     type=Duration(),
     default="1s",
     show_default=True,
-    help="A scrape slower than this fails: its engines stop reporting.",
+    help="A scrape slower than this fails: its engines stop reporting until the next "
+    "good one (not marked suspect: a busy engine may serve its page late).",
 )
 def scrape_command(
     metrics_urls: tuple[str, ...],
