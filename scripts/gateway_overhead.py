@@ -52,10 +52,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import click
 import orjson
 
 from redisbal.bench import routers
-from redisbal.bench.plots import plot_overhead
+from redisbal.bench.plots import plot_overhead, pyplot
 from redisbal.gateway.loadgen import plan, run
 from redisbal.sim.embedded import RedisServer
 
@@ -201,8 +202,11 @@ def main() -> None:
     peers = [p for p in a.peers.split(",") if p]
     if "uvloop" in a.loops.split(",") and importlib.util.find_spec("uvloop") is None:
         sys.exit("gateway_overhead: no uvloop here: pip install uvloop, or --loops asyncio")
-    if a.plot and importlib.util.find_spec("matplotlib") is None:  # (before the run)
-        sys.exit("gateway_overhead: --plot needs matplotlib: pip install 'redisbal[plot]'")
+    if a.plot:  # matplotlib is there before the run, not after it
+        try:
+            pyplot()
+        except click.ClickException as exc:
+            sys.exit(f"gateway_overhead: {exc.message}")
     try:
         for p in peers:
             routers.split_name(p)
