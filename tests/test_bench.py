@@ -340,7 +340,8 @@ def test_speed_aware_option_learns_a_slow_engine_from_completions() -> None:
         counts = {}
         for e in ("a", "b", "c", "d"):
             done = k * (10 if e == "d" else 20)  # per 100 ms; d is the slow one
-            counts[e] = EngineCounts(10, 64, None, 0, k, 1000 + 100 * k, (done + 74,))
+            # 30 waiting: more than came since the last snapshot, so the cap (64) is known
+            counts[e] = EngineCounts(30, 64, None, 0, k, 1000 + 100 * k, (done + 94,))
         return Snapshot("d", "ep", k, 0, k, False, {}, {}, (), 1000 + 100 * k, counts)
 
     class SpeedAware(RedisbalPolicy):
@@ -357,7 +358,7 @@ def test_speed_aware_option_learns_a_slow_engine_from_completions() -> None:
         assert core.by_id["d"].speed == pytest.approx(0.5, rel=0.05)
         assert core.by_id["a"].speed == 1.0  # inside the dead band around the median
         got = {core.route().engine_id for _ in range(6)}
-        assert "d" not in got  # 64 + 10 / 0.5 = 84 > 64 + 10 + routed so far
+        assert "d" not in got  # 64 + 30 / 0.5 = 124 > 64 + 30 + routed so far
 
 
 def test_engines_completing_a_few_requests_a_second_get_a_speed_and_an_age() -> None:
@@ -429,7 +430,7 @@ def test_sed_option_weighs_the_whole_queue_and_the_request_by_speed() -> None:
 
 def test_slots_option_puts_free_slots_first_then_queues_by_speed() -> None:
     """RedisbalPolicy.use_slots (off by default): once the running cap is known (8:
-    an engine with a queue runs 8), an engine where the request would queue scores
+    an engine whose queue outlived a report runs 8), an engine where the request would queue scores
     above any with a free slot, and among full ones by what is queued over speed."""
     from redisbal.barrier.snapshot import EngineCounts
     from redisbal.routing.policies import RedisbalPolicy
@@ -445,14 +446,15 @@ def test_slots_option_puts_free_slots_first_then_queues_by_speed() -> None:
         use_slots = True
         use_dither = False
 
-    full = {"a": (2, 8), "b": (3, 8), "c": (3, 8), "d": (1, 8)}
+    # queues longer than what came since the last snapshot (20): the cap (8) is known
+    full = {"a": (25, 8), "b": (26, 8), "c": (26, 8), "d": (24, 8)}
     for policy, want in ((Slots(), "a"), (RedisbalPolicy(), "d")):
         core = RouterCore(0, 1, policy, rng=random.Random(1))
         core.connected = True
         for k in range(1, 31):
             core.apply_snapshot(snaps(k, full))
         assert core.running_cap == 8
-        # slots: a = 10 + 3 x 8 = 34 beats d = 9 + 2 x 8 / 0.5 = 41; default: d, 9 < 10
+        # slots: a = 33 + 26 x 8 = 241 beats d = 32 + 25 x 8 / 0.5 = 432; default: d, 32 < 33
         assert core.route().engine_id == want
     core = RouterCore(0, 1, Slots(), rng=random.Random(1))
     core.connected = True

@@ -21,6 +21,9 @@ the vLLM coordinator's publish loop for the vllm-* baselines (as in
 - The peers (``redisbal.bench.peers``) get the same snapshots as ``redisbal``: an
   assumption in their favour (their own systems gather less, or later); their
   prefix indexes are sized for the simulated engine's cache.
+- A policy that holds requests (``Policy.holds``) holds them at the router while it
+  sees no free slot (``routing.admission``), at most ``hold_s``; a router holding
+  requests applies each snapshot as it comes, and routes them as slots free.
 - A router applies the newest snapshot it has received when it next routes,
   with its clock set to when that snapshot arrived (the simulator's saving: a
   router that routes nothing in between skips the snapshots in between). The
@@ -64,6 +67,7 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
+from redisbal.routing.admission import DEFAULT_MAX_S, free_slots, release_delay
 from redisbal.routing.core import RouterCore
 from redisbal.routing.peers import COALESCE_S, TELL_EVERY_S, telling
 from redisbal.routing.policies import DEFAULT_POLICY, POLICIES, Policy, RedisbalPolicy
@@ -92,6 +96,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal+cost": {"use_cost": True},
     "redisbal-room": {"affinity_room": False},
     "redisbal-dither1": {"dither_gain": 0.0},  # the dither's amplitude stays 1, never a lump
+    "redisbal-hold": {"holds": False},  # every request routed at once, as before holding
 }
 
 
@@ -115,7 +120,7 @@ def _policy(name: str, world: World, kv_blocks: int = QUALITY_ENGINE.cache_block
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
 
 
-ARRIVE, DELIVER, ESTEP, TICK, STEP, STATS, SNAP, SAMPLE, TELL, HEAR = range(10)
+ARRIVE, DELIVER, ESTEP, TICK, STEP, STATS, SNAP, SAMPLE, TELL, HEAR, RELEASE, EXPIRE = range(12)
 
 
 def simulate(
@@ -131,6 +136,7 @@ def simulate(
     transit_ms: float = 1.0,
     sample_s: float = 0.05,
     vllm_transport: bool = True,
+    hold_s: float = DEFAULT_MAX_S,
 ) -> dict[str, float]:
     """One run; returns the metrics (``redisbal.bench.latency``) and the run's own
     cost (``sim_wall_s``). ``admitted=False``: snapshots carry no admitted counts, as
@@ -252,6 +258,49 @@ def simulate(
         snap = _snapshot(version, {e.engine_id: counts(e, version, t) for e in engines}, t * 1000)
         deliver_all(t, snap)
 
+    # requests each router holds (request -> when it came), first in first out
+    held: list[dict[int, float]] = [{} for _ in range(sc.clients)]
+
+    def dispatch(i: int, k: int, came: float) -> None:
+        r = work[k]
+        d = routers[i].route(
+            key=r.key,
+            prompt_tokens=r.prompt_tokens,
+            output_tokens=r.output_tokens if pass_output else None,
+            blocks=r.blocks,
+        )
+        req = SimRequest(
+            k,
+            i,
+            r.output_tokens,
+            came,  # (TTFT counts from the request's coming, held or not)
+            decision=d,
+            engine_id=d.engine_id,
+            group=r.group,
+            prompt_tokens=r.prompt_tokens,
+            blocks=r.blocks,
+            done_blocks=r.done_blocks,
+        )
+        reqs[k] = req
+        world.transit[d.engine_id] += 1
+        push(clock[0] + transit_ms / 1000, DELIVER, req)
+
+    def release(i: int) -> None:
+        """Route what router i holds while it sees a free slot (as Admission.release)."""
+        q = held[i]
+        while q:
+            free = free_slots(routers[i])
+            if free is not None and free <= 0:
+                return
+            k = next(iter(q))
+            dispatch(i, k, q.pop(k))
+
+    for i, core in enumerate(routers):
+        if core.policy.holds:
+            core.on_update = lambda i=i: (
+                push(clock[0] + release_delay(routers[i]), RELEASE, i) if held[i] else None
+            )
+
     now = 0.0
     while events:
         t, _, kind, data = heapq.heappop(events)
@@ -259,36 +308,18 @@ def simulate(
             break
         now = clock[0] = t
         if kind == ARRIVE:
-            r = work[data]
-            i = r.client
-            core = routers[i]
+            i = work[data].client
             got = inbox[i]
             if got is not None:
                 inbox[i] = None
                 clock[0] = got[0]
-                core.apply_snapshot(got[1])
-            clock[0] = t
-            d = core.route(
-                key=r.key,
-                prompt_tokens=r.prompt_tokens,
-                output_tokens=r.output_tokens if pass_output else None,
-                blocks=r.blocks,
-            )
-            req = SimRequest(
-                data,
-                i,
-                r.output_tokens,
-                t,
-                decision=d,
-                engine_id=d.engine_id,
-                group=r.group,
-                prompt_tokens=r.prompt_tokens,
-                blocks=r.blocks,
-                done_blocks=r.done_blocks,
-            )
-            reqs[data] = req
-            world.transit[d.engine_id] += 1
-            push(t + transit_ms / 1000, DELIVER, req)
+                routers[i].apply_snapshot(got[1])
+                clock[0] = t
+            if routers[i].policy.holds and (held[i] or free_slots(routers[i]) == 0):
+                held[i][data] = t  # (routing.admission): until a slot frees, or max_s
+                push(t + hold_s, EXPIRE, (i, data))
+            else:
+                dispatch(i, data, t)
         elif kind == DELIVER:
             eid = data.engine_id
             world.transit[eid] -= 1
@@ -357,9 +388,12 @@ def simulate(
                 vllm_push(at, cs)
         elif kind == SNAP:
             i, snap = data
-            held = inbox[i]
-            if held is None or snap.version > held[1].version:
+            last = inbox[i]
+            if last is None or snap.version > last[1].version:
                 inbox[i] = (t, snap)
+            if held[i] and (got := inbox[i]) is not None:  # holding: adopt it now
+                inbox[i] = None
+                routers[i].apply_snapshot(got[1])
         elif kind == TELL:  # (only pushed while telling)
             i, beat = data
             told = routers[i].told()
@@ -370,6 +404,12 @@ def simulate(
                 push(t + TELL_EVERY_S, TELL, (i, True))
         elif kind == HEAR:
             routers[data[0]].hear(data[1])
+        elif kind == RELEASE:
+            release(data)
+        elif kind == EXPIRE:
+            i, k = data
+            if k in held[i]:
+                dispatch(i, k, held[i].pop(k))
         elif kind == SAMPLE:
             times.append(t)
             loads.append([float(world.engines[e].load) for e in ids])

@@ -19,6 +19,7 @@ from redisbal.ops.cli_options import (
     redis_errors,
     settings,
 )
+from redisbal.routing.admission import DEFAULT_MAX_S
 from redisbal.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
@@ -270,6 +271,18 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     "gateway: the others fall back too), each counts its own routes by its share.",
 )
 @click.option(
+    "--hold-s",
+    type=FiniteFloat(0, 600),
+    default=DEFAULT_MAX_S,
+    show_default=True,
+    envvar="REDISBAL_HOLD_S",
+    show_envvar=True,
+    help="With the default policy: while every engine is at its running cap, hold a "
+    "request here, at most this long, and send it to the first engine that frees a slot "
+    "(not into one engine's queue). Needs engines that report admitted counts (the "
+    "running cap is learned from them). 0: never hold.",
+)
+@click.option(
     "--max-body-bytes",
     type=click.IntRange(1024, 1 << 30),
     default=4 << 20,
@@ -361,6 +374,7 @@ async def _serve(
     eject_max_s: float,
     user_key: bool = True,
     tell_routes: bool = True,
+    hold_s: float = DEFAULT_MAX_S,
     nofile: int = 0,
     **served: Any,
 ) -> bool:
@@ -396,6 +410,7 @@ async def _serve(
             lease_ttl_s=lease_ttl_s,
             suspect_s=eject_max_s,
             tell_routes=tell_routes,
+            hold_s=hold_s,
             outcomes=OutcomeTracker(
                 base_s=eject_max_s / 8,
                 max_s=eject_max_s,

@@ -41,6 +41,7 @@ class GatewayMetrics:
         routers: Mapping[str, RouterCore],
         inflight: Callable[[], float],
         by_deployment: bool = False,
+        held: Callable[[], float] = lambda: 0.0,
     ) -> None:
         """``routers``: each deployment's router state by name; ``by_deployment``: its
         gauges are labelled with the deployment (several behind the gateway), else the
@@ -97,6 +98,13 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.hold = Histogram(
+            "redisbal_gateway_hold_seconds",
+            "How long requests were held while every engine was at its running cap "
+            "(--hold-s; only the requests held).",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0),
+            registry=r,
+        )
         labels = ["deployment"] if by_deployment else []
         age = Gauge(
             "redisbal_gateway_snapshot_age_seconds",
@@ -137,6 +145,9 @@ class GatewayMetrics:
         Gauge("redisbal_gateway_inflight", "Requests being proxied now.", registry=r).set_function(
             inflight
         )
+        Gauge(
+            "redisbal_gateway_held", "Requests held now (--hold-s; part of inflight).", registry=r
+        ).set_function(held)
         # children resolved once: labels() costs a dict lookup and a lock per call
         self._added = {True: self.added.labels("true"), False: self.added.labels("false")}
         self._children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}

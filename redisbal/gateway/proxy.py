@@ -151,6 +151,9 @@ class Proxy:
             {d.name: d.router.core for d in self.models.deployments},
             inflight=lambda: self.inflight,
             by_deployment=models is not None,
+            held=lambda: sum(
+                d.router.admission.held for d in self.models.deployments if d.router.admission
+            ),
         )
         self.upstream: Upstreams | None = None  # from start() on
         self._idle = asyncio.Event()
@@ -327,6 +330,9 @@ class Proxy:
             m.errors.labels("bad_request").inc()
             return pin
         dep.budget.request()
+        if pin is None and (held := await dep.router.admit()):  # every engine was full
+            m.hold.observe(held)
+            t0 += held  # (not the gateway's own added time)
         headers = {"Content-Type": "application/json", **self.upstream_auth(request)}
         avoid: set[str] = set()
         last: Retry | None = None

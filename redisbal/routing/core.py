@@ -131,8 +131,12 @@ class RouterCore:
         self.peers = PeerRoutes()
         self._weigh()  # share_weight, pending_weight
         self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
-        self.running_cap = 0  # largest running count seen on an engine with a queue
+        self.running_cap = 0  # the engines' running cap as far as seen (_learn_cap)
+        self.most_running = 0  # the largest running count seen on any engine
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
+        # called (outside the lock) when slots may have freed: a snapshot adopted, a route
+        # told, a request ended or taken back (routing.admission wakes held requests)
+        self.on_update: Callable[[], None] | None = None
         self.route_cost = RouteCost()  # a route's size against recent routes' (estimates)
         self.counters = {
             "routes": 0,
@@ -207,46 +211,53 @@ class RouterCore:
     def apply_snapshot(self, snap: Snapshot) -> bool:
         """Adopt snap unless it is older than ours within the same epoch (invariant 4)."""
         with self.lock:
-            cur = self.snapshot
-            if not self.accepts(snap):
-                self.counters["ignored_old"] += 1
-                return False
-            if cur is not None and snap.epoch != cur.epoch:
-                self.counters["epochs"] += 1
-            now = self.clock()
-            self.snapshot, self.snapshot_at = snap, now
-            self.counters["snapshots"] += 1
-            self._versions.pop(snap.epoch, None)
-            self._versions[snap.epoch] = snap.version
-            if len(self._versions) > 8:
-                del self._versions[next(iter(self._versions))]
-            # an engine this router knows that the cut cannot hold yet (it reported only
-            # steps past it, e.g. re-registering after a state loss) stays routable
-            # with its last counts instead of vanishing for a snapshot
-            kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
-            carried = self._carry(snap, cur)
-            marked = self.excl.adopt(snap, now)
-            # the speed estimate only feeds a policy that uses it (off by default)
-            speed_on, age_on = (getattr(self.policy, a, False) for a in ("wants_speed", "use_age"))
-            ids = [*snap.engines, *kept, *carried]
-            if ids != self._ids or marked:
-                self._set_engines(ids)
-            # else the same engines, none excluded: known and engines stand as they are
-            if snap.roster is not None:
-                self._adopt_compact(snap, now)
-                mine = total = 0
-                exact = False
-            else:
-                mine, total, exact = self._adopt_full(snap, now, speed_on or age_on)
-            if exact:
-                self._update_share(mine, total)
-                if speed_on:
-                    self.speeds.update_speeds(self.known)
-                if age_on:
-                    self.speeds.update_aged(self.known, snap)
-            self._count_others(None, tell_policy=False)  # (reset just below)
-            self.policy.reset(self)
-            return True
+            adopted = self._adopt(snap)
+        if adopted and self.on_update is not None:
+            self.on_update()
+        return adopted
+
+    def _adopt(self, snap: Snapshot) -> bool:
+        """apply_snapshot() under the lock."""
+        cur = self.snapshot
+        if not self.accepts(snap):
+            self.counters["ignored_old"] += 1
+            return False
+        if cur is not None and snap.epoch != cur.epoch:
+            self.counters["epochs"] += 1
+        now = self.clock()
+        self.snapshot, self.snapshot_at = snap, now
+        self.counters["snapshots"] += 1
+        self._versions.pop(snap.epoch, None)
+        self._versions[snap.epoch] = snap.version
+        if len(self._versions) > 8:
+            del self._versions[next(iter(self._versions))]
+        # an engine this router knows that the cut cannot hold yet (it reported only
+        # steps past it, e.g. re-registering after a state loss) stays routable
+        # with its last counts instead of vanishing for a snapshot
+        kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
+        carried = self._carry(snap, cur)
+        marked = self.excl.adopt(snap, now)
+        # the speed estimate only feeds a policy that uses it (off by default)
+        speed_on, age_on = (getattr(self.policy, a, False) for a in ("wants_speed", "use_age"))
+        ids = [*snap.engines, *kept, *carried]
+        if ids != self._ids or marked:
+            self._set_engines(ids)
+        # else the same engines, none excluded: known and engines stand as they are
+        if snap.roster is not None:
+            self._adopt_compact(snap, now)
+            mine = total = 0
+            exact = False
+        else:
+            mine, total, exact = self._adopt_full(snap, now, speed_on or age_on)
+        if exact:
+            self._update_share(mine, total)
+            if speed_on:
+                self.speeds.update_speeds(self.known)
+            if age_on:
+                self.speeds.update_aged(self.known, snap)
+        self._count_others(None, tell_policy=False)  # (reset just below)
+        self.policy.reset(self)
+        return True
 
     @property
     def share(self) -> float:
@@ -291,6 +302,8 @@ class RouterCore:
             ids = self.peers.hear(data, self.client_index, self.clock(), self.by_id)
             if ids is not None:
                 self._count_others([self.by_id[i] for i in ids])
+        if ids and self.on_update is not None:
+            self.on_update()
 
     def check_peers(self) -> None:
         """Whether every other router is still heard from (the feed asks every 0.5 s:
@@ -339,14 +352,33 @@ class RouterCore:
                 trim_costs(e)
                 mine += got
                 total += all_adm
-                if c.waiting > 0 and c.running > self.running_cap:
-                    self.running_cap = c.running  # an engine with a queue is at its cap
+                if c.reported_ms != e.cap_ms:
+                    self._learn_cap(e, c.waiting, c.running, c.reported_ms, all_adm)
                 if observe:
                     done = all_adm - c.waiting - c.running
                     self.speeds.observe(e, done, c.reported_ms, c.running)
             else:
                 by_time(e, now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s)
         return mine, total, exact
+
+    def _learn_cap(self, e: EngineView, waiting: int, running: int, t_ms: int, adm: int) -> None:
+        """The running cap from a report not seen before: the running count of an engine
+        with requests that waited since its previous report (more waiting than it
+        admitted since), as they waited through a step that had no room for them, once
+        no engine has run more. A queue of requests just come says nothing (reports
+        come before a step's admission too); one that waits on the prefill budget or
+        KV room is below the cap, and so below what another engine ran."""
+        if running > self.most_running:
+            self.most_running = running
+        if (
+            running > self.running_cap
+            and running >= self.most_running
+            and e.cap_ms >= 0
+            and adm >= e.cap_adm
+            and waiting > adm - e.cap_adm
+        ):
+            self.running_cap = running
+        e.cap_ms, e.cap_adm = t_ms, adm
 
     def _new_incarnation(self, e: EngineView, inc: str | None, got: int) -> None:
         """e now reports from process ``inc``; after another (a restart) this router's routes
@@ -510,6 +542,8 @@ class RouterCore:
         """The request of ``decision`` ended (idempotent)."""
         with self.lock:
             self._finish(decision)
+        if self.on_update is not None:
+            self.on_update()
 
     def _view(self, decision: Decision) -> EngineView | None:
         """The view decision was made on, if it is still known (not a later one's)."""
@@ -572,6 +606,8 @@ class RouterCore:
                     eng.pending_cost -= eng.costs.pop()
                 trim_costs(eng)
             self._finish(decision)
+        if self.on_update is not None:
+            self.on_update()
 
     def failed(self, decision: Decision, kind: str = "error") -> bool:
         """The engine of ``decision`` did not serve it (``kind``: one of
@@ -589,7 +625,9 @@ class RouterCore:
             if tell:
                 self._choosable(now)
                 self.policy.reset(self)
-            return tell
+        if self.on_update is not None:
+            self.on_update()
+        return tell
 
     def answered(self, decision: Decision, first_byte_s: float | None = None) -> bool:
         """The engine of ``decision`` answered it (its first byte, after ``first_byte_s``;

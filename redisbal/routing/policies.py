@@ -134,6 +134,8 @@ class EngineView:
     run_prev: int = 0  # running count then
     done_acc: float = 0.0  # decayed completions
     exposure_acc: float = 0.0  # decayed running-request-seconds
+    cap_ms: int = -1  # reported_ms of the report the running cap was last learned from
+    cap_adm: int = 0  # the engine's admitted total then (RouterCore._learn_cap)
 
     def __post_init__(self) -> None:
         self.hid = zlib.crc32(self.engine_id.encode())
@@ -171,6 +173,9 @@ class Policy:
     request path: keep them in microseconds."""
 
     name = ""
+    # hold requests at the router while every engine is at its running cap
+    # (routing.admission); the baselines route at once, as the routers they stand for
+    holds = False
 
     def reset(self, core: RoutingState) -> None:
         """Called after the engine set or the snapshot changed."""
@@ -385,6 +390,7 @@ class RedisbalPolicy(ScoringPolicy):
     """
 
     name = "redisbal"
+    holds = True  # measured: docs/BENCHMARKS.md, the straggler at two replicas
     # Off by default: on the quality benchmark it moves nothing beyond the seed spread
     # (docs/BENCHMARKS.md, "Policy experiments": redisbal+speed).
     use_speed = False

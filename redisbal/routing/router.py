@@ -34,6 +34,7 @@ from redisbal.barrier.operations import Scripts, suspect_reason
 from redisbal.barrier.snapshot import Rosters, RosterUnknown, Snapshot
 from redisbal.connection import OUTAGE_ERRORS, AsyncRedisClient, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
+from redisbal.routing.admission import Admission
 from redisbal.routing.core import RouterCore
 from redisbal.routing.lease import ClientLease
 from redisbal.routing.outcomes import FAILURES, OUTCOMES, OutcomeTracker
@@ -175,6 +176,9 @@ class AsyncRouter(_LocalRouting):
     is a name from ``redisbal.routing.policies.POLICIES`` or a Policy.
     ``tell_routes``: with 2 to 8 API servers, tell the others each route on the
     deployment's routes channel and count theirs as told (``redisbal.routing.peers``).
+    ``hold_s``: with a policy that holds (the default), ``admit()`` holds a request
+    while every engine is at its running cap, at most this long
+    (``redisbal.routing.admission``); None or 0: it never holds.
     """
 
     def __init__(
@@ -194,6 +198,7 @@ class AsyncRouter(_LocalRouting):
         suspect_s: float = 1.0,
         outcomes: OutcomeTracker | None = None,
         tell_routes: bool = True,
+        hold_s: float | None = None,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
@@ -236,6 +241,17 @@ class AsyncRouter(_LocalRouting):
         self._marks: set[asyncio.Task[None]] = set()  # suspect marks on their way
         self._scripts: Scripts | None = None  # made with the first mark
         self.routes = RoutesChannel(self.core, self.keys.routes, tell_routes)
+        self.admission: Admission | None = None
+        if hold_s and self.core.policy.holds:
+            self.admission = Admission(self.core, hold_s)
+            self.core.on_update = self.admission.wake
+
+    async def admit(self) -> float:
+        """Before routing a request: while every engine is at its running cap, wait
+        for a slot to free, at most ``hold_s`` (``redisbal.routing.admission``).
+        Returns the seconds held (0.0: not held). Route right after it returns (no
+        await in between)."""
+        return 0.0 if self.admission is None else await self.admission.enter()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -271,6 +287,8 @@ class AsyncRouter(_LocalRouting):
 
     async def aclose(self) -> None:
         self._closed = True
+        if self.admission is not None:
+            self.admission.close()
         await cancel_and_wait(self._task)  # (the feed sits in redis-py calls)
         await self.routes.aclose()
         if self.lease is not None:

@@ -1,0 +1,178 @@
+"""Holding requests at the router while every engine is at its running cap, and
+sending each to the first engine that frees a slot.
+
+A request sent to an engine whose slots are all taken waits in that engine's own
+queue for one of *its* slots, however soon another engine frees one: behind a slow
+engine, or a few long answers, it waits longest of all. Held at the router it waits
+in one queue for the first slot freed anywhere (a central queue, late binding). The
+router learns that a slot freed from what it already hears: snapshots, the other
+routers' told routes and its own requests' ends (``RouterCore.on_update``).
+
+The routers of a deployment see a slot free at the same snapshot. So that they do
+not all fill it, they take turns: each releases ``STAGGER_S`` after the one before
+it, in an order that turns with each snapshot, and so hears what the ones before it
+routed (a told route comes within about ``COALESCE_S`` and a publish).
+
+The default policy holds (``Policy.holds``); the baselines route at once, as the
+routers they stand for do. Nothing is held while the running cap is unknown
+(``RouterCore._learn_cap``: it needs the engines' admitted counts) or while the
+router routes without a fresh snapshot, and no request is held longer than
+``max_s``: then it is routed as it would have been without holding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+
+from redisbal.routing.core import RouterCore
+
+DEFAULT_MAX_S = 2.0  # hold a request at most this long (the gateway's --hold-s)
+STAGGER_S = 0.008  # between two routers' turns to release (simulated: 4-12 ms alike)
+RECHECK_S = 0.25  # while requests are held, look again this often (a lost feed)
+
+__all__ = ["DEFAULT_MAX_S", "STAGGER_S", "Admission", "free_slots", "release_delay"]
+
+
+def free_slots(core: RouterCore) -> int | None:
+    """Slots free now as ``core`` sees them: over the engines it chooses from, the
+    running cap less each engine's load (running, waiting, the other routers' routes
+    on their way and this router's own pending routes, as the default policy counts
+    them). None when nothing should be held: the running cap unknown, or no fresh
+    snapshot."""
+    with core.lock:
+        cap = core.running_cap
+        if cap <= 0 or not core.engines or core.degraded:
+            return None
+        w = core.pending_weight
+        free = 0
+        for e in core.engines:
+            load = e.running + e.waiting + e.others + e.pending_cost * w
+            if load < cap:
+                free += math.ceil(cap - load)
+        return free
+
+
+def release_delay(core: RouterCore) -> float:
+    """How long after a change ``core``'s router releases what it holds: its turn
+    among the deployment's routers at the current snapshot."""
+    n = core.client_count
+    if n <= 1:
+        return 0.0
+    snap = core.snapshot
+    version = snap.version if snap is not None else 0
+    return ((core.client_index + version) % n) * STAGGER_S
+
+
+class Admission:
+    """The requests one router holds, first in first out (asyncio; one loop).
+
+    ``enter()`` returns at once while a slot is free, else when a release finds one
+    for it (``wake()``, at the router's turn) or after ``max_s``. A released request
+    holds a ticket until it routes, so that one free slot releases one request, not
+    every one held."""
+
+    def __init__(self, core: RouterCore, max_s: float) -> None:
+        if isinstance(max_s, bool) or not isinstance(max_s, int | float):
+            raise ValueError(f"max_s must be a number of seconds, got {max_s!r}")
+        if not 0 < max_s < math.inf:
+            raise ValueError(f"max_s must be finite and > 0, got {max_s!r}")
+        self.core = core
+        self.max_s = float(max_s)
+        self._queue: deque[asyncio.Future[bool]] = deque()
+        self._released = 0  # released, not routed yet
+        self._turn: asyncio.TimerHandle | None = None  # a release due at this router's turn
+        self._recheck: asyncio.TimerHandle | None = None
+        self.held_total = 0  # requests that were held
+        self.timed_out = 0  # of those, routed at max_s without a free slot
+
+    @property
+    def held(self) -> int:
+        """Requests held now."""
+        return sum(1 for f in self._queue if not f.done())
+
+    async def enter(self) -> float:
+        """Wait for a free slot, at most ``max_s``; returns the seconds held (0.0: a
+        slot was free). Route right after it returns (no await in between): a released
+        request's ticket is the route's until then."""
+        if not self._queue:
+            free = free_slots(self.core)
+            if free is None or free > self._released:
+                return 0.0
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        fut: asyncio.Future[bool] = loop.create_future()
+        self._queue.append(fut)
+        self.held_total += 1
+        expire = loop.call_later(self.max_s, _expire, fut)
+        if self._recheck is None:
+            self._recheck = loop.call_later(RECHECK_S, self._on_recheck)
+        try:
+            released = await fut
+        except asyncio.CancelledError:  # the client left
+            if fut.done() and not fut.cancelled() and fut.result():
+                self._released -= 1  # released meanwhile: its slot goes to the next one
+                self.release()
+            raise
+        finally:
+            expire.cancel()
+        if released:
+            self._released -= 1
+        else:
+            self.timed_out += 1
+        return max(1e-9, loop.time() - t0)
+
+    def wake(self) -> None:
+        """The router's view changed: release at its turn (``release_delay``)."""
+        if not self._queue or self._turn is not None:
+            return
+        delay = release_delay(self.core)
+        if delay <= 0:
+            self.release()
+        else:
+            self._turn = asyncio.get_running_loop().call_later(delay, self._on_turn)
+
+    def release(self) -> None:
+        """Release as many held requests as there are free slots not yet promised
+        (every one when nothing should be held any more)."""
+        q = self._queue
+        while q and q[0].done():
+            q.popleft()  # timed out, or the client left
+        if not q:
+            return
+        free = free_slots(self.core)
+        n = len(q) if free is None else free - self._released
+        while n > 0 and q:
+            fut = q.popleft()
+            if not fut.done():
+                fut.set_result(True)
+                self._released += 1
+                n -= 1
+
+    def _on_turn(self) -> None:
+        self._turn = None
+        self.release()
+
+    def _on_recheck(self) -> None:
+        self._recheck = None
+        self.release()
+        if self._queue:
+            loop = asyncio.get_running_loop()
+            self._recheck = loop.call_later(RECHECK_S, self._on_recheck)
+
+    def close(self) -> None:
+        """Let every held request go (the router is closing)."""
+        for handle in (self._turn, self._recheck):
+            if handle is not None:
+                handle.cancel()
+        self._turn = self._recheck = None
+        while self._queue:
+            fut = self._queue.popleft()
+            if not fut.done():
+                fut.set_result(False)
+
+
+def _expire(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)
