@@ -35,12 +35,12 @@ RECHECK_S = 0.25  # while requests are held, look again this often (a lost feed)
 __all__ = ["DEFAULT_MAX_S", "STAGGER_S", "Admission", "free_slots", "release_delay"]
 
 
-def free_slots(core: RouterCore) -> int | None:
+def free_slots(core: RouterCore, enough: int | None = None) -> int | None:
     """Slots free now as ``core`` sees them: over the engines it chooses from, the
     running cap less each engine's load (running, waiting, the other routers' routes
     on their way and this router's own pending routes, as the default policy counts
-    them). None when nothing should be held: the running cap unknown, or no fresh
-    snapshot."""
+    them); once past ``enough``, that count (the request path needs no more). None
+    when nothing should be held: the running cap unknown, or no fresh snapshot."""
     with core.lock:
         cap = core.running_cap
         if cap <= 0 or not core.engines or core.degraded:
@@ -51,6 +51,8 @@ def free_slots(core: RouterCore) -> int | None:
             load = e.running + e.waiting + e.others + e.pending_cost * w
             if load < cap:
                 free += math.ceil(cap - load)
+                if enough is not None and free > enough:
+                    break
         return free
 
 
@@ -97,7 +99,7 @@ class Admission:
         slot was free). Route right after it returns (no await in between): a released
         request's ticket is the route's until then."""
         if not self._queue:
-            free = free_slots(self.core)
+            free = free_slots(self.core, self._released)
             if free is None or free > self._released:
                 return 0.0
         loop = asyncio.get_running_loop()
