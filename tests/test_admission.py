@@ -1,5 +1,5 @@
 """Holding requests while every engine is at its running cap (redisbal.routing.admission),
-and learning that cap from the engines' reports (RouterCore._learn_cap). Pure logic:
+and learning that cap from the engines' reports (estimates.RunningCap). Pure logic:
 snapshots are made by hand, the router's clock is set by the test."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ routed (a told route comes within about ``COALESCE_S`` and a publish).
 
 The default policy holds (``Policy.holds``); the baselines route at once, as the
 routers they stand for do. Nothing is held while the running cap is unknown
-(``RouterCore._learn_cap``: it needs the engines' admitted counts) or while the
+(``estimates.RunningCap``: it needs the engines' admitted counts) or while the
 router routes without a fresh snapshot, and no request is held longer than
 ``max_s``: then it is routed as it would have been without holding.
 """

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from redisbal.barrier.snapshot import MAX_ADMITTED, Roster, Snapshot
 from redisbal.routing.estimates import (
     RouteCost,
+    RunningCap,
     ShareEstimate,
     SpeedEstimate,
     by_time,
@@ -131,8 +132,7 @@ class RouterCore:
         self.peers = PeerRoutes()
         self._weigh()  # share_weight, pending_weight
         self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
-        self.running_cap = 0  # the engines' running cap as far as seen (_learn_cap)
-        self.most_running = 0  # the largest running count seen on any engine
+        self.caps = RunningCap()  # the engines' running cap as far as seen
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
         # called (outside the lock) when slots may have freed: a snapshot adopted, a route
         # told, a request ended or taken back (routing.admission wakes held requests)
@@ -155,6 +155,11 @@ class RouterCore:
         }
 
     # -- state -------------------------------------------------------------------------------
+
+    @property
+    def running_cap(self) -> int:
+        """The engines' running cap as far as seen (0 until known: ``RunningCap``)."""
+        return self.caps.cap
 
     @property
     def degraded(self) -> bool:
@@ -353,32 +358,13 @@ class RouterCore:
                 mine += got
                 total += all_adm
                 if c.reported_ms != e.cap_ms:
-                    self._learn_cap(e, c.waiting, c.running, c.reported_ms, all_adm)
+                    self.caps.observe(e, c.waiting, c.running, c.reported_ms, all_adm)
                 if observe:
                     done = all_adm - c.waiting - c.running
                     self.speeds.observe(e, done, c.reported_ms, c.running)
             else:
                 by_time(e, now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s)
         return mine, total, exact
-
-    def _learn_cap(self, e: EngineView, waiting: int, running: int, t_ms: int, adm: int) -> None:
-        """The running cap from a report not seen before: the running count of an engine
-        with requests that waited since its previous report (more waiting than it
-        admitted since), as they waited through a step that had no room for them, once
-        no engine has run more. A queue of requests just come says nothing (reports
-        come before a step's admission too); one that waits on the prefill budget or
-        KV room is below the cap, and so below what another engine ran."""
-        if running > self.most_running:
-            self.most_running = running
-        if (
-            running > self.running_cap
-            and running >= self.most_running
-            and e.cap_ms >= 0
-            and adm >= e.cap_adm
-            and waiting > adm - e.cap_adm
-        ):
-            self.running_cap = running
-        e.cap_ms, e.cap_adm = t_ms, adm
 
     def _new_incarnation(self, e: EngineView, inc: str | None, got: int) -> None:
         """e now reports from process ``inc``; after another (a restart) this router's routes

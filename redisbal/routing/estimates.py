@@ -8,6 +8,7 @@
 - Each engine's completion rate per running request (``SpeedEstimate``), for the
   speed and age terms of the default policy.
 - What a route weighs against recent routes (``RouteCost``), when it gives its size.
+- The engines' running cap (``RunningCap``): how many requests an engine runs at once.
 """
 
 from __future__ import annotations
@@ -47,6 +48,33 @@ class ShareEstimate:
         # never trust a share below a tenth of an equal one: bounds the estimate's error
         self.share = min(1.0, max(share, 0.1 / self.client_count))
         self.weight = 1.0 / self.share
+
+
+class RunningCap:
+    """The engines' running cap as far as seen (0 until known): the running count of
+    an engine whose queue outlived a report (more waiting than it admitted since its
+    previous one: the requests waited through a step that had no room for them), at
+    no fewer than any engine ran. A report made before a step's admission shows the
+    requests just come as waiting, whatever the room; a queue held back by the prefill
+    budget or KV room is below the cap, and so below what another engine ran."""
+
+    def __init__(self) -> None:
+        self.cap = 0
+        self.most_running = 0  # the largest running count seen on any engine
+
+    def observe(self, e: EngineView, waiting: int, running: int, t_ms: int, adm: int) -> None:
+        """A report of ``e`` not seen before (made at ``t_ms``, ``adm`` admitted in all)."""
+        if running > self.most_running:
+            self.most_running = running
+        if (
+            running > self.cap
+            and running >= self.most_running
+            and e.cap_ms >= 0
+            and adm >= e.cap_adm
+            and waiting > adm - e.cap_adm
+        ):
+            self.cap = running
+        e.cap_ms, e.cap_adm = t_ms, adm
 
 
 class RouteCost:

@@ -134,8 +134,8 @@ class EngineView:
     run_prev: int = 0  # running count then
     done_acc: float = 0.0  # decayed completions
     exposure_acc: float = 0.0  # decayed running-request-seconds
-    cap_ms: int = -1  # reported_ms of the report the running cap was last learned from
-    cap_adm: int = 0  # the engine's admitted total then (RouterCore._learn_cap)
+    cap_ms: int = -1  # reported_ms of its last report seen (estimates.RunningCap)
+    cap_adm: int = 0  # its admitted total then
 
     def __post_init__(self) -> None:
         self.hid = zlib.crc32(self.engine_id.encode())
@@ -150,8 +150,8 @@ class RoutingState(Protocol):
     of the traffic; ``pending_weight``, how many routes of all routers one route of
     this one stands for (``share_weight``, or 1 while the other routers tell theirs,
     ``EngineView.others``);
-    ``running_cap``, the largest running count seen on an engine with a queue (0
-    until known); the latest ``snapshot``; ``rng``, to be used instead of
+    ``running_cap``, the engines' running cap as far as seen (0 until known:
+    ``estimates.RunningCap``); the latest ``snapshot``; ``rng``, to be used instead of
     ``random`` so that a seeded router is reproducible; ``request``, what the
     caller said about the request being routed (None when it said nothing).
     """
@@ -161,10 +161,12 @@ class RoutingState(Protocol):
     client_count: int
     share_weight: float
     pending_weight: float
-    running_cap: int
     snapshot: Snapshot | None
     rng: random.Random
     request: RequestInfo | None
+
+    @property
+    def running_cap(self) -> int: ...
 
 
 class Policy:
