@@ -190,3 +190,12 @@ def test_only_the_default_policy_holds() -> None:
         getattr(RouterCore(policy=p).policy, "holds", False)
         for p in ("least-inflight", "round-robin", "vllm-latest", "random")
     )
+
+
+async def test_a_request_after_one_held_to_the_bound_takes_a_free_slot_at_once() -> None:
+    core, _ = router()
+    full(core)
+    adm = Admission(core, 0.05)
+    assert await adm.enter() >= 0.05  # held to the bound: its entry stays behind
+    feed(core, 4, {"a": (1, 4), "b": (0, 3)}, {"a": 5, "b": 4})  # (no wake: none set)
+    assert await adm.enter() == 0.0

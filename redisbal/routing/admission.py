@@ -98,7 +98,10 @@ class Admission:
         """Wait for a free slot, at most ``max_s``; returns the seconds held (0.0: a
         slot was free). Route right after it returns (no await in between): a released
         request's ticket is the route's until then."""
-        if not self._queue:
+        q = self._queue
+        while q and q[0].done():
+            q.popleft()  # (timed out, or the client left: nobody waits there)
+        if not q:
             free = free_slots(self.core, self._released)
             if free is None or free > self._released:
                 return 0.0
