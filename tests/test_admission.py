@@ -10,7 +10,7 @@ import random
 import pytest
 from helpers import make_snapshot
 
-from redisbal.routing.admission import Admission, free_slots, release_delay
+from redisbal.routing.admission import Admission, free_slots, releasable, release_delay
 from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import RedisbalPolicy
 
@@ -173,15 +173,41 @@ async def test_without_a_fresh_snapshot_every_held_request_goes() -> None:
 
 
 def test_routers_take_turns_that_turn_with_each_snapshot() -> None:
+    """While they tell each other their routes, each router releases a turn after the
+    one before it (so it hears what that one routed); the order turns per snapshot."""
     cores = [router(i, 3)[0] for i in range(3)]
     for c in cores:
         full(c)  # version 3
+    assert [release_delay(c) for c in cores] == [0.0, 0.0, 0.0]  # nothing told yet
+    for c in cores:
+        for other in cores:
+            if other is not c:
+                c.hear(other.told())
+    assert all(c.peers.live for c in cores)
     delays = [release_delay(c) for c in cores]
     assert delays == [0.0, pytest.approx(0.008), pytest.approx(0.016)]  # (index + 3) % 3
     for c in cores:
         feed(c, 4, {"a": (1, 4), "b": (0, 4)}, {"a": 5, "b": 4})
     assert [release_delay(c) for c in cores] != delays
     assert release_delay(router()[0]) == 0.0  # alone: at once
+
+
+def test_without_told_routes_a_router_releases_its_share_of_the_free_slots() -> None:
+    """Every router sees the same free slots and none hears what the others send
+    there: each takes its share (here a third), not all of them."""
+    core, _ = router(0, 3)
+    full(core)
+    assert not core.peers.live
+    assert releasable(core, 0) == 0
+    share = core.share  # (estimated from the admitted counts: about, not exactly, 1/3)
+    assert 0.1 < share < 0.9
+    for free in (1, 3):
+        taken = [releasable(core, free) for _ in range(4000)]
+        assert set(taken) <= {int(free * share), int(free * share) + 1}
+        assert abs(sum(taken) / len(taken) - free * share) < 0.05  # its share, on average
+    alone, _ = router()
+    full(alone)
+    assert releasable(alone, 3) == 3
 
 
 def test_only_the_default_policy_holds() -> None:

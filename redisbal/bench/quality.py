@@ -67,7 +67,7 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.routing.admission import DEFAULT_MAX_S, free_slots, release_delay
+from redisbal.routing.admission import DEFAULT_MAX_S, free_slots, releasable, release_delay
 from redisbal.routing.core import RouterCore
 from redisbal.routing.peers import COALESCE_S, TELL_EVERY_S, telling
 from redisbal.routing.policies import DEFAULT_POLICY, POLICIES, Policy, RedisbalPolicy
@@ -286,13 +286,11 @@ def simulate(
         push(clock[0] + transit_ms / 1000, DELIVER, req)
 
     def release(i: int) -> None:
-        """Route what router i holds while it sees a free slot (as Admission.release)."""
+        """Route what router i holds into the free slots it may take (Admission.release)."""
         q = held[i]
-        while q:
-            free = free_slots(routers[i])
-            if free is not None and free <= 0:
-                return
-            k = next(iter(q))
+        free = free_slots(routers[i])
+        n = len(q) if free is None else releasable(routers[i], free)
+        for k in list(q)[:n]:
             dispatch(i, k, q.pop(k))
 
     for i, core in enumerate(routers):

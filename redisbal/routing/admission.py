@@ -9,9 +9,11 @@ router learns that a slot freed from what it already hears: snapshots, the other
 routers' told routes and its own requests' ends (``RouterCore.on_update``).
 
 The routers of a deployment see a slot free at the same snapshot. So that they do
-not all fill it, they take turns: each releases ``STAGGER_S`` after the one before
-it, in an order that turns with each snapshot, and so hears what the ones before it
-routed (a told route comes within about ``COALESCE_S`` and a publish).
+not all fill it, they take turns while they tell each other their routes: each
+releases ``STAGGER_S`` after the one before it, in an order that turns with each
+snapshot, and so hears what the ones before it routed (a told route comes within
+about ``COALESCE_S`` and a publish). Without told routes (more than ``MAX_ROUTERS``,
+or a router that does not tell) each releases its share of the free slots.
 
 The default policy holds (``Policy.holds``); the baselines route at once, as the
 routers they stand for do. Nothing is held while the running cap is unknown
@@ -32,7 +34,7 @@ DEFAULT_MAX_S = 2.0  # hold a request at most this long (the gateway's --hold-s)
 STAGGER_S = 0.008  # between two routers' turns to release (simulated: 4-12 ms alike)
 RECHECK_S = 0.25  # while requests are held, look again this often (a lost feed)
 
-__all__ = ["DEFAULT_MAX_S", "STAGGER_S", "Admission", "free_slots", "release_delay"]
+__all__ = ["DEFAULT_MAX_S", "STAGGER_S", "Admission", "free_slots", "releasable", "release_delay"]
 
 
 def free_slots(core: RouterCore, enough: int | None = None) -> int | None:
@@ -58,13 +60,26 @@ def free_slots(core: RouterCore, enough: int | None = None) -> int | None:
 
 def release_delay(core: RouterCore) -> float:
     """How long after a change ``core``'s router releases what it holds: its turn
-    among the deployment's routers at the current snapshot."""
+    among the deployment's routers at the current snapshot, while they tell each
+    other their routes (else there is nothing to hear from the ones before it)."""
     n = core.client_count
-    if n <= 1:
+    if n <= 1 or not core.peers.live:
         return 0.0
     snap = core.snapshot
     version = snap.version if snap is not None else 0
     return ((core.client_index + version) % n) * STAGGER_S
+
+
+def releasable(core: RouterCore, free: int) -> int:
+    """How many held requests ``core``'s router may release into ``free`` slots: all
+    of them while the routers tell each other their routes (they take turns); else its
+    share of them, rounded at random, since every router sees the same free slots and
+    none hears what the others send there."""
+    if core.client_count <= 1 or core.peers.live or free <= 0:
+        return free
+    x = free * core.share
+    k = int(x)
+    return k + (1 if core.rng.random() < x - k else 0)
 
 
 class Admission:
@@ -147,7 +162,7 @@ class Admission:
         if not q:
             return
         free = free_slots(self.core)
-        n = len(q) if free is None else free - self._released
+        n = len(q) if free is None else releasable(self.core, free - self._released)
         while n > 0 and q:
             fut = q.popleft()
             if not fut.done():
