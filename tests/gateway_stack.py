@@ -62,16 +62,24 @@ async def stop_gateway(gw: Gateway) -> None:
     await gw.redis.aclose()
 
 
-@contextlib.asynccontextmanager
-async def stack(
-    redis_url: str, deployment: str, n: int = 2, gateways: int = 1, **gw_kw: Any
-) -> AsyncIterator[Stack]:
+async def start_engines(
+    redis_url: str, deployment: str, n: int, params: EngineParams = FAST
+) -> list[HttpEngine]:
+    """``n`` engine-sim HTTP engines ("0".."n-1") in the test's loop, started."""
     engines = [
-        HttpEngine(str(i), redis_url=redis_url, deployment=deployment, port=0, params=FAST)
+        HttpEngine(str(i), redis_url=redis_url, deployment=deployment, port=0, params=params)
         for i in range(n)
     ]
     for e in engines:
         await e.start()
+    return engines
+
+
+@contextlib.asynccontextmanager
+async def stack(
+    redis_url: str, deployment: str, n: int = 2, gateways: int = 1, **gw_kw: Any
+) -> AsyncIterator[Stack]:
+    engines = await start_engines(redis_url, deployment, n)
     st = Stack(engines)
     try:
         for _ in range(gateways):

@@ -9,12 +9,11 @@ import asyncio
 
 import aiohttp
 import openai
-from gateway_stack import MODEL, wait_for
+from gateway_stack import MODEL, start_engines, wait_for
 
 from redisbal.connection import make_client
 from redisbal.gateway.server import Gateway
 from redisbal.routing.router import AsyncRouter
-from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.model import EngineParams
 
 # 2 engines of 2 slots; a request of 8 tokens takes 8 steps of 10 ms
@@ -34,12 +33,7 @@ async def _wave(client: openai.AsyncOpenAI, n: int) -> list[str]:
 async def test_requests_past_every_engines_cap_are_held_and_all_served(
     redis_url: str, deployment: str
 ) -> None:
-    engines = [
-        HttpEngine(str(i), redis_url=redis_url, deployment=deployment, port=0, params=SLOW)
-        for i in range(2)
-    ]
-    for e in engines:
-        await e.start()
+    engines = await start_engines(redis_url, deployment, 2, SLOW)
     router = AsyncRouter(redis_url, deployment, "auto", hold_s=5.0)
     gw = None
     try:

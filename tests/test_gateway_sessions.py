@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import aiohttp
 import orjson
-from gateway_stack import MODEL, start_gateway, stop_gateway, wait_for
+from gateway_stack import MODEL, start_engines, start_gateway, stop_gateway, wait_for
 
 from redisbal.gateway.loadgen import Planned, output_text, session_prompts
 from redisbal.gateway.proxy import ENGINE_HEADER
-from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.model import EngineParams
 from redisbal.sim.prefix_cache import BLOCK_TOKENS, CHARS_PER_TOKEN
 
@@ -38,12 +37,7 @@ def _common(a: str, b: str) -> int:
 async def test_a_sessions_second_turn_hits_the_cache_of_its_first_turns_engine(
     redis_url: str, deployment: str
 ) -> None:
-    engines = [
-        HttpEngine(str(i), redis_url=redis_url, deployment=deployment, port=0, params=CACHED)
-        for i in range(4)
-    ]
-    for e in engines:
-        await e.start()
+    engines = await start_engines(redis_url, deployment, 4, CACHED)
     gw = None
     try:
         gw = await start_gateway(redis_url, deployment)
