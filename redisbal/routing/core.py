@@ -217,9 +217,14 @@ class RouterCore:
         """Adopt snap unless it is older than ours within the same epoch (invariant 4)."""
         with self.lock:
             adopted = self._adopt(snap)
-        if adopted and self.on_update is not None:
-            self.on_update()
+        if adopted:
+            self._updated()
         return adopted
+
+    def _updated(self) -> None:
+        """Slots may have freed: call ``on_update`` (outside the lock)."""
+        if self.on_update is not None:
+            self.on_update()
 
     def _adopt(self, snap: Snapshot) -> bool:
         """apply_snapshot() under the lock."""
@@ -307,8 +312,8 @@ class RouterCore:
             ids = self.peers.hear(data, self.client_index, self.clock(), self.by_id)
             if ids is not None:
                 self._count_others([self.by_id[i] for i in ids])
-        if ids and self.on_update is not None:
-            self.on_update()
+        if ids:
+            self._updated()
 
     def check_peers(self) -> None:
         """Whether every other router is still heard from (the feed asks every 0.5 s:
@@ -528,8 +533,7 @@ class RouterCore:
         """The request of ``decision`` ended (idempotent)."""
         with self.lock:
             self._finish(decision)
-        if self.on_update is not None:
-            self.on_update()
+        self._updated()
 
     def _view(self, decision: Decision) -> EngineView | None:
         """The view decision was made on, if it is still known (not a later one's)."""
@@ -592,8 +596,7 @@ class RouterCore:
                     eng.pending_cost -= eng.costs.pop()
                 trim_costs(eng)
             self._finish(decision)
-        if self.on_update is not None:
-            self.on_update()
+        self._updated()
 
     def failed(self, decision: Decision, kind: str = "error") -> bool:
         """The engine of ``decision`` did not serve it (``kind``: one of
@@ -611,8 +614,7 @@ class RouterCore:
             if tell:
                 self._choosable(now)
                 self.policy.reset(self)
-        if self.on_update is not None:
-            self.on_update()
+        self._updated()
         return tell
 
     def answered(self, decision: Decision, first_byte_s: float | None = None) -> bool:
