@@ -63,11 +63,12 @@ async def stop_gateway(gw: Gateway) -> None:
 
 
 async def start_engines(
-    redis_url: str, deployment: str, n: int, params: EngineParams = FAST
+    redis_url: str, deployment: str, n: int, params: EngineParams = FAST, **kw: Any
 ) -> list[HttpEngine]:
-    """``n`` engine-sim HTTP engines ("0".."n-1") in the test's loop, started."""
+    """``n`` engine-sim HTTP engines ("0".."n-1") in the test's loop, started; ``kw``
+    go to each ``HttpEngine``."""
     engines = [
-        HttpEngine(str(i), redis_url=redis_url, deployment=deployment, port=0, params=params)
+        HttpEngine(str(i), redis_url=redis_url, deployment=deployment, port=0, params=params, **kw)
         for i in range(n)
     ]
     for e in engines:

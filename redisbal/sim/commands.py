@@ -104,6 +104,10 @@ ENGINE_SIM_OPTIONS = options(
     ("--report/--no-report", None, True,
      "With --http-port: --no-report only serves (no Redis, no reports, no URLs), as an "
      "unmodified engine does; a /metrics sidecar (`redisbal scrape`) reports it."),
+    ("--admitted/--no-admitted", None, True,
+     "Report how many requests each API server sent (exact pending counts, the running "
+     "cap learned); --no-admitted reports running and waiting only, as vLLM's plugin "
+     "and the /metrics sidecar do."),
 )
 API_OPTIONS = options(
     ("--client-index", click.IntRange(0, 4095), 0,
@@ -239,6 +243,7 @@ def engine_sim(
     host: str,
     advertise_host: str | None,
     report: bool,
+    admitted: bool,
 ) -> None:
     """Run simulated continuous-batching engines that report to Redis for real.
 
@@ -271,7 +276,16 @@ def engine_sim(
                 "BASE + engines - 1 must be <= 65535", param_hint="'--http-port'"
             )
         stats = _serve_http(
-            url, s.deployment, ids, http_port, host, advertise_host, params, slow_map, duration
+            url,
+            s.deployment,
+            ids,
+            http_port,
+            host,
+            advertise_host,
+            params,
+            slow_map,
+            duration,
+            admitted,
         )
         data = stats.to_dict()
         write_json(stats_out, data)
@@ -288,6 +302,7 @@ def engine_sim(
             params=params,
             slow=slow_map,
             report_before_step=report_before_step,
+            admitted=admitted,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -310,6 +325,7 @@ def _serve_http(
     params: EngineParams,
     slow: dict[str, float],
     duration: float | None,
+    admitted: bool = True,
 ) -> SimStats:
     _require_gateway_extra("engine-sim --http-port")
     from redisbal.sim.http_engine import serve_engines
@@ -330,6 +346,7 @@ def _serve_http(
                 params=params,
                 slow=slow,
                 duration=duration,
+                admitted=admitted,
             )
         )
 

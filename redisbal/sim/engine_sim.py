@@ -169,6 +169,7 @@ class EngineSimRunner:
         poll_s: float = 0.005,
         heartbeat_s: float | None = None,
         report_before_step: bool = True,
+        admitted: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -180,6 +181,7 @@ class EngineSimRunner:
         self.poll_s = poll_s
         self.heartbeat_s = heartbeat_s
         self.report_before_step = report_before_step
+        self.send_admitted = admitted  # False: reports as vLLM's plugin does (none)
         self.keys = SimKeys(deployment)
         base = params or EngineParams()
         slow = slow or {}
@@ -266,11 +268,12 @@ class EngineSimRunner:
         rep = self.reporter
         assert rep is not None
         w, r = len(eng.waiting), len(eng.running)
+        adm = eng.admitted if self.send_admitted else None
         if self.mode == "lockstep":
             step = eng.step_no + 1 if before_step else eng.step_no
-            rep.report_nowait(Counts(step, w, r, eng.wave, admitted=eng.admitted), engine=eid)
+            rep.report_nowait(Counts(step, w, r, eng.wave, admitted=adm), engine=eid)
         else:
-            rep.report_nowait(Counts(None, w, r, admitted=eng.admitted), engine=eid)
+            rep.report_nowait(Counts(None, w, r, admitted=adm), engine=eid)
 
     def done_msg(self, req: SimRequest) -> DoneMsg:
         """The completion of a finished request, with its decode time: from its first

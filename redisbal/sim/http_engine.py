@@ -117,8 +117,10 @@ class HttpEngine:
         mean_output: float = 40.0,
         seed: int | None = None,
         api_key: str | None = None,
+        admitted: bool = True,
     ) -> None:
         self.engine_id = check_name(engine_id, "engine_id")
+        self.send_admitted = admitted  # False: reports as vLLM's plugin does (none)
         self.api_key = api_key  # like vLLM's --api-key: required on the /v1 paths
         self.model = SimEngine(self.engine_id, params or EngineParams(), num_clients=1)
         self.model.on_finish = self._on_finish
@@ -171,7 +173,8 @@ class HttpEngine:
         if not force and m.busy() and now - self._reported_at < self.report_min_s:
             return
         self._reported_at = now
-        counts = Counts(None, len(m.waiting), len(m.running), 0, self.kv_usage(), m.admitted)
+        adm = m.admitted if self.send_admitted else None
+        counts = Counts(None, len(m.waiting), len(m.running), 0, self.kv_usage(), adm)
         self.reporter.report_nowait(counts)
 
     async def _steps(self) -> None:
@@ -544,6 +547,7 @@ async def serve_engines(
     seed: int | None = None,
     duration: float | None = None,
     sample_s: float = 0.01,
+    admitted: bool = True,
 ) -> SimStats:
     """Serve engine ``ids[k]`` on ``port_base + k`` (every engine on a port of its own
     choosing when ``port_base`` is 0) until SIGTERM/SIGINT (or ``duration`` seconds), then
@@ -567,6 +571,7 @@ async def serve_engines(
             model_name=model_name,
             mean_output=mean_output,
             seed=None if seed is None else seed + k,
+            admitted=admitted,
         )
         for k, engine_id in enumerate(ids)
     ]
