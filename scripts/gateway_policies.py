@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import click
 import orjson
 
 from redisbal import endpoints
@@ -74,7 +75,7 @@ from redisbal.bench.gateway_scenarios import (
     scenario,
 )
 from redisbal.bench.peers import PEER_POLICIES
-from redisbal.bench.plots import plot_policy_seeds
+from redisbal.bench.plots import plot_policy_seeds, pyplot
 from redisbal.bench.quality import VARIANTS
 from redisbal.gateway.loadgen import Planned, read_trace
 from redisbal.keys import DeploymentKeys
@@ -498,6 +499,11 @@ def main() -> None:
         args.bypass_spec = None if args.bypass is None else parse_bypass(args.bypass, args.engines)
     except ValueError as exc:
         ap.error(str(exc))
+    if args.plot:  # matplotlib is there before the runs, not after them
+        try:
+            pyplot()
+        except click.ClickException as exc:
+            ap.error(exc.message)
     if args.gateway_running_cap:  # (the gateways and peer_gateway.py read it; the peers do not)
         os.environ["REDISBAL_RUNNING_CAP"] = str(args.gateway_running_cap)
     if args.drain_timeout is None:
