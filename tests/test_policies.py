@@ -247,23 +247,33 @@ def test_redisbal_admitted_uses_this_routers_index() -> None:
 
 
 def test_redisbal_time_based_reconciliation_without_admitted() -> None:
-    """Routes made before the report time (less transit) are taken as included."""
+    """Without admitted counts, a report made after a step holds the requests that came
+    before the step began (the engine's previous report), not those that came during
+    it: an engine takes them only when its next step begins (vLLM's input queue)."""
     clock = FakeClock(100.0)
     core = make_core(clock=clock)
-    core.apply_snapshot(make_snapshot(equal(2), version=1, time_ms=T0_MS))
-    for _ in range(3):
-        core.route("e0")  # at t = 100.0
-    clock.t = 100.45
-    core.route("e0")  # after the next report was taken
-    clock.t = 100.5
-    # reports taken 100 ms before publication: local cutoff 100.5 - 0.1 - transit
-    core.apply_snapshot(
-        make_snapshot(
-            {"e0": (3, 0), "e1": (0, 0)}, version=2, time_ms=T0_MS + 600, reported_ms=T0_MS + 500
+
+    def report(at_ms: int, counts: dict[str, tuple[int, int]], version: int) -> None:
+        # reports made at T0 + at_ms, published 100 ms later and adopted at once
+        clock.t = 100.0 + (at_ms + 100) / 1000
+        snap = make_snapshot(
+            counts, version=version, time_ms=T0_MS + at_ms + 100, reported_ms=T0_MS + at_ms
         )
-    )
+        core.apply_snapshot(snap)
+
+    report(0, equal(2), 1)  # a step of e0 begins at T0
+    clock.t = 100.2
+    for _ in range(3):
+        core.route("e0")  # during that step: in e0's input queue
+    report(400, {"e0": (0, 1), "e1": (0, 0)}, 2)  # made at its end: not in it
+    assert core.by_id["e0"].pending == 3
+    clock.t = 100.55
+    core.route("e0")  # during the next step
+    report(800, {"e0": (3, 1), "e1": (0, 0)}, 3)  # the three are in this one
     assert core.by_id["e0"].pending == 1
-    assert core.loads()["e0"] == 3 + 1
+    assert core.loads()["e0"] == 3 + 1 + 1
+    report(800, {"e0": (3, 1), "e1": (0, 0)}, 4)  # the same report again: the same cut
+    assert core.by_id["e0"].pending == 1
 
 
 def test_redisbal_breaks_ties_without_bias() -> None:

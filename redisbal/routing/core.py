@@ -41,7 +41,7 @@ from redisbal.routing.estimates import (
     RunningCap,
     ShareEstimate,
     SpeedEstimate,
-    by_time,
+    by_report,
     no_report,
     trim_costs,
 )
@@ -372,7 +372,8 @@ class RouterCore:
                     done = all_adm - c.waiting - c.running
                     self.speeds.observe(e, done, c.reported_ms, c.running)
             else:
-                by_time(e, now - (snap.time_ms - c.reported_ms) / 1000.0 - self.transit_s)
+                at = now - (snap.time_ms - c.reported_ms) / 1000.0
+                by_report(e, c.reported_ms, at, self.transit_s)
         return mine, total, exact
 
     def _new_incarnation(self, e: EngineView, inc: str | None, got: int) -> None:
@@ -405,9 +406,9 @@ class RouterCore:
             e.running = r
             e.kv_usage = kv
             e.age_s = age_s = age / 1000.0
-            if e.pending or e.exact or e.costs or e.aged:
-                e.aged = 0.0
-                by_time(e, now - age_s - transit)
+            if e.pending or e.exact or e.costs or e.aged:  # (else no report time is kept:
+                e.aged = 0.0  # the next one's routes stay pending a report longer)
+                by_report(e, snap.time_ms - age, now - age_s, transit)
         for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
             no_report(e)
 

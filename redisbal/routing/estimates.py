@@ -1,8 +1,8 @@
 """What a router estimates beyond its snapshot (``RouterCore`` keeps one of each).
 
 - Pending: its routes the snapshot does not hold yet. With admitted counts they
-  are exact (the core subtracts); without, routes made before the report's time
-  (less a transit allowance) are taken to be in it (``by_time``).
+  are exact (the core subtracts); without, routes made before the engine's previous
+  report (less a transit allowance) are taken to be in its latest (``by_report``).
 - Its share of the deployment's traffic (``ShareEstimate``): its pending routes
   stand for all routers' as pending / share (``weight``).
 - Each engine's completion rate per running request (``SpeedEstimate``), for the
@@ -191,6 +191,19 @@ class SpeedEstimate:
                 e.aged = -e.running * math.expm1(-rates.get(e.engine_id, mid) * e.age_s)
             else:
                 e.aged = 0.0
+
+
+def by_report(e: EngineView, reported_ms: int, at: float, transit_s: float) -> None:
+    """Reconcile e's pending routes by the time of its report (made at ``reported_ms``,
+    ``at`` on the router's clock). An engine takes the requests that reach it during a
+    step only when the next one begins (vLLM's input queue; engine-sim's ``inbox``), so
+    a report made after a step holds the requests that came before the step began, the
+    time of the engine's previous report, and not those that came during it: those stay
+    pending until the next report. (Taking the report's own time lost them: on a slow
+    engine, a step's worth of routes.)"""
+    if reported_ms != e.rep_ms:
+        e.rep_prev, e.rep_ms, e.rep_at = e.rep_at, reported_ms, at
+    by_time(e, min(at, e.rep_prev) - transit_s)
 
 
 def by_time(e: EngineView, cutoff: float) -> None:

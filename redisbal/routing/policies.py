@@ -119,6 +119,9 @@ class EngineView:
     age_s: float = 0.0  # age of the engine's report at the snapshot
     exact: bool = False  # pending reconciled from admitted counts
     times: deque[float] = field(default_factory=deque)  # route times (time-based pending)
+    rep_ms: int = -1  # reported_ms of its latest report (time-based pending: by_report)
+    rep_at: float = -1e18  # when it was made, on the router's clock
+    rep_prev: float = -1e18  # when the one before it was made
     costs: deque[float] = field(default_factory=deque)  # cost of each pending route, oldest first
     pending_cost: float = 0.0  # sum of costs
     others: float = 0.0  # the other routers' routes on their way (routing.peers), or 0
