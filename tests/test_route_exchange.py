@@ -63,6 +63,24 @@ def test_the_others_routes_steer_the_default_policy() -> None:
     assert [b.route().engine_id for _ in range(2)] == ["e1", "e1"]
 
 
+def test_snapshots_without_admitted_counts_keep_the_share_model() -> None:
+    """Told routes are counted until the engine admitted them, by its admitted counts:
+    without those (vLLM's plugin, the sidecar) nothing told could ever be counted, so
+    a router's own routes go on standing for everyone's (1 / share), heard or not."""
+    clock = FakeClock()
+    a, b = pair(clock)
+    plain = make_snapshot({"e0": (0, 0), "e1": (0, 0)}, version=1)
+    for c in (a, b):
+        c.apply_snapshot(plain)
+    a.route(engine_id="e0")
+    b.hear(a.told())
+    assert not b.peers.live and b.pending_weight == pytest.approx(2.0)
+    assert b.by_id["e0"].others == 0.0
+    b.apply_snapshot(snap(2, {"e0": (0, 0), "e1": (0, 0)}))  # admitted counts again
+    b.hear(a.told())
+    assert b.peers.live and b.pending_weight == 1.0
+
+
 def test_an_other_router_not_heard_from_brings_the_share_back() -> None:
     clock = FakeClock()
     a, b, c = pair(clock, 3)

@@ -13,7 +13,8 @@ not all fill it, they take turns while they tell each other their routes: each
 releases ``STAGGER_S`` after the one before it, in an order that turns with each
 snapshot, and so hears what the ones before it routed (a told route comes within
 about ``COALESCE_S`` and a publish). Without told routes (more than ``MAX_ROUTERS``,
-or a router that does not tell) each releases its share of the free slots.
+a router that does not tell, snapshots without admitted counts to count them by) each
+releases its share of the free slots.
 
 The default policy holds (``Policy.holds``); the baselines route at once, as the
 routers they stand for do. Nothing is held while the running cap is unknown

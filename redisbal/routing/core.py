@@ -263,6 +263,7 @@ class RouterCore:
             mine, total, exact = self._adopt_full(snap, now, speed_on or age_on)
         if self.caps.given and not exact:  # (else the admitted counts teach the cap)
             self.caps.seen_running(max((e.running for e in self.known), default=0))
+        self.peers.exact = exact  # (else told routes cannot be counted: the share model)
         if exact:
             self._update_share(mine, total)
             if speed_on:

@@ -87,14 +87,17 @@ class PeerRoutes:
 
     ``told[engine][index] = (incarnation, routes, open)``; an entry with nothing left
     on its way is dropped when counted, so the table holds only routes in transit.
-    ``live``: every other client index was heard from within FRESH_S (then a
-    router's ``EngineView.others`` hold the count and its own routes count 1).
+    ``live``: every other client index was heard from within FRESH_S, and the
+    snapshots carry admitted counts to subtract (``exact``; without them nothing told
+    could be counted): then a router's ``EngineView.others`` hold the count and its
+    own routes count 1.
     """
 
     def __init__(self) -> None:
         self.told: dict[str, dict[int, tuple[str | None, int, int]]] = {}
         self.heard: dict[int, float] = {}
         self.live = False
+        self.exact = True  # the latest snapshot's counts had admitted counts (the core's)
         self.changed: set[str] = set()  # own counts changed since the last message
         self.due = False  # a route is among them: the message is owed soon
         self.on_change: Callable[[], None] | None = None  # when a message becomes due
@@ -160,8 +163,10 @@ class PeerRoutes:
         every ``known`` one when ``live`` flips); returns the views changed. While not
         live every ``others`` is 0 already: nothing to count."""
         heard = self.heard
-        live = telling(count) and all(
-            i == own_index or now - heard.get(i, -math.inf) < FRESH_S for i in range(count)
+        live = (
+            self.exact
+            and telling(count)
+            and all(i == own_index or now - heard.get(i, -math.inf) < FRESH_S for i in range(count))
         )
         if live != self.live:
             self.live, views = live, known.values()
