@@ -480,14 +480,6 @@ def main() -> None:
         default=str(routers.default_venv()),
         help="venv the pinned peer routers are installed into (made on first use)",
     )
-    ap.add_argument(
-        "--gateway-running-cap",
-        type=int,
-        default=0,
-        help="give redisbal's gateways the engines' running cap (REDISBAL_RUNNING_CAP), as "
-        "an operator would for engines that report no admitted counts (--engine-args "
-        "'--no-admitted': as vLLM's plugin) [0: they learn it]",
-    )
     ap.add_argument("--load-gate", type=float, default=None, help="wait for load avg below this")
     ap.add_argument("--load-gate-wait-s", type=float, default=600.0)
     ap.add_argument("--json", default=None)
@@ -504,8 +496,6 @@ def main() -> None:
             pyplot()
         except click.ClickException as exc:
             ap.error(exc.message)
-    if args.gateway_running_cap:  # (the gateways and peer_gateway.py read it; the peers do not)
-        os.environ["REDISBAL_RUNNING_CAP"] = str(args.gateway_running_cap)
     if args.drain_timeout is None:
         args.drain_timeout = 90.0 if args.trace else 15.0
     if args.trace:

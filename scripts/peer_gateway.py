@@ -126,7 +126,6 @@ def main() -> None:
                 drain_s=5.0,  # below the demo's 10 s before SIGKILL
                 refresh_s=a.refresh_s,
                 wait_s=5.0,
-                running_cap=int(os.environ.get("REDISBAL_RUNNING_CAP", "0")),  # as the gateway's
             ),
         )
     )

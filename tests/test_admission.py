@@ -86,50 +86,6 @@ def test_a_queue_below_what_another_engine_ran_is_not_the_cap() -> None:
     assert core.running_cap == 0
 
 
-def plain(core: RouterCore, version: int, counts: dict[str, tuple[int, int]]) -> None:
-    """A snapshot of fresh reports without admitted counts (vLLM's plugin, the sidecar)."""
-    core.apply_snapshot(make_snapshot(counts, version=version, time_ms=1_000_000 + 10 * version))
-
-
-def test_reports_without_admitted_counts_teach_no_cap_but_a_given_one_holds() -> None:
-    core, _ = router()
-    for v in (1, 2, 3):
-        plain(core, v, {"a": (3, 4), "b": (1, 4)})  # queues that outlive reports
-    assert core.running_cap == 0 and free_slots(core) is None
-    given = RouterCore(rng=random.Random(1), running_cap=4)
-    given.connected = True
-    plain(given, 1, {"a": (0, 4), "b": (0, 2)})
-    assert given.running_cap == 4
-    assert free_slots(given) == 2  # b runs 2 of 4
-    plain(given, 2, {"a": (1, 4), "b": (0, 4)})
-    assert free_slots(given) == 0
-
-
-def test_an_engine_seen_running_past_the_given_cap_raises_it() -> None:
-    """A cap given too low would hold requests that engines have room for: what an
-    engine was seen running is a floor under it."""
-    core = RouterCore(rng=random.Random(1), running_cap=4)
-    core.connected = True
-    plain(core, 1, {"a": (0, 6), "b": (0, 1)})
-    assert core.running_cap == 6
-    plain(core, 2, {"a": (0, 2), "b": (0, 1)})
-    assert core.running_cap == 6  # (what it ran stands)
-
-
-def test_a_cap_learned_from_the_reports_wins_over_the_given_one() -> None:
-    core = RouterCore(rng=random.Random(1), running_cap=16)
-    core.connected = True
-    assert core.running_cap == 16
-    full(core)  # a queue that outlived a report at 4 running
-    assert core.running_cap == 4
-
-
-@pytest.mark.parametrize("bad", [-1, 2.5, True, "8"])
-def test_a_bad_given_cap_is_refused(bad: object) -> None:
-    with pytest.raises(ValueError, match="running_cap"):
-        RouterCore(running_cap=bad)  # type: ignore[arg-type]
-
-
 def test_free_slots_count_every_routers_routes_on_their_way() -> None:
     core, _ = router()
     feed(core, 1, {"a": (0, 2), "b": (0, 4)}, {"a": 2, "b": 4})

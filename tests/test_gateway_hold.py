@@ -6,8 +6,6 @@ real redis-server, a real client (openai)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
@@ -15,7 +13,6 @@ from gateway_stack import MODEL, start_engines, wait_for
 
 from redisbal.connection import make_client
 from redisbal.gateway.server import Gateway
-from redisbal.routing.admission import Admission
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.model import EngineParams
 
@@ -33,14 +30,11 @@ async def _wave(client: openai.AsyncOpenAI, n: int) -> list[str]:
     return await asyncio.gather(*(one(k) for k in range(n)))
 
 
-@contextlib.asynccontextmanager
-async def _held(
-    redis_url: str, deployment: str, admitted: bool = True, running_cap: int = 0
-) -> AsyncIterator[tuple[AsyncRouter, Gateway, openai.AsyncOpenAI]]:
-    """Two SLOW engines (reporting admitted counts or not) behind a gateway that holds
-    up to 5 s (given ``running_cap``), and an openai client of it."""
-    engines = await start_engines(redis_url, deployment, 2, SLOW, admitted=admitted)
-    router = AsyncRouter(redis_url, deployment, "auto", hold_s=5.0, running_cap=running_cap)
+async def test_requests_past_every_engines_cap_are_held_and_all_served(
+    redis_url: str, deployment: str
+) -> None:
+    engines = await start_engines(redis_url, deployment, 2, SLOW)
+    router = AsyncRouter(redis_url, deployment, "auto", hold_s=5.0)
     gw = None
     try:
         await router.start(wait=3.0)
@@ -50,39 +44,19 @@ async def _held(
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
         )
-        yield router, gw, client
-        await client.close()
-    finally:
-        if gw is not None:
-            await gw.close()
-            await gw.redis.aclose()
-        await router.aclose()
-        for e in engines:
-            await e.stop()
-
-
-async def _held_wave(client: openai.AsyncOpenAI, adm: Admission) -> None:
-    """12 requests on 4 slots: most are held, each goes when a slot frees (none at
-    the bound), and all are served."""
-    held_before = adm.held_total
-    texts = await _wave(client, 12)
-    assert len(texts) == 12 and all(texts)
-    assert adm.held_total > held_before
-    assert adm.timed_out == 0
-    assert adm.held == 0
-
-
-async def test_requests_past_every_engines_cap_are_held_and_all_served(
-    redis_url: str, deployment: str
-) -> None:
-    async with _held(redis_url, deployment) as (router, gw, client):
         adm = router.admission
         assert adm is not None
         # the cap is unknown until a queue outlives a report: nothing is held yet, and
         # the queues this wave leaves at the engines teach it
         assert all(await _wave(client, 12))
         await wait_for(lambda: router.core.running_cap == 2)
-        await _held_wave(client, adm)
+        held_before = adm.held_total
+        texts = await _wave(client, 12)
+        assert len(texts) == 12 and all(texts)
+        assert adm.held_total > held_before  # 12 requests, 4 slots: most were held
+        assert adm.timed_out == 0  # each went when a slot freed, none at --hold-s
+        assert adm.held == 0
+        await client.close()
         metrics = f"http://127.0.0.1:{gw.ports[0]}/metrics"
         async with aiohttp.ClientSession() as http, http.get(metrics) as r:
             page = await r.text()
@@ -93,19 +67,10 @@ async def test_requests_past_every_engines_cap_are_held_and_all_served(
         )
         assert count == adm.held_total
         assert "redisbal_gateway_held 0.0" in page
-
-
-async def test_engines_without_admitted_counts_hold_on_the_given_cap(
-    redis_url: str, deployment: str
-) -> None:
-    """Engines that report as vLLM's plugin does (running and waiting only) teach no
-    cap: nothing is held; given one (``--running-cap``), the gateway holds."""
-    async with _held(redis_url, deployment, admitted=False) as (router, _, client):
-        adm = router.admission
-        assert adm is not None
-        assert all(await _wave(client, 12))
-        assert router.core.running_cap == 0 and adm.held_total == 0
-    async with _held(redis_url, deployment, admitted=False, running_cap=2) as (router, _, c):
-        adm = router.admission
-        assert adm is not None and router.core.running_cap == 2
-        await _held_wave(c, adm)
+    finally:
+        if gw is not None:
+            await gw.close()
+            await gw.redis.aclose()
+        await router.aclose()
+        for e in engines:
+            await e.stop()

@@ -279,21 +279,8 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     show_envvar=True,
     help="With the default policy: while every engine is at its running cap, hold a "
     "request here, at most this long, and send it to the first engine that frees a slot "
-    "(not into one engine's queue). The cap is learned from engines that report admitted "
-    "counts; for others, give it with --running-cap. 0: never hold.",
-)
-@click.option(
-    "--running-cap",
-    type=click.IntRange(0, 1_000_000),
-    default=0,
-    show_default=True,
-    envvar="REDISBAL_RUNNING_CAP",
-    show_envvar=True,
-    help="The most requests one engine runs at once (vLLM: --max-num-seqs), for engines "
-    "whose reports cannot teach it: vLLM's plugin and the /metrics sidecar report no "
-    "admitted counts. Holding uses it, and so does the default policy's check that the "
-    "engine a key prefers has room. Too low, it holds requests that engines had room "
-    "for. 0: learn it from the reports.",
+    "(not into one engine's queue). Needs engines that report admitted counts (the "
+    "running cap is learned from them). 0: never hold.",
 )
 @click.option(
     "--max-body-bytes",
@@ -388,7 +375,6 @@ async def _serve(
     user_key: bool = True,
     tell_routes: bool = True,
     hold_s: float = DEFAULT_MAX_S,
-    running_cap: int = 0,
     nofile: int = 0,
     **served: Any,
 ) -> bool:
@@ -425,7 +411,6 @@ async def _serve(
             suspect_s=eject_max_s,
             tell_routes=tell_routes,
             hold_s=hold_s,
-            running_cap=running_cap,
             outcomes=OutcomeTracker(
                 base_s=eject_max_s / 8,
                 max_s=eject_max_s,

@@ -78,7 +78,6 @@ class RouterCore:
         rejoin_grace_s: float = 1.0,
         suspect_s: float = 1.0,
         outcomes: OutcomeTracker | None = None,
-        running_cap: int = 0,
     ) -> None:
         if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
             raise ValueError(f"client_count must be a whole number >= 1, got {client_count!r}")
@@ -133,7 +132,7 @@ class RouterCore:
         self.peers = PeerRoutes()
         self._weigh()  # share_weight, pending_weight
         self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
-        self.caps = RunningCap(running_cap)  # the engines' running cap as far as seen
+        self.caps = RunningCap()  # the engines' running cap as far as seen
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
         # called (outside the lock) when slots may have freed: a snapshot adopted, a route
         # told, a request ended or taken back (routing.admission wakes held requests)
@@ -159,8 +158,7 @@ class RouterCore:
 
     @property
     def running_cap(self) -> int:
-        """The engines' running cap as far as seen, else as given (0: unknown;
-        ``RunningCap``)."""
+        """The engines' running cap as far as seen (0 until known: ``RunningCap``)."""
         return self.caps.cap
 
     @property
@@ -261,8 +259,6 @@ class RouterCore:
             exact = False
         else:
             mine, total, exact = self._adopt_full(snap, now, speed_on or age_on)
-        if self.caps.given and not exact:  # (else the admitted counts teach the cap)
-            self.caps.seen_running(max((e.running for e in self.known), default=0))
         self.peers.exact = exact  # (else told routes cannot be counted: the share model)
         if exact:
             self._update_share(mine, total)

@@ -56,48 +56,25 @@ class RunningCap:
     previous one: the requests waited through a step that had no room for them), at
     no fewer than any engine ran. A report made before a step's admission shows the
     requests just come as waiting, whatever the room; a queue held back by the prefill
-    budget or KV room is below the cap, and so below what another engine ran.
+    budget or KV room is below the cap, and so below what another engine ran."""
 
-    Engines that report no admitted counts (vLLM's plugin, the /metrics sidecar) teach
-    nothing: then ``given``, the operator's word (vLLM's ``--max-num-seqs``), stands,
-    raised to what any engine was seen running. A cap learned from the reports wins
-    over it: what the engines did is better evidence than what they were told."""
-
-    def __init__(self, given: int = 0) -> None:
-        if isinstance(given, bool) or not isinstance(given, int) or given < 0:
-            raise ValueError(f"running_cap must be a whole number >= 0, got {given!r}")
-        self.given = given
-        self.learned = 0
+    def __init__(self) -> None:
+        self.cap = 0
         self.most_running = 0  # the largest running count seen on any engine
-        self.cap = given
 
     def observe(self, e: EngineView, waiting: int, running: int, t_ms: int, adm: int) -> None:
         """A report of ``e`` not seen before (made at ``t_ms``, ``adm`` admitted in all)."""
         if running > self.most_running:
             self.most_running = running
         if (
-            running > self.learned
+            running > self.cap
             and running >= self.most_running
             and e.cap_ms >= 0
             and adm >= e.cap_adm
             and waiting > adm - e.cap_adm
         ):
-            self.learned = running
+            self.cap = running
         e.cap_ms, e.cap_adm = t_ms, adm
-        self._settle()
-
-    def seen_running(self, running: int) -> None:
-        """The most any engine runs now, from reports without admitted counts (only
-        needed while a cap is given: nothing else is learned from them)."""
-        if running > self.most_running:
-            self.most_running = running
-            self._settle()
-
-    def _settle(self) -> None:
-        if self.learned:
-            self.cap = self.learned
-        elif self.given:
-            self.cap = max(self.given, self.most_running)
 
 
 class RouteCost:

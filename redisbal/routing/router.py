@@ -178,9 +178,7 @@ class AsyncRouter(_LocalRouting):
     deployment's routes channel and count theirs as told (``redisbal.routing.peers``).
     ``hold_s``: with a policy that holds (the default), ``admit()`` holds a request
     while every engine is at its running cap, at most this long
-    (``redisbal.routing.admission``); None or 0: it never holds. ``running_cap``: the
-    engines' running cap (vLLM's ``--max-num-seqs``) for engines whose reports cannot
-    teach it (no admitted counts: ``estimates.RunningCap``); 0: learn it.
+    (``redisbal.routing.admission``); None or 0: it never holds.
     """
 
     def __init__(
@@ -201,7 +199,6 @@ class AsyncRouter(_LocalRouting):
         outcomes: OutcomeTracker | None = None,
         tell_routes: bool = True,
         hold_s: float | None = None,
-        running_cap: int = 0,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
@@ -223,7 +220,6 @@ class AsyncRouter(_LocalRouting):
             rng=rng,
             suspect_s=suspect_s,
             outcomes=outcomes,
-            running_cap=running_cap,
         )
         if engines:
             self.core.set_engines([check_name(e, "engine_id") for e in engines])
