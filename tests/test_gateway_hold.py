@@ -74,3 +74,37 @@ async def test_requests_past_every_engines_cap_are_held_and_all_served(
         await router.aclose()
         for e in engines:
             await e.stop()
+
+
+async def test_engines_without_admitted_counts_are_never_held_for(
+    redis_url: str, deployment: str
+) -> None:
+    """Engines that report as vLLM's plugin does (engine-sim --no-admitted: running and
+    waiting only) teach no running cap, so the gateway holds nothing and routes at
+    once, queues or not."""
+    engines = await start_engines(redis_url, deployment, 2, SLOW, admitted=False)
+    router = AsyncRouter(redis_url, deployment, "auto", hold_s=5.0)
+    gw = None
+    try:
+        await router.start(wait=3.0)
+        snap = router.snapshot
+        assert snap is not None and all(c.admitted is None for c in snap.engines.values())
+        gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True))
+        await gw.start("127.0.0.1", 0)
+        await wait_for(lambda: len(gw.live_engines()) == 2)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
+        )
+        for _ in range(2):  # queues that outlive reports: with admitted counts, a cap
+            assert all(await _wave(client, 12))
+        await client.close()
+        adm = router.admission
+        assert adm is not None
+        assert router.core.running_cap == 0 and adm.held_total == 0
+    finally:
+        if gw is not None:
+            await gw.close()
+            await gw.redis.aclose()
+        await router.aclose()
+        for e in engines:
+            await e.stop()
