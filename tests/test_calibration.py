@@ -13,6 +13,7 @@ import pytest
 from redisbal.bench.calibration import (
     Calibration,
     CalibrationError,
+    admitted_from_args,
     engine_from_args,
     pair_verdicts,
     ranking,
@@ -180,3 +181,10 @@ def test_sim_vs_real_sets_simulated_only_references_beside_the_runs(tmp_path: Pa
     ).stdout  # fmt: skip
     assert "| oracle (simulated only) | - |" in out
     assert "| least-inflight | 100, 100 (100) |" in out  # the real runs, as they were
+
+
+def test_a_run_of_engines_without_admitted_counts_is_simulated_without_them() -> None:
+    args = {"engine_args": "--base-step-ms 36 --no-admitted"}
+    assert not admitted_from_args(args)
+    assert admitted_from_args({"engine_args": "--base-step-ms 36"})
+    assert engine_from_args(args["engine_args"].split(), 8).base_step_s == pytest.approx(0.036)

@@ -48,7 +48,9 @@ class Calibration:
 
 def engine_from_args(args: list[str], running_cap: int) -> EngineParams:
     """EngineParams from engine-sim's flags (as gateway_policies' ``--engine-args``);
-    engine-sim's defaults are EngineParams' own."""
+    engine-sim's defaults are EngineParams' own. (``--no-admitted`` is the reports'
+    form, not the engine's: ``admitted_from_args``.)"""
+    args = [a for a in args if a not in ("--admitted", "--no-admitted")]
     given: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -64,6 +66,11 @@ def engine_from_args(args: list[str], running_cap: int) -> EngineParams:
             ) from None
         i += 2
     return EngineParams(running_cap=running_cap, **given)
+
+
+def admitted_from_args(run_args: dict[str, Any]) -> bool:
+    """Whether the run's engines reported admitted counts (no ``--no-admitted``)."""
+    return "--no-admitted" not in str(run_args.get("engine_args") or "").split()
 
 
 def slow_engines(slow: list[str], engines: int) -> tuple[float, float]:
@@ -126,6 +133,7 @@ def simulate_run(
         seed,
         sc,
         workload=work,
+        admitted=admitted_from_args(run_args),
         delivery_ms=cal.delivery_ms,
         jitter_ms=cal.jitter_ms,
         transit_ms=cal.transit_ms,
