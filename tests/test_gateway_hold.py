@@ -6,6 +6,8 @@ real redis-server, a real client (openai)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
@@ -30,10 +32,13 @@ async def _wave(client: openai.AsyncOpenAI, n: int) -> list[str]:
     return await asyncio.gather(*(one(k) for k in range(n)))
 
 
-async def test_requests_past_every_engines_cap_are_held_and_all_served(
-    redis_url: str, deployment: str
-) -> None:
-    engines = await start_engines(redis_url, deployment, 2, SLOW)
+@contextlib.asynccontextmanager
+async def _stack(
+    redis_url: str, deployment: str, admitted: bool = True
+) -> AsyncIterator[tuple[AsyncRouter, Gateway, openai.AsyncOpenAI]]:
+    """Two SLOW engines (reporting admitted counts or not) behind a gateway that holds
+    up to 5 s, and an openai client of it."""
+    engines = await start_engines(redis_url, deployment, 2, SLOW, admitted=admitted)
     router = AsyncRouter(redis_url, deployment, "auto", hold_s=5.0)
     gw = None
     try:
@@ -44,6 +49,21 @@ async def test_requests_past_every_engines_cap_are_held_and_all_served(
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
         )
+        yield router, gw, client
+        await client.close()
+    finally:
+        if gw is not None:
+            await gw.close()
+            await gw.redis.aclose()
+        await router.aclose()
+        for e in engines:
+            await e.stop()
+
+
+async def test_requests_past_every_engines_cap_are_held_and_all_served(
+    redis_url: str, deployment: str
+) -> None:
+    async with _stack(redis_url, deployment) as (router, gw, client):
         adm = router.admission
         assert adm is not None
         # the cap is unknown until a queue outlives a report: nothing is held yet, and
@@ -56,7 +76,6 @@ async def test_requests_past_every_engines_cap_are_held_and_all_served(
         assert adm.held_total > held_before  # 12 requests, 4 slots: most were held
         assert adm.timed_out == 0  # each went when a slot freed, none at --hold-s
         assert adm.held == 0
-        await client.close()
         metrics = f"http://127.0.0.1:{gw.ports[0]}/metrics"
         async with aiohttp.ClientSession() as http, http.get(metrics) as r:
             page = await r.text()
@@ -67,13 +86,6 @@ async def test_requests_past_every_engines_cap_are_held_and_all_served(
         )
         assert count == adm.held_total
         assert "redisbal_gateway_held 0.0" in page
-    finally:
-        if gw is not None:
-            await gw.close()
-            await gw.redis.aclose()
-        await router.aclose()
-        for e in engines:
-            await e.stop()
 
 
 async def test_engines_without_admitted_counts_are_never_held_for(
@@ -82,29 +94,11 @@ async def test_engines_without_admitted_counts_are_never_held_for(
     """Engines that report as vLLM's plugin does (engine-sim --no-admitted: running and
     waiting only) teach no running cap, so the gateway holds nothing and routes at
     once, queues or not."""
-    engines = await start_engines(redis_url, deployment, 2, SLOW, admitted=False)
-    router = AsyncRouter(redis_url, deployment, "auto", hold_s=5.0)
-    gw = None
-    try:
-        await router.start(wait=3.0)
+    async with _stack(redis_url, deployment, admitted=False) as (router, _, client):
         snap = router.snapshot
         assert snap is not None and all(c.admitted is None for c in snap.engines.values())
-        gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True))
-        await gw.start("127.0.0.1", 0)
-        await wait_for(lambda: len(gw.live_engines()) == 2)
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
-        )
         for _ in range(2):  # queues that outlive reports: with admitted counts, a cap
             assert all(await _wave(client, 12))
-        await client.close()
         adm = router.admission
         assert adm is not None
         assert router.core.running_cap == 0 and adm.held_total == 0
-    finally:
-        if gw is not None:
-            await gw.close()
-            await gw.redis.aclose()
-        await router.aclose()
-        for e in engines:
-            await e.stop()
