@@ -403,8 +403,10 @@ class RouterCore:
             e.running = r
             e.kv_usage = kv
             e.age_s = age_s = age / 1000.0
-            if e.pending or e.exact or e.costs or e.aged:  # (else no report time is kept:
-                e.aged = 0.0  # the next one's routes stay pending a report longer)
+            # (a view with nothing to reconcile keeps no report time: the first route
+            # after a quiet spell stays pending a report longer)
+            if e.pending or e.exact or e.costs or e.aged:
+                e.aged = 0.0
                 by_report(e, snap.time_ms - age, now - age_s, transit)
         for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
             no_report(e)
