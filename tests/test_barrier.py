@@ -171,6 +171,33 @@ def test_snapshot_counts_come_whole_from_one_report(bar: Barrier) -> None:
     assert (c1.kv_usage, c1.admitted) == (None, None)
 
 
+def test_a_heartbeat_keeps_the_time_its_counts_were_made(bar: Barrier) -> None:
+    """A report's time in a snapshot is when its counts were made: a heartbeat (no
+    progress, the newest report's counts re-sent under a later step) keeps it, and
+    any report with new counts or progress is made anew. Routers reconcile their
+    routes by it: a re-sent count stamped anew would claim routes it never saw."""
+    bar.register("e0", "e1")
+    kv, adm = "0.5000", "3,4"
+
+    def made(step: int, waiting: int, running: int, progress: bool, adm: str = adm) -> int:
+        time.sleep(0.01)  # (each report at a later server ms)
+        bar.report("e0", step, waiting, running, kv=kv, adm=adm, progress=progress)
+        bar.report("e1", step, 0, 0)
+        snap = bar.snapshot()
+        assert snap is not None and snap.cut == (0, step)
+        return snap.engines["e0"].reported_ms
+
+    first = made(1, 2, 5, True)
+    assert made(2, 2, 5, False) == first  # a heartbeat
+    assert made(3, 2, 5, False) == first
+    moved = made(4, 2, 5, True)  # progress with the same counts: made now
+    assert moved > first
+    assert made(5, 3, 5, False) > moved  # new counts without progress: made now
+    waited = made(6, 3, 5, False)
+    assert made(7, 3, 5, False, adm="3,5") > waited  # new admitted counts
+    assert made(8, 3, 5, False, adm="3,5") > waited
+
+
 # -- invariant 3: ordering per engine -----------------------------------------------------------
 
 

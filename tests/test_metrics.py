@@ -246,3 +246,21 @@ def test_snapshot_stalled_and_suspect_gauges_count_the_marked_engines() -> None:
     clean = coordinator_registry(both)
     assert clean.get_sample_value("redisbal_snapshot_stalled", d) == 2
     assert clean.get_sample_value("redisbal_snapshot_suspect", d) == 0
+
+
+def test_barrier_wait_counts_the_oldest_counts_of_engines_with_work() -> None:
+    """A report's time is when its counts were made: an idle engine's stands as long as
+    it stays idle, so the barrier's wait is taken over the engines with work."""
+    from helpers import make_snapshot
+
+    from redisbal.barrier.snapshot import EngineCounts
+    from redisbal.ops.metrics import barrier_wait_s
+
+    def at(waiting: int, running: int, ms: int) -> EngineCounts:
+        return EngineCounts(waiting, running, None, 0, 1, ms)
+
+    busy = {"a": at(1, 2, 999_900), "b": at(0, 3, 999_700)}
+    assert barrier_wait_s(make_snapshot(busy)) == pytest.approx(0.3)
+    idle_long = {**busy, "c": at(0, 0, 900_000)}
+    assert barrier_wait_s(make_snapshot(idle_long)) == pytest.approx(0.3)
+    assert barrier_wait_s(make_snapshot({"c": at(0, 0, 900_000)})) is None

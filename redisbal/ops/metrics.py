@@ -114,18 +114,21 @@ def imbalance(snap: Snapshot) -> float:
 
 
 def barrier_wait_s(snap: Snapshot) -> float | None:
-    """Seconds from the earliest report at the snapshot's cut step to its publication.
+    """Seconds from the oldest counts at the snapshot's cut to its publication: how
+    long the barrier held the step open, and how long a heartbeat re-sent an engine's
+    last counts (a report's time is when its counts were made).
 
-    That is how long the barrier held the step open (a same-step refresh moves
-    an engine's report time later, so this never over-states the wait). None
-    when no engine in the snapshot reported the cut step itself. A compact snapshot
-    does not say each engine's step: there every engine but the stalled ones counts.
+    Only engines with work count: an idle engine's counts stand for as long as it
+    stays idle (a same-step refresh moves an engine's report time later, so this
+    never over-states the wait). None when no engine with work reported the cut step.
+    A compact snapshot does not say each engine's step: there every engine with work
+    but the stalled ones counts.
     """
     if snap.roster is not None:
-        engines = snap.engines
-        times = [engines[e].reported_ms for e in engines if e not in snap.stalled]
+        at_cut = [c for e, c in snap.engines.items() if e not in snap.stalled]
     else:
-        times = [c.reported_ms for c in snap.engines.values() if (c.wave, c.step) == snap.cut]
+        at_cut = [c for c in snap.engines.values() if (c.wave, c.step) == snap.cut]
+    times = [c.reported_ms for c in at_cut if c.waiting or c.running]
     if not times:
         return None
     return max(0.0, (snap.time_ms - min(times)) / 1000.0)
@@ -160,8 +163,9 @@ class CoordinatorMetrics:
         self.registry.register(_CoordinatorCollector(self))
         self.barrier_wait = Histogram(
             "redisbal_barrier_wait_seconds",
-            "Time a published cut's barrier was open: from the earliest report at the "
-            "cut step to publication (sampled per coordinator tick and per scrape).",
+            "Age of a published cut's oldest counts of an engine with work: the time "
+            "its barrier was open, and any time a heartbeat re-sent the counts (sampled "
+            "per coordinator tick and per scrape).",
             ["deployment"],
             buckets=BARRIER_WAIT_BUCKETS,
             registry=self.registry,

@@ -24,9 +24,10 @@
   plus the offset), <report ms> the server time it arrived, <json> what a
   snapshot shows for the engine:
     {"wave":W,"step":S,"waiting":N,"running":N,"kv":X,"t":MS,"adm":[N,...],"inc":"I"}
-  (W and S are the engine's own; kv is a number in [0, 1] or null; "adm", the
-  admitted counts per API server, only when the engine sent them; "inc" only
-  when the report named its incarnation).
+  (W and S are the engine's own; kv is a number in [0, 1] or null; t is when
+  the counts were made, counted_ms; "adm", the admitted counts per API server,
+  only when the engine sent them; "inc" only when the report named its
+  incarnation).
 
   Kept: every report newer than the published score and the newest one at or
   before it, which is exactly what any future cut can need (MAX_HISTORY at most).
@@ -178,9 +179,10 @@ end
 -- if none). The line: its score, the arrival ms, then the JSON snapshots show:
 -- wave and step as includes/args.lua int_arg returns them, waiting, running,
 -- kv and admitted as the other checks return them ("" admitted is left out),
--- and the incarnation ("-" is left out).
-local function format_report(flag, due, inc, offset, progress, suspect, score, ms, wave, step,
-    waiting, running, kv, admitted, older)
+-- t, the ms the counts were made (counted_ms), and the incarnation ("-" is
+-- left out).
+local function format_report(flag, due, inc, offset, progress, suspect, score, ms, t, wave,
+    step, waiting, running, kv, admitted, older)
   local sp, head_inc, head_offset, head_progress, head_suspect = ' ', inc, offset, progress,
     suspect
   if short_head(inc, offset, progress, suspect) then
@@ -193,7 +195,7 @@ local function format_report(flag, due, inc, offset, progress, suspect, score, m
   local older_sep = older == '' and '' or '\n'
   return flag .. due .. sp .. head_inc .. sp .. head_offset .. sp .. head_progress .. sp ..
     head_suspect .. '\n' .. score .. '\t' .. ms .. '\t{"wave":' .. wave .. ',"step":' .. step ..
-    ',"waiting":' .. waiting .. ',"running":' .. running .. ',"kv":' .. kv .. ',"t":' .. ms ..
+    ',"waiting":' .. waiting .. ',"running":' .. running .. ',"kv":' .. kv .. ',"t":' .. t ..
     adm_open .. admitted .. adm_close .. inc_open .. json_inc .. inc_close .. '}' .. older_sep ..
     older
 end
@@ -207,4 +209,19 @@ local function json_counts(json)
   if string.byte(json, -2) ~= 34 then return waiting, running, kv, t, nil end -- no '"}'
   local at = string.find(json, ',"inc":"', rest, true)
   return waiting, running, kv, t, at and string.sub(json, at + 8, -3)
+end
+
+-- The t of a new report's JSON: the server ms its counts were made. A report with
+-- no progress and the counts of the record's newest report (a heartbeat: the
+-- sender re-sends them, under the current tick) keeps that report's t; any other
+-- report is made now (now_text). Routers take a report to hold the routes made
+-- before its engine's previous one: a re-sent count stamped anew said it held
+-- routes it had never seen (docs/DESIGN.md, "Pending").
+local function counted_ms(rec, e, now_text)
+  if e.progress ~= '0' or not rec or not rec.line then return now_text end
+  local json = line_json(rec.line)
+  local waiting, running, kv, t = json_counts(json)
+  if waiting ~= e.waiting or running ~= e.running or kv ~= e.kv then return now_text end
+  if (string.match(json, ',"adm":%[([^%]]*)%]') or '') ~= e.admitted then return now_text end
+  return t
 end

@@ -189,7 +189,7 @@ local function apply_steady(p, e, text, raw, wave, step, wave_text, step_text)
   due = heartbeat_due(p, engine, due)
   local score_text = score == raw and wave == 0 and step_text or int_text(score)
   push2(p.fields, engine, format_report('b', due, inc, offset, p.now_text, '0', score_text,
-    p.now_text, wave_text, step_text, e.waiting, e.running, e.kv, e.admitted, line))
+    p.now_text, p.now_text, wave_text, step_text, e.waiting, e.running, e.kv, e.admitted, line))
   p.publish_due = true
   if not p.since then p.since, p.since_set = true, true end
   return {'accepted', 0, wave, step}
@@ -294,7 +294,8 @@ local function apply_report(p, i, e)
   due = heartbeat_due(p, engine, due)
   local score_text = score == raw and wave == 0 and step_text or int_text(score)
   push2(p.fields, engine, format_report(flag, due, inc, offset, last_progress, suspect,
-    score_text, now_text, wave_text, step_text, e.waiting, e.running, e.kv, e.admitted, older))
+    score_text, now_text, counted_ms(rec, e, now_text), wave_text, step_text, e.waiting,
+    e.running, e.kv, e.admitted, older))
   if flag == 'b' and score > pub then
     p.publish_due = true
     if not p.since then p.since, p.since_set = true, true end
