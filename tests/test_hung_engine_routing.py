@@ -41,12 +41,11 @@ def core_with(*snaps: Snapshot, clock: Clock | None = None) -> RouterCore:
 
 
 def routed(core: RouterCore, n: int = 200) -> Counter[str]:
-    out: Counter[str] = Counter()
-    for _ in range(n):
-        d = core.route()
-        out[d.engine_id] += 1
+    """n requests routed while all are in flight, then finished."""
+    decisions = [core.route() for _ in range(n)]
+    for d in decisions:
         core.finished(d)
-    return out
+    return Counter(d.engine_id for d in decisions)
 
 
 def test_a_silent_engine_gets_no_decision_and_status_says_silent() -> None:

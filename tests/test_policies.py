@@ -276,6 +276,55 @@ def test_redisbal_time_based_reconciliation_without_admitted() -> None:
     assert core.by_id["e0"].pending == 1
 
 
+def test_redisbal_takes_its_ended_requests_off_counts_without_admitted() -> None:
+    """Without admitted counts, a request that ends after the engine's counts were made
+    weighs in them until its next report: the router takes it off as it ends (``aged``,
+    x its pending weight, as its pending routes count), and a pending route that ends
+    stops being pending. An end seen within the transit allowance of the counts may
+    precede them, and is not taken off."""
+    clock = FakeClock(100.0)
+    core = make_core(clock=clock, client_count=2)  # each own route stands for 2
+
+    def report(at_ms: int, counts: dict[str, tuple[int, int]], version: int) -> None:
+        clock.t = 100.0 + (at_ms + 100) / 1000  # published 100 ms after, adopted at once
+        snap = make_snapshot(
+            counts, version=version, time_ms=T0_MS + at_ms + 100, reported_ms=T0_MS + at_ms
+        )
+        core.apply_snapshot(snap)
+
+    report(0, equal(2), 1)
+    clock.t = 100.2
+    routes = [core.route("e0") for _ in range(5)]  # in e0's input queue
+    report(400, {"e0": (0, 3), "e1": (0, 5)}, 2)
+    report(800, {"e0": (0, 8), "e1": (0, 5)}, 3)  # the five run now
+    e0 = core.by_id["e0"]
+    assert (e0.pending, e0.done, e0.aged) == (0, 0, 0.0)
+    clock.t = 100.803  # within the transit of the counts (made at 100.8)
+    core.finished(routes[0])
+    assert (e0.done, e0.aged) == (0, 0.0)
+    clock.t = 100.85
+    for d in routes[1:]:
+        core.finished(d)
+    assert (e0.done, e0.aged) == (4, 8.0)
+    assert core.route().engine_id == "e0"  # 8 - 8 against 5: the policy heard of it
+    late = core.route("e0")
+    assert e0.pending == 2
+    clock.t = 100.86
+    core.finished(late)  # pending, never to be counted
+    assert (e0.pending, e0.done) == (1, 4)
+    report(1200, {"e0": (0, 2), "e1": (0, 5)}, 4)  # made after the ends: none weighs
+    assert (e0.done, e0.aged) == (0, 0.0)
+    # a route that ends while pending, in counts made before its end: it weighs there
+    clock.t = 101.31
+    taken = core.route("e0")
+    report(1400, {"e0": (0, 2), "e1": (0, 5)}, 5)  # made at 101.4: not in it
+    clock.t = 101.65
+    core.finished(taken)  # it began at 101.4 and ended now: pending no more
+    assert (e0.pending, e0.done) == (0, 0)
+    report(1600, {"e0": (0, 3), "e1": (0, 5)}, 6)  # made at 101.6: it was running then
+    assert (e0.done, e0.aged) == (1, 2.0)
+
+
 def test_redisbal_breaks_ties_without_bias() -> None:
     """Every snapshot shows all engines equal and every route included (admitted), so
     each route is a pure tie: the choice must be uniform over the engines."""

@@ -42,6 +42,7 @@ from redisbal.routing.estimates import (
     ShareEstimate,
     SpeedEstimate,
     by_report,
+    ended,
     no_report,
     trim_costs,
 )
@@ -371,6 +372,7 @@ class RouterCore:
             else:
                 at = now - (snap.time_ms - c.reported_ms) / 1000.0
                 by_report(e, c.reported_ms, at, self.transit_s)
+                e.aged = e.done * self.pending_weight
         return mine, total, exact
 
     def _new_incarnation(self, e: EngineView, inc: str | None, got: int) -> None:
@@ -396,7 +398,7 @@ class RouterCore:
             for e, inc in zip(self._views, roster.incs, strict=True):
                 if inc != e.incarnation:
                     self._new_incarnation(e, inc, 0)
-        transit = self.transit_s
+        transit, w = self.transit_s, self.pending_weight
         it = iter(snap.counts)  # four per engine (their number is checked by the parse)
         for e, w, r, kv, age in zip(self._views, it, it, it, it, strict=False):
             e.waiting = w  # (one assignment each: a tuple of four cost a sixth of this loop)
@@ -405,9 +407,9 @@ class RouterCore:
             e.age_s = age_s = age / 1000.0
             # (a view with nothing to reconcile keeps no report time: the first route
             # after a quiet spell stays pending a report longer)
-            if e.pending or e.exact or e.costs or e.aged:
-                e.aged = 0.0
+            if e.pending or e.exact or e.costs or e.ends:
                 by_report(e, snap.time_ms - age, now - age_s, transit)
+                e.aged = e.done * w
         for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
             no_report(e)
 
@@ -570,7 +572,8 @@ class RouterCore:
             self._choosable(now)
             self.policy.reset(self)
 
-    def _finish(self, decision: Decision) -> None:
+    def _finish(self, decision: Decision, reached: bool = True) -> None:
+        """End decision's request (``reached``: it got to its engine)."""
         if decision.done:
             return
         decision.done = True
@@ -582,6 +585,10 @@ class RouterCore:
         eng = self._view(decision)
         if eng is not None and eng.inflight > 0:
             eng.inflight -= 1
+            if reached and not eng.exact:  # counts without admitted ones: by time
+                ended(eng, decision.routed_at, self.clock(), self.transit_s)
+                eng.aged = eng.done * self.pending_weight
+                self.policy.changed(self, eng)
             self.policy.finished(self, eng)
 
     def unroute(self, decision: Decision) -> None:
@@ -599,7 +606,7 @@ class RouterCore:
                 if eng.costs:
                     eng.pending_cost -= eng.costs.pop()
                 trim_costs(eng)
-            self._finish(decision)
+            self._finish(decision, reached=False)
         self._updated()
 
     def failed(self, decision: Decision, kind: str = "error") -> bool:

@@ -164,6 +164,8 @@ class SpeedEstimate:
         rates = self.rates(engines)
         mid = sorted(rates.values())[len(rates) // 2] if rates else 0.0
         for e in engines:  # (0 for an engine the snapshot holds no report of)
+            if not e.exact:  # counted from its ends instead (ended)
+                continue
             if e.running and e.engine_id in snap.engines:
                 e.aged = -e.running * math.expm1(-rates.get(e.engine_id, mid) * e.age_s)
             else:
@@ -171,16 +173,49 @@ class SpeedEstimate:
 
 
 def by_report(e: EngineView, reported_ms: int, at: float, transit_s: float) -> None:
-    """Reconcile e's pending routes by the time of its report (made at ``reported_ms``,
-    ``at`` on the router's clock). An engine takes the requests that reach it during a
-    step only when the next one begins (vLLM's input queue; engine-sim's ``inbox``), so
-    a report made after a step holds the requests that came before the step began, the
-    time of the engine's previous report, and not those that came during it: those stay
-    pending until the next report. (Taking the report's own time lost them: on a slow
-    engine, a step's worth of routes.)"""
+    """Reconcile e's pending routes by the time of its report (its counts made at
+    ``reported_ms``, ``at`` on the router's clock). An engine takes the requests that
+    reach it during a step only when the next one begins (vLLM's input queue;
+    engine-sim's ``inbox``), so a report made after a step holds the requests that
+    came before the step began, the time of the engine's previous report, and not
+    those that came during it: those stay pending until the next report. (Taking the
+    report's own time lost them: on a slow engine, a step's worth of routes.) Then
+    count the routes it holds that ended since (``ended``)."""
     if reported_ms != e.rep_ms:
         e.rep_prev, e.rep_ms, e.rep_at = e.rep_at, reported_ms, at
-    by_time(e, min(at, e.rep_prev) - transit_s)
+    e.cut = cut = min(at, e.rep_prev) - transit_s
+    by_time(e, cut)
+    if e.ends:
+        made = at + transit_s  # (an end seen within the transit may precede the counts)
+        ends = e.ends
+        while ends and ends[0][1] <= made:
+            ends.popleft()
+        e.done = sum(1 for routed, _ in ends if routed <= cut)
+
+
+def ended(e: EngineView, routed_at: float, now: float, transit_s: float) -> None:
+    """A request routed to e at ``routed_at`` ended ``now`` (reconciled by time): its
+    route, if pending, will never be counted, and if e's counts hold it, they
+    overstate e's load by it from now on (``done``). What requests got, not a model:
+    the default policy subtracts ``done`` x pending weight as the completions since
+    the counts were made (``EngineView.aged``)."""
+    if routed_at > e.cut:
+        try:
+            e.times.remove(routed_at)
+        except ValueError:
+            pass
+        else:
+            e.pending = len(e.times)
+            trim_costs(e)
+    elif now > e.rep_at + transit_s:
+        e.done += 1
+    e.ends.append((routed_at, now))
+    if len(e.ends) > MAX_ENDS:  # no report for long: the oldest cannot count any more
+        e.ends.popleft()
+
+
+# ends kept per engine between its reports (far more than it finishes in one)
+MAX_ENDS = 4096
 
 
 def by_time(e: EngineView, cutoff: float) -> None:
@@ -197,6 +232,8 @@ def by_time(e: EngineView, cutoff: float) -> None:
 def no_report(e: EngineView) -> None:
     """An engine the snapshot holds no report of (kept or carried): nothing says which
     of its routes it has taken, but the finished ones are no load any more."""
+    e.ends.clear()
+    e.done, e.aged = 0, 0.0
     if e.pending > e.inflight:
         e.pending = e.inflight
         while len(e.times) > e.inflight:

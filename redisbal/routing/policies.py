@@ -122,6 +122,9 @@ class EngineView:
     rep_ms: int = -1  # reported_ms of its latest report (time-based pending: by_report)
     rep_at: float = -1e18  # when it was made, on the router's clock
     rep_prev: float = -1e18  # when the one before it was made
+    cut: float = -1e18  # routes made by then are in its counts (time-based pending)
+    ends: deque[tuple[float, float]] = field(default_factory=deque)  # (routed, ended) since
+    done: int = 0  # of those, the ones its counts hold (estimates.ended)
     costs: deque[float] = field(default_factory=deque)  # cost of each pending route, oldest first
     pending_cost: float = 0.0  # sum of costs
     others: float = 0.0  # the other routers' routes on their way (routing.peers), or 0
@@ -129,7 +132,9 @@ class EngineView:
     gen: int = 0  # heap entry generation
     hid: int = field(default=0, init=False)  # crc32 of engine_id (the shared dither)
     dither: float = 0.0  # this router's offset for the engine, redrawn per snapshot
-    aged: float = 0.0  # expected completions since the engine's report (use_age only)
+    # completions since the engine's counts were made (use_age only): expected from its
+    # rate with admitted counts, else this router's own ended routes x pending weight
+    aged: float = 0.0
     # service-speed estimate from the engine's completions (exact reconciliation only)
     speed: float = 1.0  # relative to the median engine; 1.0 until known
     done_prev: int = -1  # completed requests (sum(admitted) - waiting - running) last time
@@ -197,7 +202,8 @@ class Policy:
         """Called after a request on eng finished."""
 
     def changed(self, core: RoutingState, eng: EngineView) -> None:
-        """Called after what the other routers told changed ``eng.others``."""
+        """Called after eng's load changed between snapshots: what the other routers
+        told (``eng.others``), or a request of this router ended (``eng.aged``)."""
 
 
 Scorer = Callable[[RoutingState, EngineView], float]
