@@ -23,16 +23,13 @@ from redisbal.reporting.reporter import (
 from redisbal.routing.policies import (
     DEFAULT_POLICY,
     POLICIES,
-    Decision,
-    EngineView,
     NoEngines,
     Policy,
-    RequestInfo,
-    RoutingState,
     ScoringPolicy,
     UnknownEngine,
 )
 from redisbal.routing.router import AsyncRouter, Router
+from redisbal.routing.views import Decision, EngineView, RequestInfo, RoutingState
 
 __version__ = "0.1.0"
 

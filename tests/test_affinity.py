@@ -10,7 +10,8 @@ import pytest
 from helpers import make_snapshot
 
 from redisbal.routing.core import RouterCore
-from redisbal.routing.policies import EngineView, Policy, RedisbalPolicy, RequestInfo, RoutingState
+from redisbal.routing.policies import Policy, RedisbalPolicy
+from redisbal.routing.views import EngineView, RequestInfo, RoutingState
 
 
 def cores(n_routers: int, loads: dict[str, tuple[int, int]], **kw: object) -> list[RouterCore]:

@@ -17,7 +17,7 @@ from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
 from redisbal.reporting.reporter import new_incarnation
 from redisbal.routing.core import RouterCore
-from redisbal.routing.policies import Decision
+from redisbal.routing.views import Decision
 
 INC = new_incarnation(1_700_000_000_000)
 

@@ -19,7 +19,8 @@ from redisbal.bench.peers import (
     make_peer,
 )
 from redisbal.routing.core import RouterCore
-from redisbal.routing.policies import Decision, Policy, RequestInfo
+from redisbal.routing.policies import Policy
+from redisbal.routing.views import Decision, RequestInfo
 
 
 class FakeClock:

@@ -15,7 +15,8 @@ from helpers import make_snapshot
 
 from redisbal.barrier.snapshot import Rosters, Snapshot
 from redisbal.routing.core import RouterCore
-from redisbal.routing.policies import EngineView, RedisbalPolicy, RoutingState
+from redisbal.routing.policies import RedisbalPolicy
+from redisbal.routing.views import EngineView, RoutingState
 
 Entry = tuple[float, float, int, str]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from redisbal.routing.policies import EngineView, Policy, RoutingState
+from redisbal.routing.policies import Policy
+from redisbal.routing.views import EngineView, RoutingState
 from redisbal.sim.model import SimEngine
 
 

@@ -22,7 +22,8 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from redisbal.routing.policies import EngineView, Policy, RoutingState
+from redisbal.routing.policies import Policy
+from redisbal.routing.views import EngineView, RoutingState
 
 # vLLM's reference engine in the GIE prefix plugin's sizing note: Llama-3-8B on an H100
 # 80GB caches about 500K tokens = 31,250 blocks of 16 tokens.

@@ -38,8 +38,9 @@ from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
 from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, UpstreamUnreachable
 from redisbal.keys import InvalidName, check_name
-from redisbal.routing.policies import MAX_KEY_LEN, Decision, NoEngines, UnknownEngine
+from redisbal.routing.policies import NoEngines, UnknownEngine
 from redisbal.routing.router import AsyncRouter
+from redisbal.routing.views import MAX_KEY_LEN, Decision
 
 log = logging.getLogger("redisbal.gateway")
 

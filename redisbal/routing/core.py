@@ -49,17 +49,8 @@ from redisbal.routing.estimates import (
 from redisbal.routing.exclusions import Exclusions
 from redisbal.routing.outcomes import OutcomeTracker
 from redisbal.routing.peers import PeerRoutes
-from redisbal.routing.policies import (
-    DEFAULT_POLICY,
-    Decision,
-    EngineView,
-    NoEngines,
-    Policy,
-    RequestInfo,
-    UnknownEngine,
-    make_policy,
-    request_info,
-)
+from redisbal.routing.policies import DEFAULT_POLICY, NoEngines, Policy, UnknownEngine, make_policy
+from redisbal.routing.views import Decision, EngineView, RequestInfo, request_info
 
 
 class RouterCore:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import orjson
 
-from redisbal.routing.policies import EngineView
+from redisbal.routing.views import EngineView
 
 COALESCE_S = 0.002  # routes made within this of each other are told in one message
 TELL_EVERY_S = 0.5  # a router tells at least this often, idle or not

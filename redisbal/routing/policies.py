@@ -17,164 +17,21 @@ scores one engine (lowest wins) and can be built from a plain function::
     router = redisbal.AsyncRouter(url, "llama", 0, 4, policy=redisbal.ScoringPolicy(score))
 
 What a policy may read: the public fields of ``EngineView`` and the router's
-``RoutingState`` (below). A policy keeps any state of its own on itself; it must
-not write either.
+``RoutingState`` (``redisbal.routing.views``). A policy keeps any state of its own on
+itself; it must not write either.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-import random
 import zlib
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable
 
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.errors import NoEngines as NoEngines
 from redisbal.errors import UnknownEngine as UnknownEngine
-
-
-@dataclass(slots=True)
-class Decision:
-    """One routing decision; pass it back to ``finished()`` when the request ends."""
-
-    engine_id: str
-    client_index: int
-    seq: int
-    version: int  # snapshot version the decision was made on (0: none yet)
-    degraded: bool  # made without a fresh snapshot (Redis gone or feed stale)
-    pinned: bool = False
-    done: bool = False
-    probe: bool = False  # sent to a probing engine to see whether it answers (outcomes)
-    routed_at: float = 0.0  # the router's clock when it was made
-
-
-@dataclass(frozen=True, slots=True)
-class RequestInfo:
-    """What a router is told about the request it routes (every field optional).
-
-    ``key``: a session or prefix key; requests with one key prefer one engine (its
-    prefix cache), within a bound on that engine's load. ``prompt_tokens`` and
-    ``output_tokens`` (expected or the request's cap): the request's size, so a
-    route counts by its cost instead of as 1. ``blocks``: chained hashes of the
-    prompt's token blocks, for prefix-aware policies (the benchmark's peers).
-    """
-
-    key: str | None = None
-    prompt_tokens: int | None = None
-    output_tokens: int | None = None
-    blocks: tuple[int, ...] = ()
-
-
-MAX_KEY_LEN = 1024
-
-
-def request_info(
-    key: str | None,
-    prompt_tokens: int | None,
-    output_tokens: int | None,
-    blocks: Iterable[int] | None,
-) -> RequestInfo:
-    """Check what route() was told about a request (ValueError naming the argument)
-    and hold it as a RequestInfo."""
-    if key is not None and (not isinstance(key, str) or len(key) > MAX_KEY_LEN):
-        raise ValueError(f"key must be a str of at most {MAX_KEY_LEN} characters, got {key!r:.60}")
-    for name, v in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"{name} must be a whole number >= 0, got {v!r}")
-    hashes: tuple[int, ...] = ()
-    if blocks:
-        hashes = tuple(blocks)
-        if not all(isinstance(b, int) and not isinstance(b, bool) for b in hashes):
-            raise ValueError("blocks must be integers (hashes of the prompt's token blocks)")
-    return RequestInfo(key, prompt_tokens, output_tokens, hashes)
-
-
-@dataclass(slots=True, eq=False)
-class EngineView:
-    """One engine as this router sees it.
-
-    Public (what any policy may read): ``engine_id``; ``waiting``, ``running`` and
-    ``kv_usage`` from the latest snapshot; ``age_s``, how old the engine's report
-    was when the snapshot was made; this router's own ``routed`` (cumulative),
-    ``inflight`` (routed, not finished) and ``pending`` (routed, not yet in the
-    snapshot's counts); ``pending_cost``, the pending routes weighed by their
-    cost (a route of a typical size counts 1). The other fields are the default
-    policy's bookkeeping.
-    """
-
-    engine_id: str
-    first_seq: int = 1  # this router's first decision on this view (earlier: a former one's)
-    waiting: int = 0
-    running: int = 0
-    kv_usage: float | None = None
-    routed: int = 0  # cumulative routes by this router
-    routed_before: int = 0  # of those, the ones to earlier incarnations (restarts)
-    incarnation: str | None = None  # the engine's reporting process, when it names it
-    inflight: int = 0  # routed and not finished
-    pending: int = 0  # routed and not yet in the snapshot
-    age_s: float = 0.0  # age of the engine's report at the snapshot
-    exact: bool = False  # pending reconciled from admitted counts
-    times: deque[float] = field(default_factory=deque)  # route times (time-based pending)
-    rep_ms: int = -1  # reported_ms of its latest report (time-based pending: by_report)
-    rep_at: float = -1e18  # when it was made, on the router's clock
-    rep_prev: float = -1e18  # when the one before it was made
-    cut: float = -1e18  # routes made by then are in its counts (time-based pending)
-    ends: deque[tuple[float, float]] = field(default_factory=deque)  # (routed, ended) since
-    done: int = 0  # of those, the ones its counts hold (estimates.ended)
-    costs: deque[float] = field(default_factory=deque)  # cost of each pending route, oldest first
-    pending_cost: float = 0.0  # sum of costs
-    others: float = 0.0  # the other routers' routes on their way (routing.peers), or 0
-    admitted: Sequence[int] | None = None  # the snapshot's admitted counts by client index
-    gen: int = 0  # heap entry generation
-    hid: int = field(default=0, init=False)  # crc32 of engine_id (the shared dither)
-    dither: float = 0.0  # this router's offset for the engine, redrawn per snapshot
-    # completions since the engine's counts were made (use_age only): expected from its
-    # rate with admitted counts, else this router's own ended routes x pending weight
-    aged: float = 0.0
-    # service-speed estimate from the engine's completions (exact reconciliation only)
-    speed: float = 1.0  # relative to the median engine; 1.0 until known
-    done_prev: int = -1  # completed requests (sum(admitted) - waiting - running) last time
-    t_prev: int = -1  # reported_ms of that report
-    run_prev: int = 0  # running count then
-    done_acc: float = 0.0  # decayed completions
-    exposure_acc: float = 0.0  # decayed running-request-seconds
-    cap_ms: int = -1  # reported_ms of its last report seen (estimates.RunningCap)
-    cap_adm: int = 0  # its admitted total then
-
-    def __post_init__(self) -> None:
-        self.hid = zlib.crc32(self.engine_id.encode())
-
-
-class RoutingState(Protocol):
-    """What a policy may read of its router (``RouterCore`` is one).
-
-    ``engines``, the engines to choose from (never empty when ``pick`` is called;
-    stalled and suspect ones are left out), and ``client_index`` of
-    ``client_count`` API servers; ``share_weight``, 1 / this router's estimated share
-    of the traffic; ``pending_weight``, how many routes of all routers one route of
-    this one stands for (``share_weight``, or 1 while the other routers tell theirs,
-    ``EngineView.others``);
-    ``running_cap``, the engines' running cap as far as seen (0 until known:
-    ``estimates.RunningCap``); the latest ``snapshot``; ``rng``, to be used instead of
-    ``random`` so that a seeded router is reproducible; ``request``, what the
-    caller said about the request being routed (None when it said nothing).
-    """
-
-    engines: list[EngineView]
-    client_index: int
-    client_count: int
-    share_weight: float
-    pending_weight: float
-    snapshot: Snapshot | None
-    rng: random.Random
-    request: RequestInfo | None
-
-    @property
-    def running_cap(self) -> int: ...
+from redisbal.routing.views import EngineView, RoutingState
 
 
 class Policy:

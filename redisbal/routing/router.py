@@ -38,8 +38,9 @@ from redisbal.routing.admission import Admission
 from redisbal.routing.core import RouterCore
 from redisbal.routing.lease import ClientLease
 from redisbal.routing.outcomes import FAILURES, OUTCOMES, OutcomeTracker
-from redisbal.routing.policies import DEFAULT_POLICY, Decision, Policy
+from redisbal.routing.policies import DEFAULT_POLICY, Policy
 from redisbal.routing.routes_channel import RoutesChannel
+from redisbal.routing.views import Decision
 
 log = logging.getLogger("redisbal.routing.router")
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
