@@ -11,6 +11,7 @@ import pytest
 
 from redisbal.barrier.snapshot import EngineCounts, Rosters, RosterUnknown, Snapshot
 from redisbal.routing.core import RouterCore
+from redisbal.routing.views import Decision
 
 HEADER: dict[str, Any] = {
     "deployment": "d",
@@ -129,6 +130,7 @@ def test_a_router_adopts_both_forms_alike_and_routes_the_same() -> None:
     engines = [f"e{i}" for i in range(6)]
     incs = dict.fromkeys(engines, "k1-aa")
     roster = 1
+    opened: list[list[Decision]] = []  # each router's decision of a request still open
     for version in range(1, 40):
         fields: dict[str, Any] = {}
         if version == 12:
@@ -149,7 +151,7 @@ def test_a_router_adopts_both_forms_alike_and_routes_the_same() -> None:
                 rng.randint(0, 3),
                 rng.randint(0, 8),
                 rng.choice([None, 0.25, 0.5]),
-                rng.randint(0, 9),
+                rng.randint(0, 60),  # ms: ends after some counts were made
             )
             for e in engines
         }
@@ -162,13 +164,23 @@ def test_a_router_adopts_both_forms_alike_and_routes_the_same() -> None:
             now[0] += rng.random() * 0.004
             decisions = [core.route() for core in routers]
             assert decisions[0].engine_id == decisions[1].engine_id
-            if rng.random() < 0.3:
-                for core, d in zip(routers, decisions, strict=True):
+            opened.append(decisions)
+            if rng.random() < 0.3:  # one open request ends: maybe one the counts hold
+                for core, d in zip(routers, opened.pop(rng.randrange(len(opened))), strict=True):
                     core.finished(d)
         now[0] += 0.02
         views = [
             [
-                (e.engine_id, e.waiting, e.running, e.kv_usage, e.age_s, e.pending, e.incarnation)
+                (
+                    e.engine_id,
+                    e.waiting,
+                    e.running,
+                    e.kv_usage,
+                    e.age_s,
+                    e.pending,
+                    e.aged,
+                    e.incarnation,
+                )
                 for e in core.known
             ]
             for core in routers

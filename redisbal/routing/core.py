@@ -389,7 +389,7 @@ class RouterCore:
             for e, inc in zip(self._views, roster.incs, strict=True):
                 if inc != e.incarnation:
                     self._new_incarnation(e, inc, 0)
-        transit, w = self.transit_s, self.pending_weight
+        transit, weight = self.transit_s, self.pending_weight
         it = iter(snap.counts)  # four per engine (their number is checked by the parse)
         for e, w, r, kv, age in zip(self._views, it, it, it, it, strict=False):
             e.waiting = w  # (one assignment each: a tuple of four cost a sixth of this loop)
@@ -400,7 +400,7 @@ class RouterCore:
             # after a quiet spell stays pending a report longer)
             if e.pending or e.exact or e.costs or e.ends:
                 by_report(e, snap.time_ms - age, now - age_s, transit)
-                e.aged = e.done * w
+                e.aged = e.done * weight
         for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
             no_report(e)
 
