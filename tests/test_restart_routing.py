@@ -87,12 +87,11 @@ def snap(
 
 
 def routed(core: RouterCore, n: int = 300) -> collections.Counter[str]:
-    got: collections.Counter[str] = collections.Counter()
-    for _ in range(n):
-        d = core.route()
-        got[d.engine_id] += 1
+    """n requests routed while all are in flight, then finished."""
+    decisions = [core.route() for _ in range(n)]
+    for d in decisions:
         core.finished(d)
-    return got
+    return collections.Counter(d.engine_id for d in decisions)
 
 
 def test_new_epoch_without_engines_keeps_routing_on_the_known_ones_degraded() -> None:
