@@ -362,8 +362,7 @@ class RouterCore:
                     self.speeds.observe(e, done, c.reported_ms, c.running)
             else:
                 at = now - (snap.time_ms - c.reported_ms) / 1000.0
-                by_report(e, c.reported_ms, at, self.transit_s)
-                e.aged = e.done * self.pending_weight
+                by_report(e, c.reported_ms, at, self.transit_s, self.pending_weight)
         return mine, total, exact
 
     def _new_incarnation(self, e: EngineView, inc: str | None, got: int) -> None:
@@ -399,8 +398,7 @@ class RouterCore:
             # (a view with nothing to reconcile keeps no report time: the first route
             # after a quiet spell stays pending a report longer)
             if e.pending or e.exact or e.costs or e.ends:
-                by_report(e, snap.time_ms - age, now - age_s, transit)
-                e.aged = e.done * weight
+                by_report(e, snap.time_ms - age, now - age_s, transit, weight)
         for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
             no_report(e)
 
@@ -577,8 +575,7 @@ class RouterCore:
         if eng is not None and eng.inflight > 0:
             eng.inflight -= 1
             if reached and not eng.exact:  # counts without admitted ones: by time
-                ended(eng, decision.routed_at, self.clock(), self.transit_s)
-                eng.aged = eng.done * self.pending_weight
+                ended(eng, decision.routed_at, self.clock(), self.transit_s, self.pending_weight)
                 self.policy.changed(self, eng)
             self.policy.finished(self, eng)
 

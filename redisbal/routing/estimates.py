@@ -172,7 +172,7 @@ class SpeedEstimate:
                 e.aged = 0.0
 
 
-def by_report(e: EngineView, reported_ms: int, at: float, transit_s: float) -> None:
+def by_report(e: EngineView, reported_ms: int, at: float, transit_s: float, weight: float) -> None:
     """Reconcile e's pending routes by the time of its report (its counts made at
     ``reported_ms``, ``at`` on the router's clock). An engine takes the requests that
     reach it during a step only when the next one begins (vLLM's input queue;
@@ -180,7 +180,7 @@ def by_report(e: EngineView, reported_ms: int, at: float, transit_s: float) -> N
     came before the step began, the time of the engine's previous report, and not
     those that came during it: those stay pending until the next report. (Taking the
     report's own time lost them: on a slow engine, a step's worth of routes.) Then
-    count the routes it holds that ended since (``ended``)."""
+    count the routes it holds that ended since (``ended``), each ``weight`` in ``aged``."""
     if reported_ms != e.rep_ms:
         e.rep_prev, e.rep_ms, e.rep_at = e.rep_at, reported_ms, at
     e.cut = cut = min(at, e.rep_prev) - transit_s
@@ -191,9 +191,10 @@ def by_report(e: EngineView, reported_ms: int, at: float, transit_s: float) -> N
         while ends and ends[0][1] <= made:
             ends.popleft()
         e.done = sum(1 for routed, _ in ends if routed <= cut)
+    e.aged = e.done * weight
 
 
-def ended(e: EngineView, routed_at: float, now: float, transit_s: float) -> None:
+def ended(e: EngineView, routed_at: float, now: float, transit_s: float, weight: float) -> None:
     """A request routed to e at ``routed_at`` ended ``now`` (reconciled by time): its
     route, if pending, will never be counted, and if e's counts hold it, they
     overstate e's load by it from now on (``done``). What requests got, not a model:
@@ -209,6 +210,7 @@ def ended(e: EngineView, routed_at: float, now: float, transit_s: float) -> None
             trim_costs(e)
     elif now > e.rep_at + transit_s:
         e.done += 1
+    e.aged = e.done * weight
     e.ends.append((routed_at, now))
     if len(e.ends) > MAX_ENDS:  # no report for long: the oldest cannot count any more
         e.ends.popleft()

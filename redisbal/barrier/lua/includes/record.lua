@@ -216,7 +216,7 @@ end
 -- sender re-sends them, under the current tick) keeps that report's t; any other
 -- report is made now (now_text). Routers take a report to hold the routes made
 -- before its engine's previous one: a re-sent count stamped anew said it held
--- routes it had never seen (docs/DESIGN.md, "Pending").
+-- routes it had never seen (docs/DESIGN.md, "What a router holds").
 local function counted_ms(rec, e, now_text)
   if e.progress ~= '0' or not rec or not rec.line then return now_text end
   local json = line_json(rec.line)
