@@ -12,6 +12,7 @@ from helpers import await_until, make_snapshot
 from redisbal.routing.core import RouterCore
 from redisbal.routing.peers import FRESH_S, PeerRoutes
 from redisbal.routing.router import AsyncRouter
+from redisbal.routing.views import EngineView
 
 
 class FakeClock:
@@ -63,22 +64,61 @@ def test_the_others_routes_steer_the_default_policy() -> None:
     assert [b.route().engine_id for _ in range(2)] == ["e1", "e1"]
 
 
-def test_snapshots_without_admitted_counts_keep_the_share_model() -> None:
-    """Told routes are counted until the engine admitted them, by its admitted counts:
-    without those (vLLM's plugin, the sidecar) nothing told could ever be counted, so
-    a router's own routes go on standing for everyone's (1 / share), heard or not."""
-    clock = FakeClock()
+def test_without_admitted_counts_told_routes_count_until_a_report_made_after_them() -> None:
+    """Without admitted counts (vLLM's plugin, the sidecar) a router counts another's
+    routes by when it heard of them, as its own by when it made them: until the
+    engine's counts were made after them (its cut: a report after the one after the
+    route, ``estimates.by_report``). Its own ended requests still stand for everyone's."""
+    clock = FakeClock(100.0)
     a, b = pair(clock)
-    plain = make_snapshot({"e0": (0, 0), "e1": (0, 0)}, version=1)
-    for c in (a, b):
-        c.apply_snapshot(plain)
-    a.route(engine_id="e0")
-    b.hear(a.told())
-    assert not b.peers.live and b.pending_weight == pytest.approx(2.0)
-    assert b.by_id["e0"].others == 0.0
-    b.apply_snapshot(snap(2, {"e0": (0, 0), "e1": (0, 0)}))  # admitted counts again
-    b.hear(a.told())
+    t0 = 1_000_000
+
+    def report(at_s: float, version: int, running: int) -> None:
+        clock.t = at_s + 0.01  # published 10 ms after, adopted at once
+        ms = t0 + round((at_s - 100.0) * 1000)
+        s = make_snapshot({"e0": (0, running), "e1": (0, 0)}, version=version, time_ms=ms + 10,
+                          reported_ms=ms)  # fmt: skip
+        for r in (a, b):
+            r.apply_snapshot(s)
+
+    report(100.0, 1, 0)
+    b.hear(a.told())  # a heartbeat: b has heard from everyone
     assert b.peers.live and b.pending_weight == 1.0
+    clock.t = 100.02
+    ds = [a.route(engine_id="e0"), a.route(engine_id="e0")]
+    b.hear(a.told())  # the first message about e0 sets a's base: its earlier routes
+    ds.append(a.route(engine_id="e0"))  # are of unknown times, and not counted
+    clock.t = 100.03
+    b.hear(a.told())
+    e0 = b.by_id["e0"]
+    assert e0.others == 1.0
+    report(100.05, 2, 3)  # counts made after the route, before the engine's next step
+    assert e0.others == 1.0  # the engine takes it at that step: still on its way
+    report(100.09, 3, 3)  # made after the step that followed the route
+    assert e0.others == 0.0 and "e0" not in b.peers.times
+    # a route taken back is no longer on its way
+    clock.t = 100.1
+    ds.append(a.route(engine_id="e0"))
+    b.hear(a.told())
+    assert e0.others == 1.0
+    back = a.route(engine_id="e0")
+    b.hear(a.told())
+    assert e0.others == 2.0
+    a.unroute(back)
+    b.hear(a.told())
+    assert e0.others == 1.0
+    # at most what a still has open there
+    for d in ds:
+        a.finished(d)
+    b.hear(a.told())
+    assert e0.others == 0.0
+    # b's own routes count 1, its ended ones the share: 2 each (others' ends are not told)
+    own = b.route(engine_id="e0")
+    report(100.15, 4, 4)
+    report(100.2, 5, 4)  # own is in these counts
+    clock.t = 100.25
+    b.finished(own)
+    assert (e0.done, e0.aged) == (1, 2.0)
 
 
 def test_an_other_router_not_heard_from_brings_the_share_back() -> None:
@@ -136,12 +176,18 @@ def test_bad_messages_are_counted_and_change_nothing() -> None:
     assert b.peers.messages == 0
 
 
-def test_the_table_keeps_only_engines_still_known() -> None:
+def test_the_tables_keep_only_engines_still_known() -> None:
     p = PeerRoutes()
-    msg = b'{"i": 0, "e": {"a": [null, 1, 1], "b": [null, 1, 1], "c": [null, 1, 1]}}'
-    assert p.hear(msg, 1, 0.0, {"a": 1, "b": 1}) == ["a", "b"]  # c: not known here
-    p.forget(["a"])
-    assert list(p.told) == ["a"]
+    known = {"a": EngineView("a", exact=True), "b": EngineView("b", exact=True)}
+    known |= {"x": EngineView("x"), "y": EngineView("y")}  # no admitted counts: by time
+    msg = b'{"i": 0, "e": {"a": [null, 1, 1], "b": [null, 1, 1], "c": [null, 1, 1], '
+    assert p.hear(msg + b'"x": [null, 1, 1], "y": [null, 1, 1]}}', 1, 0.0, known) == [
+        "a", "b", "x", "y"
+    ]  # c: not known here  # fmt: skip
+    p.hear(b'{"i": 0, "e": {"x": [null, 2, 2], "y": [null, 2, 2]}}', 1, 0.1, known)
+    assert list(p.told) == ["a", "b"] and list(p.times) == ["x", "y"]
+    p.forget(["a", "x"])
+    assert (list(p.told), list(p.last), list(p.times)) == (["a"], ["x"], ["x"])
 
 
 async def test_two_gateways_routers_hear_each_other_through_redis(redis_url: str) -> None:
@@ -154,7 +200,7 @@ async def test_two_gateways_routers_hear_each_other_through_redis(redis_url: str
         before = b.core.peers.messages
         a.route(engine_id="e0")
         await await_until(lambda: b.core.peers.messages > before, what="a's route told")
-        assert b.core.peers.told["e0"][0][1:] == (1, 1)
+        assert b.core.peers.last["e0"][0][1:] == (1, 1)  # (no snapshot: by time)
 
 
 async def test_a_router_gone_stops_counting_and_brings_the_share_back(redis_url: str) -> None:

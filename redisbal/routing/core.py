@@ -251,7 +251,6 @@ class RouterCore:
             exact = False
         else:
             mine, total, exact = self._adopt_full(snap, now, speed_on or age_on)
-        self.peers.exact = exact  # (else told routes cannot be counted: the share model)
         if exact:
             self._update_share(mine, total)
             if speed_on:
@@ -362,7 +361,7 @@ class RouterCore:
                     self.speeds.observe(e, done, c.reported_ms, c.running)
             else:
                 at = now - (snap.time_ms - c.reported_ms) / 1000.0
-                by_report(e, c.reported_ms, at, self.transit_s, self.pending_weight)
+                by_report(e, c.reported_ms, at, self.transit_s, self.share_weight)
         return mine, total, exact
 
     def _new_incarnation(self, e: EngineView, inc: str | None, got: int) -> None:
@@ -388,7 +387,7 @@ class RouterCore:
             for e, inc in zip(self._views, roster.incs, strict=True):
                 if inc != e.incarnation:
                     self._new_incarnation(e, inc, 0)
-        transit, weight = self.transit_s, self.pending_weight
+        transit, weight = self.transit_s, self.share_weight
         it = iter(snap.counts)  # four per engine (their number is checked by the parse)
         for e, w, r, kv, age in zip(self._views, it, it, it, it, strict=False):
             e.waiting = w  # (one assignment each: a tuple of four cost a sixth of this loop)
@@ -397,7 +396,7 @@ class RouterCore:
             e.age_s = age_s = age / 1000.0
             # (a view with nothing to reconcile keeps no report time: the first route
             # after a quiet spell stays pending a report longer)
-            if e.pending or e.exact or e.costs or e.ends:
+            if e.pending or e.exact or e.costs or e.ends or e.others:
                 by_report(e, snap.time_ms - age, now - age_s, transit, weight)
         for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
             no_report(e)
@@ -575,7 +574,7 @@ class RouterCore:
         if eng is not None and eng.inflight > 0:
             eng.inflight -= 1
             if reached and not eng.exact:  # counts without admitted ones: by time
-                ended(eng, decision.routed_at, self.clock(), self.transit_s, self.pending_weight)
+                ended(eng, decision.routed_at, self.clock(), self.transit_s, self.share_weight)
                 self.policy.changed(self, eng)
             self.policy.finished(self, eng)
 

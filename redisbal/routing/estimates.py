@@ -198,8 +198,9 @@ def ended(e: EngineView, routed_at: float, now: float, transit_s: float, weight:
     """A request routed to e at ``routed_at`` ended ``now`` (reconciled by time): its
     route, if pending, will never be counted, and if e's counts hold it, they
     overstate e's load by it from now on (``done``). What requests got, not a model:
-    the default policy subtracts ``done`` x pending weight as the completions since
-    the counts were made (``EngineView.aged``)."""
+    the default policy subtracts ``done`` x ``weight``, the share weight (1 / share:
+    the other routers' requests end unseen, told routes or not), as the completions
+    since the counts were made (``EngineView.aged``)."""
     if routed_at > e.cut:
         try:
             e.times.remove(routed_at)

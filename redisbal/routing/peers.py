@@ -1,18 +1,26 @@
 """What the other routers of a deployment have routed that the engines have not
-admitted yet: told by each router over pub/sub as it routes, so that a router counts
+counted yet: told by each router over pub/sub as it routes, so that a router counts
 everyone's pending routes as they are instead of scaling its own by 1 / its share.
 
 Between an engine's report and the snapshot that holds it, a router sees its own
 routes but not the others'. Each router therefore tells, a few milliseconds after it
 routes (``COALESCE_S``), its cumulative routes to each engine's current process and
-its requests still open there; every other router subtracts what the engine admitted
-from that router (the snapshot's ``admitted`` list, by client index), which is
-exactly that router's routes still on their way. A router tells at least every
-``TELL_EVERY_S``, so the others know it is there while it is idle; they count on the
-told routes only while every other client index has been heard from within
-``FRESH_S``, and fall back to the share model otherwise (a router gone, a lost
-message, a deployment whose snapshots carry no admitted counts, more routers than
-``MAX_ROUTERS``: every message reaches every other router).
+its requests still open there. Every other router counts them as its own:
+
+- with admitted counts, exactly: it subtracts what the engine admitted from that
+  router (the snapshot's ``admitted`` list, by client index), which is exactly that
+  router's routes still on their way;
+- without them (vLLM's plugin, the sidecar), by time: it notes when it heard of each
+  route, and counts the ones heard after the engine's cut (``EngineView.cut``, as its
+  own pending routes: ``estimates.by_report``). A route is heard a few milliseconds
+  after it is made, so this errs towards counting one a report longer.
+
+Either way a router's count from another is at most the requests that router still
+has open there. A router tells at least every ``TELL_EVERY_S``, so the others know it
+is there while it is idle; they count on the told routes only while every other
+client index has been heard from within ``FRESH_S``, and fall back to the share model
+otherwise (a router gone, a lost message, more routers than ``MAX_ROUTERS``: every
+message reaches every other router).
 
 Message (JSON on the deployment's routes channel, ``redisbal.keys``):
 ``{"i": client index, "e": {engine id: [incarnation or null, routes, open]}}``, with
@@ -22,6 +30,7 @@ only the engines whose counts changed since the last message (none: a heartbeat)
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
 import orjson
@@ -85,19 +94,22 @@ class PeerRoutes:
     """A router's side of the exchange: the other routers' told counts and when each
     was last heard from, and which of its own counts changed since it last told.
 
-    ``told[engine][index] = (incarnation, routes, open)``; an entry with nothing left
-    on its way is dropped when counted, so the table holds only routes in transit.
-    ``live``: every other client index was heard from within FRESH_S, and the
-    snapshots carry admitted counts to subtract (``exact``; without them nothing told
-    could be counted): then a router's ``EngineView.others`` hold the count and its
-    own routes count 1.
+    Engines with admitted counts (``EngineView.exact``): ``told[engine][index] =
+    (incarnation, routes, open)``; an entry with nothing left on its way is dropped
+    when counted, so the table holds only routes in transit. Engines without:
+    ``last[engine][index]``, the latest counts told (each message's routes less the
+    last's are the new ones), and ``times[engine][index]``, when each route not yet
+    under the engine's cut was heard (emptied entries dropped when counted).
+    ``live``: every other client index was heard from within FRESH_S: then a
+    router's ``EngineView.others`` hold the count and its own routes count 1.
     """
 
     def __init__(self) -> None:
         self.told: dict[str, dict[int, tuple[str | None, int, int]]] = {}
+        self.last: dict[str, dict[int, tuple[str | None, int, int]]] = {}
+        self.times: dict[str, dict[int, deque[float]]] = {}
         self.heard: dict[int, float] = {}
         self.live = False
-        self.exact = True  # the latest snapshot's counts had admitted counts (the core's)
         self.changed: set[str] = set()  # own counts changed since the last message
         self.due = False  # a route is among them: the message is owed soon
         self.on_change: Callable[[], None] | None = None  # when a message becomes due
@@ -132,7 +144,7 @@ class PeerRoutes:
     # -- hearing ------------------------------------------------------------------------------
 
     def hear(
-        self, data: bytes | str, own_index: int, now: float, known: Mapping[str, object]
+        self, data: bytes | str, own_index: int, now: float, known: Mapping[str, EngineView]
     ) -> list[str] | None:
         """Take one message in; returns the engines it told about that are ``known``
         (the others are not kept: None of them can be routed to here), or None for a
@@ -148,8 +160,43 @@ class PeerRoutes:
         self.heard[index] = now
         ids = [eid for eid in counts if eid in known]
         for eid in ids:
-            self.told.setdefault(eid, {})[index] = counts[eid]
+            if known[eid].exact:
+                self.told.setdefault(eid, {})[index] = counts[eid]
+            else:
+                self._heard_by_time(eid, index, counts[eid], now)
         return ids
+
+    def _heard_by_time(
+        self, eid: str, index: int, c: tuple[str | None, int, int], now: float
+    ) -> None:
+        """Note ``now`` for each route told since ``index``'s last message about ``eid``
+        (the first one about a process: none, its routes are of unknown times); a
+        route taken back drops the newest."""
+        inc, routes, open_ = c
+        last = self.last.setdefault(eid, {})
+        prev = last.get(index)
+        last[index] = c
+        if prev is None or prev[0] != inc:
+            self._drop_times(eid, index)
+            return
+        new = routes - prev[1]
+        if new == 0:
+            return
+        times = self.times.setdefault(eid, {}).setdefault(index, deque())
+        if new > 0:
+            times.extend([now] * min(new, open_))
+        else:
+            for _ in range(min(-new, len(times))):
+                times.pop()
+        while len(times) > open_:  # more than it has open: the oldest are not on their way
+            times.popleft()
+
+    def _drop_times(self, eid: str, index: int) -> None:
+        by_index = self.times.get(eid)
+        if by_index is not None:
+            by_index.pop(index, None)
+            if not by_index:
+                del self.times[eid]
 
     def count(
         self,
@@ -163,20 +210,23 @@ class PeerRoutes:
         every ``known`` one when ``live`` flips); returns the views changed. While not
         live every ``others`` is 0 already: nothing to count."""
         heard = self.heard
-        live = (
-            self.exact
-            and telling(count)
-            and all(i == own_index or now - heard.get(i, -math.inf) < FRESH_S for i in range(count))
+        live = telling(count) and all(
+            i == own_index or now - heard.get(i, -math.inf) < FRESH_S for i in range(count)
         )
         if live != self.live:
             self.live, views = live, known.values()
         elif not live:
             return []
-        elif views is None:  # (an engine with others > 0 has an entry in told)
-            views = [known[eid] for eid in self.told if eid in known]
+        elif views is None:  # (an engine with others > 0 has an entry in told or times)
+            views = [known[eid] for eid in (*self.told, *self.times) if eid in known]
         changed = []
         for e in views:
-            n = self._pending(e, count) if live and e.exact else 0.0
+            if not live:
+                n = 0.0
+            elif e.exact:
+                n = self._pending(e, count)
+            else:
+                n = self._pending_by_time(e, count)
             if n != e.others:
                 e.others = n
                 changed.append(e)
@@ -202,8 +252,32 @@ class PeerRoutes:
             del self.told[e.engine_id]
         return float(total)
 
+    def _pending_by_time(self, e: EngineView, count: int) -> float:
+        """The other routers' routes to ``e`` heard after its cut (its counts do not
+        hold them yet), each at most the requests that router still has open there.
+        Times under the cut, of another process or of an index no longer in use are
+        dropped."""
+        eid = e.engine_id
+        by_index = self.times.get(eid)
+        if not by_index:
+            return 0.0
+        last = self.last.get(eid, {})
+        cut, total = e.cut, 0
+        for i, times in list(by_index.items()):
+            while times and times[0] <= cut:
+                times.popleft()
+            inc, _, open_ = last.get(i, (None, 0, 0))
+            if times and inc == e.incarnation and i < count:
+                total += min(len(times), open_)
+            else:
+                del by_index[i]
+        if not by_index:
+            del self.times[eid]
+        return float(total)
+
     def forget(self, keep: Iterable[str]) -> None:
         """Drop what was told about engines not in ``keep`` (gone from the deployment)."""
         keep = set(keep)
-        for eid in [e for e in self.told if e not in keep]:
-            del self.told[eid]
+        for table in (self.told, self.last, self.times):
+            for eid in [e for e in table if e not in keep]:
+                del table[eid]

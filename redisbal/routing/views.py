@@ -111,7 +111,7 @@ class EngineView:
     hid: int = field(default=0, init=False)  # crc32 of engine_id (the shared dither)
     dither: float = 0.0  # this router's offset for the engine, redrawn per snapshot
     # completions since the engine's counts were made (use_age only): expected from its
-    # rate with admitted counts, else this router's own ended routes x pending weight
+    # rate with admitted counts, else this router's own ended routes x its share weight
     aged: float = 0.0
     # service-speed estimate from the engine's completions (exact reconciliation only)
     speed: float = 1.0  # relative to the median engine; 1.0 until known
