@@ -14,17 +14,11 @@ from redisbal.routing.policies import Policy, RedisbalPolicy
 from redisbal.routing.views import EngineView, RequestInfo, RoutingState
 
 
-def cores(
-    n_routers: int, loads: dict[str, tuple[int, int]], follow_keys: bool = True, **kw: object
-) -> list[RouterCore]:
-    """Routers over one snapshot of ``loads``; with ``follow_keys`` they follow every
-    key, come back or not (the ring's placement, whatever keys did before)."""
+def cores(n_routers: int, loads: dict[str, tuple[int, int]], **kw: object) -> list[RouterCore]:
     out = []
     adm = {e: (0,) * n_routers for e in loads}
     for i in range(n_routers):
         core = RouterCore(i, n_routers, rng=random.Random(i), **kw)  # type: ignore[arg-type]
-        if follow_keys and isinstance(core.policy, RedisbalPolicy):
-            core.policy.affinity_repeats = 0.0
         core.apply_snapshot(make_snapshot(loads, admitted=adm))
         core.connected = True
         out.append(core)
@@ -62,56 +56,6 @@ def test_keys_spread_over_the_engines() -> None:
         core.unroute(d)  # measure placement only, not the bound
     assert set(home) == {f"e{i}" for i in range(8)}
     assert max(home.values()) < 3 * min(home.values())
-
-
-def test_keys_that_never_come_back_route_by_load_and_keys_that_do_by_the_ring() -> None:
-    loads = {f"e{i}": (0, 4) for i in range(8)}
-    (core,) = cores(1, loads, follow_keys=False)
-    policy = core.policy
-    assert isinstance(policy, RedisbalPolicy)
-    (ref,) = cores(1, loads)  # where the ring alone puts a key
-
-    def home(key: str) -> str:
-        d = ref.route(key=key)
-        ref.unroute(d)
-        return d.engine_id
-
-    # a new key per request: keys do not count, and load decides
-    for k in range(300):
-        core.unroute(core.route(key=f"once-{k}"))
-    assert policy.key_repeats(core) < policy.affinity_repeats
-    light = {**loads, "e3": (0, 3)}  # the least loaded, by less than affinity_slack
-    core.apply_snapshot(make_snapshot(light, version=2, admitted={e: (1,) for e in loads}))
-    keys = [f"new-{k}" for k in range(40) if home(f"new-{k}") != "e3"][:10]
-    for key in keys:
-        d = core.route(key=key)
-        assert d.engine_id == "e3"  # the least-loaded engine, not the key's
-        core.unroute(d)
-    # keys that come back: soon followed, each to its engine on the ring
-    for _ in range(10):
-        for key in keys:
-            core.unroute(core.route(key=key))
-    assert policy.key_repeats(core) >= policy.affinity_repeats
-    for key in keys:
-        d = core.route(key=key)
-        assert d.engine_id == home(key)
-        core.unroute(d)
-
-
-def test_a_router_counts_the_returns_it_does_not_see() -> None:
-    routers = cores(16, {f"e{i}": (0, 4) for i in range(8)}, follow_keys=False)
-    rng = random.Random(0)
-    for k in range(6000):  # every key sent twice, each time through any of 16 routers
-        for _ in range(2):
-            r = routers[rng.randrange(16)]
-            r.unroute(r.route(key=f"user-{k}"))
-    for r in routers:
-        policy = r.policy
-        assert isinstance(policy, RedisbalPolicy)
-        # half the requests come back, 1/16 of those to the router that saw the first
-        assert policy.repeats < policy.affinity_repeats
-        assert policy.key_repeats(r) == pytest.approx(min(1.0, 16 * policy.repeats))
-        assert policy.key_repeats(r) >= policy.affinity_repeats
 
 
 def test_a_loaded_home_sends_the_key_clockwise_and_it_comes_back() -> None:
@@ -247,18 +191,3 @@ def test_by_default_every_route_counts_one() -> None:
     core.route(engine_id="b", prompt_tokens=100, output_tokens=10)
     views = {e.engine_id: e for e in core.known}
     assert views["a"].pending_cost == views["b"].pending_cost == 1.0
-
-
-def test_a_router_forgets_its_oldest_keys_first() -> None:
-    (core,) = cores(1, {f"e{i}": (0, 4) for i in range(8)}, follow_keys=False)
-    policy = core.policy
-    assert isinstance(policy, RedisbalPolicy)
-    policy.recent_keys = 3
-    for key in ("a", "b", "c", "a", "d"):  # "a" came back before "d": "b" is the oldest
-        core.unroute(core.route(key=key))
-    before = policy.repeats
-    core.unroute(core.route(key="a"))
-    assert policy.repeats > before  # still remembered
-    before = policy.repeats
-    core.unroute(core.route(key="b"))
-    assert policy.repeats < before  # forgotten: a new key

@@ -256,8 +256,8 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     show_envvar=True,
     help="Without an X-Redisbal-Key header, the body's user is the request's key: a "
     "user's requests go to one engine while its load allows, for its prefix cache. "
-    "The default policy follows keys only while they come back (a client that sends a "
-    "new user with every request is routed by load alone).",
+    "Turn it off when users rarely send twice: a key that never repeats only narrows "
+    "the choice of engine.",
 )
 @click.option(
     "--tell-routes/--no-tell-routes",

@@ -284,12 +284,6 @@ class RedisbalPolicy(ScoringPolicy):
     affinity_probes = 4  # engines of a key tried, clockwise on the ring
     affinity_room = True  # a key's engine with no queue and room now takes it, whatever its load
     affinity_kv = 0.9  # an engine has room only below this KV usage
-    # Keys earn affinity by coming back: while fewer than this share of keyed requests
-    # bring a key seen lately (``key_repeats``), a key routes as if it had none (a
-    # client that sends a new user with every request: its key's engine holds no cache
-    # for it, and following keys would place requests by hash, not by load)
-    affinity_repeats = 0.1
-    recent_keys = 65536  # keys remembered by this router, the oldest forgotten first
     # dither amplitude: this x own routes per snapshot x pending_weight (1-4 measured)
     dither_gain = 1.0
     ring_points = 40  # points per engine on the hash ring
@@ -305,29 +299,6 @@ class RedisbalPolicy(ScoringPolicy):
         self._routes_since = 0
         self._dither_snap: Snapshot | None = None
         self._heaped: set[int] = set()  # id() of the engines the heap was built from
-        self._keys: dict[int, None] = {}  # hash() of the keys routed lately, oldest first
-        # over keyed routes, 1 when the key was among _keys, else 0: their mean over the
-        # first 256, then an EWMA (a router that has seen no key come back has no cache
-        # to send one to, and sessions' keys are followed once their first turns return)
-        self.repeats = 0.0
-        self._keyed = 0
-
-    def key_repeats(self, core: RoutingState) -> float:
-        """The estimated share of keyed requests whose key came lately, to any router:
-        this router's share times the number of routers (a key's requests spread over
-        them, so each sees about 1 / client_count of its returns), at most 1."""
-        return min(1.0, self.repeats * core.client_count)
-
-    def _saw_key(self, key: str) -> None:
-        keys, h = self._keys, hash(key)
-        seen = h in keys
-        if seen:
-            del keys[h]  # to the newest end
-        elif len(keys) >= self.recent_keys:
-            del keys[next(iter(keys))]
-        keys[h] = None
-        self._keyed = n = min(self._keyed + 1, 256)
-        self.repeats += ((1.0 if seen else 0.0) - self.repeats) / n
 
     @property
     def wants_speed(self) -> bool:
@@ -469,9 +440,9 @@ class RedisbalPolicy(ScoringPolicy):
         return slot and (e.kv_usage is None or kv_ok)
 
     def pick(self, core: RoutingState) -> EngineView:
-        key = core.request.key if core.request is not None else None
-        if key is not None and self.key_repeats(core) >= self.affinity_repeats:
-            return self.pick_for_key(core, key)
+        req = core.request
+        if req is not None and req.key is not None:
+            return self.pick_for_key(core, req.key)
         if self.p2c_from and len(core.engines) >= self.p2c_from:
             engines = core.engines
             n = len(engines)
@@ -497,9 +468,6 @@ class RedisbalPolicy(ScoringPolicy):
 
     def routed(self, core: RoutingState, eng: EngineView) -> None:
         self._routes_since += 1
-        req = core.request
-        if req is not None and req.key is not None:
-            self._saw_key(req.key)
         if self.heap and self.heap[0][3] is eng:
             eng.gen += 1
             heapq.heapreplace(self.heap, (self.score(core, eng), core.rng.random(), eng.gen, eng))
