@@ -58,6 +58,78 @@ def test_keys_spread_over_the_engines() -> None:
     assert max(home.values()) < 3 * min(home.values())
 
 
+def test_keys_that_never_come_back_route_by_load_and_keys_that_do_by_the_ring() -> None:
+    loads = {f"e{i}": (0, 4) for i in range(8)}
+    (core,) = cores(1, loads)
+    policy = core.policy
+    assert isinstance(policy, RedisbalPolicy)
+    (ref,) = cores(1, loads)  # where the ring puts a key (a given key is always followed)
+
+    def home(key: str) -> str:
+        d = ref.route(key=key)
+        ref.unroute(d)
+        return d.engine_id
+
+    # a new key per request: keys do not count, and load decides
+    for k in range(300):
+        core.unroute(core.route(key=f"once-{k}", key_guessed=True))
+    assert policy.key_repeats(core) < policy.affinity_repeats
+    light = {**loads, "e3": (0, 3)}  # the least loaded, by less than affinity_slack
+    core.apply_snapshot(make_snapshot(light, version=2, admitted={e: (1,) for e in loads}))
+    keys = [f"new-{k}" for k in range(40) if home(f"new-{k}") != "e3"][:10]
+    for key in keys:
+        d = core.route(key=key, key_guessed=True)
+        assert d.engine_id == "e3"  # the least-loaded engine, not the key's
+        core.unroute(d)
+    before = policy.repeats
+    for key in keys:  # the same keys given (X-Redisbal-Key, route(key=...)): followed
+        d = core.route(key=key)
+        assert d.engine_id == home(key)
+        core.unroute(d)
+    assert policy.repeats == before  # and not counted
+    # keys that come back: each goes where this router sent it (its cache), while that
+    # engine is about as free as the least loaded; and new keys now go by the ring
+    for _ in range(10):
+        for key in keys:
+            d = core.route(key=key, key_guessed=True)
+            assert d.engine_id == "e3"
+            core.unroute(d)
+    assert policy.key_repeats(core) >= policy.affinity_repeats
+    shifted = {**loads, "e5": (0, 3)}  # e3 is no longer the least loaded, by one request
+    core.apply_snapshot(make_snapshot(shifted, version=3, admitted={e: (2,) for e in loads}))
+    for key in keys:
+        d = core.route(key=key, key_guessed=True)
+        assert d.engine_id == "e3"
+        core.unroute(d)
+    fresh = [f"fresh-{k}" for k in range(40) if home(f"fresh-{k}") not in ("e3", "e5")][:10]
+    for key in fresh:
+        d = core.route(key=key, key_guessed=True)
+        assert d.engine_id == home(key)
+        core.unroute(d)
+    hot = {**loads, "e3": (6, 8)}  # a queue where the keys went: they leave it
+    core.apply_snapshot(make_snapshot(hot, version=4, admitted={e: (3,) for e in loads}))
+    for key in keys:
+        d = core.route(key=key, key_guessed=True)
+        assert d.engine_id != "e3"
+        core.unroute(d)
+
+
+def test_a_router_counts_the_returns_it_does_not_see() -> None:
+    routers = cores(16, {f"e{i}": (0, 4) for i in range(8)})
+    rng = random.Random(0)
+    for k in range(6000):  # every key sent twice, each time through any of 16 routers
+        for _ in range(2):
+            r = routers[rng.randrange(16)]
+            r.unroute(r.route(key=f"user-{k}", key_guessed=True))
+    for r in routers:
+        policy = r.policy
+        assert isinstance(policy, RedisbalPolicy)
+        # half the requests come back, 1/16 of those to the router that saw the first
+        assert policy.repeats < policy.affinity_repeats
+        assert policy.key_repeats(r) == pytest.approx(min(1.0, 16 * policy.repeats))
+        assert policy.key_repeats(r) >= policy.affinity_repeats
+
+
 def test_a_loaded_home_sends_the_key_clockwise_and_it_comes_back() -> None:
     loads = {f"e{i}": (0, 10) for i in range(8)}
     (core,) = cores(1, loads)
@@ -170,6 +242,7 @@ def test_a_policy_reads_the_request_in_pick_and_routed_and_only_then() -> None:
         ({"output_tokens": 2.5}, "output_tokens must be a whole number"),
         ({"prompt_tokens": True}, "prompt_tokens must be a whole number"),
         ({"blocks": ["a"]}, "blocks must be integers"),
+        ({"key": "k", "key_guessed": 1}, "key_guessed must be True or False"),
     ],
 )
 def test_bad_request_info_is_a_clear_error_and_routes_nothing(
@@ -191,3 +264,32 @@ def test_by_default_every_route_counts_one() -> None:
     core.route(engine_id="b", prompt_tokens=100, output_tokens=10)
     views = {e.engine_id: e for e in core.known}
     assert views["a"].pending_cost == views["b"].pending_cost == 1.0
+
+
+def test_a_router_forgets_its_oldest_keys_first() -> None:
+    (core,) = cores(1, {f"e{i}": (0, 4) for i in range(8)})
+    policy = core.policy
+    assert isinstance(policy, RedisbalPolicy)
+    policy.recent_keys = 3
+    for key in ("a", "b", "c", "a", "d"):  # "a" came back before "d": "b" is the oldest
+        core.unroute(core.route(key=key, key_guessed=True))
+    before = policy.repeats
+    core.unroute(core.route(key="a", key_guessed=True))
+    assert policy.repeats > before  # still remembered
+    before = policy.repeats
+    core.unroute(core.route(key="b", key_guessed=True))
+    assert policy.repeats < before  # forgotten: a new key
+
+
+def test_a_guessed_key_does_not_follow_its_engine_out_of_the_deployment() -> None:
+    loads = {f"e{i}": (0, 4) for i in range(4)}
+    (core,) = cores(1, loads)
+    d = core.route(key="u", key_guessed=True)
+    core.unroute(d)
+    went = d.engine_id
+    d = core.route(key="u", key_guessed=True)
+    core.unroute(d)
+    assert d.engine_id == went  # where its cache is
+    rest = {e: v for e, v in loads.items() if e != went}
+    core.apply_snapshot(make_snapshot(rest, version=2, admitted={e: (1,) for e in rest}))
+    assert core.route(key="u", key_guessed=True).engine_id in rest

@@ -96,6 +96,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal+cost": {"use_cost": True},
     "redisbal-room": {"affinity_room": False},
     "redisbal-dither1": {"dither_gain": 0.0},  # the dither's amplitude stays 1, never a lump
+    "redisbal-repeats": {"follow_guessed": True},  # guessed keys followed as given ones
     "redisbal-hold": {"holds": False},  # every request routed at once, as before holding
 }
 

@@ -256,8 +256,8 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     show_envvar=True,
     help="Without an X-Redisbal-Key header, the body's user is the request's key: a "
     "user's requests go to one engine while its load allows, for its prefix cache. "
-    "Turn it off when users rarely send twice: a key that never repeats only narrows "
-    "the choice of engine.",
+    "The default policy follows users only while users come back (a client that sends "
+    "a new user with every request is routed by load); the header is always followed.",
 )
 @click.option(
     "--tell-routes/--no-tell-routes",

@@ -55,12 +55,13 @@ CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, r
 
 def request_hints(
     body: Mapping[str, Any], key_header: str | None, user_key: bool = True
-) -> tuple[str | None, int]:
+) -> tuple[str | None, bool, int]:
     """What the router is told of a request: its key (the X-Redisbal-Key header,
-    else, with ``user_key``, the body's ``user``) and its prompt size in tokens,
-    estimated from the prompt's characters (no tokenizer on the request path).
-    ValueError on a bad key."""
-    key = key_header if key_header is not None or not user_key else body.get("user")
+    else, with ``user_key``, the body's ``user``), whether that key was guessed (the
+    user), and its prompt size in tokens, estimated from the prompt's characters (no
+    tokenizer on the request path). ValueError on a bad key."""
+    guessed = key_header is None and user_key
+    key = body.get("user") if guessed else key_header
     if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LEN):
         raise ValueError(f"{KEY_HEADER} (or user) must be 1-{MAX_KEY_LEN} characters")
     if key is not None:
@@ -86,7 +87,7 @@ def request_hints(
                     for part in content
                     if isinstance(part, dict) and isinstance(part.get("text"), str)
                 )
-    return key, chars // CHARS_PER_TOKEN
+    return key, guessed and key is not None, chars // CHARS_PER_TOKEN
 
 
 def _unroute(router: AsyncRouter, decision: Decision) -> None:
@@ -210,11 +211,12 @@ class Proxy:
         avoid: set[str],
         key: str | None = None,
         tokens: int = 0,
+        guessed: bool = False,
     ) -> Decision:
         """Route (or pin); an engine without a URL, or in ``avoid``, is swapped for the
         least-loaded engine that has one. Raises NoEngines / UnknownEngine."""
         router, urls = dep.router, dep.urls
-        d = router.route(pin, key=key, prompt_tokens=tokens)
+        d = router.route(pin, key=key, prompt_tokens=tokens, key_guessed=guessed)
         if pin is not None and pin not in urls:
             _unroute(router, d)
             raise NoEngines(f"engine {pin!r} has no known URL (not registered, no --engine)")
@@ -318,7 +320,9 @@ class Proxy:
             return got
         raw, stream, body = got
         try:
-            key, tokens = request_hints(body, request.headers.get(KEY_HEADER), self.user_key)
+            key, guessed, tokens = request_hints(
+                body, request.headers.get(KEY_HEADER), self.user_key
+            )
         except ValueError as exc:
             m.errors.labels("bad_request").inc()
             return _json_error(400, str(exc))
@@ -340,13 +344,13 @@ class Proxy:
         for attempt in range(1 if pin is not None else self.max_attempts):
             try:
                 try:
-                    d = self._route(dep, pin, avoid, key, tokens)
+                    d = self._route(dep, pin, avoid, key, tokens, guessed)
                 except NoEngines:
                     core = dep.router.core
                     if dep.redis is None or all(e in dep.urls for e in core.by_id):
                         raise
                     await dep.refetch_urls()  # engines without a URL: it may be new
-                    d = self._route(dep, pin, avoid, key, tokens)
+                    d = self._route(dep, pin, avoid, key, tokens, guessed)
             except UnknownEngine:
                 m.errors.labels("bad_request").inc()
                 live = sorted(dep.router.core.by_id, key=lambda e: (len(e), e))

@@ -437,15 +437,17 @@ class RouterCore:
         prompt_tokens: int | None = None,
         output_tokens: int | None = None,
         blocks: Iterable[int] | None = None,
+        key_guessed: bool = False,
     ) -> Decision:
         """Pick an engine (or take the pinned one) and record the route. No I/O.
 
         The keywords describe the request (``RequestInfo``): a session or prefix
-        ``key`` for affinity, its size in tokens so that the route counts by its
-        cost, and its prompt's block hashes for prefix-aware policies."""
+        ``key`` for affinity (``key_guessed``: taken from the request, not given),
+        its size in tokens so that the route counts by its cost, and its prompt's
+        block hashes for prefix-aware policies."""
         info = None
         if key is not None or prompt_tokens is not None or output_tokens is not None or blocks:
-            info = request_info(key, prompt_tokens, output_tokens, blocks)
+            info = request_info(key, prompt_tokens, output_tokens, blocks, key_guessed)
         if engine_id is not None and not isinstance(engine_id, str):
             if isinstance(engine_id, int) and not isinstance(engine_id, bool):
                 engine_id = str(engine_id)  # an engine id is text: 3 means "3"

@@ -284,6 +284,14 @@ class RedisbalPolicy(ScoringPolicy):
     affinity_probes = 4  # engines of a key tried, clockwise on the ring
     affinity_room = True  # a key's engine with no queue and room now takes it, whatever its load
     affinity_kv = 0.9  # an engine has room only below this KV usage
+    # Guessed keys (``RequestInfo.key_guessed``: the gateway's body user) earn affinity
+    # by coming back: while fewer than this share of them bring one seen lately
+    # (``key_repeats``), such a key routes as if there were none (a client that sends a
+    # new user with every request: its key's engine holds no cache for it, and following
+    # the key would place requests by hash, not by load). Given keys are always followed.
+    affinity_repeats = 0.1
+    follow_guessed = False  # True: a guessed key is followed as a given one (as before)
+    recent_keys = 65536  # guessed keys remembered by this router, the oldest forgotten first
     # dither amplitude: this x own routes per snapshot x pending_weight (1-4 measured)
     dither_gain = 1.0
     ring_points = 40  # points per engine on the hash ring
@@ -299,6 +307,30 @@ class RedisbalPolicy(ScoringPolicy):
         self._routes_since = 0
         self._dither_snap: Snapshot | None = None
         self._heaped: set[int] = set()  # id() of the engines the heap was built from
+        # hash() of each guessed key routed lately -> the engine it went to, oldest first
+        self._keys: dict[int, EngineView] = {}
+        # over routes with a guessed key, 1 when the key was among _keys, else 0: their
+        # mean over the first 256, then an EWMA (a router that has seen no key come back
+        # has no cache to send one to; sessions' keys are followed once turns return)
+        self.repeats = 0.0
+        self._keyed = 0
+
+    def key_repeats(self, core: RoutingState) -> float:
+        """The estimated share of guessed keys that came lately, to any router:
+        this router's share times the number of routers (a key's requests spread over
+        them, so each sees about 1 / client_count of its returns), at most 1."""
+        return min(1.0, self.repeats * core.client_count)
+
+    def _saw_key(self, key: str, eng: EngineView) -> None:
+        keys, h = self._keys, hash(key)
+        seen = h in keys
+        if seen:
+            del keys[h]  # to the newest end
+        elif len(keys) >= self.recent_keys:
+            del keys[next(iter(keys))]
+        keys[h] = eng
+        self._keyed = n = min(self._keyed + 1, 256)
+        self.repeats += ((1.0 if seen else 0.0) - self.repeats) / n
 
     @property
     def wants_speed(self) -> bool:
@@ -412,7 +444,6 @@ class RedisbalPolicy(ScoringPolicy):
             self._build_ring()
         engines, ring, owner = self.ring_engines, self.ring, self.ring_owner
         ref = self.score(core, top) - top.dither + self.affinity_slack
-        cap, w = core.running_cap, core.pending_weight
         at = bisect.bisect_left(ring, zlib.crc32(key.encode()))
         seen: list[int] = []
         for k in range(len(ring)):
@@ -420,14 +451,36 @@ class RedisbalPolicy(ScoringPolicy):
             if i in seen:
                 continue
             e = engines[i]
-            if e is top or self.score(core, e) - e.dither <= ref:
+            if e is top or self._takes(core, e, ref):
                 return e
-            if self.affinity_room and e.waiting == 0 and self._has_room(e, cap, w):
-                return e  # no queue and room now: the key's cache saves its prefill
             seen.append(i)
             if len(seen) >= self.affinity_probes:
                 break
         return top
+
+    def _takes(self, core: RoutingState, e: EngineView, ref: float) -> bool:
+        """Whether ``e`` takes a keyed request about as soon as the least-loaded engine
+        (whose score less its dither, plus ``affinity_slack``, is ``ref``): a score
+        within that, or no queue and room now (the key's cache saves its prefill)."""
+        if self.score(core, e) - e.dither <= ref:
+            return True
+        return (
+            self.affinity_room
+            and e.waiting == 0
+            and self._has_room(e, core.running_cap, core.pending_weight)
+        )
+
+    def _went(self, core: RoutingState, key: str) -> EngineView | None:
+        """The engine this router sent a guessed key to last, while it is choosable
+        and takes the request about as soon as the least-loaded one (``_takes``)."""
+        e = self._keys.get(hash(key))
+        if e is None:
+            return None
+        top = self._top(core)  # (resets the heap, and _heaped, when they are stale)
+        if id(e) not in self._heaped:
+            return None
+        ref = self.score(core, top) - top.dither + self.affinity_slack
+        return e if e is top or self._takes(core, e, ref) else None
 
     def _has_room(self, e: EngineView, cap: int, w: float) -> bool:
         """Room for one more request: KV usage below ``affinity_kv`` and, once the
@@ -442,7 +495,13 @@ class RedisbalPolicy(ScoringPolicy):
     def pick(self, core: RoutingState) -> EngineView:
         req = core.request
         if req is not None and req.key is not None:
-            return self.pick_for_key(core, req.key)
+            if not req.key_guessed or self.follow_guessed:
+                return self.pick_for_key(core, req.key)
+            e = self._went(core, req.key)
+            if e is not None:
+                return e
+            if self.key_repeats(core) >= self.affinity_repeats:
+                return self.pick_for_key(core, req.key)
         if self.p2c_from and len(core.engines) >= self.p2c_from:
             engines = core.engines
             n = len(engines)
@@ -468,6 +527,9 @@ class RedisbalPolicy(ScoringPolicy):
 
     def routed(self, core: RoutingState, eng: EngineView) -> None:
         self._routes_since += 1
+        req = core.request
+        if req is not None and req.key is not None and req.key_guessed:
+            self._saw_key(req.key, eng)
         if self.heap and self.heap[0][3] is eng:
             eng.gen += 1
             heapq.heapreplace(self.heap, (self.score(core, eng), core.rng.random(), eng.gen, eng))

@@ -73,11 +73,14 @@ class _LocalRouting:
         prompt_tokens: int | None = None,
         output_tokens: int | None = None,
         blocks: Iterable[int] | None = None,
+        key_guessed: bool = False,
     ) -> Decision:
         """Choose an engine (or pin ``engine_id``) for one request. Never does I/O.
 
         ``key``: a session or prefix key; requests with one key go to one engine
         while its load stays within a bound (its prefix cache keeps their prompts).
+        ``key_guessed``: the key was taken from the request (a user id, say), not
+        given as one: the default policy follows such keys only while they come back.
         ``prompt_tokens`` / ``output_tokens`` (expected, or the request's cap): the
         route counts by the request's size. ``blocks``: hashes of the prompt's
         token blocks, for prefix-aware policies."""
@@ -87,6 +90,7 @@ class _LocalRouting:
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
             blocks=blocks,
+            key_guessed=key_guessed,
         )
 
     def finished(self, decision: Decision) -> None:

@@ -39,12 +39,16 @@ class RequestInfo:
     ``output_tokens`` (expected or the request's cap): the request's size, so a
     route counts by its cost instead of as 1. ``blocks``: chained hashes of the
     prompt's token blocks, for prefix-aware policies (the benchmark's peers).
+    ``key_guessed``: the key was not given as one but taken from the request (the
+    gateway's body ``user``); the default policy follows such keys only while they
+    come back.
     """
 
     key: str | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     blocks: tuple[int, ...] = ()
+    key_guessed: bool = False
 
 
 MAX_KEY_LEN = 1024
@@ -55,6 +59,7 @@ def request_info(
     prompt_tokens: int | None,
     output_tokens: int | None,
     blocks: Iterable[int] | None,
+    key_guessed: bool = False,
 ) -> RequestInfo:
     """Check what route() was told about a request (ValueError naming the argument)
     and hold it as a RequestInfo."""
@@ -68,7 +73,9 @@ def request_info(
         hashes = tuple(blocks)
         if not all(isinstance(b, int) and not isinstance(b, bool) for b in hashes):
             raise ValueError("blocks must be integers (hashes of the prompt's token blocks)")
-    return RequestInfo(key, prompt_tokens, output_tokens, hashes)
+    if not isinstance(key_guessed, bool):
+        raise ValueError(f"key_guessed must be True or False, got {key_guessed!r:.60}")
+    return RequestInfo(key, prompt_tokens, output_tokens, hashes, key_guessed)
 
 
 @dataclass(slots=True, eq=False)
