@@ -276,6 +276,35 @@ def test_redisbal_time_based_reconciliation_without_admitted() -> None:
     assert core.by_id["e0"].pending == 1
 
 
+def test_ended_requests_take_off_at_most_what_the_counts_hold() -> None:
+    """Without admitted counts each own end stands for the share weight's worth of ends,
+    but never for more than the counts hold: through an outage, with no new counts,
+    every request they held ends, and the engine that happened to hold more of this
+    router's must not look emptier than empty."""
+    clock = FakeClock(100.0)
+    core = make_core(clock=clock, client_count=2)  # each own end stands for 2
+
+    def report(at_ms: int, counts: dict[str, tuple[int, int]], version: int) -> None:
+        clock.t = 100.0 + (at_ms + 100) / 1000
+        snap = make_snapshot(
+            counts, version=version, time_ms=T0_MS + at_ms + 100, reported_ms=T0_MS + at_ms
+        )
+        core.apply_snapshot(snap)
+
+    report(0, equal(2), 1)
+    clock.t = 100.2
+    routes = [core.route("e0") for _ in range(4)]
+    report(400, {"e0": (1, 4), "e1": (1, 4)}, 2)
+    report(800, {"e0": (1, 4), "e1": (1, 4)}, 3)  # they run (one more waits)
+    clock.t = 100.85
+    for d in routes:
+        core.finished(d)
+    e0 = core.by_id["e0"]
+    assert e0.done == 4
+    assert e0.aged == 5.0  # 4 x 2 ends, but the counts held only 5 requests
+    assert core.route().engine_id == "e0"  # 5 - 5 against 5: still the lighter
+
+
 def test_redisbal_takes_its_ended_requests_off_counts_without_admitted() -> None:
     """Without admitted counts, a request that ends after the engine's counts were made
     weighs in them until its next report: the router takes it off as it ends (``aged``,

@@ -191,7 +191,7 @@ def by_report(e: EngineView, reported_ms: int, at: float, transit_s: float, weig
         while ends and ends[0][1] <= made:
             ends.popleft()
         e.done = sum(1 for routed, _ in ends if routed <= cut)
-    e.aged = e.done * weight
+    e.aged = held_ended(e, weight)
 
 
 def ended(e: EngineView, routed_at: float, now: float, transit_s: float, weight: float) -> None:
@@ -211,10 +211,18 @@ def ended(e: EngineView, routed_at: float, now: float, transit_s: float, weight:
             trim_costs(e)
     elif now > e.rep_at + transit_s:
         e.done += 1
-    e.aged = e.done * weight
+    e.aged = held_ended(e, weight)
     e.ends.append((routed_at, now))
     if len(e.ends) > MAX_ENDS:  # no report for long: the oldest cannot count any more
         e.ends.popleft()
+
+
+def held_ended(e: EngineView, weight: float) -> float:
+    """``aged`` counted: the requests e's counts hold that ended since, ``done`` x
+    ``weight`` (everyone's, by this router's), at most what the counts hold (running +
+    waiting): through an outage, with no new counts, every request they held ends and
+    the weight would take off more than there is."""
+    return min(e.done * weight, float(e.running + e.waiting))
 
 
 # ends kept per engine between its reports (far more than it finishes in one)
