@@ -24,7 +24,11 @@ class FakeClock:
 
 
 def pair(clock: FakeClock, count: int = 2) -> list[RouterCore]:
-    return [RouterCore(i, count, clock=clock) for i in range(count)]
+    """Routers whose feeds are connected (told routes count only then)."""
+    cores = [RouterCore(i, count, clock=clock) for i in range(count)]
+    for core in cores:
+        core.connected = True
+    return cores
 
 
 def snap(version: int, admitted: dict[str, tuple[int, ...]], **kw: object) -> object:
@@ -138,6 +142,28 @@ def test_an_other_router_not_heard_from_brings_the_share_back() -> None:
     assert c.pending_weight == pytest.approx(3.0)
 
 
+def test_a_router_whose_feed_is_lost_stops_counting_what_was_told() -> None:
+    """With the feed down nothing told can change while the routes it counts end (in
+    an outage they stood still and kept an engine from being chosen at all): the
+    share comes back at once, and the told routes count again with the feed."""
+    clock = FakeClock()
+    a, b = pair(clock)
+    for r in (a, b):
+        r.apply_snapshot(snap(1, {"e0": (0, 0), "e1": (0, 0)}))
+    for _ in range(3):
+        a.route(engine_id="e0")
+    b.hear(a.told())
+    assert b.peers.live and b.by_id["e0"].others == 3.0
+    b.connected = False
+    b.check_peers()  # (the feed asks when it is lost)
+    assert not b.peers.live and b.by_id["e0"].others == 0.0
+    assert b.pending_weight == pytest.approx(2.0)
+    assert {b.route().engine_id for _ in range(4)} == {"e0", "e1"}
+    b.connected = True
+    b.check_peers()  # (and when it connects)
+    assert b.peers.live and b.by_id["e0"].others == 3.0
+
+
 def test_routes_to_an_earlier_process_or_ended_unadmitted_do_not_count() -> None:
     clock = FakeClock()
     a, b = pair(clock)
@@ -158,6 +184,7 @@ def test_routes_to_an_earlier_process_or_ended_unadmitted_do_not_count() -> None
 def test_bad_messages_are_counted_and_change_nothing() -> None:
     clock = FakeClock()
     b = RouterCore(1, 2, clock=clock)
+    b.connected = True
     b.apply_snapshot(snap(1, {"e0": (0, 0)}))
     for bad in (
         b"not json",

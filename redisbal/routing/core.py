@@ -289,7 +289,7 @@ class RouterCore:
         views changed."""
         was = self.peers.live
         index, count = self.client_index, self.client_count
-        changed = self.peers.count(views, self.by_id, index, count, self.clock())
+        changed = self.peers.count(views, self.by_id, index, count, self.clock(), self.connected)
         if self.peers.live != was:
             self._weigh()
             if tell_policy:
@@ -309,7 +309,8 @@ class RouterCore:
 
     def check_peers(self) -> None:
         """Whether every other router is still heard from (the feed asks every 0.5 s:
-        a router gone stops counting without a message or a snapshot to say so)."""
+        a router gone stops counting without a message or a snapshot to say so), and
+        the feed still connected (the feed asks when it connects and when it is lost)."""
         with self.lock:
             self._count_others(())
 

@@ -100,8 +100,10 @@ class PeerRoutes:
     ``last[engine][index]``, the latest counts told (each message's routes less the
     last's are the new ones), and ``times[engine][index]``, when each route not yet
     under the engine's cut was heard (emptied entries dropped when counted).
-    ``live``: every other client index was heard from within FRESH_S: then a
-    router's ``EngineView.others`` hold the count and its own routes count 1.
+    ``live``: the router's feed is connected and every other client index was heard
+    from within FRESH_S: then its ``EngineView.others`` hold the count and its own
+    routes count 1. With the feed down nothing told can change, while the routes it
+    counts end: what was told is not counted until the feed is back.
     """
 
     def __init__(self) -> None:
@@ -205,13 +207,16 @@ class PeerRoutes:
         own_index: int,
         count: int,
         now: float,
+        connected: bool = True,
     ) -> list[EngineView]:
         """Set ``others`` of ``views`` (None: of the engines something was told about;
         every ``known`` one when ``live`` flips); returns the views changed. While not
         live every ``others`` is 0 already: nothing to count."""
         heard = self.heard
-        live = telling(count) and all(
-            i == own_index or now - heard.get(i, -math.inf) < FRESH_S for i in range(count)
+        live = (
+            connected
+            and telling(count)
+            and all(i == own_index or now - heard.get(i, -math.inf) < FRESH_S for i in range(count))
         )
         if live != self.live:
             self.live, views = live, known.values()

@@ -418,6 +418,7 @@ class AsyncRouter(_LocalRouting):
                 await self._known_engines()
                 await self._fetch()
                 self.core.connected = True
+                self.core.check_peers()
                 self._attempted.set()
                 self.last_error = None
                 backoff = 0.05
@@ -444,6 +445,7 @@ class AsyncRouter(_LocalRouting):
                 raise
             except Exception as exc:  # never let the feed end: resubscribe, GET, go on
                 self.core.connected = False
+                self.core.check_peers()  # what was told stands still: stop counting it
                 error = f"{type(exc).__name__}: {redact(str(exc))}"
                 if not isinstance(exc, FEED_ERRORS):  # a bug, or a snapshot it cannot adopt
                     if error != self.last_error:  # (once, not once per reconnect)
