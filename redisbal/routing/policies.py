@@ -439,11 +439,10 @@ class RedisbalPolicy(ScoringPolicy):
         the least-loaded engine can: no queue and room now (``_has_room``), or a score
         within ``affinity_slack`` of the least-loaded engine's. Else the least-loaded
         engine."""
-        top = self._top(core)
+        top, ref = self._affinity_ref(core)
         if not self.ring:
             self._build_ring()
         engines, ring, owner = self.ring_engines, self.ring, self.ring_owner
-        ref = self.score(core, top) - top.dither + self.affinity_slack
         at = bisect.bisect_left(ring, zlib.crc32(key.encode()))
         seen: list[int] = []
         for k in range(len(ring)):
@@ -458,10 +457,17 @@ class RedisbalPolicy(ScoringPolicy):
                 break
         return top
 
+    def _affinity_ref(self, core: RoutingState) -> tuple[EngineView, float]:
+        """The least-loaded engine, and the score a keyed request's engine may have to
+        take it about as soon: the least-loaded one's less its dither, plus
+        ``affinity_slack``."""
+        top = self._top(core)
+        return top, self.score(core, top) - top.dither + self.affinity_slack
+
     def _takes(self, core: RoutingState, e: EngineView, ref: float) -> bool:
         """Whether ``e`` takes a keyed request about as soon as the least-loaded engine
-        (whose score less its dither, plus ``affinity_slack``, is ``ref``): a score
-        within that, or no queue and room now (the key's cache saves its prefill)."""
+        (``ref``: ``_affinity_ref``): a score within that, or no queue and room now (the
+        key's cache saves its prefill)."""
         if self.score(core, e) - e.dither <= ref:
             return True
         return (
@@ -476,10 +482,9 @@ class RedisbalPolicy(ScoringPolicy):
         e = self._keys.get(hash(key))
         if e is None:
             return None
-        top = self._top(core)  # (resets the heap, and _heaped, when they are stale)
+        top, ref = self._affinity_ref(core)  # (resets the heap and _heaped if stale)
         if id(e) not in self._heaped:
             return None
-        ref = self.score(core, top) - top.dither + self.affinity_slack
         return e if e is top or self._takes(core, e, ref) else None
 
     def _has_room(self, e: EngineView, cap: int, w: float) -> bool:
