@@ -154,13 +154,11 @@ def test_a_router_whose_feed_is_lost_stops_counting_what_was_told() -> None:
         a.route(engine_id="e0")
     b.hear(a.told())
     assert b.peers.live and b.by_id["e0"].others == 3.0
-    b.connected = False
-    b.check_peers()  # (the feed asks when it is lost)
+    b.set_connected(False)  # (the feed lost)
     assert not b.peers.live and b.by_id["e0"].others == 0.0
     assert b.pending_weight == pytest.approx(2.0)
     assert {b.route().engine_id for _ in range(4)} == {"e0", "e1"}
-    b.connected = True
-    b.check_peers()  # (and when it connects)
+    b.set_connected(True)  # (and connected again)
     assert b.peers.live and b.by_id["e0"].others == 3.0
 
 

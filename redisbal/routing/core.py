@@ -309,10 +309,15 @@ class RouterCore:
 
     def check_peers(self) -> None:
         """Whether every other router is still heard from (the feed asks every 0.5 s:
-        a router gone stops counting without a message or a snapshot to say so), and
-        the feed still connected (the feed asks when it connects and when it is lost)."""
+        a router gone stops counting without a message or a snapshot to say so)."""
         with self.lock:
             self._count_others(())
+
+    def set_connected(self, connected: bool) -> None:
+        """The feed connected or lost: told routes count only while it is connected
+        (with it down nothing told can change, while the routes it counts end)."""
+        self.connected = connected
+        self.check_peers()
 
     def told(self) -> bytes:
         """This router's message to the others: its counts that changed since the last one."""

@@ -298,7 +298,7 @@ class AsyncRouter(_LocalRouting):
         await self.routes.aclose()
         if self.lease is not None:
             await self.lease.aclose()
-        self.core.connected = False  # routes after close are made without a feed: degraded
+        self.core.set_connected(False)  # routes after close are made without a feed: degraded
         if self._owns_client and self._client is not None:
             with contextlib.suppress(Exception):
                 await self._client.aclose()
@@ -417,8 +417,7 @@ class AsyncRouter(_LocalRouting):
                 await routes.subscribe(pubsub, sharded, partial(self._confirmed, pubsub, sharded))
                 await self._known_engines()
                 await self._fetch()
-                self.core.connected = True
-                self.core.check_peers()
+                self.core.set_connected(True)
                 self._attempted.set()
                 self.last_error = None
                 backoff = 0.05
@@ -444,8 +443,7 @@ class AsyncRouter(_LocalRouting):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never let the feed end: resubscribe, GET, go on
-                self.core.connected = False
-                self.core.check_peers()  # what was told stands still: stop counting it
+                self.core.set_connected(False)
                 error = f"{type(exc).__name__}: {redact(str(exc))}"
                 if not isinstance(exc, FEED_ERRORS):  # a bug, or a snapshot it cannot adopt
                     if error != self.last_error:  # (once, not once per reconnect)
@@ -465,7 +463,7 @@ class AsyncRouter(_LocalRouting):
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         await pubsub.aclose()
-        self.core.connected = False
+        self.core.set_connected(False)
 
     async def _subscribe(self) -> tuple[Any, bool]:
         """Subscribe to the snapshot channel; returns (pubsub, sharded).
