@@ -1,6 +1,6 @@
 """The gateway's error answers: OpenAI-style JSON (``{"error": {"message", "type",
-"code"}}``), which OpenAI clients parse, for the gateway's own errors and for aiohttp's
-404 and 405."""
+"code"}}``), which OpenAI clients parse, for every error the gateway answers, paths and
+methods it does not serve included."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
 # the paths the gateway serves, named in the 404's message
 SERVED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -34,21 +33,22 @@ def json_error(
     )
 
 
-@web.middleware
-async def unserved_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own 404 and 405 (a path or method the gateway does not serve) as error
-    JSON like the gateway's other errors."""
-    try:
-        return await handler(request)
-    except web.HTTPMethodNotAllowed as exc:
-        allowed = ", ".join(sorted(exc.allowed_methods))
+async def unserved(request: web.Request) -> web.Response:
+    """The app's last route, matching every path and method the others do not: a 404,
+    or a 405 naming the methods served on the path, as error JSON like the gateway's
+    other errors. A route rather than a middleware around every request: a middleware
+    costs each request served, this only the requests it answers."""
+    mine = request.match_info.route.resource
+    methods = {
+        route.method
+        for resource in request.app.router.resources()
+        if resource is not mine and resource.canonical == request.path
+        for route in resource
+    }
+    if methods:
+        allowed = ", ".join(sorted(methods))
         return json_error(
             405, f"{request.method} is not served on {request.path[:200]}: use {allowed}",
             Allow=allowed,
         )  # fmt: skip
-    except web.HTTPNotFound:
-        return json_error(404, f"no such path: {request.path[:200]} (served: {', '.join(SERVED)})")
-    except web.HTTPException as exc:  # aiohttp's other errors (413 and the like)
-        if exc.status < 400:
-            raise
-        return json_error(exc.status, exc.reason)
+    return json_error(404, f"no such path: {request.path[:200]} (served: {', '.join(SERVED)})")

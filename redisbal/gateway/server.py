@@ -15,7 +15,7 @@ from aiohttp import web
 from redisbal.gateway.access import ApiKeys, Cors, auth_middleware
 from redisbal.gateway.deployments import Deployment, model_entry
 from redisbal.gateway.errors import json_error as _json_error
-from redisbal.gateway.errors import unserved_as_json
+from redisbal.gateway.errors import unserved
 from redisbal.gateway.guard import ConnectionGuard, GuardedRunner, Limits
 from redisbal.gateway.metrics import CONTENT_TYPE
 from redisbal.gateway.proxy import PROXY_PATHS, Proxy
@@ -53,7 +53,7 @@ class Gateway(Proxy):
     # -- lifecycle -----------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        middlewares = [unserved_as_json]
+        middlewares: list[Any] = []
         if self.cors is not None:  # before the key check: a preflight carries no key
             middlewares.append(self.cors.middleware())
         if self.api_keys is not None:
@@ -66,6 +66,7 @@ class Gateway(Proxy):
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_route("*", "/{path:.*}", unserved)  # (last: what no route serves)
         return app
 
     async def start(self, host: str, port: int) -> None:
