@@ -86,30 +86,37 @@ class GuardedHandler(RequestHandler):
     def __init__(self, manager: Server, guard: ConnectionGuard, **kw: Any) -> None:
         super().__init__(manager, **kw)
         self._guard = guard
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # while idle: it closes then unless a whole head arrived
         self._heading = False  # idle, and a head has begun to arrive
 
     def _set_idle(self) -> None:
         self._guard.idle[self] = None
         self._heading = False
-        self._start_timer(self._guard.limits.keepalive_timeout_s)
+        self._close_after(self._guard.limits.keepalive_timeout_s)
 
-    def _start_timer(self, after_s: float) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        self._head_timer = self._loop.call_later(after_s, self._head_late)
+    def _close_after(self, after_s: float) -> None:
+        """Close the connection ``after_s`` from now unless it is busy by then. Its one
+        timer is set again only when it would fire too late: a connection serving
+        request after request sets one per keep-alive bound, not one per request."""
+        self._deadline = deadline = self._loop.time() + after_s
+        if self._timer is None or self._timer.when() > deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_at(deadline, self._head_late)
 
     def _set_busy(self) -> None:
         self._guard.idle.pop(self, None)
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
 
     def _head_late(self) -> None:
-        self._head_timer = None
-        if self in self._guard.idle:  # no whole request head in time
-            self._guard.closed["header_timeout"] += 1
-            self.force_close()
+        self._timer = None
+        if self not in self._guard.idle:
+            return  # busy: becoming idle again sets the timer
+        if self._loop.time() < self._deadline:  # idle again since: wait for that bound
+            self._timer = self._loop.call_at(self._deadline, self._head_late)
+            return
+        self._guard.closed["header_timeout"] += 1  # no whole request head in time
+        self.force_close()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -131,6 +138,9 @@ class GuardedHandler(RequestHandler):
         if self._manager is not None:  # (aiohttp ignores a second call)
             self._guard.open -= 1
             self._set_busy()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -140,7 +150,7 @@ class GuardedHandler(RequestHandler):
                 self._set_busy()
             elif data and not self._heading:  # a head began: it has header_timeout_s
                 self._heading = True
-                self._start_timer(self._guard.limits.header_timeout_s)
+                self._close_after(self._guard.limits.header_timeout_s)
 
     async def _handle_request(
         self,
