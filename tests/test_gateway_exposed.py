@@ -276,6 +276,35 @@ async def test_slow_body_408_slow_head_and_idle_connections_closed(
         await settled(st)
 
 
+async def test_a_connection_in_use_outlives_its_first_keep_alive_bound(
+    redis_url: str, deployment: str
+) -> None:
+    """The guard's keep-alive timer is set once and re-armed when it fires on a
+    connection that was busy since: requests every 0.3 s for longer than the bound
+    keep one connection open, and it closes once it stays silent for the bound."""
+    limits = Limits(header_timeout_s=1.5, keepalive_timeout_s=1.5)
+    async with stack(redis_url, deployment, n=1, limits=limits) as st:
+        gw = st.gateways[0]
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.ports[0])
+        try:
+            for _ in range(12):  # 3.6 s and more: past the bound twice
+                writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                await asyncio.sleep(0.3)
+            assert gw.guard.closed["header_timeout"] == 0
+            assert await asyncio.wait_for(reader.read(), 30) == b""  # silent: closed
+        finally:
+            writer.close()
+        await settled(st)
+
+
 async def test_past_the_connection_cap_idle_ones_go_and_requests_are_served(
     redis_url: str, deployment: str
 ) -> None:
