@@ -22,6 +22,7 @@ from redisbal.bench.calibration import (
     simulate_run,
     slow_engines,
 )
+from redisbal.bench.quality import simulate
 from redisbal.sim.workload import TraceError, parse_trace
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -188,3 +189,26 @@ def test_a_run_of_engines_without_admitted_counts_is_simulated_without_them() ->
     assert not admitted_from_args(args)
     assert admitted_from_args({"engine_args": "--base-step-ms 36"})
     assert engine_from_args(args["engine_args"].split(), 8).base_step_s == pytest.approx(0.036)
+
+
+def test_trace_keys_are_guessed_as_the_gateway_takes_them(tmp_path: Path) -> None:
+    """loadgen sends a trace's keys as the body's user, which the gateway routes as a
+    guessed key: the default follows it only while users come back (these never do),
+    where redisbal-repeats follows every key. Given keys are followed by both."""
+    f = _trace(
+        tmp_path / "u.jsonl",
+        [
+            {"t": 0.01 * k, "prompt_tokens": 300, "output_tokens": 30, "key": f"u{k}"}
+            for k in range(200)
+        ],
+    )
+    run = RUN | {"engines": 4}
+    guessed = {
+        p: simulate_run(run, p, 1, f, Calibration()) for p in ("redisbal", "redisbal-repeats")
+    }
+    assert guessed["redisbal"]["ttft_p99_s"] != guessed["redisbal-repeats"]["ttft_p99_s"]
+    work = replay(f, 2)
+    sc = scenario_for(run, work, Calibration())
+    given = {p: simulate(p, 1, sc, workload=work) for p in ("redisbal", "redisbal-repeats")}
+    assert given["redisbal"]["ttft_p99_s"] == given["redisbal-repeats"]["ttft_p99_s"]
+    assert given["redisbal-repeats"]["ttft_p99_s"] == guessed["redisbal-repeats"]["ttft_p99_s"]

@@ -133,6 +133,7 @@ def simulate_run(
         seed,
         sc,
         workload=work,
+        keys_guessed=True,  # loadgen sends a trace's keys as the body's user
         admitted=admitted_from_args(run_args),
         delivery_ms=cal.delivery_ms,
         jitter_ms=cal.jitter_ms,

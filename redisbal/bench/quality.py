@@ -131,6 +131,7 @@ def simulate(
     *,
     workload: list[Request] | None = None,
     pass_output: bool = False,
+    keys_guessed: bool = False,
     admitted: bool = True,
     delivery_ms: float = 1.0,
     jitter_ms: float = 2.0,
@@ -140,11 +141,12 @@ def simulate(
     hold_s: float = DEFAULT_MAX_S,
 ) -> dict[str, float]:
     """One run; returns the metrics (``redisbal.bench.latency``) and the run's own
-    cost (``sim_wall_s``). ``admitted=False``: snapshots carry no admitted counts, as
-    compact snapshots and the vLLM and SGLang integrations give (routers reconcile
-    their routes by time). ``vllm_transport=False``: the vLLM baselines read
-    redisbal's snapshots, as they do behind the real-time gateways, instead of
-    vLLM's own publish loop."""
+    cost (``sim_wall_s``). ``keys_guessed``: the requests' keys are guessed (as the
+    gateway takes the body's ``user``: ``RouterCore.route``), not given.
+    ``admitted=False``: snapshots carry no admitted counts, as compact snapshots and
+    the vLLM and SGLang integrations give (routers reconcile their routes by time).
+    ``vllm_transport=False``: the vLLM baselines read redisbal's snapshots, as they do
+    behind the real-time gateways, instead of vLLM's own publish loop."""
     wall = time.perf_counter()
     work = build_workload(sc, seed) if workload is None else workload
     rng = random.Random(f"quality-{sc.name}-{seed}")
@@ -269,6 +271,7 @@ def simulate(
             prompt_tokens=r.prompt_tokens,
             output_tokens=r.output_tokens if pass_output else None,
             blocks=r.blocks,
+            key_guessed=keys_guessed,
         )
         req = SimRequest(
             k,
