@@ -1,7 +1,7 @@
 """redisbal.gateway.first_byte: the wait for an engine's first byte ends with the
 answer, at its bound, or early once the engine is silent; one watch checks silence for
 every waiting request at once, and a wait that ends or is cancelled leaves nothing
-behind in it."""
+behind in it. A stream's chunk watch bounds each wait for a chunk, never the writes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from redisbal.gateway.first_byte import (
     CHECK_EVERY_S,
     SILENT_WAIT_S,
+    ChunkWatch,
     SilenceWatch,
     Silent,
     first_byte,
@@ -112,3 +113,54 @@ async def test_a_client_leaving_as_the_engine_is_found_silent_is_a_cancel_not_si
     with pytest.raises(asyncio.CancelledError):
         await outer
     assert watch.waiting() == 0
+
+
+async def _stream(idle_s: float, end: float, gaps: list[float], write_s: float = 0.0) -> int:
+    """Chunks that come ``gaps`` apart, each written on in ``write_s``, under a chunk
+    watch of ``idle_s`` and ``end``: how many came before the watch cut a wait
+    (CancelledError where the cancel is not the watch's alone)."""
+    watch = ChunkWatch(idle_s, end)
+    got = 0
+    try:
+        for gap in gaps:
+            watch.wait()
+            try:
+                await asyncio.sleep(gap)
+            except asyncio.CancelledError:
+                if not watch.expired():
+                    raise
+                return got
+            watch.got()
+            got += 1
+            await asyncio.sleep(write_s)
+        return got
+    finally:
+        watch.close()
+
+
+async def test_a_chunk_watch_cuts_a_silent_wait_and_never_a_write() -> None:
+    now = asyncio.get_running_loop().time
+    # chunks flowing for longer than the idle bound: none is cut
+    assert await _stream(1.0, now() + 60, [0.05] * 30) == 30
+    # a wait past the bound is cut, the chunks before it came
+    assert await _stream(0.2, now() + 60, [0.01, 0.01, 30.0]) == 2
+    # writes (a slow client) take far longer than the bound: not cut
+    assert await _stream(0.1, now() + 60, [0.01] * 3, write_s=0.4) == 3
+    # the end bounds the whole stream however fast its chunks come
+    assert await _stream(30.0, now() + 0.3, [0.02] * 1000) < 1000
+
+
+async def test_a_client_leaving_during_a_chunk_wait_is_its_cancel_not_the_watch() -> None:
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(_stream(30.0, loop.time() + 60, [30.0]))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # the client leaves as the watch fires (both cancels land before the task runs):
+    # the client's cancel wins
+    end = loop.time() + 0.2
+    task = asyncio.ensure_future(_stream(30.0, end, [30.0]))
+    loop.call_at(end, task.cancel)
+    with pytest.raises(asyncio.CancelledError):
+        await task

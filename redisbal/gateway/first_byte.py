@@ -38,6 +38,7 @@ CHECK_EVERY_S = 0.05
 __all__ = [
     "CHECK_EVERY_S",
     "SILENT_WAIT_S",
+    "ChunkWatch",
     "SilenceWatch",
     "Silent",
     "first_byte",
@@ -149,3 +150,53 @@ async def within(answer: Awaitable[T], seconds: float | None) -> T:
         return await answer
     async with timeout(seconds):
         return await answer
+
+
+class ChunkWatch:
+    """A stream's bound on the wait for each next chunk: ``idle_s`` from when the wait
+    began, never past ``end`` (loop time). While a wait is on, its task is cancelled
+    once the bound passes; ``expired()`` then says the cancel was this watch's. One
+    timer per stream, set again when it fires early, stands for a timer per chunk
+    (``asyncio.timeout`` around each wait): the larger part of a stream's own CPU."""
+
+    def __init__(self, idle_s: float, end: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._task, self._idle_s, self._end = task, idle_s, end
+        self._since = self._loop.time()
+        self._waiting = False
+        self._fired = False
+        self._timer = self._loop.call_at(min(self._since + idle_s, end), self._check)
+
+    def wait(self) -> None:
+        """A wait for a chunk begins."""
+        self._since = self._loop.time()
+        self._waiting = True
+
+    def got(self) -> None:
+        """The wait ended: the chunk came (writing it on is not bounded here)."""
+        self._waiting = False
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self._waiting:
+            due = min(self._since + self._idle_s, self._end)
+            if now >= due:
+                self._fired = True
+                self._task.cancel()
+                return
+        else:  # writing a chunk on: look again once a wait may have run out
+            due = now + self._idle_s if now >= self._end else min(now + self._idle_s, self._end)
+        self._timer = self._loop.call_at(due, self._check)
+
+    def expired(self) -> bool:
+        """Whether a CancelledError the task got is this watch's alone (another cancel,
+        the client leaving, wins)."""
+        if not self._fired:
+            return False
+        uncancel = getattr(self._task, "uncancel", None)  # (Python 3.10 has no counts)
+        return uncancel is None or uncancel() == 0
+
+    def close(self) -> None:
+        self._timer.cancel()

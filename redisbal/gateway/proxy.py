@@ -33,7 +33,7 @@ from aiohttp import web
 
 from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
-from redisbal.gateway.first_byte import Silent, first_byte, timeout, within
+from redisbal.gateway.first_byte import ChunkWatch, Silent, first_byte, within
 from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
 from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, UpstreamUnreachable
@@ -527,23 +527,30 @@ class Proxy:
                 await resp.write(first)
             m.observe_added(True, (t_up - t0) + (time.perf_counter() - t_first))
             idle = self.idle_timeout_s
-            while True:
-                # (the whole-response timeout counts from this attempt, as in _whole)
-                wait = min(idle, self.timeout_s - (time.perf_counter() - t_up))
-                try:
-                    async with timeout(max(0.001, wait)):
+            # (the whole-response timeout counts from this attempt, as in _whole)
+            left = self.timeout_s - (time.perf_counter() - t_up)
+            watch = ChunkWatch(idle, asyncio.get_running_loop().time() + left)
+            try:
+                while True:
+                    watch.wait()
+                    try:
                         chunk = await up.chunk()
+                    except asyncio.CancelledError:
+                        if not watch.expired():
+                            raise
+                        gone = time.perf_counter() - t0 >= self.timeout_s
+                        kind = "timeout" if gone else "idle_timeout"
+                        detail = f"engine {eid}: no token for {idle:.1f}s mid-stream"
+                        break
+                    except UpstreamError as exc:
+                        kind, detail = "reset", f"engine {eid} failed mid-stream: {exc}"
+                        break
+                    watch.got()
                     if chunk is None:
                         break
-                except asyncio.TimeoutError:
-                    gone = time.perf_counter() - t0 >= self.timeout_s
-                    kind = "timeout" if gone else "idle_timeout"
-                    detail = f"engine {eid}: no token for {idle:.1f}s mid-stream"
-                    break
-                except UpstreamError as exc:
-                    kind, detail = "reset", f"engine {eid} failed mid-stream: {exc}"
-                    break
-                await resp.write(chunk)
+                    await resp.write(chunk)
+            finally:
+                watch.close()
             if kind != "ok":
                 m.errors.labels(kind).inc()
                 err = {"error": {"message": detail, "type": "upstream_error", "code": 502}}
