@@ -4,8 +4,8 @@ A new epoch (Redis lost its state) starts with snapshots that may hold none, or 
 some, of the engines: the others are still re-registering. The router keeps routing
 to the engines it knew, flagged degraded, until the new epoch holds them, reports
 them gone, or publishes engines ``rejoin_grace_s`` after its first snapshot the
-router adopted (``RouterCore._carry``). Only a router that never knew an engine (or
-whose engines all left or expired) raises ``NoEngines``.
+router adopted (``redisbal.routing.adoption.Carrying``). Only a router that never
+knew an engine (or whose engines all left or expired) raises ``NoEngines``.
 
 The rule is tested as pure logic first, then on real processes: engines and a
 coordinator as child processes (tests/procs.py), an ``AsyncRouter`` routing on its

@@ -3,15 +3,10 @@
 ``RouterCore`` holds what one API server knows: the latest snapshot's counts
 per engine, and its own bookkeeping per engine (routed, in flight, and the
 routes the snapshot does not contain yet: "pending"). Its ``Policy``
-(``redisbal.routing.policies``) turns that into a choice.
-
-Pending is reconciled with each snapshot, never simply wiped:
-- exactly, when engines report ``admitted`` (cumulative requests received per
-  API-server index): pending = routed - admitted[client_index];
-- otherwise by time: routes made before the report's time (less a transit
-  allowance) are taken to be in it.
-So a snapshot that predates recent routes loses no bookkeeping, and one that
-includes them does not count them twice.
+(``redisbal.routing.policies``) turns that into a choice. Here is the request
+path (route, its end, its outcome) and the state it reads; how a snapshot is
+taken in, pending reconciled with it and engines carried through a new epoch,
+is in ``redisbal.routing.adoption``.
 
 Engines the router should not choose are kept known but left out of
 ``engines``, the list policies pick from: those the snapshot names stalled
@@ -35,15 +30,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from redisbal.barrier.snapshot import MAX_ADMITTED, Roster, Snapshot
+from redisbal.barrier.snapshot import Snapshot
+from redisbal.routing.adoption import Carrying, RosterViews, Versions, adopt_full
 from redisbal.routing.estimates import (
     RouteCost,
     RunningCap,
     ShareEstimate,
     SpeedEstimate,
-    by_report,
     ended,
-    no_report,
     trim_costs,
 )
 from redisbal.routing.exclusions import Exclusions
@@ -99,8 +93,7 @@ class RouterCore:
         self.engines: list[EngineView] = []  # the ones policies choose from (module doc)
         self.by_id: dict[str, EngineView] = {}
         self._ids: list[str] = []  # the ids known was made from (_set_engines)
-        self._views: list[EngineView] = []  # by_id's views in the order of a compact roster
-        self._views_of: Roster | None = None  # that roster, its incarnations adopted
+        self.roster_views = RosterViews()  # by_id's views in the order of a compact roster
         self.suspect_s = suspect_s
         # this router's evidence: ejections back off from suspect_s / 8 to suspect_s
         self.outcomes = outcomes or OutcomeTracker(base_s=suspect_s / 8, max_s=suspect_s)
@@ -110,11 +103,8 @@ class RouterCore:
         self.snapshot_at = float("-inf")  # local clock when the snapshot was applied
         self.connected = False
         self.rejoin_grace_s = rejoin_grace_s
-        self.carried: set[str] = set()  # known before this epoch, not shown by it yet (_carry)
-        self._settle_ms = 0
-        self._rejoin = False
-        # epoch -> the highest version adopted in it (8 latest epochs): never back in one
-        self._versions: dict[str, int] = {}
+        self.carrying = Carrying()  # engines known before this epoch, not shown by it yet
+        self.versions = Versions()  # the latest version adopted per epoch: never back in one
         self.seq = 0  # the last decision's
         # share of traffic (redisbal.routing.estimates); its weights set where it moves
         # (_weigh): policies read them per route
@@ -160,9 +150,15 @@ class RouterCore:
         return (
             not self.connected
             or self.snapshot is None
-            or bool(self.carried)
+            or bool(self.carrying.carried)
             or self.clock() - self.snapshot_at > self.stale_after_s
         )
+
+    @property
+    def carried(self) -> set[str]:
+        """The engines known before this epoch that it does not show yet, still routed
+        to (``redisbal.routing.adoption.Carrying``)."""
+        return self.carrying.carried
 
     def set_engines(self, engine_ids: Iterable[str]) -> None:
         """Known engines before any snapshot (e.g. the members set): start balanced."""
@@ -174,7 +170,7 @@ class RouterCore:
 
     def _set_engines(self, ids: list[str]) -> None:
         self._ids = ids
-        self._views_of = None
+        self.roster_views.forget()
         old = self.by_id
         self._knew_any = self._knew_any or bool(ids)
         self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
@@ -197,13 +193,8 @@ class RouterCore:
             return self.excl.why(self.clock(), self.snapshot)
 
     def accepts(self, snap: Snapshot) -> bool:
-        """Whether snap is newer than any we adopted in its epoch (or of a new epoch); one of
-        an epoch this router left must also have been published after the snapshot it holds
-        (a message of the old epoch may be read after a GET got the new one)."""
-        cur, seen = self.snapshot, self._versions.get(snap.epoch, -1)
-        if cur is not None and snap.epoch != cur.epoch and seen >= 0:
-            return snap.version > seen and snap.time_ms > cur.time_ms
-        return snap.version > seen
+        """Whether snap is newer than any adopted in its epoch (``Versions.accepts``)."""
+        return self.versions.accepts(snap, self.snapshot)
 
     def apply_snapshot(self, snap: Snapshot) -> bool:
         """Adopt snap unless it is older than ours within the same epoch (invariant 4)."""
@@ -229,15 +220,13 @@ class RouterCore:
         now = self.clock()
         self.snapshot, self.snapshot_at = snap, now
         self.counters["snapshots"] += 1
-        self._versions.pop(snap.epoch, None)
-        self._versions[snap.epoch] = snap.version
-        if len(self._versions) > 8:
-            del self._versions[next(iter(self._versions))]
+        self.versions.adopted(snap)
         # an engine this router knows that the cut cannot hold yet (it reported only
         # steps past it, e.g. re-registering after a state loss) stays routable
         # with its last counts instead of vanishing for a snapshot
         kept = [j for j in snap.joining if j in self.by_id and j not in snap.engines]
-        carried = self._carry(snap, cur)
+        carried, dropped = self.carrying.carry(snap, cur, self.by_id, self.rejoin_grace_s)
+        self.counters["rejoin_dropped"] += dropped
         marked = self.excl.adopt(snap, now)
         # the speed estimate only feeds a policy that uses it (off by default)
         speed_on, age_on = (getattr(self.policy, a, False) for a in ("wants_speed", "use_age"))
@@ -245,12 +234,18 @@ class RouterCore:
         if ids != self._ids or marked:
             self._set_engines(ids)
         # else the same engines, none excluded: known and engines stand as they are
+        counters, transit, weight = self.counters, self.transit_s, self.share_weight
         if snap.roster is not None:
-            self._adopt_compact(snap, now)
+            self.roster_views.adopt(snap, now, self.by_id, self.known, transit, weight, counters)
             mine = total = 0
             exact = False
         else:
-            mine, total, exact = self._adopt_full(snap, now, speed_on or age_on)
+            self.roster_views.forget()  # (incarnations change here too)
+            speeds = self.speeds if speed_on or age_on else None
+            ci = self.client_index
+            mine, total, exact = adopt_full(
+                snap, self.known, ci, now, transit, weight, self.caps, speeds, counters
+            )
         if exact:
             self._update_share(mine, total)
             if speed_on:
@@ -328,110 +323,6 @@ class RouterCore:
         """How long ``engine_id``'s reports had stopped when the latest snapshot was
         published (0: not named a laggard; ``redisbal.routing.unanswered.Silence``)."""
         return self.excl.silence.ms(engine_id, self.snapshot)
-
-    def _adopt_full(self, snap: Snapshot, now: float, observe: bool) -> tuple[int, int, bool]:
-        """A full snapshot's counts into the engine views; returns this router's and
-        all routers' admitted totals, and whether any engine reported admitted counts.
-        ``observe``: feed the completions to the speed estimate."""
-        ci = self.client_index
-        mine = total = 0
-        exact = False
-        self._views_of = None  # (incarnations change here too: _adopt_compact)
-        for e in self.known:
-            c = snap.engines.get(e.engine_id)
-            if c is None:  # kept or carried
-                no_report(e)
-                continue
-            e.waiting, e.running, e.kv_usage = c.waiting, c.running, c.kv_usage
-            e.age_s = max(0.0, (snap.time_ms - c.reported_ms) / 1000.0)
-            adm = c.admitted
-            if c.incarnation != e.incarnation:
-                got = adm[ci] if adm is not None and ci < len(adm) else 0
-                self._new_incarnation(e, c.incarnation, got)
-            # (a sum past MAX_ADMITTED: counts none of our reporters sends, read as none)
-            if adm is not None and (all_adm := sum(adm)) < MAX_ADMITTED:
-                got = adm[ci] if ci < len(adm) else 0
-                # routes it never admitted that ended (refused, failed) are no load: at
-                # most the requests still open here are (no phantom load after errors)
-                e.pending = max(0, min(e.routed - e.routed_before - got, e.inflight))
-                e.exact = exact = True
-                e.admitted = adm
-                e.times.clear()
-                trim_costs(e)
-                mine += got
-                total += all_adm
-                if c.reported_ms != e.cap_ms:
-                    self.caps.observe(e, c.waiting, c.running, c.reported_ms, all_adm)
-                if observe:
-                    done = all_adm - c.waiting - c.running
-                    self.speeds.observe(e, done, c.reported_ms, c.running)
-            else:
-                at = now - (snap.time_ms - c.reported_ms) / 1000.0
-                by_report(e, c.reported_ms, at, self.transit_s, self.share_weight)
-        return mine, total, exact
-
-    def _new_incarnation(self, e: EngineView, inc: str | None, got: int) -> None:
-        """e now reports from process ``inc``; after another (a restart) this router's routes
-        but the ``got`` the new one admitted went to the old process and are gone."""
-        if e.incarnation is not None:
-            self.counters["restarts"] += 1
-            e.routed_before = e.routed - got
-            e.t_prev = -1
-        e.incarnation = inc
-
-    def _adopt_compact(self, snap: Snapshot, now: float) -> None:
-        """A compact snapshot's counts into the engine views (no admitted counts: pending
-        is reconciled by time); views with no routes to reconcile are only overwritten.
-        Incarnations are the roster's, adopted when the roster is not the last one
-        adopted (a restart, a new incarnation, makes a new roster)."""
-        roster = snap.roster
-        assert roster is not None
-        if self._views_of is not roster:
-            by_id = self.by_id
-            self._views = [by_id[i] for i in roster.ids]
-            self._views_of = roster
-            for e, inc in zip(self._views, roster.incs, strict=True):
-                if inc != e.incarnation:
-                    self._new_incarnation(e, inc, 0)
-        transit, weight = self.transit_s, self.share_weight
-        it = iter(snap.counts)  # four per engine (their number is checked by the parse)
-        for e, w, r, kv, age in zip(self._views, it, it, it, it, strict=False):
-            e.waiting = w  # (one assignment each: a tuple of four cost a sixth of this loop)
-            e.running = r
-            e.kv_usage = kv
-            e.age_s = age_s = age / 1000.0
-            # (a view with nothing to reconcile keeps no report time: the first route
-            # after a quiet spell stays pending a report longer)
-            if e.pending or e.exact or e.costs or e.ends or e.others:
-                by_report(e, snap.time_ms - age, now - age_s, transit, weight)
-        for e in self.known[len(roster.ids) :]:  # kept or carried (apply_snapshot)
-            no_report(e)
-
-    def _carry(self, snap: Snapshot, cur: Snapshot | None) -> list[str]:
-        """The known engines snap does not hold that stay routable (in known order).
-
-        A new epoch means Redis lost its state: the engines re-register one by one, so
-        a snapshot of it that lacks an engine says nothing about it yet. Every engine
-        known then is carried until the epoch holds it (engines, joining), reports it
-        gone, or publishes a snapshot with engines rejoin_grace_s (Redis time) after
-        the first of its snapshots adopted here. Engines known before any snapshot
-        (``set_engines``) go at the first snapshot with engines (it waits for them).
-        """
-        if cur is None or snap.epoch != cur.epoch:
-            self.carried.update(self.by_id)
-            self._rejoin = cur is not None  # (else the engines were given, not seen)
-            grace_ms = int(self.rejoin_grace_s * 1000) if self._rejoin else 0
-            self._settle_ms = snap.time_ms + grace_ms
-        carried = self.carried
-        if not carried:
-            return []
-        carried.difference_update(snap.engines)
-        carried.difference_update(snap.joining)
-        carried.difference_update(snap.gone)
-        if carried and snap.engines and snap.time_ms >= self._settle_ms:
-            self.counters["rejoin_dropped"] += len(carried) if self._rejoin else 0
-            carried.clear()
-        return [e for e in self.by_id if e in carried]
 
     # -- hot path --------------------------------------------------------------------------------
 

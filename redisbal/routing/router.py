@@ -6,7 +6,8 @@ messages across disconnects). Older versions within an epoch are ignored; a
 new epoch is adopted whatever its version. ``route()`` only touches local
 state (``RouterCore``): it never waits on Redis, and with Redis gone it keeps
 routing and flags its decisions ``degraded``. After an epoch change it also keeps
-routing to the engines it knew until they re-register (``RouterCore._carry``).
+routing to the engines it knew until they re-register
+(``redisbal.routing.adoption.Carrying``).
 
 ``AsyncRouter`` runs the feed as an asyncio task. ``Router`` is its blocking
 twin: the same object, run on a private event loop in a daemon thread
