@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 
 from aiohttp import web
 
@@ -51,7 +52,8 @@ def make_app(upstream: str) -> web.Application:
         await resp.prepare(request)
         while (chunk := await up.chunk()) is not None:
             await resp.write(chunk)
-        await resp.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # (a client gone at the end, as the
+            await resp.write_eof()  # gateway takes it: no traceback logged for each)
         return resp
 
     app.on_startup.append(start)
