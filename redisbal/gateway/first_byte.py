@@ -157,7 +157,7 @@ class ChunkWatch:
     began, never past ``end`` (loop time). While a wait is on, its task is cancelled
     once the bound passes; ``expired()`` then says the cancel was this watch's. One
     timer per stream, set again when it fires early, stands for a timer per chunk
-    (``asyncio.timeout`` around each wait): the larger part of a stream's own CPU."""
+    (``asyncio.timeout`` around each wait), which cost a tenth of a stream's CPU."""
 
     def __init__(self, idle_s: float, end: float) -> None:
         self._loop = asyncio.get_running_loop()
@@ -199,4 +199,5 @@ class ChunkWatch:
         return uncancel is None or uncancel() == 0
 
     def close(self) -> None:
+        """The stream ended: no more checks."""
         self._timer.cancel()
