@@ -10,7 +10,13 @@ import random
 import pytest
 from helpers import make_snapshot
 
-from redisbal.routing.admission import Admission, free_slots, releasable, release_delay
+from redisbal.routing.admission import (
+    Admission,
+    ahead_of,
+    free_slots,
+    releasable,
+    release_delay,
+)
 from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import RedisbalPolicy
 
@@ -135,6 +141,50 @@ async def test_held_requests_go_in_order_one_per_freed_slot() -> None:
     await asyncio.gather(*tasks)
     assert order == [0, 1, 2]
     assert adm.held_total == 3
+
+
+async def test_a_standing_queue_lets_each_engine_queue_one_request_past_the_cap() -> None:
+    """Over capacity a slot freed at the engine is filled a step late from the router:
+    once the oldest held request has waited the policy's ``stand_s``, each engine may
+    queue one request past its running cap, the least-loaded first."""
+    core, _ = router()
+    full(core)  # cap 4: a runs 4 with 1 waiting, b runs 4
+    policy = core.policy
+    assert isinstance(policy, RedisbalPolicy)
+    policy.stand_s = 3600.0  # (not standing yet)
+    adm = Admission(core, 5.0)
+    core.on_update = adm.wake
+    order: list[str] = []
+
+    async def request() -> None:
+        await adm.enter()
+        order.append(core.route().engine_id)
+
+    tasks = [asyncio.create_task(request()) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    feed(core, 4, {"a": (1, 4), "b": (0, 4)}, {"a": 5, "b": 4})  # nothing freed
+    await asyncio.sleep(0.01)
+    assert order == [] and adm.held == 3
+    policy.stand_s = 0.05
+    await asyncio.sleep(0.06)  # the queue stands now
+    feed(core, 5, {"a": (1, 4), "b": (0, 4)}, {"a": 5, "b": 4})
+    await asyncio.sleep(0.01)
+    assert order == ["b"] and adm.held == 2  # one past b's cap; a has one queued
+    adm.close()
+    await asyncio.gather(*tasks)
+
+
+def test_ahead_only_once_the_oldest_held_request_waited_stand_s() -> None:
+    core, _ = router()
+    full(core)
+    policy = core.policy
+    assert isinstance(policy, RedisbalPolicy)
+    policy.stand_s = 0.5
+    assert [ahead_of(core, w) for w in (None, 0.0, 0.49, 0.5, 3.0)] == [0, 0, 0, 1, 1]
+    assert free_slots(core, ahead=1) == 1  # b's one past the cap; a has it queued
+    policy.stand_s = None  # never
+    assert ahead_of(core, 3.0) == 0
+    assert RouterCore(policy="least-inflight").policy.stand_s is None
 
 
 async def test_a_request_is_held_at_most_max_s() -> None:

@@ -67,7 +67,13 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.routing.admission import DEFAULT_MAX_S, free_slots, releasable, release_delay
+from redisbal.routing.admission import (
+    DEFAULT_MAX_S,
+    ahead_of,
+    free_slots,
+    releasable,
+    release_delay,
+)
 from redisbal.routing.core import RouterCore
 from redisbal.routing.peers import COALESCE_S, TELL_EVERY_S, telling
 from redisbal.routing.policies import DEFAULT_POLICY, POLICIES, Policy, RedisbalPolicy
@@ -98,6 +104,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal-dither1": {"dither_gain": 0.0},  # the dither's amplitude stays 1, never a lump
     "redisbal-repeats": {"follow_guessed": True},  # guessed keys followed as given ones
     "redisbal-hold": {"holds": False},  # every request routed at once, as before holding
+    "redisbal-stand": {"stand_s": None},  # never a request past the cap while holding
+    "redisbal+ahead": {"stand_s": 0.0},  # one past the cap whenever anything is held
 }
 
 
@@ -292,7 +300,8 @@ def simulate(
     def release(i: int) -> None:
         """Route what router i holds into the free slots it may take (Admission.release)."""
         q = held[i]
-        free = free_slots(routers[i])
+        wait = clock[0] - next(iter(q.values())) if q else None
+        free = free_slots(routers[i], ahead=ahead_of(routers[i], wait))
         n = len(q) if free is None else releasable(routers[i], free)
         for k in list(q)[:n]:
             dispatch(i, k, q.pop(k))

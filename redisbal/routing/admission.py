@@ -16,6 +16,12 @@ about ``COALESCE_S`` and a publish). Without told routes (more than ``MAX_ROUTER
 a router that does not tell, snapshots without admitted counts to count them by) each
 releases its share of the free slots.
 
+Over capacity the queue stands. A slot an engine frees is then filled a step late: the
+router hears of the end after the engine began its next step. So once the oldest held
+request has waited the policy's ``stand_s``, each engine may queue one request past
+its running cap (``ahead_of``), and fills a freed slot from that at its next step.
+Below that, nothing waits at an engine that could go to the first slot freed.
+
 The default policy holds (``Policy.holds``); the baselines route at once, as the
 routers they stand for do. Nothing is held while the running cap is unknown
 (``estimates.RunningCap``: it needs the engines' admitted counts) or while the
@@ -38,7 +44,7 @@ RECHECK_S = 0.25  # while requests are held, look again this often (a lost feed)
 __all__ = ["DEFAULT_MAX_S", "STAGGER_S", "Admission", "free_slots", "releasable", "release_delay"]
 
 
-def free_slots(core: RouterCore, enough: int | None = None) -> int | None:
+def free_slots(core: RouterCore, enough: int | None = None, ahead: int = 0) -> int | None:
     """Slots free now as ``core`` sees them: over the engines it chooses from, the
     running cap less each engine's load (running, waiting, the other routers' routes
     on their way and this router's own pending routes, as the default policy counts
@@ -52,11 +58,20 @@ def free_slots(core: RouterCore, enough: int | None = None) -> int | None:
         free = 0
         for e in core.engines:
             load = e.running + e.waiting + e.others + e.pending_cost * w
-            if load < cap:
-                free += math.ceil(cap - load)
+            if load < cap + ahead:
+                free += math.ceil(cap + ahead - load)
                 if enough is not None and free > enough:
                     break
         return free
+
+
+def ahead_of(core: RouterCore, oldest_wait_s: float | None) -> int:
+    """Requests each engine may queue past its running cap: 1 once the oldest held
+    request has waited the policy's ``stand_s`` (a standing queue), else 0."""
+    stand = core.policy.stand_s
+    if stand is None or oldest_wait_s is None or oldest_wait_s < stand:
+        return 0
+    return 1
 
 
 def release_delay(core: RouterCore) -> float:
@@ -99,6 +114,7 @@ class Admission:
         self.core = core
         self.max_s = float(max_s)
         self._queue: deque[asyncio.Future[bool]] = deque()
+        self._since: deque[float] = deque()  # when each of _queue came (loop time)
         self._released = 0  # released, not routed yet
         self._turn: asyncio.TimerHandle | None = None  # a release due at this router's turn
         self._recheck: asyncio.TimerHandle | None = None
@@ -115,8 +131,7 @@ class Admission:
         slot was free). Route right after it returns (no await in between): a released
         request's ticket is the route's until then."""
         q = self._queue
-        while q and q[0].done():
-            q.popleft()  # (timed out, or the client left: nobody waits there)
+        self._drop_done()
         if not q:
             free = free_slots(self.core, self._released)
             if free is None or free > self._released:
@@ -125,6 +140,7 @@ class Admission:
         t0 = loop.time()
         fut: asyncio.Future[bool] = loop.create_future()
         self._queue.append(fut)
+        self._since.append(t0)
         self.held_total += 1
         expire = loop.call_later(self.max_s, _expire, fut)
         if self._recheck is None:
@@ -158,18 +174,25 @@ class Admission:
         """Release as many held requests as there are free slots not yet promised
         (every one when nothing should be held any more)."""
         q = self._queue
-        while q and q[0].done():
-            q.popleft()  # timed out, or the client left
+        self._drop_done()
         if not q:
             return
-        free = free_slots(self.core)
+        wait = asyncio.get_running_loop().time() - self._since[0]
+        free = free_slots(self.core, ahead=ahead_of(self.core, wait))
         n = len(q) if free is None else releasable(self.core, free - self._released)
         while n > 0 and q:
             fut = q.popleft()
+            self._since.popleft()
             if not fut.done():
                 fut.set_result(True)
                 self._released += 1
                 n -= 1
+
+    def _drop_done(self) -> None:
+        q = self._queue
+        while q and q[0].done():
+            q.popleft()  # timed out, or the client left: nobody waits there
+            self._since.popleft()
 
     def _on_turn(self) -> None:
         self._turn = None
@@ -188,6 +211,7 @@ class Admission:
             if handle is not None:
                 handle.cancel()
         self._turn = self._recheck = None
+        self._since.clear()
         while self._queue:
             fut = self._queue.popleft()
             if not fut.done():

@@ -43,6 +43,10 @@ class Policy:
     # hold requests at the router while every engine is at its running cap
     # (routing.admission); the baselines route at once, as the routers they stand for
     holds = False
+    # while the oldest held request has waited this long (a standing queue: over
+    # capacity), let each engine queue one request past its running cap, so that a slot
+    # freed is filled at the engine's next step, not a step later (None: never)
+    stand_s: float | None = None
 
     def reset(self, core: RoutingState) -> None:
         """Called after the engine set or the snapshot changed."""
@@ -259,6 +263,7 @@ class RedisbalPolicy(ScoringPolicy):
 
     name = "redisbal"
     holds = True  # measured: docs/BENCHMARKS.md, the straggler at two replicas
+    stand_s = 0.5  # measured: docs/BENCHMARKS.md, two speeds (over capacity)
     # Off by default: on the quality benchmark it moves nothing beyond the seed spread
     # (docs/BENCHMARKS.md, "Policy experiments": redisbal+speed).
     use_speed = False
