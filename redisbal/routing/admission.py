@@ -41,7 +41,15 @@ DEFAULT_MAX_S = 2.0  # hold a request at most this long (the gateway's --hold-s)
 STAGGER_S = 0.008  # between two routers' turns to release (simulated: 4-12 ms alike)
 RECHECK_S = 0.25  # while requests are held, look again this often (a lost feed)
 
-__all__ = ["DEFAULT_MAX_S", "STAGGER_S", "Admission", "free_slots", "releasable", "release_delay"]
+__all__ = [
+    "DEFAULT_MAX_S",
+    "STAGGER_S",
+    "Admission",
+    "ahead_of",
+    "free_slots",
+    "releasable",
+    "release_delay",
+]
 
 
 def free_slots(core: RouterCore, enough: int | None = None, ahead: int = 0) -> int | None:
