@@ -56,18 +56,20 @@ def free_slots(core: RouterCore, enough: int | None = None, ahead: int = 0) -> i
     """Slots free now as ``core`` sees them: over the engines it chooses from, the
     running cap less each engine's load (running, waiting, the other routers' routes
     on their way and this router's own pending routes, as the default policy counts
-    them); once past ``enough``, that count (the request path needs no more). None
+    them), plus ``ahead`` each while the queue stands (``ahead_of``); once past
+    ``enough``, that count (the request path needs no more). None
     when nothing should be held: the running cap unknown, or no fresh snapshot."""
     with core.lock:
         cap = core.running_cap
         if cap <= 0 or not core.engines or core.degraded:
             return None
         w = core.pending_weight
+        limit = cap + ahead  # what an engine may hold before a request waits here
         free = 0
         for e in core.engines:
             load = e.running + e.waiting + e.others + e.pending_cost * w
-            if load < cap + ahead:
-                free += math.ceil(cap + ahead - load)
+            if load < limit:
+                free += math.ceil(limit - load)
                 if enough is not None and free > enough:
                     break
         return free
@@ -121,8 +123,8 @@ class Admission:
             raise ValueError(f"max_s must be finite and > 0, got {max_s!r}")
         self.core = core
         self.max_s = float(max_s)
-        self._queue: deque[asyncio.Future[bool]] = deque()
-        self._since: deque[float] = deque()  # when each of _queue came (loop time)
+        # each held request: when it came (loop time) and what it waits on
+        self._queue: deque[tuple[float, asyncio.Future[bool]]] = deque()
         self._released = 0  # released, not routed yet
         self._turn: asyncio.TimerHandle | None = None  # a release due at this router's turn
         self._recheck: asyncio.TimerHandle | None = None
@@ -132,7 +134,7 @@ class Admission:
     @property
     def held(self) -> int:
         """Requests held now."""
-        return sum(1 for f in self._queue if not f.done())
+        return sum(1 for _, f in self._queue if not f.done())
 
     async def enter(self) -> float:
         """Wait for a free slot, at most ``max_s``; returns the seconds held (0.0: a
@@ -147,8 +149,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         fut: asyncio.Future[bool] = loop.create_future()
-        self._queue.append(fut)
-        self._since.append(t0)
+        self._queue.append((t0, fut))
         self.held_total += 1
         expire = loop.call_later(self.max_s, _expire, fut)
         if self._recheck is None:
@@ -185,12 +186,11 @@ class Admission:
         self._drop_done()
         if not q:
             return
-        wait = asyncio.get_running_loop().time() - self._since[0]
+        wait = asyncio.get_running_loop().time() - q[0][0]
         free = free_slots(self.core, ahead=ahead_of(self.core, wait))
         n = len(q) if free is None else releasable(self.core, free - self._released)
         while n > 0 and q:
-            fut = q.popleft()
-            self._since.popleft()
+            _, fut = q.popleft()
             if not fut.done():
                 fut.set_result(True)
                 self._released += 1
@@ -198,9 +198,8 @@ class Admission:
 
     def _drop_done(self) -> None:
         q = self._queue
-        while q and q[0].done():
+        while q and q[0][1].done():
             q.popleft()  # timed out, or the client left: nobody waits there
-            self._since.popleft()
 
     def _on_turn(self) -> None:
         self._turn = None
@@ -219,9 +218,8 @@ class Admission:
             if handle is not None:
                 handle.cancel()
         self._turn = self._recheck = None
-        self._since.clear()
         while self._queue:
-            fut = self._queue.popleft()
+            _, fut = self._queue.popleft()
             if not fut.done():
                 fut.set_result(False)
 
