@@ -5,6 +5,7 @@ snapshots are made by hand, the router's clock is set by the test."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import pytest
@@ -18,6 +19,7 @@ from redisbal.routing.admission import (
     release_delay,
 )
 from redisbal.routing.core import RouterCore
+from redisbal.routing.estimates import kv_room
 from redisbal.routing.policies import RedisbalPolicy
 
 
@@ -103,6 +105,77 @@ def test_free_slots_count_every_routers_routes_on_their_way() -> None:
     assert free_slots(core) == 1  # this router's route on its way
     core.by_id["a"].others = 1.0  # another router's, as told
     assert free_slots(core) == 0
+
+
+def plugin_feed(core: RouterCore, version: int, counts: dict[str, tuple[int, int, float]]) -> None:
+    """A snapshot as vLLM's plugin or the /metrics sidecar feeds one: (waiting, running,
+    KV usage) per engine, no admitted counts."""
+    core.apply_snapshot(
+        make_snapshot(
+            {e: (w, r) for e, (w, r, _) in counts.items()},
+            version=version,
+            time_ms=1_000_000 + 10 * version,
+            kv={e: kv for e, (_, _, kv) in counts.items()},
+        )
+    )
+
+
+def test_kv_room_is_the_free_cache_over_what_a_running_request_holds() -> None:
+    assert kv_room(4, 0.8) == pytest.approx(1.0)  # 4 requests hold 80 %: one more fits
+    assert kv_room(10, 0.5) == pytest.approx(10.0)
+    assert kv_room(3, None) == kv_room(0, 0.4) == kv_room(3, 0.0) == math.inf  # unknown
+
+
+def test_a_kv_bound_engine_is_full_by_its_kv_room_without_a_known_cap() -> None:
+    """vLLM's own stats (running, waiting, KV usage) bound each engine's room: no cap is
+    learned, yet requests wait here once every engine's KV cache has no room left."""
+    core, _ = router()
+    plugin_feed(core, 1, {"a": (0, 4, 0.8), "b": (0, 10, 0.5)})
+    assert core.running_cap == 0
+    assert free_slots(core) == 1 + 10
+    plugin_feed(core, 2, {"a": (2, 4, 0.95), "b": (0, 10, 0.9)})  # a queues
+    assert free_slots(core) == 2  # b's 10 x 0.1 / 0.9 = 1.1 requests: 2, rounded up
+    core.route("b")
+    core.route("b")
+    assert free_slots(core) == 0  # its room went to this router's routes on their way
+
+
+def test_an_engine_that_says_nothing_of_its_kv_cache_or_cap_is_never_full() -> None:
+    """Unsure is not full: while one engine's room is unbounded, nothing is held."""
+    core, _ = router()
+    plugin_feed(core, 1, {"a": (3, 4, 0.99), "b": (0, 0, 0.0)})
+    assert free_slots(core) is None
+
+
+def test_without_admitted_counts_a_queue_in_two_reports_in_a_row_teaches_the_cap() -> None:
+    """vLLM's plugin and the sidecar send counts made after the step's admission and no
+    admitted counts: a queue in two reports in a row waited through a step."""
+    core, _ = router()
+    plugin_feed(core, 1, {"a": (0, 4, 0.2), "b": (0, 3, 0.2)})
+    plugin_feed(core, 2, {"a": (2, 4, 0.2), "b": (0, 4, 0.2)})
+    assert core.running_cap == 0  # one report's queue: it may have just come
+    plugin_feed(core, 3, {"a": (0, 4, 0.2), "b": (0, 4, 0.2)})
+    plugin_feed(core, 4, {"a": (1, 4, 0.2), "b": (0, 4, 0.2)})
+    assert core.running_cap == 0  # a queue gone and come again
+    plugin_feed(core, 5, {"a": (1, 4, 0.2), "b": (0, 4, 0.2)})
+    assert core.running_cap == 4
+    assert free_slots(core) == 0  # the KV room is ample, the slots are not
+
+
+def test_a_queue_with_no_kv_room_for_it_does_not_teach_the_cap() -> None:
+    """A queue that outlived a report on an engine whose KV cache had no room for it is
+    KV-bound: its running count is set by the request sizes, not a slot count."""
+    core, _ = router()
+    kv = {"a": 0.97, "b": 0.5}
+    t = 1_000_000
+    for v, (wa, adm_a) in enumerate([(0, 4), (1, 5), (1, 5)], start=1):
+        counts = {"a": (wa, 4), "b": (0, 2)}
+        snap = make_snapshot(
+            counts, version=v, time_ms=t + 10 * v, admitted={"a": (adm_a,), "b": (2,)}, kv=kv
+        )
+        core.apply_snapshot(snap)
+    assert core.running_cap == 0  # the same reports with room in the cache teach 4 (above)
+    assert free_slots(core) == 0 + 2  # a: 4 x 0.03 / 0.97 - 1 queued < 0; b: 2 x 0.5 / 0.5
 
 
 # -- holding ----------------------------------------------------------------------------------

@@ -96,6 +96,31 @@ def test_first_token_at_the_end_of_the_prefill_step_and_kv_usage() -> None:
     assert e.waiting  # still waiting: it is admitted at the next step
 
 
+def test_kv_running_out_preempts_the_newest_request_which_resumes_where_it_was() -> None:
+    # 2 requests of 490 prompt tokens fill a 1,000-token cache after 10 decode steps
+    e = SimEngine("a", EngineParams(kv_capacity_tokens=1000))
+    first, second = _req(1, 490, 50), _req(2, 490, 50)
+    e.arrive(first, 0.0)
+    e.arrive(second, 0.0)
+    t = 0.0
+    while not e.preemptions:
+        d = e.begin_step(t)
+        e.end_step(t + d)
+        t += d
+    assert e.running == [first] and list(e.waiting) == [second]  # the newest went back
+    assert second.preempted == 1 and second.produced == 10
+    assert e.kv_tokens == first.prompt_tokens + first.produced  # its KV freed
+    started, first_token = second.started_at, second.first_token_at
+    while second.finished_at < 0:
+        d = e.begin_step(t)
+        e.end_step(t + d)
+        t += d
+    # admitted again after the first finished, it produced the rest, not all of it again
+    assert second.produced == 50 and e.tokens == 100
+    assert (second.started_at, second.first_token_at) == (started, first_token)
+    assert e.kv_tokens == 0
+
+
 def test_engine_defaults_keep_the_old_step_time() -> None:
     e = SimEngine("a")
     for i in range(3):

@@ -186,11 +186,13 @@ def test_a_router_adopts_both_forms_alike_and_routes_the_same() -> None:
             for core in routers
         ]
         assert views[0] == views[1]
+        assert routers[0].running_cap == routers[1].running_cap  # taught alike
         assert [e.engine_id for e in routers[0].engines] == [
             e.engine_id for e in routers[1].engines
         ]
     assert routers[0].counters == routers[1].counters
     assert routers[1].counters["restarts"] == 1
+    assert routers[1].running_cap > 0  # (queues in reports in a row taught both a cap)
 
 
 def test_a_full_snapshot_between_compact_ones_leaves_no_stale_incarnation() -> None:

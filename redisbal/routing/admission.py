@@ -22,11 +22,17 @@ request has waited the policy's ``stand_s``, each engine may queue one request p
 its running cap (``ahead_of``), and fills a freed slot from that at its next step.
 Below that, nothing waits at an engine that could go to the first slot freed.
 
+An engine is full when its own word says so: its running cap reached
+(``estimates.RunningCap``, learned from admitted counts), or its KV cache without
+room for what waits and what is on its way (``estimates.kv_room``: what vLLM's
+plugin, its /metrics and SGLang's report carry). KV-bound engines admit by request
+size, not a slot count, so their room is an estimate: a request is held only while
+every engine is full by it, and routed at once while any engine's room is unknown.
+
 The default policy holds (``Policy.holds``); the baselines route at once, as the
-routers they stand for do. Nothing is held while the running cap is unknown
-(``estimates.RunningCap``: it needs the engines' admitted counts) or while the
-router routes without a fresh snapshot, and no request is held longer than
-``max_s``: then it is routed as it would have been without holding.
+routers they stand for do. Nothing is held while the router routes without a fresh
+snapshot, and no request is held longer than ``max_s``: then it is routed as it
+would have been without holding.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import math
 from collections import deque
 
 from redisbal.routing.core import RouterCore
+from redisbal.routing.estimates import room
 
 DEFAULT_MAX_S = 2.0  # hold a request at most this long (the gateway's --hold-s)
 STAGGER_S = 0.008  # between two routers' turns to release (simulated: 4-12 ms alike)
@@ -53,23 +60,25 @@ __all__ = [
 
 
 def free_slots(core: RouterCore, enough: int | None = None, ahead: int = 0) -> int | None:
-    """Slots free now as ``core`` sees them: over the engines it chooses from, the
-    running cap less each engine's load (running, waiting, the other routers' routes
-    on their way and this router's own pending routes, as the default policy counts
-    them), plus ``ahead`` each while the queue stands (``ahead_of``); once past
-    ``enough``, that count (the request path needs no more). None
-    when nothing should be held: the running cap unknown, or no fresh snapshot."""
+    """Requests the engines ``core`` chooses from would run now without queueing one,
+    as it sees them: each engine's ``room`` (its free slots under the running cap and
+    its KV room, less what is on its way to it), plus ``ahead`` each while the queue
+    stands (``ahead_of``); once past ``enough``, that count (the request path needs
+    no more). None when nothing should be held: no fresh snapshot, or an engine whose
+    room nothing bounds (neither the running cap nor its KV usage known: unsure, so
+    route at once)."""
     with core.lock:
-        cap = core.running_cap
-        if cap <= 0 or not core.engines or core.degraded:
+        if not core.engines or core.degraded:
             return None
+        cap = core.running_cap
         w = core.pending_weight
-        limit = cap + ahead  # what an engine may hold before a request waits here
         free = 0
         for e in core.engines:
-            load = e.running + e.waiting + e.others + e.pending_cost * w
-            if load < limit:
-                free += math.ceil(limit - load)
+            r = room(e, cap, w) + ahead
+            if r == math.inf:
+                return None
+            if r > 0:
+                free += math.ceil(r)
                 if enough is not None and free > enough:
                     break
         return free

@@ -150,13 +150,15 @@ def adopt_full(
             mine += got
             total += all_adm
             if c.reported_ms != e.cap_ms:
-                caps.observe(e, c.waiting, c.running, c.reported_ms, all_adm)
+                caps.observe(e, c.waiting, c.running, c.reported_ms, all_adm, c.kv_usage)
             if speeds is not None:
                 done = all_adm - c.waiting - c.running
                 speeds.observe(e, done, c.reported_ms, c.running)
         else:
             at = now - (snap.time_ms - c.reported_ms) / 1000.0
             by_report(e, c.reported_ms, at, transit_s, weight)
+            if c.reported_ms != e.cap_ms:
+                caps.observe(e, c.waiting, c.running, c.reported_ms, None, c.kv_usage)
     return mine, total, exact
 
 
@@ -184,11 +186,13 @@ class RosterViews:
         transit_s: float,
         weight: float,
         counters: dict[str, int],
+        caps: RunningCap,
     ) -> None:
         """A compact snapshot's counts into the views of ``by_id`` (no admitted counts:
         pending is reconciled by time, ``by_report``); views with no routes to reconcile
         are only overwritten. ``known`` past the roster's engines are kept or carried
-        (``RouterCore.apply_snapshot``); restarts are counted in ``counters``."""
+        (``RouterCore.apply_snapshot``); restarts are counted in ``counters``, queues
+        that may teach the running cap go to ``caps``."""
         roster = snap.roster
         assert roster is not None
         if self.roster is not roster:
@@ -207,5 +211,9 @@ class RosterViews:
             # after a quiet spell stays pending a report longer)
             if e.pending or e.exact or e.costs or e.ends or e.others:
                 by_report(e, snap.time_ms - age, now - age_s, transit_s, weight)
+            if w or e.cap_wait or r > caps.most_running:  # (else nothing for caps to see)
+                t_ms = snap.time_ms - age
+                if t_ms != e.cap_ms:
+                    caps.observe(e, w, r, t_ms, None, kv)
         for e in known[len(roster.ids) :]:  # kept or carried
             no_report(e)

@@ -236,7 +236,9 @@ class RouterCore:
         # else the same engines, none excluded: known and engines stand as they are
         counters, transit, weight = self.counters, self.transit_s, self.share_weight
         if snap.roster is not None:
-            self.roster_views.adopt(snap, now, self.by_id, self.known, transit, weight, counters)
+            self.roster_views.adopt(
+                snap, now, self.by_id, self.known, transit, weight, counters, self.caps
+            )
             mine = total = 0
             exact = False
         else:

@@ -9,6 +9,8 @@
   speed and age terms of the default policy.
 - What a route weighs against recent routes (``RouteCost``), when it gives its size.
 - The engines' running cap (``RunningCap``): how many requests an engine runs at once.
+- An engine's room (``room``): how many more requests it would run now without
+  queueing them, from its running cap and from its own word on its KV cache.
 """
 
 from __future__ import annotations
@@ -50,31 +52,71 @@ class ShareEstimate:
         self.weight = 1.0 / self.share
 
 
+def kv_room(running: int, kv_usage: float | None) -> float:
+    """How many more requests of the size of those running fit in the free part of
+    an engine's KV cache: running x (1 - kv) / kv (inf when it says nothing of its KV
+    cache, or holds nothing). What vLLM and SGLang tell of themselves (running, KV
+    usage) is the whole input: a KV-bound engine admits by the size of what waits, not
+    by a slot count, and the mean size of what it runs is the estimate at hand."""
+    if kv_usage is None or kv_usage <= 0.0 or running <= 0:
+        return math.inf
+    return running * (1.0 - kv_usage) / kv_usage
+
+
+def room(e: EngineView, cap: int, w: float) -> float:
+    """Requests ``e`` would run now without queueing one (negative: that many would
+    wait), from its latest counts less what is on its way to it (what it reported
+    waiting, the other routers' routes, this router's pending ones weighted ``w``):
+    the fewer of its free slots (``cap``, 0 when unknown) and of its KV room
+    (``kv_room``). inf when neither is known: nothing says the engine is full."""
+    queued = e.waiting + e.others + e.pending_cost * w
+    slots = cap - e.running - queued if cap > 0 else math.inf
+    return min(slots, kv_room(e.running, e.kv_usage) - queued)
+
+
 class RunningCap:
     """The engines' running cap as far as seen (0 until known): the running count of
-    an engine whose queue outlived a report (more waiting than it admitted since its
-    previous one: the requests waited through a step that had no room for them), at
-    no fewer than any engine ran. A report made before a step's admission shows the
-    requests just come as waiting, whatever the room; a queue held back by the prefill
-    budget or KV room is below the cap, and so below what another engine ran."""
+    an engine whose queue outlived a report (the requests waited through a step that
+    had no room for them), at no fewer than any engine ran.
+
+    With admitted counts a queue outlived a report when more wait than the engine
+    admitted since its previous one: a report made before a step's admission shows the
+    requests just come as waiting, whatever the room. Without them (vLLM's plugin, the
+    /metrics sidecar: counts made after the step's admission), when two reports in a
+    row show a queue. A queue held back by the prefill budget or KV room is below the
+    cap, and so below what another engine ran; one that its KV cache had no room for
+    (``kv_room`` below one request) says nothing of the cap: on a KV-bound engine it
+    would be a count that the request sizes set."""
 
     def __init__(self) -> None:
         self.cap = 0
         self.most_running = 0  # the largest running count seen on any engine
 
-    def observe(self, e: EngineView, waiting: int, running: int, t_ms: int, adm: int) -> None:
-        """A report of ``e`` not seen before (made at ``t_ms``, ``adm`` admitted in all)."""
+    def observe(
+        self,
+        e: EngineView,
+        waiting: int,
+        running: int,
+        t_ms: int,
+        adm: int | None,
+        kv_usage: float | None = None,
+    ) -> None:
+        """A report of ``e`` not seen before (made at ``t_ms``; ``adm`` admitted in all,
+        None without admitted counts; ``kv_usage`` its KV cache's)."""
         if running > self.most_running:
             self.most_running = running
+        if adm is None:
+            outlived = waiting > 0 and e.cap_wait > 0
+        else:
+            outlived = e.cap_ms >= 0 and adm >= e.cap_adm and waiting > adm - e.cap_adm
         if (
-            running > self.cap
+            outlived
+            and running > self.cap
             and running >= self.most_running
-            and e.cap_ms >= 0
-            and adm >= e.cap_adm
-            and waiting > adm - e.cap_adm
+            and kv_room(running, kv_usage) >= 1.0
         ):
             self.cap = running
-        e.cap_ms, e.cap_adm = t_ms, adm
+        e.cap_ms, e.cap_adm, e.cap_wait = t_ms, adm or 0, waiting
 
 
 class RouteCost:

@@ -129,6 +129,7 @@ class EngineView:
     exposure_acc: float = 0.0  # decayed running-request-seconds
     cap_ms: int = -1  # reported_ms of its last report seen (estimates.RunningCap)
     cap_adm: int = 0  # its admitted total then
+    cap_wait: int = 0  # its waiting count then
 
     def __post_init__(self) -> None:
         self.hid = zlib.crc32(self.engine_id.encode())

@@ -156,11 +156,10 @@ class HttpEngine:
     def _on_finish(self, req: SimRequest) -> None:
         self.served += 1
 
-    def kv_usage(self) -> float:
-        """The model's KV usage when it models KV, else the share of running slots taken."""
-        m = self.model
-        kv = m.kv_usage
-        return kv if kv is not None else min(1.0, len(m.running) / max(1, m.params.running_cap))
+    def kv_usage(self) -> float | None:
+        """The model's KV usage; None when it does not model KV (a slot count then
+        bounds it, and a KV usage made up from the slots would read as a full cache)."""
+        return self.model.kv_usage
 
     def _report(self, force: bool = False) -> None:
         """Queue the counts for the reporter; at most one report per ``report_min_s``
@@ -276,7 +275,7 @@ class HttpEngine:
     async def _metrics(self, request: web.Request) -> web.Response:
         m = self.model
         labels = f'engine="{self.engine_id}",model_name="{self.model_name}"'
-        kv = self.kv_usage()
+        kv = self.kv_usage() or 0.0  # (vLLM always exports one)
         rows = [
             (
                 "num_requests_running",

@@ -16,8 +16,11 @@ The model, per engine:
   is prefilled (its output's blocks, ``done_blocks``, when it finishes);
 - ``kv_capacity_tokens`` > 0 bounds the KV cache: a request is admitted only
   while the tokens held by running requests (prompt + produced) plus its prompt
-  fit (an empty engine admits anything); ``kv_usage`` = held / capacity. No
-  preemption: decode may grow past the capacity, the reported usage is capped at 1;
+  and the step's decode fit (an empty engine admits anything); ``kv_usage`` =
+  held / capacity. When the next decode would not fit, the newest running request
+  is preempted as vLLM's scheduler does (recompute): its KV freed, it goes back to
+  the head of the queue and, admitted again, prefills its prompt and what it had
+  produced (``preemptions`` counts them; a lone running request is never preempted);
 - ``prefill_budget_tokens`` > 0 stops admitting in a step once its uncached
   prompt tokens would pass the budget (vLLM's max_num_batched_tokens, without
   chunking: the first request of a step is always admitted whole);
@@ -70,6 +73,7 @@ class SimRequest:
     done_blocks: tuple[int, ...] = ()  # the same for prompt + output, cached at finish
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     first_token_at: float = -1.0
+    preempted: int = 0  # times the engine preempted it (KV ran out)
 
 
 @dataclass
@@ -122,6 +126,7 @@ class SimEngine:
     kv_tokens: int = 0  # tokens held by running requests (prompt + produced)
     prompt_tokens_seen: int = 0  # prompt tokens admitted so far
     cached_tokens_seen: int = 0  # of those, found in the prefix cache
+    preemptions: int = 0  # running requests sent back to the queue (KV ran out)
 
     def __post_init__(self) -> None:
         self.admitted = [0] * self.num_clients
@@ -180,6 +185,8 @@ class SimEngine:
         if self.inbox:
             self.take_inbox()
         p = self.params
+        if p.kv_capacity_tokens > 0:
+            self._preempt()
         free = p.running_cap - len(self.running)
         if p.kv_capacity_tokens <= 0 and p.prefill_budget_tokens <= 0 and self.cache is None:
             adm = min(free, len(self.waiting)) if free > 0 else 0
@@ -188,7 +195,22 @@ class SimEngine:
             return p.step_time(len(self.running), adm)
         return self._admit_tokens(now, free)
 
+    def _preempt(self) -> None:
+        """Preempt the newest running requests until this step's decode fits the KV
+        capacity (one token more for each running request)."""
+        running, cap = self.running, self.params.kv_capacity_tokens
+        while len(running) > 1 and self.kv_tokens + len(running) > cap:
+            req = running.pop()
+            self.kv_tokens -= req.prompt_tokens + req.produced
+            req.preempted += 1
+            self.preemptions += 1
+            self.waiting.appendleft(req)
+
     def _admit(self, req: SimRequest, now: float, cached: int) -> None:
+        if req.preempted:  # recomputed: what it produced is prefilled with its prompt
+            self.kv_tokens += req.prompt_tokens + req.produced
+            self.running.append(req)
+            return
         req.started_at = now
         req.cached_tokens = cached
         self.kv_tokens += req.prompt_tokens
@@ -207,17 +229,19 @@ class SimEngine:
         adm = uncached = 0
         while free > 0 and waiting:
             req = waiting[0]
-            if kv_cap > 0 and self.running and self.kv_tokens + req.prompt_tokens > kv_cap:
+            need = req.prompt_tokens + req.produced  # (produced: a preempted request's)
+            # room for it and for this step's decode (a token each, it included)
+            if kv_cap > 0 and self.running and self.kv_tokens + need + len(self.running) >= kv_cap:
                 break
             cached = 0
-            if cache is not None and req.blocks:
+            if cache is not None and req.blocks and not req.preempted:
                 hit = cache.match(req.blocks) * BLOCK_TOKENS
                 cached = max(0, min(hit, req.prompt_tokens - 1))  # the last token is computed
-            new = req.prompt_tokens - cached
+            new = need - cached  # (a preempted request computes all of it again)
             if budget > 0 and adm and uncached + new > budget:
                 break
             waiting.popleft()
-            if cache is not None and req.blocks:
+            if cache is not None and req.blocks and not req.preempted:
                 cache.insert(req.blocks)
             self._admit(req, now, cached)
             adm += 1
