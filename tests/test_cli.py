@@ -249,13 +249,14 @@ def test_status_table_shows_each_engine(
     assert "snapshot v1 wave 0 step 1" in lines[0] and "forced no" in lines[0]
     assert "stale 0" in lines[1] and "expired 0" in lines[1]
     rows = {ln.split()[0]: ln.split() for ln in lines if ln[:2] in ("0 ", "1 ")}
-    # engine, waiting, running, kv, step, age, progress, state, stale
+    # engine, waiting, running, kv, room, step, age, progress, state, stale
     assert lines[3].split() == [
-        "engine", "waiting", "running", "kv", "step", "age", "progress", "state", "stale"
+        "engine", "waiting", "running", "kv", "room", "step", "age", "progress", "state", "stale"
     ]  # fmt: skip
-    assert rows["0"][1:5] == ["3", "7", "0.25", "0:1"]
-    assert rows["1"][1:5] == ["5", "2", "-", "0:1"]
-    assert rows["0"][7] == rows["1"][7] == "live"
+    # 0: 7 running hold a quarter of its KV cache, room for 21 like them, 3 queued
+    assert rows["0"][1:6] == ["3", "7", "0.25", "18.0", "0:1"]
+    assert rows["1"][1:6] == ["5", "2", "-", "-", "0:1"]  # no KV usage: room unknown
+    assert rows["0"][8] == rows["1"][8] == "live"
 
 
 def test_status_json_and_gone_engines(

@@ -23,10 +23,16 @@ its last progress (a report its loop made, not a heartbeat). Engine states:
 - ``expired`` / ``left``: removed, shown for ``RECENT_S`` after it (the
   deployment remembers the last 64 removals), ``gone``: seen before (``--watch``)
   but no longer a member.
+
+``room`` is an engine's room as routers read it from its KV usage
+(``routing.estimates.kv_room``: requests of the size of those it runs that its KV
+cache would still take, less its queue; negative, a queue past it; ``-``, it
+reports no KV usage). Holding waits while every engine's room is used up.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -36,6 +42,7 @@ from redisbal.config import SETTINGS
 from redisbal.connection import RedisClient
 from redisbal.keys import DeploymentKeys, is_engine_field
 from redisbal.ops.table import render_table
+from redisbal.routing.estimates import kv_room
 
 COUNTERS = (
     "published",
@@ -174,6 +181,10 @@ def gather_status(
             )
         else:
             row.update(source=None, waiting=None, running=None, kv=None, wave=None, step=None)
+        # what the routers read of its room: requests its KV cache would take beyond its
+        # queue (negative: queued past it), None when its KV usage says nothing
+        room = kv_room(row["running"] or 0, row["kv"]) - (row["waiting"] or 0)
+        row["kv_room"] = None if room == math.inf else round(room, 1)
         row.update(incarnation=None, progress_age_ms=None)
         if e in members_ms or e in records:
             seen_ms = rep["t"] if rep is not None else members_ms.get(e)
@@ -272,7 +283,7 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("no engines")
         return "\n".join(lines)
     rows: list[tuple[str, ...]] = [
-        ("engine", "waiting", "running", "kv", "step", "age", "progress", "state", "stale")
+        ("engine", "waiting", "running", "kv", "room", "step", "age", "progress", "state", "stale")
     ]
     for e in st["engines"]:
         step = "-" if e["step"] is None else f"{e['wave']}:{e['step']}"
@@ -285,6 +296,7 @@ def format_status(st: dict[str, Any]) -> str:
                 _dash(e["waiting"]),
                 _dash(e["running"]),
                 kv,
+                _dash(e["kv_room"]),
                 step,
                 _fmt_age(e["age_ms"]),
                 _fmt_age(e["progress_age_ms"]),
