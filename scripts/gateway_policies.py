@@ -173,6 +173,7 @@ class TraceDemo(ScenarioDemo):
         self.cache: dict[str, int] = {}
         self.peer_calls: dict[str, int] = {}
         self.steps: dict[str, float] = {}  # the engines' steps, planned and taken
+        self.held = 0  # requests the redisbal gateways held (none for the peers)
 
     def start_gateways(self) -> None:
         """A peer's gateways are scripts/peer_gateway.py processes; then as the demo's."""
@@ -234,6 +235,9 @@ class TraceDemo(ScenarioDemo):
             for path, n in orjson.loads(_get(url + "/sim/peer_calls")).items():
                 self.peer_calls[path] = self.peer_calls.get(path, 0) + n
         self.cache = {"prompt_tokens": prompt, "cached_tokens": cached}
+        if self.peer is None and not isinstance(self, RouterDemo):
+            for _, url in self.gateways:
+                self.held += held_total(_get(url + "/metrics").decode())
         return [gen]
 
     def engine_urls(self) -> list[str]:
@@ -295,6 +299,14 @@ class RouterDemo(TraceDemo):
         for rp in self.replicas:  # a failed run may not have reached stop_front_ends
             rp.stop()
         super().cleanup()
+
+
+def held_total(metrics: str) -> int:
+    """Requests a gateway held, from its /metrics page."""
+    for line in metrics.splitlines():
+        if line.startswith("redisbal_gateway_hold_seconds_count"):
+            return int(float(line.split()[-1]))
+    return 0
 
 
 def wait_for_load(gate: float | None, wait_s: float) -> bool:
@@ -374,6 +386,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         row["hit_rate"] = c["cached_tokens"] / max(1, c["prompt_tokens"])
         row.update(c)
         row["peer_calls"] = demo.peer_calls
+        row["held"] = demo.held
         st = demo.steps  # what the host added to each engine step (the simulator's knob)
         over = (st["step_taken_s"] - st["step_planned_s"]) / max(1, st["steps"])
         row["step_overshoot_ms"] = round(1000 * over, 3)
