@@ -9,7 +9,8 @@ engine model (``redisbal.sim.model``: prefix cache, KV budget, prefill cost),
 the vLLM coordinator's publish loop for the vllm-* baselines (as in
 ``redisbal.bench.scale``). What is modelled: time and the transport.
 - Independent engines step at their own pace and report after every step (and,
-  but for the pre-41626 vLLM baselines, right before it); the barrier publishes
+  but for the pre-41626 vLLM baselines and without admitted counts, right before
+  it); the barrier publishes
   every engine's latest counts (waiting, running, kv_usage, admitted) every
   ``tick_s``. Lockstep engines publish after every step (which lasts as long as
   the slowest engine's).
@@ -211,7 +212,9 @@ def simulate(
     if vmodel is not None:
         for eid in ids:
             vmodel.counts[eid] = EngineStat(0, 0, 0, 0.0)
-    before_step = reports_before_step(policy)
+    # engines without admitted counts report as vLLM's plugin and the sidecar do: the
+    # counts after a step's admission, never the input queue just taken as waiting
+    before_step = reports_before_step(policy) and admitted
     independent = sc.mode != "lockstep"
     for k, r in enumerate(work):
         if r.after < 0:

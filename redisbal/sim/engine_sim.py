@@ -180,7 +180,8 @@ class EngineSimRunner:
         self.mode = mode
         self.poll_s = poll_s
         self.heartbeat_s = heartbeat_s
-        self.report_before_step = report_before_step
+        # without admitted counts, as vLLM's plugin reports: after the step's admission
+        self.report_before_step = report_before_step and admitted
         self.send_admitted = admitted  # False: reports as vLLM's plugin does (none)
         self.keys = SimKeys(deployment)
         base = params or EngineParams()
