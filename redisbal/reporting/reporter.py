@@ -48,8 +48,8 @@ from typing import Any
 from redisbal.endpoints import check_url
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.reporting.counts import MODES, Counts, InvalidReport
-from redisbal.reporting.lane import MAX_REPORTS, Lane, ReporterStats, ReportResult, tag_of
-from redisbal.reporting.sender import ReportSender
+from redisbal.reporting.lane import Lane, ReporterStats, ReportResult, tag_of
+from redisbal.reporting.sender import MAX_REPORTS, ReportSender
 
 __all__ = [
     "MAX_ENGINES",
