@@ -242,7 +242,7 @@ def coordinator(
     server = None
     if metrics_port is not None:
         try:
-            from redisbal.ops.metrics import serve_coordinator_metrics
+            from redisbal.ops.coordinator_metrics import serve_coordinator_metrics
         except ImportError as exc:
             if (exc.name or "").startswith("prometheus_client"):
                 raise click.ClickException(
