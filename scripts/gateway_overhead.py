@@ -56,9 +56,10 @@ import click
 import orjson
 
 from redisbal.bench import routers
+from redisbal.bench.loadgen import run
 from redisbal.bench.plots import plot_overhead, pyplot
-from redisbal.gateway.loadgen import plan, run
 from redisbal.sim.embedded import RedisServer
+from redisbal.sim.load_plan import plan
 
 BENCH_KEY = "bench-key-0123456789abcdef"
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -77,12 +77,12 @@ from redisbal.bench.gateway_scenarios import (
 from redisbal.bench.peers import PEER_POLICIES
 from redisbal.bench.plots import plot_policy_seeds, pyplot
 from redisbal.bench.quality import VARIANTS
-from redisbal.gateway.loadgen import Planned, read_trace
 from redisbal.keys import DeploymentKeys
 from redisbal.routing.policies import POLICIES
 from redisbal.sim.demo import Child, DemoError, DemoOptions, Echo
 from redisbal.sim.demo_http import HttpDemo, _get
 from redisbal.sim.embedded import RedisServer
+from redisbal.sim.load_plan import Planned, read_trace
 
 COLUMNS = (
     ("ttft_p50_ms", "TTFT p50 (ms)", ".0f"),

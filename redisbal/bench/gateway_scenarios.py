@@ -19,8 +19,8 @@ from typing import Any
 
 import click
 
-from redisbal.gateway.loadgen import Planned
 from redisbal.sim.commands import parse_slow
+from redisbal.sim.load_plan import Planned
 
 MAX_BYPASS_RATE = 10_000.0
 

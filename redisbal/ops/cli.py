@@ -59,7 +59,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
         "OpenAI-compatible gateway: route every request with the shared snapshot.",
     ),
     "loadgen": (
-        "redisbal.gateway.loadgen:loadgen",
+        "redisbal.bench.loadgen:loadgen",
         "Open-loop load against an OpenAI-compatible URL; TTFT, ITL, latency, errors.",
     ),
     "engine-sim": (

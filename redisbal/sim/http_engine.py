@@ -50,11 +50,11 @@ from aiohttp.typedefs import Handler
 from redisbal import endpoints
 from redisbal.background import cancel_and_wait
 from redisbal.connection import OUTAGE_ERRORS
-from redisbal.gateway.loadgen import output_text
 from redisbal.keys import check_name
 from redisbal.reporting.reporter import AsyncReporter, Counts
 from redisbal.sim.engine_sim import EngineTally, SimStats
 from redisbal.sim.fault_injection import FaultInjection
+from redisbal.sim.load_plan import output_text
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
 from redisbal.sim.peer_endpoints import add_peer_routes
 from redisbal.sim.prefix_cache import CHARS_PER_TOKEN, text_blocks
