@@ -29,7 +29,7 @@ from redisbal.routing.policies import (
     UnknownEngine,
 )
 from redisbal.routing.router import AsyncRouter, Router
-from redisbal.routing.views import Decision, EngineView, RequestInfo, RoutingState
+from redisbal.routing.state import Decision, EngineView, RequestInfo, RoutingState
 
 __version__ = "0.1.0"
 

@@ -244,7 +244,7 @@ def metrics(which: str) -> str:
     if which == "router":
         from redisbal.keys import DeploymentKeys
         from redisbal.ops.client_metrics import RouterMetrics
-        from redisbal.routing.core import RouterCore
+        from redisbal.routing.router_core import RouterCore
 
         core = RouterCore(client_index=0, client_count=1)
         RouterMetrics(registry).bind(SimpleNamespace(core=core, keys=DeploymentKeys("d")))
@@ -258,7 +258,7 @@ def metrics(which: str) -> str:
         )
     else:
         from redisbal.gateway.metrics import GatewayMetrics
-        from redisbal.routing.core import RouterCore
+        from redisbal.routing.router_core import RouterCore
 
         m = GatewayMetrics(
             {"d": RouterCore(client_index=0, client_count=1)}, lambda: 0.0, by_deployment=True

@@ -29,7 +29,7 @@ engine and nothing else (redisbal.bench.bare_proxy): the floor under the gateway
 that its overhead splits into what carrying a request costs and what redisbal adds.
 
 ``--peers vllm-router:power_of_two,sglang-router:cache_aware``: also one replica of
-each real peer router (redisbal.bench.routers: pinned, installed into a venv of its
+each real peer router (redisbal.bench.peer_routers: pinned, installed into a venv of its
 own on first use, ``--routers-venv``) in front of the same engine, in the same
 interleaved run; their CPU comes from schedstat as the gateway's (they have no
 "inside" histogram). A second table then gives each target's CPU over the first

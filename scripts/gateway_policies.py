@@ -22,13 +22,13 @@ traffic as one) with ``loadgen --session-prompts``, on engines given
 summed over the engines' /sim/state).
 
 Policies are what ``redisbal gateway --policy`` accepts (redisbal.routing.policies.POLICIES)
-and, with ``--trace``, the real peer routers (redisbal.bench.routers:
+and, with ``--trace``, the real peer routers (redisbal.bench.peer_routers:
 ``vllm-router:cache_aware``, ``vllm-router:power_of_two``, ``sglang-router:cache_aware``,
 ``sglang-router:power_of_two``; the pinned versions are pip-installed into a venv of
 their own on first use, ``--routers-venv``), ``--gateways`` replicas of each in front
 of the same engines, every run checking in the router's /metrics and the engines'
 /sim/peer_calls that the policy's prefix- or load-aware path ran; and the project's
-emulations of peers that no real router here runs (redisbal.bench.peers: llmd, chbl,
+emulations of peers that no real router here runs (redisbal.bench.peer_policies: llmd, chbl,
 p2c, sglang-cache-aware), whose gateways are scripts/peer_gateway.py (the gateway
 command takes no Policy object, and does not tell its router a prompt's block hashes,
 which the prefix-aware emulations route by; that script does). Tables label them
@@ -74,7 +74,7 @@ from redisbal.bench.gateway_scenarios import (
     parse_bypass,
     scenario,
 )
-from redisbal.bench.peers import PEER_POLICIES
+from redisbal.bench.peer_policies import PEER_POLICIES
 from redisbal.bench.plots import plot_policy_seeds, pyplot
 from redisbal.bench.quality import VARIANTS
 from redisbal.keys import DeploymentKeys

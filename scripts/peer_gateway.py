@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A gateway whose router runs one of the benchmark's peer policies
-(redisbal.bench.peers: p2c, sglang-cache-aware, llmd, chbl), for
+(redisbal.bench.peer_policies: p2c, sglang-cache-aware, llmd, chbl), for
 scripts/gateway_policies.py: ``redisbal gateway --policy`` takes only the names in
 redisbal.routing.policies.POLICIES, while ``AsyncRouter`` takes any Policy object.
 
@@ -24,7 +24,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from redisbal.bench.peers import PEER_POLICIES, make_peer
+from redisbal.bench.peer_policies import PEER_POLICIES, make_peer
 from redisbal.bench.quality import VARIANTS
 from redisbal.gateway import command, proxy
 from redisbal.routing.policies import Policy, RedisbalPolicy

@@ -29,7 +29,7 @@ from redisbal.ops.coordinator_metrics import (
     CoordinatorMetrics,
     _CoordinatorCollector,
 )
-from redisbal.routing.core import RouterCore
+from redisbal.routing.router_core import RouterCore
 
 # the sample names a family of each type exposes (prometheus_client strips _total
 # and the like from the family name)

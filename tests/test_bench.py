@@ -30,7 +30,7 @@ from redisbal.bench.vllm import (
     vllm_model_for,
 )
 from redisbal.keys import DeploymentKeys
-from redisbal.routing.core import RouterCore
+from redisbal.routing.router_core import RouterCore
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 
 # -- metrics ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The real peer routers against the simulated HTTP engines (opt-in: ``pytest -m peers``).
 
 vllm-router 0.1.17 and sglang-router 0.3.2, as the benchmark installs them
-(redisbal.bench.routers; ``REDISBAL_PEER_VENV`` names the venv, default
+(redisbal.bench.peer_routers; ``REDISBAL_PEER_VENV`` names the venv, default
 ``~/.cache/redisbal/peer-routers``), in front of two engines: each router's own
 /metrics and /workers, and the calls the engines answered, must show that the
 router's prefix-aware and load-aware paths run on what engine-sim serves. Skipped,

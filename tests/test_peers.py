@@ -1,4 +1,4 @@
-"""The benchmark's peer routers (redisbal.bench.peers), each on its defining behaviour,
+"""The benchmark's peer routers (redisbal.bench.peer_policies), each on its defining behaviour,
 on a RouterCore fed hand-built snapshots (no Redis, a fake clock, seeded RNGs)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 from helpers import make_snapshot
 
-from redisbal.bench.peers import (
+from redisbal.bench.peer_policies import (
     PEER_POLICIES,
     REFERENCE_KV_BLOCKS,
     BoundedLoadHashPolicy,
@@ -18,9 +18,9 @@ from redisbal.bench.peers import (
     _point,
     make_peer,
 )
-from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import Policy
-from redisbal.routing.views import Decision, RequestInfo
+from redisbal.routing.router_core import RouterCore
+from redisbal.routing.state import Decision, RequestInfo
 
 
 class FakeClock:

@@ -40,7 +40,7 @@ from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, Upstre
 from redisbal.keys import InvalidName, check_name
 from redisbal.routing.policies import NoEngines, UnknownEngine
 from redisbal.routing.router import AsyncRouter
-from redisbal.routing.views import MAX_KEY_LEN, Decision
+from redisbal.routing.state import MAX_KEY_LEN, Decision
 
 log = logging.getLogger("redisbal.gateway")
 

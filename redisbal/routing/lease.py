@@ -25,7 +25,7 @@ from redisbal.background import cancel_and_wait
 from redisbal.connection import AsyncRedisClient
 from redisbal.errors import LeaseUnavailable as LeaseUnavailable
 from redisbal.keys import DeploymentKeys
-from redisbal.routing.core import RouterCore
+from redisbal.routing.router_core import RouterCore
 
 log = logging.getLogger("redisbal.routing.lease")
 

@@ -36,12 +36,12 @@ from redisbal.barrier.snapshot import Rosters, RosterUnknown, Snapshot
 from redisbal.connection import OUTAGE_ERRORS, AsyncRedisClient, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.routing.admission import Admission
-from redisbal.routing.core import RouterCore
 from redisbal.routing.lease import ClientLease
 from redisbal.routing.outcomes import FAILURES, OUTCOMES, OutcomeTracker
 from redisbal.routing.policies import DEFAULT_POLICY, Policy
+from redisbal.routing.router_core import RouterCore
 from redisbal.routing.routes_channel import RoutesChannel
-from redisbal.routing.views import Decision
+from redisbal.routing.state import Decision
 
 log = logging.getLogger("redisbal.routing.router")
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
@@ -181,7 +181,7 @@ class AsyncRouter(_LocalRouting):
     ``client_count`` follow the live leases (redisbal.routing.lease). ``policy``
     is a name from ``redisbal.routing.policies.POLICIES`` or a Policy.
     ``tell_routes``: with 2 to 8 API servers, tell the others each route on the
-    deployment's routes channel and count theirs as told (``redisbal.routing.peers``).
+    deployment's routes channel and count theirs as told (``redisbal.routing.told_routes``).
     ``hold_s``: with a policy that holds (the default), ``admit()`` holds a request
     while every engine is at its running cap, at most this long
     (``redisbal.routing.admission``); None or 0: it never holds.

@@ -56,7 +56,7 @@ from redisbal.sim.engine_sim import EngineTally, SimStats
 from redisbal.sim.fault_injection import FaultInjection
 from redisbal.sim.load_plan import output_text
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
-from redisbal.sim.peer_endpoints import add_peer_routes
+from redisbal.sim.peer_router_endpoints import add_peer_routes
 from redisbal.sim.prefix_cache import CHARS_PER_TOKEN, text_blocks
 
 log = logging.getLogger("redisbal.sim.http_engine")
@@ -220,7 +220,7 @@ class HttpEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/sim/state", self._state)
         app.router.add_post("/sim/fault", self._set_fault)
-        add_peer_routes(app, self)  # what real engines serve to routers (peer_endpoints)
+        add_peer_routes(app, self)  # what real engines serve to routers (peer_router_endpoints)
         return app
 
     @web.middleware

@@ -34,8 +34,8 @@ from redisbal.bench.redis_cost.common import (
     usec_per_call,
 )
 from redisbal.keys import DeploymentKeys
-from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import DEFAULT_POLICY
+from redisbal.routing.router_core import RouterCore
 
 
 def fake_snapshot(n: int, clients: int = 8) -> Snapshot:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import orjson
 
-from redisbal.routing.views import EngineView
+from redisbal.routing.state import EngineView
 
 COALESCE_S = 0.002  # routes made within this of each other are told in one message
 TELL_EVERY_S = 0.5  # a router tells at least this often, idle or not
@@ -50,7 +50,7 @@ __all__ = [
     "FRESH_S",
     "MAX_ROUTERS",
     "TELL_EVERY_S",
-    "PeerRoutes",
+    "ToldRoutes",
     "encode",
     "telling",
 ]
@@ -90,7 +90,7 @@ def _decode(data: bytes | str) -> tuple[int, dict[str, tuple[str | None, int, in
     return index, counts
 
 
-class PeerRoutes:
+class ToldRoutes:
     """A router's side of the exchange: the other routers' told counts and when each
     was last heard from, and which of its own counts changed since it last told.
 

@@ -1,6 +1,6 @@
 """What a router knows, as its policies read it: one ``EngineView`` per engine, the
 router's ``RoutingState``, what it was told of the request (``RequestInfo``), and the
-``Decision`` it hands back. Data only; ``redisbal.routing.core.RouterCore`` keeps them
+``Decision`` it hands back. Data only; ``redisbal.routing.router_core.RouterCore`` keeps them
 and ``redisbal.routing.policies`` turns them into a choice."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class RequestInfo:
     prefix cache), within a bound on that engine's load. ``prompt_tokens`` and
     ``output_tokens`` (expected or the request's cap): the request's size, so a
     route counts by its cost instead of as 1. ``blocks``: chained hashes of the
-    prompt's token blocks, for prefix-aware policies (the benchmark's peers).
+    prompt's token blocks, for prefix-aware policies (the benchmark's peer routers).
     ``key_guessed``: the key was not given as one but taken from the request (the
     gateway's body ``user``); the default policy follows such keys only while they
     come back.
@@ -112,7 +112,7 @@ class EngineView:
     done: int = 0  # of those, the ones its counts hold (estimates.ended)
     costs: deque[float] = field(default_factory=deque)  # cost of each pending route, oldest first
     pending_cost: float = 0.0  # sum of costs
-    others: float = 0.0  # the other routers' routes on their way (routing.peers), or 0
+    others: float = 0.0  # the other routers' routes on their way (routing.told_routes), or 0
     admitted: Sequence[int] | None = None  # the snapshot's admitted counts by client index
     gen: int = 0  # heap entry generation
     hid: int = field(default=0, init=False)  # crc32 of engine_id (the shared dither)

@@ -1,4 +1,5 @@
-"""The routers users would pick instead of redisbal, for the benchmark to compare.
+"""Peer routers' policies, emulated: the routers users would pick instead of redisbal,
+for the benchmark to compare on the simulated clock.
 
 Each policy follows one public source (named in its docstring, with the defaults
 taken from it) and sees what that router would see when it runs inside one of
@@ -23,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from redisbal.routing.policies import Policy
-from redisbal.routing.views import EngineView, RoutingState
+from redisbal.routing.state import EngineView, RoutingState
 
 # vLLM's reference engine in the GIE prefix plugin's sizing note: Llama-3-8B on an H100
 # 80GB caches about 500K tokens = 31,250 blocks of 16 tokens.
