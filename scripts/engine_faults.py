@@ -55,7 +55,7 @@ from typing import Any
 import openai
 import orjson
 
-from redisbal.bench import routers as peer_routers
+from redisbal.bench import peer_routers
 from redisbal.bench.tap import read_count, read_times
 from redisbal.sim.embedded import RedisServer
 

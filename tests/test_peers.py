@@ -307,7 +307,7 @@ def test_peer_gateway_gives_the_gateway_every_keyword_it_requires() -> None:
     import inspect
     from pathlib import Path
 
-    from redisbal.gateway import command
+    from redisbal.gateway import cli
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "peer_gateway.py"
     spec = importlib.util.spec_from_file_location("peer_gateway", path)
@@ -316,8 +316,8 @@ def test_peer_gateway_gives_the_gateway_every_keyword_it_requires() -> None:
     spec.loader.exec_module(script)
     given = dict.fromkeys(script.SET_HERE, None)
     kw = script.serve_kwargs(**given)
-    params = inspect.signature(command._serve).parameters.values()
+    params = inspect.signature(cli._serve).parameters.values()
     required = {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
     assert required <= set(kw)
     assert kw["max_attempts"] == 3 and kw["host"] is None  # a default, and given over it
-    inspect.signature(command._serve).bind("redis://x", "d", **kw)
+    inspect.signature(cli._serve).bind("redis://x", "d", **kw)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from redisbal.bench.command import bench_command
+from redisbal.bench.cli import bench_command
 from redisbal.bench.latency import (
     goodput,
     hit_rate,

@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from redisbal.sim.commands import parse_slow
+from redisbal.sim.cli import parse_slow
 from redisbal.sim.load_plan import Planned
 
 MAX_BYPASS_RATE = 10_000.0
