@@ -23,6 +23,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from redisbal.errors import InvalidArgument
 from redisbal.routing.policies import Policy
 from redisbal.routing.state import EngineView, RoutingState
 
@@ -476,9 +477,11 @@ def make_peer(name: str, *, kv_blocks: int | None = None) -> Policy:
     scale with it (the others ignore it)."""
     factory = PEER_POLICIES.get(name)
     if factory is None:
-        raise ValueError(f"unknown peer policy {name!r}; choose from {', '.join(PEER_POLICIES)}")
+        raise InvalidArgument(
+            f"unknown peer policy {name!r}; choose from {', '.join(PEER_POLICIES)}"
+        )
     if kv_blocks is not None and name in _KV_SIZED:
         if isinstance(kv_blocks, bool) or not isinstance(kv_blocks, int) or kv_blocks < 1:
-            raise ValueError(f"kv_blocks must be a whole number >= 1, got {kv_blocks!r}")
+            raise InvalidArgument(f"kv_blocks must be a whole number >= 1, got {kv_blocks!r}")
         return _KV_SIZED[name](kv_blocks=kv_blocks)
     return factory()

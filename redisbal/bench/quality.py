@@ -67,6 +67,7 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
+from redisbal.errors import InvalidArgument
 from redisbal.routing.admission import (
     DEFAULT_MAX_S,
     ahead_of,
@@ -126,7 +127,7 @@ def _policy(name: str, world: World, kv_blocks: int = QUALITY_ENGINE.cache_block
         return policy
     if name in PEER_POLICIES:  # prefix indexes sized for the simulated engine's KV cache
         return make_peer(name, kv_blocks=kv_blocks)
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
+    raise InvalidArgument(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
 
 
 ARRIVE, DELIVER, ESTEP, TICK, STEP, STATS, SNAP, SAMPLE, TELL, HEAR, RELEASE, EXPIRE = range(12)

@@ -60,6 +60,7 @@ import redis.exceptions
 from redisbal.background import BackgroundLoop
 from redisbal.barrier.operations import Scripts, report_reply
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
+from redisbal.errors import InvalidArgument, InvalidState
 from redisbal.keys import DeploymentKeys
 from redisbal.reporting.lane import MAX_QUEUED, Lane, Pending, ReportResult, Tag, tag_of
 
@@ -156,12 +157,12 @@ class ReportSender:
     ) -> None:
         if client is None:
             if not redis_url:
-                raise ValueError("give a redis_url (or client=)")
+                raise InvalidArgument("give a redis_url (or client=)")
             self.timeout_s = timeout_s
             client = self._make_client(redis_url)
             self._owns_client = True
         elif not inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
-            raise ValueError("a ReportSender needs an asyncio client (redis.asyncio)")
+            raise InvalidArgument("a ReportSender needs an asyncio client (redis.asyncio)")
         else:
             self._owns_client = False
         self.client = client
@@ -256,7 +257,7 @@ class ReportSender:
     def attach(self, lane: Lane) -> None:
         with self._lock:
             if self.closed:
-                raise RuntimeError("this ReportSender is closed")
+                raise InvalidState("this ReportSender is closed")
             self._group_of(lane).lanes.append(lane)
 
     def detach(self, lane: Lane) -> None:
@@ -401,7 +402,7 @@ class ReportSender:
             return
         loop = asyncio.get_running_loop()
         if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
-            raise RuntimeError("this ReportSender runs on another event loop")
+            raise InvalidState("this ReportSender runs on another event loop")
         self._loop, self._loop_thread = loop, threading.get_ident()
         group.wake = asyncio.Event()
         group.task = loop.create_task(self._run(group), name="redisbal-report-sender")
@@ -600,7 +601,7 @@ class ReportSender:
     def close(self) -> None:
         """Blocking close of a threaded sender."""
         if self.background is None:
-            raise RuntimeError("close() is for threaded senders; await aclose()")
+            raise InvalidState("close() is for threaded senders; await aclose()")
         if not self.background.running:
             return
         with contextlib.suppress(Exception):

@@ -35,6 +35,7 @@ import asyncio
 import math
 from collections import deque
 
+from redisbal.errors import InvalidArgument
 from redisbal.routing.router_core import RouterCore
 
 DEFAULT_MAX_S = 2.0  # hold a request at most this long (the gateway's --hold-s)
@@ -118,9 +119,9 @@ class Admission:
 
     def __init__(self, core: RouterCore, max_s: float) -> None:
         if isinstance(max_s, bool) or not isinstance(max_s, int | float):
-            raise ValueError(f"max_s must be a number of seconds, got {max_s!r}")
+            raise InvalidArgument(f"max_s must be a number of seconds, got {max_s!r}")
         if not 0 < max_s < math.inf:
-            raise ValueError(f"max_s must be finite and > 0, got {max_s!r}")
+            raise InvalidArgument(f"max_s must be finite and > 0, got {max_s!r}")
         self.core = core
         self.max_s = float(max_s)
         # each held request: when it came (loop time) and what it waits on

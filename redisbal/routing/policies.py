@@ -29,6 +29,7 @@ import zlib
 from collections.abc import Callable
 
 from redisbal.barrier.snapshot import Snapshot
+from redisbal.errors import InvalidArgument
 from redisbal.errors import NoEngines as NoEngines
 from redisbal.errors import UnknownEngine as UnknownEngine
 from redisbal.routing.state import EngineView, RoutingState
@@ -565,4 +566,6 @@ def make_policy(name: str | Policy) -> Policy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+        raise InvalidArgument(
+            f"unknown policy {name!r}; choose from {', '.join(POLICIES)}"
+        ) from None

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from redisbal.barrier.snapshot import Snapshot
+from redisbal.errors import InvalidArgument
 from redisbal.routing.adoption import Carrying, RosterViews, Versions, adopt_full
 from redisbal.routing.estimates import (
     RouteCost,
@@ -67,19 +68,21 @@ class RouterCore:
         outcomes: OutcomeTracker | None = None,
     ) -> None:
         if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
-            raise ValueError(f"client_count must be a whole number >= 1, got {client_count!r}")
+            raise InvalidArgument(f"client_count must be a whole number >= 1, got {client_count!r}")
         if (
             isinstance(client_index, bool)
             or not isinstance(client_index, int)
             or not 0 <= client_index < client_count
         ):
-            raise ValueError(f"client_index must be in 0..{client_count - 1}, got {client_index!r}")
+            raise InvalidArgument(
+                f"client_index must be in 0..{client_count - 1}, got {client_index!r}"
+            )
         g = rejoin_grace_s
         if isinstance(g, bool) or not (isinstance(g, int | float) and 0 <= g < math.inf):
-            raise ValueError(f"rejoin_grace_s must be finite and >= 0, got {rejoin_grace_s!r}")
+            raise InvalidArgument(f"rejoin_grace_s must be finite and >= 0, got {rejoin_grace_s!r}")
         g = suspect_s
         if isinstance(g, bool) or not (isinstance(g, int | float) and 0 < g < math.inf):
-            raise ValueError(f"suspect_s must be finite and > 0, got {suspect_s!r}")
+            raise InvalidArgument(f"suspect_s must be finite and > 0, got {suspect_s!r}")
         self.client_index = client_index
         self.client_count = client_count
         self.policy = make_policy(policy)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from redisbal.barrier.snapshot import Snapshot
+from redisbal.errors import InvalidArgument
 
 
 @dataclass(slots=True)
@@ -64,17 +65,19 @@ def request_info(
     """Check what route() was told about a request (ValueError naming the argument)
     and hold it as a RequestInfo."""
     if key is not None and (not isinstance(key, str) or len(key) > MAX_KEY_LEN):
-        raise ValueError(f"key must be a str of at most {MAX_KEY_LEN} characters, got {key!r:.60}")
+        raise InvalidArgument(
+            f"key must be a str of at most {MAX_KEY_LEN} characters, got {key!r:.60}"
+        )
     for name, v in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"{name} must be a whole number >= 0, got {v!r}")
+            raise InvalidArgument(f"{name} must be a whole number >= 0, got {v!r}")
     hashes: tuple[int, ...] = ()
     if blocks:
         hashes = tuple(blocks)
         if not all(isinstance(b, int) and not isinstance(b, bool) for b in hashes):
-            raise ValueError("blocks must be integers (hashes of the prompt's token blocks)")
+            raise InvalidArgument("blocks must be integers (hashes of the prompt's token blocks)")
     if not isinstance(key_guessed, bool):
-        raise ValueError(f"key_guessed must be True or False, got {key_guessed!r:.60}")
+        raise InvalidArgument(f"key_guessed must be True or False, got {key_guessed!r:.60}")
     return RequestInfo(key, prompt_tokens, output_tokens, hashes, key_guessed)
 
 

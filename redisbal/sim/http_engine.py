@@ -56,6 +56,7 @@ from aiohttp.typedefs import Handler
 from redisbal import endpoints
 from redisbal.background import cancel_and_wait
 from redisbal.connection import OUTAGE_ERRORS
+from redisbal.errors import InvalidArgument
 from redisbal.keys import check_name
 from redisbal.reporting.reporter import AsyncReporter, Counts
 from redisbal.sim.engine_sim import EngineTally, SimStats
@@ -606,7 +607,7 @@ async def serve_engines(
     slow = slow or {}
     unknown = sorted(set(slow) - set(ids))
     if unknown:
-        raise ValueError(f"--slow names engines this process does not run: {unknown}")
+        raise InvalidArgument(f"--slow names engines this process does not run: {unknown}")
     engines = [
         HttpEngine(
             engine_id,
