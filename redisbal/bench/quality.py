@@ -111,7 +111,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def available_policies() -> list[str]:
-    """Every policy the benchmark compares: the baselines, redisbal, the oracle, the peers."""
+    """Every policy the benchmark compares: the baselines, redisbal, the oracle, the peer
+    routers."""
     return [*BASE_POLICIES, *(p for p in PEER_POLICIES if p not in BASE_POLICIES)]
 
 
