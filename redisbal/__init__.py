@@ -7,11 +7,19 @@ step; API servers route each request locally from that snapshot plus their own
 bookkeeping (``AsyncRouter`` / ``Router``); ``redisbal coordinator`` keeps
 membership, liveness and stalled barriers in order. A custom routing policy is a
 ``Policy`` or a ``ScoringPolicy`` (a score per ``EngineView``, lowest wins). Every
-exception redisbal raises is a ``RedisbalError`` (redisbal.errors).
+ValueError and RuntimeError redisbal raises is a ``RedisbalError`` (redisbal.errors).
 """
 
 from redisbal.barrier.snapshot import EngineCounts, Snapshot
-from redisbal.errors import BadRedisURL, InvalidName, LeaseUnavailable, RedisbalError
+from redisbal.errors import (
+    BadRedisURL,
+    InvalidArgument,
+    InvalidName,
+    InvalidState,
+    LeaseUnavailable,
+    MalformedData,
+    RedisbalError,
+)
 from redisbal.reporting.reporter import (
     AsyncReporter,
     Counts,
@@ -29,7 +37,7 @@ from redisbal.routing.policies import (
     UnknownEngine,
 )
 from redisbal.routing.router import AsyncRouter, Router
-from redisbal.routing.views import Decision, EngineView, RequestInfo, RoutingState
+from redisbal.routing.state import Decision, EngineView, RequestInfo, RoutingState
 
 __version__ = "0.1.0"
 
@@ -43,9 +51,12 @@ __all__ = [
     "Decision",
     "EngineCounts",
     "EngineView",
+    "InvalidArgument",
     "InvalidName",
     "InvalidReport",
+    "InvalidState",
     "LeaseUnavailable",
+    "MalformedData",
     "NoEngines",
     "Policy",
     "RedisbalError",

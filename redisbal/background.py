@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from redisbal.errors import InvalidState
+
 T = TypeVar("T")
 
 
@@ -47,7 +49,7 @@ class BackgroundLoop:
         the coroutine then cancelled). Never call it from the loop's own thread."""
         if self.in_loop_thread():
             coro.close()
-            raise RuntimeError("BackgroundLoop.run called from its own thread: it would deadlock")
+            raise InvalidState("BackgroundLoop.run called from its own thread: it would deadlock")
         fut = self.submit(coro)
         try:
             return fut.result(timeout)

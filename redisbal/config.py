@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from redisbal.errors import InvalidArgument
 from redisbal.keys import check_name
 
 
@@ -28,7 +29,7 @@ class Setting:
     def check(self, name: str, value: object) -> int:
         """``value`` if it is a whole number in bounds, else ValueError naming ``name``."""
         if isinstance(value, bool) or not isinstance(value, int) or not self.lo <= value <= self.hi:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{name} must be a whole number of {self.unit} in {self.lo}..{self.hi}, "
                 f"got {value!r}"
             )
@@ -89,20 +90,20 @@ class CoordinatorConfig:
             setting.check(name, getattr(self, name))
         LEASE_TTL.check("lease_ttl_ms", self.lease_ttl_ms)
         if self.stall_ms >= self.dead_after_ms:
-            raise ValueError(
+            raise InvalidArgument(
                 f"stall_ms ({self.stall_ms}) must be below dead_after_ms "
                 f"({self.dead_after_ms}): a stalled barrier is forced before an "
                 "engine is declared dead"
             )
         if not isinstance(self.expected, list | tuple):
-            raise ValueError(
+            raise InvalidArgument(
                 f"expected must be a list of engine ids, got {type(self.expected).__name__}: "
                 f"{self.expected!r}"
             )
         for e in self.expected:
             check_name(e, "expected engine id")
         if len(set(self.expected)) != len(self.expected):
-            raise ValueError("expected engine ids must be unique")
+            raise InvalidArgument("expected engine ids must be unique")
 
     def fields(self) -> dict[str, str]:
         """The config hash's fields (the lease TTL is not one: see LEASE_TTL)."""

@@ -19,6 +19,21 @@ class RedisbalError(Exception):
 # -- the library ---------------------------------------------------------------------------
 
 
+class InvalidArgument(RedisbalError, ValueError):
+    """An argument or setting redisbal cannot use; the message names it and what it
+    takes (one line). The more specific classes below say which kind of input it was."""
+
+
+class MalformedData(RedisbalError, ValueError):
+    """Data read back that is not in redisbal's format: an engine record, a snapshot, a
+    told-routes message (written by another version, or not by redisbal)."""
+
+
+class InvalidState(RedisbalError, RuntimeError):
+    """An object that cannot serve the call in its present state: closed, not started,
+    on another event loop, or called from its own thread."""
+
+
 class InvalidName(RedisbalError, ValueError):
     """A deployment or engine name that cannot be used in a Redis key."""
 
@@ -89,6 +104,11 @@ class PluginConfigError(RedisbalError, ValueError):
 
 class TraceError(RedisbalError, ValueError):
     """A bad trace line: the message names the line number and the field."""
+
+
+class SetupFailed(RedisbalError, RuntimeError):
+    """The simulator or a benchmark could not set up or drive what it runs: a server or
+    process that did not start, get ready or answer; the message says which."""
 
 
 class RedisServerNotFound(RedisbalError, RuntimeError):

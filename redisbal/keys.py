@@ -104,7 +104,7 @@ class DeploymentKeys:
     @property
     def routes(self) -> str:
         """Pub/sub channel on which routers tell each other their routes
-        (redisbal.routing.peers)."""
+        (redisbal.routing.told_routes)."""
         return self.key("routes")
 
     @property

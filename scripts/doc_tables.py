@@ -213,7 +213,11 @@ def _coordinator_metrics() -> list[tuple[str, ...]]:
 
     from redisbal.keys import DeploymentKeys
     from redisbal.ops.coordinator import CoordinatorStats
-    from redisbal.ops.metrics import META_COUNTERS, CoordinatorMetrics, _CoordinatorCollector
+    from redisbal.ops.coordinator_metrics import (
+        META_COUNTERS,
+        CoordinatorMetrics,
+        _CoordinatorCollector,
+    )
 
     engine = {"wave": 0, "step": 1, "waiting": 1, "running": 2, "kv": 0.5, "t": 999_000}
     snap = {"deployment": "d", "epoch": "ep", "version": 1, "wave": 0, "step": 1,
@@ -239,14 +243,14 @@ def metrics(which: str) -> str:
     registry = CollectorRegistry()
     if which == "router":
         from redisbal.keys import DeploymentKeys
-        from redisbal.ops.metrics import RouterMetrics
-        from redisbal.routing.core import RouterCore
+        from redisbal.ops.client_metrics import RouterMetrics
+        from redisbal.routing.router_core import RouterCore
 
         core = RouterCore(client_index=0, client_count=1)
         RouterMetrics(registry).bind(SimpleNamespace(core=core, keys=DeploymentKeys("d")))
     elif which == "reporter":
         from redisbal.keys import DeploymentKeys
-        from redisbal.ops.metrics import REPORTER_COUNTERS, ReporterMetrics
+        from redisbal.ops.client_metrics import REPORTER_COUNTERS, ReporterMetrics
 
         stats = SimpleNamespace(**dict.fromkeys(REPORTER_COUNTERS, 0))
         ReporterMetrics(registry).bind(
@@ -254,7 +258,7 @@ def metrics(which: str) -> str:
         )
     else:
         from redisbal.gateway.metrics import GatewayMetrics
-        from redisbal.routing.core import RouterCore
+        from redisbal.routing.router_core import RouterCore
 
         m = GatewayMetrics(
             {"d": RouterCore(client_index=0, client_count=1)}, lambda: 0.0, by_deployment=True

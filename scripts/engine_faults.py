@@ -25,7 +25,7 @@ windows; the fault's start and end are taken as done, not as scheduled. Prints
 a table and writes JSON.
 
 ``--routers`` runs each scenario again, on fresh processes, in front of peer
-routers instead of the gateways (``ROUTER:POLICY`` of redisbal.bench.routers, as
+routers instead of the gateways (``ROUTER:POLICY`` of redisbal.bench.peer_routers, as
 many replicas as ``--gateways``, each with ``--peer-args``).
 
     python scripts/engine_faults.py --json engine_faults.json
@@ -55,7 +55,7 @@ from typing import Any
 import openai
 import orjson
 
-from redisbal.bench import routers as peer_routers
+from redisbal.bench import peer_routers
 from redisbal.bench.tap import read_count, read_times
 from redisbal.sim.embedded import RedisServer
 
@@ -174,7 +174,7 @@ def start_peers(
     name, _ = peer_routers.split_name(router)
     exe = peer_routers.binary(name)
     if exe is None:
-        raise SystemExit(f"{name} is not installed: python -m redisbal.bench.routers")
+        raise SystemExit(f"{name} is not installed: python -m redisbal.bench.peer_routers")
     ports = peer_routers.free_ports(2 * a.gateways)
     workers = [tap_url, *(u for e, u in d.engines.items() if e != "0")]
     for i in range(a.gateways):

@@ -29,7 +29,7 @@ engine and nothing else (redisbal.bench.bare_proxy): the floor under the gateway
 that its overhead splits into what carrying a request costs and what redisbal adds.
 
 ``--peers vllm-router:power_of_two,sglang-router:cache_aware``: also one replica of
-each real peer router (redisbal.bench.routers: pinned, installed into a venv of its
+each real peer router (redisbal.bench.peer_routers: pinned, installed into a venv of its
 own on first use, ``--routers-venv``) in front of the same engine, in the same
 interleaved run; their CPU comes from schedstat as the gateway's (they have no
 "inside" histogram). A second table then gives each target's CPU over the first
@@ -55,10 +55,11 @@ from typing import Any
 import click
 import orjson
 
-from redisbal.bench import routers
+from redisbal.bench import peer_routers
+from redisbal.bench.loadgen import run
 from redisbal.bench.plots import plot_overhead, pyplot
-from redisbal.gateway.loadgen import plan, run
 from redisbal.sim.embedded import RedisServer
+from redisbal.sim.load_plan import plan
 
 BENCH_KEY = "bench-key-0123456789abcdef"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -209,15 +210,15 @@ def main() -> None:
             sys.exit(f"gateway_overhead: {exc.message}")
     try:
         for p in peers:
-            routers.split_name(p)
-        venv = routers.install(Path(a.routers_venv) if a.routers_venv else None)
-    except routers.RouterError as exc:
+            peer_routers.split_name(p)
+        venv = peer_routers.install(Path(a.routers_venv) if a.routers_venv else None)
+    except peer_routers.RouterError as exc:
         sys.exit(f"gateway_overhead: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the finally runs
     rates = [float(r) for r in a.rates.split(",")]
     modes = [m == "stream" for m in a.modes.split(",")]
     procs: list[subprocess.Popen[bytes]] = []
-    replicas: list[routers.RouterProcess] = []
+    replicas: list[peer_routers.RouterProcess] = []
     rows: list[dict[str, Any]] = []
     with RedisServer(tcp=True) as server:
         eport = free_port()
@@ -298,19 +299,19 @@ def main() -> None:
         print(f"plot: {plot_overhead(rows, a.plot, peers[0] if peers else None)}")
 
 
-def start_peer(name: str, venv: Path, engine_port: int, logdir: Path) -> routers.RouterProcess:
+def start_peer(name: str, venv: Path, engine_port: int, logdir: Path) -> peer_routers.RouterProcess:
     """One replica of a real peer router in front of the engine, ready. power_of_two
     needs two workers: it gets the one engine under two names (127.0.0.1, localhost),
     so that it picks by its own in-flight counts without a call to the engine."""
-    router, policy = routers.split_name(name)
-    exe = routers.binary(router, venv)
-    assert exe is not None  # routers.install checked it
-    port, metrics_port = routers.free_ports(2)
+    router, policy = peer_routers.split_name(name)
+    exe = peer_routers.binary(router, venv)
+    assert exe is not None  # peer_routers.install checked it
+    port, metrics_port = peer_routers.free_ports(2)
     log = Path(logdir) / f"{name.replace(':', '-')}.log"
     workers = [f"http://127.0.0.1:{engine_port}"]
     if policy == "power_of_two":
         workers.append(f"http://localhost:{engine_port}")
-    rp = routers.RouterProcess(name, exe, port, metrics_port, workers, log)
+    rp = peer_routers.RouterProcess(name, exe, port, metrics_port, workers, log)
     rp.start()
     rp.wait_ready(30.0)
     return rp

@@ -22,13 +22,13 @@ traffic as one) with ``loadgen --session-prompts``, on engines given
 summed over the engines' /sim/state).
 
 Policies are what ``redisbal gateway --policy`` accepts (redisbal.routing.policies.POLICIES)
-and, with ``--trace``, the real peer routers (redisbal.bench.routers:
+and, with ``--trace``, the real peer routers (redisbal.bench.peer_routers:
 ``vllm-router:cache_aware``, ``vllm-router:power_of_two``, ``sglang-router:cache_aware``,
 ``sglang-router:power_of_two``; the pinned versions are pip-installed into a venv of
 their own on first use, ``--routers-venv``), ``--gateways`` replicas of each in front
 of the same engines, every run checking in the router's /metrics and the engines'
 /sim/peer_calls that the policy's prefix- or load-aware path ran; and the project's
-emulations of peers that no real router here runs (redisbal.bench.peers: llmd, chbl,
+emulations of peers that no real router here runs (redisbal.bench.peer_policies: llmd, chbl,
 p2c, sglang-cache-aware), whose gateways are scripts/peer_gateway.py (the gateway
 command takes no Policy object, and does not tell its router a prompt's block hashes,
 which the prefix-aware emulations route by; that script does). Tables label them
@@ -65,7 +65,7 @@ import click
 import orjson
 
 from redisbal import endpoints
-from redisbal.bench import routers
+from redisbal.bench import peer_routers
 from redisbal.bench.gateway_scenarios import (
     Bypass,
     bypass_trace,
@@ -74,15 +74,15 @@ from redisbal.bench.gateway_scenarios import (
     parse_bypass,
     scenario,
 )
-from redisbal.bench.peers import PEER_POLICIES
+from redisbal.bench.peer_policies import PEER_POLICIES
 from redisbal.bench.plots import plot_policy_seeds, pyplot
 from redisbal.bench.quality import VARIANTS
-from redisbal.gateway.loadgen import Planned, read_trace
 from redisbal.keys import DeploymentKeys
 from redisbal.routing.policies import POLICIES
 from redisbal.sim.demo import Child, DemoError, DemoOptions, Echo
 from redisbal.sim.demo_http import HttpDemo, _get
 from redisbal.sim.embedded import RedisServer
+from redisbal.sim.load_plan import Planned, read_trace
 
 COLUMNS = (
     ("ttft_p50_ms", "TTFT p50 (ms)", ".0f"),
@@ -262,19 +262,19 @@ class RouterDemo(TraceDemo):
         super().__init__(opts, echo, trace, engine_args)
         self.router = router
         self.venv = venv
-        self.replicas: list[routers.RouterProcess] = []
+        self.replicas: list[peer_routers.RouterProcess] = []
 
     def start_gateways(self) -> None:
-        name, _ = routers.split_name(self.router)
-        exe = routers.binary(name, Path(self.venv))
+        name, _ = peer_routers.split_name(self.router)
+        exe = peer_routers.binary(name, Path(self.venv))
         if exe is None:
-            raise DemoError(f"{name} {routers.PINNED[name]} is not installed in {self.venv}")
+            raise DemoError(f"{name} {peer_routers.PINNED[name]} is not installed in {self.venv}")
         workers = self.engine_urls()
         if len(workers) != self.opts.engines:
             raise DemoError(f"{len(workers)} engine URLs registered, not {self.opts.engines}")
-        ports = routers.free_ports(2 * self.opts.api_servers)
+        ports = peer_routers.free_ports(2 * self.opts.api_servers)
         for i in range(self.opts.api_servers):
-            rp = routers.RouterProcess(
+            rp = peer_routers.RouterProcess(
                 self.router, exe, ports[2 * i], ports[2 * i + 1], workers,
                 self.logdir / f"router-{i}.log",
             )  # fmt: skip
@@ -283,7 +283,7 @@ class RouterDemo(TraceDemo):
         try:
             for rp in self.replicas:
                 rp.wait_ready(self.opts.startup_timeout)
-        except routers.RouterError as exc:
+        except peer_routers.RouterError as exc:
             raise DemoError(str(exc)) from None
         self.gateways = [
             (Child(f"router-{i}", rp.proc, rp.log), rp.url)  # type: ignore[arg-type]
@@ -323,7 +323,7 @@ def wait_for_load(gate: float | None, wait_s: float) -> bool:
 
 def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) -> dict[str, Any]:
     peer = policy if policy in PEER_POLICIES or policy in VARIANTS else None
-    real = policy in routers.NAMES
+    real = policy in peer_routers.NAMES
     opts = DemoOptions(
         redis_url=url,
         deployment=f"gwpol{n}",
@@ -391,7 +391,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         over = (st["step_taken_s"] - st["step_planned_s"]) / max(1, st["steps"])
         row["step_overshoot_ms"] = round(1000 * over, 3)
     if isinstance(demo, RouterDemo):
-        row["paths"] = routers.check_paths(
+        row["paths"] = peer_routers.check_paths(
             policy, demo.replicas, demo.peer_calls, int(lg["requests"])
         )
     return row
@@ -428,7 +428,7 @@ def table(rows: list[dict[str, Any]], policies: list[str]) -> str:
             cells.append(cell(p99, ".0f") if p99 else "-")
             cells.append(f"{sum(b['ok'] for b in by)} / {sum(b['requests'] for b in by)}")
         label = f"{p} (emulation)" if p in EMULATIONS else p
-        if p in routers.NAMES:
+        if p in peer_routers.NAMES:
             ran = sum(bool(r["paths"]["ok"]) for r in mine)
             label = f"{p} (real, path ran {ran}/{len(mine)})"
             notes += [f"- {p} seed {r['seed']}: {r['paths']['note']}" for r in mine]
@@ -490,7 +490,7 @@ def main() -> None:
     ap.add_argument("--first-seed", type=int, default=1, help="seeds first-seed .. +seeds-1")
     ap.add_argument(
         "--routers-venv",
-        default=str(routers.default_venv()),
+        default=str(peer_routers.default_venv()),
         help="venv the pinned peer routers are installed into (made on first use)",
     )
     ap.add_argument("--load-gate", type=float, default=None, help="wait for load avg below this")
@@ -520,15 +520,15 @@ def main() -> None:
             spans.append(max((p.t for p in read_trace(path)), default=0.0))
         args.duration = max(spans) + 1.0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    peers = [*sorted(PEER_POLICIES), *routers.NAMES, *VARIANTS]
+    peers = [*sorted(PEER_POLICIES), *peer_routers.NAMES, *VARIANTS]
     known = sorted(POLICIES) + (peers if args.trace else [])
     bad = [p for p in policies if p not in known]
     if bad:
         ap.error(f"unknown policies {bad}; choose from {known} (peers need --trace)")
-    if any(p in routers.NAMES for p in policies):
+    if any(p in peer_routers.NAMES for p in policies):
         try:
-            routers.install(Path(args.routers_venv))
-        except (routers.RouterError, OSError, subprocess.CalledProcessError) as exc:
+            peer_routers.install(Path(args.routers_venv))
+        except (peer_routers.RouterError, OSError, subprocess.CalledProcessError) as exc:
             sys.exit(f"gateway_policies: {exc}")
     server = RedisServer()
     server.start()

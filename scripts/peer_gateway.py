@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A gateway whose router runs one of the benchmark's peer policies
-(redisbal.bench.peers: p2c, sglang-cache-aware, llmd, chbl), for
+(redisbal.bench.peer_policies: p2c, sglang-cache-aware, llmd, chbl), for
 scripts/gateway_policies.py: ``redisbal gateway --policy`` takes only the names in
 redisbal.routing.policies.POLICIES, while ``AsyncRouter`` takes any Policy object.
 
@@ -24,9 +24,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from redisbal.bench.peers import PEER_POLICIES, make_peer
+from redisbal.bench.peer_policies import PEER_POLICIES, make_peer
 from redisbal.bench.quality import VARIANTS
-from redisbal.gateway import command, proxy
+from redisbal.gateway import cli, proxy
 from redisbal.routing.policies import Policy, RedisbalPolicy
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import _prompt_text
@@ -84,9 +84,9 @@ SET_HERE = frozenset(
 
 
 def serve_kwargs(**given: Any) -> dict[str, Any]:
-    """``command._serve``'s keywords: ``given`` over the gateway command's defaults."""
-    defaults = {p.name: p.default for p in command.gateway.params if p.name}
-    params = inspect.signature(command._serve).parameters.values()
+    """``cli._serve``'s keywords: ``given`` over the gateway command's defaults."""
+    defaults = {p.name: p.default for p in cli.gateway.params if p.name}
+    params = inspect.signature(cli._serve).parameters.values()
     keywords = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in SET_HERE]
     kw = {k: defaults[k] for k in keywords if k in defaults}
     return {**kw, **given}
@@ -107,8 +107,8 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("REDISBAL_LOG_LEVEL", "warning").upper())
     proxy.request_hints = _hints_with_blocks  # type: ignore[assignment]
     AsyncRouter.route = _route_with_blocks  # type: ignore[method-assign]
-    ok = command.run_loop(
-        command._serve(
+    ok = cli.run_loop(
+        cli._serve(
             url,
             os.environ.get("REDISBAL_DEPLOYMENT", "default"),
             **serve_kwargs(

@@ -13,7 +13,7 @@ The code is redisbal.bench.redis_cost.
 
 import sys
 
-from redisbal.bench.redis_cost.command import main
+from redisbal.bench.redis_cost.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """The series redisbal's exporters really export, read from their registries in-process.
 
-The coordinator's exporter (``redisbal.ops.metrics.CoordinatorMetrics``) reads the
+The coordinator's exporter (``redisbal.ops.coordinator_metrics.CoordinatorMetrics``) reads the
 deployment from Redis at scrape time; here its collector reads a deployment state
 made in the test instead (every meta counter, an open barrier, members, a snapshot
 with KV usage, stalled, suspect and laggard engines), so that every family it can
@@ -24,8 +24,12 @@ from redisbal.barrier.snapshot import Snapshot
 from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.coordinator import CoordinatorStats
-from redisbal.ops.metrics import META_COUNTERS, CoordinatorMetrics, _CoordinatorCollector
-from redisbal.routing.core import RouterCore
+from redisbal.ops.coordinator_metrics import (
+    META_COUNTERS,
+    CoordinatorMetrics,
+    _CoordinatorCollector,
+)
+from redisbal.routing.router_core import RouterCore
 
 # the sample names a family of each type exposes (prometheus_client strips _total
 # and the like from the family name)

@@ -18,9 +18,9 @@ from redisbal.routing.admission import (
     releasable,
     release_delay,
 )
-from redisbal.routing.core import RouterCore
 from redisbal.routing.estimates import kv_room
 from redisbal.routing.policies import RedisbalPolicy
+from redisbal.routing.router_core import RouterCore
 
 
 class Clock:
@@ -306,7 +306,7 @@ def test_routers_take_turns_that_turn_with_each_snapshot() -> None:
         for other in cores:
             if other is not c:
                 c.hear(other.told())
-    assert all(c.peers.live for c in cores)
+    assert all(c.told_routes.live for c in cores)
     delays = [release_delay(c) for c in cores]
     assert delays == [0.0, pytest.approx(0.008), pytest.approx(0.016)]  # (index + 3) % 3
     for c in cores:
@@ -320,7 +320,7 @@ def test_without_told_routes_a_router_releases_its_share_of_the_free_slots() -> 
     there: each takes its share (here a third), not all of them."""
     core, _ = router(0, 3)
     full(core)
-    assert not core.peers.live
+    assert not core.told_routes.live
     assert releasable(core, 0) == 0
     share = core.share  # (estimated from the admitted counts: about, not exactly, 1/3)
     assert 0.1 < share < 0.9

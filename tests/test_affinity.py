@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 from helpers import make_snapshot
 
-from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import Policy, RedisbalPolicy
-from redisbal.routing.views import EngineView, RequestInfo, RoutingState
+from redisbal.routing.router_core import RouterCore
+from redisbal.routing.state import EngineView, RequestInfo, RoutingState
 
 
 def cores(n_routers: int, loads: dict[str, tuple[int, int]], **kw: object) -> list[RouterCore]:

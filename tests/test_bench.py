@@ -30,7 +30,7 @@ from redisbal.bench.vllm import (
     vllm_model_for,
 )
 from redisbal.keys import DeploymentKeys
-from redisbal.routing.core import RouterCore
+from redisbal.routing.router_core import RouterCore
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -490,7 +490,7 @@ def test_bench_options_belong_to_their_benchmark() -> None:
     benchmark's are refused with it, each with a one-line error before any run."""
     from click.testing import CliRunner
 
-    from redisbal.bench.command import bench_command
+    from redisbal.bench.cli import bench_command
 
     runner = CliRunner()
     for args, msg in (

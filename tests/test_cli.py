@@ -174,7 +174,7 @@ def test_bad_numbers_and_values_are_usage_errors(
 def test_metrics_port_without_prometheus_names_the_extra(
     runner: CliRunner, redis_url: str, deployment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delitem(sys.modules, "redisbal.ops.metrics", raising=False)
+    monkeypatch.delitem(sys.modules, "redisbal.ops.coordinator_metrics", raising=False)
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import now fails
     res = run(
         runner,

@@ -10,9 +10,9 @@ from helpers import Barrier, await_until, server_ms
 
 from redisbal.connection import make_client
 from redisbal.keys import DeploymentKeys
-from redisbal.routing.core import RouterCore
 from redisbal.routing.lease import ClientLease, apply_lease
 from redisbal.routing.router import AsyncRouter
+from redisbal.routing.router_core import RouterCore
 
 pytestmark = pytest.mark.servers
 

@@ -16,8 +16,8 @@ import redisbal
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
 from redisbal.reporting.reporter import new_incarnation
-from redisbal.routing.core import RouterCore
-from redisbal.routing.views import Decision
+from redisbal.routing.router_core import RouterCore
+from redisbal.routing.state import Decision
 
 INC = new_incarnation(1_700_000_000_000)
 

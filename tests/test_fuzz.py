@@ -41,7 +41,7 @@ from redisbal.barrier.operations import SCRIPT_NAMES, script_source
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import NAME_RE, DeploymentKeys
 from redisbal.ops.coordinator import CoordinatorConfig
-from redisbal.routing.core import RouterCore
+from redisbal.routing.router_core import RouterCore
 
 FUZZ = settings(
     max_examples=60,

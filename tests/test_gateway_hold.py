@@ -88,17 +88,21 @@ async def test_requests_past_every_engines_cap_are_held_and_all_served(
         assert "redisbal_gateway_held 0.0" in page
 
 
-async def test_engines_without_admitted_counts_are_never_held_for(
+async def test_engines_fed_as_vllms_plugin_feeds_them_are_held_for_too(
     redis_url: str, deployment: str
 ) -> None:
     """Engines that report as vLLM's plugin does (engine-sim --no-admitted: running and
-    waiting only) teach no running cap, so the gateway holds nothing and routes at
-    once, queues or not."""
+    waiting after each step's admission, no admitted counts) teach the cap by a queue
+    in two reports in a row; then requests past every engine's cap are held and all
+    served, each when a slot freed."""
     async with _stack(redis_url, deployment, admitted=False) as (router, _, client):
         snap = router.snapshot
         assert snap is not None and all(c.admitted is None for c in snap.engines.values())
-        for _ in range(2):  # queues that outlive reports: with admitted counts, a cap
-            assert all(await _wave(client, 12))
         adm = router.admission
         assert adm is not None
-        assert router.core.running_cap == 0 and adm.held_total == 0
+        assert all(await _wave(client, 12))  # its queues teach the cap
+        await wait_for(lambda: router.core.running_cap == 2)
+        held_before = adm.held_total
+        assert all(await _wave(client, 12))
+        assert adm.held_total > held_before
+        assert adm.timed_out == 0 and adm.held == 0

@@ -20,7 +20,8 @@ from redisbal.bench.gateway_scenarios import (
     parse_bypass,
     scenario,
 )
-from redisbal.gateway.loadgen import Planned, loadgen, read_trace, split_targets
+from redisbal.bench.loadgen import loadgen, split_targets
+from redisbal.sim.load_plan import Planned, read_trace
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

@@ -9,8 +9,8 @@ import aiohttp
 import orjson
 from gateway_stack import MODEL, start_engines, start_gateway, stop_gateway, wait_for
 
-from redisbal.gateway.loadgen import Planned, output_text, session_prompts
 from redisbal.gateway.proxy import ENGINE_HEADER
+from redisbal.sim.load_plan import Planned, output_text, session_prompts
 from redisbal.sim.model import EngineParams
 from redisbal.sim.prefix_cache import BLOCK_TOKENS, CHARS_PER_TOKEN
 

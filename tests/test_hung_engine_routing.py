@@ -15,7 +15,7 @@ from collections import Counter
 from helpers import make_snapshot
 
 from redisbal.barrier.snapshot import Snapshot
-from redisbal.routing.core import RouterCore
+from redisbal.routing.router_core import RouterCore
 
 T0 = 5_000_000
 FOUR = {f"e{i}": (0, 0) for i in range(4)}

@@ -26,7 +26,7 @@ from redisbal import Counts
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
-from redisbal.ops.metrics import serve_coordinator_metrics
+from redisbal.ops.coordinator_metrics import serve_coordinator_metrics
 from redisbal.ops.status import gather_status
 from redisbal.sim.embedded import RedisServer, free_port
 

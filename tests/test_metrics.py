@@ -21,8 +21,9 @@ from redisbal import Counts
 from redisbal.barrier.operations import Scripts, report_reply
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
+from redisbal.ops.client_metrics import RouterMetrics
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
-from redisbal.ops.metrics import RouterMetrics, imbalance, serve_coordinator_metrics
+from redisbal.ops.coordinator_metrics import imbalance, serve_coordinator_metrics
 from redisbal.sim.embedded import RedisServer, free_port
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
@@ -220,10 +221,11 @@ async def test_router_metrics_on_the_callers_registry(redis_url: str, deployment
         await e1.aclose()
 
 
-def test_missing_prometheus_client_names_the_extra() -> None:
+@pytest.mark.parametrize("module", ["coordinator_metrics", "client_metrics"])
+def test_missing_prometheus_client_names_the_extra(module: str) -> None:
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"
-        "try:\n    import redisbal.ops.metrics\n"
+        f"try:\n    import redisbal.ops.{module}\n"
         "except ImportError as e:\n    print(e.name, '|', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
@@ -254,7 +256,7 @@ def test_barrier_wait_counts_the_oldest_counts_of_engines_with_work() -> None:
     from helpers import make_snapshot
 
     from redisbal.barrier.snapshot import EngineCounts
-    from redisbal.ops.metrics import barrier_wait_s
+    from redisbal.ops.coordinator_metrics import barrier_wait_s
 
     def at(waiting: int, running: int, ms: int) -> EngineCounts:
         return EngineCounts(waiting, running, None, 0, 1, ms)

@@ -1,4 +1,4 @@
-"""What the simulated HTTP engines serve to real routers (redisbal.sim.peer_endpoints):
+"""What the simulated HTTP engines serve to real routers (redisbal.sim.peer_router_endpoints):
 vLLM's /tokenize and render endpoints, SGLang's /get_load, /server_info and
 /model_info, each in the real engine's format, read with a real aiohttp client from a
 real engine (no Redis: the engine only serves)."""
@@ -15,7 +15,7 @@ import pytest
 
 from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.model import EngineParams
-from redisbal.sim.peer_endpoints import VOCAB_SIZE, token_ids
+from redisbal.sim.peer_router_endpoints import VOCAB_SIZE, token_ids
 
 MODEL = "redisbal-sim"
 SLOW = EngineParams(running_cap=1, base_step_s=0.05, per_seq_s=0.0, prefill_s=0.0)

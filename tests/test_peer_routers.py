@@ -1,7 +1,7 @@
 """The real peer routers against the simulated HTTP engines (opt-in: ``pytest -m peers``).
 
 vllm-router 0.1.17 and sglang-router 0.3.2, as the benchmark installs them
-(redisbal.bench.routers; ``REDISBAL_PEER_VENV`` names the venv, default
+(redisbal.bench.peer_routers; ``REDISBAL_PEER_VENV`` names the venv, default
 ``~/.cache/redisbal/peer-routers``), in front of two engines: each router's own
 /metrics and /workers, and the calls the engines answered, must show that the
 router's prefix-aware and load-aware paths run on what engine-sim serves. Skipped,
@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from redisbal.bench import routers
+from redisbal.bench import peer_routers
 from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.model import EngineParams
 
@@ -30,10 +30,11 @@ FAST = EngineParams(running_cap=8, base_step_s=0.004, per_seq_s=0.0, prefill_s=0
 
 
 def _exe(router: str) -> Path:
-    exe = routers.binary(router)
+    exe = peer_routers.binary(router)
     if exe is None:
         pytest.skip(
-            f"{router} {routers.PINNED[router]} is not installed in {routers.default_venv()} "
+            f"{router} {peer_routers.PINNED[router]} is not installed in "
+            f"{peer_routers.default_venv()} "
             "(scripts/gateway_policies.py installs it on first use; or set REDISBAL_PEER_VENV)"
         )
     return exe
@@ -52,8 +53,8 @@ async def engines(n: int) -> AsyncIterator[list[HttpEngine]]:
 
 @contextlib.asynccontextmanager
 async def router(name: str, es: list[HttpEngine], tmp: Path) -> AsyncIterator[Any]:
-    port, mport = routers.free_ports(2)
-    rp = routers.RouterProcess(
+    port, mport = peer_routers.free_ports(2)
+    rp = peer_routers.RouterProcess(
         name, _exe(name.split(":")[0]), port, mport, [e.url for e in es], tmp / "router.log"
     )
     rp.start()
@@ -95,7 +96,7 @@ async def test_vllm_router_cache_aware_routes_by_prefix_on_rendered_tokens(
         await _send(rp.url, prompts)
         await asyncio.to_thread(rp.scrape)
         calls = await _peer_calls(es)
-    check = routers.check_paths("vllm-router:cache_aware", [rp], calls, len(prompts))
+    check = peer_routers.check_paths("vllm-router:cache_aware", [rp], calls, len(prompts))
     assert check["ok"], check
     # a shared prefix: after the first, requests are decided as prefix hits
     assert check["prefix_outcomes"].get("prefix_hit", 0) >= len(prompts) - 1, check
@@ -112,6 +113,6 @@ async def test_sglang_router_registers_the_model_and_reads_loads(tmp_path: Path)
         calls = await _peer_calls(es)
     assert sorted(w["worker"] for w in loads) == sorted(e.url for e in es)
     assert all(w["load"] >= 0 for w in loads), loads  # -1: a load it could not read
-    check = routers.check_paths("sglang-router:power_of_two", [rp], calls, 4)
+    check = peer_routers.check_paths("sglang-router:power_of_two", [rp], calls, 4)
     assert check["ok"], check
     assert check["models"] == [MODEL]

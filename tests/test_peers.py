@@ -1,4 +1,4 @@
-"""The benchmark's peer routers (redisbal.bench.peers), each on its defining behaviour,
+"""The benchmark's peer routers (redisbal.bench.peer_policies), each on its defining behaviour,
 on a RouterCore fed hand-built snapshots (no Redis, a fake clock, seeded RNGs)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 from helpers import make_snapshot
 
-from redisbal.bench.peers import (
+from redisbal.bench.peer_policies import (
     PEER_POLICIES,
     REFERENCE_KV_BLOCKS,
     BoundedLoadHashPolicy,
@@ -18,9 +18,9 @@ from redisbal.bench.peers import (
     _point,
     make_peer,
 )
-from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import Policy
-from redisbal.routing.views import Decision, RequestInfo
+from redisbal.routing.router_core import RouterCore
+from redisbal.routing.state import Decision, RequestInfo
 
 
 class FakeClock:
@@ -307,7 +307,7 @@ def test_peer_gateway_gives_the_gateway_every_keyword_it_requires() -> None:
     import inspect
     from pathlib import Path
 
-    from redisbal.gateway import command
+    from redisbal.gateway import cli
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "peer_gateway.py"
     spec = importlib.util.spec_from_file_location("peer_gateway", path)
@@ -316,8 +316,8 @@ def test_peer_gateway_gives_the_gateway_every_keyword_it_requires() -> None:
     spec.loader.exec_module(script)
     given = dict.fromkeys(script.SET_HERE, None)
     kw = script.serve_kwargs(**given)
-    params = inspect.signature(command._serve).parameters.values()
+    params = inspect.signature(cli._serve).parameters.values()
     required = {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
     assert required <= set(kw)
     assert kw["max_attempts"] == 3 and kw["host"] is None  # a default, and given over it
-    inspect.signature(command._serve).bind("redis://x", "d", **kw)
+    inspect.signature(cli._serve).bind("redis://x", "d", **kw)

@@ -16,7 +16,6 @@ import pytest
 from helpers import make_snapshot
 
 from redisbal.barrier.snapshot import EngineCounts, Snapshot
-from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -24,6 +23,7 @@ from redisbal.routing.policies import (
     UnknownEngine,
     make_policy,
 )
+from redisbal.routing.router_core import RouterCore
 
 T0_MS = 5_000_000
 

@@ -14,9 +14,9 @@ import pytest
 from helpers import make_snapshot
 
 from redisbal.barrier.snapshot import Rosters, Snapshot
-from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import RedisbalPolicy
-from redisbal.routing.views import EngineView, RoutingState
+from redisbal.routing.router_core import RouterCore
+from redisbal.routing.state import EngineView, RoutingState
 
 Entry = tuple[float, float, int, str]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from redisbal.gateway.loadgen import Planned, output_text, session_prompts
+from redisbal.sim.load_plan import Planned, output_text, session_prompts
 from redisbal.sim.prefix_cache import text_blocks
 
 

@@ -19,8 +19,11 @@ from helpers import await_until, io_of_this_thread, wait_until
 
 import redisbal
 from redisbal import Counts
+from redisbal.barrier.record import parse_record
+from redisbal.barrier.snapshot import Roster
 from redisbal.errors import RedisbalError
 from redisbal.keys import DeploymentKeys
+from redisbal.routing.policies import make_policy
 from redisbal.sim.embedded import RedisServer
 
 
@@ -209,3 +212,76 @@ def test_public_names_are_the_api_not_its_wiring() -> None:
         obj = getattr(redisbal, name)
         if inspect.isclass(obj) and issubclass(obj, BaseException):
             assert issubclass(obj, RedisbalError), name
+
+
+# The one raise of a bare built-in ValueError or RuntimeError that DESIGN allows: raised
+# and swallowed inside the gateway's /v1/models fan-out, never reaching a caller.
+SWALLOWED = {("redisbal/gateway/server.py", "ask")}
+
+
+def _bare_raises() -> list[str]:
+    """Every ``raise`` in the package of a built-in ValueError or RuntimeError (or a
+    built-in subclass of one) other than NotImplementedError, as "path:line in function"."""
+    import ast
+    import builtins
+    from pathlib import Path
+
+    def bare(node: ast.AST) -> bool:
+        exc = node.exc if isinstance(node, ast.Raise) else None
+        target = exc.func if isinstance(exc, ast.Call) else exc
+        cls = getattr(builtins, target.id, None) if isinstance(target, ast.Name) else None
+        return (
+            isinstance(cls, type)
+            and issubclass(cls, ValueError | RuntimeError)
+            and cls is not NotImplementedError
+        )
+
+    def scan(node: ast.AST, rel: str, function: str, found: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                scan(child, rel, child.name, found)
+                continue
+            if bare(child) and (rel, function) not in SWALLOWED:
+                found.append(f"{rel}:{child.lineno} in {function}")
+            scan(child, rel, function, found)
+
+    root = Path(redisbal.__file__).parent
+    found: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        scan(ast.parse(path.read_text(encoding="utf-8")), rel, "<module>", found)
+    return found
+
+
+def test_no_bare_value_or_runtime_error_is_raised() -> None:
+    """DESIGN: every ValueError and RuntimeError redisbal raises to a caller is a
+    RedisbalError (InvalidArgument, InvalidState, ... in redisbal.errors), so that
+    ``except redisbal.RedisbalError`` catches it; a bare one is named here."""
+    assert _bare_raises() == []
+
+
+def test_the_raise_scan_finds_a_bare_raise() -> None:
+    """The scan is not vacuous: the one swallowed raise is there when not exempted."""
+    SWALLOWED.discard(("redisbal/gateway/server.py", "ask"))
+    try:
+        assert [f for f in _bare_raises() if f.startswith("redisbal/gateway/server.py:")]
+    finally:
+        SWALLOWED.add(("redisbal/gateway/server.py", "ask"))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: redisbal.Reporter("redis://127.0.0.1:1", "d", engines="e", heartbeat_s=-1.0),
+        lambda: redisbal.Router("redis://127.0.0.1:1", "d", client_index=3, client_count=2),
+        lambda: Roster.from_json(["e", "e"], ["1", "1"]),
+        lambda: make_policy("nope"),
+        lambda: parse_record("nonsense"),
+    ],
+    ids=["reporter-argument", "router-argument", "roster", "policy-name", "record"],
+)
+def test_bad_input_raises_a_redisbal_error_that_is_a_value_error(call: object) -> None:
+    with pytest.raises(RedisbalError) as err:
+        call()  # type: ignore[operator]
+    assert isinstance(err.value, ValueError), type(err.value)
+    assert "\n" not in str(err.value)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from redisbal.bench.command import bench_command
+from redisbal.bench.cli import bench_command
 from redisbal.bench.latency import (
     goodput,
     hit_rate,
@@ -24,7 +24,7 @@ from redisbal.bench.latency import (
 from redisbal.bench.quality import simulate
 from redisbal.bench.traffic import QualityScenario, build_workload, default_quality_scenarios
 from redisbal.routing.policies import Policy
-from redisbal.routing.views import EngineView, RoutingState
+from redisbal.routing.state import EngineView, RoutingState
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.sim.prefix_cache import PrefixCache
 from redisbal.sim.workload import (

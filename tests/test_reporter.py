@@ -309,7 +309,7 @@ def test_stats_and_metrics_count_what_the_sender_did(
     sent, coalesced and refused; nothing is counted twice."""
     from prometheus_client import CollectorRegistry
 
-    from redisbal.ops.metrics import ReporterMetrics
+    from redisbal.ops.client_metrics import ReporterMetrics
 
     registry = CollectorRegistry()
     metrics = ReporterMetrics(registry)

@@ -46,8 +46,8 @@ from topology import SentinelTopology, binaries
 from redisbal import AsyncRouter, Router
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
-from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import NoEngines
+from redisbal.routing.router_core import RouterCore
 from redisbal.sim.embedded import RedisServer
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Routers telling each other their routes (redisbal.routing.peers): each counts the
+"""Routers telling each other their routes (redisbal.routing.told_routes): each counts the
 others' routes still on their way, exactly, instead of its own times 1 / its share.
 On RouterCores fed hand-built snapshots and each other's messages (no Redis, a fake
 clock); the feed's side runs against a real Redis at the end."""
@@ -9,10 +9,10 @@ import orjson
 import pytest
 from helpers import await_until, make_snapshot
 
-from redisbal.routing.core import RouterCore
-from redisbal.routing.peers import FRESH_S, PeerRoutes
 from redisbal.routing.router import AsyncRouter
-from redisbal.routing.views import EngineView
+from redisbal.routing.router_core import RouterCore
+from redisbal.routing.state import EngineView
+from redisbal.routing.told_routes import FRESH_S, ToldRoutes
 
 
 class FakeClock:
@@ -40,18 +40,18 @@ def test_a_router_counts_the_routes_another_told_until_the_engine_admitted_them(
     a, b = pair(clock)
     for c in (a, b):
         c.apply_snapshot(snap(1, {"e0": (0, 0), "e1": (0, 0)}))
-    assert not b.peers.live and b.pending_weight == pytest.approx(2.0)  # the share model
+    assert not b.told_routes.live and b.pending_weight == pytest.approx(2.0)  # the share model
     for _ in range(3):
         a.route(engine_id="e0")
     b.hear(a.told())
     e0 = b.by_id["e0"]
-    assert b.peers.live and b.pending_weight == 1.0  # everyone's heard: own routes count 1
+    assert b.told_routes.live and b.pending_weight == 1.0  # everyone's heard: own routes count 1
     assert e0.others == 3.0
     # the engine admitted two of them: one is still on its way
     b.apply_snapshot(snap(2, {"e0": (2, 0), "e1": (0, 0)}))
     assert e0.others == 1.0
     b.apply_snapshot(snap(3, {"e0": (3, 0), "e1": (0, 0)}))
-    assert e0.others == 0.0 and "e0" not in b.peers.told  # nothing left on its way
+    assert e0.others == 0.0 and "e0" not in b.told_routes.told  # nothing left on its way
     # what a told: only what changed since its last message
     assert orjson.loads(a.told()) == {"i": 0, "e": {}}
 
@@ -87,7 +87,7 @@ def test_without_admitted_counts_told_routes_count_until_a_report_made_after_the
 
     report(100.0, 1, 0)
     b.hear(a.told())  # a heartbeat: b has heard from everyone
-    assert b.peers.live and b.pending_weight == 1.0
+    assert b.told_routes.live and b.pending_weight == 1.0
     clock.t = 100.02
     ds = [a.route(engine_id="e0"), a.route(engine_id="e0")]
     b.hear(a.told())  # the first message about e0 sets a's base: its earlier routes
@@ -99,7 +99,7 @@ def test_without_admitted_counts_told_routes_count_until_a_report_made_after_the
     report(100.05, 2, 3)  # counts made after the route, before the engine's next step
     assert e0.others == 1.0  # the engine takes it at that step: still on its way
     report(100.09, 3, 3)  # made after the step that followed the route
-    assert e0.others == 0.0 and "e0" not in b.peers.times
+    assert e0.others == 0.0 and "e0" not in b.told_routes.times
     # a route taken back is no longer on its way
     clock.t = 100.1
     ds.append(a.route(engine_id="e0"))
@@ -132,13 +132,13 @@ def test_an_other_router_not_heard_from_brings_the_share_back() -> None:
         r.apply_snapshot(snap(1, {"e0": (0, 0, 0)}))
     a.route(engine_id="e0")
     c.hear(a.told())
-    assert not c.peers.live  # b was never heard from
+    assert not c.told_routes.live  # b was never heard from
     assert c.by_id["e0"].others == 0.0
     c.hear(b.told())  # a heartbeat: nothing changed
-    assert c.peers.live and c.by_id["e0"].others == 1.0
+    assert c.told_routes.live and c.by_id["e0"].others == 1.0
     clock.t += FRESH_S + 0.1
     c.apply_snapshot(snap(2, {"e0": (0, 0, 0)}))
-    assert not c.peers.live and c.by_id["e0"].others == 0.0
+    assert not c.told_routes.live and c.by_id["e0"].others == 0.0
     assert c.pending_weight == pytest.approx(3.0)
 
 
@@ -153,13 +153,13 @@ def test_a_router_whose_feed_is_lost_stops_counting_what_was_told() -> None:
     for _ in range(3):
         a.route(engine_id="e0")
     b.hear(a.told())
-    assert b.peers.live and b.by_id["e0"].others == 3.0
+    assert b.told_routes.live and b.by_id["e0"].others == 3.0
     b.set_connected(False)  # (the feed lost)
-    assert not b.peers.live and b.by_id["e0"].others == 0.0
+    assert not b.told_routes.live and b.by_id["e0"].others == 0.0
     assert b.pending_weight == pytest.approx(2.0)
     assert {b.route().engine_id for _ in range(4)} == {"e0", "e1"}
     b.set_connected(True)  # (and connected again)
-    assert b.peers.live and b.by_id["e0"].others == 3.0
+    assert b.told_routes.live and b.by_id["e0"].others == 3.0
 
 
 def test_routes_to_an_earlier_process_or_ended_unadmitted_do_not_count() -> None:
@@ -195,14 +195,14 @@ def test_bad_messages_are_counted_and_change_nothing() -> None:
         b'{"i": 0, "e": []}',
     ):
         b.hear(bad)
-    assert b.peers.malformed == 8 and b.peers.messages == 0
-    assert not b.peers.live and b.by_id["e0"].others == 0.0
+    assert b.told_routes.malformed == 8 and b.told_routes.messages == 0
+    assert not b.told_routes.live and b.by_id["e0"].others == 0.0
     b.hear(b.told())  # its own message, read back from the channel
-    assert b.peers.messages == 0
+    assert b.told_routes.messages == 0
 
 
 def test_the_tables_keep_only_engines_still_known() -> None:
-    p = PeerRoutes()
+    p = ToldRoutes()
     known = {"a": EngineView("a", exact=True), "b": EngineView("b", exact=True)}
     known |= {"x": EngineView("x"), "y": EngineView("y")}  # no admitted counts: by time
     msg = b'{"i": 0, "e": {"a": [null, 1, 1], "b": [null, 1, 1], "c": [null, 1, 1], '
@@ -221,11 +221,13 @@ async def test_two_gateways_routers_hear_each_other_through_redis(redis_url: str
     a = AsyncRouter(redis_url, "exch", 0, 2, engines=["e0", "e1"], poll_s=30)
     b = AsyncRouter(redis_url, "exch", 1, 2, engines=["e0", "e1"], poll_s=30)
     async with a, b:
-        await await_until(lambda: a.core.peers.live and b.core.peers.live, what="heartbeats")
-        before = b.core.peers.messages
+        await await_until(
+            lambda: a.core.told_routes.live and b.core.told_routes.live, what="heartbeats"
+        )
+        before = b.core.told_routes.messages
         a.route(engine_id="e0")
-        await await_until(lambda: b.core.peers.messages > before, what="a's route told")
-        assert b.core.peers.last["e0"][0][1:] == (1, 1)  # (no snapshot: by time)
+        await await_until(lambda: b.core.told_routes.messages > before, what="a's route told")
+        assert b.core.told_routes.last["e0"][0][1:] == (1, 1)  # (no snapshot: by time)
 
 
 async def test_a_router_gone_stops_counting_and_brings_the_share_back(redis_url: str) -> None:
@@ -235,9 +237,9 @@ async def test_a_router_gone_stops_counting_and_brings_the_share_back(redis_url:
     b = AsyncRouter(redis_url, "exch-gone", 1, 2, engines=["e0"], poll_s=30)
     async with b:
         async with a:
-            await await_until(lambda: b.core.peers.live, what="a heard")
+            await await_until(lambda: b.core.told_routes.live, what="a heard")
             assert b.core.pending_weight == 1.0
-        await await_until(lambda: not b.core.peers.live, what="a taken as gone")
+        await await_until(lambda: not b.core.told_routes.live, what="a taken as gone")
         assert b.core.pending_weight == pytest.approx(2.0)
 
 
@@ -245,7 +247,7 @@ def test_a_route_is_told_soon_and_an_end_goes_with_the_next_message() -> None:
     a = RouterCore(0, 2, clock=FakeClock())
     a.set_engines(["e0", "e1"])
     owed: list[int] = []
-    a.peers.on_change = lambda: owed.append(1)
+    a.told_routes.on_change = lambda: owed.append(1)
     d = a.route(engine_id="e0")
     a.route(engine_id="e1")
     assert owed == [1]  # one message owed for both routes
@@ -280,7 +282,7 @@ async def test_a_router_told_not_to_tell_neither_tells_nor_hears(redis_url: str)
                 pass
             # a told nothing in that time (b did, twice), and listens to no routes
             assert all(orjson.loads(m)["i"] == 1 for m in seen)
-            assert b.core.peers.messages == 0 and not b.core.peers.live
+            assert b.core.told_routes.messages == 0 and not b.core.told_routes.live
             numsub = dict(await watcher.pubsub_numsub(b.keys.routes))
             assert list(numsub.values()) == [2]  # b and this test's watcher
     finally:

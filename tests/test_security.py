@@ -170,7 +170,7 @@ async def test_least_privilege_users_can_do_their_job(
         want = "functions" if functions else "scripts"
         assert [x.scripts.mode for x in (flow.rep, flow.arep, coord)] == [want] * 3
         # the coordinator user can serve the metrics too (they read the same keys)
-        from redisbal.ops.metrics import serve_coordinator_metrics
+        from redisbal.ops.coordinator_metrics import serve_coordinator_metrics
 
         server = serve_coordinator_metrics(coord, free_port())
         try:

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from redisbal.barrier.snapshot import EngineCounts, Rosters, RosterUnknown, Snapshot
-from redisbal.routing.core import RouterCore
-from redisbal.routing.views import Decision
+from redisbal.routing.router_core import RouterCore
+from redisbal.routing.state import Decision
 
 HEADER: dict[str, Any] = {
     "deployment": "d",

@@ -488,7 +488,7 @@ class EveryClass:
         if exchange:  # each tells the other (a heartbeat at least), on any topology
             # (heard, not live: these reports carry no admitted counts to count by)
             await await_until(
-                lambda: all(1 - r.core.client_index in r.core.peers.heard for r in routers),
+                lambda: all(1 - r.core.client_index in r.core.told_routes.heard for r in routers),
                 10,
                 "both routers to hear each other on the routes channel",
             )

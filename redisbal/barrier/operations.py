@@ -31,6 +31,7 @@ import redis
 
 from redisbal.barrier.loader import NUM_KEYS, SCRIPT_NAMES, library, script_source
 from redisbal.connection import AsyncRedisClient, RedisClient
+from redisbal.errors import InvalidState
 from redisbal.keys import DeploymentKeys
 
 MAX_REASON = 200  # lua/suspect.lua refuses a longer reason
@@ -172,7 +173,7 @@ def _run_to_end(coro: Coroutine[Any, Any, Any]) -> Any:
     except StopIteration as done:
         return done.value
     coro.close()
-    raise RuntimeError("a blocking Scripts call suspended: it was given an asyncio client")
+    raise InvalidState("a blocking Scripts call suspended: it was given an asyncio client")
 
 
 def _is_pipeline(client: Any) -> bool:

@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from redisbal.errors import MalformedData
+
 STEP_SPAN = 2**32  # score = wave * STEP_SPAN + step
 BARRIER_MEMBER = "b"
 PROVISIONAL = "p"
@@ -85,12 +87,12 @@ def parse_record(text: str | bytes) -> Record:
     head, *lines = text.split("\n")
     m = _HEAD.fullmatch(head)
     if m is None:
-        raise ValueError(f"not a record head line: {head!r}")
+        raise MalformedData(f"not a record head line: {head!r}")
     reports = []
     for line in lines:
         r = _LINE.fullmatch(line)
         if r is None:
-            raise ValueError(f"not a record report line: {line!r}")
+            raise MalformedData(f"not a record report line: {line!r}")
         reports.append(ReportLine(int(r[1]), int(r[2]), r[3]))
     if m[3] is None:
         return Record(m[1], int(m[2] or 0), tuple(reports))

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from redisbal.errors import MalformedData
 from redisbal.errors import RosterUnknown as RosterUnknown
 
 # admitted counts the reporters send are below this; the Lua script checks that an
@@ -69,9 +70,11 @@ class Roster:
             or not all(isinstance(x, str) for x in ids)
             or not all(isinstance(x, str) for x in incs)
         ):
-            raise ValueError("compact snapshot: ids and incs must be lists of texts of one length")
+            raise MalformedData(
+                "compact snapshot: ids and incs must be lists of texts of one length"
+            )
         if len(set(ids)) != len(ids):
-            raise ValueError("compact snapshot: an engine id appears twice in ids")
+            raise MalformedData("compact snapshot: an engine id appears twice in ids")
         return cls(tuple(ids), tuple(None if i == "-" else i for i in incs))
 
 
@@ -141,17 +144,17 @@ def _header(d: dict[str, Any]) -> dict[str, Any]:
     }
     for name in ("version", "wave", "step", "time_ms"):
         if type(h[name]) is not int:
-            raise ValueError(f"snapshot: {name} must be an integer, got {h[name]!r:.40}")
+            raise MalformedData(f"snapshot: {name} must be an integer, got {h[name]!r:.40}")
     if not (isinstance(h["deployment"], str) and isinstance(h["epoch"], str)):
-        raise ValueError("snapshot: deployment and epoch must be texts")
+        raise MalformedData("snapshot: deployment and epoch must be texts")
     for name, kind in (("laggards", int), ("stalled", int), ("suspect", int), ("gone", str)):
         m = h[name]
         if not isinstance(m, dict) or not all(type(v) is kind for v in m.values()):
-            raise ValueError(f"snapshot: {name} must map engines to {kind.__name__}s")
+            raise MalformedData(f"snapshot: {name} must map engines to {kind.__name__}s")
     for name in ("joining", "probing"):
         ids = h[name]
         if not isinstance(ids, list) or not all(isinstance(e, str) for e in ids):
-            raise ValueError(f"snapshot: {name} must be a list of engine ids")
+            raise MalformedData(f"snapshot: {name} must be a list of engine ids")
         h[name] = tuple(ids)
     return h
 
@@ -212,7 +215,7 @@ class Snapshot:
     def _compact(cls, d: dict[str, Any], raw: bytes, rosters: Rosters | None) -> Snapshot:
         epoch, version = d["epoch"], d["roster"]
         if type(version) is not int or version < 1:
-            raise ValueError(f"compact snapshot: bad roster version {version!r}")
+            raise MalformedData(f"compact snapshot: bad roster version {version!r}")
         if "ids" in d:
             roster = Roster.from_json(d["ids"], d["incs"])
             if rosters is not None:
@@ -225,7 +228,7 @@ class Snapshot:
         counts = d["counts"]
         # (the numbers are the Lua script's, as the full form's are: only the shape is checked)
         if not isinstance(counts, list) or len(counts) != 4 * len(roster.ids):
-            raise ValueError(
+            raise MalformedData(
                 f"compact snapshot: counts must be 4 numbers for each of {len(roster.ids)} engines"
             )
         engines = CompactEngines(roster, counts, d["wave"], d["step"], d["time_ms"])

@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from redisbal.errors import InvalidArgument
+
 METRICS = (
     "burst_max_over_mean",
     "load_imbalance",
@@ -31,7 +33,7 @@ def load_imbalance(
     over- or under-count. NaN entries are engines not live at that sample. Returns 0.0
     when no sample qualifies (nothing queued: nothing to balance)."""
     if len(times) != len(loads):
-        raise ValueError("times and loads must have the same length")
+        raise InvalidArgument("times and loads must have the same length")
     n = len(times)
     if n == 0:
         return 0.0
@@ -87,7 +89,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
     if not 0 <= q <= 100:
-        raise ValueError("q must be in 0..100")
+        raise InvalidArgument("q must be in 0..100")
     xs = sorted(values)
     pos = (len(xs) - 1) * q / 100.0
     lo = math.floor(pos)
@@ -127,7 +129,7 @@ class Spread:
 def spread(values: Sequence[float]) -> Spread:
     """Mean, min, max and (sample) standard deviation over seeds."""
     if not values:
-        raise ValueError("no values")
+        raise InvalidArgument("no values")
     n = len(values)
     m = sum(values) / n
     sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0

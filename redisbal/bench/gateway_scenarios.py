@@ -19,8 +19,9 @@ from typing import Any
 
 import click
 
-from redisbal.gateway.loadgen import Planned
-from redisbal.sim.commands import parse_slow
+from redisbal.errors import InvalidArgument
+from redisbal.sim.cli import parse_slow
+from redisbal.sim.load_plan import Planned
 
 MAX_BYPASS_RATE = 10_000.0
 
@@ -44,7 +45,7 @@ def parse_bypass(value: str, engines: int) -> Bypass:
     except ValueError:
         rate = -1.0
     if not sep or not 0 < rate <= MAX_BYPASS_RATE:
-        raise ValueError(
+        raise InvalidArgument(
             f"--bypass {value!r}: use RATE:ID[,ID...] with RATE in (0, {MAX_BYPASS_RATE:g}] "
             "requests/s, e.g. 12:0,1"
         )
@@ -52,7 +53,7 @@ def parse_bypass(value: str, engines: int) -> Bypass:
     known = {str(i) for i in range(engines)}
     bad = [i for i in ids if i not in known]
     if bad or not ids:
-        raise ValueError(
+        raise InvalidArgument(
             f"--bypass {value!r}: engine ids must be among 0..{engines - 1} "
             f"(the run's {engines} engines), got {','.join(bad) or 'none'}"
         )
@@ -65,10 +66,10 @@ def check_slow(values: list[str], engines: int) -> dict[str, float]:
     try:
         slow = parse_slow(tuple(values))
     except click.BadParameter as exc:
-        raise ValueError(f"--slow {exc.format_message()}") from None
+        raise InvalidArgument(f"--slow {exc.format_message()}") from None
     bad = sorted(set(slow) - {str(i) for i in range(engines)})
     if bad:
-        raise ValueError(
+        raise InvalidArgument(
             f"--slow names engines the run does not have: {', '.join(bad)} "
             f"(its {engines} engines are 0..{engines - 1})"
         )
@@ -79,9 +80,9 @@ def check_split(share: float | None, gateways: int) -> None:
     if share is None:
         return
     if not 0 <= share <= 1:
-        raise ValueError(f"--split {share:g}: a share in [0, 1] (replica 0's)")
+        raise InvalidArgument(f"--split {share:g}: a share in [0, 1] (replica 0's)")
     if gateways < 2:
-        raise ValueError("--split needs --gateways 2 or more")
+        raise InvalidArgument("--split needs --gateways 2 or more")
 
 
 def bypass_trace(
@@ -93,7 +94,7 @@ def bypass_trace(
     its text is its own past the system prompt. Deterministic in ``seed``: every policy
     sees the same bypass traffic."""
     if not shapes:
-        raise ValueError("the load has no requests to shape the bypass traffic on")
+        raise InvalidArgument("the load has no requests to shape the bypass traffic on")
     rng = random.Random(f"bypass-{seed}")
     out: list[dict[str, Any]] = []
     t = rng.expovariate(bypass.rate)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from redisbal.bench.balance import percentile
+from redisbal.errors import InvalidArgument
 
 # name -> one line for ``redisbal bench --help`` and the tables' legend
 QUALITY_METRICS = {
@@ -30,7 +31,7 @@ HIGHER_IS_BETTER = frozenset({"goodput_rps", "prefix_hit_rate", "lockstep_effici
 def waits(starts: Sequence[float], ends: Sequence[float], end_of_run: float) -> list[float]:
     """end - start per request; an end < 0 (never reached) counts as end_of_run - start."""
     if len(starts) != len(ends):
-        raise ValueError("starts and ends must have the same length")
+        raise InvalidArgument("starts and ends must have the same length")
     return [(e if e >= 0 else end_of_run) - s for s, e in zip(starts, ends, strict=True)]
 
 
@@ -45,7 +46,7 @@ def goodput(ttfts: Sequence[float], slo_s: float, window_s: float) -> float:
     ends before the longest outputs (up to 4,096 tokens, over a minute) could
     finish, and what routing decides is when a request starts."""
     if window_s <= 0:
-        raise ValueError("window_s must be > 0")
+        raise InvalidArgument("window_s must be > 0")
     return sum(1 for t in ttfts if t <= slo_s) / window_s
 
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from redisbal.routing.policies import Policy
-from redisbal.routing.views import EngineView, RoutingState
+from redisbal.routing.state import EngineView, RoutingState
 from redisbal.sim.model import SimEngine
 
 

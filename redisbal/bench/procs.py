@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from redisbal.bench.run import Run
 from redisbal.bench.scenarios import Arrival, Scenario, make_schedule
 from redisbal.bench.vllm import VLLM_POLICIES, baseline_router
+from redisbal.errors import SetupFailed
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.model import SimRequest
 
@@ -131,7 +132,7 @@ class ProcRun(Run):
             if any(p.exitcode not in (None, 0) for p in self.procs):
                 break
             await asyncio.sleep(0.05)
-        raise RuntimeError(f"{self.deployment}: router processes did not get ready")
+        raise SetupFailed(f"{self.deployment}: router processes did not get ready")
 
     async def pump(self) -> None:
         """Deliver routed requests to the engines; send completions back."""

@@ -17,9 +17,9 @@ the vLLM coordinator's publish loop for the vllm-* baselines (as in
 - A snapshot reaches each router ``delivery_ms`` plus a per-router jitter after
   it is made; a request reaches its engine ``transit_ms`` after it is routed.
 - Up to ``MAX_ROUTERS`` routers tell each other their routes as the gateways do
-  (``redisbal.routing.peers``): ``COALESCE_S`` after a change and every
+  (``redisbal.routing.told_routes``): ``COALESCE_S`` after a change and every
   ``TELL_EVERY_S``, each message reaching the others ``delivery_ms`` plus jitter later.
-- The peers (``redisbal.bench.peers``) get the same snapshots as ``redisbal``: an
+- The peers (``redisbal.bench.peer_policies``) get the same snapshots as ``redisbal``: an
   assumption in their favour (their own systems gather less, or later); their
   prefix indexes are sized for the simulated engine's cache.
 - A policy that holds requests (``Policy.holds``) holds them at the router while it
@@ -51,7 +51,7 @@ from redisbal.bench.latency import (
     waits,
 )
 from redisbal.bench.oracle import OraclePolicy, World
-from redisbal.bench.peers import PEER_POLICIES, make_peer
+from redisbal.bench.peer_policies import PEER_POLICIES, make_peer
 from redisbal.bench.scale import _snapshot
 from redisbal.bench.traffic import (
     QUALITY_ENGINE,
@@ -68,6 +68,7 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
+from redisbal.errors import InvalidArgument
 from redisbal.routing.admission import (
     DEFAULT_MAX_S,
     ahead_of,
@@ -75,9 +76,9 @@ from redisbal.routing.admission import (
     releasable,
     release_delay,
 )
-from redisbal.routing.core import RouterCore
-from redisbal.routing.peers import COALESCE_S, TELL_EVERY_S, telling
 from redisbal.routing.policies import DEFAULT_POLICY, POLICIES, Policy, RedisbalPolicy
+from redisbal.routing.router_core import RouterCore
+from redisbal.routing.told_routes import COALESCE_S, TELL_EVERY_S, telling
 from redisbal.sim.model import SimEngine, SimRequest
 from redisbal.sim.workload import Request
 
@@ -111,7 +112,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def available_policies() -> list[str]:
-    """Every policy the benchmark compares: the baselines, redisbal, the oracle, the peers."""
+    """Every policy the benchmark compares: the baselines, redisbal, the oracle, the peer
+    routers."""
     return [*BASE_POLICIES, *(p for p in PEER_POLICIES if p not in BASE_POLICIES)]
 
 
@@ -127,7 +129,7 @@ def _policy(name: str, world: World, kv_blocks: int = QUALITY_ENGINE.cache_block
         return policy
     if name in PEER_POLICIES:  # prefix indexes sized for the simulated engine's KV cache
         return make_peer(name, kv_blocks=kv_blocks)
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
+    raise InvalidArgument(f"unknown policy {name!r}; choose from {', '.join(available_policies())}")
 
 
 ARRIVE, DELIVER, ESTEP, TICK, STEP, STATS, SNAP, SAMPLE, TELL, HEAR, RELEASE, EXPIRE = range(12)
@@ -202,7 +204,7 @@ def simulate(
         core.connected = True
         core.set_engines(ids)
         if telling(sc.clients):
-            core.peers.on_change = lambda i=i: push(clock[0] + COALESCE_S, TELL, (i, False))
+            core.told_routes.on_change = lambda i=i: push(clock[0] + COALESCE_S, TELL, (i, False))
             push(rng.random() * TELL_EVERY_S, TELL, (i, True))  # heartbeats, spread
         routers.append(core)
     inbox: list[tuple[float, Snapshot] | None] = [None] * sc.clients

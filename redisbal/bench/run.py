@@ -59,6 +59,7 @@ from redisbal.bench.vllm import (
     vllm_model_for,
 )
 from redisbal.config import CoordinatorConfig
+from redisbal.errors import SetupFailed
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.coordinator import Coordinator
 from redisbal.reporting.reporter import AsyncReporter, Counts
@@ -378,7 +379,7 @@ class Run:
                 break
             await asyncio.sleep(0.01)
         else:
-            raise RuntimeError(f"{self.deployment}: routers got no complete snapshot within 10 s")
+            raise SetupFailed(f"{self.deployment}: routers got no complete snapshot within 10 s")
 
     async def finish_traffic(self) -> None:
         """Hook: called after the drain, before the metrics are computed."""

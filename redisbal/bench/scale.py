@@ -41,7 +41,7 @@ from redisbal.bench.vllm import (
     reports_before_step,
     vllm_model_for,
 )
-from redisbal.routing.core import RouterCore
+from redisbal.routing.router_core import RouterCore
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 
 SCALE_SCENARIO = Scenario(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
+from redisbal.errors import InvalidArgument
 from redisbal.sim.model import EngineParams
 from redisbal.sim.prefix_cache import BLOCK_TOKENS
 from redisbal.sim.workload import (
@@ -173,7 +174,7 @@ def build_workload(sc: QualityScenario, seed: int) -> list[Request]:
         turns = len(probe) / max(1, len({r.key for r in probe}))
         rate = sc.load * speed * throughput_per_engine(p, o, sc.engine, unc) / turns
         return sessions(rate, sc.duration_s, sc.clients, seed, shape)
-    raise ValueError(f"no generator for traffic {sc.traffic!r}")
+    raise InvalidArgument(f"no generator for traffic {sc.traffic!r}")
 
 
 def engine_params(sc: QualityScenario, k: int) -> EngineParams:

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from redisbal.errors import InvalidArgument
 from redisbal.keys import DeploymentKeys, is_engine_field
 from redisbal.routing.policies import Policy
 from redisbal.routing.router import AsyncRouter
@@ -296,4 +297,4 @@ def vllm_model_for(policy: str, mode: str) -> VllmCoordinatorModel:
         return VllmCoordinatorModel(buffered=True, min_wait_ms=50.0)
     if policy == "vllm-latest":
         return VllmCoordinatorModel(buffered=True, min_wait_ms=50.0 if mode == "lockstep" else 0.0)
-    raise ValueError(f"not a vLLM policy: {policy}")
+    raise InvalidArgument(f"not a vLLM policy: {policy}")

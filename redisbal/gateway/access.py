@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from redisbal.errors import InvalidArgument
 from redisbal.gateway.errors import json_error
 
 EXPOSED = ("X-Redisbal-Engine",)  # answer headers a browser page may read
@@ -29,7 +30,7 @@ class ApiKeys:
     def __init__(self, keys: Iterable[str]) -> None:
         self._digests = [_digest(k) for k in keys]
         if not self._digests:
-            raise ValueError("no API key")
+            raise InvalidArgument("no API key")
 
     def __len__(self) -> int:
         return len(self._digests)
@@ -54,7 +55,7 @@ def read_keys(path: str) -> list[str]:
         keys = [ln.strip() for ln in fh]
     keys = [k for k in keys if k and not k.startswith("#")]
     if not keys:
-        raise ValueError("holds no key")
+        raise InvalidArgument("holds no key")
     return keys
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from redisbal.routing.core import RouterCore
+from redisbal.routing.router_core import RouterCore
 
 # added latency is sub-millisecond when all is well: fine buckets there
 LATENCY_BUCKETS = (
@@ -138,7 +138,7 @@ class GatewayMetrics:
                 return core.client_count
 
             def _told(core: RouterCore = core) -> float:
-                return float(core.peers.live)
+                return float(core.told_routes.live)
 
             for gauge, fn in ((age, _age), (index, _index), (count, _count), (told, _told)):
                 (gauge.labels(*values) if values else gauge).set_function(fn)

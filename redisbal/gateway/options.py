@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
+from redisbal.errors import InvalidArgument
 from redisbal.ops.cli_options import FiniteFloat
 
 log = logging.getLogger("redisbal.gateway")
@@ -144,9 +145,9 @@ def check_model(name: str) -> str:
     """A model name as given to ``--model``: what clients send as ``model``. ValueError
     when it cannot be one (empty, too long, spaces or control characters)."""
     if not 0 < len(name) <= MAX_MODEL_LEN:
-        raise ValueError(f"a model name must be 1-{MAX_MODEL_LEN} characters, got {name!r}")
+        raise InvalidArgument(f"a model name must be 1-{MAX_MODEL_LEN} characters, got {name!r}")
     if not name.isprintable() or any(c.isspace() for c in name):
-        raise ValueError(f"a model name has no spaces or control characters, got {name!r}")
+        raise InvalidArgument(f"a model name has no spaces or control characters, got {name!r}")
     return name
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from redisbal.errors import InvalidArgument
 from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.first_byte import ChunkWatch, Silent, first_byte, within
@@ -40,7 +41,7 @@ from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, Upstre
 from redisbal.keys import InvalidName, check_name
 from redisbal.routing.policies import NoEngines, UnknownEngine
 from redisbal.routing.router import AsyncRouter
-from redisbal.routing.views import MAX_KEY_LEN, Decision
+from redisbal.routing.state import MAX_KEY_LEN, Decision
 
 log = logging.getLogger("redisbal.gateway")
 
@@ -63,12 +64,12 @@ def request_hints(
     guessed = key_header is None and user_key
     key = body.get("user") if guessed else key_header
     if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LEN):
-        raise ValueError(f"{KEY_HEADER} (or user) must be 1-{MAX_KEY_LEN} characters")
+        raise InvalidArgument(f"{KEY_HEADER} (or user) must be 1-{MAX_KEY_LEN} characters")
     if key is not None:
         try:
             key.encode()
         except UnicodeEncodeError:  # a header's non-UTF-8 bytes, kept by aiohttp as surrogates
-            raise ValueError(f"{KEY_HEADER} must be UTF-8 text") from None
+            raise InvalidArgument(f"{KEY_HEADER} must be UTF-8 text") from None
     chars = 0
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -123,7 +124,7 @@ class Proxy:
         user_key: bool = True,
     ) -> None:
         if (router is None) == (not models):
-            raise ValueError("give a router (one deployment) or models, not both")
+            raise InvalidArgument("give a router (one deployment) or models, not both")
         default = (
             Deployment(
                 router,

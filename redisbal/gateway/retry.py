@@ -8,6 +8,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from redisbal.errors import InvalidArgument
+
 # answers that say the engine did not serve the request (retried before the first byte)
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
@@ -51,9 +53,9 @@ class RetryBudget:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(ratio, bool) or not 0 <= ratio < math.inf:
-            raise ValueError(f"ratio must be finite and >= 0, got {ratio!r}")
+            raise InvalidArgument(f"ratio must be finite and >= 0, got {ratio!r}")
         if not 0 < window_s < math.inf:
-            raise ValueError(f"window_s must be finite and > 0, got {window_s!r}")
+            raise InvalidArgument(f"window_s must be finite and > 0, got {window_s!r}")
         self.ratio, self.window_s, self.floor, self.clock = ratio, window_s, floor, clock
         # one [second, requests, retries] per second of the window
         self._buckets: deque[list[int]] = deque()

@@ -27,7 +27,13 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from redisbal.errors import UpstreamClosed, UpstreamError, UpstreamUnreachable
+from redisbal.errors import (
+    InvalidArgument,
+    InvalidURL,
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamUnreachable,
+)
 from redisbal.gateway.first_byte import timeout, within
 
 IDLE_S = 4.0  # a pooled connection unused this long is closed, not reused
@@ -232,7 +238,7 @@ class _Target:
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url[:80]!r}")
+            raise InvalidURL(f"not an http(s) URL: {url[:80]!r}")
         self.tls = parts.scheme == "https"
         self.host = parts.hostname
         self.port = parts.port or (443 if self.tls else 80)
@@ -242,7 +248,7 @@ class _Target:
         if parts.query:
             target += "?" + parts.query
         if any(c in target for c in " \r\n\t"):
-            raise ValueError(f"bad request target {target[:80]!r}")
+            raise InvalidArgument(f"bad request target {target[:80]!r}")
         self.target = target.encode("ascii")
 
 
@@ -276,7 +282,7 @@ class Upstreams:
             head.append(b"Content-Length: %d\r\n" % len(body))
         for name, value in (headers or {}).items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-                raise ValueError(f"header {name!r} holds a line break")
+                raise InvalidArgument(f"header {name!r} holds a line break")
             head.append(f"{name}: {value}\r\n".encode("latin-1"))
         head.append(b"\r\n")
         request = b"".join(head) + body

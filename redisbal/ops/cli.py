@@ -43,27 +43,27 @@ F = TypeVar("F", bound=Callable[..., Any])
 # checks that it matches). Register a command here with one line.
 EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     "api": (
-        "redisbal.sim.commands:api",
+        "redisbal.sim.cli:api",
         "Run API-server routers that send simulated load to `redisbal engine-sim` engines.",
     ),
     "bench": (
-        "redisbal.bench.command:bench_command",
+        "redisbal.bench.cli:bench_command",
         "Routing quality: every policy on the same LLM-like traffic, on a simulated clock.",
     ),
     "demo": (
-        "redisbal.sim.commands:demo",
+        "redisbal.sim.cli:demo",
         "Run the whole system for a few seconds and print what users felt, against a baseline.",
     ),
     "gateway": (
-        "redisbal.gateway.command:gateway",
+        "redisbal.gateway.cli:gateway",
         "OpenAI-compatible gateway: route every request with the shared snapshot.",
     ),
     "loadgen": (
-        "redisbal.gateway.loadgen:loadgen",
+        "redisbal.bench.loadgen:loadgen",
         "Open-loop load against an OpenAI-compatible URL; TTFT, ITL, latency, errors.",
     ),
     "engine-sim": (
-        "redisbal.sim.commands:engine_sim",
+        "redisbal.sim.cli:engine_sim",
         "Run simulated continuous-batching engines that report to Redis for real.",
     ),
     "scrape": (
@@ -242,7 +242,7 @@ def coordinator(
     server = None
     if metrics_port is not None:
         try:
-            from redisbal.ops.metrics import serve_coordinator_metrics
+            from redisbal.ops.coordinator_metrics import serve_coordinator_metrics
         except ImportError as exc:
             if (exc.name or "").startswith("prometheus_client"):
                 raise click.ClickException(

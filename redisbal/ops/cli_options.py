@@ -9,7 +9,7 @@ form docker-compose uses); a value given on the command line wins over the
 environment, and one given after the command name wins over one before it.
 Names and URLs are checked before anything connects; errors name the option
 and never show a password. The operator CLI (``redisbal.ops.cli``) and the tooling
-commands (``redisbal.sim.commands``, ``redisbal.bench.command``) both build on
+commands (``redisbal.sim.cli``, ``redisbal.bench.cli``) both build on
 this module, so neither imports the other.
 """
 

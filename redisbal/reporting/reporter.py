@@ -46,10 +46,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from redisbal.endpoints import check_url
+from redisbal.errors import InvalidArgument
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.reporting.counts import MODES, Counts, InvalidReport
-from redisbal.reporting.lane import MAX_REPORTS, Lane, ReporterStats, ReportResult, tag_of
-from redisbal.reporting.sender import ReportSender
+from redisbal.reporting.lane import Lane, ReporterStats, ReportResult, tag_of
+from redisbal.reporting.sender import MAX_REPORTS, ReportSender
 
 __all__ = [
     "MAX_ENGINES",
@@ -88,9 +89,9 @@ def _heartbeat_s(mode: str, heartbeat_s: float | None) -> float:
     if heartbeat_s is None:
         return 0.02 if mode == "tick" else 0.25
     if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, int | float):
-        raise ValueError(f"heartbeat_s must be a number of seconds, got {heartbeat_s!r}")
+        raise InvalidArgument(f"heartbeat_s must be a number of seconds, got {heartbeat_s!r}")
     if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
-        raise ValueError(f"heartbeat_s must be finite and > 0, got {heartbeat_s!r}")
+        raise InvalidArgument(f"heartbeat_s must be finite and > 0, got {heartbeat_s!r}")
     return float(heartbeat_s)
 
 
@@ -100,10 +101,10 @@ def _engine_ids(engines: str | Iterable[str]) -> list[str]:
         engines = [engines]  # one engine (a bad one: check_name says why)
     ids = [check_name(e, "engine_id") for e in engines]
     if len(ids) > MAX_ENGINES:
-        raise ValueError(f"a reporter reports at most {MAX_ENGINES} engines, got {len(ids)}")
+        raise InvalidArgument(f"a reporter reports at most {MAX_ENGINES} engines, got {len(ids)}")
     twice = sorted({e for e in ids if ids.count(e) > 1}) if len(set(ids)) < len(ids) else []
     if twice:
-        raise ValueError(f"engine id {twice[0]!r} given twice")
+        raise InvalidArgument(f"engine id {twice[0]!r} given twice")
     return ids
 
 
@@ -168,18 +169,20 @@ class _Reporting:
         given = dict(urls or {})
         if url is not None:
             if len(ids) != 1:
-                raise ValueError("url= is for a reporter of one engine: pass urls={engine: url}")
+                raise InvalidArgument(
+                    "url= is for a reporter of one engine: pass urls={engine: url}"
+                )
             given[ids[0]] = url
         unknown = sorted(set(given) - set(ids))
         if unknown:
-            raise ValueError(f"urls names engine {unknown[0]!r}, which is not in engines")
+            raise InvalidArgument(f"urls names engine {unknown[0]!r}, which is not in engines")
         # where gateways send each engine's requests: written to the deployment's urls
         # hash by the sender (and again every few seconds, so it survives a state loss)
         engine_urls = {eid: check_url(u) for eid, u in given.items()}
         if incarnation is not None and (
             not isinstance(incarnation, str) or not INCARNATION_RE.fullmatch(incarnation)
         ):
-            raise ValueError(
+            raise InvalidArgument(
                 "incarnation must look like new_incarnation() makes it, "
                 f"'<start ms base 36>-<hex>', got {incarnation!r}"
             )
@@ -193,12 +196,12 @@ class _Reporting:
         self._closed = False
         self._owns_sender = sender is None and client is None
         if self._threaded and client is not None:
-            raise ValueError(
+            raise InvalidArgument(
                 "Reporter sends from its own event loop: pass redis_url, or "
                 "sender=ReportSender(redis_url, threaded=True) to share one"
             )
         if self._threaded and sender is not None and sender.background is None:
-            raise ValueError("a Reporter's sender must be ReportSender(..., threaded=True)")
+            raise InvalidArgument("a Reporter's sender must be ReportSender(..., threaded=True)")
         if sender is None:
             if client is not None:  # reporters made with one client share its sender
                 sender = ReportSender.for_client(client, batch=True, backoff_s=backoff_s)
@@ -230,7 +233,7 @@ class _Reporting:
 
     def _attach(self, engine_id: str, url: str | None) -> None:
         if len(self._lanes) >= MAX_ENGINES:
-            raise ValueError(f"a reporter reports at most {MAX_ENGINES} engines")
+            raise InvalidArgument(f"a reporter reports at most {MAX_ENGINES} engines")
         lane = Lane(
             engine_id,
             self.scripts,

@@ -36,6 +36,9 @@ retried at once) and retries; callers never retry. An error that is not an
 outage (a permission the user lacks) is counted and logged, not retried.
 Warnings are rate-limited: one when Redis goes away, one a minute while it
 stays away, one when it is back.
+
+The module holds the sender whole: its deployments' state (``Group``) and the Redis
+I/O of a round (``round_trip``: the calls it makes, pipelined or one at a time).
 """
 
 from __future__ import annotations
@@ -49,30 +52,79 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
+
+import redis.exceptions
 
 from redisbal.background import BackgroundLoop
 from redisbal.barrier.operations import Scripts, report_reply
 from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
+from redisbal.errors import InvalidArgument, InvalidState
 from redisbal.keys import DeploymentKeys
-from redisbal.reporting.lane import (
-    MAX_QUEUED,
-    Group,
-    Lane,
-    Op,
-    Pending,
-    ReportResult,
-    Tag,
-    round_trip,
-    tag_of,
-)
+from redisbal.reporting.lane import MAX_QUEUED, Lane, Pending, ReportResult, Tag, tag_of
 
-log = logging.getLogger("redisbal.reporting.reporter")
+log = logging.getLogger("redisbal.reporting.reporter")  # (its warnings are the reporter's)
+WARN_EVERY_S = 60.0
 # how often an engine's URL is written again: it comes back within this after a
 # state loss (restart without persistence, flush, failover to a lagging replica)
 URL_REFRESH_S = 5.0
 
 MAX_BATCH = 256
+
+
+@dataclass(eq=False)
+class Group:
+    """One deployment's engines in a sender: its task, its back-off and its client.
+    Every field is guarded by the sender's lock."""
+
+    deployment: str
+    client: Any
+    owns_client: bool
+    lanes: list[Lane] = field(default_factory=list)
+    rr: int = 0
+    wake: asyncio.Event | None = None
+    task: asyncio.Task[None] | None = None
+    idle: bool = False
+    failures: int = 0
+    down_until: float = 0.0
+    down_since: float | None = None
+    warned_at: float = 0.0
+    starting: bool = False  # a start of the task is scheduled on the sender's loop
+
+    def log_health(self, outage: BaseException | None, now: float, url: str) -> None:
+        """Rate-limited warnings on the deployment's Redis: one when it goes away, one a
+        minute while it stays away, one when it is back (caller holds the lock)."""
+        if outage is not None:
+            if self.down_since is None:
+                self.down_since = self.warned_at = now
+                log.warning(
+                    "Redis unavailable (%s, deployment %s): %s; reports are kept (the newest "
+                    "per engine) and retried",
+                    url,
+                    self.deployment,
+                    type(outage).__name__,
+                )
+            elif now - self.warned_at >= WARN_EVERY_S:
+                self.warned_at = now
+                log.warning(
+                    "Redis still unavailable (%s, deployment %s) after %.0f s; %d reports "
+                    "coalesced so far",
+                    url,
+                    self.deployment,
+                    now - self.down_since,
+                    sum(lane.counts["coalesced"] for lane in self.lanes),
+                )
+        elif self.down_since is not None:
+            log.warning(
+                "Redis reachable again after %.1f s (%s, deployment %s)",
+                now - self.down_since,
+                url,
+                self.deployment,
+            )
+            self.down_since, self.failures, self.down_until = None, 0, 0.0
+        else:
+            self.failures = 0
 
 
 def _resolve(waiters: list[Any], value: Any) -> None:
@@ -105,12 +157,12 @@ class ReportSender:
     ) -> None:
         if client is None:
             if not redis_url:
-                raise ValueError("give a redis_url (or client=)")
+                raise InvalidArgument("give a redis_url (or client=)")
             self.timeout_s = timeout_s
             client = self._make_client(redis_url)
             self._owns_client = True
         elif not inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
-            raise ValueError("a ReportSender needs an asyncio client (redis.asyncio)")
+            raise InvalidArgument("a ReportSender needs an asyncio client (redis.asyncio)")
         else:
             self._owns_client = False
         self.client = client
@@ -205,7 +257,7 @@ class ReportSender:
     def attach(self, lane: Lane) -> None:
         with self._lock:
             if self.closed:
-                raise RuntimeError("this ReportSender is closed")
+                raise InvalidState("this ReportSender is closed")
             self._group_of(lane).lanes.append(lane)
 
     def detach(self, lane: Lane) -> None:
@@ -350,7 +402,7 @@ class ReportSender:
             return
         loop = asyncio.get_running_loop()
         if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
-            raise RuntimeError("this ReportSender runs on another event loop")
+            raise InvalidState("this ReportSender runs on another event loop")
         self._loop, self._loop_thread = loop, threading.get_ident()
         group.wake = asyncio.Event()
         group.task = loop.create_task(self._run(group), name="redisbal-report-sender")
@@ -549,7 +601,7 @@ class ReportSender:
     def close(self) -> None:
         """Blocking close of a threaded sender."""
         if self.background is None:
-            raise RuntimeError("close() is for threaded senders; await aclose()")
+            raise InvalidState("close() is for threaded senders; await aclose()")
         if not self.background.running:
             return
         with contextlib.suppress(Exception):
@@ -560,3 +612,147 @@ class ReportSender:
 _SHARED: weakref.WeakValueDictionary[int, ReportSender] = weakref.WeakValueDictionary()
 _BY_URL: dict[tuple[Any, ...], ReportSender] = {}
 _REGISTRY_LOCK = threading.Lock()
+
+
+# -- the Redis I/O of one round: its operations grouped into calls and sent ----------------
+
+
+@dataclass(eq=False, slots=True)
+class Op:
+    """One thing a sender's round does for a lane."""
+
+    kind: str  # "report", "register" or "url"
+    lane: Lane
+    args: list[str]  # report: Pending.args' form; register: []
+    waiters: list[Any]
+    heartbeat: bool = False
+    depth: int = 0  # a report's place among its engine's reports of this round
+
+
+KINDS = ("register", "url", "report")  # the order of a round's calls on a cluster
+MAX_REPORTS = 1024  # reports per lua/report_many.lua call (its MAX_REPORTS)
+
+
+def group_calls(ops: list[Op], batch: bool) -> list[list[Op]]:
+    """The calls a round makes, in order: one per op, or (``batch``) the reports of one
+    deployment together, one report_many call each (an engine at most once per call,
+    at most MAX_REPORTS reports)."""
+    if not batch:
+        return [[op] for op in ops]
+    calls: list[list[Op]] = []
+    open_calls: dict[str, tuple[list[Op], set[str]]] = {}
+    for op in ops:
+        if op.kind != "report":
+            calls.append([op])
+            continue
+        key = op.lane.scripts.keys.deployment
+        call, ids = open_calls.get(key, (None, None))
+        if call is None or ids is None or len(call) >= MAX_REPORTS or op.lane.engine_id in ids:
+            call, ids = [], set()
+            open_calls[key] = (call, ids)
+            calls.append(call)
+        call.append(op)
+        ids.add(op.lane.engine_id)
+    return calls
+
+
+def report_many_argv(call: list[Op]) -> list[str]:
+    """ARGV of lua/report_many.lua after deployment and publish command, for a call of
+    report ops: the epoch candidate ("r-" when one of the engines had state), the count
+    and each engine's nine fields."""
+    lane = next((op.lane for op in call if op.lane.had_state), call[0].lane)
+    argv = [lane.candidate(), str(len(call))]
+    for op in call:
+        argv += [op.lane.engine_id, *op.args[:-1], op.lane.incarnation, op.args[-1]]
+    return argv
+
+
+def _spread(call: list[Op], out: Any) -> list[tuple[Op, Any]]:
+    """Each op of a call with its result: a report_many call's reply holds one per op."""
+    if len(call) == 1 or isinstance(out, Exception):
+        return [(op, out) for op in call]
+    if not isinstance(out, list) or len(out) != len(call):
+        bad = redis.exceptions.ResponseError(f"report_many: {len(call)} replies expected")
+        return [(op, bad) for op in call]
+    return list(zip(call, out, strict=True))
+
+
+async def round_trip(
+    client: Any, batch: list[Op], *, many: bool, cluster: bool, timeout_s: float
+) -> list[tuple[Op, Any]]:
+    """Each op with its result (or exception). The calls (group_calls) go in one
+    pipeline once every lane's Scripts knows its mode; on a cluster, one at a time,
+    concurrently."""
+    calls = group_calls(batch, many)
+    guard = timeout_s + 1.0  # a client without socket timeouts must not hang us
+    try:
+        if len(calls) > 1 and not cluster and all(op.lane.scripts.mode != "probe" for op in batch):
+            outs = await asyncio.wait_for(_pipelined(client, calls), guard)
+        else:
+            outs = await asyncio.wait_for(_singly(client, calls), guard)
+    except Exception as exc:  # an outage, or a failure of the round as a whole
+        outs = [exc] * len(calls)
+    return [pair for call, out in zip(calls, outs, strict=True) for pair in _spread(call, out)]
+
+
+async def _pipelined(client: Any, calls: list[list[Op]]) -> list[Any]:
+    # ``async with``: the pipeline gives its connection back on every path (a failed
+    # SCRIPT EXISTS before EVALSHA, a cancel), or redis-py warns "Unclosed Pipeline"
+    async with client.pipeline(transaction=False) as pipe:
+        for call in calls:
+            queued = _issue(client, call, pipe)
+            if inspect.iscoroutine(queued):  # redis-py's asyncio Script queues when awaited
+                await queued
+        outs: list[Any] = list(await pipe.execute(raise_on_error=False))
+    for i, (call, out) in enumerate(zip(calls, outs, strict=True)):
+        if isinstance(out, Exception) and not isinstance(out, OUTAGE_ERRORS):
+            outs[i] = await _one(client, call)  # e.g. the library was flushed: reload
+    return outs
+
+
+async def _singly(client: Any, calls: list[list[Op]]) -> list[Any]:
+    """One call at a time, concurrently: every registration, then the reports in
+    layers, an engine's next report after its previous one has its answer."""
+    outs: list[Any] = [None] * len(calls)
+    layers: dict[tuple[int, int], list[int]] = {}  # (kind, layer) -> calls
+    seen: dict[int, int] = {}  # id(lane) -> layers holding one of its reports
+    for i, call in enumerate(calls):
+        layer = 0
+        if call[0].kind == "report":
+            layer = max(seen.get(id(op.lane), 0) for op in call)
+            for op in call:
+                seen[id(op.lane)] = layer + 1
+        layers.setdefault((KINDS.index(call[0].kind), layer), []).append(i)
+    for _, todo in sorted(layers.items()):
+        done = await asyncio.gather(*(_one(client, calls[i]) for i in todo))
+        for i, out in zip(todo, done, strict=True):
+            outs[i] = out
+    return outs
+
+
+async def _one(client: Any, call: list[Op]) -> Any:
+    try:
+        return await _issue(client, call)
+    except Exception as exc:  # handed to _settle: an outage, or an error to count
+        return exc
+
+
+def _issue(client: Any, call: list[Op], pipe: Any = None) -> Any:
+    """Send (or queue on ``pipe``) one call: a URL write, a registration, a report,
+    or several engines' reports in one report_many."""
+    op, lane = call[0], call[0].lane
+    if op.kind == "url":
+        target = pipe or client
+        return target.hset(lane.scripts.keys.urls, lane.engine_id, lane.url)
+    if len(call) > 1:
+        return lane.scripts.call("report_many", *report_many_argv(call), client=pipe)
+    return lane.scripts.call(op.kind, *_argv(op), client=pipe)
+
+
+def _argv(op: Op) -> list[str]:
+    """ARGV after deployment and publish command: a report's carries the counts, the
+    incarnation and the progress flag (lua/report.lua); a registration's, the id."""
+    lane = op.lane
+    if op.kind == "report":
+        return [lane.candidate(), lane.engine_id, *op.args[:-1], lane.incarnation, op.args[-1]]
+    return [lane.candidate(), lane.engine_id]

@@ -41,8 +41,9 @@ import asyncio
 import math
 from collections import deque
 
-from redisbal.routing.core import RouterCore
+from redisbal.errors import InvalidArgument
 from redisbal.routing.estimates import room
+from redisbal.routing.router_core import RouterCore
 
 DEFAULT_MAX_S = 2.0  # hold a request at most this long (the gateway's --hold-s)
 STAGGER_S = 0.008  # between two routers' turns to release (simulated: 4-12 ms alike)
@@ -98,7 +99,7 @@ def release_delay(core: RouterCore) -> float:
     among the deployment's routers at the current snapshot, while they tell each
     other their routes (else there is nothing to hear from the ones before it)."""
     n = core.client_count
-    if n <= 1 or not core.peers.live:
+    if n <= 1 or not core.told_routes.live:
         return 0.0
     snap = core.snapshot
     version = snap.version if snap is not None else 0
@@ -110,7 +111,7 @@ def releasable(core: RouterCore, free: int) -> int:
     of them while the routers tell each other their routes (they take turns); else its
     share of them, rounded at random, since every router sees the same free slots and
     none hears what the others send there."""
-    if core.client_count <= 1 or core.peers.live or free <= 0:
+    if core.client_count <= 1 or core.told_routes.live or free <= 0:
         return free
     x = free * core.share
     k = int(x)
@@ -127,9 +128,9 @@ class Admission:
 
     def __init__(self, core: RouterCore, max_s: float) -> None:
         if isinstance(max_s, bool) or not isinstance(max_s, int | float):
-            raise ValueError(f"max_s must be a number of seconds, got {max_s!r}")
+            raise InvalidArgument(f"max_s must be a number of seconds, got {max_s!r}")
         if not 0 < max_s < math.inf:
-            raise ValueError(f"max_s must be finite and > 0, got {max_s!r}")
+            raise InvalidArgument(f"max_s must be finite and > 0, got {max_s!r}")
         self.core = core
         self.max_s = float(max_s)
         # each held request: when it came (loop time) and what it waits on

@@ -23,7 +23,7 @@ from collections.abc import Collection
 
 from redisbal.barrier.snapshot import MAX_ADMITTED, Roster, Snapshot
 from redisbal.routing.estimates import RunningCap, SpeedEstimate, by_report, no_report, trim_costs
-from redisbal.routing.views import EngineView
+from redisbal.routing.state import EngineView
 
 EPOCHS_KEPT = 8  # epochs whose latest adopted version a router remembers
 

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 
 from redisbal.barrier.snapshot import Snapshot
-from redisbal.routing.views import EngineView, RequestInfo
+from redisbal.routing.state import EngineView, RequestInfo
 
 
 class ShareEstimate:

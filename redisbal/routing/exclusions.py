@@ -17,8 +17,8 @@ import math
 
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.routing.outcomes import EJECTED, PROBING, SILENT_AFTER_S, OutcomeTracker
+from redisbal.routing.state import EngineView
 from redisbal.routing.unanswered import FirstByteWaits, Silence
-from redisbal.routing.views import EngineView
 
 
 class Exclusions:

@@ -23,9 +23,10 @@ from collections.abc import Callable
 
 from redisbal.background import cancel_and_wait
 from redisbal.connection import AsyncRedisClient
+from redisbal.errors import InvalidArgument
 from redisbal.errors import LeaseUnavailable as LeaseUnavailable
 from redisbal.keys import DeploymentKeys
-from redisbal.routing.core import RouterCore
+from redisbal.routing.router_core import RouterCore
 
 log = logging.getLogger("redisbal.routing.lease")
 
@@ -110,7 +111,7 @@ class ClientLease:
         on_change: Callable[[int, int], None] | None = None,
     ) -> None:
         if not 0.3 <= ttl_s <= 3600:
-            raise ValueError(f"lease ttl_s must be in 0.3..3600, got {ttl_s!r}")
+            raise InvalidArgument(f"lease ttl_s must be in 0.3..3600, got {ttl_s!r}")
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s

@@ -27,6 +27,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from redisbal.errors import InvalidArgument
+
 # failure kinds: evidence against an engine (``RouterCore.failed``)
 FAILURES = frozenset(
     {
@@ -85,13 +87,15 @@ class OutcomeTracker:
     ) -> None:
         for name, v in (("base_s", base_s), ("max_s", max_s), ("forget_s", forget_s)):
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
-                raise ValueError(f"{name} must be finite and > 0, got {v!r}")
+                raise InvalidArgument(f"{name} must be finite and > 0, got {v!r}")
         if base_s > max_s:
-            raise ValueError(f"base_s ({base_s}) must not exceed max_s ({max_s})")
+            raise InvalidArgument(f"base_s ({base_s}) must not exceed max_s ({max_s})")
         if not 0 <= first_byte_factor < math.inf:
-            raise ValueError(f"first_byte_factor must be finite and >= 0, got {first_byte_factor}")
+            raise InvalidArgument(
+                f"first_byte_factor must be finite and >= 0, got {first_byte_factor}"
+            )
         if not 0 < first_byte_min_s <= first_byte_max_s < math.inf:
-            raise ValueError(
+            raise InvalidArgument(
                 "first_byte_min_s and first_byte_max_s must be finite, > 0 and in order, got "
                 f"{first_byte_min_s!r} and {first_byte_max_s!r}"
             )
@@ -122,7 +126,7 @@ class OutcomeTracker:
         when this ejected it (the caller tells the deployment). ``may_eject`` False
         (too many engines ejected already) records the evidence only."""
         if kind not in FAILURES:
-            raise ValueError(f"kind must be one of {sorted(FAILURES)}, got {kind!r}")
+            raise InvalidArgument(f"kind must be one of {sorted(FAILURES)}, got {kind!r}")
         h = self.health(engine)
         state = self.state(engine, now)
         if not h.failures:

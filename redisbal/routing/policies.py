@@ -1,6 +1,6 @@
 """Routing policies: pure logic, no I/O, so route() costs microseconds.
 
-A router's state (``redisbal.routing.core.RouterCore``) holds what one API server
+A router's state (``redisbal.routing.router_core.RouterCore``) holds what one API server
 knows; a ``Policy`` turns that into a choice of engine.
 
 Policies (``POLICIES``): ``redisbal`` (the default), and the baselines that the
@@ -17,7 +17,7 @@ scores one engine (lowest wins) and can be built from a plain function::
     router = redisbal.AsyncRouter(url, "llama", 0, 4, policy=redisbal.ScoringPolicy(score))
 
 What a policy may read: the public fields of ``EngineView`` and the router's
-``RoutingState`` (``redisbal.routing.views``). A policy keeps any state of its own on
+``RoutingState`` (``redisbal.routing.state``). A policy keeps any state of its own on
 itself; it must not write either.
 """
 
@@ -29,9 +29,10 @@ import zlib
 from collections.abc import Callable
 
 from redisbal.barrier.snapshot import Snapshot
+from redisbal.errors import InvalidArgument
 from redisbal.errors import NoEngines as NoEngines
 from redisbal.errors import UnknownEngine as UnknownEngine
-from redisbal.routing.views import EngineView, RoutingState
+from redisbal.routing.state import EngineView, RoutingState
 
 
 class Policy:
@@ -565,4 +566,6 @@ def make_policy(name: str | Policy) -> Policy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+        raise InvalidArgument(
+            f"unknown policy {name!r}; choose from {', '.join(POLICIES)}"
+        ) from None

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import redis.exceptions
 
+from redisbal.errors import InvalidArgument, InvalidState
+
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
@@ -36,12 +38,12 @@ from redisbal.barrier.snapshot import Rosters, RosterUnknown, Snapshot
 from redisbal.connection import OUTAGE_ERRORS, AsyncRedisClient, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.routing.admission import Admission
-from redisbal.routing.core import RouterCore
 from redisbal.routing.lease import ClientLease
 from redisbal.routing.outcomes import FAILURES, OUTCOMES, OutcomeTracker
 from redisbal.routing.policies import DEFAULT_POLICY, Policy
+from redisbal.routing.router_core import RouterCore
 from redisbal.routing.routes_channel import RoutesChannel
-from redisbal.routing.views import Decision
+from redisbal.routing.state import Decision
 
 log = logging.getLogger("redisbal.routing.router")
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
@@ -113,7 +115,9 @@ class _LocalRouting:
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {type(reason).__name__}")
         if kind not in FAILURES:
-            raise ValueError(f"kind must be one of {', '.join(sorted(FAILURES))}, got {kind!r}")
+            raise InvalidArgument(
+                f"kind must be one of {', '.join(sorted(FAILURES))}, got {kind!r}"
+            )
         if not self.core.failed(decision, kind):
             return False
         why = self.core.evidence(decision.engine_id)  # e.g. "5xx x12 in 2.0s"
@@ -149,7 +153,9 @@ class _LocalRouting:
         elif kind in FAILURES:
             self.failed(decision, reason, kind)
         else:
-            raise ValueError(f"kind must be one of {', '.join(sorted(OUTCOMES))}, got {kind!r}")
+            raise InvalidArgument(
+                f"kind must be one of {', '.join(sorted(OUTCOMES))}, got {kind!r}"
+            )
 
     def first_byte_bound(self, engine_id: str) -> float:
         """How long to wait for ``engine_id``'s first byte before failing the request
@@ -181,7 +187,7 @@ class AsyncRouter(_LocalRouting):
     ``client_count`` follow the live leases (redisbal.routing.lease). ``policy``
     is a name from ``redisbal.routing.policies.POLICIES`` or a Policy.
     ``tell_routes``: with 2 to 8 API servers, tell the others each route on the
-    deployment's routes channel and count theirs as told (``redisbal.routing.peers``).
+    deployment's routes channel and count theirs as told (``redisbal.routing.told_routes``).
     ``hold_s``: with a policy that holds (the default), ``admit()`` holds a request
     while every engine is at its running cap, at most this long
     (``redisbal.routing.admission``); None or 0: it never holds.
@@ -210,9 +216,9 @@ class AsyncRouter(_LocalRouting):
         for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
             # poll_s <= 0 would GET in a busy loop; NaN never compares, so never polls
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+                raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}")
             if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+                raise InvalidArgument(f"{name} must be finite and > 0, got {value!r}")
         self.lease: ClientLease | None = None
         self.lease_ttl_s = lease_ttl_s
         self._auto_index = client_index == "auto"
@@ -230,7 +236,7 @@ class AsyncRouter(_LocalRouting):
         if engines:
             self.core.set_engines([check_name(e, "engine_id") for e in engines])
         if client is None and not redis_url:
-            raise ValueError("give a redis_url (or client=)")
+            raise InvalidArgument("give a redis_url (or client=)")
         self._url = redis_url
         self._client: AsyncRedisClient | None = client  # made by start() when None
         self._owns_client = client is None
@@ -394,7 +400,7 @@ class AsyncRouter(_LocalRouting):
     def _redis(self) -> AsyncRedisClient:
         """The client, once start() made it (the feed and the writes run after start)."""
         if self._client is None:
-            raise RuntimeError("the router is not started: call start() first")
+            raise InvalidState("the router is not started: call start() first")
         return self._client
 
     async def _fetch(self) -> None:
@@ -534,7 +540,9 @@ class Router(_LocalRouting):
         **kwargs: Any,
     ) -> None:
         if kwargs.get("client") is not None:
-            raise ValueError("Router makes its own asyncio client on its thread; pass redis_url")
+            raise InvalidArgument(
+                "Router makes its own asyncio client on its thread; pass redis_url"
+            )
         # built on the caller's thread so that bad arguments raise here
         self._inner = AsyncRouter(redis_url, deployment, client_index, client_count, **kwargs)
         self.core = self._inner.core

@@ -1,5 +1,5 @@
 """A router's side of the deployment's routes channel: telling the other routers its
-routes and hearing theirs (what they mean, and how they are counted: routing.peers).
+routes and hearing theirs (what they mean, and how they are counted: routing.told_routes).
 
 It tells within ``COALESCE_S`` of a route made or taken back (one message for all
 made meanwhile) and every ``TELL_EVERY_S`` besides, so that the others know it is
@@ -21,8 +21,8 @@ import redis.exceptions
 
 from redisbal.background import cancel_and_wait
 from redisbal.connection import AsyncRedisClient, redact
-from redisbal.routing.core import RouterCore
-from redisbal.routing.peers import COALESCE_S, TELL_EVERY_S, telling
+from redisbal.routing.router_core import RouterCore
+from redisbal.routing.told_routes import COALESCE_S, TELL_EVERY_S, telling
 
 log = logging.getLogger("redisbal.routing.router")  # (its warnings are the router's)
 
@@ -42,7 +42,7 @@ class RoutesChannel:
         self._tasks: set[asyncio.Task[None]] = set()
         self._told_at = -math.inf
         self._closed = False
-        core.peers.on_change = self.soon
+        core.told_routes.on_change = self.soon
 
     def attach(self, loop: asyncio.AbstractEventLoop, client: AsyncRedisClient) -> None:
         """The loop and client to tell with (the router's, once started)."""
@@ -79,7 +79,7 @@ class RoutesChannel:
         loop = asyncio.get_running_loop()
         if loop.time() - self._told_at < TELL_EVERY_S:
             return
-        self.core.check_peers()
+        self.core.check_told()
         if self.telling and telling(self.core.client_count):
             self._now()
         else:

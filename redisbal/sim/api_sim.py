@@ -31,7 +31,7 @@ from typing import Any, TextIO
 from redisbal.connection import make_client, redact
 from redisbal.routing.policies import DEFAULT_POLICY, NoEngines
 from redisbal.routing.router import AsyncRouter
-from redisbal.routing.views import Decision
+from redisbal.routing.state import Decision
 from redisbal.sim.model import output_length
 from redisbal.sim.transport import (
     NO_BURST,

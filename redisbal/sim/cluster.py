@@ -22,6 +22,7 @@ from typing import Any
 import redis
 import redis.exceptions
 
+from redisbal.errors import SetupFailed
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer, server_version, system_redis_server
 
@@ -37,7 +38,7 @@ def redis_cli() -> str:
     for c in ("/usr/bin/redis-cli", shutil.which("redis-cli")):
         if c and os.access(c, os.X_OK):
             return c
-    raise RuntimeError("redis-cli not found: apt-get install redis-tools")
+    raise SetupFailed("redis-cli not found: apt-get install redis-tools")
 
 
 def _port_free(port: int) -> bool:
@@ -66,7 +67,7 @@ def free_ports(n: int, *, bus: bool = False) -> list[int]:
             out.append(p)
             if len(out) == n:
                 return out
-    raise RuntimeError(f"could not find {n} free ports")
+    raise SetupFailed(f"could not find {n} free ports")
 
 
 @dataclass(frozen=True)
@@ -189,11 +190,11 @@ class ClusterTopology:
             cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if out.returncode != 0:
-                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
+                raise SetupFailed(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
             deadline = time.monotonic() + timeout
             while not self._ready():
                 if time.monotonic() >= deadline:
-                    raise RuntimeError(f"cluster not ready (cluster_state:ok) within {timeout}s")
+                    raise SetupFailed(f"cluster not ready (cluster_state:ok) within {timeout}s")
                 time.sleep(0.1)
         except BaseException:
             self.cleanup()
@@ -225,7 +226,7 @@ class ClusterTopology:
         for node in self.nodes:
             if node.proc is not None and node.proc.poll() is None:
                 return node.client(socket_timeout=2)
-        raise RuntimeError("no cluster node is running")
+        raise SetupFailed("no cluster node is running")
 
     def node_on(self, port: int) -> RedisServer:
         return self.nodes[self.ports.index(port)]

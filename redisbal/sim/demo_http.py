@@ -23,7 +23,7 @@ from redisbal.ops.table import render_table
 from redisbal.sim.demo import Child, Children, Demo, DemoError, _fmt, user_lines
 
 if TYPE_CHECKING:
-    from redisbal.gateway.loadgen import Planned
+    from redisbal.sim.load_plan import Planned
 
 LISTENING = re.compile(rb"gateway listening on (http://\S+) \(client (\d+) of (\d+)")
 PROMPT_MEAN = 64.0  # tokens; the simulated engines do not charge for prompts
@@ -94,7 +94,7 @@ class HttpDemo(Demo):
 
     def planned(self) -> list[Planned]:
         """The load's requests (what loadgen will draw from the same options and seed)."""
-        from redisbal.gateway.loadgen import plan
+        from redisbal.sim.load_plan import plan
 
         o = self.opts
         return plan(

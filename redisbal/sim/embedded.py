@@ -24,6 +24,7 @@ from pathlib import Path
 import redis
 
 from redisbal.errors import RedisServerNotFound as RedisServerNotFound
+from redisbal.errors import SetupFailed
 
 
 def find_redis_server(prefer: str | None = None) -> str:
@@ -186,7 +187,7 @@ class RedisServer:
             if self.proc.poll() is not None:
                 log = self.dir / "redis.log"
                 tail = log.read_text()[-800:] if log.exists() else ""
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {tail}")
+                raise SetupFailed(f"redis-server exited with {self.proc.returncode}: {tail}")
             try:
                 with self.client(socket_timeout=1) as c:
                     if c.ping():
@@ -196,7 +197,7 @@ class RedisServer:
             except redis.exceptions.BusyLoadingError:
                 time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"redis-server did not become ready in {timeout}s")
+        raise SetupFailed(f"redis-server did not become ready in {timeout}s")
 
     def client(self, **kw: object) -> redis.Redis:
         kw.setdefault("password", self.password)

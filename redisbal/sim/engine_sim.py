@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redisbal.connection import make_client, redact
+from redisbal.errors import InvalidArgument
 from redisbal.keys import check_name
 from redisbal.ops.table import render_table
 from redisbal.reporting.reporter import AsyncReporter, Counts
@@ -172,9 +173,9 @@ class EngineSimRunner:
         admitted: bool = True,
     ) -> None:
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
         if not ids:
-            raise ValueError("at least one engine id is needed")
+            raise InvalidArgument("at least one engine id is needed")
         self.url = redis_url
         self.deployment = deployment
         self.mode = mode
@@ -188,7 +189,7 @@ class EngineSimRunner:
         slow = slow or {}
         unknown = sorted(set(slow) - set(ids))
         if unknown:
-            raise ValueError(f"--slow names engines this process does not run: {unknown}")
+            raise InvalidArgument(f"--slow names engines this process does not run: {unknown}")
         self.engines: dict[str, SimEngine] = {}
         self.outbox: dict[str, list[SimRequest]] = {}
         self.stats = SimStats(mode=mode)

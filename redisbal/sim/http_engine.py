@@ -7,7 +7,13 @@ names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc``, labelled ``model_name`` and ``engine``) and
 ``GET /sim/state`` (what the tests read: requests in flight at the engine).
 
-Faults, for reliability tests: ``POST /sim/fault`` (redisbal.sim.fault_injection).
+Faults, for reliability tests (``FaultInjection``): ``POST /sim/fault`` sets them with a
+JSON body; the engine's model and reports go on as if all were well, which is the
+point: ``{"mode": "status", "status": 500}`` answers every generation request with that
+status (429, 500, 503, or a 4xx: a rejection) before taking it in; ``{"mode": "stall"}``
+stops every stream and whole answer from sending (the connection stays open);
+``{"mode": "none"}`` ends the fault (stalled answers flow again). A hung engine is
+SIGSTOP's.
 
 Each engine is a ``SimEngine`` (redisbal.sim.model) stepping on its own clock
 ("tick" mode), reports through the real ``AsyncReporter`` and registers
@@ -50,13 +56,13 @@ from aiohttp.typedefs import Handler
 from redisbal import endpoints
 from redisbal.background import cancel_and_wait
 from redisbal.connection import OUTAGE_ERRORS
-from redisbal.gateway.loadgen import output_text
+from redisbal.errors import InvalidArgument
 from redisbal.keys import check_name
 from redisbal.reporting.reporter import AsyncReporter, Counts
 from redisbal.sim.engine_sim import EngineTally, SimStats
-from redisbal.sim.fault_injection import FaultInjection
+from redisbal.sim.load_plan import output_text
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
-from redisbal.sim.peer_endpoints import add_peer_routes
+from redisbal.sim.peer_router_endpoints import add_peer_routes
 from redisbal.sim.prefix_cache import CHARS_PER_TOKEN, text_blocks
 
 log = logging.getLogger("redisbal.sim.http_engine")
@@ -64,6 +70,49 @@ log = logging.getLogger("redisbal.sim.http_engine")
 MAX_TOKENS_CAP = 32768
 MAX_BODY = 4 * 1024 * 1024
 CLIENT_HEADER = "X-Redisbal-Client-Index"
+
+
+FAULT_MODES = ("none", "status", "stall")
+
+
+class FaultInjection:
+    """One engine's fault: what it is now, and the gate its answers wait at."""
+
+    def __init__(self) -> None:
+        self.mode = "none"
+        self.status = 500
+        self._flowing = asyncio.Event()  # cleared while stalled
+        self._flowing.set()
+
+    def set(self, raw: bytes) -> str | None:
+        """Apply a ``POST /sim/fault`` body; the reason it is refused, or None."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return f"malformed JSON: {exc}"
+        mode = body.get("mode") if isinstance(body, dict) else None
+        status = body.get("status", 500) if isinstance(body, dict) else None
+        if mode not in FAULT_MODES:
+            return f"mode must be one of {', '.join(FAULT_MODES)}"
+        if mode == "status" and (
+            isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599
+        ):
+            return "status must be a whole number in 400..599"
+        self.mode, self.status = mode, int(status or 500)
+        if mode == "stall":
+            self._flowing.clear()
+        else:
+            self._flowing.set()
+        return None
+
+    @property
+    def rejection(self) -> int | None:
+        """The status every generation request is answered with now, if any."""
+        return self.status if self.mode == "status" else None
+
+    async def flowing(self) -> None:
+        """Return once answers may be sent (at once unless stalled)."""
+        await self._flowing.wait()
 
 
 def _url_host(host: str) -> str:
@@ -219,7 +268,7 @@ class HttpEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/sim/state", self._state)
         app.router.add_post("/sim/fault", self._set_fault)
-        add_peer_routes(app, self)  # what real engines serve to routers (peer_endpoints)
+        add_peer_routes(app, self)  # what real engines serve to routers (peer_router_endpoints)
         return app
 
     @web.middleware
@@ -557,7 +606,7 @@ async def serve_engines(
     slow = slow or {}
     unknown = sorted(set(slow) - set(ids))
     if unknown:
-        raise ValueError(f"--slow names engines this process does not run: {unknown}")
+        raise InvalidArgument(f"--slow names engines this process does not run: {unknown}")
     engines = [
         HttpEngine(
             engine_id,

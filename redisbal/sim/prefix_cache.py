@@ -17,6 +17,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from redisbal.errors import InvalidArgument
+
 BLOCK_TOKENS = 16  # tokens per KV block (vLLM's default block size)
 
 
@@ -27,7 +29,7 @@ class PrefixCache:
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+            raise InvalidArgument(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity = capacity_blocks
         self.blocks: OrderedDict[int, None] = OrderedDict()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from redisbal.errors import InvalidArgument
 from redisbal.keys import DeploymentKeys, check_name
 
 POP_BATCH = 1024
@@ -87,7 +88,7 @@ class SimKeys:
 
     def done(self, client_index: int) -> str:
         if isinstance(client_index, bool) or not isinstance(client_index, int) or client_index < 0:
-            raise ValueError(f"client_index must be a whole number >= 0, got {client_index!r}")
+            raise InvalidArgument(f"client_index must be a whole number >= 0, got {client_index!r}")
         return self.base.key(f"sim:done:{client_index}")
 
     @property

@@ -33,9 +33,10 @@ from redisbal.bench.redis_cost.common import (
     start_server,
     usec_per_call,
 )
+from redisbal.errors import SetupFailed
 from redisbal.keys import DeploymentKeys
-from redisbal.routing.core import RouterCore
 from redisbal.routing.policies import DEFAULT_POLICY
+from redisbal.routing.router_core import RouterCore
 
 
 def fake_snapshot(n: int, clients: int = 8) -> Snapshot:
@@ -267,10 +268,10 @@ def _at_once(client: redis.Redis, sc: Scripts, n: int, steps: int, argv: Any) ->
             while not buf.endswith(b"\r\n"):
                 chunk = c.recv(4096)
                 if not chunk:
-                    raise RuntimeError("the server closed a connection")
+                    raise SetupFailed("the server closed a connection")
                 buf += chunk
             if buf.startswith(b"-"):
-                raise RuntimeError(f"report failed: {buf.decode(errors='replace').strip()}")
+                raise SetupFailed(f"report failed: {buf.decode(errors='replace').strip()}")
     us = _server_us(client)
     for c in conns:
         c.close()

@@ -1,4 +1,5 @@
-"""The routers users would pick instead of redisbal, for the benchmark to compare.
+"""Peer routers' policies, emulated: the routers users would pick instead of redisbal,
+for the benchmark to compare on the simulated clock.
 
 Each policy follows one public source (named in its docstring, with the defaults
 taken from it) and sees what that router would see when it runs inside one of
@@ -22,8 +23,9 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from redisbal.errors import InvalidArgument
 from redisbal.routing.policies import Policy
-from redisbal.routing.views import EngineView, RoutingState
+from redisbal.routing.state import EngineView, RoutingState
 
 # vLLM's reference engine in the GIE prefix plugin's sizing note: Llama-3-8B on an H100
 # 80GB caches about 500K tokens = 31,250 blocks of 16 tokens.
@@ -475,9 +477,11 @@ def make_peer(name: str, *, kv_blocks: int | None = None) -> Policy:
     scale with it (the others ignore it)."""
     factory = PEER_POLICIES.get(name)
     if factory is None:
-        raise ValueError(f"unknown peer policy {name!r}; choose from {', '.join(PEER_POLICIES)}")
+        raise InvalidArgument(
+            f"unknown peer policy {name!r}; choose from {', '.join(PEER_POLICIES)}"
+        )
     if kv_blocks is not None and name in _KV_SIZED:
         if isinstance(kv_blocks, bool) or not isinstance(kv_blocks, int) or kv_blocks < 1:
-            raise ValueError(f"kv_blocks must be a whole number >= 1, got {kv_blocks!r}")
+            raise InvalidArgument(f"kv_blocks must be a whole number >= 1, got {kv_blocks!r}")
         return _KV_SIZED[name](kv_blocks=kv_blocks)
     return factory()

@@ -1,4 +1,5 @@
-"""What real engines serve to routers, in their formats, for the simulated HTTP engines.
+"""What real engines serve to peer routers, in their formats, for the simulated HTTP
+engines.
 
 The real routers (vllm-router, sglang-router) call more than the OpenAI API on
 their workers; without these a router runs below strength (its prefix-aware path

@@ -35,7 +35,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import orjson
 
-from redisbal.routing.views import EngineView
+from redisbal.errors import MalformedData
+from redisbal.routing.state import EngineView
 
 COALESCE_S = 0.002  # routes made within this of each other are told in one message
 TELL_EVERY_S = 0.5  # a router tells at least this often, idle or not
@@ -50,7 +51,7 @@ __all__ = [
     "FRESH_S",
     "MAX_ROUTERS",
     "TELL_EVERY_S",
-    "PeerRoutes",
+    "ToldRoutes",
     "encode",
     "telling",
 ]
@@ -70,27 +71,27 @@ def _decode(data: bytes | str) -> tuple[int, dict[str, tuple[str | None, int, in
     """(client index, counts) of a message; ValueError when it is not one."""
     msg = orjson.loads(data)
     if not isinstance(msg, dict):
-        raise ValueError("not an object")
+        raise MalformedData("not an object")
     index, engines = msg.get("i"), msg.get("e", {})
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 1 << 20:
-        raise ValueError(f"bad client index {index!r}")
+        raise MalformedData(f"bad client index {index!r}")
     if not isinstance(engines, dict) or len(engines) > MAX_ENGINES:
-        raise ValueError("bad engines")
+        raise MalformedData("bad engines")
     counts: dict[str, tuple[str | None, int, int]] = {}
     for eid, c in engines.items():
         if not (isinstance(c, list) and len(c) == 3):
-            raise ValueError(f"bad counts for {eid!r}")
+            raise MalformedData(f"bad counts for {eid!r}")
         inc, routes, open_ = c
         if inc is not None and not isinstance(inc, str):
-            raise ValueError(f"bad incarnation for {eid!r}")
+            raise MalformedData(f"bad incarnation for {eid!r}")
         for n in (routes, open_):
             if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 1 << 62:
-                raise ValueError(f"bad count for {eid!r}")
+                raise MalformedData(f"bad count for {eid!r}")
         counts[eid] = (inc, routes, open_)
     return index, counts
 
 
-class PeerRoutes:
+class ToldRoutes:
     """A router's side of the exchange: the other routers' told counts and when each
     was last heard from, and which of its own counts changed since it last told.
 

@@ -12,7 +12,8 @@ second of load answered within that TTFT); ``--json`` for machines. Several ``--
 ``--split S`` sends the first URL a share S of the requests instead (the others share
 the rest in turn), drawn per request from ``--seed``. ``lag_p99_ms`` says how late
 the generator itself sent requests (if it is large, the figures measure the
-generator, not the server).
+generator, not the server). The requests' schedule, sizes and prompts are drawn in
+``redisbal.sim.load_plan``, which the demo reads too.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ import asyncio
 import math
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
 import orjson
 
-from redisbal.gateway.load_summary import Result, summarize
 from redisbal.ops.cli_options import (
     FiniteFloat,
     common_options,
@@ -36,61 +36,85 @@ from redisbal.ops.cli_options import (
     stats_out_option,
     write_json,
 )
+from redisbal.sim.load_plan import Planned, plan, read_trace, session_prompts
 
-MAX_TRACE_LINE = 4096
+# -- the figures of a run: each request's outcome, and the summary of many ----------------
 
 
 @dataclass(slots=True)
-class Planned:
-    t: float  # seconds from the start
-    prompt_tokens: int
-    output_tokens: int
-    key: str | None = None
-    system: int | None = None  # a shared system prompt the key's prompts start with
-    system_tokens: int = 0
-    text: str | None = None  # the prompt (session_prompts); else filler of the length
+class Result:
+    ok: bool
+    status: int
+    lag: float  # how late it was sent, s
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+    target: int = 0  # which of the URLs it went to
 
 
-def lognormal_int(rng: random.Random, mean: float, sigma: float, cap: int) -> int:
-    mu = math.log(max(mean, 1.0)) - sigma * sigma / 2
-    return max(1, min(cap, int(rng.lognormvariate(mu, sigma))))
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def plan(
-    *,
-    rate: float,
-    duration: float,
-    arrival: str,
-    burst: int,
-    burst_every: float,
-    prompt_mean: float,
-    output_mean: float,
-    sigma: float,
-    seed: int,
-    output_cap: int = 8192,
-) -> list[Planned]:
-    """The schedule: Poisson arrivals at ``rate``, or ``burst`` requests at once every
-    ``burst_every`` seconds; heavy-tailed lengths."""
-    rng = random.Random(seed)
-    times: list[float] = []
-    if arrival == "poisson":
-        t = rng.expovariate(rate)
-        while t < duration:
-            times.append(t)
-            t += rng.expovariate(rate)
-    else:
-        t = 0.0
-        while t < duration:
-            times += [t] * burst
-            t += burst_every
-    return [
-        Planned(
-            t,
-            lognormal_int(rng, prompt_mean, sigma, 32768),
-            lognormal_int(rng, output_mean, sigma, output_cap),
-        )
-        for t in times
-    ]
+def summarize(
+    results: list[Result],
+    elapsed: float,
+    slo_ttft_s: float | None = None,
+    window_s: float | None = None,
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1000, 3)
+
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    gaps = [g for r in ok for g in r.gaps]
+    e2e = [r.e2e for r in ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": errors,
+        "elapsed_s": round(elapsed, 3),
+        "throughput_rps": round(len(ok) / elapsed, 2) if elapsed > 0 else None,
+        "tokens_per_s": round(sum(r.tokens for r in ok) / elapsed, 1) if elapsed > 0 else None,
+        "ttft_p50_ms": ms(percentile(ttft, 0.5)),
+        "ttft_p99_ms": ms(percentile(ttft, 0.99)),
+        "itl_p50_ms": ms(percentile(gaps, 0.5)),
+        "itl_p99_ms": ms(percentile(gaps, 0.99)),
+        "e2e_p50_ms": ms(percentile(e2e, 0.5)),
+        "e2e_p99_ms": ms(percentile(e2e, 0.99)),
+        "lag_p99_ms": ms(percentile([r.lag for r in results], 0.99)),
+        **_goodput(ttft, len(results), window_s or elapsed, slo_ttft_s),
+    }
+
+
+def _goodput(
+    ttft: list[float], requests: int, window: float, slo_ttft_s: float | None
+) -> dict[str, Any]:
+    """Requests answered with their first token within the TTFT objective: per second of
+    the load's window (``--duration``; the same for every server given the same
+    schedule, unlike the run's end, which one long answer moves) and as a share of all
+    requests sent."""
+    if slo_ttft_s is None:
+        return {}
+    good = sum(t <= slo_ttft_s for t in ttft)
+    return {
+        "slo_ttft_ms": round(slo_ttft_s * 1000, 3),
+        "goodput_rps": round(good / window, 2) if window > 0 else None,
+        "slo_attainment": round(good / requests, 4) if requests else None,
+    }
+
+
+# -- sending ---------------------------------------------------------------------------------
 
 
 def split_targets(n: int, urls: int, share: float | None, seed: int) -> list[int]:
@@ -108,79 +132,6 @@ def split_targets(n: int, urls: int, share: float | None, seed: int) -> list[int
             out.append(1 + rest % (urls - 1))
             rest += 1
     return out
-
-
-def read_trace(path: str) -> list[Planned]:
-    """JSON lines {"t", "prompt_tokens", "output_tokens", "key"?}; errors name the line."""
-    out: list[Planned] = []
-    with open(path, "rb") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            if len(line) > MAX_TRACE_LINE:
-                raise click.BadParameter(f"{where}: line longer than {MAX_TRACE_LINE} bytes")
-            try:
-                d = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                raise click.BadParameter(f"{where}: not JSON: {exc}") from None
-            if not isinstance(d, dict):
-                raise click.BadParameter(f"{where}: each line must be a JSON object")
-            t = d.get("t")
-            if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < 1e7:
-                raise click.BadParameter(f"{where}: t must be seconds >= 0, got {t!r}")
-            vals = []
-            for name in ("prompt_tokens", "output_tokens"):
-                v = d.get(name)
-                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1_000_000:
-                    raise click.BadParameter(f"{where}: {name} must be in 1..1000000, got {v!r}")
-                vals.append(v)
-            key = d.get("key")
-            if key is not None and not (isinstance(key, str) and len(key) <= 256):
-                raise click.BadParameter(f"{where}: key must be a string of <= 256 characters")
-            system, system_tokens = d.get("system"), d.get("system_tokens", 0)
-            for name, v in (("system", system), ("system_tokens", system_tokens)):
-                bad = isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1_000_000
-                if v is not None and bad:
-                    raise click.BadParameter(f"{where}: {name} must be in 0..1000000, got {v!r}")
-            out.append(Planned(float(t), vals[0], vals[1], key, system, system_tokens or 0))
-    out.sort(key=lambda p: p.t)
-    return out
-
-
-def output_text(n: int) -> str:
-    """The answer text of ``n`` tokens the simulated HTTP engines stream (one `` tI`` a
-    token): what the next turn of a conversation repeats as its history."""
-    return "".join(f" t{i}" for i in range(n))
-
-
-def _filler(seed: str, tokens: int) -> str:
-    """``tokens`` tokens (4 characters each) of text drawn from ``seed``."""
-    return random.Random(seed).randbytes(2 * max(0, tokens)).hex()
-
-
-def session_prompts(planned: list[Planned], seed: int = 0) -> None:
-    """Give each request a prompt text of its ``prompt_tokens`` tokens (4 characters
-    each, as the simulated engines count) shaped like a conversation, as the
-    simulator's sessions are: a key's first prompt starts with its shared system prompt
-    (``system``, ``system_tokens``; the same text for every key that names it), each
-    later prompt with the previous prompt and that request's answer (the engines'
-    answer text, ``output_text``), then new text drawn from the key. Requests without
-    a key get text of their own. Deterministic in ``planned`` (in time order) and
-    ``seed``, so every policy replays the same prompts."""
-    history: dict[str, str] = {}
-    for i, p in enumerate(planned):
-        want = p.prompt_tokens * 4
-        if p.key is None:
-            p.text = _filler(f"req-{seed}-{i}", p.prompt_tokens)
-            continue
-        head = history.get(p.key)
-        if head is None:
-            head = "" if p.system is None else _filler(f"system-{p.system}", p.system_tokens)
-        text = head[:want]
-        text += _filler(f"key-{seed}-{p.key}-{i}", (want - len(text) + 3) // 4)[: want - len(text)]
-        p.text = text
-        history[p.key] = text + output_text(p.output_tokens)
 
 
 async def _one(session: Any, url: str, p: Planned, start: float, opts: dict[str, Any]) -> Result:

@@ -1,4 +1,5 @@
-"""A router's state: pure logic, no I/O, so route() costs microseconds.
+"""``RouterCore``: what one router knows and its request path; pure logic, no I/O, so
+route() costs microseconds.
 
 ``RouterCore`` holds what one API server knows: the latest snapshot's counts
 per engine, and its own bookkeeping per engine (routed, in flight, and the
@@ -31,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from redisbal.barrier.snapshot import Snapshot
+from redisbal.errors import InvalidArgument
 from redisbal.routing.adoption import Carrying, RosterViews, Versions, adopt_full
 from redisbal.routing.estimates import (
     RouteCost,
@@ -42,9 +44,9 @@ from redisbal.routing.estimates import (
 )
 from redisbal.routing.exclusions import Exclusions
 from redisbal.routing.outcomes import OutcomeTracker
-from redisbal.routing.peers import PeerRoutes
 from redisbal.routing.policies import DEFAULT_POLICY, NoEngines, Policy, UnknownEngine, make_policy
-from redisbal.routing.views import Decision, EngineView, RequestInfo, request_info
+from redisbal.routing.state import Decision, EngineView, RequestInfo, request_info
+from redisbal.routing.told_routes import ToldRoutes
 
 
 class RouterCore:
@@ -66,19 +68,21 @@ class RouterCore:
         outcomes: OutcomeTracker | None = None,
     ) -> None:
         if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
-            raise ValueError(f"client_count must be a whole number >= 1, got {client_count!r}")
+            raise InvalidArgument(f"client_count must be a whole number >= 1, got {client_count!r}")
         if (
             isinstance(client_index, bool)
             or not isinstance(client_index, int)
             or not 0 <= client_index < client_count
         ):
-            raise ValueError(f"client_index must be in 0..{client_count - 1}, got {client_index!r}")
+            raise InvalidArgument(
+                f"client_index must be in 0..{client_count - 1}, got {client_index!r}"
+            )
         g = rejoin_grace_s
         if isinstance(g, bool) or not (isinstance(g, int | float) and 0 <= g < math.inf):
-            raise ValueError(f"rejoin_grace_s must be finite and >= 0, got {rejoin_grace_s!r}")
+            raise InvalidArgument(f"rejoin_grace_s must be finite and >= 0, got {rejoin_grace_s!r}")
         g = suspect_s
         if isinstance(g, bool) or not (isinstance(g, int | float) and 0 < g < math.inf):
-            raise ValueError(f"suspect_s must be finite and > 0, got {suspect_s!r}")
+            raise InvalidArgument(f"suspect_s must be finite and > 0, got {suspect_s!r}")
         self.client_index = client_index
         self.client_count = client_count
         self.policy = make_policy(policy)
@@ -110,8 +114,8 @@ class RouterCore:
         # (_weigh): policies read them per route
         self.share_estimate = ShareEstimate(client_count, share_halflife)
         # the other routers' routes on their way, as they tell them: while every other one
-        # is heard from, they count instead of the share (routing.peers)
-        self.peers = PeerRoutes()
+        # is heard from, they count instead of the share (routing.told_routes)
+        self.told_routes = ToldRoutes()
         self._weigh()  # share_weight, pending_weight
         self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
         self.caps = RunningCap()  # the engines' running cap as far as seen
@@ -176,7 +180,7 @@ class RouterCore:
         self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
         self.known = list(self.by_id.values())
         self.excl.waits.keep(self.by_id)
-        self.peers.forget(ids)
+        self.told_routes.forget(ids)
         self._choosable(self.clock())
 
     def _choosable(self, now: float) -> None:
@@ -277,17 +281,19 @@ class RouterCore:
     def _weigh(self) -> None:
         """What one own pending route counts: 1 / share, or 1 while the others' are told."""
         self.share_weight = self.share_estimate.weight
-        self.pending_weight = 1.0 if self.peers.live else self.share_weight
+        self.pending_weight = 1.0 if self.told_routes.live else self.share_weight
 
     def _count_others(self, views: Iterable[EngineView] | None, tell_policy: bool = True) -> None:
         """``others`` of ``views`` (None: of every engine told about) counted again;
-        when peers.live flips, every view's and the weights (the share comes back or
+        when told_routes.live flips, every view's and the weights (the share comes back or
         goes). With ``tell_policy`` the policy hears of it: reset on a flip, else the
         views changed."""
-        was = self.peers.live
+        was = self.told_routes.live
         index, count = self.client_index, self.client_count
-        changed = self.peers.count(views, self.by_id, index, count, self.clock(), self.connected)
-        if self.peers.live != was:
+        changed = self.told_routes.count(
+            views, self.by_id, index, count, self.clock(), self.connected
+        )
+        if self.told_routes.live != was:
             self._weigh()
             if tell_policy:
                 self.policy.reset(self)
@@ -296,15 +302,15 @@ class RouterCore:
                 self.policy.changed(self, e)
 
     def hear(self, data: bytes | str) -> None:
-        """Another router's message on the routes channel (routing.peers)."""
+        """Another router's message on the routes channel (routing.told_routes)."""
         with self.lock:
-            ids = self.peers.hear(data, self.client_index, self.clock(), self.by_id)
+            ids = self.told_routes.hear(data, self.client_index, self.clock(), self.by_id)
             if ids is not None:
                 self._count_others([self.by_id[i] for i in ids])
         if ids:
             self._updated()
 
-    def check_peers(self) -> None:
+    def check_told(self) -> None:
         """Whether every other router is still heard from (the feed asks every 0.5 s:
         a router gone stops counting without a message or a snapshot to say so)."""
         with self.lock:
@@ -314,12 +320,12 @@ class RouterCore:
         """The feed connected or lost: told routes count only while it is connected
         (with it down nothing told can change, while the routes it counts end)."""
         self.connected = connected
-        self.check_peers()
+        self.check_told()
 
     def told(self) -> bytes:
         """This router's message to the others: its counts that changed since the last one."""
         with self.lock:
-            return self.peers.message(self.by_id, self.client_index)
+            return self.told_routes.message(self.by_id, self.client_index)
 
     def silent_ms(self, engine_id: str) -> int:
         """How long ``engine_id``'s reports had stopped when the latest snapshot was
@@ -378,7 +384,7 @@ class RouterCore:
                     eng, pinned, probe = self._choose(engine_id, now)
                 eng.routed += 1
                 eng.inflight += 1
-                self.peers.mark(eng.engine_id, True)
+                self.told_routes.mark(eng.engine_id, True)
                 eng.pending += 1
                 cost = 1.0 if info is None or not self._sized else self.route_cost(info)
                 eng.costs.append(cost)
@@ -466,7 +472,7 @@ class RouterCore:
         if decision.done:
             return
         decision.done = True
-        self.peers.mark(decision.engine_id, False)
+        self.told_routes.mark(decision.engine_id, False)
         if self.excl.waits:
             self._settle(decision, self.clock())
         if decision.probe:  # ended, answered or not: the next request may probe again
@@ -486,7 +492,7 @@ class RouterCore:
         with self.lock:
             eng = self._view(decision)
             if eng is not None and not decision.done:
-                self.peers.mark(eng.engine_id, True)
+                self.told_routes.mark(eng.engine_id, True)
                 eng.routed = max(0, eng.routed - 1)
                 eng.pending = max(0, eng.pending - 1)
                 if eng.times:

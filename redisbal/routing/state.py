@@ -1,6 +1,6 @@
 """What a router knows, as its policies read it: one ``EngineView`` per engine, the
 router's ``RoutingState``, what it was told of the request (``RequestInfo``), and the
-``Decision`` it hands back. Data only; ``redisbal.routing.core.RouterCore`` keeps them
+``Decision`` it hands back. Data only; ``redisbal.routing.router_core.RouterCore`` keeps them
 and ``redisbal.routing.policies`` turns them into a choice."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from redisbal.barrier.snapshot import Snapshot
+from redisbal.errors import InvalidArgument
 
 
 @dataclass(slots=True)
@@ -38,7 +39,7 @@ class RequestInfo:
     prefix cache), within a bound on that engine's load. ``prompt_tokens`` and
     ``output_tokens`` (expected or the request's cap): the request's size, so a
     route counts by its cost instead of as 1. ``blocks``: chained hashes of the
-    prompt's token blocks, for prefix-aware policies (the benchmark's peers).
+    prompt's token blocks, for prefix-aware policies (the benchmark's peer routers).
     ``key_guessed``: the key was not given as one but taken from the request (the
     gateway's body ``user``); the default policy follows such keys only while they
     come back.
@@ -64,17 +65,19 @@ def request_info(
     """Check what route() was told about a request (ValueError naming the argument)
     and hold it as a RequestInfo."""
     if key is not None and (not isinstance(key, str) or len(key) > MAX_KEY_LEN):
-        raise ValueError(f"key must be a str of at most {MAX_KEY_LEN} characters, got {key!r:.60}")
+        raise InvalidArgument(
+            f"key must be a str of at most {MAX_KEY_LEN} characters, got {key!r:.60}"
+        )
     for name, v in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"{name} must be a whole number >= 0, got {v!r}")
+            raise InvalidArgument(f"{name} must be a whole number >= 0, got {v!r}")
     hashes: tuple[int, ...] = ()
     if blocks:
         hashes = tuple(blocks)
         if not all(isinstance(b, int) and not isinstance(b, bool) for b in hashes):
-            raise ValueError("blocks must be integers (hashes of the prompt's token blocks)")
+            raise InvalidArgument("blocks must be integers (hashes of the prompt's token blocks)")
     if not isinstance(key_guessed, bool):
-        raise ValueError(f"key_guessed must be True or False, got {key_guessed!r:.60}")
+        raise InvalidArgument(f"key_guessed must be True or False, got {key_guessed!r:.60}")
     return RequestInfo(key, prompt_tokens, output_tokens, hashes, key_guessed)
 
 
@@ -112,7 +115,7 @@ class EngineView:
     done: int = 0  # of those, the ones its counts hold (estimates.ended)
     costs: deque[float] = field(default_factory=deque)  # cost of each pending route, oldest first
     pending_cost: float = 0.0  # sum of costs
-    others: float = 0.0  # the other routers' routes on their way (routing.peers), or 0
+    others: float = 0.0  # the other routers' routes on their way (routing.told_routes), or 0
     admitted: Sequence[int] | None = None  # the snapshot's admitted counts by client index
     gen: int = 0  # heap entry generation
     hid: int = field(default=0, init=False)  # crc32 of engine_id (the shared dither)
