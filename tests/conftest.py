@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 import redis
 from _pytest.mark.expression import Expression
-from procs import Routers
-from topology import binaries
+from support.procs import Routers
+from support.topology import binaries
 
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer

@@ -1,0 +1,134 @@
+"""Shared by the gateway tests: real HTTP engines (in the test's loop or as
+processes) and gateways in front of them, on a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from redisbal.connection import make_client
+from redisbal.gateway.server import Gateway
+from redisbal.routing.router import AsyncRouter
+from redisbal.sim.http_engine import HttpEngine
+from redisbal.sim.model import EngineParams
+from support.procs import free_port_block
+
+MODEL = "redisbal-sim"
+FAST = EngineParams(running_cap=64, base_step_s=0.004, per_seq_s=0.0, prefill_s=0.0)
+
+
+@dataclass
+class Stack:
+    engines: list[HttpEngine]
+    gateways: list[Gateway] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.gateways[0].ports[0]}"
+
+    def router_inflight(self) -> int:
+        return sum(
+            e.inflight for g in self.gateways for e in g.router.core.known
+        )  # the routers' own counts
+
+    def engine_inflight(self) -> int:
+        return sum(e.inflight + e.model.load for e in self.engines)
+
+
+async def start_gateway(
+    redis_url: str, deployment: str, *, client_index: int | str = "auto", **kw: Any
+) -> Gateway:
+    router = AsyncRouter(
+        redis_url, deployment, client_index, 1 if client_index == "auto" else 2,
+        lease_ttl_s=kw.pop("lease_ttl_s", 10.0), suspect_s=kw.pop("suspect_s", 1.0),
+        outcomes=kw.pop("outcomes", None),
+    )  # fmt: skip
+    await router.start(wait=3.0)
+    gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True), **kw)
+    await gw.start("127.0.0.1", 0)
+    return gw
+
+
+async def stop_gateway(gw: Gateway) -> None:
+    await gw.close()
+    await gw.router.aclose()
+    await gw.redis.aclose()
+
+
+async def start_engines(
+    redis_url: str, deployment: str, n: int, params: EngineParams = FAST, **kw: Any
+) -> list[HttpEngine]:
+    """``n`` engine-sim HTTP engines ("0".."n-1") in the test's loop, started; ``kw``
+    go to each ``HttpEngine``."""
+    engines = [
+        HttpEngine(str(i), redis_url=redis_url, deployment=deployment, port=0, params=params, **kw)
+        for i in range(n)
+    ]
+    for e in engines:
+        await e.start()
+    return engines
+
+
+@contextlib.asynccontextmanager
+async def stack(
+    redis_url: str, deployment: str, n: int = 2, gateways: int = 1, **gw_kw: Any
+) -> AsyncIterator[Stack]:
+    engines = await start_engines(redis_url, deployment, n)
+    st = Stack(engines)
+    try:
+        for _ in range(gateways):
+            st.gateways.append(await start_gateway(redis_url, deployment, **gw_kw))
+        await wait_for(lambda: all(len(g.live_engines()) == n for g in st.gateways))
+        yield st
+    finally:
+        for g in st.gateways:
+            await stop_gateway(g)
+        for e in engines:
+            await e.stop()
+
+
+async def wait_for(pred: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not met within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+async def settled(st: Stack) -> None:
+    """Every request is finished: in the routers' counts and at the engines."""
+    await wait_for(lambda: st.router_inflight() == 0 and st.engine_inflight() == 0, 5.0)
+    assert all(g.inflight == 0 for g in st.gateways)
+
+
+def _spawn_engine(redis_url: str, deployment: str, index: int, base: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "redisbal", "engine-sim", "--redis-url", redis_url,
+         "--deployment", deployment, "--engines", "1", "--first-id", str(index),
+         "--http-port", str(base + index), "--base-step-ms", "4", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def process_engines(redis_url: str, deployment: str, n: int) -> AsyncIterator[list[Any]]:
+    base = free_port_block(n)
+    procs = [_spawn_engine(redis_url, deployment, i, base) for i in range(n)]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = await asyncio.to_thread(p.stdout.readline)
+            assert "ready" in line, line
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.wait(10)
