@@ -1,5 +1,5 @@
 """The compact snapshot form, read and adopted: pure logic (the Lua side that
-publishes it is tested against real servers in tests/test_compact.py)."""
+publishes it is tested against real servers in tests/barrier/test_compact.py)."""
 
 from __future__ import annotations
 

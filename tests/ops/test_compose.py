@@ -198,7 +198,7 @@ def test_conftest_honours_redisbal_redis_url() -> None:
         env["REDISBAL_REDIS_URL"] = server.url  # redis://127.0.0.1:<port>/0, as in compose
         out = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
-             "tests/test_metrics.py", "-k", "exporter_over_http or router_metrics"],
+             "tests/ops/test_metrics.py", "-k", "exporter_over_http or router_metrics"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -13,7 +13,7 @@
   accepts, and gives each pod its own engine id and URL;
 - every metric name in the Grafana dashboard, the alert rules and the manifests is a
   series the coordinator's exporter or the gateway exports (read from their own
-  registries: tests/exported_metrics.py), every expression parses as PromQL, and
+  registries: tests/support/exported_metrics.py), every expression parses as PromQL, and
   every label it groups or filters by is on one of its metrics.
 """
 

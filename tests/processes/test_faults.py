@@ -1,7 +1,7 @@
 """Faults on real processes: routing never stops, nothing is lost, and how fast it recovers.
 
 Every test runs real redis-server processes, engines and coordinators as child
-processes (tests/procs.py, public API only) and routers routing continuously
+processes (tests/programs/roles.py, public API only) and routers routing continuously
 (RouteLoop: a request every ~2 ms, each finishing 50 ms later). Each asserts
 what docs/RELIABILITY.md's fault table promises and records the recovery time it
 measured (printed, and appended to the file $REDISBAL_RELIABILITY_LOG names, by

@@ -8,7 +8,7 @@ router adopted (``redisbal.routing.adoption.Carrying``). Only a router that neve
 knew an engine (or whose engines all left or expired) raises ``NoEngines``.
 
 The rule is tested as pure logic first, then on real processes: engines and a
-coordinator as child processes (tests/procs.py), an ``AsyncRouter`` routing on its
+coordinator as child processes (tests/programs/roles.py), an ``AsyncRouter`` routing on its
 own event loop (route() then finished() every ~2 ms, as in an asyncio API server)
 and a blocking ``Router`` on a RouteLoop, across REDISBAL_RESTART_ROUNDS (default
 3) faults of each kind; every other round one engine is SIGSTOPped across the fault

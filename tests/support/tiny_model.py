@@ -5,7 +5,7 @@ download, a few seconds on a CPU. Needs ``transformers``, ``tokenizers`` and ``t
 (all three come with vLLM). CPU attention in vLLM refuses small head sizes, hence
 a head size of 64.
 
-    python tests/tiny_model.py DIR      # then: vllm ... --model DIR
+    python tests/support/tiny_model.py DIR      # then: vllm ... --model DIR
 """
 
 from __future__ import annotations
@@ -55,5 +55,5 @@ def make_tiny_model(out: Path) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python tests/tiny_model.py DIR")
+        sys.exit("usage: python tests/support/tiny_model.py DIR")
     print(make_tiny_model(Path(sys.argv[1])))
