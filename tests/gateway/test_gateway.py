@@ -21,8 +21,9 @@ import openai
 import orjson
 import pytest
 import redis
-from support.gateway_stack import FAST, MODEL, settled, stack, start_gateway, stop_gateway, wait_for
-from support.helpers import Barrier
+from support.cli import scrubbed_env
+from support.gateway_stack import FAST, MODEL, settled, stack, start_gateway, stop_gateway
+from support.helpers import Barrier, await_until
 
 from redisbal import endpoints
 from redisbal.barrier.snapshot import Snapshot
@@ -459,7 +460,7 @@ async def test_loadgen_interrupted_keeps_what_it_measured(redis_url: str, deploy
             "--json", "--no-progress", "--max-output", "4",
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
-        await wait_for(lambda: sum(e.served for e in st.engines) >= 3, timeout=30.0)
+        await await_until(lambda: sum(e.served for e in st.engines) >= 3, timeout=30.0)
         proc.send_signal(signal.SIGINT)
         out, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 130, err.decode()
@@ -495,7 +496,7 @@ async def test_gateway_routes_unmodified_http_engines_by_their_scraped_metrics(
     directly (the gateway never sees them) shows only in its scraped counts; the gateway
     must route around it."""
     Barrier(r, keys).configure()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+    env = scrubbed_env()
     engines = subprocess.Popen(
         [sys.executable, "-m", "redisbal", "engine-sim", "--no-report", "--http-port", "0",
          "--engines", "3", "--base-step-ms", "4", "--per-seq-ms", "0", "--prefill-ms", "0",
@@ -524,13 +525,13 @@ async def test_gateway_routes_unmodified_http_engines_by_their_scraped_metrics(
                 subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             )
         ids = ["0", "1", "2"]
-        await wait_for(lambda: sorted(counts_of(latest(r, keys))) == ids, timeout=20.0)
+        await await_until(lambda: sorted(counts_of(latest(r, keys))) == ids, timeout=20.0)
         # the sidecars registered where each engine serves: the origin of its /metrics URL
         assert {k.decode(): v.decode() for k, v in r.hgetall(keys.urls).items()} == dict(
             zip(ids, urls, strict=True)
         )
         gw = await start_gateway(redis_url, keys.deployment)
-        await wait_for(lambda: len(gw.live_engines()) == 3, timeout=10.0)
+        await await_until(lambda: len(gw.live_engines()) == 3, timeout=10.0)
 
         async with aiohttp.ClientSession() as session:
             # 24 long streams straight to engine 0, held open: it runs them all
@@ -550,7 +551,7 @@ async def test_gateway_routes_unmodified_http_engines_by_their_scraped_metrics(
                 return out
 
             # the snapshot shows what the pages show
-            await wait_for(lambda: counts_of(latest(r, keys)).get("0") == (0, 24), timeout=10.0)
+            await await_until(lambda: counts_of(latest(r, keys)).get("0") == (0, 24), timeout=10.0)
             pages = await scraped()
             assert pages == {"0": (0, 24), "1": (0, 0), "2": (0, 0)}
             assert counts_of(latest(r, keys)) == pages
@@ -584,7 +585,9 @@ async def test_gateway_routes_unmodified_http_engines_by_their_scraped_metrics(
             for resp in preload:  # the client goes away: engine 0 aborts them
                 resp.close()
             preload.clear()
-            await wait_for(lambda: counts_of(latest(r, keys)) == dict.fromkeys(ids, (0, 0)), 10.0)
+            await await_until(
+                lambda: counts_of(latest(r, keys)) == dict.fromkeys(ids, (0, 0)), 10.0
+            )
             assert await scraped() == counts_of(latest(r, keys))
     finally:
         for resp in preload:

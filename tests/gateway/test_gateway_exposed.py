@@ -16,7 +16,8 @@ from typing import Any
 import openai
 import orjson
 import pytest
-from support.gateway_stack import MODEL, settled, stack, start_gateway, stop_gateway, wait_for
+from support.gateway_stack import MODEL, openai_client, settled, stack, start_gateway, stop_gateway
+from support.helpers import await_until
 from support.procs import free_port_block
 
 from redisbal.gateway.access import ApiKeys, Cors, server_ssl
@@ -24,10 +25,6 @@ from redisbal.gateway.guard import Limits
 from redisbal.sim.http_engine import HttpEngine
 
 KEY = "sk-test-0123456789"
-
-
-def _client(url: str, key: str = KEY, **kw: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, **kw)
 
 
 async def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -73,7 +70,7 @@ async def test_api_keys_on_v1_only_and_401_as_openai_json(redis_url: str, deploy
     async with stack(redis_url, deployment, api_keys=keys) as st:
         port = st.gateways[0].ports[0]
         for key in ("none", KEY + "x", KEY[:-1]):
-            c = _client(st.url, key)
+            c = openai_client(st.url, key)
             try:
                 with pytest.raises(openai.AuthenticationError) as e:
                     await c.completions.create(model=MODEL, prompt="a", max_tokens=2)
@@ -86,7 +83,7 @@ async def test_api_keys_on_v1_only_and_401_as_openai_json(redis_url: str, deploy
         assert status == 401 and headers["www-authenticate"] == "Bearer"
         assert _error_of(body)["code"] == "invalid_api_key"
         for key in (KEY, "second-key"):
-            c = _client(st.url, key)
+            c = openai_client(st.url, key)
             try:
                 got = await c.completions.create(model=MODEL, prompt="a", max_tokens=2)
                 assert got.choices[0].text
@@ -109,9 +106,9 @@ async def test_engine_key_replaces_the_clients_and_the_clients_is_forwarded(
         gws.append(await start_gateway(redis_url, deployment, api_keys=ApiKeys([KEY]),
                                        engine_api_key="eng-key"))  # fmt: skip
         gws.append(await start_gateway(redis_url, deployment, client_index=1))  # no keys
-        await wait_for(lambda: all(g.live_engines() for g in gws))
+        await await_until(lambda: all(g.live_engines() for g in gws))
         # the gateway's key from the client, the engine's key to the engine
-        c = _client(f"http://127.0.0.1:{gws[0].ports[0]}")
+        c = openai_client(f"http://127.0.0.1:{gws[0].ports[0]}", KEY)
         try:
             assert [m.id async for m in c.models.list()] == [MODEL]
             got = await c.chat.completions.create(
@@ -122,13 +119,13 @@ async def test_engine_key_replaces_the_clients_and_the_clients_is_forwarded(
             await c.close()
         # no engine key set: the client's goes through, a wrong one gets the engine's 401
         base = f"http://127.0.0.1:{gws[1].ports[0]}"
-        c = _client(base, "eng-key")
+        c = openai_client(base, "eng-key")
         try:
             assert [m.id async for m in c.models.list()] == [MODEL]
             assert (await c.completions.create(model=MODEL, prompt="a", max_tokens=2)).choices
         finally:
             await c.close()
-        c = _client(base, "wrong")
+        c = openai_client(base, "wrong")
         try:
             with pytest.raises(openai.AuthenticationError):
                 await c.completions.create(model=MODEL, prompt="a", max_tokens=2)
@@ -222,16 +219,16 @@ async def test_max_concurrent_requests_429_with_retry_after(
     async with stack(redis_url, deployment, n=1, max_concurrent=2, body_timeout_s=600) as st:
         gw = st.gateways[0]
         async with _held_uploads(gw.ports[0], 2):
-            await wait_for(lambda: gw.inflight == 2)
-            c = _client(st.url)
+            await await_until(lambda: gw.inflight == 2)
+            c = openai_client(st.url, KEY)
             try:
                 with pytest.raises(openai.RateLimitError) as e:
                     await c.completions.create(model=MODEL, prompt="a", max_tokens=2)
                 assert e.value.response.headers["Retry-After"] == "1"
             finally:
                 await c.close()
-        await wait_for(lambda: gw.inflight == 0)
-        c = _client(st.url)
+        await await_until(lambda: gw.inflight == 0)
+        c = openai_client(st.url, KEY)
         try:
             assert (await c.completions.create(model=MODEL, prompt="a", max_tokens=2)).choices
         finally:
@@ -313,9 +310,9 @@ async def test_past_the_connection_cap_idle_ones_go_and_requests_are_served(
         gw = st.gateways[0]
         silent = [await asyncio.open_connection("127.0.0.1", gw.ports[0]) for _ in range(60)]
         try:
-            await wait_for(lambda: gw.guard.closed["evicted"] >= 40)
+            await await_until(lambda: gw.guard.closed["evicted"] >= 40)
             assert gw.guard.open <= 20
-            c = _client(st.url)
+            c = openai_client(st.url, KEY)
             try:
                 for _ in range(5):
                     got = await c.completions.create(model=MODEL, prompt="a", max_tokens=2)
@@ -374,7 +371,7 @@ async def test_tls_round_trip_with_the_openai_client(
     async with stack(redis_url, deployment, n=1, ssl_context=ctx, api_keys=ApiKeys([KEY])) as st:
         url = st.url.replace("http://", "https://")
         verify = ssl.create_default_context(cafile=cert)
-        c = _client(url, http_client=openai.DefaultAsyncHttpxClient(verify=verify))
+        c = openai_client(url, KEY, http_client=openai.DefaultAsyncHttpxClient(verify=verify))
         try:
             got = await c.completions.create(
                 model=MODEL, prompt="a", max_tokens=3, extra_body={"ignore_eos": True}
@@ -385,7 +382,7 @@ async def test_tls_round_trip_with_the_openai_client(
         finally:
             await c.close()
         # plain HTTP to the TLS port gets nothing served
-        plain = _client(st.url)
+        plain = openai_client(st.url, KEY)
         try:
             with pytest.raises(openai.APIConnectionError):
                 await plain.completions.create(model=MODEL, prompt="a", max_tokens=3)

@@ -10,55 +10,20 @@ import contextlib
 import os
 import resource
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import openai
 import pytest
-from support.gateway_stack import MODEL, settled, stack
-from support.procs import free_port_block
+from support.cli import run_cli
+from support.gateway_stack import MODEL, gateway_process, openai_client, settled, stack
 
 pytestmark = pytest.mark.slow
 
-REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 KEY = "sk-file-key-42"
 
 
 def _nofile_1024() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
-
-
-@contextlib.asynccontextmanager
-async def gateway_proc(
-    redis_url: str, deployment: str, *args: str, preexec: Any = None
-) -> AsyncIterator[tuple[subprocess.Popen[str], str, list[str]]]:
-    """A listening ``redisbal gateway``; its stderr lines read up to "listening"."""
-    env = {**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
-    port = free_port_block(1)
-    g = subprocess.Popen(
-        [REDISBAL, "gateway", "--port", str(port), *args],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        preexec_fn=preexec,
-    )  # fmt: skip
-    lines: list[str] = []
-    try:
-        assert g.stderr is not None
-        while not lines or "listening" not in lines[-1]:
-            line = await asyncio.to_thread(g.stderr.readline)
-            assert line, "".join(lines)
-            lines.append(line)
-        yield g, f"http://127.0.0.1:{port}", lines
-    finally:
-        if g.poll() is None:
-            g.kill()
-            g.wait()
-
-
-def _client(url: str, key: str = KEY) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
 
 
 async def test_1100_silent_connections_at_a_1024_fd_limit_requests_still_served(
@@ -73,7 +38,7 @@ async def test_1100_silent_connections_at_a_1024_fd_limit_requests_still_served(
     keys = tmp_path / "keys"
     keys.write_text(f"# the clients' keys\n{KEY}\n")
     async with stack(redis_url, deployment, n=2) as st:
-        async with gateway_proc(
+        async with gateway_process(
             redis_url, deployment, "--api-key-file", str(keys), "--header-timeout-s", "600",
             "--keepalive-timeout-s", "600", preexec=_nofile_1024,
         ) as (g, base, lines):  # fmt: skip
@@ -84,7 +49,7 @@ async def test_1100_silent_connections_at_a_1024_fd_limit_requests_still_served(
                 for _ in range(1100):
                     silent.append(await asyncio.open_connection("127.0.0.1", port))
                 await asyncio.sleep(0.5)  # (the gateway accepts them meanwhile)
-                c = _client(base)
+                c = openai_client(base, KEY)
                 try:
                     for _ in range(20):
                         got = await c.completions.create(model=MODEL, prompt="a", max_tokens=2)
@@ -108,7 +73,7 @@ async def test_sigterm_with_a_slow_upload_exits_zero_after_drain_s(
     redis_url: str, deployment: str
 ) -> None:
     async with stack(redis_url, deployment, n=1) as st:
-        async with gateway_proc(
+        async with gateway_process(
             redis_url, deployment, "--drain-s", "2", "--body-timeout-s", "600"
         ) as (g, base, _):
             port = int(base.rsplit(":", 1)[1])
@@ -146,26 +111,22 @@ async def test_sigterm_with_a_slow_upload_exits_zero_after_drain_s(
 async def test_warns_when_open_beyond_loopback_and_bad_key_files(
     redis_url: str, deployment: str, tmp_path: Any
 ) -> None:
-    async with gateway_proc(redis_url, deployment, "--host", "0.0.0.0") as (g, _, _):
+    async with gateway_process(redis_url, deployment, "--host", "0.0.0.0") as (g, _, _):
         assert g.stderr is not None
         line = await asyncio.to_thread(g.stderr.readline)
         assert "without an API key" in line, line
     keys = tmp_path / "keys"
     keys.write_text(f"{KEY}\n")
-    async with gateway_proc(
+    async with gateway_process(
         redis_url, deployment, "--host", "0.0.0.0", "--api-key-file", str(keys)
     ) as (g, _, _):
         g.send_signal(signal.SIGTERM)
         assert g.stderr is not None
         rest = await asyncio.to_thread(g.stderr.read)
         assert "without an API key" not in rest and KEY not in rest, rest
-    env = {**os.environ, "REDISBAL_REDIS_URL": redis_url}
     empty = tmp_path / "empty"
     empty.write_text("# nothing\n")
     for path, says in ((tmp_path / "missing", "No such file"), (empty, "holds no key")):
-        out = subprocess.run(
-            [REDISBAL, "gateway", "--api-key-file", str(path)],
-            env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        out = run_cli("gateway", "--api-key-file", str(path), env={"REDISBAL_REDIS_URL": redis_url})
         assert out.returncode == 2 and says in out.stderr, out.stderr
         assert "Traceback" not in out.stderr

@@ -4,30 +4,25 @@ mid-stream, a gateway replica killed, and SIGTERM with a stream in flight."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import re
 import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import openai
 import orjson
 import pytest
 from support.gateway_stack import (
     FAST,
     MODEL,
+    gateway_process,
+    openai_client,
     process_engines,
     settled,
     stack,
     start_gateway,
     stop_gateway,
-    wait_for,
 )
-from support.procs import free_port_block
+from support.helpers import await_until
 
 from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.sim.http_engine import HttpEngine
@@ -39,7 +34,7 @@ async def test_dead_engine_is_retried_before_the_first_byte_and_pinning_to_it_fa
     async with process_engines(redis_url, deployment, 2) as procs:
         gw = await start_gateway(redis_url, deployment)
         try:
-            await wait_for(lambda: len(gw.live_engines()) == 2)
+            await await_until(lambda: len(gw.live_engines()) == 2)
             procs[1].kill()
             procs[1].wait()
             base = f"http://127.0.0.1:{gw.ports[0]}"
@@ -56,7 +51,7 @@ async def test_dead_engine_is_retried_before_the_first_byte_and_pinning_to_it_fa
                 # the refused connection was a router.failed(): avoided here at once, and
                 # marked suspect for every router of the deployment
                 assert gw.router.core.excluded().get("1") is not None
-                await wait_for(
+                await await_until(
                     lambda: gw.router.snapshot is not None and "1" in gw.router.snapshot.suspect
                 )
                 async with s.post(base + "/v1/completions", json={"prompt": "a"},
@@ -69,7 +64,7 @@ async def test_dead_engine_is_retried_before_the_first_byte_and_pinning_to_it_fa
             assert "redisbal_gateway_retries_total" in text
             retries = float(re.findall(r"^redisbal_gateway_retries_total (\S+)$", text, re.M)[0])
             assert retries >= 1
-            await wait_for(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
+            await await_until(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
         finally:
             await stop_gateway(gw)
 
@@ -80,7 +75,7 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event(
     async with process_engines(redis_url, deployment, 2) as procs:
         gw = await start_gateway(redis_url, deployment)
         try:
-            await wait_for(lambda: len(gw.live_engines()) == 2)
+            await await_until(lambda: len(gw.live_engines()) == 2)
             base = f"http://127.0.0.1:{gw.ports[0]}"
             async with aiohttp.ClientSession() as s:
                 body = {"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -93,7 +88,7 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event(
                 last = orjson.loads(events[-1].removeprefix("data: "))
                 assert "error" in last and "mid-stream" in last["error"]["message"], events[-1]
                 assert "[DONE]" not in rest
-            await wait_for(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
+            await await_until(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
         finally:
             await stop_gateway(gw)
 
@@ -104,7 +99,7 @@ async def test_non_streamed_request_on_an_engine_that_dies_is_retried(
     async with process_engines(redis_url, deployment, 2) as procs:
         gw = await start_gateway(redis_url, deployment)
         try:
-            await wait_for(lambda: len(gw.live_engines()) == 2)
+            await await_until(lambda: len(gw.live_engines()) == 2)
             base = f"http://127.0.0.1:{gw.ports[0]}"
             async with aiohttp.ClientSession() as s:
                 body = {"prompt": "a", "max_tokens": 200, "ignore_eos": True}
@@ -114,7 +109,7 @@ async def test_non_streamed_request_on_an_engine_that_dies_is_retried(
                     asyncio.ensure_future(s.post(base + "/v1/completions", json=body))
                     for _ in range(2)
                 ]
-                await wait_for(lambda: [e.inflight for e in core.known] == [1, 1])
+                await await_until(lambda: [e.inflight for e in core.known] == [1, 1])
                 await asyncio.sleep(0.1)
                 procs[1].kill()  # mid-request, before any byte of its answer
                 for r in await asyncio.gather(*tasks):
@@ -122,7 +117,7 @@ async def test_non_streamed_request_on_an_engine_that_dies_is_retried(
                     assert r.status == 200, got
                     assert r.headers[ENGINE_HEADER] == "0"
                     assert got["usage"]["completion_tokens"] == 200
-            await wait_for(lambda: sum(e.inflight for e in core.known) == 0)
+            await await_until(lambda: sum(e.inflight for e in core.known) == 0)
         finally:
             await stop_gateway(gw)
 
@@ -136,65 +131,28 @@ async def test_two_gateways_lease_indexes_and_the_count_follows_a_killed_one(
     async with stack(redis_url, deployment, lease_ttl_s=0.6) as st:
         a = st.gateways[0]
         assert (a.router.core.client_index, a.router.core.client_count) == (0, 1)
-        env = {**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
-        port = free_port_block(1)
-        b = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "redisbal"), "gateway", "--port",
-             str(port), "--lease-ttl-s", "0.6", "--log-level", "warning"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert b.stderr is not None
-            line = await asyncio.to_thread(b.stderr.readline)
-            assert "client 1 of 2" in line, line
-            await wait_for(lambda: a.router.core.client_count == 2, 5)
+        async with gateway_process(
+            redis_url, deployment, "--lease-ttl-s", "0.6", "--log-level", "warning"
+        ) as (b, url, lines):
+            assert "client 1 of 2" in lines[-1], lines
+            await await_until(lambda: a.router.core.client_count == 2, 5)
             # requests through both gateways carry their own index to the engines
-            client = openai.AsyncOpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
-            )
+            client = openai_client(url, "x")
             try:
                 c = await client.completions.create(model=MODEL, prompt="a", max_tokens=2)
                 assert c.choices[0].text
             finally:
                 await client.close()
-            await wait_for(lambda: sum(len(e.model.admitted) > 1 for e in st.engines) >= 1)
+            await await_until(lambda: sum(len(e.model.admitted) > 1 for e in st.engines) >= 1)
             b.kill()  # no release: the lease must expire
             b.wait()
-            await wait_for(lambda: a.router.core.client_count == 1, 5)
+            await await_until(lambda: a.router.core.client_count == 1, 5)
             assert a.router.core.client_index == 0
-        finally:
-            if b.poll() is None:
-                b.kill()
-                b.wait()
-
-
-@contextlib.asynccontextmanager
-async def gateway_process(
-    redis_url: str, deployment: str, drain_s: float
-) -> AsyncIterator[tuple[subprocess.Popen[str], str]]:
-    """A `redisbal gateway` process, listening (its stderr piped), and its base URL;
-    killed at the end if the test left it running."""
-    env = {**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
-    port = free_port_block(1)
-    g = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "redisbal"), "gateway", "--port",
-         str(port), "--drain-s", str(drain_s)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert g.stderr is not None
-        line = await asyncio.to_thread(g.stderr.readline)
-        assert "listening" in line, line
-        yield g, f"http://127.0.0.1:{port}"
-    finally:
-        if g.poll() is None:
-            g.kill()
-            g.wait()
 
 
 async def test_a_second_signal_cuts_the_drain_short(redis_url: str, deployment: str) -> None:
     async with stack(redis_url, deployment) as st:
-        async with gateway_process(redis_url, deployment, 600) as (g, base):
+        async with gateway_process(redis_url, deployment, "--drain-s", "600") as (g, base, _):
             assert g.stderr is not None
             async with aiohttp.ClientSession() as s:
                 body = {"prompt": "a", "max_tokens": 1000, "ignore_eos": True, "stream": True}
@@ -216,7 +174,7 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(
     redis_url: str, deployment: str
 ) -> None:
     async with stack(redis_url, deployment) as st:
-        async with gateway_process(redis_url, deployment, 20) as (g, base):
+        async with gateway_process(redis_url, deployment, "--drain-s", "20") as (g, base, _):
             assert g.stderr is not None
             async with aiohttp.ClientSession() as s:
                 body = {"prompt": "a", "max_tokens": 60, "ignore_eos": True, "stream": True}
@@ -242,7 +200,7 @@ async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
     async with process_engines(redis_url, deployment, 4) as procs:
         gw = await start_gateway(redis_url, deployment)
         try:
-            await wait_for(lambda: len(gw.live_engines()) == 4)
+            await await_until(lambda: len(gw.live_engines()) == 4)
             base = f"http://127.0.0.1:{gw.ports[0]}"
             conn = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=conn) as s:
@@ -266,7 +224,7 @@ async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
                 )
             assert [st for st, _ in results] == [200] * 200, [x for x in results if x[0] != 200]
             assert {e for _, e in results[150:]} <= {"0", "1", "3"}  # served by the live ones
-            await wait_for(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
+            await await_until(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
         finally:
             await stop_gateway(gw)
 
@@ -281,7 +239,7 @@ async def test_engine_sigterm_leaves_then_finishes_its_streams_and_exits(
     async with process_engines(redis_url, deployment, 2) as procs:
         gw = await start_gateway(redis_url, deployment)
         try:
-            await wait_for(lambda: len(gw.live_engines()) == 2)
+            await await_until(lambda: len(gw.live_engines()) == 2)
             url0 = gw.urls["0"]
             base = f"http://127.0.0.1:{gw.ports[0]}"
             async with aiohttp.ClientSession() as s:
@@ -290,7 +248,7 @@ async def test_engine_sigterm_leaves_then_finishes_its_streams_and_exits(
                 r = await s.post(base + "/v1/completions", json=body, headers={ENGINE_HEADER: "0"})
                 await r.content.readuntil(b"\n\n")
                 procs[0].send_signal(signal.SIGTERM)
-                await wait_for(lambda: gw.live_engines() == ["1"])  # left, stream still open
+                await await_until(lambda: gw.live_engines() == ["1"])  # left, stream still open
                 assert not r.content.at_eof()
                 async with s.post(url0 + "/v1/completions", json=body) as direct:
                     assert direct.status == 503, await direct.text()
@@ -315,13 +273,13 @@ async def test_engines_back_after_all_left_are_served_before_the_next_url_refres
     async with stack(redis_url, deployment, n=1, refresh_s=3600.0) as st:
         gw = st.gateways[0]
         await st.engines[0].stop()
-        await wait_for(lambda: not gw.router.core.by_id)
+        await await_until(lambda: not gw.router.core.by_id)
         await gw.refresh_urls()  # a periodic refresh while none was there drops its URL
         assert not gw.urls
         again = HttpEngine("0", redis_url=redis_url, deployment=deployment, port=0, params=FAST)
         await again.start()
         try:
-            await wait_for(lambda: "0" in gw.router.core.by_id)
+            await await_until(lambda: "0" in gw.router.core.by_id)
             assert "0" not in gw.urls  # its URL is only in Redis so far
             async with aiohttp.ClientSession() as s:
                 body = {"prompt": "a", "max_tokens": 2, "ignore_eos": True}

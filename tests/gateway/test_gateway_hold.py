@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
-from support.gateway_stack import MODEL, start_engines, wait_for
+from support.gateway_stack import MODEL, start_engines
+from support.helpers import await_until
 
 from redisbal.connection import make_client
 from redisbal.gateway.server import Gateway
@@ -45,7 +46,7 @@ async def _stack(
         await router.start(wait=3.0)
         gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True))
         await gw.start("127.0.0.1", 0)
-        await wait_for(lambda: len(gw.live_engines()) == 2)
+        await await_until(lambda: len(gw.live_engines()) == 2)
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
         )
@@ -69,7 +70,7 @@ async def test_requests_past_every_engines_cap_are_held_and_all_served(
         # the cap is unknown until a queue outlives a report: nothing is held yet, and
         # the queues this wave leaves at the engines teach it
         assert all(await _wave(client, 12))
-        await wait_for(lambda: router.core.running_cap == 2)
+        await await_until(lambda: router.core.running_cap == 2)
         held_before = adm.held_total
         texts = await _wave(client, 12)
         assert len(texts) == 12 and all(texts)

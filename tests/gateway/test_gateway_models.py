@@ -6,19 +6,16 @@ into a real redis-server, the official ``openai`` client, and ``redisbal gateway
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from support.gateway_stack import FAST, wait_for
-from support.procs import free_port_block
+from support.cli import run_cli
+from support.gateway_stack import FAST, gateway_process, openai_client
+from support.helpers import await_until
 
 from redisbal.connection import make_client
 from redisbal.gateway.deployments import Deployment
@@ -27,7 +24,6 @@ from redisbal.gateway.server import Gateway
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
 
-REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 UNREACHABLE = "redis://127.0.0.1:1/0"
 
 
@@ -87,7 +83,7 @@ async def test_each_model_goes_to_its_own_deployment_and_unknown_models_get_404(
         mapping = {"alpha": (redis_url, da), "beta": (redis_url, db), "beta-alias": (redis_url, db)}
         async with models_gateway(redis_url, mapping) as gw:
             deps = gw.models.deployments
-            await wait_for(lambda: all(len(d.live_engines()) == 2 for d in deps))
+            await await_until(lambda: all(len(d.live_engines()) == 2 for d in deps))
             base = f"http://127.0.0.1:{gw.ports[0]}"
             client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
             try:
@@ -167,8 +163,8 @@ async def test_a_deployment_without_engines_or_redis_leaves_the_others_served(
         try:
             # beta's engines are stopped now
             dep_a, dep_b = gw.models.by_model["alpha"], gw.models.by_model["beta"]  # type: ignore[index]
-            await wait_for(lambda: len(dep_a.live_engines()) == 2)
-            await wait_for(lambda: not dep_b.live_engines())
+            await await_until(lambda: len(dep_a.live_engines()) == 2)
+            await await_until(lambda: not dep_b.live_engines())
             base = f"http://127.0.0.1:{gw.ports[0]}"
             async with aiohttp.ClientSession() as s:
                 for model in ("alpha", "beta", "gamma", "alpha"):
@@ -197,13 +193,6 @@ async def test_a_deployment_without_engines_or_redis_leaves_the_others_served(
             await gw_cm.__aexit__(None, None, None)
 
 
-def _gateway_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [REDISBAL, "gateway", *args], capture_output=True, text=True, timeout=60,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize(
     ("value", "said"),
     [
@@ -216,17 +205,17 @@ def _gateway_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Co
 def test_a_bad_model_option_is_a_one_line_usage_error(
     redis_url: str, value: str, said: str
 ) -> None:
-    out = _gateway_cli("--redis-url", redis_url, "--model", value)
+    out = run_cli("gateway", "--redis-url", redis_url, "--model", value)
     assert out.returncode == 2, out
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: Invalid value for '--model'") and said in last, out.stderr
 
 
 def test_model_twice_or_with_engine_is_a_usage_error(redis_url: str) -> None:
-    out = _gateway_cli("--redis-url", redis_url, env={"REDISBAL_MODELS": "a=d1,a=d2"})
+    out = run_cli("gateway", "--redis-url", redis_url, env={"REDISBAL_MODELS": "a=d1,a=d2"})
     assert out.returncode == 2 and "model 'a' is given twice" in out.stderr, out.stderr
-    out = _gateway_cli(
-        "--redis-url", redis_url, "--model", "a=d1", "--engine", "0=http://127.0.0.1:9"
+    out = run_cli(
+        "gateway", "--redis-url", redis_url, "--model", "a=d1", "--engine", "0=http://127.0.0.1:9"
     )
     assert out.returncode == 2 and "--engine is for one deployment" in out.stderr, out.stderr
 
@@ -236,27 +225,10 @@ async def test_gateway_command_with_models_from_the_env_routes_by_model(
 ) -> None:
     da, db = deployment + "a", deployment + "b"
     async with engines(redis_url, da, "alpha") as ea, engines(redis_url, db, "beta") as eb:
-        port = free_port_block(1)
-        env = {
-            **os.environ,
-            "REDISBAL_REDIS_URL": redis_url,
-            "REDISBAL_MODELS": f"alpha={da},beta={db}",
-        }
-        g = subprocess.Popen(
-            [REDISBAL, "gateway", "--port", str(port)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert g.stderr is not None
-            lines: list[str] = []
-            while not lines or "listening" not in lines[-1]:
-                line = await asyncio.to_thread(g.stderr.readline)
-                assert line, "".join(lines)
-                lines.append(line)
+        models = {"REDISBAL_MODELS": f"alpha={da},beta={db}"}
+        async with gateway_process(redis_url, None, env=models) as (g, url, lines):
             assert f"models alpha ({da}: 2 engines), beta ({db}: 2 engines)" in lines[-1], lines
-            client = openai.AsyncOpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
-            )
+            client = openai_client(url)
             try:
                 for model in ("alpha", "beta", "beta", "alpha", "alpha"):
                     c = await client.completions.create(model=model, prompt="hi", max_tokens=2)
@@ -265,6 +237,5 @@ async def test_gateway_command_with_models_from_the_env_routes_by_model(
             finally:
                 await client.close()
             assert sum(_arrived(ea)) == 3 and sum(_arrived(eb)) == 2
-        finally:
             g.terminate()
             assert g.wait(30) == 0

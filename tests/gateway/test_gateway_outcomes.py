@@ -19,9 +19,8 @@ from support.gateway_stack import (
     stack,
     start_gateway,
     stop_gateway,
-    wait_for,
 )
-from support.helpers import coordinator
+from support.helpers import await_until, coordinator
 
 from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.routing.outcomes import OutcomeTracker
@@ -63,7 +62,7 @@ async def test_an_engine_answering_500_while_reporting_idle_is_avoided_then_take
         assert metric(text, "redisbal_gateway_engine_outcomes_total", engine="0", outcome="5xx")
         assert metric(text, "redisbal_gateway_ejections_total", engine="0") >= 1
         # avoided everywhere through Redis, whatever its reports say
-        await wait_for(lambda: "0" in gw.router.core.excluded())
+        await await_until(lambda: "0" in gw.router.core.excluded())
         decisions = metric(text, "redisbal_gateway_decisions_total", engine="0")
         assert decisions < 20, f"engine 0 got {decisions} of 60+ decisions while failing"
         # it answers well again: a probe brings it back, here and in the deployment
@@ -73,7 +72,7 @@ async def test_an_engine_answering_500_while_reporting_idle_is_avoided_then_take
         while bad.arrived < before + 5 and time.monotonic() < deadline:
             await stream_one(client)
         assert bad.arrived >= before + 5
-        await wait_for(lambda: "0" not in gw.router.core.excluded())
+        await await_until(lambda: "0" not in gw.router.core.excluded())
         await settled(st)
 
 
@@ -116,17 +115,17 @@ async def test_an_engine_leaving_a_stream_without_its_first_token_gets_no_more_u
         core = gw.router.core
         client = openai.AsyncOpenAI(base_url=st.url + "/v1", api_key="x", max_retries=0)
         assert all(await asyncio.gather(*(stream_one(client) for _ in range(30))))
-        await wait_for(lambda: all(core.outcomes.late_bound(e) for e in "012"))
+        await await_until(lambda: all(core.outcomes.late_bound(e) for e in "012"))
         await set_fault(bad.url, "stall")
         async with aiohttp.ClientSession() as s:
             body = {"prompt": "a", "max_tokens": 4, "stream": True}
             waiting = asyncio.ensure_future(
                 s.post(st.url + "/v1/completions", json=body, headers={ENGINE_HEADER: "0"})
             )
-            await wait_for(lambda: core.by_id["0"].inflight == 1)
+            await await_until(lambda: core.by_id["0"].inflight == 1)
             since = time.monotonic()
             bound = core.outcomes.late_bound("0") or 0.0
-            await wait_for(lambda: time.monotonic() - since > bound + 0.1, 70.0)
+            await await_until(lambda: time.monotonic() - since > bound + 0.1, 70.0)
             text = gw.metrics.render().decode()
             before = metric(text, "redisbal_gateway_decisions_total", engine="0")
             for _ in range(20):
@@ -139,7 +138,7 @@ async def test_an_engine_leaving_a_stream_without_its_first_token_gets_no_more_u
             async with await waiting as r:
                 assert r.status == 200
                 await r.read()
-        await wait_for(lambda: core.excluded() == {})
+        await await_until(lambda: core.excluded() == {})
         got = [await stream_one(client) for _ in range(30)]
         text = gw.metrics.render().decode()
         assert all(got) and metric(text, "redisbal_gateway_decisions_total", engine="0") > before
@@ -221,7 +220,7 @@ async def test_a_stopped_engine_is_given_up_once_its_reports_stop(
                 client = openai.AsyncOpenAI(
                     base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
                 )
-                await wait_for(lambda: len(gw.live_engines()) == 3)
+                await await_until(lambda: len(gw.live_engines()) == 3)
 
                 async def batch(tokens: int) -> None:
                     done = await asyncio.gather(
@@ -239,7 +238,7 @@ async def test_a_stopped_engine_is_given_up_once_its_reports_stop(
 
                 # long answers under way on engine 0 when it stops: they wait on it
                 first = asyncio.ensure_future(batch(200))
-                await wait_for(lambda: gw.router.core.by_id["0"].inflight >= 1)
+                await await_until(lambda: gw.router.core.by_id["0"].inflight >= 1)
                 procs[0].send_signal(signal.SIGSTOP)
                 try:
                     await first  # given up once it is silent, served elsewhere

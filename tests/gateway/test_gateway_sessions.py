@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import aiohttp
 import orjson
-from support.gateway_stack import MODEL, start_engines, start_gateway, stop_gateway, wait_for
+from support.gateway_stack import MODEL, start_engines, start_gateway, stop_gateway
+from support.helpers import await_until
 
 from redisbal.gateway.loadgen import Planned, output_text, session_prompts
 from redisbal.gateway.proxy import ENGINE_HEADER
@@ -41,7 +42,7 @@ async def test_a_sessions_second_turn_hits_the_cache_of_its_first_turns_engine(
     gw = None
     try:
         gw = await start_gateway(redis_url, deployment)
-        await wait_for(lambda: len(gw.live_engines()) == 4)
+        await await_until(lambda: len(gw.live_engines()) == 4)
         url = f"http://127.0.0.1:{gw.ports[0]}/v1/completions"
         planned = [  # two sessions of two turns, no shared system prompt
             Planned(0.0, 300, 6, "alice"),

@@ -11,14 +11,14 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import redis
 from aiohttp import web
 from click.testing import CliRunner
-from support.helpers import Barrier, coordinator
+from support.helpers import Barrier, await_until, coordinator
 
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page, relevant_text
@@ -211,14 +211,6 @@ def latest(r: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
     return Snapshot.from_json(raw) if raw else None
 
 
-async def until(pred: Callable[[], object], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not met within {timeout}s")
-        await asyncio.sleep(0.005)
-
-
 async def start_sidecar(
     redis_url: str, deployment: str, urls: list[str], **kw: float | str
 ) -> tuple[Sidecar, asyncio.Event, asyncio.Task[None]]:
@@ -253,7 +245,7 @@ async def test_snapshot_follows_served_counts_of_several_engines(
     sc, stop, task = await start_sidecar(redis_url, keys.deployment, [a.url, b.url])
     try:
         ids = {f"127.0.0.1-{a.port}-0", f"127.0.0.1-{a.port}-1", f"127.0.0.1-{b.port}-0"}
-        await until(lambda: set(counts_of(latest(r, keys))) == ids)
+        await await_until(lambda: set(counts_of(latest(r, keys))) == ids)
         a.counts = {"0": (3, 5), "1": (0, 8)}
         b.counts = {"0": (7, 1)}
         want = {
@@ -261,7 +253,7 @@ async def test_snapshot_follows_served_counts_of_several_engines(
             f"127.0.0.1-{a.port}-1": (0, 8),
             f"127.0.0.1-{b.port}-0": (7, 1),
         }
-        await until(lambda: counts_of(latest(r, keys)) == want, timeout=2.0)
+        await await_until(lambda: counts_of(latest(r, keys)) == want, timeout=2.0)
         snap = latest(r, keys)
         assert snap is not None and snap.engines[f"127.0.0.1-{a.port}-0"].kv_usage == 0.5
     finally:
@@ -285,7 +277,7 @@ async def test_killed_metrics_server_leaves_routing_not_reported_idle(
     ea, eb = f"127.0.0.1-{a.port}-0", f"127.0.0.1-{b.port}-0"
     forced: list[Snapshot] = []
     try:
-        await until(lambda: counts_of(latest(r, keys)) == {ea: (4, 6), eb: (1, 2)})
+        await await_until(lambda: counts_of(latest(r, keys)) == {ea: (4, 6), eb: (1, 2)})
         await a.stop()
         killed = time.monotonic()
         saw_zero = False
@@ -311,7 +303,7 @@ async def test_killed_metrics_server_leaves_routing_not_reported_idle(
         assert any(ea in s.laggards for s in forced), "the stall guard never named it"
         # the live engine kept reporting through all of it
         b.counts = {"0": (9, 9)}
-        await until(lambda: counts_of(latest(r, keys)).get(eb) == (9, 9), timeout=2.0)
+        await await_until(lambda: counts_of(latest(r, keys)).get(eb) == (9, 9), timeout=2.0)
         assert sc.failures > 0
     finally:
         stop.set()
@@ -347,10 +339,10 @@ async def test_engine_whose_counters_stand_still_stalls_and_comes_back(
 
     ticker = asyncio.create_task(tick_b())
     try:
-        await until(lambda: set(counts_of(latest(r, keys))) == {ea, eb})
-        await until(lambda: stalled() == {ea}, timeout=5.0)  # a's counter stood still
+        await await_until(lambda: set(counts_of(latest(r, keys))) == {ea, eb})
+        await await_until(lambda: stalled() == {ea}, timeout=5.0)  # a's counter stood still
         a.tokens = 11.0  # it decodes again
-        await until(lambda: stalled() == set(), timeout=5.0)
+        await await_until(lambda: stalled() == set(), timeout=5.0)
     finally:
         ticker.cancel()
         stop.set()
@@ -374,7 +366,7 @@ async def test_hung_metrics_server_times_out_and_recovers(
     sc, stop, task = await start_sidecar(redis_url, keys.deployment, [a.url, b.url], timeout=0.2)
     ea, eb = f"127.0.0.1-{a.port}-0", f"127.0.0.1-{b.port}-0"
     try:
-        await until(lambda: counts_of(latest(r, keys)) == {ea: (2, 3), eb: (1, 1)})
+        await await_until(lambda: counts_of(latest(r, keys)) == {ea: (2, 3), eb: (1, 1)})
         a.hang = True
         named_laggard, hung = False, time.monotonic()
         while (snap := latest(r, keys)) is not None and ea in snap.engines:
@@ -386,7 +378,7 @@ async def test_hung_metrics_server_times_out_and_recovers(
         assert sc.failures > 0 and f"suspect:{ea}" not in bar_meta(r, keys)
         a.hang = False
         a.counts = {"0": (5, 5)}
-        await until(lambda: counts_of(latest(r, keys)).get(ea) == (5, 5), timeout=3.0)
+        await await_until(lambda: counts_of(latest(r, keys)).get(ea) == (5, 5), timeout=3.0)
     finally:
         stop.set()
         await task
@@ -410,12 +402,12 @@ async def test_lag_from_served_change_to_snapshot(
     pubsub = r.pubsub()
     lags: list[float] = []
     try:
-        await until(lambda: e0 in counts_of(latest(r, keys)))
+        await await_until(lambda: e0 in counts_of(latest(r, keys)))
         for i in range(1, n + 1):
             await asyncio.sleep(0.01 + (i % 7) * 0.007)  # changes at every phase of a scrape
             a.counts = {"0": (i, i % 5), "1": (0, 1)}
             t0 = time.monotonic()
-            await until(lambda i=i: counts_of(latest(r, keys)).get(e0) == (i, i % 5))  # type: ignore[misc]
+            await await_until(lambda i=i: counts_of(latest(r, keys)).get(e0) == (i, i % 5))  # type: ignore[misc]
             lags.append(time.monotonic() - t0)
     finally:
         pubsub.close()
@@ -484,13 +476,13 @@ async def test_command_reports_then_leaves_on_sigterm(
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
-        await until(lambda: counts_of(latest(r, keys)) == {"node-0-0": (1, 2), "node-0-1": (3, 4)},
-                    timeout=10.0)  # fmt: skip
+        want = {"node-0-0": (1, 2), "node-0-1": (3, 4)}
+        await await_until(lambda: counts_of(latest(r, keys)) == want, timeout=10.0)
         proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(proc.communicate(), 10)
         assert proc.returncode == 0, err.decode()
         assert "Traceback" not in err.decode()
-        await until(lambda: counts_of(latest(r, keys)) == {}, timeout=3.0)
+        await await_until(lambda: counts_of(latest(r, keys)) == {}, timeout=3.0)
     finally:
         if proc.returncode is None:
             proc.kill()

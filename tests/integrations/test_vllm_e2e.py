@@ -33,6 +33,8 @@ from typing import Any
 import pytest
 import redis
 from conftest import BINARIES
+from support.cli import scrubbed_env
+from support.helpers import await_until
 from support.procs import free_port_block, record
 from support.tiny_model import make_tiny_model
 
@@ -183,7 +185,7 @@ def status(redis_url: str, deployment: str) -> dict[str, dict[str, Any]]:
     """``redisbal status --json``, as a user runs it: engine id -> its row."""
     out = subprocess.run(
         [str(BIN / "redisbal"), "status", "--json"],
-        env={**os.environ, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment},
+        env=scrubbed_env({"REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}),
         capture_output=True,
         text=True,
         timeout=30,
@@ -204,17 +206,6 @@ def gauge(base: str, name: str, labels: str = "") -> float:
 def decisions(base: str, engine_id: str) -> float:
     """How many requests the gateway has routed to ``engine_id``."""
     return gauge(base, "redisbal_gateway_decisions_total", f'{{engine="{engine_id}"}}')
-
-
-async def until(pred: Any, timeout: float, what: str) -> float:
-    """Wait for ``pred()`` (polled every 0.1 s, in a thread: the test's load runs on
-    this loop and must not wait for the polls); returns when it held (monotonic)."""
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(pred):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        await asyncio.sleep(0.1)
-    return time.monotonic()
 
 
 @pytest.fixture
@@ -253,10 +244,13 @@ async def test_real_vllm_servers_behind_the_gateway(
     deployment = "vllme2e"
     keys = DeploymentKeys(deployment)
     url = redis_server.url
-    base_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    base_env["OMP_NUM_THREADS"] = "1"
-    for k in [k for k in base_env if k.startswith("REDISBAL_")]:
-        del base_env[k]
+    base_env = scrubbed_env(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     ours = {**base_env, "REDISBAL_REDIS_URL": url, "REDISBAL_DEPLOYMENT": deployment}
     port = free_port_block(5)
     servers = {
@@ -329,7 +323,9 @@ async def test_real_vllm_servers_behind_the_gateway(
             # (that the plugin waits for /health is tested in test_vllm_plugin.py, where
             # a server's /health is under the test's control)
             watcher = asyncio.create_task(watch_health())
-            await until(all_live, START_S, "every server is live in status")
+            await await_until(
+                all_live, START_S, "every server is live in status", 0.1, threaded=True
+            )
             await asyncio.wait_for(watcher, 60)
             assert all(s.served() == 0 for s in servers.values()), "nothing was sent yet"
             engine_of = ids()
@@ -354,11 +350,14 @@ async def test_real_vllm_servers_behind_the_gateway(
             await asyncio.sleep(3)
             t_kill = time.monotonic()
             victim.kill()
-            t_out = await until(
+            await await_until(
                 lambda: status(url, deployment)[engine_of["plugin-a"]]["state"] in NOT_LIVE,
                 DEAD_AFTER_MS / 1000 + 5,
                 "the killed server leaves `live`",
+                0.1,
+                threaded=True,
             )
+            t_out = time.monotonic()
             # while it is dead, status never calls it live again
             rows = await asyncio.to_thread(status, url, deployment)
             states = [(round(t_out - t_kill, 2), rows[engine_of["plugin-a"]]["state"])]
@@ -400,7 +399,9 @@ async def test_real_vllm_servers_behind_the_gateway(
                         seen["live"] = time.monotonic()
 
             await asyncio.wait_for(asyncio.gather(watch_routing(), watch_status()), START_S)
-            await until(lambda: victim.served() > 0, 60, "it serves gateway traffic")
+            await await_until(
+                lambda: victim.served() > 0, 60, "it serves gateway traffic", 0.1, threaded=True
+            )
             await asyncio.sleep(2)
             load.stop.set()
             await loader

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import redis
-from support.helpers import Barrier, coordinator, io_of_this_thread
+from support.helpers import Barrier, coordinator, io_of_this_thread, wait_until
 
 from redisbal import Counts
 from redisbal.barrier.snapshot import Snapshot
@@ -78,13 +78,6 @@ def latest(r: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
 def counts(r: redis.Redis, keys: DeploymentKeys) -> dict[str, tuple[int, int]]:
     snap = latest(r, keys)
     return {} if snap is None else {e: (c.waiting, c.running) for e, c in snap.engines.items()}
-
-
-def until(pred: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"not met within {timeout}s"
-        time.sleep(0.005)
 
 
 def test_registered_under_vllms_entry_point_group() -> None:
@@ -155,14 +148,14 @@ def test_each_step_reaches_the_snapshot_for_every_engine(
         engine_idx=0,
     )
     p.record(SchedulerStats(num_running_reqs=1), None, None, engine_idx=1)
-    until(lambda: counts(r, keys) == {"dp0": (3, 5), "dp1": (0, 1)})
+    wait_until(lambda: counts(r, keys) == {"dp0": (3, 5), "dp1": (0, 1)})
     snap = latest(r, keys)
     assert snap is not None and snap.engines["dp0"].kv_usage == 0.25
     for step in range(1, 30):  # the latest step wins, none is lost at the end
         p.record(
             SchedulerStats(num_running_reqs=step, num_waiting_reqs=step % 3), None, engine_idx=0
         )
-    until(lambda: counts(r, keys).get("dp0") == (29 % 3, 29))
+    wait_until(lambda: counts(r, keys).get("dp0") == (29 % 3, 29))
     p.record(None, None, engine_idx=0)  # iteration-only records carry no counts
     p.record(SchedulerStats(num_running_reqs=9), None, engine_idx=7)  # not ours: ignored
 
@@ -176,7 +169,7 @@ def test_record_never_waits_on_redis(caplog: pytest.LogCaptureFixture) -> None:
             for i in range(2000):
                 p.record(SchedulerStats(num_running_reqs=i % 50), None, engine_idx=0)
         assert not io, f"record() touched the network: {io}"
-        until(lambda: any("unavailable" in rec.getMessage() for rec in caplog.records))
+        wait_until(lambda: any("unavailable" in rec.getMessage() for rec in caplog.records))
 
 
 def test_idle_engine_stays_hung_engine_stalls_and_comes_back(
@@ -192,13 +185,13 @@ def test_idle_engine_stays_hung_engine_stalls_and_comes_back(
         )
         p.record(SchedulerStats(), None, engine_idx=0)  # idle
         p.record(SchedulerStats(num_running_reqs=4), None, engine_idx=1)  # busy, then hangs
-        until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 4)})
-        until(lambda: stalled(r, keys) == {"e1"}, timeout=3.0)
+        wait_until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 4)})
+        wait_until(lambda: stalled(r, keys) == {"e1"}, timeout=3.0)
         time.sleep(1.0)  # more than dead_after_ms: both still members, e1 still stalled
         assert counts(r, keys) == {"e0": (0, 0), "e1": (0, 4)}
         assert stalled(r, keys) == {"e1"}
         p.record(SchedulerStats(num_running_reqs=2), None, engine_idx=1)  # it steps again
-        until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 2)} and not stalled(r, keys))
+        wait_until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 2)} and not stalled(r, keys))
 
 
 def stalled(r: redis.Redis, keys: DeploymentKeys) -> set[str]:
@@ -221,7 +214,7 @@ def test_lockstep_mode_tags_reports_with_wave_and_step(
         for e in (0, 1):
             st = SchedulerStats(num_running_reqs=step + e, step_counter=step, current_wave=2)
             p.record(st, None, engine_idx=e)
-    until(lambda: (s := latest(r, keys)) is not None and s.cut == (2, 3))
+    wait_until(lambda: (s := latest(r, keys)) is not None and s.cut == (2, 3))
     assert counts(r, keys) == {"r0": (0, 3), "r1": (0, 4)}
 
 
@@ -233,7 +226,7 @@ def test_per_engine_base_signature(redis_url: str, r: redis.Redis, keys: Deploym
     assert loggers[0].sender is loggers[1].sender  # one sender for the process
     for i, lg in enumerate(loggers):
         lg.record(SchedulerStats(num_waiting_reqs=i + 1), None, engine_idx=i)
-    until(lambda: counts(r, keys) == {"x0": (1, 0), "x1": (2, 0)})
+    wait_until(lambda: counts(r, keys) == {"x0": (1, 0), "x1": (2, 0)})
 
 
 def test_redis_restart_costs_a_warning_and_reporting_resumes(
@@ -248,7 +241,7 @@ def test_redis_restart_costs_a_warning_and_reporting_resumes(
     r = fresh_server.client()
     p.record(SchedulerStats(num_running_reqs=1), None, engine_idx=0)
     p.record(SchedulerStats(num_running_reqs=2), None, engine_idx=1)
-    until(lambda: counts(r, keys) == {"e0": (0, 1), "e1": (0, 2)})
+    wait_until(lambda: counts(r, keys) == {"e0": (0, 1), "e1": (0, 2)})
     epoch = r.get(keys.epoch)
     with caplog.at_level(logging.WARNING, "redisbal"):
         fresh_server.kill()
@@ -323,7 +316,7 @@ def test_several_api_servers_report_one_engine_without_a_conflict(
             relays[i % 2].submit("e0", Counts(waiting=i, running=1))
         # both relays' reports are accepted (the snapshot may flip between their counts:
         # the plugin warns of that), none refused
-        until(lambda: all(relay.stats("e0")["accepted"] >= 5 for relay in relays))
+        wait_until(lambda: all(relay.stats("e0")["accepted"] >= 5 for relay in relays))
         assert all(relay.stats("e0")["conflict"] == 0 for relay in relays)
         assert int(r.hget(keys.meta, "conflicts") or 0) == 0
         assert counts(r, keys)["e0"][1] == 1
@@ -388,11 +381,11 @@ def test_a_server_is_routable_once_healthy_without_any_request(
     with coordinator(redis_url, keys.deployment, dead_after_ms=700):
         e = env(redis_url, keys.deployment, REDISBAL_ENGINE_ID="e{engine}")
         RedisbalStatLogger(None, [0, 1], env={**e, "REDISBAL_ENGINE_URL": health.url})
-        until(lambda: set(Barrier(r, keys).members()) == {"e0", "e1"})
+        wait_until(lambda: set(Barrier(r, keys).members()) == {"e0", "e1"})
         time.sleep(0.5)
         assert counts(r, keys) == {}, "announced before /health answered"
         health.up.set()
-        until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 0)}, timeout=3.0)
+        wait_until(lambda: counts(r, keys) == {"e0": (0, 0), "e1": (0, 0)}, timeout=3.0)
         time.sleep(1.5)  # twice dead_after_ms, no record() at all: still there, idle
         assert counts(r, keys) == {"e0": (0, 0), "e1": (0, 0)}
         assert set(Barrier(r, keys).members()) == {"e0", "e1"}
@@ -409,7 +402,7 @@ def test_a_restarted_server_is_routable_again_without_any_request(
         e = env(redis_url, keys.deployment, REDISBAL_ENGINE_ID="e{engine}")
         e["REDISBAL_ENGINE_URL"] = health.url
         RedisbalStatLogger(None, [0], env=e)
-        until(lambda: counts(r, keys) == {"e0": (0, 0)}, timeout=3.0)
+        wait_until(lambda: counts(r, keys) == {"e0": (0, 0)}, timeout=3.0)
         first = latest(r, keys)
         assert first is not None
         old = first.engines["e0"].incarnation
@@ -425,4 +418,4 @@ def test_a_restarted_server_is_routable_again_without_any_request(
                 and snap.engines["e0"].incarnation not in (None, old)
             )
 
-        until(back, timeout=3.0)
+        wait_until(back, timeout=3.0)

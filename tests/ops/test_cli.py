@@ -4,7 +4,6 @@ secrets), status against a real server with reporting engines, a timed coordinat
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import orjson
 import pytest
 import redis
 from click.testing import CliRunner
+from support.cli import scrub_environ, scrubbed_env
 from support.helpers import wait_until
 
 import redisbal
@@ -29,9 +29,7 @@ COMMANDS = ["coordinator", "engine-sim", "api", "status", "demo", "load-function
 
 @pytest.fixture
 def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
-    # the shared options read these; a developer's environment must not change the results
-    for var in ("REDISBAL_REDIS_URL", "REDISBAL_DEPLOYMENT", "REDISBAL_LOG_LEVEL"):
-        monkeypatch.delenv(var, raising=False)
+    scrub_environ(monkeypatch)
     return CliRunner()
 
 
@@ -347,10 +345,9 @@ def test_coordinator_signal_releases_the_lease_and_exits_0(
     redis_url: str, deployment: str, r: redis.Redis, sig: signal.Signals
 ) -> None:
     keys = DeploymentKeys(deployment)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "redisbal", "coordinator", "--id", "sig-test"],
-        env={**env, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment},
+        env=_cli_env(redis_url, deployment),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -374,8 +371,7 @@ def test_coordinator_signal_releases_the_lease_and_exits_0(
 
 
 def _cli_env(redis_url: str, deployment: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
-    return {**env, "REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
+    return scrubbed_env({"REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment})
 
 
 def test_engine_sim_tick_mode_serves_two_routers_of_one_api_process(

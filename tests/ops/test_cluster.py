@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from support.cli import scrubbed_env
 from support.helpers import await_until
 from support.procs import hold_port
 from support.topology import (
@@ -288,7 +289,7 @@ def test_cluster_client_refuses_a_cross_slot_script_call(cluster: ClusterTopolog
 def test_local_cluster_script_and_the_cli_on_it() -> None:
     """scripts/local_cluster.py starts a cluster and prints its URL; the CLI's
     coordinator, engine-sim, api and status all run on it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+    env = scrubbed_env()
     script = subprocess.Popen(
         [sys.executable, str(ROOT / "scripts" / "local_cluster.py"), "--duration", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

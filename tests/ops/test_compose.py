@@ -15,12 +15,15 @@ import re
 import shlex
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import click
 import pytest
 import yaml
+from support.cli import scrub_environ, scrubbed_env
+from support.helpers import wait_until
 from support.procs import free_port_block
 
 from redisbal.connection import parse_url
@@ -108,9 +111,7 @@ def test_service_command_is_a_real_cli_invocation(
     svc = services()[name]
     argv = command(svc)
     assert argv[0] == "redisbal", argv
-    for k in list(os.environ):
-        if k.startswith("REDISBAL_"):
-            monkeypatch.delenv(k)
+    scrub_environ(monkeypatch)
     for k, v in service_env(svc).items():
         monkeypatch.setenv(k, v)
     group_args, sub, args = split_command(cli, argv[1:])
@@ -194,8 +195,9 @@ def test_conftest_honours_redisbal_redis_url() -> None:
     conftest = (ROOT / "tests" / "conftest.py").read_text(encoding="utf-8")
     assert "REDISBAL_REDIS_URL" in conftest
     with RedisServer(tcp=True) as server:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
-        env["REDISBAL_REDIS_URL"] = server.url  # redis://127.0.0.1:<port>/0, as in compose
+        env = scrubbed_env(
+            {"REDISBAL_REDIS_URL": server.url}
+        )  # redis://127.0.0.1:<port>/0, as in compose
         out = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
              "tests/ops/test_metrics.py", "-k", "exporter_over_http or router_metrics"],
@@ -255,8 +257,7 @@ def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> N
     with RedisServer(tcp=True) as server:
         try:
             for name in HTTP_PATH:
-                env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
-                env.update(service_env(svcs[name]))
+                env = scrubbed_env(service_env(svcs[name]))
                 env["REDISBAL_REDIS_URL"] = server.url
                 procs.append(subprocess.Popen(
                     _local(command(svcs[name]), ports), env=env, text=True,
@@ -265,7 +266,7 @@ def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> N
             for name in ("gateway-a", "gateway-b"):
                 argv = command(svcs[name])
                 url = f"http://127.0.0.1:{ports[argv[argv.index('--port') + 1]]}"
-                _wait_ready(url + "/health", 30)
+                wait_until(partial(_answers_200, url + "/health"), 30, f"{url} ready", 0.2)
                 key = service_env(svcs[name])["REDISBAL_API_KEY"]
                 client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=2)
                 c = client.completions.create(model="redisbal-sim", prompt="hi", max_tokens=3)
@@ -282,17 +283,9 @@ def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> N
         assert codes == [0, 0, 0, 0], [p.stderr.read()[-500:] for p in procs if p.stderr]
 
 
-def _wait_ready(url: str, timeout: float) -> None:
-    import time
+def _answers_200(url: str) -> bool:
+    """GET ``url`` answers 200 (a refused connection raises: "not yet" to wait_until)."""
     import urllib.request
 
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"{url} not ready in {timeout}s"
-        time.sleep(0.2)
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return bool(r.status == 200)

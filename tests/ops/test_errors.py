@@ -28,6 +28,7 @@ from redis._parsers import (
     _HiredisParser,
     _RESP3Parser,
 )
+from support.cli import run_cli
 from support.helpers import wait_until
 from support.topology import binaries
 
@@ -43,18 +44,12 @@ from redisbal.connection import (
 from redisbal.ops.cli import cli
 from redisbal.sim.embedded import RedisServer, free_port
 
-REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 SECRET = "Xk4-errors-secret-PW"  # must never show up anywhere
 BINARIES = binaries()
 PARSERS = {  # (sync, asyncio): they quote a bad reply differently
     "hiredis": (_HiredisParser, _AsyncHiredisParser),
     "python": (_RESP3Parser, _AsyncRESP3Parser),
 }
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
-    return subprocess.run([REDISBAL, *args], capture_output=True, text=True, timeout=60, env=env)
 
 
 def assert_one_line(out: subprocess.CompletedProcess[str], code: int, line: str) -> None:
@@ -170,12 +165,12 @@ async def test_reporters_and_routers_refuse_a_server_that_is_not_redis(
 
 @pytest.mark.parametrize("command", [["status"], ["coordinator", "--duration", "1"]])
 def test_cli_not_redis_is_one_line_exit_2(not_redis: str, command: list[str]) -> None:
-    assert_one_line(_cli("--redis-url", not_redis, *command), 2, _not_redis_line(not_redis))
+    assert_one_line(run_cli("--redis-url", not_redis, *command), 2, _not_redis_line(not_redis))
 
 
 def test_cli_outage_is_still_exit_1() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    out = _cli("--redis-url", url, "status")
+    out = run_cli("--redis-url", url, "status")
     assert out.returncode == 1, out.stderr
     assert f"Error: cannot reach Redis at {url}: " in out.stderr
     assert "Traceback" not in out.stderr
@@ -196,15 +191,9 @@ def single(server_name: str) -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def secured(server_name: str) -> Iterator[RedisServer]:
-    """A TCP server with ``requirepass`` SECRET, on each binary (set once it is up:
-    RedisServer's readiness probe has no password)."""
-    server = RedisServer(BINARIES[server_name], tcp=True).start()
-    try:
-        with server.client() as c:
-            c.config_set("requirepass", SECRET)
+    """A TCP server that requires SECRET from its start, on each binary."""
+    with RedisServer(BINARIES[server_name], tcp=True, password=SECRET) as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 def _not_cluster_line(url: str) -> str:
@@ -231,7 +220,7 @@ async def test_cluster_url_at_a_single_server(single: RedisServer) -> None:
 @pytest.mark.parametrize("command", [["status"], ["coordinator", "--duration", "1"]])
 def test_cli_cluster_url_at_a_single_server(single: RedisServer, command: list[str]) -> None:
     url = f"redis+cluster://127.0.0.1:{single.port}"
-    assert_one_line(_cli("--redis-url", url, *command), 2, _not_cluster_line(url))
+    assert_one_line(run_cli("--redis-url", url, *command), 2, _not_cluster_line(url))
 
 
 def _cases(port: int) -> list[tuple[str, str]]:
@@ -269,7 +258,7 @@ def _cases(port: int) -> list[tuple[str, str]]:
 def test_cli_password_missing_or_refused(secured: RedisServer, case: int) -> None:
     url, line = _cases(secured.port)[case]
     for command in (["status"], ["coordinator", "--duration", "1"]):
-        assert_one_line(_cli("--redis-url", url, *command), 2, line)
+        assert_one_line(run_cli("--redis-url", url, *command), 2, line)
 
 
 @pytest.mark.servers
@@ -351,7 +340,7 @@ def test_cli_bad_expect_names_the_bad_item(value: str, message: str) -> None:
 )
 def test_cli_bad_url_options_are_one_line_before_connecting(url: str, message: str) -> None:
     # nothing listens on the port: a URL that got through would say "cannot reach" (exit 1)
-    out = _cli("--redis-url", url.format(port=free_port()), "status")
+    out = run_cli("--redis-url", url.format(port=free_port()), "status")
     assert out.returncode == 2, out.stderr
     errors = [x for x in out.stderr.splitlines() if x.startswith("Error:")]
     assert len(errors) == 1 and message in errors[0], out.stderr
@@ -361,7 +350,7 @@ def test_cli_bad_url_options_are_one_line_before_connecting(url: str, message: s
 @pytest.mark.parametrize("userinfo", [f"u:{SECRET} x", f"u x:{SECRET}", f"u:{SECRET}@x"])
 def test_a_password_with_a_space_or_an_at_never_shows(userinfo: str) -> None:
     url = f"redis://{userinfo}@127.0.0.1:{free_port()}/0"
-    out = _cli("--redis-url", url, "status")
+    out = run_cli("--redis-url", url, "status")
     assert out.returncode == 1 and "cannot reach Redis at redis://u" in out.stderr, out.stderr
     assert SECRET not in out.stdout + out.stderr
 
@@ -374,14 +363,14 @@ def test_a_sentinel_url_at_a_plain_server_or_at_nothing(single: RedisServer) -> 
         f"{url} names a server that is not a Sentinel (it does not know the SENTINEL "
         "command): use redis:// for a single server"
     )
-    assert_one_line(_cli("--redis-url", url, "status"), 2, line)
+    assert_one_line(run_cli("--redis-url", url, "status"), 2, line)
     hosts = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     url = f"redis+sentinel://{hosts}/svc"
     line = (
         f"cannot reach Redis at {url}: no sentinel answered with a primary for service "
         f"'svc' (sentinels {hosts}: down, or not monitoring it?)"
     )  # not redis-py's message, a client's repr
-    assert_one_line(_cli("--redis-url", url, "status"), 1, line)
+    assert_one_line(run_cli("--redis-url", url, "status"), 1, line)
 
 
 # -- files and ports ------------------------------------------------------------------------------
@@ -401,7 +390,7 @@ def test_stats_out_in_a_missing_directory_fails_before_the_run(
     """Not after the run, as a traceback, with its figures lost."""
     path = os.path.join(str(tmp_path), "no-such-dir", "stats.json")
     url = f"redis://127.0.0.1:{free_port()}/0"  # never reached
-    out = _cli("--redis-url", url, *command, "--stats-out", path)
+    out = run_cli("--redis-url", url, *command, "--stats-out", path)
     assert out.returncode == 2, out.stderr
     assert f"directory '{os.path.dirname(path)}' does not exist" in out.stderr
     assert "Traceback" not in out.stderr
@@ -427,14 +416,14 @@ def test_ports_in_use_are_named_as_such(redis_url: str, deployment: str) -> None
     sock, port = _listening()
     with sock:
         base = ["--redis-url", redis_url, "--deployment", deployment]
-        out = _cli(*base, "coordinator", "--metrics-port", str(port), "--duration", "1")
+        out = run_cli(*base, "coordinator", "--metrics-port", str(port), "--duration", "1")
         assert_one_line(
             out,
             1,
             f"cannot serve metrics on 127.0.0.1:{port}: Address already in use "
             "(choose another --metrics-port or --metrics-addr)",
         )
-        out = _cli(*base, "engine-sim", "-n", "1", "--http-port", str(port), "--duration", "1")
+        out = run_cli(*base, "engine-sim", "-n", "1", "--http-port", str(port), "--duration", "1")
         assert out.returncode == 1, out.stderr
         errors = [x for x in out.stderr.splitlines() if x.startswith("Error:")]
         assert len(errors) == 1 and errors[0].startswith("Error: cannot listen: "), out.stderr
@@ -444,7 +433,7 @@ def test_ports_in_use_are_named_as_such(redis_url: str, deployment: str) -> None
 
 def test_an_unusable_host_is_one_line(redis_url: str, deployment: str) -> None:
     base = ["--redis-url", redis_url, "--deployment", deployment]
-    out = _cli(*base, "engine-sim", "-n", "1", "--http-port", "0", "--advertise-host", "a b")
+    out = run_cli(*base, "engine-sim", "-n", "1", "--http-port", "0", "--advertise-host", "a b")
     assert out.returncode == 2, out.stderr
     assert "Error: Invalid value for '--advertise-host': 'a b' is not a host name" in out.stderr
     assert "Traceback" not in out.stderr
@@ -480,9 +469,7 @@ def test_gateway_and_scrape_options_fail_in_one_line(
     args: list[str], code: int, message: str
 ) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing there: options fail before it
-    out = subprocess.run(
-        [REDISBAL, "--redis-url", url, *args], capture_output=True, text=True, timeout=30
-    )
+    out = run_cli("--redis-url", url, *args, timeout=30)
     assert out.returncode == code, out.stderr
     errors = [x for x in out.stderr.splitlines() if x.startswith("Error:")]
     assert len(errors) == 1 and message in errors[0], out.stderr

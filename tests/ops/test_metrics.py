@@ -4,7 +4,6 @@ CLI's --metrics-port, router metrics on a caller's registry, and the missing-ext
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from support.cli import REDISBAL, scrubbed_env
 from support.helpers import wait_until
 from support.prometheus import scrape, val
 
@@ -23,8 +23,6 @@ from redisbal.keys import DeploymentKeys
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 from redisbal.ops.metrics import RouterMetrics, imbalance, serve_coordinator_metrics
 from redisbal.sim.embedded import RedisServer, free_port
-
-REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 
 
 def test_coordinator_exporter_over_http(redis_url: str, deployment: str) -> None:
@@ -119,7 +117,7 @@ def test_exporter_reports_redis_down_instead_of_failing(fresh_server: RedisServe
 
 def test_cli_coordinator_metrics_port_serves_metrics(redis_url: str, deployment: str) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
+    env = scrubbed_env()
     proc = subprocess.Popen(
         [REDISBAL, "--redis-url", redis_url, "--deployment", deployment, "coordinator",
          "--metrics-port", str(port), "--duration", "20", "--join-grace-ms", "0"],

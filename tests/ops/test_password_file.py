@@ -5,44 +5,26 @@ never shows in any output."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
-from support.gateway_stack import FAST, MODEL
-from support.procs import free_port_block
+from support.cli import run_cli
+from support.gateway_stack import FAST, MODEL, gateway_process, openai_client
 
 from redisbal.connection import BadRedisURL, parse_url, with_password
 from redisbal.sim.embedded import RedisServer
 from redisbal.sim.http_engine import HttpEngine
 
-REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 SECRET = "Pw9/file@secret:%x"  # characters a URL must percent-encode
 
 
 @pytest.fixture(scope="module")
 def secured() -> Iterator[RedisServer]:
-    """A TCP server with ``requirepass`` SECRET (set once it is up: RedisServer's
-    readiness probe has no password)."""
-    server = RedisServer(tcp=True).start()
-    try:
-        with server.client() as c:
-            c.config_set("requirepass", SECRET)
+    """A TCP server that requires SECRET from its start."""
+    with RedisServer(tcp=True, password=SECRET) as server:
         yield server
-    finally:
-        server.cleanup()
-
-
-def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
-    return subprocess.run(
-        [REDISBAL, *args], capture_output=True, text=True, timeout=60, env={**base, **(env or {})}
-    )
 
 
 def _error_lines(out: subprocess.CompletedProcess[str]) -> list[str]:
@@ -61,16 +43,16 @@ def test_the_file_gives_the_password_after_the_command_before_it_or_from_the_env
     secured: RedisServer, pw_file: Path
 ) -> None:
     url = secured.url
-    assert _error_lines(_run("status", "--redis-url", url)) == [
+    assert _error_lines(run_cli("status", "--redis-url", url)) == [
         f"Error: the server requires a password: redis://:PASSWORD@127.0.0.1:{secured.port}/0 "
         "(percent-encode / @ : in it)"
     ]
     for out in (
-        _run("status", "--redis-url", url, "--redis-password-file", str(pw_file)),
-        _run("--redis-password-file", str(pw_file), "status", "--redis-url", url),
-        _run("status", env={"REDISBAL_REDIS_URL": url,
+        run_cli("status", "--redis-url", url, "--redis-password-file", str(pw_file)),
+        run_cli("--redis-password-file", str(pw_file), "status", "--redis-url", url),
+        run_cli("status", env={"REDISBAL_REDIS_URL": url,
                             "REDISBAL_REDIS_PASSWORD_FILE": str(pw_file)}),
-        _run("coordinator", "--redis-url", url, "--redis-password-file", str(pw_file),
+        run_cli("coordinator", "--redis-url", url, "--redis-password-file", str(pw_file),
              "--duration", "0.5"),
     ):  # fmt: skip
         assert out.returncode == 0, out.stderr
@@ -82,7 +64,7 @@ def test_a_wrong_password_in_the_file_is_refused_without_showing_it(
 ) -> None:
     wrong = tmp_path / "wrong"
     wrong.write_text("wrong-" + SECRET)
-    out = _run("status", "--redis-url", secured.url, "--redis-password-file", str(wrong))
+    out = run_cli("status", "--redis-url", secured.url, "--redis-password-file", str(wrong))
     assert out.returncode == 2
     assert "wrong-" not in out.stderr
     [line] = _error_lines(out)
@@ -104,7 +86,7 @@ def test_a_missing_or_empty_file_is_a_one_line_usage_error(
     f = tmp_path / "pw"
     if content is not None:
         f.write_text(content)
-    out = _run("status", "--redis-url", "redis://127.0.0.1:1/0", "--redis-password-file", str(f))
+    out = run_cli("status", "--redis-url", "redis://127.0.0.1:1/0", "--redis-password-file", str(f))
     assert out.returncode == 2, out.stderr
     [line] = _error_lines(out)
     assert line.startswith("Error: Invalid value for '--redis-password-file': ") and said in line
@@ -112,7 +94,7 @@ def test_a_missing_or_empty_file_is_a_one_line_usage_error(
 
 
 def test_a_url_with_a_password_and_a_file_is_a_usage_error(pw_file: Path) -> None:
-    out = _run(
+    out = run_cli(
         "status", "--redis-url", "redis://:other@127.0.0.1:1/0",
         "--redis-password-file", str(pw_file),
     )  # fmt: skip
@@ -154,34 +136,23 @@ async def test_the_gateway_serves_with_the_password_from_the_file(
         params=FAST,
     )  # fmt: skip
     await engine.start()
-    port = free_port_block(1)
-    g = subprocess.Popen(
-        [REDISBAL, "gateway", "--port", str(port), "--redis-url", secured.url,
-         "--redis-password-file", str(pw_file), "--deployment", deployment],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")},
-    )  # fmt: skip
-    lines: list[str] = []
     try:
-        assert g.stderr is not None
-        while not lines or "listening" not in lines[-1]:
-            line = await asyncio.to_thread(g.stderr.readline)
-            assert line, "".join(lines)
-            lines.append(line)
-        assert "1 engines with URLs" in lines[-1], lines
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
-        )
-        try:
-            c = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-            assert c.choices[0].text
-        finally:
-            await client.close()
-        assert engine.arrived == 1
+        async with gateway_process(
+            None, None, "--redis-url", secured.url, "--redis-password-file", str(pw_file),
+            "--deployment", deployment,
+        ) as (g, url, lines):  # fmt: skip
+            assert "1 engines with URLs" in lines[-1], lines
+            client = openai_client(url)
+            try:
+                c = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+                assert c.choices[0].text
+            finally:
+                await client.close()
+            assert engine.arrived == 1
+            g.terminate()
+            code = g.wait(30)
+            rest = g.stderr.read() if g.stderr else ""
     finally:
-        g.terminate()
-        code = g.wait(30)
-        rest = g.stderr.read() if g.stderr else ""
         await engine.stop()
     assert code == 0
     assert SECRET not in "".join(lines) + rest

@@ -13,15 +13,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 
 import pytest
 import redis
+from support.cli import run_cli
 from support.helpers import contents
 from support.topology import (
     EveryClass,
@@ -44,20 +42,12 @@ from redisbal.sim.embedded import RedisServer, free_port
 
 pytestmark = pytest.mark.servers
 
-REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 ADMIN_PW = "adm1n-Secret-pw"
 SECRET = "Zq9-very-secret-PW"  # must never show up anywhere
 FAST = CoordinatorConfig(join_grace_ms=0, stall_ms=100, idle_publish_ms=300)
 
 BINARY = system_binary()
 BINARIES = binaries()
-
-
-def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
-    return subprocess.run(
-        [REDISBAL, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +92,12 @@ def test_cli_status_with_a_password_url_works_and_never_prints_it(
         admin(secured).hset(DeploymentKeys(deployment).config, "join_grace_ms", "0")
         assert rep.report(Counts(step=1, waiting=2, running=3), wait=True).version == 1
         for args in (["status"], ["status", "--json"], ["--log-level", "debug", "status"]):
-            out = _cli("--redis-url", url, "--deployment", deployment, *args)
+            out = run_cli("--redis-url", url, "--deployment", deployment, *args)
             assert out.returncode == 0, out.stderr
             assert "e0" in out.stdout
             assert SECRET not in out.stdout + out.stderr
         st = json.loads(
-            _cli("--redis-url", url, "--deployment", deployment, "status", "--json").stdout
+            run_cli("--redis-url", url, "--deployment", deployment, "status", "--json").stdout
         )
         assert SECRET not in json.dumps(st)
 
@@ -327,7 +317,7 @@ async def test_tls_with_client_certificates_for_every_class(
 
 def test_tls_cli_status_and_refusals(tls_server: TlsServer, deployment: str) -> None:
     url = tls_server.tls_url
-    out = _cli("--redis-url", url, "--deployment", deployment, "status", "--json")
+    out = run_cli("--redis-url", url, "--deployment", deployment, "status", "--json")
     assert out.returncode == 0, out.stderr
     certs = tls_server.certs
     base = f"rediss://127.0.0.1:{tls_server.tls_port}/0"
@@ -434,7 +424,7 @@ async def test_connection_errors_never_show_the_password(
             client.ping()
         client.close()
         for args in (["status"], ["coordinator", "--duration", "0.5"]):
-            out = _cli("--redis-url", url, "--deployment", deployment, *args)
+            out = run_cli("--redis-url", url, "--deployment", deployment, *args)
             assert out.returncode != 0
             texts += [out.stdout, out.stderr]
             assert "***" in out.stderr or "cannot reach" in out.stderr, out.stderr

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
+from support.cli import run_cli
 from support.helpers import await_until, wait_until
 from support.topology import EveryClass, SentinelTopology, binaries
 
@@ -27,7 +25,6 @@ from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow]
 
-REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 FAST = CoordinatorConfig(join_grace_ms=0, stall_ms=200, idle_publish_ms=300, dead_after_ms=3000)
 
 
@@ -69,17 +66,10 @@ async def test_every_class_works_through_a_sentinel_url(sentinels: SentinelTopol
             assert c.exists(DeploymentKeys(dep).snapshot) == 1
 
 
-def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
-    return subprocess.run(
-        [REDISBAL, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
 def test_cli_coordinator_and_status_through_a_sentinel_url(sentinels: SentinelTopology) -> None:
     url = sentinels.url
     dep = f"sencli{int(time.time() * 1000) % 100000}"
-    out = _cli(
+    out = run_cli(
         "--redis-url", url, "--deployment", dep, "coordinator", "--duration", "1.5",
         "--expect", "2", "--join-grace-ms", "0",
     )  # fmt: skip
@@ -90,7 +80,7 @@ def test_cli_coordinator_and_status_through_a_sentinel_url(sentinels: SentinelTo
     ):
         a.report(Counts(step=1, waiting=3, running=1), wait=True)
         assert b.report(Counts(step=1, waiting=0, running=4), wait=True).version >= 1
-        out = _cli("--redis-url", url, "--deployment", dep, "status", "--json")
+        out = run_cli("--redis-url", url, "--deployment", dep, "status", "--json")
         assert out.returncode == 0, out.stderr
         st = json.loads(out.stdout)
         engines = {e["engine"]: e for e in st["engines"]}

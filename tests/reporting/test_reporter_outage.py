@@ -44,7 +44,7 @@ from typing import Any
 
 import pytest
 import redis
-from support.helpers import Barrier
+from support.helpers import Barrier, wait_until
 
 from redisbal import AsyncReporter, Counts, Reporter, Snapshot
 from redisbal.keys import DeploymentKeys
@@ -101,16 +101,6 @@ def _engine_steps(c: redis.Redis, keys: DeploymentKeys) -> dict[str, int]:
     return {f"e{i}": (bar.history(f"e{i}") or [-1])[0] for i in range(ENGINES)}
 
 
-def _wait(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.005) -> float:
-    """Poll until ``pred()`` is true; returns when (monotonic) it was first seen true."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if pred():
-            return time.monotonic()
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval)
-
-
 def _observer(server: RedisServer) -> redis.Redis:
     return redis.Redis.from_url(server.url, socket_timeout=10)
 
@@ -143,11 +133,13 @@ def _disturb_and_check(
         # CLIENT PAUSE holds writes for PAUSE_MS from when the server ran it
         t_back = t_start + window
         time.sleep(max(0.0, t_back - time.monotonic()))
-    seen_reports = _wait(
+    wait_until(
         lambda: all(s > steps_before[e] for e, s in _engine_steps(c, keys).items()),
         10,
         "every engine's reports to resume",
+        0.005,
     )
+    seen_reports = time.monotonic()
 
     def newer_unforced() -> bool:
         snap = _snapshot(c, keys)
@@ -158,7 +150,8 @@ def _disturb_and_check(
             and snap.version > snap_before.version
         )
 
-    seen_snapshot = _wait(newer_unforced, 10, "an unforced snapshot newer than before")
+    wait_until(newer_unforced, 10, "an unforced snapshot newer than before", 0.005)
+    seen_snapshot = time.monotonic()
     c.close()
     calm_rate = log.steps_between(t_calm, t_calm + window) / window
     hit_rate = log.steps_between(t_start, t_start + window) / window
@@ -191,7 +184,7 @@ def _check(figures: dict[str, float], how: str) -> None:
 
 def _run_scenario(server: RedisServer, keys: DeploymentKeys, log: LoopLog) -> None:
     c = _observer(server)
-    _wait(lambda: _snapshot(c, keys) is not None, 10, "a first snapshot")
+    wait_until(lambda: _snapshot(c, keys) is not None, 10, "a first snapshot")
     c.close()
     for how in ("sigstop", "pause"):
         _check(_disturb_and_check(server, keys, log, how), how)

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import redis.asyncio
+from support.helpers import await_until
 
 from redisbal import (
     AsyncReporter,
@@ -57,17 +58,10 @@ def _counts(step: int, i: int) -> dict[str, int]:
     return {"step": step, "waiting": step * 10 + i, "running": step * 100 + i}
 
 
-async def _until(cond: object, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 async def _assert_every_step(snaps: list[Snapshot], stats: list[ReporterStats]) -> None:
     """Steps 1..4 each have a snapshot holding every engine's counts of that step,
     and no report was coalesced."""
-    await _until(lambda: any(s.step == 4 for s in snaps))
+    await await_until(lambda: any(s.step == 4 for s in snaps))
     by_step = {s.step: s for s in snaps if not s.forced}
     for step in range(1, 5):
         snap = by_step.get(step)

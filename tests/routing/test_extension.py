@@ -3,21 +3,11 @@ routing on real snapshots from a real redis-server."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
-
 import pytest
+from support.helpers import await_until
 
 import redisbal
 from redisbal import Counts
-
-
-async def await_for(cond: Callable[[], object], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_custom_scorer_routes_on_what_the_public_view_shows(
@@ -42,7 +32,7 @@ async def test_a_custom_scorer_routes_on_what_the_public_view_shows(
             assert rep.report(
                 Counts(step=1, waiting=1, running=running, kv_usage=kv), wait=True
             ).accepted
-        await await_for(lambda: router.snapshot is not None and len(router.snapshot.engines) == 3)
+        await await_until(lambda: router.snapshot is not None and len(router.snapshot.engines) == 3)
         first = router.route()
         # "b" has the least KV in use although it runs the most: the scorer decided
         assert first.engine_id == "b"

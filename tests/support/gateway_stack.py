@@ -1,5 +1,6 @@
 """Shared by the gateway tests: real HTTP engines (in the test's loop or as
-processes) and gateways in front of them, on a real redis-server."""
+processes) and gateways in front of them (in the test's loop, or ``redisbal gateway``
+as a process), on a real redis-server."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ import asyncio
 import contextlib
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import openai
 
 from redisbal.connection import make_client
 from redisbal.gateway.server import Gateway
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.model import EngineParams
+from support.cli import REDISBAL, scrubbed_env
+from support.helpers import await_until
 from support.procs import free_port_block
 
 MODEL = "redisbal-sim"
@@ -39,6 +43,12 @@ class Stack:
 
     def engine_inflight(self) -> int:
         return sum(e.inflight + e.model.load for e in self.engines)
+
+
+def openai_client(url: str, key: str = "none", **kw: Any) -> openai.AsyncOpenAI:
+    """The official client of the gateway at base URL ``url``, without retries (a
+    failure shows); ``kw`` go to the client."""
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, **kw)
 
 
 async def start_gateway(
@@ -84,7 +94,7 @@ async def stack(
     try:
         for _ in range(gateways):
             st.gateways.append(await start_gateway(redis_url, deployment, **gw_kw))
-        await wait_for(lambda: all(len(g.live_engines()) == n for g in st.gateways))
+        await await_until(lambda: all(len(g.live_engines()) == n for g in st.gateways))
         yield st
     finally:
         for g in st.gateways:
@@ -93,17 +103,9 @@ async def stack(
             await e.stop()
 
 
-async def wait_for(pred: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not met within {timeout}s")
-        await asyncio.sleep(0.02)
-
-
 async def settled(st: Stack) -> None:
     """Every request is finished: in the routers' counts and at the engines."""
-    await wait_for(lambda: st.router_inflight() == 0 and st.engine_inflight() == 0, 5.0)
+    await await_until(lambda: st.router_inflight() == 0 and st.engine_inflight() == 0, 5.0)
     assert all(g.inflight == 0 for g in st.gateways)
 
 
@@ -132,3 +134,37 @@ async def process_engines(redis_url: str, deployment: str, n: int) -> AsyncItera
                 p.terminate()
         for p in procs:
             p.wait(10)
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(
+    redis_url: str | None,
+    deployment: str | None,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    preexec: Callable[[], None] | None = None,
+) -> AsyncIterator[tuple[subprocess.Popen[str], str, list[str]]]:
+    """``redisbal gateway ARGS`` as a process on a free port, listening: the process,
+    its base URL and its stderr lines up to the "listening" one (the rest stays piped
+    for the test to read). Its environment is scrubbed, then given ``redis_url`` and
+    ``deployment`` (when not None) and ``env``; killed at the end if still running."""
+    given = {"REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
+    extra = {k: v for k, v in given.items() if v is not None}
+    port = free_port_block(1)
+    g = subprocess.Popen(
+        [REDISBAL, "gateway", "--port", str(port), *args],
+        env=scrubbed_env({**extra, **(env or {})}), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, preexec_fn=preexec,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert g.stderr is not None
+        while not lines or "listening" not in lines[-1]:
+            line = await asyncio.to_thread(g.stderr.readline)
+            assert line, "".join(lines)
+            lines.append(line)
+        yield g, f"http://127.0.0.1:{port}", lines
+    finally:
+        if g.poll() is None:
+            g.kill()
+            g.wait()

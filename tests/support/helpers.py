@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import orjson
 import redis
@@ -56,44 +56,59 @@ def wait_until(
 
     The one way a test waits for a state: never a fixed sleep followed by an assert.
     An exception from pred counts as "not yet" (a probe may hit a Redis that is down)
-    and is named at the timeout; an AssertionError from pred fails at once.
+    and is named at the timeout; an AssertionError from pred fails at once. The
+    timeout only guards a hang: no test asserts how long anything took.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        got, exc = _probe(pred)
-        if got:
-            return got
-        if time.monotonic() >= deadline:
-            raise AssertionError(_timed_out(pred, timeout, what, exc)) from exc
+    poll = _Poll(pred, timeout, what)
+    while (got := poll()) is None:
         time.sleep(interval)
+    return got
 
 
 async def await_until(
-    pred: Callable[[], T], timeout: float = 10.0, what: str = "", interval: float = 0.01
+    pred: Callable[[], T],
+    timeout: float = 10.0,
+    what: str = "",
+    interval: float = 0.01,
+    *,
+    threaded: bool = False,
 ) -> T:
-    """``wait_until`` for asyncio tests: the event loop runs while it waits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got, exc = _probe(pred)
+    """``wait_until`` for asyncio tests: the event loop runs while it waits. With
+    ``threaded``, pred runs in a worker thread (a probe that blocks, such as a command
+    run to its end, while the loop carries the test's load)."""
+    poll = _Poll(pred, timeout, what)
+    while (got := await asyncio.to_thread(poll) if threaded else poll()) is None:
+        await asyncio.sleep(interval)
+    return got
+
+
+class _Poll(Generic[T]):
+    """One probe of pred per call: its truthy value, or None while not yet; raises
+    AssertionError once the timeout has passed."""
+
+    def __init__(self, pred: Callable[[], T], timeout: float, what: str) -> None:
+        self.pred = pred
+        self.timeout = timeout
+        self.what = what
+        self.deadline = time.monotonic() + timeout
+
+    def __call__(self) -> T | None:
+        try:
+            got = self.pred()
+        except AssertionError:
+            raise
+        except Exception as exc:
+            got, error = None, exc
+        else:
+            error = None
         if got:
             return got
-        if time.monotonic() >= deadline:
-            raise AssertionError(_timed_out(pred, timeout, what, exc)) from exc
-        await asyncio.sleep(interval)
-
-
-def _probe(pred: Callable[[], T]) -> tuple[T | None, Exception | None]:
-    try:
-        return pred(), None
-    except AssertionError:
-        raise
-    except Exception as exc:
-        return None, exc
-
-
-def _timed_out(pred: Callable[[], object], timeout: float, what: str, exc: Exception | None) -> str:
-    extra = f" (last probe error: {exc!r})" if exc is not None else ""
-    return f"timed out after {timeout:.1f}s waiting for {what or pred}{extra}"
+        if time.monotonic() >= self.deadline:
+            extra = f" (last probe error: {error!r})" if error is not None else ""
+            raise AssertionError(
+                f"timed out after {self.timeout:.1f}s waiting for {self.what or self.pred}{extra}"
+            ) from error
+        return None
 
 
 class Blocking:
