@@ -242,7 +242,7 @@ async def test_a_stopped_engine_is_given_up_once_its_reports_stop(
                 procs[0].send_signal(signal.SIGSTOP)
                 try:
                     await first  # given up once it is silent, served elsewhere
-                    assert gw.router.silent_s("0") >= 0.5
+                    assert gw.router.silent_s("0") > 0, "the snapshots do not name it silent"
                     text = gw.metrics.render().decode()
                     got = metric(
                         text, "redisbal_gateway_engine_outcomes_total", engine="0",

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import orjson
@@ -291,7 +290,6 @@ def test_coordinator_duration_run_configures_and_releases(
     runner: CliRunner, redis_url: str, deployment: str, r: redis.Redis
 ) -> None:
     keys = DeploymentKeys(deployment)
-    t0 = time.monotonic()
     res = run(
         runner,
         "coordinator",
@@ -309,7 +307,6 @@ def test_coordinator_duration_run_configures_and_releases(
         "coord-test",
     )
     assert res.exit_code == 0, res.output
-    assert time.monotonic() - t0 >= 0.5  # ran its --duration (a hang: pytest's timeout)
     assert "coordinator coord-test stopped" in res.output
     config = {k.decode(): v.decode() for k, v in r.hgetall(keys.config).items()}
     assert config["stall_ms"] == "50" and config["expected"] == "a,b"

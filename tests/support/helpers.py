@@ -352,6 +352,31 @@ class Barrier:
             rec = replace(parse_record(text(raw)), due_ms=0)
             self.r.hset(self.keys.reports, engine, format_record(rec))
 
+    def stall_for(self, ms: int) -> None:
+        """The barrier has waited ``ms`` longer since the first engine moved past the
+        published step (its start set back): the stall guard weighs that wait against
+        stall_ms, and no test sleeps for it."""
+        since = self.r.hget(self.keys.reports, ".since")
+        assert since is not None, "no engine is past the published step"
+        self.r.hset(self.keys.reports, ".since", str(int(since) - ms))
+
+    def end_join_grace(self, ms: int) -> None:
+        """The generation started ``ms`` earlier (its join grace of at most ``ms`` over),
+        as if that time had passed."""
+        start = int(self.meta()["epoch_start"])
+        self.r.hset(self.keys.meta, "epoch_start", str(start - ms))
+
+    def silence(self, ms: int) -> None:
+        """Nothing reached the deployment for ``ms``: its last reap that long ago, and
+        every member's last report too (``expire_now``)."""
+        self.r.hset(self.keys.meta, "reaped_at", str(server_ms(self.r) - ms))
+        for engine in self.members():
+            self.expire_now(engine)
+
+    def end_hold(self) -> None:
+        """The hold on expiry that a silence started (reap) is over."""
+        assert self.r.hdel(self.keys.meta, "hold_until") == 1, "no hold"
+
     # -- reading state -----------------------------------------------------------------------
 
     def snapshot_raw(self) -> bytes | None:
@@ -384,6 +409,13 @@ class Barrier:
                 rec = parse_record(text(v))
                 out[text(k)] = (rec.flag, rec.scores)
         return out
+
+    def reported_ms(self, engine: str) -> int:
+        """When (server ms) the engine's newest stored report was made."""
+        raw = self.r.hget(self.keys.reports, engine)
+        latest = parse_record(text(raw)).latest if raw is not None else None
+        assert latest is not None, f"{engine} has no report"
+        return latest.ms
 
     def history(self, engine: str) -> list[int]:
         """Scores of the engine's stored reports, newest first ([] if none)."""
