@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from support.helpers import await_until
 
 from redisbal.bench import routers
 from redisbal.sim.http_engine import HttpEngine
@@ -58,11 +58,12 @@ async def router(name: str, es: list[HttpEngine], tmp: Path) -> AsyncIterator[An
     )
     rp.start()
     try:
-        deadline = time.monotonic() + 30
-        while not await asyncio.to_thread(rp.ready):
+
+        def ready() -> bool:
             assert rp.proc is not None and rp.proc.poll() is None, rp.tail()
-            assert time.monotonic() < deadline, f"{name} never ready:\n{rp.tail()}"
-            await asyncio.sleep(0.2)
+            return bool(rp.ready())
+
+        await await_until(ready, 30, f"{name} to be ready", 0.2, threaded=True)
         yield rp
     finally:
         await asyncio.to_thread(rp.stop)

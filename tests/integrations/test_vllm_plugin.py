@@ -252,12 +252,13 @@ def test_redis_restart_costs_a_warning_and_reporting_resumes(
         time.sleep(0.5)
         fresh_server.restart()
         r = fresh_server.client()
-        deadline = time.monotonic() + 10
-        while counts(r, keys) != {"e0": (0, 5), "e1": (0, 6)}:  # the engines keep stepping
-            assert time.monotonic() < deadline, counts(r, keys)
+
+        def stepping() -> bool:  # the engines keep stepping
             p.record(SchedulerStats(num_running_reqs=5), None, engine_idx=0)
             p.record(SchedulerStats(num_running_reqs=6), None, engine_idx=1)
-            time.sleep(0.01)
+            return counts(r, keys) == {"e0": (0, 5), "e1": (0, 6)}
+
+        wait_until(stepping, 10, "the counts after the restart")
     assert r.get(keys.epoch) != epoch
     # the reporters' shared sender says it, rate-limited: one warning when Redis goes,
     # one when it is back

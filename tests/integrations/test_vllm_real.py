@@ -10,12 +10,11 @@ as the reason, where vLLM cannot be imported.
 from __future__ import annotations
 
 import importlib
-import time
 from typing import Any
 
 import pytest
 import redis
-from support.helpers import Barrier
+from support.helpers import Barrier, wait_until
 
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.integrations import vllm_plugin
@@ -64,10 +63,7 @@ def test_vllm_loads_the_plugin_and_its_stats_reach_the_snapshot(
         s1 = stats.SchedulerStats(num_running_reqs=1)
         plugin.record(scheduler_stats=s0, iteration_stats=None, mm_cache_stats=None, engine_idx=0)
         plugin.record(scheduler_stats=s1, iteration_stats=None, mm_cache_stats=None, engine_idx=1)
-        deadline = time.monotonic() + 5
-        while counts(r, keys) != {"vllm0": (3, 6), "vllm1": (0, 1)}:
-            assert time.monotonic() < deadline, counts(r, keys)
-            time.sleep(0.01)
+        wait_until(lambda: counts(r, keys) == {"vllm0": (3, 6), "vllm1": (0, 1)}, 5, "the counts")
         plugin.log()
         plugin.record_sleep_state(1, 1)
     finally:
@@ -128,10 +124,7 @@ def test_vllm_stat_logger_manager_drives_the_plugin_next_to_its_prometheus_logge
         }  # fmt: skip
         for idx, st in sent.items():
             manager.record(scheduler_stats=st, iteration_stats=None, engine_idx=idx)
-        deadline = time.monotonic() + 5
-        while counts(r, keys) != {"dp0": (4, 7), "dp1": (0, 12)}:
-            assert time.monotonic() < deadline, counts(r, keys)
-            time.sleep(0.01)
+        wait_until(lambda: counts(r, keys) == {"dp0": (4, 7), "dp1": (0, 12)}, 5, "the counts")
         page = prometheus_client.generate_latest().decode()
         # with vLLM's progress counters (its token counters: no iteration yet, so 0)
         assert parse_page(page) == [
