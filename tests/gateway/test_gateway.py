@@ -21,7 +21,7 @@ import openai
 import orjson
 import pytest
 import redis
-from support.cli import scrubbed_env
+from support.cli import REDISBAL, scrubbed_env
 from support.gateway_stack import FAST, MODEL, settled, stack, start_gateway, stop_gateway
 from support.helpers import Barrier, await_until
 
@@ -425,11 +425,10 @@ async def test_loadgen_replays_a_trace_through_the_gateway_and_reports_json(
     lines = [{"t": i * 0.05, "prompt_tokens": 5 + i, "output_tokens": 3 + i, "key": f"u{i}"}
              for i in range(6)]  # fmt: skip
     trace.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
-    redisbal = os.path.join(os.path.dirname(sys.executable), "redisbal")
     async with stack(redis_url, deployment) as st:
         for stream in ("--stream", "--no-stream"):
             proc = await asyncio.create_subprocess_exec(
-                redisbal, "loadgen", "--url", st.url, "--trace", str(trace), stream, "--json",
+                REDISBAL, "loadgen", "--url", st.url, "--trace", str(trace), stream, "--json",
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             )  # fmt: skip
             out, err = await proc.communicate()
@@ -443,7 +442,7 @@ async def test_loadgen_replays_a_trace_through_the_gateway_and_reports_json(
                 assert got["itl_p50_ms"] is not None
         await settled(st)
     trace.write_bytes(b'{"t": 0, "prompt_tokens": 5, "output_tokens": 3}\n{"t": -1}\n')
-    out = subprocess.run([redisbal, "loadgen", "--url", "http://127.0.0.1:1", "--trace",
+    out = subprocess.run([REDISBAL, "loadgen", "--url", "http://127.0.0.1:1", "--trace",
                           str(trace)], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2 and f"{trace}:2: t must be seconds >= 0" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
@@ -453,10 +452,9 @@ async def test_loadgen_interrupted_keeps_what_it_measured(redis_url: str, deploy
     """SIGINT mid-run: the summary of the finished requests is still printed (it was lost,
     with click's "Aborted!"), the unfinished ones are counted apart, and the exit status
     says the run is partial. An empty schedule is refused up front."""
-    redisbal = os.path.join(os.path.dirname(sys.executable), "redisbal")
     async with stack(redis_url, deployment) as st:
         proc = await asyncio.create_subprocess_exec(
-            redisbal, "loadgen", "--url", st.url, "--rate", "20", "--duration", "600",
+            REDISBAL, "loadgen", "--url", st.url, "--rate", "20", "--duration", "600",
             "--json", "--no-progress", "--max-output", "4",
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
@@ -469,15 +467,14 @@ async def test_loadgen_interrupted_keeps_what_it_measured(redis_url: str, deploy
         assert "loadgen: interrupted" in err.decode() and "Traceback" not in err.decode()
         await settled(st)
     args = ["loadgen", "--url", "http://127.0.0.1:1", "--rate", "0.01", "--duration", "0.1"]
-    out = subprocess.run([redisbal, *args], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([REDISBAL, *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Error: nothing to send" in out.stderr, out.stderr
 
 
 def test_loadgen_says_so_when_no_request_succeeded() -> None:
     """The summary still prints (its errors say why), and the exit status is not 0."""
-    redisbal = os.path.join(os.path.dirname(sys.executable), "redisbal")
     args = ["loadgen", "--url", "http://127.0.0.1:1", "--rate", "50", "--duration", "0.2"]
-    out = subprocess.run([redisbal, *args, "--no-progress"], capture_output=True, text=True,
+    out = subprocess.run([REDISBAL, *args, "--no-progress"], capture_output=True, text=True,
                          timeout=60)  # fmt: skip
     assert out.returncode == 1, out.stderr
     assert "errors:" in out.stdout and "Error: none of the" in out.stderr, out.stdout + out.stderr

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from support.cli import scrubbed_env
+from support.cli import REDISBAL, scrubbed_env
 from support.helpers import await_until
 from support.procs import hold_port
 from support.topology import (
@@ -44,7 +43,6 @@ pytestmark = [pytest.mark.servers, pytest.mark.slow]
 
 BINARIES = binaries()
 ROOT = Path(__file__).resolve().parents[2]
-REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 
 
 @pytest.fixture(scope="module")

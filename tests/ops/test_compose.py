@@ -10,7 +10,6 @@ an external server through that variable.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -22,7 +21,7 @@ from typing import Any
 import click
 import pytest
 import yaml
-from support.cli import scrub_environ, scrubbed_env
+from support.cli import REDISBAL, scrub_environ, scrubbed_env
 from support.helpers import wait_until
 from support.procs import free_port_block
 
@@ -32,7 +31,6 @@ from redisbal.sim.embedded import RedisServer
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
-REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 REQUIRED = {"redis", "coordinator", "engines", "api", "tests"}
 
 
