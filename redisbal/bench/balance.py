@@ -1,7 +1,7 @@
 """Balance metrics of the benchmark: pure functions over what a run recorded.
 
 Kept apart from the harness so that every number the benchmark reports comes
-from a small function with unit tests (``tests/test_bench.py``); what each metric
+from a small function with unit tests (``tests/bench/test_bench.py``); what each metric
 means and why is in docs/BENCHMARKS.md.
 """
 

@@ -6,7 +6,7 @@ step as fast as their barrier allows: each step is reported by both engines with
 ``wait=True`` and the next starts once both are accepted, so every completed step
 is a published snapshot. How many steps the other deployment completes while the
 victim's primary is dead, and its longest pause, say whether it waited on the
-victim. ``scripts/bench_isolation.py`` measures this; tests/test_failover.py runs it.
+victim. ``scripts/bench_isolation.py`` measures this; tests/processes/test_failover.py runs it.
 """
 
 from __future__ import annotations

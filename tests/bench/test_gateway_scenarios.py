@@ -1,0 +1,208 @@
+"""The real-time benchmark's scenario options (redisbal.bench.gateway_scenarios,
+loadgen --split, session_trace.py longprompt, scripts/gateway_policies.py): pure logic,
+the option errors, and one small run through the script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from redisbal.bench.gateway_scenarios import (
+    Bypass,
+    bypass_trace,
+    check_slow,
+    check_split,
+    parse_bypass,
+    scenario,
+)
+from redisbal.bench.loadgen import loadgen, split_targets
+from redisbal.sim.load_plan import Planned, read_trace
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+# -- --split --------------------------------------------------------------------------------------
+
+
+def test_split_default_is_in_turn() -> None:
+    assert split_targets(7, 3, None, 1) == [0, 1, 2, 0, 1, 2, 0]
+    assert split_targets(4, 1, 0.7, 1) == [0, 0, 0, 0]
+
+
+def test_split_gives_replica_0_its_share_and_the_others_the_rest_evenly() -> None:
+    got = split_targets(10_000, 4, 0.7, seed=1)
+    assert got == split_targets(10_000, 4, 0.7, seed=1)  # every policy: the same assignment
+    assert got != split_targets(10_000, 4, 0.7, seed=2)
+    counts = [got.count(i) for i in range(4)]
+    assert abs(counts[0] - 7000) < 400  # binomial sd 46: a bound no seed reaches
+    assert max(counts[1:]) - min(counts[1:]) <= 1  # the rest in turn
+    assert sum(counts) == 10_000
+    assert split_targets(50, 2, 1.0, 3) == [0] * 50
+    assert split_targets(50, 3, 0.0, 3) == [1, 2] * 25
+
+
+def test_loadgen_split_needs_two_urls() -> None:
+    out = CliRunner().invoke(loadgen, ["--url", "http://127.0.0.1:1", "--split", "0.7"])
+    assert out.exit_code == 2 and "needs two --url or more" in out.output
+    assert "Traceback" not in out.output
+
+
+# -- --bypass, --slow, --split at the boundary ----------------------------------------------------
+
+
+def test_bypass_parses_rate_and_engines() -> None:
+    assert parse_bypass("12:0,1", 8) == Bypass(12.0, ("0", "1"))
+    assert parse_bypass("0.5:3,3", 4) == Bypass(0.5, ("3",))
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("12:99", "among 0..7"),
+        ("12:0,8", "got 8"),
+        ("12:", "among 0..7"),
+        ("12", "use RATE:ID"),
+        ("x:0", "use RATE:ID"),
+        ("0:0", "use RATE:ID"),
+        ("nan:0", "use RATE:ID"),
+        ("-3:0", "use RATE:ID"),
+    ],
+)
+def test_bad_bypass_is_a_one_line_error(value: str, words: str) -> None:
+    with pytest.raises(ValueError, match="--bypass") as err:
+        parse_bypass(value, 8)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_slow_takes_several_engines_in_demos_format() -> None:
+    assert check_slow(["0,1,2,3:2"], 8) == {"0": 2.0, "1": 2.0, "2": 2.0, "3": 2.0}
+    assert check_slow(["0:2", "5:1.5"], 8) == {"0": 2.0, "5": 1.5}
+    assert check_slow([], 8) == {}
+    for bad, words in (
+        (["9:2"], "does not have: 9"),
+        (["0:abc"], "ID[,ID...]:FACTOR"),
+        (["0:0"], "ID[,ID...]:FACTOR"),
+    ):
+        with pytest.raises(ValueError, match="--slow") as err:
+            check_slow(bad, 8)
+        assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_split_needs_a_share_and_replicas() -> None:
+    check_split(None, 1)
+    check_split(0.7, 2)
+    for share, gateways in ((0.7, 1), (1.5, 2), (-0.1, 2), (float("nan"), 2)):
+        with pytest.raises(ValueError, match="--split"):
+            check_split(share, gateways)
+
+
+def test_script_says_bad_scenario_options_in_one_line() -> None:
+    script = str(SCRIPTS / "gateway_policies.py")
+    for args, words in (
+        (["--bypass", "12:99"], "engine ids must be among 0..7"),
+        (["--slow", "8:2"], "does not have: 8"),
+        (["--split", "0.7", "--gateways", "1"], "--split needs --gateways 2"),
+    ):
+        got = _script(script, "--engines", "8", *args)
+        assert got.returncode == 2 and words in got.stderr, got.stderr
+        assert "Traceback" not in got.stderr
+
+
+# -- the bypass traffic and the scenario record ----------------------------------------------------
+
+
+def test_bypass_traffic_is_shaped_on_the_load_and_the_same_per_seed() -> None:
+    shapes = [Planned(0.0, 100, 10), Planned(1.0, 3000, 5, "s", system=2, system_tokens=2900)]
+    by = Bypass(10.0, ("0",))
+    lines = bypass_trace(by, 100.0, 1, shapes)
+    assert lines == bypass_trace(by, 100.0, 1, shapes)
+    assert lines != bypass_trace(by, 100.0, 2, shapes)
+    assert 800 < len(lines) < 1200  # Poisson 10/s over 100 s: sd 32
+    assert all(0 <= d["t"] < 100 for d in lines)
+    assert len({d["key"] for d in lines}) == len(lines)  # text of their own
+    sizes = {(d["prompt_tokens"], d["output_tokens"], d.get("system")) for d in lines}
+    assert sizes == {(100, 10, None), (3000, 5, 2)}
+    with pytest.raises(ValueError, match="no requests"):
+        bypass_trace(by, 1.0, 1, [])
+
+
+def test_scenario_record_says_what_ran() -> None:
+    s = scenario(4, 8, 0.7, Bypass(12.0, ("0", "1")), ["0,1:2"])
+    assert s["label"] == "4 replicas x 8 engines, split 0.7, bypass 12/s to 0,1, slow 0,1:2"
+    assert s["bypass"] == {"rate": 12.0, "engines": ["0", "1"]} and s["split"] == 0.7
+    assert scenario(2, 8, None, None, [])["label"] == "2 replicas x 8 engines"
+
+
+# -- longprompt traces ----------------------------------------------------------------------------
+
+
+def test_longprompt_trace_shares_long_prefixes(tmp_path: Path) -> None:
+    out = tmp_path / "lp.jsonl"
+    got = _script(
+        str(SCRIPTS / "session_trace.py"), "longprompt", "--rate", "20", "--duration", "10",
+        "--prefixes", "3", "--prefix-min", "2000", "--prefix-max", "6000", "-o", str(out),
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    lines = [orjson.loads(x) for x in out.read_bytes().splitlines()]
+    assert 120 < len(lines) < 280
+    prefixes = {(d["system"], d["system_tokens"]) for d in lines}
+    assert len(prefixes) == 3 and len(dict(prefixes)) == 3  # one length per prefix
+    assert all(2000 <= n <= 6000 for _, n in prefixes)
+    assert all(d["prompt_tokens"] > d["system_tokens"] for d in lines)
+    assert len({d["key"] for d in lines}) == len(lines)
+    assert len(read_trace(str(out))) == len(lines)  # loadgen reads it
+    bad = _script(str(SCRIPTS / "session_trace.py"), "longprompt", "--rate", "2",
+                  "--prefix-min", "9", "--prefix-max", "3")  # fmt: skip
+    assert bad.returncode == 2 and "--prefix-min <= --prefix-max" in bad.stderr
+
+
+# -- one small run --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_gateway_policies_runs_split_and_bypass_apart(tmp_path: Path) -> None:
+    """2 engines, 2 replicas, two policies, a few seconds: each row records its scenario,
+    the requests each replica was sent (the split's own assignment) and the bypass
+    client's figures apart from the routed requests'."""
+    trace = tmp_path / "t-1.jsonl"
+    made = _script(
+        str(SCRIPTS / "session_trace.py"), "poisson", "--rate", "8", "--duration", "3",
+        "--output-scale", "0.1", "--seed", "1", "-o", str(trace),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    planned = read_trace(str(trace))
+    out = tmp_path / "runs.json"
+    got = _script(
+        str(SCRIPTS / "gateway_policies.py"), "--trace", str(tmp_path / "t-{seed}.jsonl"),
+        "--engines", "2", "--gateways", "2", "--policies", "redisbal,least-inflight",
+        "--seeds", "1", "--split", "0.7", "--bypass", "5:0", "--running-cap", "8",
+        "--json", str(out), "--plot", str(tmp_path / "p.png"),
+        timeout=300,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
+    runs = orjson.loads(out.read_bytes())["runs"]
+    assert [r["policy"] for r in runs] == ["redisbal", "least-inflight"]
+    to = split_targets(len(planned), 2, 0.7, 1)
+    window = max(p.t for p in planned)
+    bypassed = len(bypass_trace(Bypass(5.0, ("0",)), window, 1, planned))
+    for r in runs:
+        assert r["scenario"]["split"] == 0.7
+        assert r["scenario"]["bypass"] == {"rate": 5.0, "engines": ["0"]}
+        assert r["sent_per_replica"] == [to.count(0), to.count(1)]
+        assert r["requests"] == len(planned)  # the routed requests only
+        assert r["bypass"]["requests"] == bypassed and r["bypass"]["ok"] == bypassed
+        assert r["bypass"]["ttft_p99_ms"] is not None
+        assert sum(r["served"]) == len(planned) + bypassed  # the engines saw both
+    assert "bypass TTFT p99 (ms)" in got.stdout and "split 0.7, bypass 5/s to 0" in got.stdout
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

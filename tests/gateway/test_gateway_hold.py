@@ -1,0 +1,109 @@
+"""Holding through the gateway (redisbal.routing.admission): with every engine at its
+running cap, the gateway holds requests and sends each to the first engine that
+frees a slot, instead of into one engine's queue. Real HTTP engines (engine-sim) on a
+real redis-server, a real client (openai)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+from support.gateway_stack import MODEL, start_engines
+from support.helpers import await_until
+
+from redisbal.connection import make_client
+from redisbal.gateway.server import Gateway
+from redisbal.routing.router import AsyncRouter
+from redisbal.sim.model import EngineParams
+
+# 2 engines of 2 slots; a request of 8 tokens takes 8 steps of 10 ms
+SLOW = EngineParams(running_cap=2, base_step_s=0.01, per_seq_s=0.0, prefill_s=0.0)
+
+
+async def _wave(client: openai.AsyncOpenAI, n: int) -> list[str]:
+    async def one(k: int) -> str:
+        c = await client.completions.create(
+            model=MODEL, prompt=f"wave {k}", max_tokens=8, extra_body={"ignore_eos": True}
+        )
+        return c.choices[0].text
+
+    return await asyncio.gather(*(one(k) for k in range(n)))
+
+
+@contextlib.asynccontextmanager
+async def _stack(
+    redis_url: str, deployment: str, admitted: bool = True
+) -> AsyncIterator[tuple[AsyncRouter, Gateway, openai.AsyncOpenAI]]:
+    """Two SLOW engines (reporting admitted counts or not) behind a gateway that holds
+    up to 5 s, and an openai client of it."""
+    engines = await start_engines(redis_url, deployment, 2, SLOW, admitted=admitted)
+    router = AsyncRouter(redis_url, deployment, "auto", hold_s=5.0)
+    gw = None
+    try:
+        await router.start(wait=3.0)
+        gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True))
+        await gw.start("127.0.0.1", 0)
+        await await_until(lambda: len(gw.live_engines()) == 2)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
+        )
+        yield router, gw, client
+        await client.close()
+    finally:
+        if gw is not None:
+            await gw.close()
+            await gw.redis.aclose()
+        await router.aclose()
+        for e in engines:
+            await e.stop()
+
+
+async def test_requests_past_every_engines_cap_are_held_and_all_served(
+    redis_url: str, deployment: str
+) -> None:
+    async with _stack(redis_url, deployment) as (router, gw, client):
+        adm = router.admission
+        assert adm is not None
+        # the cap is unknown until a queue outlives a report: nothing is held yet, and
+        # the queues this wave leaves at the engines teach it
+        assert all(await _wave(client, 12))
+        await await_until(lambda: router.core.running_cap == 2)
+        held_before = adm.held_total
+        texts = await _wave(client, 12)
+        assert len(texts) == 12 and all(texts)
+        assert adm.held_total > held_before  # 12 requests, 4 slots: most were held
+        assert adm.timed_out == 0  # each went when a slot freed, none at --hold-s
+        assert adm.held == 0
+        metrics = f"http://127.0.0.1:{gw.ports[0]}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(metrics) as r:
+            page = await r.text()
+        count = next(
+            float(line.split()[1])
+            for line in page.splitlines()
+            if line.startswith("redisbal_gateway_hold_seconds_count")
+        )
+        assert count == adm.held_total
+        assert "redisbal_gateway_held 0.0" in page
+
+
+async def test_engines_fed_as_vllms_plugin_feeds_them_are_held_for_too(
+    redis_url: str, deployment: str
+) -> None:
+    """Engines that report as vLLM's plugin does (engine-sim --no-admitted: running and
+    waiting after each step's admission, no admitted counts) teach the cap by a queue
+    in two reports in a row; then requests past every engine's cap are held and all
+    served, each when a slot freed."""
+    async with _stack(redis_url, deployment, admitted=False) as (router, _, client):
+        snap = router.snapshot
+        assert snap is not None and all(c.admitted is None for c in snap.engines.values())
+        adm = router.admission
+        assert adm is not None
+        assert all(await _wave(client, 12))  # its queues teach the cap
+        await await_until(lambda: router.core.running_cap == 2)
+        held_before = adm.held_total
+        assert all(await _wave(client, 12))
+        assert adm.held_total > held_before
+        assert adm.timed_out == 0 and adm.held == 0

@@ -1,0 +1,300 @@
+"""Routers on a real Redis: the snapshot feed (invariant 4) and the I/O-free hot path
+(invariant 8), for AsyncRouter and its threaded twin Router."""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+from typing import Any
+
+import orjson
+import pytest
+import redis
+import redis.asyncio
+from support.helpers import Barrier, await_until, io_of_this_thread, wait_until
+
+from redisbal import AsyncRouter, Router, UnknownEngine
+from redisbal.barrier.snapshot import Rosters
+from redisbal.keys import DeploymentKeys
+from redisbal.sim.embedded import RedisServer
+
+
+@pytest.fixture
+def bar(r: redis.Redis, keys: DeploymentKeys) -> Barrier:
+    b = Barrier(r, keys)
+    b.configure()
+    b.register("e0", "e1")
+    return b
+
+
+def step_all(bar: Barrier, step: int, engines: tuple[str, ...] = ("e0", "e1")) -> int:
+    """Every engine reports step; returns the version that published."""
+    version = 0
+    for i, e in enumerate(engines):
+        version = bar.report(e, step, waiting=i, running=step)[1] or version
+    assert version > 0
+    return version
+
+
+# -- invariant 4: the feed ------------------------------------------------------------------------
+
+
+async def test_feed_gets_the_stored_snapshot_then_follows_pubsub(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    v1 = step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        assert router.snapshot is not None and router.snapshot.version == v1
+        assert not router.degraded
+        v2 = step_all(bar, 2)
+        await await_until(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
+        assert router.snapshot.cut == (0, 2)  # type: ignore[union-attr]
+    finally:
+        await router.aclose()
+
+
+async def test_router_ignores_older_versions_and_adopts_a_new_epoch(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    step_all(bar, 1)
+    old_raw = bar.snapshot_raw()
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        v2 = step_all(bar, 2)
+        await await_until(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
+        r.publish(keys.channel, old_raw)  # type: ignore[arg-type]
+        v3 = step_all(bar, 3)
+        # messages arrive in order: by the time v3 is in, the old one was seen and ignored
+        await await_until(lambda: router.snapshot.version == v3)  # type: ignore[union-attr]
+        assert router.core.counters["ignored_old"] >= 1
+        old_epoch = router.snapshot.epoch  # type: ignore[union-attr]
+        # state lost: a new epoch restarts versions at 1; the router must follow
+        r.delete(*keys.all_keys())
+        bar.epoch = "fresh"
+        bar.configure()
+        bar.register("e0", "e1")
+        assert step_all(bar, 1) == 1
+        await await_until(lambda: router.snapshot.epoch == "fresh")  # type: ignore[union-attr]
+        assert router.snapshot.version == 1 and old_epoch != "fresh"  # type: ignore[union-attr]
+        assert router.core.counters["epochs"] == 1
+    finally:
+        await router.aclose()
+
+
+async def test_a_late_message_of_the_epoch_left_never_takes_the_router_back(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """The feed reads the channel and GETs on two connections: a GET can return the new
+    epoch's snapshot while a message the old epoch published just before it is still
+    unread. That message is newer than anything the router adopted in the old epoch,
+    yet older than the epoch the router is in: it must not be adopted."""
+    v1 = step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        late = orjson.loads(bar.snapshot_raw())  # type: ignore[arg-type]
+        late["version"] = v1 + 1  # the old epoch's next snapshot, published before...
+        bar.scripts.call("new_epoch", "e2")  # ...the coordinator's new epoch
+        await await_until(lambda: router.snapshot.epoch == "e2")  # type: ignore[union-attr]
+        r.publish(keys.channel, orjson.dumps(late))  # ...and read after it
+        v_next = step_all(bar, 2)
+        await await_until(lambda: router.snapshot.version == v_next)  # type: ignore[union-attr]
+        # messages arrive in order: the late one came before v_next
+        assert router.core.counters["epochs"] == 1, "the router went back to the epoch it left"
+        assert router.core.counters["ignored_old"] >= 1
+    finally:
+        await router.aclose()
+
+
+@pytest.mark.parametrize(
+    "bad", [{"suspect": {"e0": "soon"}}, {"time_ms": "now"}, {"version": "9"}, {"waiting": "x"}]
+)
+async def test_a_snapshot_that_cannot_be_adopted_does_not_stop_the_feed(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier, bad: dict[str, Any]
+) -> None:
+    """A message that parses as JSON but holds a field of the wrong type (another
+    client's, or another version's) is ignored; the feed goes on to the next one."""
+    v1 = step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        doc = orjson.loads(bar.snapshot_raw())  # type: ignore[arg-type]
+        if "waiting" in bad:  # an engine's count: only the adoption meets it
+            doc["engines"]["e0"].update(bad)
+            bad = {}
+        r.publish(keys.channel, orjson.dumps({**doc, "version": v1 + 1, **bad}))
+        step_all(bar, 2)
+        v3 = step_all(bar, 3)
+        await await_until(lambda: router.snapshot.version == v3, 5, "a later snapshot")  # type: ignore[union-attr]
+        assert router.snapshot.raw == bar.snapshot_raw()  # type: ignore[union-attr]
+        assert not router.degraded
+        assert {router.route().engine_id for _ in range(20)} == {"e0", "e1"}
+    finally:
+        await router.aclose()
+
+
+async def test_poll_recovers_a_snapshot_whose_message_was_lost(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """Pub/sub loses messages across disconnects; the periodic GET catches up."""
+    v1 = step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=0.1)
+    await router.start(wait=5)
+    try:
+        doc = orjson.loads(bar.snapshot_raw())  # type: ignore[arg-type]
+        doc["version"] = v1 + 5
+        doc["engines"]["e0"]["waiting"] = 99
+        r.set(keys.snapshot, orjson.dumps(doc))  # stored, never published
+        await await_until(lambda: router.snapshot.version == v1 + 5)  # type: ignore[union-attr]
+        assert router.core.by_id["e0"].waiting == 99
+    finally:
+        await router.aclose()
+
+
+async def test_departed_engine_is_not_routed_to_after_the_next_snapshot(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        assert router.route("e1").engine_id == "e1"
+        _, version = bar.leave("e1")
+        await await_until(lambda: router.snapshot.version == version)  # type: ignore[union-attr]
+        assert {router.route().engine_id for _ in range(50)} == {"e0"}
+        with pytest.raises(UnknownEngine, match=r"'e1'.*it left"):
+            router.route("e1")
+    finally:
+        await router.aclose()
+
+
+# -- invariant 8: no I/O on the hot path ---------------------------------------------------------
+
+
+async def test_route_does_no_io(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """route()/finished() touch no socket and issue no Redis command, and keep working
+    once the router's client is closed."""
+    step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30, stale_after_s=0.5)
+    await router.start(wait=5)
+    calls: Counter[str] = Counter()
+
+    def trap(name: str) -> Any:
+        def boom(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            raise AssertionError(f"I/O on the hot path: {name}")
+
+        return boom
+
+    with monkeypatch.context() as m:
+        for meth in ("send", "sendall", "sendto", "recv", "recv_into", "connect", "sendmsg"):
+            m.setattr(socket.socket, meth, trap(f"socket.{meth}"))
+        m.setattr(redis.Redis, "execute_command", trap("Redis.execute_command"))
+        m.setattr(redis.asyncio.Redis, "execute_command", trap("asyncio.Redis.execute_command"))
+        decisions = [router.route() for _ in range(2000)]
+        for d in decisions:
+            router.finished(d)
+    assert not calls  # what it costs is scripts/bench_core.py's to measure
+    assert Counter(d.engine_id for d in decisions).keys() == {"e0", "e1"}
+    await router.aclose()  # feed stopped, client closed: local state only
+    assert router.route().engine_id in ("e0", "e1")
+    # without a feed the snapshot ages: within stale_after_s routing says it is degraded
+    await await_until(lambda: router.degraded, timeout=5)
+    assert router.route().degraded
+
+
+def test_blocking_router_keeps_routing_degraded_with_redis_stopped_and_resyncs(
+    fresh_server: RedisServer,
+) -> None:
+    c = fresh_server.client()
+    keys = DeploymentKeys("dep")
+    bar = Barrier(c, keys)
+    bar.configure()
+    bar.register("e0", "e1")
+    step_all(bar, 1)
+    router = Router(fresh_server.url, "dep", poll_s=0.2)
+    router.start(wait=5)
+    try:
+        assert router.snapshot is not None and not router.degraded
+        epoch = router.snapshot.epoch
+        fresh_server.kill()
+        wait_until(lambda: router.degraded, timeout=5)
+        with io_of_this_thread() as io:  # the router's poll thread keeps trying
+            decisions = [router.route() for _ in range(1000)]
+        assert not io, f"route() touched the network with Redis down: {io}"
+        assert all(d.degraded for d in decisions)
+        got = Counter(d.engine_id for d in decisions)
+        assert abs(got["e0"] - got["e1"]) <= 2 and got.total() == 1000  # kept balancing
+        assert router.route("e1").engine_id == "e1"
+        # Redis back, empty: engines re-register, a new epoch starts, the router follows
+        fresh_server.start()
+        c2 = fresh_server.client()
+        bar2 = Barrier(c2, keys, epoch="after-restart")
+        bar2.configure()
+        bar2.register("e0", "e1")
+        step_all(bar2, 1)
+        wait_until(lambda: router.snapshot.epoch == "after-restart", timeout=10)  # type: ignore[union-attr]
+        assert router.snapshot.epoch != epoch  # type: ignore[union-attr]
+        wait_until(lambda: not router.degraded, timeout=5)
+        assert not router.route().degraded
+        c2.close()
+    finally:
+        router.close()
+        c.close()
+
+
+def test_router_starts_and_routes_balanced_with_redis_unreachable(
+    fresh_server: RedisServer,
+) -> None:
+    fresh_server.kill()
+    router = Router(fresh_server.url, "dep", engines=["a", "b", "c"])
+    router.start()  # returns (pytest's timeout guards a hang) though Redis is gone
+    try:
+        assert router.degraded and router.snapshot is None
+        got = Counter(router.route().engine_id for _ in range(30))
+        assert got == {"a": 10, "b": 10, "c": 10}
+    finally:
+        router.close()
+
+
+# -- compact snapshots ----------------------------------------------------------------------------
+
+
+async def test_feed_adopts_compact_snapshots_and_reads_a_roster_it_missed(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """Past compact_from engines the channel carries ids only when the roster changes:
+    a router routes on those counts, and one that has not seen a message's roster
+    reads the stored snapshot (which has it) instead of dropping the update."""
+    bar.configure(compact_from=0)
+    step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    await router.start(wait=5)
+    try:
+        snap = router.snapshot
+        assert snap is not None and snap.roster is not None
+        assert sorted(snap.engines) == ["e0", "e1"]
+        v2 = step_all(bar, 2)  # the same roster: a message without ids
+        await await_until(lambda: router.snapshot.version == v2)  # type: ignore[union-attr]
+        assert router.core.counters["roster_fetches"] == 0
+        assert (router.core.by_id["e1"].waiting, router.core.by_id["e1"].running) == (1, 2)
+        router._rosters = Rosters()  # as if the message that named it had been missed
+        v3 = step_all(bar, 3)
+        await await_until(lambda: router.snapshot.version == v3)  # type: ignore[union-attr]
+        assert router.core.counters["roster_fetches"] == 1
+        assert router.core.by_id["e1"].running == 3
+        # a join is a new roster, named in the message itself
+        bar.register("e2")
+        step_all(bar, 4, ("e0", "e1", "e2"))  # (e2 joins ahead of this cut: in the next)
+        v5 = step_all(bar, 5, ("e0", "e1", "e2"))
+        await await_until(lambda: router.snapshot.version == v5)  # type: ignore[union-attr]
+        assert sorted(router.snapshot.engines) == ["e0", "e1", "e2"]  # type: ignore[union-attr]
+        assert router.core.counters["roster_fetches"] == 1
+        assert {router.route().engine_id for _ in range(6)} == {"e0", "e1", "e2"}
+    finally:
+        await router.aclose()
