@@ -21,7 +21,7 @@ import pytest
 from gateway_stack import MODEL, settled, stack
 from procs import free_port_block
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.gateway]
 
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 KEY = "sk-file-key-42"

@@ -27,6 +27,8 @@ from redisbal.gateway.server import Gateway
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
 
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
+
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 UNREACHABLE = "redis://127.0.0.1:1/0"
 

@@ -12,6 +12,7 @@ import time
 
 import aiohttp
 import openai
+import pytest
 from gateway_stack import (
     MODEL,
     process_engines,
@@ -25,6 +26,8 @@ from helpers import coordinator
 
 from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.routing.outcomes import OutcomeTracker
+
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
 
 async def set_fault(url: str, mode: str, status: int = 500) -> None:

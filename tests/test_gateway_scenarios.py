@@ -22,6 +22,8 @@ from redisbal.bench.gateway_scenarios import (
 )
 from redisbal.gateway.loadgen import Planned, loadgen, read_trace, split_targets
 
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 

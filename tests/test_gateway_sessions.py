@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import aiohttp
 import orjson
+import pytest
 from gateway_stack import MODEL, start_engines, start_gateway, stop_gateway, wait_for
 
 from redisbal.gateway.loadgen import Planned, output_text, session_prompts
 from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.sim.model import EngineParams
 from redisbal.sim.prefix_cache import BLOCK_TOKENS, CHARS_PER_TOKEN
+
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
 CACHED = EngineParams(
     running_cap=8,
