@@ -14,6 +14,11 @@ request (httpx, which the openai client uses, keeps them 5 s: a 5 s server timeo
 failed requests under load). Past ``max_connections``, a new connection closes the oldest idle one
 (one that holds no request), so that silent connections cannot starve the clients
 that send requests; only when every connection holds a request is the new one closed.
+
+These classes lean on aiohttp's private names (``RequestHandler._handle_request``,
+``_messages``, ``_force_close``, ``_manager``, ``_loop``; ``Server._kwargs``;
+``AppRunner._make_server``): tests/test_aiohttp_hooks.py checks each on the installed
+aiohttp, and the pin in pyproject.toml stops below the next minor release not yet checked.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from redisbal.errors import UpstreamError
 from redisbal.gateway.access import ApiKeys, Cors, auth_middleware
 from redisbal.gateway.deployments import Deployment, model_entry
 from redisbal.gateway.errors import json_error as _json_error
@@ -91,21 +92,18 @@ class Gateway(Proxy):
 
     @property
     def ports(self) -> list[int]:
-        out = []
-        for site in self.sites:
-            server = site._server
-            for sock in getattr(server, "sockets", None) or []:
-                out.append(sock.getsockname()[1])
-        return out
+        """The ports it listens on (none once draining: the sites are stopped)."""
+        if self.runner is None:
+            return []
+        return [addr[1] for addr in self.runner.addresses]
 
     async def drain(self, timeout_s: float = 30.0) -> bool:
         """Stop accepting, wait up to ``timeout_s`` for in-flight requests; True if all
         ended. Requests arriving on kept-alive connections meanwhile get a 503."""
         self.draining = True
-        for site in self.sites:
-            server = site._server
-            if server is not None:
-                server.close()  # the listening socket: new connections are refused
+        sites, self.sites = self.sites, []
+        for site in sites:  # closes the listening socket: new connections are refused;
+            await site.stop()  # the connections open keep going until cleanup
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         return self.inflight == 0
@@ -190,7 +188,7 @@ class Gateway(Proxy):
             finally:
                 up.close()
             if up.status != 200:
-                raise ValueError(f"{up.status}")
+                raise UpstreamError(f"GET /v1/models answered {up.status}")
             return body
 
         tasks = [asyncio.ensure_future(ask(e)) for e in order[:8]]

@@ -531,7 +531,7 @@ class HttpEngine:
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await site.start()
         if self.port == 0:  # an ephemeral port (tests): advertise the one bound
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.port = self._runner.addresses[0][1]
             self.url = endpoints.check_url(
                 f"http://{_url_host(self.advertise or self.host)}:{self.port}"
             )

@@ -23,6 +23,8 @@ from redisbal.bench.gateway_scenarios import (
 from redisbal.bench.loadgen import loadgen, split_targets
 from redisbal.sim.load_plan import Planned, read_trace
 
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 

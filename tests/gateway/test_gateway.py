@@ -35,6 +35,8 @@ from redisbal.keys import DeploymentKeys
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
 
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
+
 # -- the official client -------------------------------------------------------------------
 
 

@@ -24,6 +24,8 @@ from redisbal.gateway.access import ApiKeys, Cors, server_ssl
 from redisbal.gateway.guard import Limits
 from redisbal.sim.http_engine import HttpEngine
 
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
+
 KEY = "sk-test-0123456789"
 
 

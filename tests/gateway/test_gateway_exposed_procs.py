@@ -17,7 +17,7 @@ import pytest
 from support.cli import run_cli
 from support.gateway_stack import MODEL, gateway_process, openai_client, settled, stack
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.gateway]
 
 KEY = "sk-file-key-42"
 

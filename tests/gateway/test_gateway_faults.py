@@ -27,6 +27,8 @@ from support.helpers import await_until
 from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.sim.http_engine import HttpEngine
 
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
+
 
 async def test_dead_engine_is_retried_before_the_first_byte_and_pinning_to_it_fails(
     redis_url: str, deployment: str

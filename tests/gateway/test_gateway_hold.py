@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
+import pytest
 from support.gateway_stack import MODEL, start_engines
 from support.helpers import await_until
 
@@ -18,6 +19,8 @@ from redisbal.connection import make_client
 from redisbal.gateway.server import Gateway
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.model import EngineParams
+
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
 # 2 engines of 2 slots; a request of 8 tokens takes 8 steps of 10 ms
 SLOW = EngineParams(running_cap=2, base_step_s=0.01, per_seq_s=0.0, prefill_s=0.0)

@@ -24,6 +24,7 @@ from redisbal.gateway.server import Gateway
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
 
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 UNREACHABLE = "redis://127.0.0.1:1/0"
 
 

@@ -9,7 +9,10 @@ import os
 import socket
 
 import openai
+import pytest
 from support.gateway_stack import MODEL, settled, stack
+
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
 
 def _tcp_sockets() -> list[tuple[tuple[str, int], tuple[str, int], int]]:

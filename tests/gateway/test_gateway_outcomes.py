@@ -12,6 +12,7 @@ import time
 
 import aiohttp
 import openai
+import pytest
 from support.gateway_stack import (
     MODEL,
     process_engines,
@@ -24,6 +25,8 @@ from support.helpers import await_until, coordinator
 
 from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.routing.outcomes import OutcomeTracker
+
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
 
 async def set_fault(url: str, mode: str, status: int = 500) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import aiohttp
 import orjson
+import pytest
 from support.gateway_stack import MODEL, start_engines, start_gateway, stop_gateway
 from support.helpers import await_until
 
@@ -14,6 +15,8 @@ from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.sim.load_plan import Planned, output_text, session_prompts
 from redisbal.sim.model import EngineParams
 from redisbal.sim.prefix_cache import BLOCK_TOKENS, CHARS_PER_TOKEN
+
+pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
 CACHED = EngineParams(
     running_cap=8,

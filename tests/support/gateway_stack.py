@@ -24,7 +24,10 @@ from support.helpers import await_until
 from support.procs import free_port_block
 
 MODEL = "redisbal-sim"
-FAST = EngineParams(running_cap=64, base_step_s=0.004, per_seq_s=0.0, prefill_s=0.0)
+# a KV cache as real engines report one (vLLM's always do), far larger than tests fill
+FAST = EngineParams(
+    running_cap=64, base_step_s=0.004, per_seq_s=0.0, prefill_s=0.0, kv_capacity_tokens=1 << 20
+)
 
 
 @dataclass
