@@ -35,9 +35,17 @@ import orjson
 from redisbal.errors import RouterError as RouterError
 
 PINNED = {"vllm-router": "0.1.17", "sglang-router": "0.3.2"}
+# every policy each ships that routes one pool of workers from what it sees itself
+# (vllm-router's kv_aware needs the engines' KV events; sglang-router's manual, a header)
 POLICIES = {
-    "vllm-router": ("cache_aware", "power_of_two"),
-    "sglang-router": ("cache_aware", "power_of_two"),
+    "vllm-router": (
+        "cache_aware",
+        "power_of_two",
+        "round_robin",
+        "consistent_hash",
+        "sticky_least_loaded",
+    ),
+    "sglang-router": ("cache_aware", "power_of_two", "round_robin"),
 }
 NAMES = tuple(f"{r}:{p}" for r, ps in POLICIES.items() for p in ps)
 METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", re.M)
@@ -252,13 +260,16 @@ def check_paths(
                 f"({outcomes.get('prefix_hit', 0):.0f} hits), {missing:.0f} missing_tokens, "
                 f"{rendered} renders at the engines for {requests} requests"
             )
-        else:
+        elif policy == "power_of_two":
             out["ok"] = decisions >= requests > 0
             out["note"] = (
                 f"load path: {decisions:.0f} power_of_two decisions on the router's own "
                 f"in-flight counts ({calls.get('/get_load', 0)} /get_load calls; "
                 "vllm-router reads no load from a vLLM-format engine)"
             )
+        else:
+            out["ok"] = decisions >= requests > 0
+            out["note"] = f"{policy}: {decisions:.0f} decisions on the router's own state"
         return out
     models = sorted({m for rp in replicas for m in rp.extra.get("models", [])})
     decisions = total(rows, "smg_worker_selection_total", policy=policy)
@@ -271,12 +282,15 @@ def check_paths(
             f"load path: {decisions:.0f} power_of_two decisions, {loads} /get_load calls "
             f"answered by the engines; model {','.join(models) or '?'}"
         )
-    else:
+    elif policy == "cache_aware":
         out["ok"] = model_ok and decisions >= requests > 0
         out["note"] = (
             f"cache_aware: {decisions:.0f} decisions (it matches request text: no engine "
             f"call needed, none counted by the router); model {','.join(models) or '?'}"
         )
+    else:
+        out["ok"] = model_ok and decisions >= requests > 0
+        out["note"] = f"{policy}: {decisions:.0f} decisions; model {','.join(models) or '?'}"
     return out
 
 

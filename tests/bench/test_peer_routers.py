@@ -117,3 +117,23 @@ async def test_sglang_router_registers_the_model_and_reads_loads(tmp_path: Path)
     check = peer_routers.check_paths("sglang-router:power_of_two", [rp], calls, 4)
     assert check["ok"], check
     assert check["models"] == [MODEL]
+
+
+# (the two above check the paths that read more: rendered prefixes, polled loads)
+OWN_STATE = [
+    n
+    for n in peer_routers.NAMES
+    if n not in ("vllm-router:cache_aware", "sglang-router:power_of_two")
+]
+
+
+@pytest.mark.parametrize("name", OWN_STATE)
+async def test_every_shipped_policy_decides_every_request_itself(name: str, tmp_path: Path) -> None:
+    """Each policy the benchmark names is one the router ships and runs as named: its
+    own /metrics count a decision of that policy for every request sent."""
+    async with engines(2) as es, router(name, es, tmp_path) as rp:
+        await _send(rp.url, [f"hello {i}" for i in range(4)])
+        await asyncio.to_thread(rp.scrape)
+        calls = await _peer_calls(es)
+    check = peer_routers.check_paths(name, [rp], calls, 4)
+    assert check["ok"], check
