@@ -1,0 +1,224 @@
+"""OpenTelemetry traces of the proxied requests, exported over OTLP/HTTP.
+
+A request's trace continues the client's W3C ``traceparent``/``tracestate`` (else it
+starts here) and passes on to the engine: each attempt's span is the parent named in
+the engine request's ``traceparent``, so an engine that traces (vLLM with its own
+``--otlp-traces-endpoint``) puts its spans under it. What a request went through is in
+the spans: the hold, each attempt with its routing decision, first byte, failure and
+the retry that followed, and the end (status, outcome, tokens). Names and attributes:
+docs/GATEWAY.md.
+
+The SDK is the ``tracing`` extra, imported only when tracing is configured: without it
+the proxy makes no tracing object per request and tests one branch
+(redisbal.gateway.proxy)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+EXTRA_HINT = "pip install 'redisbal[tracing]'"
+SERVICE_NAME = "redisbal-gateway"
+HOLD_REASON = "every engine at its running cap"
+TRACES_PATH = "/v1/traces"  # OTLP/HTTP's traces path, added to an endpoint without one
+
+
+class MissingExtra(RuntimeError):
+    """Tracing was asked for without the ``tracing`` extra installed."""
+
+
+def traces_endpoint(url: str) -> str:
+    """The OTLP/HTTP traces URL for ``url``: http(s), ``/v1/traces`` when it has no
+    path (a collector's base URL, as vLLM's flag takes it). ValueError otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme == "grpc" or (parts.scheme in ("http", "https") and parts.port == 4317):
+        raise ValueError(
+            f"{url!r}: the gateway exports OTLP over HTTP (a collector's port 4318), not gRPC"
+        )
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL")
+    if parts.path in ("", "/"):
+        parts = parts._replace(path=TRACES_PATH)
+    return urlunsplit(parts)
+
+
+def env_endpoint() -> str | None:
+    """The endpoint the standard environment names, if any (the SDK's exporter reads it
+    itself; this says whether tracing is configured)."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+
+
+class Tracing:
+    """A tracer provider of its own (not the process-wide one) with a batching OTLP/HTTP
+    exporter, sampled as ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG`` say
+    (default: follow the caller's sampled flag, sample everything else). ``exporter``:
+    any SDK span exporter instead (tests). Raises MissingExtra without the SDK."""
+
+    def __init__(self, endpoint: str | None = None, *, exporter: Any = None) -> None:
+        try:
+            from opentelemetry import trace
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+
+            if exporter is None:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+
+                exporter = OTLPSpanExporter(endpoint=endpoint)
+        except ImportError as exc:
+            raise MissingExtra(
+                f"tracing needs the 'tracing' extra ({exc.name} is missing): {EXTRA_HINT}"
+            ) from None
+        from redisbal import __version__
+
+        attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": SERVICE_NAME}
+        self.provider = TracerProvider(resource=Resource.create(attrs))
+        self.provider.add_span_processor(BatchSpanProcessor(exporter))
+        self.tracer = self.provider.get_tracer("redisbal.gateway", __version__)
+        self.propagator = TraceContextTextMapPropagator()
+        self._trace = trace
+        self._server = trace.SpanKind.SERVER
+        self._client = trace.SpanKind.CLIENT
+        self._error = trace.StatusCode.ERROR
+
+    def request(self, headers: Mapping[str, str], method: str, path: str, rid: str) -> RequestSpans:
+        """The spans of a request that came with ``headers`` (its trace context)."""
+        ctx = self.propagator.extract(headers) if "traceparent" in headers else None
+        span = self.tracer.start_span(
+            f"{method} {path}",
+            context=ctx,
+            kind=self._server,
+            attributes={
+                "http.request.method": method,
+                "http.route": path,
+                "redisbal.request_id": rid,
+            },
+        )
+        return RequestSpans(self, span)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Export what has ended (blocking: call it off the event loop)."""
+        return bool(self.provider.force_flush(int(timeout_s * 1000)))
+
+    def shutdown(self) -> None:
+        """Export what is left and stop the exporter's thread (blocking)."""
+        self.provider.shutdown()
+
+
+class RequestSpans:
+    """One request's spans: the server span for the whole request, a child for its hold
+    and one for each attempt (the engine's parent)."""
+
+    __slots__ = ("_attempt", "_t", "root")
+
+    def __init__(self, tracing: Tracing, root: Any) -> None:
+        self._t = tracing
+        self.root = root
+        self._attempt: Any = None
+
+    @property
+    def trace_id(self) -> str | None:
+        """The trace's id when it is sampled (exported), else None."""
+        sc = self.root.get_span_context()
+        return format(sc.trace_id, "032x") if sc.trace_flags.sampled else None
+
+    def _child(self, name: str, **kw: Any) -> Any:
+        ctx = self._t._trace.set_span_in_context(self.root)
+        return self._t.tracer.start_span(name, context=ctx, **kw)
+
+    def held(self, seconds: float, timed_out: bool) -> None:
+        """The request waited ``seconds`` in the gateway (ending now)."""
+        now = time.time_ns()
+        span = self._child(
+            "redisbal.hold",
+            start_time=now - int(seconds * 1e9),
+            attributes={
+                "redisbal.hold.seconds": seconds,
+                "redisbal.hold.reason": HOLD_REASON,
+                "redisbal.hold.timed_out": timed_out,
+            },
+        )
+        span.end(end_time=now)
+
+    def attempt(self, n: int, route: dict[str, Any], headers: dict[str, str]) -> None:
+        """Attempt ``n`` (1 on) begins with the routing decision ``route``; its trace
+        context goes into the engine request's ``headers``."""
+        engine = route["redisbal.engine"]
+        span = self._attempt = self._child(
+            "redisbal.attempt",
+            kind=self._t._client,
+            attributes={"redisbal.attempt": n, "redisbal.engine": engine},
+        )
+        span.add_event("route", route)
+        self._t.propagator.inject(headers, context=self._t._trace.set_span_in_context(span))
+
+    def first_byte(self, ttft_s: float, attempt_s: float) -> None:
+        if self._attempt is not None:
+            self._attempt.add_event(
+                "first_byte", {"redisbal.ttft_s": ttft_s, "redisbal.first_byte_s": attempt_s}
+            )
+
+    def attempt_end(self, kind: str, detail: str, status: int | None) -> None:
+        span, self._attempt = self._attempt, None
+        if span is None:
+            return
+        span.set_attribute("redisbal.outcome", kind)
+        if status:
+            span.set_attribute("http.response.status_code", status)
+        if kind not in ("ok", "rejected", "client_disconnect"):
+            span.set_attribute("error.type", kind)
+            span.set_status(self._t._error, detail)
+        span.end()
+
+    def retry(self, engine: str, kind: str, again: bool, refused: bool) -> None:
+        """An attempt failed before the first byte: retried elsewhere or not (and
+        whether the retry budget refused it)."""
+        self.root.add_event(
+            "retry",
+            {
+                "redisbal.engine": engine,
+                "redisbal.retry.reason": kind,
+                "redisbal.retry.again": again,
+                "redisbal.retry.budget_refused": refused,
+            },
+        )
+
+    def end(self, fields: Mapping[str, Any]) -> None:
+        """The request ended: the access log's fields on the server span."""
+        span = self.root
+        if self._attempt is not None:  # (cancelled between route and attempt)
+            self.attempt_end("client_disconnect", "", None)
+        status = fields["status"]
+        attrs: dict[str, Any] = {
+            "http.response.status_code": status,
+            "redisbal.outcome": fields["outcome"],
+            "redisbal.retries": fields["retries"],
+            "redisbal.hold_s": fields["hold_ms"] / 1000,
+        }
+        for name, key in (
+            ("gen_ai.request.model", "model"),
+            ("redisbal.engine", "engine"),
+            ("redisbal.error", "error"),
+            ("redisbal.stream", "stream"),
+            ("gen_ai.usage.output_tokens", "tokens"),
+            ("redisbal.chunks", "chunks"),
+            ("client.address", "client"),
+        ):
+            if fields.get(key) is not None:
+                attrs[name] = fields[key]
+        if fields["ttft_ms"] is not None:
+            attrs["redisbal.ttft_s"] = fields["ttft_ms"] / 1000
+        span.set_attributes(attrs)
+        if status >= 500 or fields["outcome"] == "failed":
+            span.set_status(self._t._error, fields.get("error") or "")
+        span.end()
