@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -160,8 +161,9 @@ def _children(spans: list[Span], root: Span, name: str) -> list[Span]:
 
 
 async def test_a_held_request_retried_after_a_500_shows_each_step_in_its_trace(
-    redis_url: str, deployment: str
+    redis_url: str, deployment: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, "redisbal.gateway")
     async with traced(redis_url, deployment, params=SLOW, hold_s=5.0) as t:
         router = t.gw.router
         adm = router.admission
@@ -227,6 +229,11 @@ async def test_a_held_request_retried_after_a_500_shows_each_step_in_its_trace(
     assert line["tokens"] is None and line["chunks"] >= 8  # a stream: its events counted
     # each engine request named its attempt's span as its parent: an engine that traces
     # puts its spans under the attempt that reached it
+    # the gateway's log line about it names it
+    assert any(
+        r.getMessage().startswith(f"gateway: request {rid}: engine 1 failed")
+        for r in caplog.records
+    )
     parents = {eid: _parent(h["traceparent"]) for eid, h in t.seen(rid)}
     assert parents == {"1": (root.trace_id, first.span_id), "0": (root.trace_id, last.span_id)}
 

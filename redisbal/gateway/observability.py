@@ -37,8 +37,8 @@ _OPTIONS = (
         help="Export traces of the requests over OTLP/HTTP to this collector (e.g. "
         "http://otel-collector:4318; /v1/traces is added to a URL without a path). The "
         "OTEL_* variables apply (OTEL_TRACES_SAMPLER, OTEL_SERVICE_NAME, "
-        "OTEL_EXPORTER_OTLP_HEADERS...); OTEL_EXPORTER_OTLP_TRACES_ENDPOINT alone turns "
-        "it on too. Needs the 'tracing' extra.",
+        "OTEL_EXPORTER_OTLP_HEADERS...); OTEL_EXPORTER_OTLP_ENDPOINT or its _TRACES_ "
+        "form alone turns it on too. Needs the 'tracing' extra.",
     ),
 )
 

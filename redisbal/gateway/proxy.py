@@ -332,6 +332,9 @@ class Proxy:
             if not resp.prepared:  # (a stream's went out with its head)
                 resp.headers[REQUEST_ID_HEADER] = rid
             return resp
+        except Exception:  # the gateway's own fault: its traceback follows (guard.py)
+            log.error("gateway: request %s: internal error", rid)
+            raise
         finally:
             if rec is not None:
                 self._ended(rec, resp)
