@@ -20,14 +20,14 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from redisbal.errors import MissingExtra
+
+__all__ = ["MissingExtra", "RequestSpans", "Tracing", "env_endpoint", "traces_endpoint"]
+
 EXTRA_HINT = "pip install 'redisbal[tracing]'"
 SERVICE_NAME = "redisbal-gateway"
 HOLD_REASON = "every engine at its running cap"
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP's traces path, added to an endpoint without one
-
-
-class MissingExtra(RuntimeError):
-    """Tracing was asked for without the ``tracing`` extra installed."""
 
 
 def traces_endpoint(url: str) -> str:
