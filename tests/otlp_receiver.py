@@ -28,6 +28,7 @@ class Span:
     service: str = ""
     start_ns: int = 0
     end_ns: int = 0
+    event_ns: list[int] = field(default_factory=list)  # when each event came
 
 
 def _value(v: Any) -> Any:
@@ -73,6 +74,7 @@ class OtlpReceiver:
                             service=service,
                             start_ns=s.start_time_unix_nano,
                             end_ns=s.end_time_unix_nano,
+                            event_ns=[e.time_unix_nano for e in s.events],
                         )
                     )
         return web.Response(

@@ -10,7 +10,7 @@ fails only the requests in flight on that server; the restarted server gets gate
 traffic again by itself; ``redisbal status`` tells the truth at every step. Where
 vLLM's tracing imports (``opentelemetry-semantic-conventions-ai`` beside the
 ``tracing`` extra), the gateway and the plugin servers trace to a receiver of the
-test's, and vLLM's request span is the child of the gateway attempt that reached it.
+test's, and vLLM's request span is the child of the gateway's span of that request.
 
 Run it from a venv where vLLM imports (docs/DEPLOY.md, "With vLLM", says how to make
 one); without the marker it is skipped, and where vLLM does not import it is skipped
@@ -367,16 +367,16 @@ async def test_real_vllm_servers_behind_the_gateway(
                 spans = receiver.spans
 
                 def joined() -> bool:
-                    attempts = {
-                        (x.trace_id, x.span_id) for x in spans if x.name == "redisbal.attempt"
+                    ours = {
+                        (x.trace_id, x.span_id) for x in spans if x.service == "redisbal-gateway"
                     }
                     return any(
-                        (x.trace_id, x.parent) in attempts
+                        (x.trace_id, x.parent) in ours
                         for x in spans
                         if x.service != "redisbal-gateway"
                     )
 
-                await until(joined, 30, "a vLLM span is the child of a gateway attempt")
+                await until(joined, 30, "a vLLM span is the child of a gateway request's")
 
             # 3. SIGKILL plugin-a under load: only its requests in flight fail
             victim = servers["plugin-a"]

@@ -133,7 +133,7 @@ class Record:
     def attempt_end(self, kind: str, detail: str, status: int | None) -> None:
         self.kind = kind
         if self.spans is not None:
-            self.spans.attempt_end(kind, detail, status)
+            self.spans.attempt_end(self.tries, self.engine or "", kind, detail, status)
 
     def gone(self) -> None:
         """The client went away before the answer was all passed on."""

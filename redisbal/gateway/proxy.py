@@ -101,31 +101,30 @@ def request_hints(
 
 
 def route_facts(
-    dep: Deployment, d: Decision, key: str | None, guessed: bool, tokens: int
+    dep: Deployment, d: Decision, n: int, key: str | None, guessed: bool
 ) -> dict[str, Any]:
-    """A routing decision as a trace event's attributes: the engine, the policy and the
-    score's inputs at hand (the snapshot's age, the engine's counts and this router's
-    routes to it not in a snapshot yet, the request's key: given, guessed or none)."""
+    """Attempt ``n``'s routing decision as a trace event's attributes: the engine, the
+    policy and the score's inputs at hand (the snapshot's age, the engine's counts and
+    this router's routes to it not in a snapshot yet, the request's key: given, guessed
+    or none). Flags only when set: each attribute costs the request path."""
     core = dep.router.core
     at = core.snapshot_at
     facts: dict[str, Any] = {
+        "redisbal.attempt": n,
         "redisbal.engine": d.engine_id,
         "redisbal.policy": core.policy.name,
-        "redisbal.pinned": d.pinned,
-        "redisbal.probe": d.probe,
-        "redisbal.degraded": d.degraded,
-        "redisbal.snapshot.version": d.version,
         "redisbal.snapshot.age_s": round(core.clock() - at, 6) if at > -math.inf else -1.0,
         "redisbal.key": "none" if key is None else "guessed" if guessed else "given",
-        "redisbal.prompt_tokens": tokens,
     }
     view = core.by_id.get(d.engine_id)
     if view is not None:
         facts["redisbal.engine.running"] = view.running
         facts["redisbal.engine.waiting"] = view.waiting
         facts["redisbal.engine.pending"] = view.pending
-        facts["redisbal.engine.inflight"] = view.inflight
-    if dep.name:
+    for flag in ("pinned", "probe", "degraded"):
+        if getattr(d, flag):
+            facts["redisbal." + flag] = True
+    if dep.label:
         facts["redisbal.deployment"] = dep.name
     return facts
 
@@ -481,8 +480,7 @@ class Proxy:
             if rec is not None:
                 rec.engine, rec.tries = d.engine_id, attempt + 1
                 if spans is not None:
-                    facts = route_facts(dep, d, key, guessed, tokens)
-                    spans.attempt(attempt + 1, facts, headers)
+                    spans.attempt(route_facts(dep, d, attempt + 1, key, guessed), headers)
             try:
                 return await self._attempt(request, dep, d, raw, headers, stream, t0, rid, rec)
             except Retry as exc:

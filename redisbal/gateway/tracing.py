@@ -1,12 +1,12 @@
 """OpenTelemetry traces of the proxied requests, exported over OTLP/HTTP.
 
 A request's trace continues the client's W3C ``traceparent``/``tracestate`` (else it
-starts here) and passes on to the engine: each attempt's span is the parent named in
-the engine request's ``traceparent``, so an engine that traces (vLLM with its own
+starts here) and passes on to the engine: the request's span is the parent named in
+each engine request's ``traceparent``, so an engine that traces (vLLM with its own
 ``--otlp-traces-endpoint``) puts its spans under it. What a request went through is in
-the spans: the hold, each attempt with its routing decision, first byte, failure and
-the retry that followed, and the end (status, outcome, tokens). Names and attributes:
-docs/GATEWAY.md.
+its span's events (each attempt with its routing decision, a failure, the retry that
+followed, first byte), a child span for its hold, and its attributes at the end
+(status, outcome, tokens). Names and attributes: docs/GATEWAY.md.
 
 The SDK is the ``tracing`` extra, imported only when tracing is configured: without it
 the proxy makes no tracing object per request and tests one branch
@@ -88,7 +88,6 @@ class Tracing:
         self.propagator = TraceContextTextMapPropagator()
         self._trace = trace
         self._server = trace.SpanKind.SERVER
-        self._client = trace.SpanKind.CLIENT
         self._error = trace.StatusCode.ERROR
 
     def request(self, headers: Mapping[str, str], method: str, path: str, rid: str) -> RequestSpans:
@@ -116,15 +115,16 @@ class Tracing:
 
 
 class RequestSpans:
-    """One request's spans: the server span for the whole request, a child for its hold
-    and one for each attempt (the engine's parent)."""
+    """One request's trace: a server span for the whole request, with an event for each
+    attempt (its routing decision), first byte, failure and retry, and a child span for
+    its hold. One span, not one per attempt: spans cost the most of what tracing costs
+    per request (docs/GATEWAY.md); the engine's spans are children of this one."""
 
-    __slots__ = ("_attempt", "_t", "root")
+    __slots__ = ("_t", "root")
 
     def __init__(self, tracing: Tracing, root: Any) -> None:
         self._t = tracing
         self.root = root
-        self._attempt: Any = None
 
     @property
     def trace_id(self) -> str | None:
@@ -132,15 +132,12 @@ class RequestSpans:
         sc = self.root.get_span_context()
         return format(sc.trace_id, "032x") if sc.trace_flags.sampled else None
 
-    def _child(self, name: str, **kw: Any) -> Any:
-        ctx = self._t._trace.set_span_in_context(self.root)
-        return self._t.tracer.start_span(name, context=ctx, **kw)
-
     def held(self, seconds: float, timed_out: bool) -> None:
         """The request waited ``seconds`` in the gateway (ending now)."""
         now = time.time_ns()
-        span = self._child(
+        span = self._t.tracer.start_span(
             "redisbal.hold",
+            context=self._t._trace.set_span_in_context(self.root),
             start_time=now - int(seconds * 1e9),
             attributes={
                 "redisbal.hold.seconds": seconds,
@@ -150,35 +147,31 @@ class RequestSpans:
         )
         span.end(end_time=now)
 
-    def attempt(self, n: int, route: dict[str, Any], headers: dict[str, str]) -> None:
-        """Attempt ``n`` (1 on) begins with the routing decision ``route``; its trace
-        context goes into the engine request's ``headers``."""
-        engine = route["redisbal.engine"]
-        span = self._attempt = self._child(
-            "redisbal.attempt",
-            kind=self._t._client,
-            attributes={"redisbal.attempt": n, "redisbal.engine": engine},
-        )
-        span.add_event("route", route)
-        self._t.propagator.inject(headers, context=self._t._trace.set_span_in_context(span))
+    def attempt(self, route: dict[str, Any], headers: dict[str, str]) -> None:
+        """An attempt begins with the routing decision ``route``; the trace context
+        goes into the engine request's ``headers`` (this span its parent)."""
+        self.root.add_event("attempt", route)
+        self._t.propagator.inject(headers, context=self._t._trace.set_span_in_context(self.root))
 
     def first_byte(self, ttft_s: float, attempt_s: float) -> None:
-        if self._attempt is not None:
-            self._attempt.add_event(
-                "first_byte", {"redisbal.ttft_s": ttft_s, "redisbal.first_byte_s": attempt_s}
-            )
+        self.root.add_event(
+            "first_byte", {"redisbal.ttft_s": ttft_s, "redisbal.first_byte_s": attempt_s}
+        )
 
-    def attempt_end(self, kind: str, detail: str, status: int | None) -> None:
-        span, self._attempt = self._attempt, None
-        if span is None:
+    def attempt_end(self, n: int, engine: str, kind: str, detail: str, status: int | None) -> None:
+        """An attempt that did not end ``ok`` (an ok one's end is the request's)."""
+        if kind == "ok":
             return
-        span.set_attribute("redisbal.outcome", kind)
+        attrs: dict[str, Any] = {
+            "redisbal.attempt": n,
+            "redisbal.engine": engine,
+            "redisbal.outcome": kind,
+        }
         if status:
-            span.set_attribute("http.response.status_code", status)
-        if kind not in ("ok", "rejected", "client_disconnect"):
-            span.set_attribute("error.type", kind)
-            span.set_status(self._t._error, detail)
-        span.end()
+            attrs["http.response.status_code"] = status
+        if detail:
+            attrs["redisbal.detail"] = detail
+        self.root.add_event("attempt_end", attrs)
 
     def retry(self, engine: str, kind: str, again: bool, refused: bool) -> None:
         """An attempt failed before the first byte: retried elsewhere or not (and
@@ -196,14 +189,11 @@ class RequestSpans:
     def end(self, fields: Mapping[str, Any]) -> None:
         """The request ended: the access log's fields on the server span."""
         span = self.root
-        if self._attempt is not None:  # (cancelled between route and attempt)
-            self.attempt_end("client_disconnect", "", None)
         status = fields["status"]
         attrs: dict[str, Any] = {
             "http.response.status_code": status,
             "redisbal.outcome": fields["outcome"],
             "redisbal.retries": fields["retries"],
-            "redisbal.hold_s": fields["hold_ms"] / 1000,
         }
         for name, key in (
             ("gen_ai.request.model", "model"),
@@ -216,6 +206,8 @@ class RequestSpans:
         ):
             if fields.get(key) is not None:
                 attrs[name] = fields[key]
+        if fields["hold_ms"]:
+            attrs["redisbal.hold_s"] = fields["hold_ms"] / 1000
         if fields["ttft_ms"] is not None:
             attrs["redisbal.ttft_s"] = fields["ttft_ms"] / 1000
         span.set_attributes(attrs)
