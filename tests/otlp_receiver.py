@@ -26,6 +26,7 @@ class Span:
     error: bool
     status_message: str
     service: str = ""
+    resource: dict[str, Any] = field(default_factory=dict)
     start_ns: int = 0
     end_ns: int = 0
     event_ns: list[int] = field(default_factory=list)  # when each event came
@@ -57,7 +58,8 @@ class OtlpReceiver:
         msg.ParseFromString(await request.read())
         self.requests += 1
         for rs in msg.resource_spans:
-            service = _attrs(rs.resource.attributes).get("service.name", "")
+            resource = _attrs(rs.resource.attributes)
+            service = resource.get("service.name", "")
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     self.spans.append(
@@ -72,6 +74,7 @@ class OtlpReceiver:
                             error=s.status.code == 2,
                             status_message=s.status.message,
                             service=service,
+                            resource=resource,
                             start_ns=s.start_time_unix_nano,
                             end_ns=s.end_time_unix_nano,
                             event_ns=[e.time_unix_nano for e in s.events],

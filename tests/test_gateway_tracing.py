@@ -111,7 +111,9 @@ async def traced(
         gw = Gateway(
             router,
             redis_client=make_client(redis_url, asyncio=True),
-            tracing=Tracing(traces_endpoint(receiver.url)) if tracing else None,
+            tracing=Tracing(traces_endpoint(receiver.url), resource={"redisbal.policy": "redisbal"})
+            if tracing
+            else None,
             access_log=AccessLog("json", sink=lines.append) if access_log else None,
             **gw_kw,
         )
@@ -193,6 +195,7 @@ async def test_a_held_request_retried_after_a_500_shows_each_step_in_its_trace(
     assert line["trace_id"] == root.trace_id
     assert root.name == "POST /v1/completions"
     assert root.service == "redisbal-gateway"
+    assert root.resource["redisbal.policy"] == "redisbal"  # (once per batch, not per span)
     assert root.attrs["http.response.status_code"] == 200
     assert root.attrs["redisbal.outcome"] == "ok" == line["outcome"]
     assert root.attrs["redisbal.retries"] == line["retries"] >= 1
@@ -211,8 +214,7 @@ async def test_a_held_request_retried_after_a_500_shows_each_step_in_its_trace(
     first, last = attempts[0], attempts[-1]
     assert hold.end_ns <= root.event_ns[names.index("attempt")]  # held, then routed
     assert first["redisbal.attempt"] == 1 and first["redisbal.engine"] == "1"
-    assert first["redisbal.policy"] == "redisbal"
-    assert first["redisbal.key"] == "none"
+    assert "redisbal.key" not in first  # (no key: none said)
     assert first["redisbal.snapshot.age_s"] >= 0
     assert {"redisbal.engine.pending", "redisbal.engine.running"} <= set(first)
     assert "redisbal.pinned" not in first  # flags only when set
@@ -255,6 +257,7 @@ async def test_the_clients_trace_and_request_id_go_to_the_engine_and_back(
                 "traceparent": f"00-{tid}-{sid}-01",
                 "tracestate": "vendor=opaque",
                 "X-Request-Id": "req-42.a:b",
+                "X-Redisbal-Key": "session-1",
             },
         )
         assert raw.headers["x-request-id"] == "req-42.a:b"
@@ -274,7 +277,9 @@ async def test_the_clients_trace_and_request_id_go_to_the_engine_and_back(
     assert root.parent == sid  # the client's span is its parent: the trace continued
     assert root.attrs["redisbal.request_id"] == "req-42.a:b"
     assert root.attrs["gen_ai.usage.output_tokens"] == 5
-    assert [name for name, _ in root.events] == ["attempt"]  # whole: no first_byte event
+    [(name, route)] = root.events  # whole: no first_byte event
+    assert name == "attempt" and route["redisbal.key"] == "given"
+    assert "session-1" not in str(root.attrs) + str(route)  # the key itself: never
     [(_, seen)] = t.seen("req-42.a:b")  # the engine got the id (vLLM's request id)
     assert _parent(seen["traceparent"]) == (tid, root.span_id)
     assert seen["tracestate"] == "vendor=opaque"

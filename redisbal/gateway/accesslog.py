@@ -125,10 +125,10 @@ class Record:
         if self.spans is not None:
             self.spans.held(seconds, timed_out)
 
-    def first_byte(self, attempt_s: float) -> None:
-        self.ttft_s = ttft = time.perf_counter() - self.t0
+    def first_byte(self) -> None:
+        self.ttft_s = time.perf_counter() - self.t0
         if self.spans is not None:
-            self.spans.first_byte(ttft, attempt_s)
+            self.spans.first_byte()
 
     def attempt_end(self, kind: str, detail: str, status: int | None) -> None:
         self.kind = kind

@@ -73,7 +73,7 @@ def observability(kw: dict[str, Any]) -> dict[str, Any]:
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--otlp-traces-endpoint") from None
     try:
-        tracing = Tracing(url)
+        tracing = Tracing(url, resource={"redisbal.policy": kw.get("policy") or "redisbal"})
     except MissingExtra as exc:
         if endpoint:
             raise click.ClickException(f"--otlp-traces-endpoint: {exc}") from None

@@ -103,19 +103,20 @@ def request_hints(
 def route_facts(
     dep: Deployment, d: Decision, n: int, key: str | None, guessed: bool
 ) -> dict[str, Any]:
-    """Attempt ``n``'s routing decision as a trace event's attributes: the engine, the
-    policy and the score's inputs at hand (the snapshot's age, the engine's counts and
-    this router's routes to it not in a snapshot yet, the request's key: given, guessed
-    or none). Flags only when set: each attribute costs the request path."""
+    """Attempt ``n``'s routing decision as a trace event's attributes: the engine and
+    the score's inputs at hand (the snapshot's age, the engine's counts and this
+    router's routes to it not in a snapshot yet, the request's key: given or guessed).
+    Flags and the key only when there is one: each attribute costs the request path
+    (the policy, the same for every request, is a resource attribute)."""
     core = dep.router.core
     at = core.snapshot_at
     facts: dict[str, Any] = {
         "redisbal.attempt": n,
         "redisbal.engine": d.engine_id,
-        "redisbal.policy": core.policy.name,
         "redisbal.snapshot.age_s": round(core.clock() - at, 6) if at > -math.inf else -1.0,
-        "redisbal.key": "none" if key is None else "guessed" if guessed else "given",
     }
+    if key is not None:
+        facts["redisbal.key"] = "guessed" if guessed else "given"
     view = core.by_id.get(d.engine_id)
     if view is not None:
         facts["redisbal.engine.running"] = view.running
@@ -662,7 +663,7 @@ class Proxy:
             resp.headers[REQUEST_ID_HEADER] = rid
         if rec is not None:
             rec.status = up.status
-            rec.first_byte(t_first - t_up)
+            rec.first_byte()
             rec.chunk(first)
         kind, detail = "ok", ""
         try:

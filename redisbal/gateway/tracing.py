@@ -57,9 +57,17 @@ class Tracing:
     """A tracer provider of its own (not the process-wide one) with a batching OTLP/HTTP
     exporter, sampled as ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG`` say
     (default: follow the caller's sampled flag, sample everything else). ``exporter``:
-    any SDK span exporter instead (tests). Raises MissingExtra without the SDK."""
+    any SDK span exporter instead (tests); ``resource``: attributes of every span, sent
+    once per batch (what is the same for every request: the policy). Raises MissingExtra
+    without the SDK."""
 
-    def __init__(self, endpoint: str | None = None, *, exporter: Any = None) -> None:
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        exporter: Any = None,
+        resource: Mapping[str, str] | None = None,
+    ) -> None:
         try:
             from opentelemetry import trace
             from opentelemetry.sdk.resources import Resource
@@ -82,6 +90,7 @@ class Tracing:
         from redisbal import __version__
 
         attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": SERVICE_NAME}
+        attrs |= resource or {}
         self.provider = TracerProvider(resource=Resource.create(attrs))
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("redisbal.gateway", __version__)
@@ -97,11 +106,7 @@ class Tracing:
             f"{method} {path}",
             context=ctx,
             kind=self._server,
-            attributes={
-                "http.request.method": method,
-                "http.route": path,
-                "redisbal.request_id": rid,
-            },
+            attributes={"http.request.method": method, "redisbal.request_id": rid},
         )
         return RequestSpans(self, span)
 
@@ -153,10 +158,9 @@ class RequestSpans:
         self.root.add_event("attempt", route)
         self._t.propagator.inject(headers, context=self._t._trace.set_span_in_context(self.root))
 
-    def first_byte(self, ttft_s: float, attempt_s: float) -> None:
-        self.root.add_event(
-            "first_byte", {"redisbal.ttft_s": ttft_s, "redisbal.first_byte_s": attempt_s}
-        )
+    def first_byte(self) -> None:
+        """(its time is the event's; the request's ``redisbal.ttft_s`` says it too)"""
+        self.root.add_event("first_byte")
 
     def attempt_end(self, n: int, engine: str, kind: str, detail: str, status: int | None) -> None:
         """An attempt that did not end ``ok`` (an ok one's end is the request's)."""
@@ -193,19 +197,19 @@ class RequestSpans:
         attrs: dict[str, Any] = {
             "http.response.status_code": status,
             "redisbal.outcome": fields["outcome"],
-            "redisbal.retries": fields["retries"],
         }
+        # what is absent or zero is left out: each attribute costs the request path
         for name, key in (
             ("gen_ai.request.model", "model"),
             ("redisbal.engine", "engine"),
             ("redisbal.error", "error"),
-            ("redisbal.stream", "stream"),
             ("gen_ai.usage.output_tokens", "tokens"),
             ("redisbal.chunks", "chunks"),
-            ("client.address", "client"),
         ):
             if fields.get(key) is not None:
                 attrs[name] = fields[key]
+        if fields["retries"]:
+            attrs["redisbal.retries"] = fields["retries"]
         if fields["hold_ms"]:
             attrs["redisbal.hold_s"] = fields["hold_ms"] / 1000
         if fields["ttft_ms"] is not None:
