@@ -21,7 +21,7 @@ RUN apt-get update \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY redisbal ./redisbal
-RUN pip install '.[metrics,gateway]'
+RUN pip install '.[metrics,gateway,tracing]'
 
 RUN useradd --create-home --uid 10001 redisbal
 USER redisbal

@@ -138,3 +138,8 @@ class UpstreamClosed(UpstreamError):
 class UpstreamUnreachable(UpstreamError):
     """No connection to the engine (refused, unresolvable, connect timeout): the
     request never reached it."""
+
+
+class MissingExtra(RedisbalError, RuntimeError):
+    """A feature asked for needs an optional extra that is not installed; the message
+    names it and how to install it."""

@@ -18,7 +18,9 @@ timeout plus a second), requests that waited over 2 s for a chunk (failed or
 not) and the longest such wait, the faulty engine's decisions after the first
 second of the fault (for sigstop, all after the fault) and their number per
 request sent meanwhile, seconds from the fault's end until it got its third
-request, and requests still in flight anywhere after the run. Every router
+request, requests still in flight anywhere after the run, and the gateways' access
+logs (JSON, a file each) against the client: one line per request sent, and as many
+``ok`` as the client finished. Every router
 reaches engine 0 through a counting relay (redisbal.bench.tap) that records when
 each request came, so a loaded host that delays this script does not shift the
 windows; the fault's start and end are taken as done, not as scheduled. Prints
@@ -105,6 +107,7 @@ class Deployment:
     others: list[subprocess.Popen[bytes]] = field(default_factory=list)
     peers: list[peer_routers.RouterProcess] = field(default_factory=list)
     tap_file: str = ""  # a peer's decisions to engine 0, counted in front of it
+    access_logs: list[str] = field(default_factory=list)  # the gateways' stderr
 
     def stop(self) -> None:
         for rp in self.peers:
@@ -140,12 +143,15 @@ def start(a: argparse.Namespace, deployment: str, router: str) -> Deployment:
     if router != "redisbal":
         start_peers(a, d, router, deployment, tap_url)
         return d
-    for _ in range(a.gateways):
+    for i in range(a.gateways):
         port = free_port()
-        d.others.append(
-            subprocess.Popen([BIN, "gateway", *common, "--port", str(port),
-                              "--engine", f"0={tap_url}", *a.gateway_args])
-        )  # fmt: skip
+        d.access_logs.append(os.path.join(a.workdir, f"{deployment}-gateway-{i}.log"))
+        with open(d.access_logs[-1], "wb") as log:
+            d.others.append(
+                subprocess.Popen([BIN, "gateway", *common, "--port", str(port),
+                                  "--engine", f"0={tap_url}", "--access-log", "json",
+                                  *a.gateway_args], stderr=log)
+            )  # fmt: skip
         d.gateways.append(f"http://127.0.0.1:{port}")
     for url in d.gateways:
         wait_http(url + "/health")
@@ -396,6 +402,18 @@ async def reject_scenario(d: Deployment, a: argparse.Namespace) -> dict[str, Any
     }
 
 
+def access_outcomes(d: Deployment) -> dict[str, int]:
+    """The gateways' access-log lines by outcome (their other log lines skipped)."""
+    out: dict[str, int] = {}
+    for path in d.access_logs:
+        with open(path, "rb") as fh:
+            for line in fh:
+                if line.startswith(b"{"):
+                    outcome = orjson.loads(line)["outcome"]
+                    out[outcome] = out.get(outcome, 0) + 1
+    return out
+
+
 def run_one(a: argparse.Namespace, kind: str, router: str, deployment: str) -> dict[str, Any]:
     """One scenario on fresh processes in front of ``router``."""
     load = os.getloadavg()[0]
@@ -407,6 +425,13 @@ def run_one(a: argparse.Namespace, kind: str, router: str, deployment: str) -> d
         row["left_in_flight"] = leftovers(d)
     finally:
         d.stop()
+    if d.access_logs:  # one line per request sent, as many ok (or rejected) as the client saw
+        got = row["access_log"] = access_outcomes(d)
+        if "failed" in row:
+            same = got.get("ok", 0) == row["requests"] - row["failed"]
+        else:  # every pinned request refused, the 40 after them answered
+            same = got.get("rejected", 0) == row["requests"] - 40 and got.get("ok", 0) == 40
+        row["access_log_matches"] = sum(got.values()) == row["requests"] and same
     row["router"] = router
     row["load_avg"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # at its start and end
     return row
@@ -450,7 +475,8 @@ def main() -> None:
                 print(orjson.dumps({k: v for k, v in row.items() if k != "timeline"}).decode())
                 rows.append(row)
     cols = ["scenario", "router", "requests", "failed_pct", "hung", "waited_2s", "longest_wait_s",
-            "faulty_decisions", "faulty_share_pct", "back_after_s", "left_in_flight"]  # fmt: skip
+            "faulty_decisions", "faulty_share_pct", "back_after_s", "left_in_flight",
+            "access_log_matches"]  # fmt: skip
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c, "-")) for c in cols))

@@ -28,6 +28,13 @@ shared routes: each request's PUBLISH; the idle one's hearing is not counted).
 engine and nothing else (redisbal.bench.bare_proxy): the floor under the gateway, so
 that its overhead splits into what carrying a request costs and what redisbal adds.
 
+Every gateway runs with ``--access-log off`` unless asked otherwise. ``--tracing``: also,
+per loop kind, a gateway that traces every request (``--otlp-traces-endpoint`` to a
+sink that takes OTLP/HTTP and drops it; 100% sampled) and one that writes JSON access
+lines (to /dev/null); ``--other-src DIR``: also a gateway run from another source tree
+(say ``git archive`` of an older commit), on this venv. A second table then gives each
+target's CPU over the first loop kind's plain gateway in the same repetition.
+
 ``--peers vllm-router:power_of_two,sglang-router:cache_aware``: also one replica of
 each real peer router (redisbal.bench.peer_routers: pinned, installed into a venv of its
 own on first use, ``--routers-venv``) in front of the same engine, in the same
@@ -64,6 +71,26 @@ from redisbal.sim.load_plan import plan
 BENCH_KEY = "bench-key-0123456789abcdef"
 HERE = os.path.dirname(os.path.abspath(__file__))
 REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
+
+
+# an OTLP/HTTP endpoint that takes every export and drops it (a process of its own)
+SINK = """
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Sink(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Sink).serve_forever()
+"""
 
 
 def free_port() -> int:
@@ -199,6 +226,12 @@ def main() -> None:
     ap.add_argument("--bare", action="store_true", help="also the gateway's HTTP parts alone")
     ap.add_argument("--peers", default="", help="also these real routers (ROUTER:POLICY,...)")
     ap.add_argument("--routers-venv", default=None, help="the peer routers' venv")
+    ap.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also gateways that trace every request and that write JSON access lines",
+    )
+    ap.add_argument("--other-src", default=None, help="also a gateway from this source tree")
     a = ap.parse_args()
     peers = [p for p in a.peers.split(",") if p]
     if "uvloop" in a.loops.split(",") and importlib.util.find_spec("uvloop") is None:
@@ -245,18 +278,36 @@ def main() -> None:
             key_file = os.path.join(str(server.dir), "api-keys")
             with open(key_file, "w") as fh:
                 fh.write(BENCH_KEY + "\n")
+            sink = ""
+            if a.tracing:
+                sport = free_port()
+                procs.append(subprocess.Popen([sys.executable, "-c", SINK, str(sport)]))
+                sink = f"http://127.0.0.1:{sport}"
+            variants = [""] + (["-auth"] if a.auth else []) + (["-traced", "-logged"] * a.tracing)
+            variants += ["-other"] if a.other_src else []
             for kind in a.loops.split(","):
-                for auth in (False, True) if a.auth else (False,):
+                for variant in variants:
                     port = free_port()
                     cmd = [REDISBAL, "gateway", "--port", str(port), "--log-level", "warning"]
                     cmd += ["--event-loop", kind, "--client-index", "auto"]
                     # the run's gateways lease indexes of one deployment: 2+ replicas,
                     # which tell each other their routes only when asked to
                     cmd += ["--tell-routes" if a.tell_routes else "--no-tell-routes"]
-                    if auth:
+                    genv, out = env, None
+                    if variant == "-auth":
                         cmd += ["--api-key-file", key_file]
-                    procs.append(subprocess.Popen(cmd, env=env))
-                    name = f"gateway-{kind}" + ("-auth" if auth else "")
+                    if variant == "-traced":
+                        cmd += ["--otlp-traces-endpoint", sink]
+                    if variant == "-logged":
+                        cmd += ["--access-log", "json"]
+                        out = subprocess.DEVNULL
+                    elif variant != "-other":
+                        cmd += ["--access-log", "off"]
+                    if variant == "-other":  # (an older gateway may have no --access-log)
+                        cmd[0:1] = [sys.executable, "-m", "redisbal"]
+                        genv = {**env, "PYTHONPATH": os.path.abspath(a.other_src)}
+                    procs.append(subprocess.Popen(cmd, env=genv, stderr=out))
+                    name = f"gateway-{kind}{variant}"
                     gws[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
                 if a.bare:
                     port = free_port()
@@ -292,6 +343,8 @@ def main() -> None:
     print(summarize(rows))
     if peers:
         print(ratios(rows, peers[0]))
+    if a.tracing or a.other_src:
+        print(ratios(rows, f"gateway-{a.loops.split(',')[0]}"))
     if a.json:
         with open(a.json, "wb") as fh:
             fh.write(orjson.dumps({"rows": rows}, option=orjson.OPT_INDENT_2))

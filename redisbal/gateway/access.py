@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +59,12 @@ def read_keys(path: str) -> list[str]:
     return keys
 
 
-def auth_middleware(keys: ApiKeys) -> Any:
+def auth_middleware(
+    keys: ApiKeys, refused: Callable[[web.Request, web.Response], None] | None = None
+) -> Any:
     """A 401 (OpenAI's ``invalid_api_key``) for a ``/v1`` request without a valid key;
-    ``/health`` and ``/metrics`` stay open, and so do CORS preflights (``OPTIONS``)."""
+    ``/health`` and ``/metrics`` stay open, and so do CORS preflights (``OPTIONS``).
+    ``refused`` sees each 401 before it goes (the request id, the access log)."""
 
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -70,12 +73,15 @@ def auth_middleware(keys: ApiKeys) -> Any:
             and request.method != "OPTIONS"
             and not keys.allows(request.headers.get("Authorization"))
         ):
-            return json_error(
+            resp = json_error(
                 401,
                 "missing or invalid API key: send Authorization: Bearer <key>",
                 code="invalid_api_key",
                 **{"WWW-Authenticate": "Bearer"},
             )
+            if refused is not None:
+                refused(request, resp)
+            return resp
         return await handler(request)
 
     return check_key

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from redisbal.gateway.observability import observability, observability_options
 from redisbal.gateway.options import check_model, exposure, exposure_options, warn_if_open
 from redisbal.ops.cli_options import (
     FiniteFloat,
@@ -318,6 +319,7 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     help="auto: uvloop when installed, else asyncio's own loop.",
 )
 @exposure_options
+@observability_options
 @common_options
 def gateway(**kw: Any) -> None:
     """OpenAI-compatible gateway: route every request with the shared snapshot.
@@ -334,6 +336,7 @@ def gateway(**kw: Any) -> None:
     s = settings()
     nofile = raise_nofile()
     served = exposure(kw, nofile)  # option errors before anything connects
+    served |= observability(kw)
     url = s.require_url()
     if kw["models"] and kw["engines"]:
         raise click.UsageError(

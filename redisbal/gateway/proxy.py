@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -32,11 +33,19 @@ import orjson
 from aiohttp import web
 
 from redisbal.errors import InvalidArgument
+from redisbal.gateway.accesslog import (
+    REQUEST_ID_HEADER,
+    AccessLog,
+    Record,
+    request_id,
+    usage_tokens,
+)
 from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.first_byte import ChunkWatch, Silent, first_byte, within
 from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
+from redisbal.gateway.tracing import Tracing
 from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, UpstreamUnreachable
 from redisbal.keys import InvalidName, check_name
 from redisbal.routing.policies import NoEngines, UnknownEngine
@@ -52,6 +61,7 @@ MAX_ATTEMPTS = 3  # engines one request may try (the first and two retries)
 PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
 KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer one engine
 CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, roughly)
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untraced
 
 
 def request_hints(
@@ -91,6 +101,36 @@ def request_hints(
     return key, guessed and key is not None, chars // CHARS_PER_TOKEN
 
 
+def route_facts(
+    dep: Deployment, d: Decision, n: int, key: str | None, guessed: bool
+) -> dict[str, Any]:
+    """Attempt ``n``'s routing decision as a trace event's attributes: the engine and
+    the score's inputs at hand (the snapshot's age, the engine's counts and this
+    router's routes to it not in a snapshot yet, the request's key: given or guessed).
+    Flags and the key only when there is one: each attribute costs the request path
+    (the policy, the same for every request, is a resource attribute)."""
+    core = dep.router.core
+    at = core.snapshot_at
+    facts: dict[str, Any] = {
+        "redisbal.attempt": n,
+        "redisbal.engine": d.engine_id,
+        "redisbal.snapshot.age_s": round(core.clock() - at, 6) if at > -math.inf else -1.0,
+    }
+    if key is not None:
+        facts["redisbal.key"] = "guessed" if guessed else "given"
+    view = core.by_id.get(d.engine_id)
+    if view is not None:
+        facts["redisbal.engine.running"] = view.running
+        facts["redisbal.engine.waiting"] = view.waiting
+        facts["redisbal.engine.pending"] = view.pending
+    for flag in ("pinned", "probe", "degraded"):
+        if getattr(d, flag):
+            facts["redisbal." + flag] = True
+    if dep.label:
+        facts["redisbal.deployment"] = dep.name
+    return facts
+
+
 def _unroute(router: AsyncRouter, decision: Decision) -> None:
     """The request of ``decision`` never reached its engine: take the route back (the
     engine's admitted count will not include it)."""
@@ -122,6 +162,8 @@ class Proxy:
         body_timeout_s: float = 30.0,
         engine_api_key: str | None = None,
         user_key: bool = True,
+        access_log: AccessLog | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         if (router is None) == (not models):
             raise InvalidArgument("give a router (one deployment) or models, not both")
@@ -148,6 +190,8 @@ class Proxy:
         self.body_timeout_s = body_timeout_s
         self._engine_auth = None if engine_api_key is None else f"Bearer {engine_api_key}"
         self.user_key = user_key  # the body's user is a request's key (without the header)
+        self.access_log, self.tracing = access_log, tracing
+        self._recording = access_log is not None or tracing is not None  # a Record each
         self.inflight = 0
         self.draining = False
         self.metrics = GatewayMetrics(
@@ -247,12 +291,64 @@ class Proxy:
         if self.inflight == 0:
             self._idle.set()
 
+    def _record(self, request: web.Request, rid: str) -> Record:
+        """A request's Record (with its spans when tracing): only with an access log or
+        tracing."""
+        rec = Record(rid, request.method, request.path, request.remote)
+        if self.tracing is not None:
+            rec.spans = self.tracing.request(request.headers, request.method, request.path, rid)
+        return rec
+
+    def _ended(self, rec: Record, resp: web.StreamResponse | None) -> None:
+        """The request's one access-log line and the end of its trace."""
+        if resp is not None and not rec.status:
+            rec.status = resp.status
+        if not rec.status:  # the gateway's own fault: aiohttp answers 500
+            rec.status, rec.kind, rec.error = 500, "internal", "internal"
+        fields = rec.fields()
+        if rec.spans is not None:
+            rec.spans.end(fields)
+        if self.access_log is not None:
+            self.access_log.write(rec)
+
+    def refused(self, request: web.Request, resp: web.Response) -> None:
+        """A request on a proxied path answered before the proxy (a 401): its request
+        id in the answer and its access-log line (no trace: it is nobody's)."""
+        if request.path not in PROXY_PATHS:
+            return
+        rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+        resp.headers[REQUEST_ID_HEADER] = rid
+        if self.access_log is not None:
+            rec = Record(rid, request.method, request.path, request.remote)
+            rec.status = resp.status
+            self.access_log.write(rec)
+
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
+        rid = request_id(request.headers.get(REQUEST_ID_HEADER))
+        rec = self._record(request, rid) if self._recording else None
+        resp: web.StreamResponse | None = None
+        try:
+            resp = await self._proxy_counted(request, t0, rid, rec)
+            if not resp.prepared:  # (a stream's went out with its head)
+                resp.headers[REQUEST_ID_HEADER] = rid
+            return resp
+        except Exception:  # the gateway's own fault: its traceback follows (guard.py)
+            log.error("gateway: request %s: internal error", rid)
+            raise
+        finally:
+            if rec is not None:
+                self._ended(rec, resp)
+
+    async def _proxy_counted(
+        self, request: web.Request, t0: float, rid: str, rec: Record | None
+    ) -> web.StreamResponse:
         path = request.path
         m = self.metrics
         if self.draining:
             m.answered(path, 503)
+            if rec is not None:
+                rec.error = "draining"
             return _json_error(
                 503,
                 "gateway is shutting down",
@@ -270,12 +366,14 @@ class Proxy:
             )
         self._begin()
         try:
-            resp = await self._proxy_inner(request, t0)
+            resp = await self._proxy_inner(request, t0, rid, rec)
             m.answered(path, resp.status)
             return resp
         except asyncio.CancelledError:
             if id(request) not in self._complete:  # (not once the answer was all sent)
                 m.errors.labels("client_disconnect").inc()
+                if rec is not None:
+                    rec.gone()
             raise
         finally:
             self._complete.discard(id(request))
@@ -314,12 +412,17 @@ class Proxy:
             return _json_error(400, "stream must be true or false")
         return raw, stream, body
 
-    async def _proxy_inner(self, request: web.Request, t0: float) -> web.StreamResponse:
+    async def _proxy_inner(
+        self, request: web.Request, t0: float, rid: str, rec: Record | None
+    ) -> web.StreamResponse:
         m = self.metrics
         got = await self._read_body(request)
         if isinstance(got, web.Response):
             return got
         raw, stream, body = got
+        if rec is not None:
+            model = body.get("model")
+            rec.model, rec.stream = model if isinstance(model, str) else None, stream
         try:
             key, guessed, tokens = request_hints(
                 body, request.headers.get(KEY_HEADER), self.user_key
@@ -339,7 +442,16 @@ class Proxy:
         if pin is None and (held := await dep.router.admit()):  # every engine was full
             m.hold.observe(held)
             t0 += held  # (not the gateway's own added time)
+            if rec is not None:
+                adm = dep.router.admission
+                rec.held(held, adm is not None and held >= adm.max_s)
         headers = {"Content-Type": "application/json", **self.upstream_auth(request)}
+        headers[REQUEST_ID_HEADER] = rid  # (vLLM's request id)
+        spans = rec.spans if rec is not None else None
+        if spans is None:  # untraced here: the client's trace context goes on as it came
+            for name in TRACE_HEADERS:
+                if (value := request.headers.get(name)) is not None:
+                    headers[name] = value
         avoid: set[str] = set()
         last: Retry | None = None
         for attempt in range(1 if pin is not None else self.max_attempts):
@@ -367,8 +479,12 @@ class Proxy:
             if attempt:
                 m.retries.inc()
             headers[CLIENT_HEADER] = str(d.client_index)
+            if rec is not None:
+                rec.engine, rec.tries = d.engine_id, attempt + 1
+                if spans is not None:
+                    spans.attempt(route_facts(dep, d, attempt + 1, key, guessed), headers)
             try:
-                return await self._attempt(request, dep, d, raw, headers, stream, t0)
+                return await self._attempt(request, dep, d, raw, headers, stream, t0, rid, rec)
             except Retry as exc:
                 last = exc
                 avoid.add(d.engine_id)
@@ -376,11 +492,15 @@ class Proxy:
                 again = pin is None and attempt + 1 < self.max_attempts
                 # the budget keeps retries from adding load to a failing deployment; a
                 # request no engine works on (refused, a stopped engine) adds none
-                if again and not exc.unsent and not dep.budget.allow():
+                refused = again and not exc.unsent and not dep.budget.allow()
+                if refused:
                     m.retries_refused.inc()
                     again = False
+                if spans is not None:
+                    spans.retry(d.engine_id, exc.kind, again, refused)
                 log.info(
-                    "gateway: engine %s failed (%s); %s",
+                    "gateway: request %s: engine %s failed (%s); %s",
+                    rid,
                     d.engine_id,
                     exc.detail,
                     "retrying" if again else "giving up",
@@ -390,9 +510,19 @@ class Proxy:
         assert last is not None
         return _json_error(last.status, last.public, "upstream_error")
 
-    def _outcome(self, dep: Deployment, d: Decision, kind: str, detail: str = "") -> None:
+    def _outcome(
+        self,
+        dep: Deployment,
+        d: Decision,
+        kind: str,
+        detail: str = "",
+        rec: Record | None = None,
+        status: int | None = None,
+    ) -> None:
         """Tell the router how the attempt of ``d`` ended, and count it per engine."""
         router, m = dep.router, self.metrics
+        if rec is not None:
+            rec.attempt_end(kind, detail, status)
         m.outcome(dep.label + d.engine_id, kind)
         if kind in ("ok", "rejected", "client_disconnect"):
             router.finished(d)
@@ -408,6 +538,8 @@ class Proxy:
         headers: dict[str, str],
         stream: bool,
         t0: float,
+        rid: str = "",
+        rec: Record | None = None,
     ) -> web.StreamResponse:
         """One upstream try. Raises Retry only while nothing was sent to the client."""
         assert self.upstream is not None
@@ -448,9 +580,11 @@ class Proxy:
                 raise Retry(kind, detail, up.status)
             ctype = up.headers.get("content-type", "application/json")
             if not ctype.startswith("text/event-stream"):
-                whole, kind = await self._whole(router, d, up, ctype, t0, t_up)
+                whole, kind = await self._whole(router, d, up, ctype, t0, t_up, rec)
                 return whole
-            streamed, kind, detail = await self._relay(request, dep, d, up, t0, t_up, bound)
+            streamed, kind, detail = await self._relay(
+                request, dep, d, up, t0, t_up, bound, rid, rec
+            )
             return streamed
         except Retry as exc:
             kind, detail = exc.kind, exc.detail
@@ -458,7 +592,7 @@ class Proxy:
         finally:
             if up is not None:  # an answer not passed on whole drops its connection: the
                 up.close()  # engine sees the client leave and aborts
-            self._outcome(dep, d, kind, detail)
+            self._outcome(dep, d, kind, detail, rec, up.status if up is not None else None)
 
     async def _whole(
         self,
@@ -468,6 +602,7 @@ class Proxy:
         ctype: str,
         t0: float,
         t_up: float,
+        rec: Record | None = None,
     ) -> tuple[web.Response, str]:
         """A non-streamed answer (or an error), passed on whole; returns (response,
         outcome kind)."""
@@ -480,6 +615,8 @@ class Proxy:
             self.metrics.errors.labels("timeout").inc()
             return _json_error(504, f"engine {eid} timed out", "timeout"), "timeout"
         t_done = time.perf_counter()
+        if rec is not None:
+            rec.tokens = usage_tokens(body)
         whole = web.Response(status=up.status, body=body)
         whole.headers["Content-Type"] = ctype
         whole.headers[ENGINE_HEADER] = eid
@@ -498,6 +635,8 @@ class Proxy:
         t0: float,
         t_up: float,
         bound: float,
+        rid: str = "",
+        rec: Record | None = None,
     ) -> tuple[web.StreamResponse, str, str]:
         """Pass an SSE stream through; returns (response, outcome kind, detail). Headers
         go out with the first chunk, so an engine that gives none within ``bound`` of
@@ -521,6 +660,12 @@ class Proxy:
         resp.headers["Content-Type"] = "text/event-stream"
         resp.headers["Cache-Control"] = "no-cache"
         resp.headers[ENGINE_HEADER] = eid
+        if rid:
+            resp.headers[REQUEST_ID_HEADER] = rid
+        if rec is not None:
+            rec.status = up.status
+            rec.first_byte()
+            rec.chunk(first)
         kind, detail = "ok", ""
         try:
             await resp.prepare(request)
@@ -549,6 +694,8 @@ class Proxy:
                     watch.got()
                     if chunk is None:
                         break
+                    if rec is not None:
+                        rec.chunk(chunk)
                     await resp.write(chunk)
             finally:
                 watch.close()

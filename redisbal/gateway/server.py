@@ -58,7 +58,7 @@ class Gateway(Proxy):
         if self.cors is not None:  # before the key check: a preflight carries no key
             middlewares.append(self.cors.middleware())
         if self.api_keys is not None:
-            middlewares.append(auth_middleware(self.api_keys))
+            middlewares.append(auth_middleware(self.api_keys, self.refused))
         app = web.Application(client_max_size=self.max_body, middlewares=middlewares)
         if self.cors is not None:
             app.on_response_prepare.append(self.cors.on_prepare)
@@ -115,6 +115,8 @@ class Gateway(Proxy):
             await self.runner.cleanup()
         if self.upstream is not None:
             self.upstream.close()
+        if self.tracing is not None:  # what is left goes to the collector (a thread waits)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     # -- small endpoints -----------------------------------------------------------------------
 

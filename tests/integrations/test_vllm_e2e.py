@@ -7,7 +7,10 @@ run as processes; the official ``openai`` client sends the requests. The test ch
 what a user would: every server is routable once it answers ``/health`` with no
 request sent to it directly; every server serves gateway traffic; a SIGKILL under load
 fails only the requests in flight on that server; the restarted server gets gateway
-traffic again by itself; ``redisbal status`` tells the truth at every step.
+traffic again by itself; ``redisbal status`` tells the truth at every step. Where
+vLLM's tracing imports (``opentelemetry-semantic-conventions-ai`` beside the
+``tracing`` extra), the gateway and the plugin servers trace to a receiver of the
+test's, and vLLM's request span is the child of the gateway's span of that request.
 
 Run it from a venv where vLLM imports (docs/DEPLOY.md, "With vLLM", says how to make
 one); without the marker it is skipped, and where vLLM does not import it is skipped
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -83,6 +87,7 @@ class VllmServer:
     logs: Path
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    args: list[str] = field(default_factory=list)  # more vllm arguments
 
     @property
     def url(self) -> str:
@@ -96,7 +101,7 @@ class VllmServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", str(self.model), "--served-model-name", "tiny"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
-        cmd += ["--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager"]
+        cmd += ["--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager", *self.args]
         self.proc = subprocess.Popen(
             cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -252,6 +257,16 @@ async def test_real_vllm_servers_behind_the_gateway(
         }
     )
     ours = {**base_env, "REDISBAL_REDIS_URL": url, "REDISBAL_DEPLOYMENT": deployment}
+    # traces: vLLM's own tracing needs the semantic conventions for AI beside the SDK
+    receiver = None
+    if importlib.util.find_spec("opentelemetry.semconv_ai") is not None:
+        from support.otlp_receiver import OtlpReceiver
+
+        receiver = OtlpReceiver()
+        await receiver.start()
+        ours["REDISBAL_OTLP_TRACES_ENDPOINT"] = receiver.url
+        ours["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # (vLLM's default: gRPC)
+        ours["OTEL_BSP_SCHEDULE_DELAY"] = "200"
     port = free_port_block(5)
     servers = {
         "plugin-a": VllmServer("plugin-a", port, model, {}, tmp_path),
@@ -261,6 +276,8 @@ async def test_real_vllm_servers_behind_the_gateway(
     for name in ("plugin-a", "plugin-b"):
         s = servers[name]
         s.env = {**ours, "REDISBAL_ENGINE_URL": s.url}
+        if receiver is not None:
+            s.args = ["--otlp-traces-endpoint", receiver.url + "/v1/traces"]
     c = servers["sidecar-c"]
     gw_port = port + 3
     gateway = f"http://127.0.0.1:{gw_port}"
@@ -342,6 +359,20 @@ async def test_real_vllm_servers_behind_the_gateway(
             rows = status(url, deployment)
             states = {e: rows[e]["state"] for e in engine_of.values()}
             assert all(st == "live" for st in states.values()), (states, rows)
+            if receiver is not None:  # vLLM's request spans joined the gateway's traces
+                spans = receiver.spans
+
+                def joined() -> bool:
+                    ours = {
+                        (x.trace_id, x.span_id) for x in spans if x.service == "redisbal-gateway"
+                    }
+                    return any(
+                        (x.trace_id, x.parent) in ours
+                        for x in spans
+                        if x.service != "redisbal-gateway"
+                    )
+
+                await await_until(joined, 30, "a vLLM span is the child of a gateway request's")
 
             # 3. SIGKILL plugin-a under load: only its requests in flight fail
             victim = servers["plugin-a"]
@@ -424,3 +455,5 @@ async def test_real_vllm_servers_behind_the_gateway(
         for s in servers.values():
             s.kill()
         r.close()
+        if receiver is not None:
+            await receiver.stop()

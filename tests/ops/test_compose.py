@@ -177,7 +177,7 @@ def test_tests_service_runs_the_suite_and_the_dockerfile_can_build_it() -> None:
     docker = DOCKERFILE.read_text(encoding="utf-8")
     stages = re.findall(r"^FROM\s+\S+(?:\s+AS\s+(\S+))?", docker, re.M | re.I)
     assert "runtime" in stages and "test" in stages, stages
-    assert ".[metrics,gateway]" in docker and ".[dev]" in docker
+    assert ".[metrics,gateway,tracing]" in docker and ".[dev]" in docker
     for path in re.findall(r"^COPY\s+(\S+)\s", docker, re.M):
         assert (ROOT / path).exists(), f"Dockerfile copies missing {path}"
     for name in redisbal_services():

@@ -15,22 +15,22 @@ REDISBAL = os.path.join(os.path.dirname(sys.executable), "redisbal")
 
 
 def scrubbed_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without any REDISBAL_ variable, plus ``extra``: the
-    shared options read those variables, and a developer's own must not change what a
-    command does under test."""
+    """This process's environment without any REDISBAL_ or OTEL_ variable, plus
+    ``extra``: the shared options and the gateway's tracing read those variables, and a
+    developer's own must not change what a command does under test."""
     env = {k: v for k, v in os.environ.items() if not _ours(k)}
     return {**env, **(extra or {})}
 
 
 def scrub_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     """``scrubbed_env`` for a command run in this process (click's CliRunner): every
-    REDISBAL_ variable unset for the one test."""
+    REDISBAL_ and OTEL_ variable unset for the one test."""
     for name in [k for k in os.environ if _ours(k)]:
         monkeypatch.delenv(name)
 
 
 def _ours(name: str) -> bool:
-    return name.startswith("REDISBAL_")
+    return name.startswith(("REDISBAL_", "OTEL_"))
 
 
 def run_cli(

@@ -1,0 +1,220 @@
+"""OpenTelemetry traces of the proxied requests, exported over OTLP/HTTP.
+
+A request's trace continues the client's W3C ``traceparent``/``tracestate`` (else it
+starts here) and passes on to the engine: the request's span is the parent named in
+each engine request's ``traceparent``, so an engine that traces (vLLM with its own
+``--otlp-traces-endpoint``) puts its spans under it. What a request went through is in
+its span's events (each attempt with its routing decision, a failure, the retry that
+followed, first byte), a child span for its hold, and its attributes at the end
+(status, outcome, tokens). Names and attributes: docs/GATEWAY.md.
+
+The SDK is the ``tracing`` extra, imported only when tracing is configured: without it
+the proxy makes no tracing object per request and tests one branch
+(redisbal.gateway.proxy)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from redisbal.errors import InvalidURL, MissingExtra
+
+__all__ = ["MissingExtra", "RequestSpans", "Tracing", "env_endpoint", "traces_endpoint"]
+
+EXTRA_HINT = "pip install 'redisbal[tracing]'"
+SERVICE_NAME = "redisbal-gateway"
+HOLD_REASON = "every engine at its running cap"
+TRACES_PATH = "/v1/traces"  # OTLP/HTTP's traces path, added to an endpoint without one
+
+
+def traces_endpoint(url: str) -> str:
+    """The OTLP/HTTP traces URL for ``url``: http(s), ``/v1/traces`` when it has no
+    path (a collector's base URL, as vLLM's flag takes it). InvalidURL otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme == "grpc" or (parts.scheme in ("http", "https") and parts.port == 4317):
+        raise InvalidURL(
+            f"{url!r}: the gateway exports OTLP over HTTP (a collector's port 4318), not gRPC"
+        )
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidURL(f"{url!r} is not an http(s) URL")
+    if parts.path in ("", "/"):
+        parts = parts._replace(path=TRACES_PATH)
+    return urlunsplit(parts)
+
+
+def env_endpoint() -> str | None:
+    """The endpoint the standard environment names, if any (the SDK's exporter reads it
+    itself; this says whether tracing is configured)."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+
+
+class Tracing:
+    """A tracer provider of its own (not the process-wide one) with a batching OTLP/HTTP
+    exporter, sampled as ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG`` say
+    (default: follow the caller's sampled flag, sample everything else). ``exporter``:
+    any SDK span exporter instead (tests); ``resource``: attributes of every span, sent
+    once per batch (what is the same for every request: the policy). Raises MissingExtra
+    without the SDK."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        exporter: Any = None,
+        resource: Mapping[str, str] | None = None,
+    ) -> None:
+        try:
+            from opentelemetry import trace
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+
+            if exporter is None:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+
+                exporter = OTLPSpanExporter(endpoint=endpoint)
+        except ImportError as exc:
+            raise MissingExtra(
+                f"tracing needs the 'tracing' extra ({exc.name} is missing): {EXTRA_HINT}"
+            ) from None
+        from redisbal import __version__
+
+        attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": SERVICE_NAME}
+        attrs |= resource or {}
+        self.provider = TracerProvider(resource=Resource.create(attrs))
+        self.provider.add_span_processor(BatchSpanProcessor(exporter))
+        self.tracer = self.provider.get_tracer("redisbal.gateway", __version__)
+        self.propagator = TraceContextTextMapPropagator()
+        self._trace = trace
+        self._server = trace.SpanKind.SERVER
+        self._error = trace.StatusCode.ERROR
+
+    def request(self, headers: Mapping[str, str], method: str, path: str, rid: str) -> RequestSpans:
+        """The spans of a request that came with ``headers`` (its trace context)."""
+        ctx = self.propagator.extract(headers) if "traceparent" in headers else None
+        span = self.tracer.start_span(
+            f"{method} {path}",
+            context=ctx,
+            kind=self._server,
+            attributes={"http.request.method": method, "redisbal.request_id": rid},
+        )
+        return RequestSpans(self, span)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Export what has ended (blocking: call it off the event loop)."""
+        return bool(self.provider.force_flush(int(timeout_s * 1000)))
+
+    def shutdown(self) -> None:
+        """Export what is left and stop the exporter's thread (blocking)."""
+        self.provider.shutdown()
+
+
+class RequestSpans:
+    """One request's trace: a server span for the whole request, with an event for each
+    attempt (its routing decision), first byte, failure and retry, and a child span for
+    its hold. One span, not one per attempt: spans cost the most of what tracing costs
+    per request (docs/GATEWAY.md); the engine's spans are children of this one."""
+
+    __slots__ = ("_t", "root")
+
+    def __init__(self, tracing: Tracing, root: Any) -> None:
+        self._t = tracing
+        self.root = root
+
+    @property
+    def trace_id(self) -> str | None:
+        """The trace's id when it is sampled (exported), else None."""
+        sc = self.root.get_span_context()
+        return format(sc.trace_id, "032x") if sc.trace_flags.sampled else None
+
+    def held(self, seconds: float, timed_out: bool) -> None:
+        """The request waited ``seconds`` in the gateway (ending now)."""
+        now = time.time_ns()
+        span = self._t.tracer.start_span(
+            "redisbal.hold",
+            context=self._t._trace.set_span_in_context(self.root),
+            start_time=now - int(seconds * 1e9),
+            attributes={
+                "redisbal.hold.seconds": seconds,
+                "redisbal.hold.reason": HOLD_REASON,
+                "redisbal.hold.timed_out": timed_out,
+            },
+        )
+        span.end(end_time=now)
+
+    def attempt(self, route: dict[str, Any], headers: dict[str, str]) -> None:
+        """An attempt begins with the routing decision ``route``; the trace context
+        goes into the engine request's ``headers`` (this span its parent)."""
+        self.root.add_event("attempt", route)
+        self._t.propagator.inject(headers, context=self._t._trace.set_span_in_context(self.root))
+
+    def first_byte(self) -> None:
+        """(its time is the event's; the request's ``redisbal.ttft_s`` says it too)"""
+        self.root.add_event("first_byte")
+
+    def attempt_end(self, n: int, engine: str, kind: str, detail: str, status: int | None) -> None:
+        """An attempt that did not end ``ok`` (an ok one's end is the request's)."""
+        if kind == "ok":
+            return
+        attrs: dict[str, Any] = {
+            "redisbal.attempt": n,
+            "redisbal.engine": engine,
+            "redisbal.outcome": kind,
+        }
+        if status:
+            attrs["http.response.status_code"] = status
+        if detail:
+            attrs["redisbal.detail"] = detail
+        self.root.add_event("attempt_end", attrs)
+
+    def retry(self, engine: str, kind: str, again: bool, refused: bool) -> None:
+        """An attempt failed before the first byte: retried elsewhere or not (and
+        whether the retry budget refused it)."""
+        self.root.add_event(
+            "retry",
+            {
+                "redisbal.engine": engine,
+                "redisbal.retry.reason": kind,
+                "redisbal.retry.again": again,
+                "redisbal.retry.budget_refused": refused,
+            },
+        )
+
+    def end(self, fields: Mapping[str, Any]) -> None:
+        """The request ended: the access log's fields on the server span."""
+        span = self.root
+        status = fields["status"]
+        attrs: dict[str, Any] = {
+            "http.response.status_code": status,
+            "redisbal.outcome": fields["outcome"],
+        }
+        # what is absent or zero is left out: each attribute costs the request path
+        for name, key in (
+            ("gen_ai.request.model", "model"),
+            ("redisbal.engine", "engine"),
+            ("redisbal.error", "error"),
+            ("gen_ai.usage.output_tokens", "tokens"),
+            ("redisbal.chunks", "chunks"),
+        ):
+            if fields.get(key) is not None:
+                attrs[name] = fields[key]
+        if fields["retries"]:
+            attrs["redisbal.retries"] = fields["retries"]
+        if fields["hold_ms"]:
+            attrs["redisbal.hold_s"] = fields["hold_ms"] / 1000
+        if fields["ttft_ms"] is not None:
+            attrs["redisbal.ttft_s"] = fields["ttft_ms"] / 1000
+        span.set_attributes(attrs)
+        if status >= 500 or fields["outcome"] == "failed":
+            span.set_status(self._t._error, fields.get("error") or "")
+        span.end()
