@@ -12,10 +12,9 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
-from support.gateway_stack import MODEL, start_engines
+from support.gateway_stack import MODEL, start_engines, start_gateway, stop_gateway
 from support.helpers import await_until
 
-from redisbal.connection import make_client
 from redisbal.gateway.server import Gateway
 from redisbal.routing.router import AsyncRouter
 from redisbal.sim.model import EngineParams
@@ -43,23 +42,18 @@ async def _stack(
     """Two SLOW engines (reporting admitted counts or not) behind a gateway that holds
     up to 5 s, and an openai client of it."""
     engines = await start_engines(redis_url, deployment, 2, SLOW, admitted=admitted)
-    router = AsyncRouter(redis_url, deployment, "auto", hold_s=5.0)
     gw = None
     try:
-        await router.start(wait=3.0)
-        gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True))
-        await gw.start("127.0.0.1", 0)
+        gw = await start_gateway(redis_url, deployment, hold_s=5.0)
         await await_until(lambda: len(gw.live_engines()) == 2)
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
         )
-        yield router, gw, client
+        yield gw.router, gw, client
         await client.close()
     finally:
         if gw is not None:
-            await gw.close()
-            await gw.redis.aclose()
-        await router.aclose()
+            await stop_gateway(gw)
         for e in engines:
             await e.stop()
 

@@ -21,16 +21,14 @@ import orjson
 import pytest
 from aiohttp import web
 from support.cli import scrubbed_env
-from support.gateway_stack import FAST, MODEL
+from support.gateway_stack import FAST, MODEL, start_gateway, stop_gateway
 from support.helpers import await_until
 from support.otlp_receiver import OtlpReceiver, Span
 
-from redisbal.connection import make_client
 from redisbal.gateway.access import ApiKeys
 from redisbal.gateway.accesslog import AccessLog, request_id, usage_tokens
 from redisbal.gateway.server import Gateway
 from redisbal.gateway.tracing import Tracing, traces_endpoint
-from redisbal.routing.router import AsyncRouter
 from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.model import EngineParams
 
@@ -107,21 +105,19 @@ async def traced(
     ]
     for e in engines:
         await e.start()
-    router = AsyncRouter(redis_url, deployment, "auto", hold_s=hold_s)
     lines: list[str] = []
     gw = None
     try:
-        await router.start(wait=3.0)
-        gw = Gateway(
-            router,
-            redis_client=make_client(redis_url, asyncio=True),
+        gw = await start_gateway(
+            redis_url,
+            deployment,
+            hold_s=hold_s,
             tracing=Tracing(traces_endpoint(receiver.url), resource={"redisbal.policy": "redisbal"})
             if tracing
             else None,
             access_log=AccessLog("json", sink=lines.append) if access_log else None,
             **gw_kw,
         )
-        await gw.start("127.0.0.1", 0)
         await await_until(lambda: len(gw.live_engines()) == 2)
         key = KEY if gw_kw.get("api_keys") else "x"
         client = openai.AsyncOpenAI(
@@ -131,9 +127,7 @@ async def traced(
         await client.close()
     finally:
         if gw is not None:
-            await gw.close()
-            await gw.redis.aclose()
-        await router.aclose()
+            await stop_gateway(gw)
         for e in engines:
             await e.stop()
         await receiver.stop()
