@@ -913,10 +913,15 @@ def classify(
     at_fault = 0
     causes: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
+    failures: list[dict[str, Any]] = []
+    t0 = min((r.sent for r in results), default=0.0)
     for r in results:
         if r.ok:
             continue
         errors[r.error[:50]] += 1
+        failures.append({"id": r.rid, "gateway": r.gateway, "sent_s": round(r.sent - t0, 2),
+                         "ended_s": round(r.ended - t0, 2), "error": r.error,
+                         "engines": [e for e, _ in arrivals[r.rid]]})  # fmt: skip
         hit = False
         for f in faults:
             if not f.started or not r.sent <= f.started <= r.ended:
@@ -927,20 +932,20 @@ def classify(
                 hit = True
             if f.kind == "gateway_term" and r.gateway == f.target:
                 hit = True
+        failures[-1]["sort"] = "in flight at a fault" if hit else "avoidable"
         if hit:
             at_fault += 1
             continue
+        # the engine it reached while that engine was faulty (a status fault answers
+        # before the ledger sees the request: its answer names the engine)
         touched = {e for e, _ in arrivals[r.rid]}
         cause = "other"
         for f in faults:
             end = f.ended or r.ended
             overlaps = f.started <= r.ended and r.sent <= end + 1
-            if (
-                f.kind.startswith("engine_")
-                and overlaps
-                and (f.target in touched or f.kind in ("engine_500", "engine_refuse"))
-            ):
-                cause = f"during {f.kind}"
+            named = f"engine {f.target}" in r.error
+            if f.kind.startswith("engine_") and overlaps and (f.target in touched or named):
+                cause = f"at {f.kind}"
                 break
             if (
                 f.kind.startswith(("redis_", "coordinator_"))
@@ -948,6 +953,7 @@ def classify(
                 and r.sent <= (f.recovered or end) + 1
             ):
                 cause = f"during {f.kind}"
+        failures[-1]["cause"] = cause
         causes[cause] += 1
     failed = sum(1 for r in results if not r.ok)
     return {
@@ -958,6 +964,7 @@ def classify(
         "avoidable": failed - at_fault,
         "avoidable_by_cause": dict(causes.most_common()),
         "errors": dict(errors.most_common(12)),
+        "failures": failures,
         # answered, but a chunk (the first one included) took over 2 s: what a client saw
         "answered_after_a_wait_over_2s": sum(1 for r in results if r.ok and r.longest_wait > 2),
         "longest_wait_answered_s": round(
@@ -1089,6 +1096,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="redisbal-chaos-"))
     stack = Stack(a, workdir)
     load_avg = [round(os.getloadavg()[0], 2)]
+    at_commit = commit()  # (the checkout may move on during a long run)
     rng = random.Random(a.seed)
     faults = plan(a, rng)
     try:
@@ -1125,7 +1133,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         rows = [f.row(t0, obs) for f in faults]
         report = {
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-            "commit": commit(),
+            "commit": at_commit,
             "command": " ".join(["scripts/chaos.py", *sys.argv[1:]]),
             "machine": {"cores": os.cpu_count(), "load_avg_start_end": load_avg},
             "args": {k: v for k, v in vars(a).items() if k != "cmd"},
