@@ -10,8 +10,10 @@ names (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 Faults, for reliability tests (``FaultInjection``): ``POST /sim/fault`` sets them with a
 JSON body; the engine's model and reports go on as if all were well, which is the
 point: ``{"mode": "status", "status": 500}`` answers every generation request with that
-status (429, 500, 503, or a 4xx: a rejection) before taking it in; ``{"mode": "stall"}``
-stops every stream and whole answer from sending (the connection stays open);
+status (429, 500, 503, or a 4xx: a rejection, 401/403 a refusing engine) before taking
+it in; ``{"mode": "stall"}`` stops every stream and whole answer from sending (the
+connection stays open); ``{"mode": "stall", "after": 3}`` lets each stream send its
+first 3 chunks first (a stall mid-stream: a hung detokenizer or output loop);
 ``{"mode": "none"}`` ends the fault (stalled answers flow again). A hung engine is
 SIGSTOP's.
 
@@ -81,6 +83,7 @@ class FaultInjection:
     def __init__(self) -> None:
         self.mode = "none"
         self.status = 500
+        self.after = 0  # stall: the chunks each stream still sends first
         self._flowing = asyncio.Event()  # cleared while stalled
         self._flowing.set()
 
@@ -92,13 +95,18 @@ class FaultInjection:
             return f"malformed JSON: {exc}"
         mode = body.get("mode") if isinstance(body, dict) else None
         status = body.get("status", 500) if isinstance(body, dict) else None
+        after = body.get("after", 0) if isinstance(body, dict) else None
         if mode not in FAULT_MODES:
             return f"mode must be one of {', '.join(FAULT_MODES)}"
+        if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= 1 << 20:
+            return "after must be a whole number of chunks, 0 or more"
+        if after and mode != "stall":
+            return "after goes with mode stall only"
         if mode == "status" and (
             isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599
         ):
             return "status must be a whole number in 400..599"
-        self.mode, self.status = mode, int(status or 500)
+        self.mode, self.status, self.after = mode, int(status or 500), after
         if mode == "stall":
             self._flowing.clear()
         else:
@@ -110,8 +118,15 @@ class FaultInjection:
         """The status every generation request is answered with now, if any."""
         return self.status if self.mode == "status" else None
 
-    async def flowing(self) -> None:
-        """Return once answers may be sent (at once unless stalled)."""
+    def cap(self) -> int:
+        """How many chunks a stream may have sent now (all, unless stalled after some)."""
+        return self.after if self.mode == "stall" and self.after else MAX_TOKENS_CAP + 1
+
+    async def flowing(self, sent: int | None = None) -> None:
+        """Return once answers may be sent: at once unless stalled, or while a stream
+        that has sent ``sent`` chunks is below a mid-stream stall's ``after``."""
+        if sent is not None and self.mode == "stall" and sent < self.after:
+            return
         await self._flowing.wait()
 
 
@@ -446,20 +461,22 @@ class HttpEngine:
             await resp.prepare(request)
             sent = 0
             while True:
-                await st.event.wait()
-                st.event.clear()
-                await self.faults.flowing()
+                if sent >= req.produced and req.finished_at < 0:  # nothing new to send
+                    await st.event.wait()
+                    st.event.clear()
+                await self.faults.flowing(sent)
                 chunks = []
-                while sent < req.produced:
+                while sent < min(req.produced, self.faults.cap()):
                     last = sent + 1 == req.produced and req.finished_at >= 0
                     chunks.append(self._chunk(rid, chat, sent, reason if last else None))
                     sent += 1
-                if req.finished_at >= 0:
+                if req.finished_at >= 0 and sent == req.produced:
                     if include_usage:
                         chunks.append(self._usage_chunk(rid, chat, st))
                     chunks.append(b"data: [DONE]\n\n")
                     finished = True
-                await resp.write(b"".join(chunks))
+                if chunks:
+                    await resp.write(b"".join(chunks))
                 if finished:
                     break
             await resp.write_eof()

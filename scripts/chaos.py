@@ -1,0 +1,1216 @@
+#!/usr/bin/env python3
+"""Chaos run: every everyday fault, at random (seeded) times and overlapping, under steady
+load, on a whole local deployment; reports what happened, as it is.
+
+The stack, all processes on 127.0.0.1: Redis as a primary, a replica and three Sentinels
+(clients use a ``redis+sentinel://`` URL), ``--coordinators`` coordinators, ``--engines``
+engine-sim HTTP engines (one process each, so one can be SIGKILLed, SIGSTOPped and
+restarted; each appends what it did with every request to a ledger file), and
+``--gateways`` ``redisbal gateway`` replicas. The load: open-loop Poisson arrivals at
+``--rate`` a second of streamed chat completions (the ``openai`` client, no retries) in
+multi-turn sessions (a session's turns repeat its history and share its ``user``, the
+gateway's session key), spread round-robin over the gateways that are up (this script is
+the load balancer in front of them: it stops sending to a gateway when it terminates it
+and sends again once its /health answers).
+
+The faults (``--faults``; each ``--rounds`` times at random times, overlapping):
+engine_kill (SIGKILL, restarted after a while), engine_stop (SIGSTOP, SIGCONT later),
+engine_500 (answers 500), engine_stall (streams stop, new ones before their first
+byte), engine_midstall (each stream sends 3 chunks, then nothing), engine_refuse
+(401 or 403 to everything), gateway_term (SIGTERM, restarted), coordinator_kill
+(SIGKILL, restarted), redis_failover (the primary SIGKILLed; Sentinel promotes the
+replica; the old primary comes back as a replica), redis_restart (the primary
+SIGKILLed and started again at once, empty: a restart without persistence; the
+replica resyncs the empty data set). At most 3 engines are faulty at once, one
+gateway, one Redis fault.
+
+What it reports (JSON to ``--json``, a table on stdout, progress on stderr):
+requests sent, answered and failed, each failure sorted as "in flight at a fault" (it
+had reached an engine that was then killed, stopped or stalled, or a gateway that was
+then terminated, and was still running at that moment) or "avoidable" (everything
+else, by cause and error); per fault: decisions the gateways made to the faulty engine
+while it was faulty (their /metrics, after the fault's first second), and the time to
+recover (an engine: from its recovery until a request reaches it again; a gateway: from
+its restart until it answers one; a coordinator: until the snapshot moves on; Redis:
+until a new snapshot holds every engine that is up), against the bound of
+docs/RELIABILITY.md; what was left in flight at the end (the gateways'
+``redisbal_gateway_inflight``, the engines' own counts); requests executed twice (a
+request's id finished by two engines' models) or delivered twice; the gateways' RSS and
+open fds over time (/proc).
+
+    python scripts/chaos.py --short --json chaos.json     # ~60 s, fewer faults
+    nice -n 10 python scripts/chaos.py --json chaos.json  # 10 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+BIN = os.path.join(os.path.dirname(sys.executable), "redisbal")
+MODEL = "redisbal-sim"
+ENGINE_FAULTS = (
+    "engine_kill",
+    "engine_stop",
+    "engine_500",
+    "engine_stall",
+    "engine_midstall",
+    "engine_refuse",
+)
+FAULTS = (*ENGINE_FAULTS, "gateway_term", "coordinator_kill", "redis_failover", "redis_restart")
+# The documented recovery bounds (docs/RELIABILITY.md, "Chaos run"), generous on purpose: a
+# busy 2-core machine must meet them. Seconds from the fault's end (or its act, for those
+# that end at once) until the recovery named in the module docstring.
+BOUND_S = {
+    **dict.fromkeys(ENGINE_FAULTS, 30.0),
+    "gateway_term": 30.0,
+    "coordinator_kill": 30.0,
+    "redis_failover": 60.0,
+    "redis_restart": 60.0,
+}
+# how long each fault lasts (uniform between), seconds
+HOLD_S = {
+    "engine_kill": (3.0, 10.0),
+    "engine_stop": (3.0, 8.0),
+    "engine_500": (5.0, 12.0),
+    "engine_stall": (6.0, 15.0),  # (the gateways' idle-read bound is 10 s)
+    "engine_midstall": (6.0, 15.0),
+    "engine_refuse": (5.0, 12.0),
+    "gateway_term": (1.0, 4.0),
+    "coordinator_kill": (2.0, 6.0),
+    "redis_failover": (0.0, 0.0),
+    "redis_restart": (0.0, 0.0),
+}
+# the faults that cut what is in flight at the engine
+STALLING = ("engine_kill", "engine_stop", "engine_stall", "engine_midstall")
+MAX_ENGINE_FAULTS = 3
+
+
+def log(msg: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_text(url: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+def post_json(url: str, body: dict[str, Any]) -> None:
+    req = urllib.request.Request(
+        url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=5) as r:
+        r.read()
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def wait_for(pred: Any, timeout: float, what: str, every: float = 0.1) -> float:
+    """Poll ``pred`` until true; the time it became true (or SystemExit past ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return time.time()
+        time.sleep(every)
+    raise SystemExit(f"chaos: {what} did not happen within {timeout:.0f} s")
+
+
+# -- the engine child: an engine-sim HTTP engine that keeps a ledger ------------------------------
+
+
+def engine_main(a: argparse.Namespace) -> None:
+    """One engine (``chaos.py engine``) until SIGTERM; its ledger lines: ``time event id``,
+    event arrive (taken in), finish (its model finished it) or abort (its client left
+    before the whole answer was sent)."""
+    from aiohttp import web
+
+    from redisbal.sim.http_engine import HttpEngine
+    from redisbal.sim.model import SimRequest
+
+    class LedgerEngine(HttpEngine):
+        def __init__(self, ledger: str, **kw: Any) -> None:
+            super().__init__(**kw)
+            self._fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._tags: dict[int, str] = {}
+
+        def _note(self, event: str, tag: str) -> None:
+            os.write(self._fd, f"{time.time():.3f} {event} {tag}\n".encode())  # (survives SIGKILL)
+
+        def _parse(self, body: Any, chat: bool) -> Any:
+            out = super()._parse(body, chat)
+            tag = body.get("chaos_id") if isinstance(body, dict) else None
+            if not isinstance(out, web.Response) and isinstance(tag, str):
+                self._tags[self._rid + 1] = tag  # the request made next (no await between)
+                self._note("arrive", tag)
+            return out
+
+        def _on_finish(self, req: SimRequest) -> None:
+            super()._on_finish(req)
+            tag = self._tags.get(req.rid)
+            if tag is not None:
+                self._note("finish", tag)
+
+        def _abort(self, req: SimRequest) -> None:
+            super()._abort(req)
+            tag = self._tags.pop(req.rid, None)
+            if tag is not None:
+                self._note("abort", tag)
+
+    async def run() -> None:
+        engine = LedgerEngine(
+            a.ledger,
+            engine_id=a.id,
+            redis_url=a.redis_url,
+            deployment=a.deployment,
+            port=a.port,
+            seed=a.seed,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await engine.start()
+        await stop.wait()
+        await engine.stop(drain_s=5.0)
+
+    asyncio.run(run())
+
+
+# -- the stack ------------------------------------------------------------------------------------
+
+
+class Redis:
+    """A primary, a replica and three Sentinels (quorum 2) watching service ``chaos``."""
+
+    def __init__(self, workdir: Path) -> None:
+        from redisbal.sim.embedded import RedisServer
+
+        self.dir = workdir / "redis"
+        self.servers: dict[int, Any] = {}
+        p_port, r_port = free_port(), free_port()
+        for port, extra in ((p_port, []), (r_port, ["--replicaof", "127.0.0.1", str(p_port)])):
+            d = self.dir / str(port)
+            d.mkdir(parents=True)
+            self.servers[port] = RedisServer(tcp=True, port=port, extra_args=extra, workdir=str(d))
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+        self.p_port = p_port
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/chaos"
+
+    def start(self) -> None:
+        from redisbal.sim.embedded import find_redis_server
+
+        for srv in self.servers.values():
+            srv.start()
+            srv.extra_args = []  # started again, each is what the Sentinels make it
+        for port in self.sentinel_ports:
+            d = self.dir / f"sentinel-{port}"
+            d.mkdir()
+            conf = d / "sentinel.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {d}\nlogfile {d / 'sentinel.log'}\n"
+                f"sentinel monitor chaos 127.0.0.1 {self.p_port} 2\n"
+                "sentinel down-after-milliseconds chaos 1500\n"
+                "sentinel failover-timeout chaos 6000\n"
+            )
+            self.sentinels.append(
+                subprocess.Popen(
+                    [find_redis_server(), str(conf), "--sentinel"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+        wait_for(self._ready, 60, "Sentinels to see the replica and each other", 0.2)
+
+    def _sentinel(self, port: int) -> Any:
+        import redis
+
+        return redis.Redis("127.0.0.1", port, socket_timeout=2, decode_responses=True)
+
+    def _ready(self) -> bool:
+        try:
+            for port in self.sentinel_ports:
+                with self._sentinel(port) as c:
+                    m = c.sentinel_master("chaos")
+                if int(m["num-other-sentinels"]) < 2 or int(m["num-slaves"]) < 1:
+                    return False
+        except Exception:
+            return False
+        return True
+
+    def primary_port(self) -> int:
+        for port in self.sentinel_ports:
+            with contextlib.suppress(Exception), self._sentinel(port) as c:
+                return int(c.sentinel_get_master_addr_by_name("chaos")[1])
+        raise SystemExit("chaos: no Sentinel answered")
+
+    def failover(self) -> float:
+        """SIGKILL the primary, wait until the replica is promoted and takes writes, start
+        the old one again (Sentinel makes it a replica); the time it was killed."""
+        old = self.primary_port()
+        self.servers[old].kill()
+        killed = time.time()
+
+        def promoted() -> bool:
+            with contextlib.suppress(Exception):
+                port = self.primary_port()
+                if port != old:
+                    with self.servers[port].client(socket_timeout=1) as c:
+                        return bool(c.info("replication")["role"] == "master")
+            return False
+
+        wait_for(promoted, 60, "a Sentinel failover", 0.1)
+        self._start(old)
+        return killed
+
+    def restart_empty(self) -> float:
+        """SIGKILL the primary and start it again at once, empty, on the same port, before
+        the Sentinels give up on it; the time it was killed."""
+        port = self.primary_port()
+        self.servers[port].kill()
+        killed = time.time()
+        self._start(port)
+        return killed
+
+    def _start(self, port: int) -> None:
+        """Start a server again, empty: without the RDB file a full resync left as a
+        replica (it would load that old data set)."""
+        srv = self.servers[port]
+        for rdb in Path(srv.dir).glob("*.rdb"):
+            rdb.unlink()
+        srv.start()
+
+    def stop(self) -> None:
+        for p in self.sentinels:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.sentinels:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+        for srv in self.servers.values():
+            srv.stop()
+
+
+@dataclass
+class Role:
+    """One process of the stack that a fault may stop and start again on the same port."""
+
+    name: str
+    cmd: list[str]
+    logfile: Path
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    up: bool = False  # this script sends to it (gateways) / counts it as serving (engines)
+    stopped: bool = False  # SIGSTOPped
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with self.logfile.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class Stack:
+    def __init__(self, a: argparse.Namespace, workdir: Path) -> None:
+        self.a = a
+        self.dir = workdir
+        self.redis = Redis(workdir)
+        self.deployment = "chaos"
+        common = ["--deployment", self.deployment, "--log-level", "warning"]
+        url = self.redis.url
+        self.coordinators = [
+            Role(f"c{i}", [BIN, "coordinator", "--redis-url", url, *common, "--id", f"c{i}"],
+                 workdir / f"coordinator-c{i}.log")
+            for i in range(a.coordinators)
+        ]  # fmt: skip
+        self.engines: dict[str, Role] = {}
+        for i in range(a.engines):
+            eid, port = f"e{i}", free_port()
+            self.engines[eid] = Role(
+                eid,
+                [sys.executable, os.path.abspath(__file__), "engine", "--id", eid,
+                 "--port", str(port), "--redis-url", url, "--deployment", self.deployment,
+                 "--ledger", str(self.ledger(eid)), "--seed", str(a.seed * 100 + i)],
+                workdir / f"engine-{eid}.log", port,
+            )  # fmt: skip
+        self.gateways: list[Role] = []
+        for i in range(a.gateways):
+            port = free_port()
+            self.gateways.append(
+                Role(f"g{i}", [BIN, "gateway", "--redis-url", url, *common, "--port", str(port),
+                               *a.gateway_args], workdir / f"gateway-g{i}.log", port)
+            )  # fmt: skip
+
+    def ledger(self, eid: str) -> Path:
+        return self.dir / f"ledger-{eid}.txt"
+
+    def start(self) -> None:
+        log(f"starting Redis + Sentinel, {len(self.coordinators)} coordinators, "
+            f"{len(self.engines)} engines, {len(self.gateways)} gateways")  # fmt: skip
+        self.redis.start()
+        for r in [*self.coordinators, *self.engines.values()]:
+            r.start()
+        for e in self.engines.values():
+            wait_for(lambda e=e: healthy(e.url), 60, f"engine {e.name}")
+            e.up = True
+        for g in self.gateways:
+            g.start()
+        for g in self.gateways:
+            wait_for(lambda g=g: healthy(g.url), 60, f"gateway {g.name}")
+            g.up = True
+
+    def stop(self) -> None:
+        for r in [*self.gateways, *self.engines.values(), *self.coordinators]:
+            r.stop()
+        self.redis.stop()
+
+
+# -- observing ------------------------------------------------------------------------------------
+
+
+def metric_by_label(text: str, metric: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    prefix = metric + "{"
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            labels, _, value = line[len(prefix) :].rpartition("} ")
+            for part in labels.split(","):
+                k, _, v = part.partition("=")
+                if k == label:
+                    out[v.strip('"')] = out.get(v.strip('"'), 0.0) + float(value)
+    return out
+
+
+def gauge(text: str, metric: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(metric + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def proc_figures(pid: int) -> tuple[float, int] | None:
+    """A process's RSS in MB and its open fds, from /proc."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return rss_kb / 1024.0, len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, StopIteration):
+        return None
+
+
+class Observer:
+    """Samples on a thread: the stored snapshot (every 0.2 s), the gateways' decisions
+    per engine (every second) and their RSS and fds (every ``proc_every_s``)."""
+
+    def __init__(self, stack: Stack, proc_every_s: float) -> None:
+        self.stack = stack
+        self.proc_every_s = proc_every_s
+        # (time, epoch, version, engine ids) each time the stored snapshot changed
+        self.snapshots: list[tuple[float, str, int, frozenset[str]]] = []
+        # (time, lease owner, lease valid) every 0.2 s
+        self.leases: list[tuple[float, str, bool]] = []
+        # (time, gateway, decisions per engine)
+        self.decisions: list[tuple[float, str, dict[str, float]]] = []
+        # gateway -> [(seconds from the start, pid, RSS MB, fds)]
+        self.procs: dict[str, list[tuple[float, int, float, int]]] = collections.defaultdict(list)
+        self._stop = threading.Event()
+        self.t0 = time.time()
+        self._threads = [
+            threading.Thread(target=self._snapshots, daemon=True),
+            threading.Thread(target=self._gateways, daemon=True),
+        ]
+
+    def start(self) -> Observer:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
+
+    def _snapshots(self) -> None:
+        from redisbal.barrier.snapshot import Snapshot
+        from redisbal.connection import make_client
+        from redisbal.keys import DeploymentKeys
+
+        keys = DeploymentKeys(self.stack.deployment)
+        client = make_client(self.stack.redis.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        seen: tuple[str, int] | None = None
+        while not self._stop.wait(0.2):
+            try:
+                raw = client.get(keys.snapshot)
+                owner, until = client.hmget(keys.config, "lease_owner", "lease_until_ms")
+                sec, usec = client.time()
+            except Exception:
+                continue
+            valid = until is not None and int(until) > sec * 1000 + usec // 1000
+            self.leases.append((time.time(), (owner or b"").decode(), valid))
+            if not raw:
+                continue
+            snap = Snapshot.from_json(raw)
+            if (snap.epoch, snap.version) != seen:
+                seen = (snap.epoch, snap.version)
+                self.snapshots.append((time.time(), snap.epoch, snap.version,
+                                       frozenset(snap.engines)))  # fmt: skip
+
+    def _gateways(self) -> None:
+        next_proc = 0.0
+        while not self._stop.wait(1.0):
+            now = time.time()
+            for g in self.stack.gateways:
+                if not g.up:
+                    continue
+                with contextlib.suppress(OSError, ValueError):
+                    text = get_text(g.url + "/metrics")
+                    per = metric_by_label(text, "redisbal_gateway_decisions_total", "engine")
+                    self.decisions.append((now, g.name, per))
+            if now >= next_proc:
+                next_proc = now + self.proc_every_s
+                for g in self.stack.gateways:
+                    if g.proc is not None and g.proc.poll() is None:
+                        fig = proc_figures(g.proc.pid)
+                        if fig is not None:
+                            self.procs[g.name].append(
+                                (round(now - self.t0, 1), g.proc.pid, round(fig[0], 1), fig[1])
+                            )
+
+    def decisions_to(self, engine: str, t0: float, t1: float) -> int:
+        """The gateways' decisions for ``engine`` between t0 and t1 (a restarted gateway's
+        counters start from 0 again)."""
+        total = 0.0
+        last: dict[str, float] = {}
+        for t, g, per in list(self.decisions):
+            v = per.get(engine, 0.0)
+            prev = last.get(g)
+            last[g] = v
+            if prev is None or not t0 < t <= t1:
+                continue
+            total += v - prev if v >= prev else v
+        return int(total)
+
+    def snapshot_after(self, t: float, pred: Any) -> float | None:
+        for ts, epoch, version, engines in list(self.snapshots):
+            if ts > t and pred(epoch, version, engines):
+                return ts
+        return None
+
+
+def read_ledgers(stack: Stack) -> dict[str, list[tuple[float, str, str]]]:
+    """Every engine's ledger: engine -> [(time, event, request id)]."""
+    out: dict[str, list[tuple[float, str, str]]] = {}
+    for eid in stack.engines:
+        rows = []
+        with contextlib.suppress(FileNotFoundError), stack.ledger(eid).open() as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3:
+                    rows.append((float(parts[0]), parts[1], parts[2]))
+        out[eid] = rows
+    return out
+
+
+# -- the load -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    rid: str
+    gateway: str
+    sent: float
+    ended: float = 0.0
+    ok: bool = False
+    error: str = ""
+    status: int | None = None
+    chunks: int = 0
+    longest_wait: float = 0.0  # the longest wait for a chunk, the first one included
+
+
+@dataclass
+class Session:
+    key: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    busy: bool = False
+    turns: int = 0
+
+
+class Load:
+    def __init__(self, stack: Stack, a: argparse.Namespace) -> None:
+        self.stack = stack
+        self.a = a
+        self.rng = random.Random(a.seed)
+        self.results: list[Result] = []
+        self.running: set[asyncio.Task[None]] = set()
+        self._n = 0
+        self._sessions: list[Session] = []
+
+    def _session(self) -> Session:
+        idle = [s for s in self._sessions if not s.busy and s.turns < 6]
+        if idle and self.rng.random() < 0.7:
+            return self.rng.choice(idle)
+        s = Session(f"s{len(self._sessions)}")
+        system = f"You are assistant {self.rng.randrange(4)}. " * 20  # 4 shared system prompts
+        s.messages.append({"role": "system", "content": system})
+        self._sessions.append(s)
+        return s
+
+    async def run(self, duration: float) -> None:
+        import openai
+
+        clients = {
+            g.name: openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="x", max_retries=0)
+            for g in self.stack.gateways
+        }
+        t0 = time.monotonic()
+        at = 0.0
+        rr = 0
+        try:
+            while True:
+                at += self.rng.expovariate(self.a.rate)
+                if at >= duration:
+                    break
+                await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+                up = [g for g in self.stack.gateways if g.up]
+                if not up:
+                    continue
+                rr += 1
+                g = up[rr % len(up)]
+                task = asyncio.ensure_future(self._one(clients[g.name], g.name, self._session()))
+                self.running.add(task)
+                task.add_done_callback(self.running.discard)
+            if self.running:
+                await asyncio.wait(self.running, timeout=self.a.drain_s)
+        finally:
+            for c in clients.values():
+                await c.close()
+
+    async def _one(self, client: Any, gateway: str, s: Session) -> None:
+        import openai
+
+        self._n += 1
+        r = Result(f"r{self._n}", gateway, time.time())
+        self.results.append(r)
+        s.busy = True
+        s.turns += 1
+        s.messages.append({"role": "user", "content": f"Turn {s.turns}: tell me more. " * 8})
+        text: list[str] = []
+        last = time.monotonic()
+        try:
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=s.messages,
+                max_tokens=self.rng.randint(16, 64),
+                stream=True,
+                user=s.key,
+                timeout=self.a.request_timeout_s,
+                extra_body={"chaos_id": r.rid},
+            )
+            async for chunk in stream:
+                now = time.monotonic()
+                r.longest_wait, last = max(r.longest_wait, now - last), now
+                if chunk.choices:
+                    r.chunks += 1
+                    text.append(chunk.choices[0].delta.content or "")
+                    if chunk.choices[0].finish_reason is not None:
+                        r.ok = True
+            if not r.ok:
+                r.error = "stream ended without a finish"
+        except openai.APIStatusError as exc:
+            r.status, r.error = exc.status_code, f"{exc.status_code} {str(exc.message)[:60]}"
+        except Exception as exc:
+            r.error = f"{type(exc).__name__}: {str(exc)[:60]}"
+        finally:
+            r.ended = time.time()
+            if not r.ok:  # (a failed one: the wait for what never came counts)
+                r.longest_wait = max(r.longest_wait, time.monotonic() - last)
+            s.messages.append({"role": "assistant", "content": "".join(text)})
+            s.busy = False
+
+
+# -- the faults -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: float  # planned, seconds from the start
+    hold: float
+    target: str = ""
+    started: float = 0.0  # wall times, as done
+    ended: float = 0.0
+    recovered: float | None = None
+    note: str = ""
+    decisions: int | None = None
+
+    def row(self, t0: float, obs: Observer) -> dict[str, Any]:
+        rec = None if self.recovered is None else round(self.recovered - self.ended, 2)
+        return {
+            "kind": self.kind,
+            "target": self.target,
+            "start_s": round(self.started - t0, 1) if self.started else None,
+            "end_s": round(self.ended - t0, 1) if self.ended else None,
+            "decisions_while_faulty": self.decisions,
+            "recovery_s": rec,
+            "bound_s": BOUND_S[self.kind],
+            "recovered_in_bound": rec is not None and rec <= BOUND_S[self.kind],
+            "note": self.note,
+        }
+
+
+def plan(a: argparse.Namespace, rng: random.Random) -> list[Fault]:
+    kinds = [k for k in a.faults.split(",") for _ in range(a.rounds)]
+    lo, hi = a.warmup_s, max(a.warmup_s + 1, a.duration - a.quiet_s)
+    out = [Fault(k, rng.uniform(lo, hi), rng.uniform(*HOLD_S[k])) for k in kinds]
+    return sorted(out, key=lambda f: f.at)
+
+
+class Chaos:
+    """Runs the planned faults, each on a thread of its own, and measures recoveries."""
+
+    def __init__(self, stack: Stack, obs: Observer, load: Load, faults: list[Fault], t0: float,
+                 seed: int) -> None:  # fmt: skip
+        self.stack, self.obs, self.load, self.faults, self.t0 = stack, obs, load, faults, t0
+        self.rng = random.Random(seed + 1)
+        self.lock = threading.Lock()
+        self.busy_engines: set[str] = set()
+        self.redis_lock = threading.Lock()
+        self.gateway_lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+        self.errors: list[str] = []
+
+    def start(self) -> None:
+        for f in self.faults:
+            t = threading.Thread(target=self._run, args=(f,), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def join(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.1, end - time.monotonic()))
+
+    def active(self) -> list[str]:
+        return [f"{f.kind}:{f.target}" for f in self.faults if f.started and not f.ended]
+
+    def _run(self, f: Fault) -> None:
+        time.sleep(max(0.0, self.t0 + f.at - time.time()))
+        try:
+            if f.kind.startswith("engine_"):
+                self._engine(f)
+            elif f.kind == "gateway_term":
+                with self.gateway_lock:
+                    self._gateway(f)
+            elif f.kind == "coordinator_kill":
+                self._coordinator(f)
+            else:
+                with self.redis_lock:
+                    self._redis(f)
+        except BaseException as exc:  # (reported, not raised: a thread)
+            self.errors.append(f"{f.kind}: {type(exc).__name__}: {exc}")
+            f.note = f"harness error: {exc}"
+
+    def _pick_engine(self) -> str:
+        while True:
+            with self.lock:
+                free = [e for e in self.stack.engines if e not in self.busy_engines]
+                if len(self.busy_engines) < MAX_ENGINE_FAULTS and free:
+                    eid = self.rng.choice(free)
+                    self.busy_engines.add(eid)
+                    return eid
+            time.sleep(0.5)
+
+    def _engine(self, f: Fault) -> None:
+        eid = f.target = self._pick_engine()
+        e = self.stack.engines[eid]
+        try:
+            f.started = time.time()
+            if f.kind == "engine_kill":
+                e.up = False
+                e.signal(signal.SIGKILL)
+                if e.proc is not None:
+                    e.proc.wait(10)
+            elif f.kind == "engine_stop":
+                e.stopped = True
+                e.signal(signal.SIGSTOP)
+            elif f.kind == "engine_500":
+                post_json(e.url + "/sim/fault", {"mode": "status", "status": 500})
+            elif f.kind == "engine_refuse":
+                status = self.rng.choice((401, 403))
+                f.note = f"status {status}"
+                post_json(e.url + "/sim/fault", {"mode": "status", "status": status})
+            elif f.kind == "engine_stall":
+                post_json(e.url + "/sim/fault", {"mode": "stall"})
+            elif f.kind == "engine_midstall":
+                post_json(e.url + "/sim/fault", {"mode": "stall", "after": 3})
+            log(f"fault {f.kind} on {eid} for {f.hold:.1f} s")
+            time.sleep(f.hold)
+            if f.kind == "engine_kill":
+                e.start()
+                wait_for(lambda: healthy(e.url), 60, f"engine {eid} back")
+                e.up = True
+            elif f.kind == "engine_stop":
+                e.signal(signal.SIGCONT)
+                e.stopped = False
+            else:
+                post_json(e.url + "/sim/fault", {"mode": "none"})
+            f.ended = time.time()
+            f.decisions = self.obs.decisions_to(eid, f.started + 1.0, f.ended + 1.0)
+            log(f"fault {f.kind} on {eid} ended")
+        finally:
+            with self.lock:
+                self.busy_engines.discard(eid)
+        f.recovered = self._poll(f, lambda: self._arrived_at(eid, f.ended))
+
+    def _arrived_at(self, eid: str, after: float) -> float | None:
+        with contextlib.suppress(FileNotFoundError), self.stack.ledger(eid).open() as fh:
+            for line in fh:
+                t, event, _ = line.split()
+                if event == "arrive" and float(t) > after:
+                    return float(t)
+        return None
+
+    def _poll(self, f: Fault, check: Any) -> float | None:
+        """Poll ``check`` (a time, or None) until the fault's bound plus a margin has passed."""
+        deadline = f.ended + BOUND_S[f.kind] + 10.0
+        while time.time() < deadline:
+            got = check()
+            if got is not None:
+                return float(got)
+            time.sleep(0.25)
+        return None
+
+    def _gateway(self, f: Fault) -> None:
+        g = self.rng.choice(self.stack.gateways)
+        f.target = g.name
+        g.up = False  # the load balancer (this script) stops sending to it first
+        f.started = time.time()
+        g.signal(signal.SIGTERM)
+        log(f"fault gateway_term on {g.name}")
+        if g.proc is not None:
+            try:
+                g.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                f.note = "did not exit within 60 s of SIGTERM; killed"
+                g.proc.kill()
+                g.proc.wait(5)
+            else:
+                f.note = f"exit {g.proc.returncode} after {time.time() - f.started:.1f} s"
+        time.sleep(f.hold)
+        g.start()
+        f.ended = time.time()
+        wait_for(lambda: healthy(g.url), 60, f"gateway {g.name} back")
+        g.up = True
+
+        def answered() -> float | None:
+            done = [r.ended for r in list(self.load.results)
+                    if r.gateway == g.name and r.ok and r.sent >= f.ended]  # fmt: skip
+            return min(done) if done else None
+
+        f.recovered = self._poll(f, answered)
+
+    def _coordinator(self, f: Fault) -> None:
+        c = self.rng.choice(self.stack.coordinators)
+        f.target = c.name
+        held = [o for _t, o, valid in self.obs.leases[-1:] if valid]
+        f.note = "it held the lease" if held == [c.name] else "a standby"
+        f.started = time.time()
+        c.signal(signal.SIGKILL)
+        log(f"fault coordinator_kill on {c.name} ({f.note})")
+        time.sleep(f.hold)
+        restarted = time.time()
+        c.start()
+        f.ended = f.started  # recovery counts from the kill: the other one takes over
+
+        def held_again() -> float | None:
+            for t, owner, valid in list(self.obs.leases):
+                if t > f.started and valid and (owner != c.name or t > restarted):
+                    return t
+            return None
+
+        f.recovered = self._poll(f, held_again)
+
+    def _redis(self, f: Fault) -> None:
+        f.target = f"primary :{self.stack.redis.primary_port()}"
+        log(f"fault {f.kind}")
+        if f.kind == "redis_failover":
+            f.started = self.stack.redis.failover()
+            f.note = f"new primary :{self.stack.redis.primary_port()}"
+        else:
+            f.started = self.stack.redis.restart_empty()
+        f.ended = f.started
+
+        def whole(_ep: str, _v: int, engines: frozenset[str]) -> bool:
+            serving = {e for e, r in self.stack.engines.items() if r.up and not r.stopped}
+            return serving <= engines
+
+        f.recovered = self._poll(f, lambda: self.obs.snapshot_after(f.started, whole))
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def classify(
+    results: list[Result], faults: list[Fault], ledgers: dict[str, list[tuple[float, str, str]]]
+) -> dict[str, Any]:
+    arrivals: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
+    for eid, rows in ledgers.items():
+        for t, event, rid in rows:
+            if event == "arrive":
+                arrivals[rid].append((eid, t))
+    at_fault = 0
+    causes: collections.Counter[str] = collections.Counter()
+    errors: collections.Counter[str] = collections.Counter()
+    failures: list[dict[str, Any]] = []
+    t0 = min((r.sent for r in results), default=0.0)
+    for r in results:
+        if r.ok:
+            continue
+        errors[r.error[:50]] += 1
+        failures.append({"id": r.rid, "gateway": r.gateway, "sent_s": round(r.sent - t0, 2),
+                         "ended_s": round(r.ended - t0, 2), "error": r.error,
+                         "engines": [e for e, _ in arrivals[r.rid]]})  # fmt: skip
+        hit = False
+        for f in faults:
+            if not f.started or not r.sent <= f.started <= r.ended:
+                continue
+            if f.kind in STALLING and any(
+                e == f.target and t <= f.started for e, t in arrivals[r.rid]
+            ):
+                hit = True
+            if f.kind == "gateway_term" and r.gateway == f.target:
+                hit = True
+        failures[-1]["sort"] = "in flight at a fault" if hit else "avoidable"
+        if hit:
+            at_fault += 1
+            continue
+        # the engine it reached while that engine was faulty (a status fault answers
+        # before the ledger sees the request: its answer names the engine)
+        touched = {e for e, _ in arrivals[r.rid]}
+        cause = "other"
+        for f in faults:
+            end = f.ended or r.ended
+            overlaps = f.started <= r.ended and r.sent <= end + 1
+            named = f"engine {f.target}" in r.error
+            if f.kind.startswith("engine_") and overlaps and (f.target in touched or named):
+                cause = f"at {f.kind}"
+                break
+            if (
+                f.kind.startswith(("redis_", "coordinator_"))
+                and f.started <= r.ended
+                and r.sent <= (f.recovered or end) + 1
+            ):
+                cause = f"during {f.kind}"
+        failures[-1]["cause"] = cause
+        causes[cause] += 1
+    failed = sum(1 for r in results if not r.ok)
+    return {
+        "sent": len(results),
+        "answered": sum(1 for r in results if r.ok),
+        "failed": failed,
+        "in_flight_at_fault": at_fault,
+        "avoidable": failed - at_fault,
+        "avoidable_by_cause": dict(causes.most_common()),
+        "errors": dict(errors.most_common(12)),
+        "failures": failures,
+        # answered, but a chunk (the first one included) took over 2 s: what a client saw
+        "answered_after_a_wait_over_2s": sum(1 for r in results if r.ok and r.longest_wait > 2),
+        "longest_wait_answered_s": round(
+            max((r.longest_wait for r in results if r.ok), default=0.0), 2
+        ),
+    }
+
+
+def served(
+    results: list[Result],
+    ledgers: dict[str, list[tuple[float, str, str]]],
+    faults: list[Fault],
+) -> dict[str, Any]:
+    """What the engines' ledgers say: executions (a model finished it), deliveries (finished
+    and its client did not leave before the whole answer), and requests with two of either."""
+    finishes: collections.Counter[str] = collections.Counter()
+    deliveries: collections.Counter[str] = collections.Counter()
+    for rows in ledgers.values():
+        finished: set[str] = set()
+        aborted: set[str] = set()
+        for _t, event, rid in rows:
+            if event == "finish":
+                finishes[rid] += 1
+                finished.add(rid)
+            elif event == "abort":
+                aborted.add(rid)
+        for rid in finished:
+            deliveries[rid] += 1 if rid not in aborted else 0
+    answered = {r.rid for r in results if r.ok}
+    # each request executed twice, by the fault of an engine that executed it but whose
+    # answer did not go out (its client left) while that engine was faulty
+    why: collections.Counter[str] = collections.Counter()
+    for rid in (r for r, n in finishes.items() if n > 1):
+        kinds = {
+            f.kind
+            for eid, rows in ledgers.items()
+            for t, event, r in rows
+            if r == rid and event == "abort"
+            for f in faults
+            if f.target == eid and f.started <= t <= (f.ended or t) + 1.0
+        }
+        why[",".join(sorted(kinds)) or "no engine fault"] += 1
+    return {
+        "executions": sum(finishes.values()),
+        "answered": len(answered),
+        "executed_twice": sum(1 for n in finishes.values() if n > 1),
+        "executed_twice_by_fault": dict(why.most_common()),
+        "delivered_twice": sum(1 for n in deliveries.values() if n > 1),
+        "answered_not_in_ledgers": len(answered - set(finishes)),
+        "executed_not_answered": len(set(finishes) - answered),
+    }
+
+
+def leftovers(stack: Stack, settle_s: float) -> dict[str, Any]:
+    """In flight anywhere, polled until nothing is left or ``settle_s`` passed."""
+    end = time.monotonic() + settle_s
+    while True:
+        out: dict[str, Any] = {}
+        for g in stack.gateways:
+            with contextlib.suppress(OSError):
+                out[g.name] = gauge(get_text(g.url + "/metrics"), "redisbal_gateway_inflight")
+        for eid, e in stack.engines.items():
+            with contextlib.suppress(OSError):
+                st = orjson.loads(get_text(e.url + "/sim/state"))
+                out[eid] = st["inflight"] + st["running"] + st["queued"]
+        if not any(out.values()) or time.monotonic() > end:
+            return {"total": sum(out.values()), "by_process": {k: v for k, v in out.items() if v}}
+        time.sleep(0.5)
+
+
+def proc_summary(obs: Observer) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for g, rows in sorted(obs.procs.items()):
+        out[g] = {
+            "samples": len(rows),
+            "rss_mb_first_max_last": [rows[0][2], max(r[2] for r in rows), rows[-1][2]],
+            "fds_first_max_last": [rows[0][3], max(r[3] for r in rows), rows[-1][3]],
+            "pids": sorted({r[1] for r in rows}),
+            "series": rows,
+        }
+    return out
+
+
+def table(report: dict[str, Any]) -> str:
+    q = report["requests"]
+    s = report["served"]
+    lines = [
+        f"requests: sent {q['sent']}, answered {q['answered']}, failed {q['failed']} "
+        f"(in flight at a fault {q['in_flight_at_fault']}, avoidable {q['avoidable']})",
+        f"avoidable by cause: {q['avoidable_by_cause']}",
+        f"answered after waiting over 2 s for a chunk: {q['answered_after_a_wait_over_2s']} "
+        f"(longest {q['longest_wait_answered_s']} s)",
+        f"errors: {q['errors']}",
+        f"served: executions {s['executions']}, executed twice {s['executed_twice']} "
+        f"{s['executed_twice_by_fault'] or ''}, "
+        f"delivered twice {s['delivered_twice']}, executed but not answered "
+        f"{s['executed_not_answered']}",
+        f"left in flight at the end: {report['left_in_flight']['total']}",
+        "",
+        "| fault | target | at s | ended s | decisions to it while faulty | recovery s "
+        "| bound s | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in report["faults"]:
+        rec = "not recovered" if f["recovery_s"] is None else f["recovery_s"]
+        lines.append(
+            f"| {f['kind']} | {f['target']} | {f['start_s']} | {f['end_s']} | "
+            f"{'-' if f['decisions_while_faulty'] is None else f['decisions_while_faulty']} | "
+            f"{rec} | {f['bound_s']} | {f['note']} |"
+        )
+    lines.append("")
+    for g, p in report["gateways_proc"].items():
+        lines.append(f"{g}: RSS MB first/max/last {p['rss_mb_first_max_last']}, "
+                     f"fds {p['fds_first_max_last']}, pids {p['pids']}")  # fmt: skip
+    lines.append(f"checks: {report['checks']}")
+    return "\n".join(lines)
+
+
+def commit() -> str:
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()  # fmt: skip
+    return "unknown"
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="redisbal-chaos-"))
+    stack = Stack(a, workdir)
+    load_avg = [round(os.getloadavg()[0], 2)]
+    at_commit = commit()  # (the checkout may move on during a long run)
+    rng = random.Random(a.seed)
+    faults = plan(a, rng)
+    try:
+        stack.start()
+        obs = Observer(stack, a.proc_every_s).start()
+        wait_for(lambda: obs.snapshot_after(0, lambda _e, _v, en: set(stack.engines) <= en),
+                 60, "a snapshot with every engine")  # fmt: skip
+        t0 = time.time()
+        obs.t0 = t0
+        load = Load(stack, a)
+        chaos = Chaos(stack, obs, load, faults, t0, a.seed)
+        chaos.start()
+        stop_progress = threading.Event()
+
+        def progress() -> None:
+            while not stop_progress.wait(a.progress_s):
+                rs = list(load.results)
+                ok = sum(1 for r in rs if r.ok)
+                done = sum(1 for r in rs if r.ended)
+                log(f"{time.time() - t0:5.0f} s: sent {len(rs)}, answered {ok}, "
+                    f"failed {done - ok}, in flight {len(rs) - done}; faults now: "
+                    f"{', '.join(chaos.active()) or '-'}")  # fmt: skip
+
+        threading.Thread(target=progress, daemon=True).start()
+        asyncio.run(load.run(a.duration))
+        stop_progress.set()
+        log("load done; waiting for the faults to end and recover")
+        chaos.join(timeout=max(BOUND_S.values()) + 90.0)
+        left = leftovers(stack, a.settle_s)
+        obs.stop()
+        ledgers = read_ledgers(stack)
+        requests = classify(load.results, faults, ledgers)
+        srv = served(load.results, ledgers, faults)
+        rows = [f.row(t0, obs) for f in faults]
+        report = {
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+            "commit": at_commit,
+            "command": " ".join(["scripts/chaos.py", *sys.argv[1:]]),
+            "machine": {"cores": os.cpu_count(), "load_avg_start_end": load_avg},
+            "args": {k: v for k, v in vars(a).items() if k != "cmd"},
+            "requests": requests,
+            "served": srv,
+            "faults": rows,
+            "left_in_flight": left,
+            "gateways_proc": proc_summary(obs),
+            "snapshots_seen": len(obs.snapshots),
+            "harness_errors": chaos.errors,
+        }
+        load_avg.append(round(os.getloadavg()[0], 2))
+        report["checks"] = {
+            "adds_up": requests["sent"] == requests["answered"] + requests["failed"],
+            "none_delivered_twice": srv["delivered_twice"] == 0,
+            "none_executed_twice": srv["executed_twice"] == 0,
+            "nothing_left_in_flight": left["total"] == 0,
+            "every_fault_recovered_in_bound": all(r["recovered_in_bound"] for r in rows),
+            "no_harness_errors": not chaos.errors,
+        }
+        return report
+    finally:
+        stack.stop()
+        if a.keep:
+            log(f"logs and ledgers kept in {workdir}")
+        else:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "engine":
+        ep = argparse.ArgumentParser(prog="chaos.py engine")
+        for name in ("--id", "--redis-url", "--deployment", "--ledger"):
+            ep.add_argument(name, required=True)
+        ep.add_argument("--port", type=int, required=True)
+        ep.add_argument("--seed", type=int, default=0)
+        engine_main(ep.parse_args(sys.argv[2:]))
+        return
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--short", action="store_true",
+                    help="about 60 s, every fault once, 2 gateways, a lower rate")  # fmt: skip
+    ap.add_argument("--duration", type=float, default=None, help="seconds of load (600; short 60)")
+    ap.add_argument("--rate", type=float, default=None, help="requests a second (15; short 8)")
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--gateways", type=int, default=None, help="2-4 (3; short 2)")
+    ap.add_argument("--coordinators", type=int, default=2)
+    ap.add_argument("--faults", default=",".join(FAULTS), help="comma list of fault kinds")
+    ap.add_argument("--rounds", type=int, default=None, help="times each fault (3; short 1)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", default="chaos.json")
+    ap.add_argument("--keep", action="store_true", help="keep the logs and ledgers")
+    ap.add_argument("--progress-s", type=float, default=10.0)
+    ap.add_argument("--proc-every-s", type=float, default=10.0)
+    ap.add_argument("--request-timeout-s", type=float, default=120.0)
+    ap.add_argument("--drain-s", type=float, default=150.0)
+    ap.add_argument("--settle-s", type=float, default=20.0)
+    ap.add_argument("--gateway-args", default="", help="more flags for every gateway")
+    a = ap.parse_args()
+    a.duration = a.duration or (60.0 if a.short else 600.0)
+    a.rate = a.rate or (8.0 if a.short else 15.0)
+    a.gateways = a.gateways or (2 if a.short else 3)
+    a.rounds = a.rounds or (1 if a.short else 3)
+    a.warmup_s, a.quiet_s = (5.0, 20.0) if a.short else (10.0, 60.0)
+    a.gateway_args = a.gateway_args.split()
+    for k in a.faults.split(","):
+        if k not in FAULTS:
+            ap.error(f"unknown fault {k!r}; known: {', '.join(FAULTS)}")
+    if not 1 <= a.gateways <= 8 or a.engines < MAX_ENGINE_FAULTS + 1 or a.coordinators < 1:
+        ap.error("need 1-8 gateways, at least 4 engines and a coordinator")
+    if a.rate <= 0 or a.duration <= 0:
+        ap.error("--rate and --duration must be positive")
+    report = run(a)
+    Path(a.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The chaos run's short version (``scripts/chaos.py --short``): the whole local stack
+(Redis with a replica and Sentinel, 2 coordinators, 8 engines, 2 gateways) under steady
+streamed load for about 60 s while every fault of docs/RELIABILITY.md's chaos run happens
+once, overlapping. It asserts only what must hold whatever the machine's load: the report
+adds up, no request was answered by two engines, every answer was executed by an engine,
+nothing is left in flight, and every fault recovered within its documented bound. How many
+requests failed, and why, is the report's to say (printed), not this test's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(900)
+def test_the_short_chaos_run_loses_nothing_and_recovers_from_every_fault(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--short", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    print(run.stdout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = orjson.loads(out.read_bytes())
+    q, served, checks = report["requests"], report["served"], report["checks"]
+    assert q["sent"] > 100 and q["sent"] == q["answered"] + q["failed"]
+    assert q["failed"] == q["in_flight_at_fault"] + q["avoidable"]
+    assert report["harness_errors"] == []
+    kinds = sorted(f["kind"] for f in report["faults"] if f["start_s"] is not None)
+    assert kinds == sorted(report["args"]["faults"].split(","))  # every fault happened
+    assert served["delivered_twice"] == 0, served
+    assert served["answered_not_in_ledgers"] == 0, served
+    assert report["left_in_flight"]["total"] == 0, report["left_in_flight"]
+    late = [f for f in report["faults"] if not f["recovered_in_bound"]]
+    assert late == [], late
+    assert checks["adds_up"] and checks["nothing_left_in_flight"]
+    assert checks["every_fault_recovered_in_bound"]
