@@ -56,10 +56,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from redisbal.background import BackgroundLoop
 from redisbal.barrier.operations import Scripts, report_reply
-from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
+from redisbal.connection import (
+    OUTAGE_ERRORS,
+    is_cluster,
+    make_client,
+    parse_url,
+    redact,
+    refresh_slots,
+)
 from redisbal.errors import InvalidArgument, InvalidState
 from redisbal.keys import DeploymentKeys
 from redisbal.reporting.lane import MAX_QUEUED, Lane, Pending, ReportResult, Tag, tag_of
@@ -186,8 +195,19 @@ class ReportSender:
         self.background = BackgroundLoop("redisbal-report-sender") if threaded else None
 
     def _make_client(self, redis_url: str) -> Any:
+        kw: dict[str, Any] = {}
+        if parse_url(redis_url).kind == "cluster":
+            # the sender retries (its back-off) and refreshes the slot map after an
+            # outage itself; redis-py's own cluster retries sleep about a second
+            # between attempts, so a report on a dead primary took 2 s to fail, and a
+            # caller waiting on it (one thread reporting every deployment) waited too
+            kw["retry"] = Retry(NoBackoff(), 0)
         return make_client(
-            redis_url, asyncio=True, socket_connect_timeout=0.25, socket_timeout=self.timeout_s
+            redis_url,
+            asyncio=True,
+            socket_connect_timeout=0.25,
+            socket_timeout=self.timeout_s,
+            **kw,
         )
 
     @classmethod
