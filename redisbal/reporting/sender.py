@@ -32,8 +32,14 @@ which is why it happens only when Redis cannot take every step.
 Failures: an outage (refused, reset, timed out) fails the round; the sender
 backs off (``backoff_s`` doubling to ``max_backoff_s``, measured from the
 start of the failed attempt, so a call that already waited out a timeout is
-retried at once) and retries; callers never retry. An error that is not an
-outage (a permission the user lacks) is counted and logged, not retried.
+retried at once) and retries; callers never retry. While the outage lasts (from
+a failed round to the next one answered) a report handed over with ``wait=True`` is
+answered "unavailable" at once: it is kept and retried, and a caller that reports
+several deployments from one thread never waits on one deployment's dead shard.
+The sender's cluster clients do not retry by themselves (redis-py's retries sleep
+up to a second each), so a round on a dead primary fails as soon as it is refused.
+An error that is not an outage (a permission the user lacks) is counted and
+logged, not retried.
 Warnings are rate-limited: one when Redis goes away, one a minute while it
 stays away, one when it is back.
 
@@ -100,6 +106,14 @@ class Group:
     down_since: float | None = None
     warned_at: float = 0.0
     starting: bool = False  # a start of the task is scheduled on the sender's loop
+
+    def out(self, now: float) -> bool:
+        """Whether the deployment's Redis is out: backing off, or retrying after a failed
+        round and not answered since. A report waited for then is answered "unavailable"
+        at once (it is kept and retried): a retry may wait out a refresh of the slot
+        map or a timeout, and a caller reporting several deployments from one thread
+        would wait with it (caller holds the lock)."""
+        return now < self.down_until or self.down_since is not None
 
     def log_health(self, outage: BaseException | None, now: float, url: str) -> None:
         """Rate-limited warnings on the deployment's Redis: one when it goes away, one a
@@ -322,7 +336,7 @@ class ReportSender:
             out: ReportResult | concurrent.futures.Future[ReportResult]
             if not want_future:
                 out = ReportResult("queued", 0, wave, step)
-            elif time.monotonic() < group.down_until:  # backing off: answer now, retry later
+            elif group.out(time.monotonic()):  # answer now, retry later
                 lane.counts["unavailable"] += 1
                 out = ReportResult("unavailable", 0, wave, step)
             else:
@@ -357,7 +371,7 @@ class ReportSender:
             group = self._group_of(lane)
             fut: concurrent.futures.Future[bool] | None = None
             if want_future:
-                if time.monotonic() < group.down_until:
+                if group.out(time.monotonic()):
                     fut = concurrent.futures.Future()
                     fut.set_result(False)
                 else:
