@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from support.procs import record
 from support.topology import ClusterTopology
 
 from redisbal.bench.isolation import run_one_loop
@@ -24,13 +25,15 @@ from redisbal.sim.cluster import system_binary
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-# a step every 0.1 s: the other deployment publishes (and its router adopts) a snapshot
-# each step, so its normal cadence is measured before the kill, in the same run
-STEP_S = 0.1
-# the longest gap allowed during the failover: twice the cadence, and at least this on
-# a machine whose two cores are shared and busy (a thread waking late on a loaded
-# machine; the gap before the fix was 1-2 s)
-FLOOR_S = 0.25
+# a step every 0.25 s (a lockstep engine's heartbeat): the other deployment publishes
+# (and its router adopts) a snapshot each step, so its normal cadence is measured
+# before the kill, in the same run.
+STEP_S = 0.25
+# The longest gap allowed during the failover: twice the cadence, and never less than
+# this floor, for a cadence measured short by a burst of late wake-ups before the kill
+# on a busy machine. Before the fix a report on the dead primary held the loop for
+# 2.0 s (redis-py's own retries, until the sender's guard).
+FLOOR_S = 0.5
 
 
 @pytest.mark.parametrize("kind", ["blocking", "async"])
@@ -52,5 +55,13 @@ async def test_failover_of_one_deployment_keeps_the_other_deployments_snapshot_c
         out = await run_one_loop(
             cluster.url, victim, other, old.kill, promoted, kind=kind, step_s=STEP_S
         )
+    record(
+        f"cluster_failover_other_deployment_one_loop_{kind}",
+        cadence_s=out.cadence_s,
+        other_max_gap_s=out.other_max_gap_s,
+        slowest_report_s=out.slowest_report_s,
+        kill_to_promoted_s=out.promoted_s,
+        load_avg=out.load_avg[0],
+    )
     assert out.other_snapshots > 0, out
     assert out.other_max_gap_s <= max(2 * out.cadence_s, FLOOR_S), out
