@@ -30,7 +30,8 @@ replaced step's snapshot then holds the engine's counts of an earlier step,
 which is why it happens only when Redis cannot take every step.
 
 Failures: an outage (refused, reset, timed out) fails the round; the sender
-backs off (``backoff_s`` doubling to ``max_backoff_s``, measured from the
+backs off (``backoff_s`` doubling to ``max_backoff_s``, on a Redis Cluster to
+at most ``CLUSTER_MAX_BACKOFF_S``, measured from the
 start of the failed attempt, so a call that already waited out a timeout is
 retried at once) and retries; callers never retry. While the outage lasts (from
 a failed round to the next one answered) a report handed over with ``wait=True`` is
@@ -86,6 +87,10 @@ WARN_EVERY_S = 60.0
 URL_REFRESH_S = 5.0
 
 MAX_BATCH = 256
+# the longest back-off on a Redis Cluster: a failover hands a dead primary's slots to
+# its replica within a few seconds, and the sender's own retries (its clients make
+# none) are what find the promoted replica, so they come at least this often
+CLUSTER_MAX_BACKOFF_S = 0.4
 
 
 @dataclass(eq=False)
@@ -524,7 +529,8 @@ class ReportSender:
             if outage is not None:
                 self.failed_batches += 1
                 group.failures = min(group.failures + 1, 30)
-                delay = min(self.backoff_s * 2 ** (group.failures - 1), self.max_backoff_s)
+                cap = min(self.max_backoff_s, CLUSTER_MAX_BACKOFF_S) if self._cluster else None
+                delay = min(self.backoff_s * 2 ** (group.failures - 1), cap or self.max_backoff_s)
                 group.down_until = started + delay
             group.log_health(outage, now, self.url)
         if outage is not None and self._cluster:  # find a promoted replica before the retry
