@@ -7,6 +7,11 @@ step as fast as their barrier allows: each step is reported by both engines with
 is a published snapshot. How many steps the other deployment completes while the
 victim's primary is dead, and its longest pause, say whether it waited on the
 victim. ``scripts/bench_isolation.py`` measures this; tests/processes/test_failover.py runs it.
+
+``run_one_loop`` is the same failover as an application holding both deployments
+sees it: a router for each, and one loop (a thread, or a task) reporting every
+engine of both in turn with ``wait=True``. The other's snapshots are counted where
+they arrive, at its router. tests/processes/test_shard_isolation.py runs it.
 """
 
 from __future__ import annotations
@@ -14,12 +19,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
-from redisbal.reporting.reporter import AsyncReporter, Counts
+from redisbal.errors import InvalidArgument
+from redisbal.reporting.reporter import AsyncReporter, Counts, Reporter
 from redisbal.reporting.sender import ReportSender
+from redisbal.routing.router import AsyncRouter, Router
 
 ENGINES = ("e0", "e1")
 
@@ -110,5 +121,141 @@ async def run_isolation(
     out.other_steps_while_down = sum(1 for t in done if t <= t_promoted)
     times = [t_kill, *done, t_back]
     out.other_max_gap_s = max(b - a for a, b in itertools.pairwise(times))
+    out.load_avg = os.getloadavg()
+    return out
+
+
+# -- the same failover seen by an application: routers, and one loop reporting every engine --
+
+
+@dataclass
+class OneLoop:
+    """What one run of ``run_one_loop`` saw (seconds; monotonic times relative to the kill)."""
+
+    kind: str  # "blocking" (Router, Reporter, a thread) or "async" (AsyncRouter, AsyncReporter)
+    cadence_s: float = 0.0  # the other's median gap between adopted snapshots before the kill
+    other_max_gap_s: float = 0.0  # its longest gap from the kill to the victim's return
+    other_snapshots: int = 0  # the snapshots its router adopted in that time
+    slowest_report_s: float = 0.0  # the reporting loop's longest report() call after the kill
+    promoted_s: float = 0.0  # kill -> the victim's slot has a new primary
+    victim_back_s: float = 0.0  # kill -> the victim's router adopts a snapshot again
+    load_avg: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+def _stamp(core: Any, into: list[float]) -> None:
+    """Record when ``core`` adopts a snapshot."""
+    adopt = core.apply_snapshot
+
+    def apply_snapshot(snap: Any) -> bool:
+        adopted = bool(adopt(snap))
+        if adopted:
+            into.append(time.monotonic())
+        return adopted
+
+    core.apply_snapshot = apply_snapshot
+
+
+async def run_one_loop(
+    url: str,
+    victim: str,
+    other: str,
+    kill: Callable[[], None],
+    promoted: Callable[[], bool],
+    *,
+    kind: str = "blocking",
+    step_s: float = 0.05,
+    warmup_s: float = 2.0,
+    timeout_s: float = 30.0,
+) -> OneLoop:
+    """The setup of an application that holds both deployments: a router for each, and
+    one loop (a thread for ``Reporter``, a task for ``AsyncReporter``) that reports
+    every engine of both in turn, each report with ``wait=True``, one step every
+    ``step_s``. The victim's primary is killed; the other deployment's snapshots, as its
+    router adopts them, should keep their cadence."""
+    if kind not in ("blocking", "async"):
+        raise InvalidArgument(f"kind must be 'blocking' or 'async', got {kind!r}")
+    loop = asyncio.get_running_loop()
+    adopted: dict[str, list[float]] = {victim: [], other: []}
+    calls: list[tuple[float, float]] = []  # (start, seconds) of each report() call
+    stop = threading.Event()
+    deps = (victim, other)
+    routers: list[Any]
+    if kind == "blocking":
+        routers = [Router(url, d) for d in deps]
+        reporters: list[Any] = [Reporter(url, d, e) for d in deps for e in ENGINES]
+    else:
+        routers = [AsyncRouter(url, d) for d in deps]
+        reporters = [AsyncReporter(url, d, e) for d in deps for e in ENGINES]
+    for router, d in zip(routers, deps, strict=True):
+        _stamp(router.core, adopted[d])
+
+    def blocking_loop() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            started = time.monotonic()
+            for rep in reporters:
+                t = time.monotonic()
+                rep.report(Counts(step=step, waiting=0, running=1), wait=True)
+                calls.append((t, time.monotonic() - t))
+            time.sleep(max(0.0, step_s - (time.monotonic() - started)))
+
+    async def async_loop() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            started = time.monotonic()
+            for rep in reporters:
+                t = time.monotonic()
+                await rep.report(Counts(step=step, waiting=0, running=1), wait=True)
+                calls.append((t, time.monotonic() - t))
+            await asyncio.sleep(max(0.0, step_s - (time.monotonic() - started)))
+
+    if kind == "blocking":
+        for router in routers:
+            await loop.run_in_executor(None, router.start, 2.0)
+        reporting: Any = loop.run_in_executor(None, blocking_loop)
+    else:
+        for router in routers:
+            await router.start(2.0)
+        for rep in reporters:
+            await rep.register(wait=True)
+        reporting = asyncio.create_task(async_loop())
+    try:
+        await asyncio.sleep(warmup_s)
+        await loop.run_in_executor(None, kill)
+        t_kill = time.monotonic()
+        deadline = t_kill + timeout_s
+        while not await loop.run_in_executor(None, promoted):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the victim's replica was not promoted")
+            await asyncio.sleep(0.05)
+        t_promoted = time.monotonic()
+        while not any(t > t_promoted for t in adopted[victim]):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the victim's router adopted no snapshot after the failover")
+            await asyncio.sleep(0.02)
+        t_back = time.monotonic()
+    finally:
+        stop.set()
+        await asyncio.gather(reporting, return_exceptions=True)
+        for rep in reporters:
+            if kind == "blocking":
+                await loop.run_in_executor(None, partial(rep.close, leave=False, timeout=0.5))
+            else:
+                await rep.aclose(leave=False, timeout=0.5)
+        for router in routers:
+            if kind == "blocking":
+                await loop.run_in_executor(None, router.close)
+            else:
+                await router.aclose()
+    before = [t for t in adopted[other] if t_kill - warmup_s / 2 <= t < t_kill]
+    during = [t for t in adopted[other] if t_kill <= t <= t_back]
+    out = OneLoop(kind)
+    out.cadence_s = statistics.median(b - a for a, b in itertools.pairwise(before))
+    out.other_max_gap_s = max(b - a for a, b in itertools.pairwise([t_kill, *during, t_back]))
+    out.other_snapshots = len(during)
+    out.slowest_report_s = max((d for t, d in calls if t >= t_kill), default=0.0)
+    out.promoted_s, out.victim_back_s = t_promoted - t_kill, t_back - t_kill
     out.load_avg = os.getloadavg()
     return out

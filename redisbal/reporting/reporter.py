@@ -363,7 +363,8 @@ class AsyncReporter(_Reporting):
         this engine's newest report. ``wait=True`` waits (up to ``timeout``) for this
         report's outcome: "accepted", "stale", "conflict" (a process started later reports
         under this engine id), "unavailable" (Redis unreachable: the sender keeps the
-        counts and retries) or "coalesced" (newer counts replaced it).
+        counts and retries; answered at once while an outage lasts) or "coalesced" (newer
+        counts replaced it).
 
         ``Counts(progress=False)`` says the engine's loop did not move since its last
         report (a re-send of unchanged counts, as the heartbeat is): an engine with work

@@ -30,10 +30,17 @@ replaced step's snapshot then holds the engine's counts of an earlier step,
 which is why it happens only when Redis cannot take every step.
 
 Failures: an outage (refused, reset, timed out) fails the round; the sender
-backs off (``backoff_s`` doubling to ``max_backoff_s``, measured from the
+backs off (``backoff_s`` doubling to ``max_backoff_s``, on a Redis Cluster to
+at most ``CLUSTER_MAX_BACKOFF_S``, measured from the
 start of the failed attempt, so a call that already waited out a timeout is
-retried at once) and retries; callers never retry. An error that is not an
-outage (a permission the user lacks) is counted and logged, not retried.
+retried at once) and retries; callers never retry. While the outage lasts (from
+a failed round to the next one answered) a report handed over with ``wait=True`` is
+answered "unavailable" at once: it is kept and retried, and a caller that reports
+several deployments from one thread never waits on one deployment's dead shard.
+The sender's cluster clients do not retry by themselves (redis-py's retries sleep
+up to a second each), so a round on a dead primary fails as soon as it is refused.
+An error that is not an outage (a permission the user lacks) is counted and
+logged, not retried.
 Warnings are rate-limited: one when Redis goes away, one a minute while it
 stays away, one when it is back.
 
@@ -56,10 +63,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from redisbal.background import BackgroundLoop
 from redisbal.barrier.operations import Scripts, report_reply
-from redisbal.connection import OUTAGE_ERRORS, is_cluster, make_client, redact, refresh_slots
+from redisbal.connection import (
+    OUTAGE_ERRORS,
+    is_cluster,
+    make_client,
+    parse_url,
+    redact,
+    refresh_slots,
+)
 from redisbal.errors import InvalidArgument, InvalidState
 from redisbal.keys import DeploymentKeys
 from redisbal.reporting.lane import MAX_QUEUED, Lane, Pending, ReportResult, Tag, tag_of
@@ -71,6 +87,10 @@ WARN_EVERY_S = 60.0
 URL_REFRESH_S = 5.0
 
 MAX_BATCH = 256
+# the longest back-off on a Redis Cluster: a failover hands a dead primary's slots to
+# its replica within a few seconds, and the sender's own retries (its clients make
+# none) are what find the promoted replica, so they come at least this often
+CLUSTER_MAX_BACKOFF_S = 0.4
 
 
 @dataclass(eq=False)
@@ -91,6 +111,14 @@ class Group:
     down_since: float | None = None
     warned_at: float = 0.0
     starting: bool = False  # a start of the task is scheduled on the sender's loop
+
+    def out(self, now: float) -> bool:
+        """Whether the deployment's Redis is out: backing off, or retrying after a failed
+        round and not answered since. A report waited for then is answered "unavailable"
+        at once (it is kept and retried): a retry may wait out a refresh of the slot
+        map or a timeout, and a caller reporting several deployments from one thread
+        would wait with it (caller holds the lock)."""
+        return now < self.down_until or self.down_since is not None
 
     def log_health(self, outage: BaseException | None, now: float, url: str) -> None:
         """Rate-limited warnings on the deployment's Redis: one when it goes away, one a
@@ -186,8 +214,19 @@ class ReportSender:
         self.background = BackgroundLoop("redisbal-report-sender") if threaded else None
 
     def _make_client(self, redis_url: str) -> Any:
+        kw: dict[str, Any] = {}
+        if parse_url(redis_url).kind == "cluster":
+            # the sender retries (its back-off) and refreshes the slot map after an
+            # outage itself; redis-py's own cluster retries sleep about a second
+            # between attempts, so a report on a dead primary took 2 s to fail, and a
+            # caller waiting on it (one thread reporting every deployment) waited too
+            kw["retry"] = Retry(NoBackoff(), 0)
         return make_client(
-            redis_url, asyncio=True, socket_connect_timeout=0.25, socket_timeout=self.timeout_s
+            redis_url,
+            asyncio=True,
+            socket_connect_timeout=0.25,
+            socket_timeout=self.timeout_s,
+            **kw,
         )
 
     @classmethod
@@ -302,7 +341,7 @@ class ReportSender:
             out: ReportResult | concurrent.futures.Future[ReportResult]
             if not want_future:
                 out = ReportResult("queued", 0, wave, step)
-            elif time.monotonic() < group.down_until:  # backing off: answer now, retry later
+            elif group.out(time.monotonic()):  # answer now, retry later
                 lane.counts["unavailable"] += 1
                 out = ReportResult("unavailable", 0, wave, step)
             else:
@@ -337,7 +376,7 @@ class ReportSender:
             group = self._group_of(lane)
             fut: concurrent.futures.Future[bool] | None = None
             if want_future:
-                if time.monotonic() < group.down_until:
+                if group.out(time.monotonic()):
                     fut = concurrent.futures.Future()
                     fut.set_result(False)
                 else:
@@ -490,7 +529,8 @@ class ReportSender:
             if outage is not None:
                 self.failed_batches += 1
                 group.failures = min(group.failures + 1, 30)
-                delay = min(self.backoff_s * 2 ** (group.failures - 1), self.max_backoff_s)
+                cap = min(self.max_backoff_s, CLUSTER_MAX_BACKOFF_S) if self._cluster else None
+                delay = min(self.backoff_s * 2 ** (group.failures - 1), cap or self.max_backoff_s)
                 group.down_until = started + delay
             group.log_health(outage, now, self.url)
         if outage is not None and self._cluster:  # find a promoted replica before the retry
