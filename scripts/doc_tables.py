@@ -268,6 +268,7 @@ def metrics(which: str) -> str:
         m.decision("e0")
         m.outcome("e0", "5xx")
         m.ejections.labels("e0").inc()
+        m.abandon("e0", "first_byte_timeout")
         m.observe_added(True, 0.001)
         registry = m.registry
     return _rows(header, _families(registry.collect))

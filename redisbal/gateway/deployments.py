@@ -51,7 +51,8 @@ class Deployment:
         self.urls: dict[str, str] = dict(self.static_urls)
         self.refresh_s = refresh_s
         self.budget = RetryBudget(retry_budget)
-        self.silence = SilenceWatch(router.silent_s)  # its engines gone silent, for waits
+        # its engines gone silent (for longer than each one's reports pause), for waits
+        self.silence = SilenceWatch(router.silent_s, router.silent_after_s)
         self.label = ""  # before its engine ids in metrics: "<name>/" with several
         self._refresher: asyncio.Task[None] | None = None
         self._refetch: asyncio.Task[None] | None = None  # one re-read for many requests

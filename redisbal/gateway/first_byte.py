@@ -6,9 +6,14 @@ A hung engine (a stopped process, a dead host whose kernel still accepts) takes
 connections and answers nothing. Waiting out a bound long enough for a healthy
 engine under load costs every request sent to it meanwhile; a short bound fails
 healthy engines on a busy host. Two facts together are a sure sign, though: the
-request has had no answer for ``SILENT_WAIT_S`` and the engine's reporter, which
-heartbeats from a thread of its own, has been silent for ``SILENT_AFTER_S`` (the
-latest snapshot names it a laggard). Then the wait ends at once.
+request has had no answer for ``SILENT_WAIT_S`` and the engine has not reported for
+longer than its own reports ever pause (the latest snapshot names it a laggard that
+long). An engine reports at its step pace, so one whose steps are long (a big
+prefill, a front end starved of CPU) pauses its reports and is alive: its bound is a
+few times its own recent gaps between reports (``AsyncRouter.silent_after_s``), at
+least ``SILENT_AFTER_S``. A stopped one does not report at all, whatever its pace.
+Then the wait ends at once, and the attempt's connection is dropped, which the
+engine takes as the client leaving (it aborts the request).
 
 Whether an engine went silent is checked every ``CHECK_EVERY_S`` by one
 ``SilenceWatch`` per deployment for all the requests waiting on it, not by each
@@ -70,10 +75,16 @@ class SilenceWatch:
     """Ends the waits of requests whose engine has gone silent: one timer every
     ``CHECK_EVERY_S`` while any request waits, asking ``silent_s(engine)`` (seconds
     since the engine last reported, as the latest snapshot says) once per engine, and
-    cancelling the tasks that have waited ``SILENT_WAIT_S`` on a silent one."""
+    cancelling the tasks that have waited ``SILENT_WAIT_S`` on an engine silent for
+    ``silent_after_s(engine)`` (its own bound; ``SILENT_AFTER_S`` when not given)."""
 
-    def __init__(self, silent_s: Callable[[str], float]) -> None:
+    def __init__(
+        self,
+        silent_s: Callable[[str], float],
+        silent_after_s: Callable[[str], float] | None = None,
+    ) -> None:
         self._silent_s = silent_s
+        self._silent_after_s = silent_after_s or (lambda _eid: SILENT_AFTER_S)
         self._waiting: dict[str, set[_Wait]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
@@ -106,7 +117,7 @@ class SilenceWatch:
         # so nothing changes these sets while they are walked
         for eid, waiting in self._waiting.items():
             quiet = self._silent_s(eid)
-            if quiet < SILENT_AFTER_S:
+            if quiet < SILENT_AFTER_S or quiet < self._silent_after_s(eid):
                 continue
             for wait in waiting:
                 if wait.since > long_ago or wait.silent_s is not None:
@@ -122,7 +133,7 @@ async def first_byte(
 ) -> T:
     """``answer``'s result, or ``asyncio.TimeoutError`` after ``bound_s``, or
     ``Silent`` once it waited ``SILENT_WAIT_S`` while ``engine_id`` has not reported
-    for ``SILENT_AFTER_S`` (``watch`` says so). ``answer`` runs in the caller's task,
+    for longer than its reports pause (``watch`` says so). ``answer`` runs in the caller's task,
     cancelled by whichever ends the wait, as ``asyncio.timeout`` does: a task of its
     own and ``asyncio.wait`` per request cost more CPU than all the rest of the wait."""
     if bound_s <= SILENT_WAIT_S:

@@ -80,6 +80,15 @@ class GatewayMetrics:
             ["engine", "outcome"],
             registry=r,
         )
+        self.abandoned = Counter(
+            "redisbal_gateway_abandoned",
+            "Attempts this gateway gave up on while the engine still had them "
+            "(first_byte_timeout, idle_timeout, timeout): their connection is dropped, "
+            "which the engine takes as the client leaving and aborts; work it did before "
+            "is lost, and a retry elsewhere does it again.",
+            ["engine", "reason"],
+            registry=r,
+        )
         self.ejections = Counter(
             "redisbal_gateway_ejections",
             "Engines this gateway ejected on the outcome of its requests (and told the "
@@ -163,6 +172,9 @@ class GatewayMetrics:
 
     def outcome(self, engine_id: str, kind: str) -> None:
         self._inc(self.outcomes, engine_id, kind)
+
+    def abandon(self, engine_id: str, kind: str) -> None:
+        self._inc(self.abandoned, engine_id, kind)
 
     def answered(self, path: str, status: int | str) -> None:
         """A request to ``path`` answered with ``status``."""

@@ -62,6 +62,8 @@ PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
 KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer one engine
 CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, roughly)
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untraced
+# attempts given up while the engine had them (their connection is dropped: it aborts)
+ABANDONED = frozenset({"first_byte_timeout", "idle_timeout", "timeout"})
 
 
 def request_hints(
@@ -524,6 +526,8 @@ class Proxy:
         if rec is not None:
             rec.attempt_end(kind, detail, status)
         m.outcome(dep.label + d.engine_id, kind)
+        if kind in ABANDONED:  # its connection was dropped: the engine aborts it
+            m.abandon(dep.label + d.engine_id, kind)
         if kind in ("ok", "rejected", "client_disconnect"):
             router.finished(d)
         elif router.failed(d, detail, kind):

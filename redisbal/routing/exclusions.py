@@ -18,7 +18,7 @@ import math
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.routing.outcomes import EJECTED, PROBING, SILENT_AFTER_S, OutcomeTracker
 from redisbal.routing.state import EngineView
-from redisbal.routing.unanswered import FirstByteWaits, Silence
+from redisbal.routing.unanswered import FirstByteWaits, ReportGaps, Silence
 
 
 class Exclusions:
@@ -32,6 +32,7 @@ class Exclusions:
         self.answered_here: set[str] = set()  # of those, the ones a probe here answered
         self.probing: list[str] = []  # probing now (here or in the snapshot): probes go there
         self.silence = Silence()  # engines whose reports stopped
+        self.gaps = ReportGaps()  # each engine's recent gaps between reports
         self.waits = FirstByteWaits()  # requests waiting for a first byte, late engines
         self.recheck_at = math.inf  # when the next exclusion runs out
         self.all_excluded = False  # every known engine is excluded: choose among all
@@ -72,6 +73,7 @@ class Exclusions:
         """Take in the snapshot just adopted; returns whether any engine is or was excluded
         or probing (then the choosable engines must be made again)."""
         self.silence.track(snap)
+        self.gaps.track(snap)
         excluded = dict.fromkeys(snap.stalled, math.inf)  # until the next snapshot
         for eid, ms_left in snap.suspect.items():
             excluded[eid] = now + ms_left / 1000.0

@@ -175,6 +175,15 @@ class _LocalRouting:
         with core.lock:
             return core.silent_ms(engine_id) / 1000.0
 
+    def silent_after_s(self, engine_id: str) -> float:
+        """How long ``engine_id`` may go without a report before a request waiting on
+        it is given up (``silent_s`` at least this): a few times its own recent gaps
+        between reports, at least ``SILENT_AFTER_S``. An engine whose steps are long
+        reports seldom and is alive; a stopped one does not report at all."""
+        core = self.core
+        with core.lock:
+            return core.silent_after_s(engine_id)
+
     def _tell(self, op: str, engine_id: str, reason: str) -> None:
         raise NotImplementedError
 

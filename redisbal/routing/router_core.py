@@ -180,6 +180,7 @@ class RouterCore:
         self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
         self.known = list(self.by_id.values())
         self.excl.waits.keep(self.by_id)
+        self.excl.gaps.keep(self.by_id)
         self.told_routes.forget(ids)
         self._choosable(self.clock())
 
@@ -331,6 +332,12 @@ class RouterCore:
         """How long ``engine_id``'s reports had stopped when the latest snapshot was
         published (0: not named a laggard; ``redisbal.routing.unanswered.Silence``)."""
         return self.excl.silence.ms(engine_id, self.snapshot)
+
+    def silent_after_s(self, engine_id: str) -> float:
+        """How long ``engine_id``'s reports may stop before a request waiting on it is
+        given up: from its own recent gaps between reports (``unanswered.ReportGaps``)."""
+        snap = self.snapshot
+        return self.excl.gaps.silent_after_s(engine_id, snap.time_ms if snap else 0)
 
     # -- hot path --------------------------------------------------------------------------------
 

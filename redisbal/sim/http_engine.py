@@ -14,8 +14,12 @@ status (429, 500, 503, or a 4xx: a rejection, 401/403 a refusing engine) before 
 it in; ``{"mode": "stall"}`` stops every stream and whole answer from sending (the
 connection stays open); ``{"mode": "stall", "after": 3}`` lets each stream send its
 first 3 chunks first (a stall mid-stream: a hung detokenizer or output loop);
-``{"mode": "none"}`` ends the fault (stalled answers flow again). A hung engine is
-SIGSTOP's.
+``{"mode": "slow", "hold_s": 1.0}`` holds the process's event loop ``hold_s`` at a
+time, with a moment between holds: it is alive and gets the CPU only now and then (a
+front end starved of CPU, a long step of an engine that reports between steps), so its
+reports, steps and answers all come at that pace; ``{"mode": "none"}`` ends the fault
+(stalled answers flow again). A hung engine is SIGSTOP's. /sim/state counts requests
+``served`` (finished by the model) and ``aborted`` (their client went away first).
 
 Each engine is a ``SimEngine`` (redisbal.sim.model) stepping on its own clock
 ("tick" mode), reports through the real ``AsyncReporter`` and registers
@@ -74,7 +78,8 @@ MAX_BODY = 4 * 1024 * 1024
 CLIENT_HEADER = "X-Redisbal-Client-Index"
 
 
-FAULT_MODES = ("none", "status", "stall")
+FAULT_MODES = ("none", "status", "stall", "slow")
+HOLD_GAP_S = 0.05  # "slow": the moment between holds in which the loop runs
 
 
 class FaultInjection:
@@ -84,6 +89,7 @@ class FaultInjection:
         self.mode = "none"
         self.status = 500
         self.after = 0  # stall: the chunks each stream still sends first
+        self.hold_s = 1.0  # "slow": how long each hold of the event loop lasts
         self._flowing = asyncio.Event()  # cleared while stalled
         self._flowing.set()
 
@@ -106,7 +112,14 @@ class FaultInjection:
             isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599
         ):
             return "status must be a whole number in 400..599"
+        hold = body.get("hold_s", 1.0)
+        if mode == "slow" and (
+            isinstance(hold, bool) or not isinstance(hold, int | float) or not 0 < hold <= 60
+        ):
+            return "hold_s must be a number of seconds in (0, 60]"
         self.mode, self.status, self.after = mode, int(status or 500), after
+        if mode == "slow":
+            self.hold_s = float(hold)
         if mode == "stall":
             self._flowing.clear()
         else:
@@ -214,6 +227,7 @@ class HttpEngine:
         self.report_min_s = 0.002
         self._reported_at = 0.0
         self.faults = FaultInjection()  # POST /sim/fault
+        self._hold: asyncio.Task[None] | None = None  # the "slow" fault's holds
 
     # -- model loop -----------------------------------------------------------------------------
 
@@ -301,9 +315,18 @@ class HttpEngine:
         if refused is not None:
             return _error(400, refused)
         log.info("engine %s: fault %s", self.engine_id, self.faults.mode)
+        if self.faults.mode == "slow" and (self._hold is None or self._hold.done()):
+            self._hold = asyncio.get_running_loop().create_task(self._holds())
         return web.Response(
             body=orjson.dumps({"mode": self.faults.mode}), content_type="application/json"
         )
+
+    async def _holds(self) -> None:
+        """The "slow" fault: hold the event loop (the whole process) ``hold_s`` at a
+        time, letting it run ``HOLD_GAP_S`` between holds, until the fault ends."""
+        while self.faults.mode == "slow":
+            time.sleep(self.faults.hold_s)  # on purpose: nothing else in the process runs
+            await asyncio.sleep(HOLD_GAP_S)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -580,6 +603,7 @@ class HttpEngine:
         """Leave, refuse new requests, finish the ones in progress (their streams would
         otherwise hang until aiohttp's 60 s shutdown timeout cut them), then close."""
         self.draining = True
+        await cancel_and_wait(self._hold)
         await cancel_and_wait(self._url_task)  # (it sits in Redis calls)
         if self.reporter is not None:
             reporter, self.reporter = self.reporter, None  # the steps below report nothing

@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import time
+from typing import Any
 
 import aiohttp
 import openai
@@ -29,10 +30,18 @@ from redisbal.routing.outcomes import OutcomeTracker
 pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
 
-async def set_fault(url: str, mode: str, status: int = 500) -> None:
-    body = {"mode": mode, "status": status}
+async def set_fault(url: str, mode: str, status: int = 500, **more: float) -> None:
+    body = {"mode": mode, "status": status, **more}
     async with aiohttp.ClientSession() as s, s.post(url + "/sim/fault", json=body) as r:
         assert r.status == 200, await r.text()
+
+
+async def sim_state(url: str) -> dict[str, Any]:
+    """An engine-sim engine's ``/sim/state``: what it served and aborted."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/sim/state") as r:
+        assert r.status == 200, await r.text()
+        out: dict[str, Any] = await r.json()
+        return out
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -259,6 +268,100 @@ async def test_a_stopped_engine_is_given_up_once_its_reports_stop(
                     assert gw.router.core.excluded().get("0") in ("silent", "suspect")
                 finally:
                     procs[0].send_signal(signal.SIGCONT)
+                await client.close()
+            finally:
+                await stop_gateway(gw)
+
+
+async def test_a_slow_engine_is_waited_for_not_taken_for_a_stopped_one(
+    redis_url: str, deployment: str
+) -> None:
+    """An engine process that gets the CPU only now and then (its loop held 1.5 s at a
+    time: a front end starved of CPU, long steps) reports at that pace, and is alive.
+    Once the deployment has seen its reports pause that long, a request sent to it
+    waits for it and is served there, once: none is given up and sent elsewhere, so
+    the engines together serve exactly the requests made. With a fixed bound (0.5 s
+    without a report) the requests it held were given up and served again elsewhere."""
+    with coordinator(redis_url, deployment, stall_ms=100, dead_after_ms=60_000):
+        async with process_engines(redis_url, deployment, 2):
+            gw = await start_gateway(redis_url, deployment, timeout_s=600.0)
+            try:
+                client = openai.AsyncOpenAI(
+                    base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
+                )
+                await await_until(lambda: len(gw.live_engines()) == 2)
+                urls = [gw.urls["0"], gw.urls["1"]]
+                await set_fault(urls[0], "slow", hold_s=1.5)
+                # the deployment's snapshots show its reports pausing at its new pace
+                await await_until(lambda: gw.router.silent_after_s("0") > 2.0, 60.0)
+
+                async def one() -> None:
+                    out = await client.completions.create(
+                        model=MODEL, prompt="hi", max_tokens=40, extra_body={"ignore_eos": True}
+                    )
+                    assert out.choices
+
+                made = 0
+                while (await sim_state(urls[0]))["arrived"] < 3:  # some reach the slow one
+                    assert made < 200, "no request went to the slow engine"
+                    await asyncio.gather(*(one() for _ in range(10)))
+                    made += 10
+                await set_fault(urls[0], "none")
+                states = [await sim_state(u) for u in urls]
+                text = gw.metrics.render().decode()
+                given_up = metric(text, "redisbal_gateway_abandoned_total", engine="0")
+                assert given_up == 0, f"{given_up:g} requests given up on the slow engine"
+                assert states[0]["aborted"] == 0
+                assert sum(st["served"] for st in states) == made  # none served twice
+                await client.close()
+            finally:
+                await stop_gateway(gw)
+
+
+async def test_an_attempt_given_up_on_a_stopped_engine_is_aborted_there(
+    redis_url: str, deployment: str
+) -> None:
+    """SIGSTOP: the engine's reports stop, the gateway gives up on the requests it holds
+    (whole answers: only the silence rule can) and sends them elsewhere, counting each
+    attempt abandoned. Their connections are dropped, not kept for reuse, so once the
+    engine runs again it aborts them rather than serving them: the engines together
+    serve exactly the requests made, and the stopped one counts them aborted."""
+    with coordinator(redis_url, deployment, stall_ms=100, dead_after_ms=60_000):
+        async with process_engines(redis_url, deployment, 3) as procs:
+            gw = await start_gateway(redis_url, deployment, timeout_s=600.0)
+            try:
+                client = openai.AsyncOpenAI(
+                    base_url=f"http://127.0.0.1:{gw.ports[0]}/v1", api_key="x", max_retries=0
+                )
+                await await_until(lambda: len(gw.live_engines()) == 3)
+                urls = [gw.urls[e] for e in ("0", "1", "2")]
+
+                async def one() -> None:
+                    out = await client.completions.create(
+                        model=MODEL, prompt="hi", max_tokens=400, extra_body={"ignore_eos": True}
+                    )
+                    assert out.choices
+
+                batch = asyncio.gather(*(one() for _ in range(30)))
+                await await_until(lambda: gw.router.core.by_id["0"].inflight >= 1)
+                procs[0].send_signal(signal.SIGSTOP)
+                try:
+                    await batch  # given up once it is silent, served elsewhere
+                    text = gw.metrics.render().decode()
+                    given_up = metric(
+                        text, "redisbal_gateway_abandoned_total", engine="0",
+                        reason="first_byte_timeout",
+                    )  # fmt: skip
+                    assert given_up >= 1, "no request to the stopped engine was given up"
+                finally:
+                    procs[0].send_signal(signal.SIGCONT)
+                deadline = time.monotonic() + 30  # (guards a hang only)
+                while (await sim_state(urls[0]))["inflight"]:  # it has ended what it held
+                    assert time.monotonic() < deadline, "the engine still holds requests"
+                    await asyncio.sleep(0.05)
+                states = [await sim_state(u) for u in urls]
+                assert states[0]["aborted"] >= given_up
+                assert sum(st["served"] for st in states) == 30  # none served twice
                 await client.close()
             finally:
                 await stop_gateway(gw)
