@@ -25,7 +25,7 @@ from redisbal.background import cancel_and_wait
 from redisbal.gateway.errors import json_error
 from redisbal.gateway.first_byte import SilenceWatch
 from redisbal.gateway.options import MAX_MODEL_LEN
-from redisbal.gateway.retry import RetryBudget
+from redisbal.gateway.retry import Acceptances, RetryBudget
 from redisbal.routing.router import AsyncRouter
 
 log = logging.getLogger("redisbal.gateway")
@@ -51,6 +51,8 @@ class Deployment:
         self.urls: dict[str, str] = dict(self.static_urls)
         self.refresh_s = refresh_s
         self.budget = RetryBudget(retry_budget)
+        self.accepted = Acceptances()  # who accepted which credentials and model (refusals)
+        self.refusing: set[str] = set()  # engines logged as refusing, until they accept
         self.silence = SilenceWatch(router.silent_s)  # its engines gone silent, for waits
         self.label = ""  # before its engine ids in metrics: "<name>/" with several
         self._refresher: asyncio.Task[None] | None = None

@@ -44,7 +44,13 @@ from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.first_byte import ChunkWatch, Silent, first_byte, within
 from redisbal.gateway.metrics import GatewayMetrics
-from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
+from redisbal.gateway.retry import (
+    REFUSAL_STATUSES,
+    RETRY_STATUSES,
+    Acceptances,
+    Retry,
+    status_kind,
+)
 from redisbal.gateway.tracing import Tracing
 from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, UpstreamUnreachable
 from redisbal.keys import InvalidName, check_name
@@ -452,6 +458,8 @@ class Proxy:
             for name in TRACE_HEADERS:
                 if (value := request.headers.get(name)) is not None:
                     headers[name] = value
+        # who accepted these credentials and model: a refusal of them is then the engine's
+        accept = Acceptances.key(headers.get("Authorization"), body.get("model"))
         avoid: set[str] = set()
         last: Retry | None = None
         for attempt in range(1 if pin is not None else self.max_attempts):
@@ -484,7 +492,9 @@ class Proxy:
                 if spans is not None:
                     spans.attempt(route_facts(dep, d, attempt + 1, key, guessed), headers)
             try:
-                return await self._attempt(request, dep, d, raw, headers, stream, t0, rid, rec)
+                return await self._attempt(
+                    request, dep, d, raw, headers, stream, t0, rid, rec, accept
+                )
             except Retry as exc:
                 last = exc
                 avoid.add(d.engine_id)
@@ -526,8 +536,18 @@ class Proxy:
         m.outcome(dep.label + d.engine_id, kind)
         if kind in ("ok", "rejected", "client_disconnect"):
             router.finished(d)
-        elif router.failed(d, detail, kind):
+            return
+        if router.failed(d, detail, kind):
             m.ejections.labels(dep.label + d.engine_id).inc()
+        if kind.isdigit() and d.engine_id not in dep.refusing:  # a refusal: said once
+            dep.refusing.add(d.engine_id)
+            log.warning(
+                "gateway: engine %s%s refuses with %s what other engines accept (a wrong "
+                "engine key, or a model missing there); avoided until it accepts again",
+                dep.label,
+                d.engine_id,
+                kind,
+            )
 
     async def _attempt(
         self,
@@ -540,8 +560,10 @@ class Proxy:
         t0: float,
         rid: str = "",
         rec: Record | None = None,
+        accept: bytes = b"",
     ) -> web.StreamResponse:
-        """One upstream try. Raises Retry only while nothing was sent to the client."""
+        """One upstream try. Raises Retry only while nothing was sent to the client.
+        ``accept`` stands for the request's credentials and model (``Acceptances``)."""
         assert self.upstream is not None
         router = dep.router
         eid = d.engine_id
@@ -578,6 +600,14 @@ class Proxy:
             if up.status in RETRY_STATUSES:
                 kind, detail = status_kind(up.status), f"engine {eid} answered {up.status}"
                 raise Retry(kind, detail, up.status)
+            if up.status < 300:
+                dep.accepted.accepted(accept, eid)
+                dep.refusing.discard(eid)
+            elif up.status in REFUSAL_STATUSES and dep.accepted.elsewhere(accept, eid):
+                # another engine took these credentials and model: this one is broken
+                kind = str(up.status)
+                detail = f"engine {eid} answered {up.status} to what another engine accepted"
+                raise Retry(kind, detail, up.status, public=f"engine {eid} answered {up.status}")
             ctype = up.headers.get("content-type", "application/json")
             if not ctype.startswith("text/event-stream"):
                 whole, kind = await self._whole(router, d, up, ctype, t0, t_up, rec)

@@ -40,6 +40,11 @@ FAILURES = frozenset(
         "idle_timeout",  # a stream stopped producing tokens
         "timeout",  # the whole response took too long
         "error",  # anything else the caller saw (failed() without a kind)
+        # a 401, 403 or 404 for what another engine of the deployment accepted with the
+        # same credentials and model: a wrong engine key, a missing model or LoRA there
+        "401",
+        "403",
+        "404",
     }
 )
 # what a request can end with (``outcome()``): ok and rejected are no evidence
