@@ -9,6 +9,8 @@ retries), and makes engine 0 faulty from ``--fault-at`` to ``--clear-at``:
 
 - ``500``: it answers every request 500 (its reports say it is idle);
 - ``stall``: its streams stop sending, connections open;
+- ``stall_mid``: each of its streams sends its first 3 chunks, then stops
+  (connections open);
 - ``sigstop``: the process is stopped (the kernel still accepts connections);
 - ``refuse``: it answers every request 401, as with a wrong engine key (the other
   engines accept the same credentials and model);
@@ -65,7 +67,7 @@ from redisbal.sim.embedded import RedisServer
 
 BIN = os.path.join(os.path.dirname(sys.executable), "redisbal")
 MODEL = "redisbal-sim"
-SCENARIOS = ("500", "stall", "sigstop", "refuse", "reject")
+SCENARIOS = ("500", "stall", "stall_mid", "sigstop", "refuse", "reject")
 
 
 def free_port() -> int:
@@ -272,8 +274,8 @@ def fault(d: Deployment, kind: str, on: bool) -> float:
         post_json(url + "/sim/fault", {"mode": "status", "status": 500} if on else {"mode": "none"})
     elif kind == "refuse":
         post_json(url + "/sim/fault", {"mode": "status", "status": 401} if on else {"mode": "none"})
-    elif kind == "stall":
-        post_json(url + "/sim/fault", {"mode": "stall" if on else "none"})
+    elif kind in ("stall", "stall_mid"):
+        post_json(url + "/sim/fault", {"mode": kind if on else "none"})
     return time.monotonic()
 
 

@@ -26,6 +26,7 @@ from redisbal.gateway.errors import json_error
 from redisbal.gateway.first_byte import SilenceWatch
 from redisbal.gateway.options import MAX_MODEL_LEN
 from redisbal.gateway.retry import Acceptances, RetryBudget
+from redisbal.gateway.stream_watch import StreamWatch
 from redisbal.routing.router import AsyncRouter
 
 log = logging.getLogger("redisbal.gateway")
@@ -55,6 +56,7 @@ class Deployment:
         self.refusing: set[str] = set()  # engines logged as refusing, until they accept
         self.silence = SilenceWatch(router.silent_s)  # its engines gone silent, for waits
         self.label = ""  # before its engine ids in metrics: "<name>/" with several
+        self.streams = StreamWatch(router)  # its open streams: those stopping mid-way
         self._refresher: asyncio.Task[None] | None = None
         self._refetch: asyncio.Task[None] | None = None  # one re-read for many requests
 
@@ -66,6 +68,7 @@ class Deployment:
     async def close(self) -> None:
         await cancel_and_wait(self._refresher)
         await cancel_and_wait(self._refetch)
+        self.streams.close()
 
     async def refresh_urls(self) -> None:
         if self.redis is None:
@@ -134,7 +137,7 @@ class Models:
         self.deployments = list(deps.values())  # each once, the default first
         if by_model is not None:  # engine ids may repeat across deployments
             for d in self.deployments:
-                d.label = f"{d.name}/"
+                d.label = d.streams.label = f"{d.name}/"
 
     def pick(self, body: Mapping[str, Any]) -> Deployment | web.Response:
         """The request's deployment, or the error answer (nothing is routed)."""

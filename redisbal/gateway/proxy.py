@@ -26,7 +26,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -208,9 +208,21 @@ class Proxy:
                 d.router.admission.held for d in self.models.deployments if d.router.admission
             ),
         )
+        for dep in self.models.deployments:  # streams stopped mid-way, counted per engine
+            dep.streams.on_stall = self._stall_counter(dep)
         self.upstream: Upstreams | None = None  # from start() on
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def _stall_counter(self, dep: Deployment) -> Callable[[str, bool], None]:
+        """What counts an engine named stalled mid-stream (``StreamWatch.on_stall``)."""
+
+        def counted(eid: str, ejected: bool) -> None:
+            self.metrics.outcome(dep.label + eid, "stall")
+            if ejected:
+                self.metrics.ejections.labels(dep.label + eid).inc()
+
+        return counted
 
     # -- engines and their URLs ----------------------------------------------------------------
 
@@ -685,7 +697,10 @@ class Proxy:
         except UpstreamError as exc:
             raise Retry("reset", f"engine {eid} dropped before its first token: {exc}") from None
         t_first = time.perf_counter()
-        router.answered(d, t_first - t_up)
+        # a probe is answered once its stream flowed to its end: an engine whose streams
+        # stop mid-way still sends first chunks
+        if not d.probe:
+            router.answered(d, t_first - t_up)
         resp = web.StreamResponse(status=up.status)
         resp.headers["Content-Type"] = "text/event-stream"
         resp.headers["Cache-Control"] = "no-cache"
@@ -706,6 +721,7 @@ class Proxy:
             # (the whole-response timeout counts from this attempt, as in _whole)
             left = self.timeout_s - (time.perf_counter() - t_up)
             watch = ChunkWatch(idle, asyncio.get_running_loop().time() + left)
+            flow = dep.streams.opened(d)
             try:
                 while True:
                     watch.wait()
@@ -724,11 +740,15 @@ class Proxy:
                     watch.got()
                     if chunk is None:
                         break
+                    dep.streams.chunk(flow)
                     if rec is not None:
                         rec.chunk(chunk)
                     await resp.write(chunk)
             finally:
                 watch.close()
+                dep.streams.closed(flow)
+            if kind == "ok" and d.probe:
+                router.answered(d, t_first - t_up)
             if kind != "ok":
                 m.errors.labels(kind).inc()
                 err = {"error": {"message": detail, "type": "upstream_error", "code": 502}}

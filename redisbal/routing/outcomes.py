@@ -38,6 +38,9 @@ FAILURES = frozenset(
         "429",  # too many requests
         "first_byte_timeout",  # no first byte within first_byte_bound()
         "idle_timeout",  # a stream stopped producing tokens
+        # its streams under way went silent far beyond its usual gap between chunks while
+        # other engines' streams flowed (redisbal.routing.stream_gaps); the streams go on
+        "stall",
         "timeout",  # the whole response took too long
         "error",  # anything else the caller saw (failed() without a kind)
         # a 401, 403 or 404 for what another engine of the deployment accepted with the

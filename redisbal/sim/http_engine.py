@@ -12,6 +12,8 @@ JSON body; the engine's model and reports go on as if all were well, which is th
 point: ``{"mode": "status", "status": 500}`` answers every generation request with that
 status (429, 500, 503, or a 4xx: a rejection) before taking it in; ``{"mode": "stall"}``
 stops every stream and whole answer from sending (the connection stays open);
+``{"mode": "stall_mid", "after": 3}`` lets each stream send its first ``after`` chunks,
+then stops it (a wedged output loop: connection open, reports healthy);
 ``{"mode": "none"}`` ends the fault (stalled answers flow again). A hung engine is
 SIGSTOP's.
 
@@ -72,7 +74,7 @@ MAX_BODY = 4 * 1024 * 1024
 CLIENT_HEADER = "X-Redisbal-Client-Index"
 
 
-FAULT_MODES = ("none", "status", "stall")
+FAULT_MODES = ("none", "status", "stall", "stall_mid")
 
 
 class FaultInjection:
@@ -81,6 +83,7 @@ class FaultInjection:
     def __init__(self) -> None:
         self.mode = "none"
         self.status = 500
+        self.after = 3  # stall_mid: the chunks each stream sends before it stops
         self._flowing = asyncio.Event()  # cleared while stalled
         self._flowing.set()
 
@@ -98,8 +101,13 @@ class FaultInjection:
             isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599
         ):
             return "status must be a whole number in 400..599"
-        self.mode, self.status = mode, int(status or 500)
-        if mode == "stall":
+        after = body.get("after", 3)
+        if mode == "stall_mid" and (
+            isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= 1_000_000
+        ):
+            return "after must be a whole number in 0..1000000"
+        self.mode, self.status, self.after = mode, int(status or 500), int(after)
+        if mode in ("stall", "stall_mid"):
             self._flowing.clear()
         else:
             self._flowing.set()
@@ -110,8 +118,11 @@ class FaultInjection:
         """The status every generation request is answered with now, if any."""
         return self.status if self.mode == "status" else None
 
-    async def flowing(self) -> None:
-        """Return once answers may be sent (at once unless stalled)."""
+    async def flowing(self, sent: int = 0) -> None:
+        """Return once answers may be sent (at once unless stalled): a stream that sent
+        ``sent`` chunks goes on while stalled mid-way if it sent fewer than ``after``."""
+        if self.mode == "stall_mid" and sent < self.after:
+            return
         await self._flowing.wait()
 
 
@@ -448,7 +459,7 @@ class HttpEngine:
             while True:
                 await st.event.wait()
                 st.event.clear()
-                await self.faults.flowing()
+                await self.faults.flowing(sent)
                 chunks = []
                 while sent < req.produced:
                     last = sent + 1 == req.produced and req.finished_at >= 0

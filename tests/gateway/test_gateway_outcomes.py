@@ -292,7 +292,7 @@ async def test_an_engine_refusing_what_the_others_accept_is_retried_avoided_and_
         text = gw.metrics.render().decode()
         assert metric(text, "redisbal_gateway_engine_outcomes_total", engine="0", outcome="401")
         await await_until(lambda: "0" in gw.router.core.excluded())
-        assert "401 x" in suspect_reason(redis_url, deployment, "0")
+        await await_until(lambda: "401 x" in suspect_reason(redis_url, deployment, "0"))
         said = [r for r in caplog.records if "refuses with 401" in r.getMessage()]
         assert len(said) == 1, [r.getMessage() for r in said]
         decisions = metric(text, "redisbal_gateway_decisions_total", engine="0")
@@ -331,4 +331,54 @@ async def test_a_refusal_no_engine_accepts_goes_back_to_the_client_and_blames_no
         assert not gw.router.core.excluded()
         for e in st.engines:
             await set_fault(e.url, "none")
+        await settled(st)
+
+
+async def test_an_engine_whose_streams_stop_mid_way_is_passed_over_before_the_idle_bound(
+    redis_url: str, deployment: str
+) -> None:
+    """An engine whose streams send their first chunks, then nothing (connections open,
+    reports healthy) while the other engines' streams flow: every router passes it over
+    long before the idle-read bound (20 s here) would fail a stream, new requests go
+    elsewhere, and once its streams flow again a probe's stream brings it back."""
+    async with stack(redis_url, deployment, n=3, idle_timeout_s=20.0) as st:
+        gw, bad = st.gateways[0], st.engines[0]
+        client = openai_client(st.url, "k")
+        assert all(await asyncio.gather(*(stream_one(client) for _ in range(30))))
+        body = {"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+        async def long_stream(s: aiohttp.ClientSession, engine: str) -> str:
+            async with s.post(
+                st.url + "/v1/completions", json=body, headers={ENGINE_HEADER: engine}
+            ) as r:
+                return (await r.read()).decode()
+
+        async with aiohttp.ClientSession() as s:
+            # streams under way on every engine; engine 0's stops mid-way
+            longs = [asyncio.ensure_future(long_stream(s, e)) for e in ("0", "1", "2")]
+            await await_until(lambda: all(e.inflight for e in st.engines))
+            await set_fault(bad.url, "stall_mid")
+            await await_until(lambda: "0" in gw.router.core.excluded(), 10.0)
+            assert not any(t.done() for t in longs)  # no stream was cut to notice it
+            await await_until(lambda: "stall x" in suspect_reason(redis_url, deployment, "0"))
+            text = gw.metrics.render().decode()
+            assert metric(
+                text, "redisbal_gateway_engine_outcomes_total", engine="0", outcome="stall"
+            )
+            # new requests go elsewhere while it stays stalled (but a probe now and then)
+            short = {"prompt": "a", "max_tokens": 2, "stream": True}
+            served = []
+            for _ in range(20):
+                async with s.post(st.url + "/v1/completions", json=short) as r:
+                    await r.read()
+                    served.append(r.headers[ENGINE_HEADER])
+            assert served.count("0") <= 3, served
+            await set_fault(bad.url, "none")  # its streams flow again
+            done = await asyncio.gather(*longs)
+            assert all("[DONE]" in t for t in done)
+        before = bad.arrived
+        deadline = time.monotonic() + 10
+        while bad.arrived < before + 3 and time.monotonic() < deadline:
+            await stream_one(client)
+        await await_until(lambda: "0" not in gw.router.core.excluded())
         await settled(st)
