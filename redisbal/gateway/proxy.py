@@ -68,6 +68,7 @@ PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
 KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer one engine
 CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, roughly)
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untraced
+REFUSAL_KINDS = frozenset(map(str, REFUSAL_STATUSES))  # outcome kinds of refusals
 
 
 def request_hints(
@@ -551,7 +552,7 @@ class Proxy:
             return
         if router.failed(d, detail, kind):
             m.ejections.labels(dep.label + d.engine_id).inc()
-        if kind.isdigit() and d.engine_id not in dep.refusing:  # a refusal: said once
+        if kind in REFUSAL_KINDS and d.engine_id not in dep.refusing:  # a refusal: said once
             dep.refusing.add(d.engine_id)
             log.warning(
                 "gateway: engine %s%s refuses with %s what other engines accept (a wrong "
