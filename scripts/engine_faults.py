@@ -9,7 +9,11 @@ retries), and makes engine 0 faulty from ``--fault-at`` to ``--clear-at``:
 
 - ``500``: it answers every request 500 (its reports say it is idle);
 - ``stall``: its streams stop sending, connections open;
+- ``stall_mid``: each of its streams sends its first 3 chunks, then stops
+  (connections open);
 - ``sigstop``: the process is stopped (the kernel still accepts connections);
+- ``refuse``: it answers every request 401, as with a wrong engine key (the other
+  engines accept the same credentials and model);
 - ``reject``: 5 requests pinned to it are refused with a 400, then 40 sequential
   requests measure its share (no load, no fault left).
 
@@ -63,7 +67,7 @@ from redisbal.sim.embedded import RedisServer
 
 BIN = os.path.join(os.path.dirname(sys.executable), "redisbal")
 MODEL = "redisbal-sim"
-SCENARIOS = ("500", "stall", "sigstop", "reject")
+SCENARIOS = ("500", "stall", "stall_mid", "sigstop", "refuse", "reject")
 
 
 def free_port() -> int:
@@ -268,8 +272,12 @@ def fault(d: Deployment, kind: str, on: bool) -> float:
         proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
     elif kind == "500":
         post_json(url + "/sim/fault", {"mode": "status", "status": 500} if on else {"mode": "none"})
+    elif kind == "refuse":
+        post_json(url + "/sim/fault", {"mode": "status", "status": 401} if on else {"mode": "none"})
     elif kind == "stall":
-        post_json(url + "/sim/fault", {"mode": "stall" if on else "none"})
+        post_json(url + "/sim/fault", {"mode": "stall"} if on else {"mode": "none"})
+    elif kind == "stall_mid":
+        post_json(url + "/sim/fault", {"mode": "stall", "after": 3} if on else {"mode": "none"})
     return time.monotonic()
 
 

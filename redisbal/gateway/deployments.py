@@ -25,7 +25,8 @@ from redisbal.background import cancel_and_wait
 from redisbal.gateway.errors import json_error
 from redisbal.gateway.first_byte import SilenceWatch
 from redisbal.gateway.options import MAX_MODEL_LEN
-from redisbal.gateway.retry import RetryBudget
+from redisbal.gateway.retry import Acceptances, RetryBudget
+from redisbal.gateway.stream_watch import StreamWatch
 from redisbal.routing.router import AsyncRouter
 
 log = logging.getLogger("redisbal.gateway")
@@ -51,9 +52,12 @@ class Deployment:
         self.urls: dict[str, str] = dict(self.static_urls)
         self.refresh_s = refresh_s
         self.budget = RetryBudget(retry_budget)
+        self.accepted = Acceptances()  # who accepted which credentials and model (refusals)
+        self.refusing: set[str] = set()  # engines logged as refusing, until they accept
         # its engines gone silent (for longer than each one's reports pause), for waits
         self.silence = SilenceWatch(router.silent_s, router.silent_after_s)
         self.label = ""  # before its engine ids in metrics: "<name>/" with several
+        self.streams = StreamWatch(router)  # its open streams: those stopping mid-way
         self._refresher: asyncio.Task[None] | None = None
         self._refetch: asyncio.Task[None] | None = None  # one re-read for many requests
 
@@ -65,6 +69,7 @@ class Deployment:
     async def close(self) -> None:
         await cancel_and_wait(self._refresher)
         await cancel_and_wait(self._refetch)
+        self.streams.close()
 
     async def refresh_urls(self) -> None:
         if self.redis is None:
@@ -133,7 +138,7 @@ class Models:
         self.deployments = list(deps.values())  # each once, the default first
         if by_model is not None:  # engine ids may repeat across deployments
             for d in self.deployments:
-                d.label = f"{d.name}/"
+                d.label = d.streams.label = f"{d.name}/"
 
     def pick(self, body: Mapping[str, Any]) -> Deployment | web.Response:
         """The request's deployment, or the error answer (nothing is routed)."""

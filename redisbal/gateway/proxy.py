@@ -26,7 +26,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -44,7 +44,13 @@ from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.first_byte import ChunkWatch, Silent, first_byte, within
 from redisbal.gateway.metrics import GatewayMetrics
-from redisbal.gateway.retry import RETRY_STATUSES, Retry, status_kind
+from redisbal.gateway.retry import (
+    REFUSAL_STATUSES,
+    RETRY_STATUSES,
+    Acceptances,
+    Retry,
+    status_kind,
+)
 from redisbal.gateway.tracing import Tracing
 from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, UpstreamUnreachable
 from redisbal.keys import InvalidName, check_name
@@ -64,6 +70,7 @@ CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, r
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untraced
 # attempts given up while the engine had them (their connection is dropped: it aborts)
 ABANDONED = frozenset({"first_byte_timeout", "idle_timeout", "timeout"})
+REFUSAL_KINDS = frozenset(map(str, REFUSAL_STATUSES))  # outcome kinds of refusals
 
 
 def request_hints(
@@ -204,9 +211,21 @@ class Proxy:
                 d.router.admission.held for d in self.models.deployments if d.router.admission
             ),
         )
+        for dep in self.models.deployments:  # streams stopped mid-way, counted per engine
+            dep.streams.on_stall = self._stall_counter(dep)
         self.upstream: Upstreams | None = None  # from start() on
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def _stall_counter(self, dep: Deployment) -> Callable[[str, bool], None]:
+        """What counts an engine named stalled mid-stream (``StreamWatch.on_stall``)."""
+
+        def counted(eid: str, ejected: bool) -> None:
+            self.metrics.outcome(dep.label + eid, "stall")
+            if ejected:
+                self.metrics.ejections.labels(dep.label + eid).inc()
+
+        return counted
 
     # -- engines and their URLs ----------------------------------------------------------------
 
@@ -454,6 +473,8 @@ class Proxy:
             for name in TRACE_HEADERS:
                 if (value := request.headers.get(name)) is not None:
                     headers[name] = value
+        # who accepted these credentials and model: a refusal of them is then the engine's
+        accept = Acceptances.key(headers.get("Authorization"), body.get("model"))
         avoid: set[str] = set()
         last: Retry | None = None
         for attempt in range(1 if pin is not None else self.max_attempts):
@@ -486,7 +507,9 @@ class Proxy:
                 if spans is not None:
                     spans.attempt(route_facts(dep, d, attempt + 1, key, guessed), headers)
             try:
-                return await self._attempt(request, dep, d, raw, headers, stream, t0, rid, rec)
+                return await self._attempt(
+                    request, dep, d, raw, headers, stream, t0, rid, rec, accept
+                )
             except Retry as exc:
                 last = exc
                 avoid.add(d.engine_id)
@@ -530,8 +553,18 @@ class Proxy:
             m.abandon(dep.label + d.engine_id, kind)
         if kind in ("ok", "rejected", "client_disconnect"):
             router.finished(d)
-        elif router.failed(d, detail, kind):
+            return
+        if router.failed(d, detail, kind):
             m.ejections.labels(dep.label + d.engine_id).inc()
+        if kind in REFUSAL_KINDS and d.engine_id not in dep.refusing:  # a refusal: said once
+            dep.refusing.add(d.engine_id)
+            log.warning(
+                "gateway: engine %s%s refuses with %s what other engines accept (a wrong "
+                "engine key, or a model missing there); avoided until it accepts again",
+                dep.label,
+                d.engine_id,
+                kind,
+            )
 
     async def _attempt(
         self,
@@ -544,8 +577,10 @@ class Proxy:
         t0: float,
         rid: str = "",
         rec: Record | None = None,
+        accept: bytes = b"",
     ) -> web.StreamResponse:
-        """One upstream try. Raises Retry only while nothing was sent to the client."""
+        """One upstream try. Raises Retry only while nothing was sent to the client.
+        ``accept`` stands for the request's credentials and model (``Acceptances``)."""
         assert self.upstream is not None
         router = dep.router
         eid = d.engine_id
@@ -582,6 +617,14 @@ class Proxy:
             if up.status in RETRY_STATUSES:
                 kind, detail = status_kind(up.status), f"engine {eid} answered {up.status}"
                 raise Retry(kind, detail, up.status)
+            if up.status < 300:
+                dep.accepted.accepted(accept, eid)
+                dep.refusing.discard(eid)
+            elif up.status in REFUSAL_STATUSES and dep.accepted.elsewhere(accept, eid):
+                # another engine took these credentials and model: this one is broken
+                kind = str(up.status)
+                detail = f"engine {eid} answered {up.status} to what another engine accepted"
+                raise Retry(kind, detail, up.status, public=f"engine {eid} answered {up.status}")
             ctype = up.headers.get("content-type", "application/json")
             if not ctype.startswith("text/event-stream"):
                 whole, kind = await self._whole(router, d, up, ctype, t0, t_up, rec)
@@ -659,7 +702,10 @@ class Proxy:
         except UpstreamError as exc:
             raise Retry("reset", f"engine {eid} dropped before its first token: {exc}") from None
         t_first = time.perf_counter()
-        router.answered(d, t_first - t_up)
+        # a probe is answered once its stream flowed to its end: an engine whose streams
+        # stop mid-way still sends first chunks
+        if not d.probe:
+            router.answered(d, t_first - t_up)
         resp = web.StreamResponse(status=up.status)
         resp.headers["Content-Type"] = "text/event-stream"
         resp.headers["Cache-Control"] = "no-cache"
@@ -680,6 +726,7 @@ class Proxy:
             # (the whole-response timeout counts from this attempt, as in _whole)
             left = self.timeout_s - (time.perf_counter() - t_up)
             watch = ChunkWatch(idle, asyncio.get_running_loop().time() + left)
+            flow = dep.streams.opened(d)
             try:
                 while True:
                     watch.wait()
@@ -698,11 +745,15 @@ class Proxy:
                     watch.got()
                     if chunk is None:
                         break
+                    dep.streams.chunk(flow)
                     if rec is not None:
                         rec.chunk(chunk)
                     await resp.write(chunk)
             finally:
                 watch.close()
+                dep.streams.closed(flow)
+            if kind == "ok" and d.probe:
+                router.answered(d, t_first - t_up)
             if kind != "ok":
                 m.errors.labels(kind).inc()
                 err = {"error": {"message": detail, "type": "upstream_error", "code": 502}}

@@ -3,15 +3,21 @@ that keeps retries from amplifying a deployment-wide problem."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from redisbal.errors import InvalidArgument
 
 # answers that say the engine did not serve the request (retried before the first byte)
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+# answers that refuse the request itself (bad credentials, no such model): the client's
+# mistake, passed on, unless another engine accepted the same (``Acceptances``)
+REFUSAL_STATUSES = frozenset({401, 403, 404})
 
 
 def status_kind(status: int) -> str:
@@ -85,3 +91,51 @@ class RetryBudget:
         bucket[2] += 1
         self.retries += 1
         return True
+
+
+class Acceptances:
+    """Which engines accepted which (credentials, model) lately: the evidence that a
+    401, 403 or 404 from one engine is that engine's fault. A refusal of what another
+    engine of the deployment accepted within ``window_s`` (the same Authorization
+    header and model) is a broken engine (a wrong engine key, a model or LoRA missing
+    there); one nobody accepted (a bad key, a model no engine serves) is the client's
+    own mistake and goes back to it. Credentials are kept as a digest, never as sent;
+    at most ``max_keys`` pairs, the least recently accepted dropped first."""
+
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        max_keys: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < window_s < math.inf:
+            raise InvalidArgument(f"window_s must be finite and > 0, got {window_s!r}")
+        if max_keys < 1:
+            raise InvalidArgument(f"max_keys must be >= 1, got {max_keys!r}")
+        self.window_s, self.max_keys, self.clock = window_s, max_keys, clock
+        self._by_key: OrderedDict[bytes, dict[str, float]] = OrderedDict()
+
+    @staticmethod
+    def key(auth: str | None, model: object) -> bytes:
+        """The digest standing for a request's credentials and model."""
+        text = f"{auth or ''}\0{model if isinstance(model, str) else ''}"
+        return hashlib.blake2b(text.encode(errors="replace"), digest_size=16).digest()
+
+    def accepted(self, key: bytes, engine: str) -> None:
+        """``engine`` answered a request of ``key`` (a 2xx)."""
+        engines = self._by_key.get(key)
+        if engines is None:
+            engines = self._by_key[key] = {}
+            if len(self._by_key) > self.max_keys:
+                self._by_key.popitem(last=False)
+        else:
+            self._by_key.move_to_end(key)
+        engines[engine] = self.clock()
+
+    def elsewhere(self, key: bytes, engine: str) -> bool:
+        """Whether an engine other than ``engine`` accepted ``key`` within the window."""
+        engines = self._by_key.get(key)
+        if not engines:
+            return False
+        since = self.clock() - self.window_s
+        return any(t >= since for e, t in engines.items() if e != engine)

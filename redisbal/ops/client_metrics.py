@@ -44,6 +44,7 @@ ROUTER_COUNTERS = {
     "epochs": "Epoch changes adopted (Redis state was reset).",
     "rejoin_dropped": "Engines known before an epoch change that did not re-register in time.",
     "failed": "Requests the caller reported failed at their engine (failed()).",
+    "stalled": "Streams the caller reported stopped mid-way at their engine (stalled()).",
     "restarts": "Engines seen with a new incarnation (a restarted process).",
     "all_excluded_routes": "Requests routed while every engine was stalled or suspect.",
     "roster_fetches": "Compact snapshots whose roster was not seen: the stored one was read.",

@@ -38,8 +38,16 @@ FAILURES = frozenset(
         "429",  # too many requests
         "first_byte_timeout",  # no first byte within first_byte_bound()
         "idle_timeout",  # a stream stopped producing tokens
+        # its streams under way went silent far beyond its usual gap between chunks while
+        # other engines' streams flowed (redisbal.routing.stream_gaps); the streams go on
+        "stall",
         "timeout",  # the whole response took too long
         "error",  # anything else the caller saw (failed() without a kind)
+        # a 401, 403 or 404 for what another engine of the deployment accepted with the
+        # same credentials and model: a wrong engine key, a missing model or LoRA there
+        "401",
+        "403",
+        "404",
     }
 )
 # what a request can end with (``outcome()``): ok and rejected are no evidence

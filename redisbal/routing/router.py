@@ -125,6 +125,24 @@ class _LocalRouting:
         self._tell("suspect", decision.engine_id, suspect_reason(text))
         return True
 
+    def stalled(self, decision: Decision, reason: str = "") -> bool:
+        """The stream of ``decision`` stopped mid-way while the engine's reports look
+        fine: its streams under way went silent far beyond its usual gap between chunks
+        while other engines' streams flowed (``redisbal.routing.stream_gaps.StreamGaps``
+        says when). Evidence of kind ``stall`` against the engine, ejected and told to
+        the deployment as by ``failed()``; but the request goes on: end it as usual
+        (``finished()``, or ``failed(kind="idle_timeout")`` when its stream times out).
+        The engine is probed when its back-off ends; an answer clears it. Returns
+        whether this ejected it."""
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
+        if not self.core.stalled(decision):
+            return False
+        why = self.core.evidence(decision.engine_id)
+        text = f"{why} ({reason})" if why and reason else why or reason or "stall"
+        self._tell("suspect", decision.engine_id, suspect_reason(text))
+        return True
+
     def answered(self, decision: Decision, first_byte_s: float | None = None) -> None:
         """The engine of ``decision`` sent its first byte (after ``first_byte_s``; default:
         the time since the route): it feeds the engine's first-byte bound

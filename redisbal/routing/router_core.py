@@ -133,6 +133,7 @@ class RouterCore:
             "epochs": 0,
             "rejoin_dropped": 0,
             "failed": 0,  # failed() calls
+            "stalled": 0,  # stalled() calls: streams that stopped mid-way
             "restarts": 0,  # engines seen with a new incarnation
             "all_excluded_routes": 0,  # routes made while every engine was excluded
             "roster_fetches": 0,  # compact messages whose roster was read from the stored one
@@ -523,6 +524,24 @@ class RouterCore:
             self.counters["failed"] += 1
             now = self.clock()
             tell = self.excl.failed(engine, kind, now, len(self.known))
+            if tell:
+                self._choosable(now)
+                self.policy.reset(self)
+        self._updated()
+        return tell
+
+    def stalled(self, decision: Decision) -> bool:
+        """The stream of ``decision`` stopped mid-way (``redisbal.routing.stream_gaps``):
+        evidence against its engine (kind ``stall``), as ``failed()``, but the request
+        goes on (its stream may still end, or time out: ``finished()``/``failed()``).
+        Returns whether to tell the deployment (it was ejected now)."""
+        with self.lock:
+            engine = decision.engine_id
+            if engine not in self.by_id:
+                return False
+            self.counters["stalled"] += 1
+            now = self.clock()
+            tell = self.excl.failed(engine, "stall", now, len(self.known))
             if tell:
                 self._choosable(now)
                 self.policy.reset(self)

@@ -14,8 +14,10 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import redis
 from support.gateway_stack import (
     MODEL,
+    openai_client,
     process_engines,
     settled,
     stack,
@@ -25,6 +27,7 @@ from support.gateway_stack import (
 from support.helpers import await_until, coordinator
 
 from redisbal.gateway.proxy import ENGINE_HEADER
+from redisbal.ops.status import gather_status
 from redisbal.routing.outcomes import OutcomeTracker
 
 pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
@@ -365,3 +368,120 @@ async def test_an_attempt_given_up_on_a_stopped_engine_is_aborted_there(
                 await client.close()
             finally:
                 await stop_gateway(gw)
+
+
+def suspect_reason(redis_url: str, deployment: str, engine: str) -> str:
+    """What ``redisbal status`` says of ``engine``'s suspect mark ("" without one)."""
+    with redis.Redis.from_url(redis_url) as r:
+        rows = {e["engine"]: e for e in gather_status(r, deployment)["engines"]}
+    mark = rows.get(engine, {}).get("suspect")
+    return str(mark["reason"]) if mark else ""
+
+
+async def test_an_engine_refusing_what_the_others_accept_is_retried_avoided_and_named(
+    redis_url: str, deployment: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 401 from one engine for the credentials and model the others accept (a wrong
+    engine key there) is that engine's fault: retried elsewhere, avoided by every
+    router, logged once, counted by status and shown with its status in ``status``."""
+    async with stack(redis_url, deployment, n=3) as st:
+        gw, bad = st.gateways[0], st.engines[0]
+        client = openai_client(st.url, "k")
+        assert all(await asyncio.gather(*(stream_one(client) for _ in range(12))))
+        await set_fault(bad.url, "status", 401)
+        caplog.set_level("WARNING", "redisbal.gateway")
+        for _ in range(6):  # (in batches: the retry budget is a share of the traffic)
+            assert all(await asyncio.gather(*(stream_one(client) for _ in range(10))))
+        text = gw.metrics.render().decode()
+        assert metric(text, "redisbal_gateway_engine_outcomes_total", engine="0", outcome="401")
+        await await_until(lambda: "0" in gw.router.core.excluded())
+        await await_until(lambda: "401 x" in suspect_reason(redis_url, deployment, "0"))
+        said = [r for r in caplog.records if "refuses with 401" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        decisions = metric(text, "redisbal_gateway_decisions_total", engine="0")
+        assert decisions < 20, f"engine 0 got {decisions} of 70+ decisions while refusing"
+        # it accepts again: a probe brings it back
+        await set_fault(bad.url, "none")
+        before = bad.arrived
+        deadline = time.monotonic() + 10
+        while bad.arrived < before + 5 and time.monotonic() < deadline:
+            await stream_one(client)
+        assert bad.arrived >= before + 5
+        await await_until(lambda: "0" not in gw.router.core.excluded())
+        await settled(st)
+
+
+async def test_a_refusal_no_engine_accepts_goes_back_to_the_client_and_blames_none(
+    redis_url: str, deployment: str
+) -> None:
+    """The client's own mistakes: credentials every engine refuses, a model no engine
+    serves. The engine's answer goes back as it came, and no engine is marked."""
+    async with stack(redis_url, deployment, n=3) as st:
+        gw = st.gateways[0]
+        good = openai_client(st.url, "good")
+        assert all(await asyncio.gather(*(stream_one(good) for _ in range(6))))
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await good.completions.create(model="nope", prompt="a", max_tokens=2, stream=True)
+        for e in st.engines:  # a revoked key: refused everywhere
+            await set_fault(e.url, "status", 401)
+        bad = openai_client(st.url, "revoked")
+        for _ in range(5):
+            with pytest.raises(openai.AuthenticationError):
+                await stream_one(bad)
+        text = gw.metrics.render().decode()
+        assert metric(text, "redisbal_gateway_retries_total") == 0
+        assert metric(text, "redisbal_gateway_engine_outcomes_total", outcome="rejected") == 6
+        assert not gw.router.core.excluded()
+        for e in st.engines:
+            await set_fault(e.url, "none")
+        await settled(st)
+
+
+async def test_an_engine_whose_streams_stop_mid_way_is_passed_over_before_the_idle_bound(
+    redis_url: str, deployment: str
+) -> None:
+    """An engine whose streams send their first chunks, then nothing (connections open,
+    reports healthy) while the other engines' streams flow: every router passes it over
+    long before the idle-read bound (20 s here) would fail a stream, new requests go
+    elsewhere, and once its streams flow again a probe's stream brings it back."""
+    async with stack(redis_url, deployment, n=3, idle_timeout_s=20.0) as st:
+        gw, bad = st.gateways[0], st.engines[0]
+        client = openai_client(st.url, "k")
+        assert all(await asyncio.gather(*(stream_one(client) for _ in range(30))))
+        body = {"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+        async def long_stream(s: aiohttp.ClientSession, engine: str) -> str:
+            async with s.post(
+                st.url + "/v1/completions", json=body, headers={ENGINE_HEADER: engine}
+            ) as r:
+                return (await r.read()).decode()
+
+        async with aiohttp.ClientSession() as s:
+            # streams under way on every engine; engine 0's stops mid-way
+            longs = [asyncio.ensure_future(long_stream(s, e)) for e in ("0", "1", "2")]
+            await await_until(lambda: all(e.inflight for e in st.engines))
+            await set_fault(bad.url, "stall", after=3)
+            await await_until(lambda: "0" in gw.router.core.excluded(), 10.0)
+            assert not any(t.done() for t in longs)  # no stream was cut to notice it
+            await await_until(lambda: "stall x" in suspect_reason(redis_url, deployment, "0"))
+            text = gw.metrics.render().decode()
+            assert metric(
+                text, "redisbal_gateway_engine_outcomes_total", engine="0", outcome="stall"
+            )
+            # new requests go elsewhere while it stays stalled (but a probe now and then)
+            short = {"prompt": "a", "max_tokens": 2, "stream": True}
+            served = []
+            for _ in range(20):
+                async with s.post(st.url + "/v1/completions", json=short) as r:
+                    await r.read()
+                    served.append(r.headers[ENGINE_HEADER])
+            assert served.count("0") <= 3, served
+            await set_fault(bad.url, "none")  # its streams flow again
+            done = await asyncio.gather(*longs)
+            assert all("[DONE]" in t for t in done)
+        before = bad.arrived
+        deadline = time.monotonic() + 10
+        while bad.arrived < before + 3 and time.monotonic() < deadline:
+            await stream_one(client)
+        await await_until(lambda: "0" not in gw.router.core.excluded())
+        await settled(st)
