@@ -66,7 +66,6 @@ async def run_isolation(
     others = [AsyncReporter(deployment=other, engines=e, sender=sender) for e in ENGINES]
     out = Isolation()
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
 
     async def victim_loop() -> None:
         step = 0
@@ -94,14 +93,8 @@ async def run_isolation(
     tasks = [asyncio.create_task(victim_loop()), asyncio.create_task(other_loop())]
     try:
         await asyncio.sleep(warmup_s)
-        await loop.run_in_executor(None, kill)
-        t_kill = time.monotonic()
+        t_kill, t_promoted = await _fail_over(kill, promoted, timeout_s)
         deadline = t_kill + timeout_s
-        while not await loop.run_in_executor(None, promoted):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the victim's replica was not promoted")
-            await asyncio.sleep(0.05)
-        t_promoted = time.monotonic()
         while True:
             res = await victims[0].report(Counts(step=10**6, waiting=0, running=1), wait=True)
             if res.accepted or time.monotonic() > deadline:
@@ -223,14 +216,8 @@ async def run_one_loop(
         reporting = asyncio.create_task(async_loop())
     try:
         await asyncio.sleep(warmup_s)
-        await loop.run_in_executor(None, kill)
-        t_kill = time.monotonic()
+        t_kill, t_promoted = await _fail_over(kill, promoted, timeout_s)
         deadline = t_kill + timeout_s
-        while not await loop.run_in_executor(None, promoted):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the victim's replica was not promoted")
-            await asyncio.sleep(0.05)
-        t_promoted = time.monotonic()
         while not any(t > t_promoted for t in adopted[victim]):
             if time.monotonic() > deadline:
                 raise TimeoutError("the victim's router adopted no snapshot after the failover")
@@ -259,3 +246,18 @@ async def run_one_loop(
     out.promoted_s, out.victim_back_s = t_promoted - t_kill, t_back - t_kill
     out.load_avg = os.getloadavg()
     return out
+
+
+async def _fail_over(
+    kill: Callable[[], object], promoted: Callable[[], bool], timeout_s: float
+) -> tuple[float, float]:
+    """Kill the victim's primary and wait for its replica's promotion (off the loop:
+    both block); returns when each happened (monotonic)."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, kill)
+    t_kill = time.monotonic()
+    while not await loop.run_in_executor(None, promoted):
+        if time.monotonic() > t_kill + timeout_s:
+            raise TimeoutError("the victim's replica was not promoted")
+        await asyncio.sleep(0.05)
+    return t_kill, time.monotonic()
