@@ -27,8 +27,10 @@ from support.gateway_stack import (
 from support.helpers import await_until, coordinator
 
 from redisbal.gateway.proxy import ENGINE_HEADER
+from redisbal.gateway.server import Gateway
 from redisbal.ops.status import gather_status
 from redisbal.routing.outcomes import OutcomeTracker
+from redisbal.sim.http_engine import HttpEngine
 
 pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
@@ -37,6 +39,18 @@ async def set_fault(url: str, mode: str, status: int = 500, **more: float) -> No
     body = {"mode": mode, "status": status, **more}
     async with aiohttp.ClientSession() as s, s.post(url + "/sim/fault", json=body) as r:
         assert r.status == 200, await r.text()
+
+
+async def brought_back(gw: Gateway, bad: HttpEngine, client: openai.AsyncOpenAI) -> None:
+    """``bad`` (engine "0") answers well again: its fault ended, the probes that reach it
+    answer, and it is chosen again."""
+    await set_fault(bad.url, "none")
+    before = bad.arrived
+    deadline = time.monotonic() + 10  # (guards a hang only)
+    while bad.arrived < before + 5 and time.monotonic() < deadline:
+        await stream_one(client)
+    assert bad.arrived >= before + 5
+    await await_until(lambda: "0" not in gw.router.core.excluded())
 
 
 async def sim_state(url: str) -> dict[str, Any]:
@@ -81,13 +95,7 @@ async def test_an_engine_answering_500_while_reporting_idle_is_avoided_then_take
         decisions = metric(text, "redisbal_gateway_decisions_total", engine="0")
         assert decisions < 20, f"engine 0 got {decisions} of 60+ decisions while failing"
         # it answers well again: a probe brings it back, here and in the deployment
-        await set_fault(bad.url, "none")
-        before = bad.arrived
-        deadline = time.monotonic() + 10
-        while bad.arrived < before + 5 and time.monotonic() < deadline:
-            await stream_one(client)
-        assert bad.arrived >= before + 5
-        await await_until(lambda: "0" not in gw.router.core.excluded())
+        await brought_back(gw, bad, client)
         await settled(st)
 
 
@@ -401,13 +409,7 @@ async def test_an_engine_refusing_what_the_others_accept_is_retried_avoided_and_
         decisions = metric(text, "redisbal_gateway_decisions_total", engine="0")
         assert decisions < 20, f"engine 0 got {decisions} of 70+ decisions while refusing"
         # it accepts again: a probe brings it back
-        await set_fault(bad.url, "none")
-        before = bad.arrived
-        deadline = time.monotonic() + 10
-        while bad.arrived < before + 5 and time.monotonic() < deadline:
-            await stream_one(client)
-        assert bad.arrived >= before + 5
-        await await_until(lambda: "0" not in gw.router.core.excluded())
+        await brought_back(gw, bad, client)
         await settled(st)
 
 
