@@ -22,8 +22,8 @@ traffic as one) with ``loadgen --session-prompts``, on engines given
 summed over the engines' /sim/state).
 
 Policies are what ``redisbal gateway --policy`` accepts (redisbal.routing.policies.POLICIES)
-and, with ``--trace``, the real peer routers (redisbal.bench.peer_routers:
-``vllm-router:cache_aware``, ``vllm-router:power_of_two``, ``sglang-router:cache_aware``,
+and, with ``--trace``, the real peer routers (every policy of
+redisbal.bench.peer_routers.POLICIES, e.g. ``vllm-router:cache_aware``,
 ``sglang-router:power_of_two``; the pinned versions are pip-installed into a venv of
 their own on first use, ``--routers-venv``), ``--gateways`` replicas of each in front
 of the same engines, every run checking in the router's /metrics and the engines'
@@ -237,7 +237,8 @@ class TraceDemo(ScenarioDemo):
         self.cache = {"prompt_tokens": prompt, "cached_tokens": cached}
         if self.peer is None and not isinstance(self, RouterDemo):
             for _, url in self.gateways:
-                self.held += held_total(_get(url + "/metrics").decode())
+                rows = peer_routers.parse_metrics(_get(url + "/metrics").decode())
+                self.held += int(peer_routers.total(rows, "redisbal_gateway_hold_seconds_count"))
         return [gen]
 
     def engine_urls(self) -> list[str]:
@@ -299,14 +300,6 @@ class RouterDemo(TraceDemo):
         for rp in self.replicas:  # a failed run may not have reached stop_front_ends
             rp.stop()
         super().cleanup()
-
-
-def held_total(metrics: str) -> int:
-    """Requests a gateway held, from its /metrics page."""
-    for line in metrics.splitlines():
-        if line.startswith("redisbal_gateway_hold_seconds_count"):
-            return int(float(line.split()[-1]))
-    return 0
 
 
 def wait_for_load(gate: float | None, wait_s: float) -> bool:
