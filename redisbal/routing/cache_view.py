@@ -1,0 +1,126 @@
+"""What the engines cache, as every router sees it: chained block hashes and anchors.
+
+An engine with prefix caching (vLLM's automatic prefix caching, SGLang's radix cache)
+keeps the KV blocks of prompts it computed and reuses them for a later prompt that
+starts with the same tokens. vLLM tells what it caches in KV events (BlockStored,
+BlockRemoved, AllBlocksCleared), each stored block with its token ids. Its own block
+hashes depend on its configuration and seed, so nothing outside the engine can make
+them: the events are read beside the engine, and each stored block is named anew by
+:func:`chain_hashes` over its token ids. A router names a request's blocks the same
+way from the request's tokens, so the two meet without the engine's hash function.
+
+To keep the view small, only every ``ANCHOR_STRIDE``-th block of a chain is kept (its
+*anchors*): a prompt's match with an engine is its deepest anchor the engine holds,
+so the view is exact to ``ANCHOR_STRIDE x block_size`` tokens and a fraction of the
+size. A block hash covers every token before it, so holding an anchor means having
+held the whole prefix up to it (an engine that evicted a block in the middle of a
+chain but kept its tail is read as holding the prefix: an overestimate the engines'
+leaf-first eviction makes rare).
+
+This module is pure (no I/O): the one home of the hashes and of the view's record
+format. The events are read and the view written beside the engines by
+``redisbal.integrations.kv_events``; routers read it back (docs/DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+
+from redisbal.errors import InvalidArgument
+
+BLOCK_TOKENS = 16  # tokens per KV block: vLLM's default block size
+ANCHOR_STRIDE = 4  # every 4th block of a chain is an anchor: the view is exact to 64 tokens
+ROOT = b"\x00" * 8  # the parent of a chain's first block
+
+
+def chain_hashes(
+    token_ids: Sequence[int], block_size: int = BLOCK_TOKENS, parent: int | None = None
+) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids``: block i's hash covers its
+    tokens and the hash of block i-1 (``parent`` for the first, or the root), 64-bit
+    unsigned, blake2b, so every process makes the same. A partial last block has none
+    (engines cache full blocks only)."""
+    if block_size < 1:
+        raise InvalidArgument(f"block_size must be >= 1, got {block_size}")
+    out: list[int] = []
+    h = ROOT if parent is None else parent.to_bytes(8, "big")
+    full = len(token_ids) // block_size
+    pack = struct.Struct(f"<{block_size}I").pack
+    try:
+        for i in range(full):
+            block = pack(*token_ids[i * block_size : (i + 1) * block_size])
+            h = hashlib.blake2b(h + block, digest_size=8).digest()
+            out.append(int.from_bytes(h, "big"))
+    except struct.error as exc:
+        raise InvalidArgument(f"token ids must be whole numbers in [0, 2**32): {exc}") from None
+    return out
+
+
+def is_anchor(depth: int, stride: int = ANCHOR_STRIDE) -> bool:
+    """Whether the block at ``depth`` (1 = a chain's first block) is an anchor."""
+    return depth % stride == 0
+
+
+def anchors(hashes: Sequence[int], stride: int = ANCHOR_STRIDE) -> list[int]:
+    """The anchors of a chain given as its blocks' hashes, shallowest first."""
+    return list(hashes[stride - 1 :: stride])
+
+
+class CacheView:
+    """Every engine's anchors, as one router holds them: engine id -> set of anchors.
+
+    ``matched_blocks`` answers how much of a request's prefix an engine holds; the
+    sets are filled from Redis by the router's reader (``replace``, ``apply``)."""
+
+    __slots__ = ("engines", "stride")
+
+    def __init__(self, stride: int = ANCHOR_STRIDE) -> None:
+        self.stride = stride
+        self.engines: dict[str, set[int]] = {}
+
+    def replace(self, engine_id: str, held: Iterable[int]) -> None:
+        """Set an engine's anchors (a full record read from Redis)."""
+        self.engines[engine_id] = set(held)
+
+    def apply(
+        self,
+        engine_id: str,
+        added: Iterable[int] = (),
+        removed: Iterable[int] = (),
+        cleared: bool = False,
+    ) -> None:
+        """Apply one change an engine made (in the order it made them): ``cleared``
+        first, then ``removed``, then ``added``."""
+        held = self.engines.get(engine_id)
+        if held is None or cleared:
+            held = self.engines[engine_id] = set()
+        held.difference_update(removed)
+        held.update(added)
+
+    def drop(self, engine_id: str) -> None:
+        """Forget an engine (it left the deployment)."""
+        self.engines.pop(engine_id, None)
+
+    def matched_blocks(self, engine_id: str, request_anchors: Sequence[int]) -> int:
+        """How many leading blocks of the request the engine holds: its deepest anchor
+        among ``request_anchors`` (shallowest first) x the stride; 0 if none."""
+        held = self.engines.get(engine_id)
+        if not held:
+            return 0
+        for i in range(len(request_anchors) - 1, -1, -1):
+            if request_anchors[i] in held:
+                return (i + 1) * self.stride
+        return 0
+
+
+def pack_hashes(hashes: Iterable[int]) -> bytes:
+    """Hashes as Redis stores them: 8 bytes each, big-endian, one after the other."""
+    return b"".join(h.to_bytes(8, "big") for h in hashes)
+
+
+def unpack_hashes(data: bytes) -> list[int]:
+    """The inverse of :func:`pack_hashes`; a trailing partial hash is ignored."""
+    n = len(data) // 8
+    return list(struct.unpack(f">{n}Q", data[: n * 8]))
