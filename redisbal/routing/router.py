@@ -282,6 +282,7 @@ class AsyncRouter(_LocalRouting):
         self._marks: set[asyncio.Task[None]] = set()  # suspect marks on their way
         self._caps_for: list[Any] | None = None  # core.known when the caps were read
         self._caps_due = 0.0  # loop time the declared caps are read again (_read_caps)
+        self._caps_warned = False  # the caps could not be read (an ACL): said once
         self._scripts: Scripts | None = None  # made with the first mark
         self.routes = RoutesChannel(self.core, self.keys.routes, tell_routes)
         self.admission: Admission | None = None
@@ -442,9 +443,22 @@ class AsyncRouter(_LocalRouting):
         engines known change (a new one is routed with its cap from the start) and every
         ``CAPS_REFRESH_S`` (one declared again after Redis lost it)."""
         known = self.core.known
-        self.core.set_declared_caps(await fetch_caps(self._redis, self.keys))
         self._caps_for = known
         self._caps_due = asyncio.get_running_loop().time() + CAPS_REFRESH_S
+        try:
+            caps = await fetch_caps(self._redis, self.keys)
+        except redis.exceptions.ResponseError as exc:  # an ACL without the hash: none known
+            if not self._caps_warned:
+                self._caps_warned = True
+                log.warning(
+                    "router %d: cannot read the engines' declared running caps (%s); "
+                    "learning them from queues (grant this user HGETALL on %s)",
+                    self.core.client_index,
+                    redact(str(exc)),
+                    self.keys.running_caps,
+                )
+            return
+        self.core.set_declared_caps(caps)
 
     async def _known_engines(self) -> None:
         if self.core.snapshot is None and not self.core.engines:

@@ -5,8 +5,11 @@ router's feed reading the caps from a real Redis."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 
+import pytest
 import redis
 from support.helpers import Barrier, await_until, make_snapshot
 
@@ -124,3 +127,35 @@ async def test_a_router_reads_the_caps_the_engines_declared(
         await router.aclose()
         await rep.aclose()
         await other.aclose()
+
+
+async def test_a_router_user_that_cannot_read_the_caps_routes_on_with_one_warning(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A router user made by the ACL lines of before (no HGETALL of running_caps): the
+    feed stays up, one warning says what to grant, and no cap is known."""
+    Barrier(r, keys).configure()
+    d = keys.deployment
+    r.execute_command(
+        "ACL", "SETUSER", f"old-router-{d}", "reset", "on", ">pw",
+        f"~redisbal:{{{d}}}:snapshot", f"~redisbal:{{{d}}}:members", "resetchannels",
+        f"&redisbal:{{{d}}}:snapshots", "-@all", "+ping", "+get", "+zrange", "+subscribe",
+    )  # fmt: skip
+    url = redis_url.replace("://", f"://old-router-{d}:pw@", 1)  # tcp or unix socket
+    rep = AsyncReporter(redis_url, d, "e0", running_cap=4, mode="tick")
+    router = AsyncRouter(url, d, tell_routes=False)
+    try:
+        await rep.register()
+        await rep.report(Counts(None, 0, 1))
+        with caplog.at_level(logging.WARNING, "redisbal.routing.router"):
+            await router.start(wait=5.0)
+            await await_until(lambda: "e0" in router.core.by_id, 5.0)
+            await asyncio.sleep(0.3)  # a few feed rounds
+        assert not router.core.degraded
+        assert router.core.by_id["e0"].declared_cap == 0
+        warned = [m for m in caplog.messages if "declared running caps" in m]
+        assert len(warned) == 1 and "HGETALL" in warned[0], caplog.messages
+    finally:
+        await router.aclose()
+        await rep.aclose()
+        r.execute_command("ACL", "DELUSER", f"old-router-{d}")
