@@ -94,6 +94,15 @@ def admitted_from_args(run_args: dict[str, Any]) -> bool:
     return all(f == "full" for f in forms)
 
 
+def declared_from_args(run_args: dict[str, Any]) -> bool:
+    """Whether the run's engines declared their running cap (``--report-as vllm-plugin``
+    or ``sglang``)."""
+    args = str(run_args.get("engine_args") or "").split()
+    forms = [b for a, b in itertools.pairwise(args) if a == "--report-as"]
+    forms += [a.split("=", 1)[1] for a in args if a.startswith("--report-as=")]
+    return any(f in ("vllm-plugin", "sglang") for f in forms)
+
+
 def slow_engines(slow: list[str], engines: int) -> tuple[float, float]:
     """(share of engines that are slow, their factor) from demo-style ``ID:FACTOR``
     entries; every slow engine must share one factor (the simulator slows the last
@@ -156,6 +165,7 @@ def simulate_run(
         workload=work,
         keys_guessed=True,  # loadgen sends a trace's keys as the body's user
         admitted=admitted_from_args(run_args),
+        declared_caps=declared_from_args(run_args),
         delivery_ms=cal.delivery_ms,
         jitter_ms=cal.jitter_ms,
         transit_ms=cal.transit_ms,
