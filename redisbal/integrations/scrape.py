@@ -16,7 +16,8 @@ The engines' running cap (how many requests each runs at once) is declared once
 per engine (``redisbal.running_caps``): from ``--max-num-seqs`` (what ``vllm serve``
 was given: vLLM's /metrics carries no cap), else from SGLang's ``GET /v1/loads``
 (``max_running_requests`` per ``dp_rank``), asked once per server before its engines
-are first added (vLLM answers 404 there: no cap, learned from queues as before).
+are first added (vLLM answers 404 there: no cap, learned from queues as before; a
+server that does not answer it is not asked again).
 
 A scrape that fails (refused, HTTP error, timeout, a page without the counts) is
 never reported as idle: the engines of that URL are paused, so they stop
@@ -175,27 +176,29 @@ class Sidecar:
             text = await resp.text()
         return parse_page(text)
 
-    async def fetch_caps(
-        self, session: aiohttp.ClientSession, target: Target
-    ) -> dict[str, int] | None:
-        """SGLang's ``max_running_requests`` per ``dp_rank`` from ``GET /v1/loads`` at the
-        metrics URL's server; {} where there is none (vLLM: 404, or another answer), None
-        when the server did not answer (asked again at the next good scrape)."""
+    async def fetch_caps(self, session: aiohttp.ClientSession, target: Target) -> None:
+        """Once per target, before its engines are first added, and only without
+        ``--max-num-seqs``: SGLang's ``max_running_requests`` per ``dp_rank`` from
+        ``GET /v1/loads`` at the metrics URL's server into ``target.caps``; none where
+        there is none (vLLM: 404), or where it did not answer (a slow server is not
+        asked again: its engines are reported meanwhile, and a cap is declared when an
+        engine is added)."""
+        if self.running_cap is not None or target.caps is not None:
+            return
+        target.caps = {}
         parts = urlsplit(target.metrics_url)
         url = f"{parts.scheme}://{parts.netloc}/v1/loads"
         try:
             async with session.get(url) as resp:
                 if resp.status != 200:
-                    return {}
+                    return
                 data = await resp.json(content_type=None)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-            return None
-        except ValueError:  # not JSON
-            return {}
-        caps = loads_caps(data)
-        if caps:
-            log.info("scrape: %s declares running caps %s", url, caps)
-        return caps
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+            log.info("scrape: no running caps from %s: %s", url, type(exc).__name__)
+            return
+        target.caps = loads_caps(data)
+        if target.caps:
+            log.info("scrape: %s declares running caps %s", url, target.caps)
 
     def cap_for(self, target: Target, label: str) -> int | None:
         """The running cap declared for the engine ``label`` of ``target``."""
@@ -258,8 +261,8 @@ class Sidecar:
         except (aiohttp.ClientError, OSError) as exc:
             self.fail(target, f"{type(exc).__name__}: {exc}")
             return False
-        if self.running_cap is None and target.caps is None:
-            target.caps = await self.fetch_caps(session, target)
+        if not target.engines:  # its engines are about to be added: their caps first
+            await self.fetch_caps(session, target)
         self.apply(target, samples)
         return True
 
@@ -291,8 +294,7 @@ class Sidecar:
                     reason = f"{type(exc).__name__}: {exc}"
                     log.warning("scrape: %s not answering yet (%s)", t.metrics_url, reason)
                     continue
-                if self.running_cap is None:
-                    t.caps = await self.fetch_caps(session, t)
+                await self.fetch_caps(session, t)
                 for s in samples:  # known now: they register together, before any reports
                     eid = t.engines[s.engine] = self.engine_id(t, s.engine)
                     self.sender.add(eid, t.engine_url, self.cap_for(t, s.engine))
