@@ -131,6 +131,18 @@ def needs_kv_events(name: str) -> bool:
     return name in KV_EVENT_POLICIES
 
 
+def split_name_without_events(name: str) -> tuple[str, str]:
+    """``split_name`` for a benchmark that gives the engines no KV-event publishers: a
+    one-line error for a policy that would run without its events (below strength)."""
+    router, policy = split_name(name)
+    if needs_kv_events(name):
+        raise RouterError(
+            f"{name} routes on the engines' KV events, which only scripts/gateway_policies.py "
+            "wires (a publisher per engine); choose another policy here"
+        )
+    return router, policy
+
+
 def kv_event_args(sources: dict[str, str], model: str) -> list[str]:
     """vllm-router's flags for static KV event sources: each worker URL's ZMQ publisher
     (``{url: "tcp://HOST:PORT"}``), the block size the engines publish at, and the model

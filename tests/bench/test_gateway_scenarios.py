@@ -204,6 +204,16 @@ def test_only_kv_aware_needs_the_events_and_it_is_a_benchmark_policy() -> None:
         "vllm-router:kv_aware"
     ]
     assert peer_routers.split_name("vllm-router:kv_aware") == ("vllm-router", "kv_aware")
+    # where no engine publishes events, kv_aware is refused rather than run below strength
+    with pytest.raises(peer_routers.RouterError, match="KV events") as err:
+        peer_routers.split_name_without_events("vllm-router:kv_aware")
+    assert "\n" not in str(err.value)
+    assert peer_routers.split_name_without_events("vllm-router:cache_aware")[1] == "cache_aware"
+    for script in ("engine_faults.py", "gateway_overhead.py"):
+        got = _script(str(SCRIPTS / script), "--" + ("routers" if "faults" in script else "peers"),
+                      "vllm-router:kv_aware")  # fmt: skip
+        assert got.returncode != 0 and "routes on the engines' KV events" in got.stderr, got.stderr
+        assert "Traceback" not in got.stderr
 
 
 def _kv_metrics(by_prefix: int, rendered: int, lookups: dict[str, int]) -> str:
