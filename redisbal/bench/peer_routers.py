@@ -19,7 +19,13 @@ says. vllm-router's kv_aware follows the engines' KV events (engine-sim ``--kv-e
 ENDPOINT``, one ZMQ publisher per engine, vLLM's wire format; ``kv_event_args`` names
 them to the router) and renders each request on a worker: at full strength every
 request is rendered and decided by its prefix cost, and some lookups find blocks that
-the events put in its index.
+the events put in its index. What vllm-router 0.1.17 decodes (seen against a publisher
+of its own, tests/bench/test_peer_routers.py): multipart ``[topic, 8-byte big-endian
+seq, msgpack batch]``, the batch ``[ts, events, rank]``, each event a map tagged by
+``type`` (an array-encoded event is refused as "KV event must be a tagged map"; a
+BlockStored map must carry ``lora_name``, nil allowed); it indexes stored blocks by
+their ``token_ids`` (matched against the tokens the worker renders), not their hashes,
+and needs ``--kv-event-model`` with static sources.
 """
 
 from __future__ import annotations
