@@ -54,6 +54,7 @@ from redisbal.gateway.retry import (
 from redisbal.gateway.tracing import Tracing
 from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, UpstreamUnreachable
 from redisbal.keys import InvalidName, check_name
+from redisbal.routing.cache_view import CHARS_PER_TOKEN
 from redisbal.routing.policies import NoEngines, UnknownEngine
 from redisbal.routing.router import AsyncRouter
 from redisbal.routing.state import MAX_KEY_LEN, Decision
@@ -66,7 +67,6 @@ CLIENT_HEADER = "X-Redisbal-Client-Index"  # tells the engine which API server s
 MAX_ATTEMPTS = 3  # engines one request may try (the first and two retries)
 PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
 KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer one engine
-CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, roughly)
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untraced
 # attempts given up while the engine had them (their connection is dropped: it aborts)
 ABANDONED = frozenset({"first_byte_timeout", "idle_timeout", "timeout"})
