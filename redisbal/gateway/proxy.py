@@ -471,8 +471,8 @@ class Proxy:
         blocks: tuple[int, ...] = ()
         hasher = self.prefix_blocks
         # (hashed only while some engine's cache is known: else nothing could match)
-        if hasher is not None and pin is None and dep.router.core.cache_view.holders:
-            blocks = hasher(body, request.path == CHAT_PATH)
+        if hasher is not None and pin is None and (cached := dep.router.core.cache_view.holders):
+            blocks = hasher(body, request.path == CHAT_PATH, cached)
         dep.budget.request()
         if pin is None and (held := await dep.router.admit()):  # every engine was full
             m.hold.observe(held)

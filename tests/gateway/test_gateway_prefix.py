@@ -13,7 +13,7 @@ import pytest
 from support.gateway_stack import MODEL, openai_client, start_engines, start_gateway, stop_gateway
 from support.helpers import await_until
 
-from redisbal.gateway.prefix import sim_blocks
+from redisbal.gateway.prefix import SimBlocks
 from redisbal.gateway.proxy import ENGINE_HEADER, route_facts
 from redisbal.gateway.server import Gateway
 from redisbal.routing.cache_view import anchors
@@ -29,6 +29,7 @@ CACHED = EngineParams(
     kv_capacity_tokens=1 << 16,
     cache_blocks=512,
 )
+EVERY = range(2**64)  # every anchor: the chain is not cut short
 SHARED = "".join(f"Rule {i}: answer briefly and cite the manual, section {i}. " for i in range(40))
 
 
@@ -70,13 +71,15 @@ async def test_a_shared_prefix_goes_to_the_engine_that_holds_it(
     gw = None
     try:
         gw = await start_gateway(
-            redis_url, deployment, prefix_blocks=sim_blocks if matching else None
+            redis_url, deployment, prefix_blocks=SimBlocks() if matching else None
         )
         await await_until(lambda: len(gw.live_engines()) == 4)
         first = SHARED + "Question: what is rule 3?"
         home = await served_by(gw, prompt=first)
         # what the engines' KV-event reader would add: the blocks the engine stored
-        gw.router.core.cache_view.apply(home, added=anchors(sim_blocks({"prompt": first}, False)))
+        gw.router.core.cache_view.apply(
+            home, added=anchors(SimBlocks()({"prompt": first}, False, EVERY))
+        )
         await await_until(lambda: settled(gw))
         seen = by_id[home].model.cached_tokens_seen
         # the same prefix as a chat: the messages' contents one after the other
@@ -88,7 +91,7 @@ async def test_a_shared_prefix_goes_to_the_engine_that_holds_it(
             assert by_id[home].model.cached_tokens_seen - seen >= len(SHARED) // 4 - 64
             assert routes == 1 and tokens >= len(SHARED) // 4 - 64
             # a trace's attempt says so too: the tokens the engine holds
-            blocks = sim_blocks({"messages": chat}, True)
+            blocks = SimBlocks()({"messages": chat}, True, EVERY)
             d = gw.router.route(blocks=blocks, prompt_tokens=len(blocks) * 16)
             facts = route_facts(gw.models.default, d, 1, None, False)
             gw.router.core.unroute(d)

@@ -1,6 +1,7 @@
 """``--prefix-tokens``: a request's prompt blocks, as the engines' caches name them
 (redisbal.gateway.prefix). engine-sim's tokens, and a real Hugging Face tokenizer made
-on disk here (a word-level one: no download)."""
+on disk here (a word-level one: no download); whole anchors only, up to the first no
+engine holds."""
 
 from __future__ import annotations
 
@@ -11,10 +12,18 @@ from support.cli import run_cli
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from redisbal.errors import InvalidArgument
-from redisbal.gateway.prefix import MAX_PREFIX_TOKENS, block_hasher, sim_blocks
-from redisbal.routing.cache_view import chain_hashes, sim_token_ids
+from redisbal.gateway.prefix import MAX_PREFIX_TOKENS, SimBlocks, block_hasher
+from redisbal.routing.cache_view import anchors, chain_hashes, sim_token_ids
 
 WORDS = [f"w{i}" for i in range(50)]
+
+
+EVERY = range(2**64)  # every anchor is held by some engine: the walk never stops early
+
+
+def whole_anchors(ids: list[int]) -> tuple[int, ...]:
+    """The chain of ``ids`` cut to its last anchor."""
+    return tuple(chain_hashes(ids[: len(ids) // 64 * 64]))
 
 
 @pytest.fixture
@@ -27,20 +36,47 @@ def tokenizer_json(tmp_path: Path) -> str:
     return str(path)
 
 
-def test_sim_blocks_are_the_chain_of_engine_sims_tokens() -> None:
-    text = "You are a helpful assistant. " * 40
-    got = sim_blocks({"prompt": text}, chat=False)
-    assert got == tuple(chain_hashes(sim_token_ids(text))) and len(got) == len(text) // 64
+def test_sim_blocks_are_the_chain_of_engine_sims_tokens_to_the_last_anchor() -> None:
+    text = "You are a helpful assistant. " * 40  # 1160 characters: 290 tokens
+    sim = SimBlocks()
+    got = sim({"prompt": text}, False, EVERY)
+    assert got == whole_anchors(sim_token_ids(text)) and len(got) == 16
+    assert got == tuple(chain_hashes(sim_token_ids(text)))[:16]
     turns = [{"role": "system", "content": text[:600]}, {"role": "user", "content": text[600:]}]
-    assert sim_blocks({"messages": turns}, chat=True) == got  # contents one after the other
-    assert sim_blocks({"prompt": "short"}, chat=False) == ()
+    assert sim({"messages": turns}, True, EVERY) == got  # the contents one after the other
+    assert SimBlocks()({"messages": turns}, True, EVERY) == got  # (not from the memo)
+    assert sim({"prompt": "short"}, False, EVERY) == ()
+
+
+def test_the_walk_stops_at_the_first_anchor_no_engine_holds() -> None:
+    text = "abcdefgh" * 1000  # 2000 tokens: 31 anchors
+    full = SimBlocks()({"prompt": text}, False, EVERY)
+    held = set(anchors(full)[:2])
+    got = SimBlocks()({"prompt": text}, False, held)
+    assert got == full[:12]  # two anchors held, the third not: nothing past it
+    assert SimBlocks()({"prompt": text}, False, set()) == full[:4]
 
 
 def test_sim_blocks_stop_at_the_bound() -> None:
     text = "abcd" * (MAX_PREFIX_TOKENS + 1000)
-    got = sim_blocks({"prompt": text}, chat=False)
+    got = SimBlocks()({"prompt": text}, False, EVERY)
     assert len(got) == MAX_PREFIX_TOKENS // 16
     assert got == tuple(chain_hashes(sim_token_ids(text[: MAX_PREFIX_TOKENS * 4])))
+
+
+def test_the_bound_is_an_option() -> None:
+    text = "abcd" * 4096
+    hasher = block_hasher("sim", 1000)
+    assert hasher is not None and len(hasher({"prompt": text}, False, EVERY)) == 60
+
+
+def test_the_memo_forgets_the_least_recently_used_pieces() -> None:
+    sim = SimBlocks(memo=4)
+    a, b = "a" * 256 * 3, "b" * 256 * 3
+    want = sim({"prompt": a}, False, EVERY)
+    sim({"prompt": b}, False, EVERY)
+    assert len(sim.memo.pieces) == 4  # a's last two pieces went
+    assert sim({"prompt": a}, False, EVERY) == want
 
 
 def test_a_tokenizer_hashes_completions_prompts_as_the_engine_tokenizes_them(
@@ -48,13 +84,14 @@ def test_a_tokenizer_hashes_completions_prompts_as_the_engine_tokenizes_them(
 ) -> None:
     hasher = block_hasher(tokenizer_json)
     assert hasher is not None
-    text = " ".join(WORDS[i % 50] for i in range(100))
-    want = tuple(chain_hashes([1 + i % 50 for i in range(100)]))
-    assert hasher({"prompt": text}, False) == want and len(want) == 6
-    assert hasher({"prompt": [1 + i % 50 for i in range(100)]}, False) == want  # token ids
-    assert hasher({"messages": [{"role": "user", "content": text}]}, True) == ()
-    assert hasher({"prompt": [text, text]}, False) == ()  # a batch: no one prompt
-    assert hasher({"prompt": [-1] * 32}, False) == ()  # ids the engine would refuse
+    text = " ".join(WORDS[i % 50] for i in range(200))
+    want = whole_anchors([1 + i % 50 for i in range(200)])
+    assert hasher({"prompt": text}, False, EVERY) == want and len(want) == 12
+    ids = [1 + i % 50 for i in range(200)]
+    assert hasher({"prompt": ids}, False, EVERY) == want  # token ids, as given
+    assert hasher({"messages": [{"role": "user", "content": text}]}, True, EVERY) == ()
+    assert hasher({"prompt": [text, text]}, False, EVERY) == ()  # a batch: no one prompt
+    assert hasher({"prompt": [-1] * 64}, False, EVERY) == ()  # ids the engine would refuse
 
 
 def test_a_prompt_past_the_bound_loses_the_block_the_cut_may_have_split(
@@ -63,10 +100,10 @@ def test_a_prompt_past_the_bound_loses_the_block_the_cut_may_have_split(
     hasher = block_hasher(tokenizer_json)
     assert hasher is not None
     text = " ".join(WORDS[i % 50] for i in range(MAX_PREFIX_TOKENS * 3))
-    got = hasher({"prompt": text}, False)
+    got = hasher({"prompt": text}, False, EVERY)
     assert 0 < len(got) < MAX_PREFIX_TOKENS // 16
     ids = [1 + i % 50 for i in range(MAX_PREFIX_TOKENS * 3)]
-    assert got == tuple(chain_hashes(ids[: len(got) * 16]))
+    assert got == tuple(chain_hashes(ids[: len(got) * 16])) and len(got) % 4 == 0
 
 
 def test_off_makes_nothing_and_a_bad_tokenizer_is_one_clear_error(tmp_path: Path) -> None:
