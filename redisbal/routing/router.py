@@ -90,8 +90,9 @@ class _LocalRouting:
         ``key_guessed``: the key was taken from the request (a user id, say), not
         given as one: the default policy follows such keys only while they come back.
         ``prompt_tokens`` / ``output_tokens`` (expected, or the request's cap): the
-        route counts by the request's size. ``blocks``: hashes of the prompt's
-        token blocks, for prefix-aware policies."""
+        route counts by the request's size. ``blocks``: the prompt's leading block
+        hashes (``redisbal.routing.cache_view.chain_hashes`` of its token ids): the
+        default policy matches them with what the engines cache (``cache_sync``)."""
         return self.core.route(
             engine_id,
             key=key,

@@ -362,7 +362,7 @@ class RouterCore:
         The keywords describe the request (``RequestInfo``): a session or prefix
         ``key`` for affinity (``key_guessed``: taken from the request, not given),
         its size in tokens so that the route counts by its cost, and its prompt's
-        block hashes for prefix-aware policies."""
+        block hashes, which the default policy matches with ``cache_view``."""
         info = None
         if key is not None or prompt_tokens is not None or output_tokens is not None or blocks:
             info = request_info(key, prompt_tokens, output_tokens, blocks, key_guessed)
