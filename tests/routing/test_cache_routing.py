@@ -158,3 +158,20 @@ def test_without_blocks_or_a_view_the_choice_is_todays_exactly() -> None:
     no_match = decisions(unmatched, blocks=PROMPT, prompt_tokens=512)
     assert today == empty == no_blocks == no_match
     assert isinstance(filled.policy, RedisbalPolicy) and filled.counters["cache_routes"] == 0
+
+
+def test_a_prefix_spreads_as_its_traffic_grows_and_load_stays_even() -> None:
+    """Requests of one prefix that stay in flight: its holder takes them until it is a
+    request above the rest, then the least loaded does and caches it too; the load
+    never parts by more than the slack, and the prefix ends up on every engine."""
+    core = core_with(even(10))
+    hold(core, "e0", PROMPT)
+    holders_over_time = []
+    for _ in range(40):
+        d = core.route(blocks=PROMPT, prompt_tokens=512)
+        hold(core, d.engine_id, PROMPT)  # it computed the prompt: it holds it now
+        holders_over_time.append(len(core.cache_view.holders[anchors(PROMPT)[0]]))
+        pending = [e.pending for e in core.known]
+        assert max(pending) - min(pending) <= 2, pending
+    assert holders_over_time[0] <= 2 and holders_over_time[-1] == len(ENGINES)
+    assert holders_over_time == sorted(holders_over_time)
