@@ -43,7 +43,7 @@ from typing import Any
 import orjson
 
 from redisbal.errors import RouterError as RouterError
-from redisbal.sim.prefix_cache import BLOCK_TOKENS
+from redisbal.routing.cache_view import BLOCK_TOKENS
 
 PINNED = {"vllm-router": "0.1.17", "sglang-router": "0.3.2"}
 # every policy each ships that routes one pool of workers (kv_aware from the engines' KV
