@@ -472,7 +472,7 @@ def main() -> None:
     for name in names:
         if name != "redisbal":
             try:
-                peer_routers.split_name(name)
+                peer_routers.split_name_without_events(name)
             except peer_routers.RouterError as exc:
                 ap.error(str(exc))
     rows = []

@@ -243,7 +243,7 @@ def main() -> None:
             sys.exit(f"gateway_overhead: {exc.message}")
     try:
         for p in peers:
-            peer_routers.split_name(p)
+            peer_routers.split_name_without_events(p)
         venv = peer_routers.install(Path(a.routers_venv) if a.routers_venv else None)
     except peer_routers.RouterError as exc:
         sys.exit(f"gateway_overhead: {exc}")

@@ -19,7 +19,7 @@ instead (scripts/session_trace.py writes the simulator's sessions or Poisson
 traffic as one) with ``loadgen --session-prompts``, on engines given
 ``--engine-args`` (e.g. a prefix cache and per-token prefill: ``--cache-blocks``,
 ``--prefill-token-us``); it adds the prefix-cache hit rate (cached / prompt tokens,
-summed over the engines' /sim/state).
+summed over the engines' /sim/state) and the prefill it saved (the cached tokens).
 
 Policies are what ``redisbal gateway --policy`` accepts (redisbal.routing.policies.POLICIES)
 and, with ``--trace``, the real peer routers (every policy of
@@ -40,8 +40,12 @@ replicas; ``--split S`` (replica 0 takes a share S of the requests); ``--bypass
 RATE:IDS`` (a client of its own sends traffic straight to some engines, which only
 the engines' reports show); ``--slow`` (engines of two speeds); bursts (``--burst-*``,
 or ``session_trace.py burst``); long prompts sharing prefixes (``session_trace.py
-longprompt``). Each row records its scenario (``scenario``, and a table column), the
-requests each replica was sent (``sent_per_replica``) and the bypass client's own
+longprompt``); traffic where placement decides the hit rate, without session keys
+(``session_trace.py prefixes`` and ``agentic``, on engines whose ``--cache-blocks`` hold a
+few prefixes each). vllm-router's kv_aware runs on the engines' KV events: each run gives
+every engine a ZMQ publisher of its own (engine-sim ``--kv-events``) and the router each
+worker's (``--kv-event-source``). Each row records its scenario (``scenario``, and a
+table column), the requests each replica was sent (``sent_per_replica``) and the bypass client's own
 figures (``bypass``: never in the routed requests'; the engines' served counts and
 cache hit rate include its traffic).
 
@@ -69,8 +73,12 @@ from redisbal.bench import peer_routers
 from redisbal.bench.gateway_scenarios import (
     Bypass,
     bypass_trace,
+    cache_blocks,
     check_slow,
     check_split,
+    kv_event_endpoints,
+    kv_events_engine_args,
+    kv_sources,
     parse_bypass,
     scenario,
 )
@@ -91,7 +99,12 @@ COLUMNS = (
     ("goodput_rps", "goodput (req/s)", ".1f"),
     ("slo_attainment", "within SLO", ".3f"),
 )
-CACHE_COLUMN = ("hit_rate", "cache hit rate", ".3f")
+# prefill saved: prompt tokens the engines found in their prefix caches (/sim/state)
+CACHE_COLUMNS = (
+    ("hit_rate", "cache hit rate", ".3f"),
+    ("saved_mtok", "prefill saved (M tokens)", ".2f"),
+)
+MODEL = "redisbal-sim"  # the engines' model name (what kv_aware's event sources are for)
 # the bypass client's own figures, kept apart from the routed requests'
 BYPASS_KEYS = ("requests", "ok", "errors", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms")
 # policies that stand for a peer without being it (the real routers run as themselves)
@@ -264,6 +277,13 @@ class RouterDemo(TraceDemo):
         self.router = router
         self.venv = venv
         self.replicas: list[peer_routers.RouterProcess] = []
+        # a policy on the engines' KV events: a publisher per engine, on ports free now
+        self.kv_endpoints: list[str] = []
+        if peer_routers.needs_kv_events(router):
+            self.kv_endpoints = kv_event_endpoints(peer_routers.free_ports(opts.engines))
+
+    def engine_args(self) -> list[str]:
+        return super().engine_args() + kv_events_engine_args(self.kv_endpoints)
 
     def start_gateways(self) -> None:
         name, _ = peer_routers.split_name(self.router)
@@ -273,11 +293,19 @@ class RouterDemo(TraceDemo):
         workers = self.engine_urls()
         if len(workers) != self.opts.engines:
             raise DemoError(f"{len(workers)} engine URLs registered, not {self.opts.engines}")
+        args: list[str] = []
+        if self.kv_endpoints:
+            urls = endpoints.fetch_sync(self.client, DeploymentKeys(self.opts.deployment))
+            try:
+                sources = kv_sources(urls, self.kv_endpoints)
+                args = peer_routers.kv_event_args(sources, MODEL)
+            except (ValueError, peer_routers.RouterError) as exc:
+                raise DemoError(str(exc)) from None
         ports = peer_routers.free_ports(2 * self.opts.api_servers)
         for i in range(self.opts.api_servers):
             rp = peer_routers.RouterProcess(
                 self.router, exe, ports[2 * i], ports[2 * i + 1], workers,
-                self.logdir / f"router-{i}.log",
+                self.logdir / f"router-{i}.log", args=args,
             )  # fmt: skip
             rp.start()
             self.replicas.append(rp)
@@ -369,7 +397,9 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         loadavg=load,
         loadavg_end=os.getloadavg()[0],
         load_gate_met=gated,
-        scenario=scenario(args.gateways, args.engines, args.split, args.bypass_spec, args.slow),
+        scenario=scenario(
+            args.gateways, args.engines, args.split, args.bypass_spec, args.slow, args.cache_blocks
+        ),
         sent_per_replica=[d["requests"] for d in (lg.get("per_url") or {"": lg}).values()],
     )
     if demo.bypassed is not None:  # apart: never in the routed requests' figures
@@ -377,6 +407,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
     if isinstance(demo, TraceDemo):
         c = demo.cache
         row["hit_rate"] = c["cached_tokens"] / max(1, c["prompt_tokens"])
+        row["saved_mtok"] = c["cached_tokens"] / 1e6
         row.update(c)
         row["peer_calls"] = demo.peer_calls
         row["held"] = demo.held
@@ -405,7 +436,7 @@ def cell(values: list[float], spec: str) -> str:
 def table(rows: list[dict[str, Any]], policies: list[str]) -> str:
     """One row per policy (mean [min-max] over seeds), saying the scenario that ran;
     the bypass client's figures in columns of their own."""
-    cols = COLUMNS + ((CACHE_COLUMN,) if rows and "hit_rate" in rows[0] else ())
+    cols = COLUMNS + (CACHE_COLUMNS if rows and "hit_rate" in rows[0] else ())
     bypass = bool(rows) and "bypass" in rows[0]
     extra = ["bypass TTFT p99 (ms)", "bypass ok / sent"] if bypass else []
     heads = ["policy", "scenario", *(h for _, h, _ in cols), "ok / sent", *extra]
@@ -495,6 +526,7 @@ def main() -> None:
         check_slow(args.slow, args.engines)
         check_split(args.split, args.gateways)
         args.bypass_spec = None if args.bypass is None else parse_bypass(args.bypass, args.engines)
+        args.cache_blocks = cache_blocks(shlex.split(args.engine_args))
     except ValueError as exc:
         ap.error(str(exc))
     if args.plot:  # matplotlib is there before the runs, not after them
@@ -555,7 +587,7 @@ def main() -> None:
         f"lag p99 max {max(r['lag_p99_ms'] for r in rows):.1f} ms\n"
     )
     print(table(rows, policies))
-    drop = ("routers_venv", "bypass_spec")  # a machine path; in each row's scenario
+    drop = ("routers_venv", "bypass_spec", "cache_blocks")  # a machine path; in the scenario
     doc = {"args": {k: v for k, v in vars(args).items() if k not in drop}, "runs": rows}
     if args.json:
         with open(args.json, "wb") as fh:

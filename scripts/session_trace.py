@@ -19,7 +19,18 @@ one of ``--prefixes`` shared prefixes (lengths drawn once in ``--prefix-min`` ..
 short suffix of its own (lognormal, mean ``--suffix-mean``) under a key of its own;
 outputs as poisson's.
 
+``prefixes`` and ``agentic`` (redisbal.bench.prefix_traces): traffic where placement
+decides the prefix-cache hit rate, with no session key at all. ``prefixes``: Poisson
+requests, each one of ``--prefixes`` (default 48) shared prefixes of ``--prefix-min``
+.. ``--prefix-max`` tokens, popularity Zipf (``--zipf``), and a short suffix of its own.
+``agentic``: agents starting Poisson at ``--rate`` a second, each a chain of calls
+(mean ``--turns-mean``) that resend the whole history with a tool result appended
+(``--tool-mean`` tokens), named by a ``thread`` loadgen never sends; the first call
+starts with one of ``--scaffolds`` shared scaffolds.
+
     python scripts/session_trace.py sessions --rate 4 --duration 20 --seed 1 -o s.jsonl
+    python scripts/session_trace.py prefixes --rate 26 --duration 20 --seed 1 -o p.jsonl
+    python scripts/session_trace.py agentic --rate 4 --duration 20 --seed 1 -o a.jsonl
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ import sys
 
 import orjson
 
+from redisbal.bench.prefix_traces import AgentShape, PrefixShape, agentic_lines, prefix_lines
+from redisbal.errors import InvalidArgument
 from redisbal.sim.workload import (
     Request,
     SessionShape,
@@ -112,28 +125,56 @@ def longprompt_lines(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("traffic", choices=("sessions", "poisson", "burst", "longprompt"))
+    ap.add_argument(
+        "traffic", choices=("sessions", "poisson", "burst", "longprompt", "prefixes", "agentic")
+    )
     ap.add_argument("--rate", type=float, default=None, help="sessions (or requests) per s")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--output-mean", type=float, default=200.0, help="sessions: mean answer")
+    ap.add_argument(
+        "--output-mean", type=float, default=None, help="sessions, agentic: mean answer [200, 40]"
+    )
     ap.add_argument("--user-mean", type=float, default=120.0, help="sessions: new text a turn")
     ap.add_argument("--think-s", type=float, default=1.5, help="sessions: mean think time")
-    ap.add_argument("--turns-mean", type=float, default=4.0)
-    ap.add_argument("--step-ms", type=float, default=15.0, help="sessions: decode step estimate")
+    ap.add_argument("--turns-mean", type=float, default=None, help="sessions, agentic [4, 6]")
+    ap.add_argument(
+        "--step-ms", type=float, default=None, help="sessions, agentic: decode step [15, 40]"
+    )
     ap.add_argument(
         "--output-scale",
         type=float,
         default=1.0,
-        help="poisson, burst, longprompt: scale output lengths",
+        help="poisson, burst, longprompt, prefixes: scale output lengths",
     )
     ap.add_argument("--burst-size", type=int, default=96, help="burst: requests a burst")
     ap.add_argument("--burst-every-s", type=float, default=6.0, help="burst: period")
     ap.add_argument("--burst-window-s", type=float, default=0.5, help="burst: spread of one")
-    ap.add_argument("--prefixes", type=int, default=4, help="longprompt: shared prefixes")
-    ap.add_argument("--prefix-min", type=int, default=2048, help="longprompt: tokens")
-    ap.add_argument("--prefix-max", type=int, default=6144, help="longprompt: tokens")
-    ap.add_argument("--suffix-mean", type=float, default=64.0, help="longprompt: mean own tokens")
+    ap.add_argument(
+        "--prefixes", type=int, default=None, help="longprompt, prefixes: shared prefixes [4, 48]"
+    )
+    ap.add_argument("--prefix-min", type=int, default=2048, help="longprompt, prefixes: tokens")
+    ap.add_argument("--prefix-max", type=int, default=6144, help="longprompt, prefixes: tokens")
+    ap.add_argument(
+        "--suffix-mean", type=float, default=64.0, help="longprompt, prefixes: mean own tokens"
+    )
+    ap.add_argument("--zipf", type=float, default=1.0, help="prefixes: popularity exponent")
+    ag = AgentShape()
+    ap.add_argument("--scaffolds", type=int, default=ag.scaffolds, help="agentic: shared starts")
+    ap.add_argument("--scaffold-min", type=int, default=ag.scaffold_range[0], help="agentic")
+    ap.add_argument("--scaffold-max", type=int, default=ag.scaffold_range[1], help="agentic")
+    ap.add_argument("--task-mean", type=float, default=ag.task_mean, help="agentic: own tokens")
+    ap.add_argument(
+        "--turns-max", type=int, default=ag.turns_max, help="agentic: calls per agent, at most"
+    )
+    ap.add_argument(
+        "--tool-mean", type=float, default=ag.tool_mean, help="agentic: tool result tokens"
+    )
+    ap.add_argument("--tool-min", type=int, default=ag.tool_range[0], help="agentic")
+    ap.add_argument("--tool-max", type=int, default=ag.tool_range[1], help="agentic")
+    ap.add_argument("--tool-wait-s", type=float, default=ag.tool_wait_s, help="agentic: mean")
+    ap.add_argument(
+        "--max-prompt", type=int, default=ag.max_prompt, help="agentic: longest call, tokens"
+    )
     ap.add_argument(
         "--cut-s", type=float, default=None, help="drop requests sent later (sessions' tails)"
     )
@@ -141,11 +182,43 @@ def main() -> None:
     a = ap.parse_args()
     if a.traffic != "burst" and a.rate is None:
         ap.error(f"{a.traffic} needs --rate")
+    step_ms = a.step_ms if a.step_ms is not None else (40.0 if a.traffic == "agentic" else 15.0)
+    output_mean = a.output_mean if a.output_mean is not None else 200.0
+    turns_mean = a.turns_mean if a.turns_mean is not None else 4.0
     if a.traffic == "burst":
         count = max(1, int(a.duration / a.burst_every_s))
         reqs = bursts(a.burst_size, count, a.burst_every_s, a.burst_window_s, 1, a.seed)
         lines = single_lines(reqs, a.output_scale)
+    elif a.traffic in ("prefixes", "agentic"):
+        try:
+            if a.traffic == "prefixes":
+                pshape = PrefixShape(
+                    prefixes=48 if a.prefixes is None else a.prefixes,
+                    prefix_range=(a.prefix_min, a.prefix_max),
+                    zipf=a.zipf,
+                    suffix_mean=a.suffix_mean,
+                    output_scale=a.output_scale,
+                )
+                lines = prefix_lines(a.rate, a.duration, a.seed, pshape)
+            else:
+                ashape = AgentShape(
+                    scaffolds=a.scaffolds,
+                    scaffold_range=(a.scaffold_min, a.scaffold_max),
+                    task_mean=a.task_mean,
+                    turns_mean=ag.turns_mean if a.turns_mean is None else a.turns_mean,
+                    turns_max=a.turns_max,
+                    tool_mean=a.tool_mean,
+                    tool_range=(a.tool_min, a.tool_max),
+                    output_mean=ag.output_mean if a.output_mean is None else a.output_mean,
+                    tool_wait_s=a.tool_wait_s,
+                    step_s=step_ms / 1000,
+                    max_prompt=a.max_prompt,
+                )
+                lines = agentic_lines(a.rate, a.duration, a.seed, ashape)
+        except InvalidArgument as exc:
+            ap.error(str(exc))
     elif a.traffic == "longprompt":
+        a.prefixes = 4 if a.prefixes is None else a.prefixes
         if not (1 <= a.prefixes <= 1000 and 1 <= a.prefix_min <= a.prefix_max <= 100_000):
             ap.error("longprompt: --prefixes in 1..1000, 1 <= --prefix-min <= --prefix-max")
         if not 1 <= a.suffix_mean <= 10_000:
@@ -155,12 +228,12 @@ def main() -> None:
         lines = longprompt_lines(reqs, a.prefixes, span, a.suffix_mean, a.output_scale, a.seed)
     elif a.traffic == "sessions":
         shape = SessionShape(
-            turns_mean=a.turns_mean,
+            turns_mean=turns_mean,
             think_s=a.think_s,
             user_mean=a.user_mean,
-            output_mean=a.output_mean,
+            output_mean=output_mean,
         )
-        lines = session_lines(a.rate, a.duration, a.seed, shape, a.step_ms / 1000)
+        lines = session_lines(a.rate, a.duration, a.seed, shape, step_ms / 1000)
     else:
         lines = single_lines(poisson(a.rate, a.duration, 1, a.seed), a.output_scale)
     if a.cut_s is not None:
@@ -171,7 +244,9 @@ def main() -> None:
     else:
         with open(a.out, "wb") as fh:
             fh.write(data)
-    print(f"{len(lines)} requests, {len({d.get('key') for d in lines})} keys", file=sys.stderr)
+    keys = len({d["key"] for d in lines if "key" in d})
+    threads = len({d["thread"] for d in lines if "thread" in d})
+    print(f"{len(lines)} requests, {keys} keys, {threads} threads", file=sys.stderr)
 
 
 if __name__ == "__main__":

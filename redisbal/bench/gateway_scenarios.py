@@ -7,6 +7,10 @@ chosen where state shared between router replicas should matter.
   engines ``IDS`` (no router sees it; only the engines' reports do), shaped like the
   load (``bypass_trace``), its figures kept apart from the routed requests'.
 - ``--slow ID[,ID...]:FACTOR`` (repeatable): slower engines, as ``redisbal demo --slow``.
+- Peer policies fed by the engines' KV events (vllm-router's kv_aware): a ZMQ
+  publisher per engine (``kv_event_endpoints``), given to engine-sim as ``--kv-events``
+  once per engine in id order (``kv_events_engine_args``) and to the router as each
+  worker URL's source (``kv_sources``).
 
 Everything here is checked at the boundary with a one-line error (``ValueError``).
 """
@@ -113,15 +117,55 @@ def bypass_trace(
     return out
 
 
+def kv_event_endpoints(ports: list[int]) -> list[str]:
+    """Engine i's KV-event publisher: ``tcp://127.0.0.1:ports[i]`` (loopback)."""
+    if len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
+        raise InvalidArgument(f"KV event ports must be distinct and in 1..65535, got {ports}")
+    return [f"tcp://127.0.0.1:{p}" for p in ports]
+
+
+def kv_events_engine_args(endpoints: list[str]) -> list[str]:
+    """engine-sim's arguments publishing each engine's KV events: ``--kv-events
+    ENDPOINT`` once per engine, engine 0's first."""
+    return [a for ep in endpoints for a in ("--kv-events", ep)]
+
+
+def kv_sources(urls: dict[str, str], endpoints: list[str]) -> dict[str, str]:
+    """{worker URL: its engine's publisher}: ``urls`` maps engine ids (``"0"`` ..) to the
+    URLs they registered, ``endpoints`` is in engine-id order."""
+    want = {str(i) for i in range(len(endpoints))}
+    if set(urls) != want:
+        raise InvalidArgument(
+            f"engines registered ids {sorted(urls)}, the KV event publishers are for {sorted(want)}"
+        )
+    return {urls[str(i)]: ep for i, ep in enumerate(endpoints)}
+
+
+def cache_blocks(engine_args: list[str]) -> int | None:
+    """The engines' prefix-cache size in blocks, if ``--cache-blocks`` is among their
+    arguments (for the scenario's label)."""
+    if "--cache-blocks" not in engine_args:
+        return None
+    i = engine_args.index("--cache-blocks")
+    try:
+        return int(engine_args[i + 1])
+    except (IndexError, ValueError):
+        raise InvalidArgument("--engine-args: --cache-blocks needs a number of blocks") from None
+
+
 def scenario(
     gateways: int,
     engines: int,
     split: float | None,
     bypass: Bypass | None,
     slow: list[str],
+    cache: int | None = None,
 ) -> dict[str, Any]:
-    """What ran, for the JSON rows; ``label`` says it in a few words for the table."""
+    """What ran, for the JSON rows; ``label`` says it in a few words for the table
+    (``cache``: the engines' prefix cache in blocks, where it is small enough to say)."""
     parts = [f"{gateways} replicas x {engines} engines"]
+    if cache is not None:
+        parts.append(f"cache {cache} blocks")
     if split is not None:
         parts.append(f"split {split:g}")
     if bypass is not None:
@@ -136,5 +180,6 @@ def scenario(
         if bypass is None
         else {"rate": bypass.rate, "engines": list(bypass.engines)},
         "slow": list(slow),
+        "cache_blocks": cache,
         "label": ", ".join(parts),
     }

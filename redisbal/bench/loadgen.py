@@ -134,15 +134,9 @@ def split_targets(n: int, urls: int, share: float | None, seed: int) -> list[int
     return out
 
 
-async def _one(session: Any, url: str, p: Planned, start: float, opts: dict[str, Any]) -> Result:
-    import aiohttp
-
-    loop = asyncio.get_running_loop()
-    delay = start + p.t - loop.time()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    t0 = loop.time()
-    lag = max(0.0, t0 - (start + p.t))
+def request_body(p: Planned, opts: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI body of one request: its text (or filler of its length), and its key
+    as ``user`` if it has one (a trace's ``thread`` is never sent)."""
     body: dict[str, Any] = {
         "model": opts["model"],
         "max_tokens": p.output_tokens,
@@ -156,6 +150,19 @@ async def _one(session: Any, url: str, p: Planned, start: float, opts: dict[str,
         body["prompt"] = text
     if p.key is not None:
         body["user"] = p.key
+    return body
+
+
+async def _one(session: Any, url: str, p: Planned, start: float, opts: dict[str, Any]) -> Result:
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    delay = start + p.t - loop.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    t0 = loop.time()
+    lag = max(0.0, t0 - (start + p.t))
+    body = request_body(p, opts)
     try:
         async with session.post(url, data=orjson.dumps(body), headers=opts["headers"]) as r:
             if r.status != 200:

@@ -15,7 +15,17 @@ not ``missing_tokens``); sglang-router's power_of_two must have read loads
 (``GET /get_load`` at the engines); sglang-router's cache_aware needs nothing of the
 engines (it matches request text) and power_of_two of vllm-router counts its own
 requests in flight (a real vLLM serves no ``/get_load`` it can read), which the check
-says.
+says. vllm-router's kv_aware follows the engines' KV events (engine-sim ``--kv-events
+ENDPOINT``, one ZMQ publisher per engine, vLLM's wire format; ``kv_event_args`` names
+them to the router) and renders each request on a worker: at full strength every
+request is rendered and decided by its prefix cost, and some lookups find blocks that
+the events put in its index. What vllm-router 0.1.17 decodes (seen against a publisher
+of its own, tests/bench/test_peer_routers.py): multipart ``[topic, 8-byte big-endian
+seq, msgpack batch]``, the batch ``[ts, events, rank]``, each event a map tagged by
+``type`` (an array-encoded event is refused as "KV event must be a tagged map"; a
+BlockStored map must carry ``lora_name``, nil allowed); it indexes stored blocks by
+their ``token_ids`` (matched against the tokens the worker renders), not their hashes,
+and needs ``--kv-event-model`` with static sources.
 """
 
 from __future__ import annotations
@@ -33,13 +43,16 @@ from typing import Any
 import orjson
 
 from redisbal.errors import RouterError as RouterError
+from redisbal.routing.cache_view import BLOCK_TOKENS
 
 PINNED = {"vllm-router": "0.1.17", "sglang-router": "0.3.2"}
-# every policy each ships that routes one pool of workers from what it sees itself
-# (vllm-router's kv_aware needs the engines' KV events; sglang-router's manual, a header)
+# every policy each ships that routes one pool of workers (kv_aware from the engines' KV
+# events, the others from what each replica sees itself; sglang-router's manual needs a
+# header, and is left out)
 POLICIES = {
     "vllm-router": (
         "cache_aware",
+        "kv_aware",
         "power_of_two",
         "round_robin",
         "consistent_hash",
@@ -48,6 +61,7 @@ POLICIES = {
     "sglang-router": ("cache_aware", "power_of_two", "round_robin"),
 }
 NAMES = tuple(f"{r}:{p}" for r, ps in POLICIES.items() for p in ps)
+KV_EVENT_POLICIES = frozenset({"vllm-router:kv_aware"})  # fed by the engines' KV events
 METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", re.M)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -116,6 +130,37 @@ def command(
     cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     cmd += ["--log-level", "warning" if router == "vllm-router" else "warn"]
     return [*cmd, "--worker-urls", *workers]
+
+
+def needs_kv_events(name: str) -> bool:
+    """Does the peer policy ``ROUTER:POLICY`` route on the engines' KV events?"""
+    return name in KV_EVENT_POLICIES
+
+
+def split_name_without_events(name: str) -> tuple[str, str]:
+    """``split_name`` for a benchmark that gives the engines no KV-event publishers: a
+    one-line error for a policy that would run without its events (below strength)."""
+    router, policy = split_name(name)
+    if needs_kv_events(name):
+        raise RouterError(
+            f"{name} routes on the engines' KV events, which only scripts/gateway_policies.py "
+            "wires (a publisher per engine); choose another policy here"
+        )
+    return router, policy
+
+
+def kv_event_args(sources: dict[str, str], model: str) -> list[str]:
+    """vllm-router's flags for static KV event sources: each worker URL's ZMQ publisher
+    (``{url: "tcp://HOST:PORT"}``), the block size the engines publish at, and the model
+    identity the router requires with static sources."""
+    if not sources:
+        raise RouterError("kv_aware needs a KV event publisher per worker, got none")
+    out: list[str] = []
+    for url, endpoint in sources.items():
+        if not endpoint.startswith("tcp://"):
+            raise RouterError(f"KV event endpoint {endpoint!r} of {url}: use tcp://HOST:PORT")
+        out += ["--kv-event-source", f"{url}={endpoint}"]
+    return [*out, "--kv-event-block-size", str(BLOCK_TOKENS), "--kv-event-model", model]
 
 
 def _get(url: str, timeout: float = 2.0) -> bytes:
@@ -248,6 +293,8 @@ def check_paths(
         }
         decisions = total(rows, "vllm_router_policy_decisions_total", policy=policy)
         out.update(prefix_outcomes=outcomes, decisions=decisions)
+        if policy == "kv_aware":
+            return out | _kv_aware_path(rows, outcomes, calls, requests)
         if policy == "cache_aware":
             prefix = outcomes.get("prefix_hit", 0) + outcomes.get("prefix_miss", 0)
             missing = outcomes.get("missing_tokens", 0)
@@ -292,6 +339,50 @@ def check_paths(
         out["ok"] = model_ok and decisions >= requests > 0
         out["note"] = f"{policy}: {decisions:.0f} decisions; model {','.join(models) or '?'}"
     return out
+
+
+def _kv_aware_path(
+    rows: list[tuple[str, dict[str, str], float]],
+    outcomes: dict[str, float],
+    calls: dict[str, int],
+    requests: int,
+) -> dict[str, Any]:
+    """vllm-router kv_aware at full strength: every request's tokens rendered by a
+    worker (``kv_routing_inputs`` result ``render``, the engines' render calls), every
+    request decided by its prefix cost (or its session's stickiness), and lookups that
+    found blocks in the index the engines' KV events fill (``kv_placement_lookups``
+    result ``hit``: without events every lookup is a ``miss``)."""
+    inputs = {
+        lab["result"]: v
+        for _, lab, v in _merge(rows, "vllm_router_kv_routing_inputs_total", "result")
+    }
+    lookups = {
+        lab["result"]: v
+        for _, lab, v in _merge(rows, "vllm_router_kv_placement_lookups_total", "result")
+    }
+    by_prefix = outcomes.get("prefix_cost", 0) + outcomes.get("sticky_hit", 0)
+    rendered = calls.get("/v1/completions/render", 0) + calls.get("/v1/chat/completions/render", 0)
+    hits = lookups.get("hit", 0)
+    ok = (
+        requests > 0
+        and by_prefix >= requests
+        and inputs.get("render", 0) >= requests
+        and sum(inputs.values()) == inputs.get("render", 0)
+        and rendered >= requests
+        and hits > 0
+    )
+    seen = ", ".join(f"{k} {v:.0f}" for k, v in sorted(lookups.items())) or "none"
+    return {
+        "kv_inputs": inputs,
+        "kv_lookups": lookups,
+        "ok": ok,
+        "note": (
+            f"KV-event path: {by_prefix:.0f} decisions by prefix cost for {requests} requests, "
+            f"{inputs.get('render', 0):.0f} token inputs rendered ({rendered} renders at the "
+            f"engines), index lookups {seen}"
+            + ("" if hits > 0 else " (no hit: the engines' KV events never reached its index)")
+        ),
+    }
 
 
 def _merge(

@@ -8,8 +8,8 @@ import random
 from dataclasses import dataclass, field, replace
 
 from redisbal.errors import InvalidArgument
+from redisbal.routing.cache_view import BLOCK_TOKENS
 from redisbal.sim.model import EngineParams
-from redisbal.sim.prefix_cache import BLOCK_TOKENS
 from redisbal.sim.workload import (
     OUTPUT_MEAN,
     PROMPT_MEAN,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from redisbal.errors import InvalidArgument
 from redisbal.gateway.observability import observability, observability_options
 from redisbal.gateway.options import check_model, exposure, exposure_options, warn_if_open
 from redisbal.ops.cli_options import (
@@ -261,6 +262,29 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     "a new user with every request is routed by load); the header is always followed.",
 )
 @click.option(
+    "--prefix-tokens",
+    default="off",
+    show_default=True,
+    envvar="REDISBAL_PREFIX_TOKENS",
+    show_envvar=True,
+    metavar="off|sim|PATH",
+    help="Match each request's prompt with what the engines hold in their prefix caches "
+    "(reported by `redisbal kv-events`): hash its leading tokens' blocks with "
+    "engine-sim's tokens (sim) or a Hugging Face tokenizer.json (PATH: completions "
+    "only, chat templates are not applied; needs the tokenizers package). Skipped while "
+    "no engine's cache is known. off: route on load and keys alone.",
+)
+@click.option(
+    "--prefix-max-tokens",
+    type=click.IntRange(64, 1 << 20),
+    default=8192,
+    show_default=True,
+    envvar="REDISBAL_PREFIX_MAX_TOKENS",
+    show_envvar=True,
+    help="--prefix-tokens hashes at most this many leading tokens of a prompt (a real "
+    "tokenizer's cost grows with them: docs/GATEWAY.md).",
+)
+@click.option(
     "--tell-routes/--no-tell-routes",
     default=True,
     show_default=True,
@@ -336,6 +360,7 @@ def gateway(**kw: Any) -> None:
     s = settings()
     nofile = raise_nofile()
     served = exposure(kw, nofile)  # option errors before anything connects
+    served["prefix_blocks"] = _prefix_blocks(kw.pop("prefix_tokens"), kw.pop("prefix_max_tokens"))
     served |= observability(kw)
     url = s.require_url()
     if kw["models"] and kw["engines"]:
@@ -507,6 +532,16 @@ async def _serve(
             await r.aclose()
         for c in redis_clients:
             await c.aclose()
+
+
+def _prefix_blocks(spec: str, max_tokens: int) -> Any:
+    """``--prefix-tokens``'s block hasher (redisbal.gateway.prefix), or a usage error."""
+    from redisbal.gateway.prefix import block_hasher
+
+    try:
+        return block_hasher(spec, max_tokens)
+    except InvalidArgument as exc:
+        raise click.BadParameter(str(exc), param_hint="--prefix-tokens") from None
 
 
 def _engines_line(gw: Gateway) -> str:

@@ -99,6 +99,17 @@ class GatewayMetrics:
         self.decisions = Counter(
             "redisbal_gateway_decisions", "Route decisions per engine.", ["engine"], registry=r
         )
+        self.cache_routes = Counter(
+            "redisbal_gateway_cache_routes",
+            "Route decisions that followed a match in the engines' prefix caches "
+            "(--prefix-tokens): to the engine holding the prompt's deepest prefix.",
+            registry=r,
+        )
+        self.cache_tokens = Counter(
+            "redisbal_gateway_cache_matched_tokens",
+            "Prompt tokens those engines held (what their prefill may skip), summed.",
+            registry=r,
+        )
         self.added = Histogram(
             "redisbal_gateway_added_latency_seconds",
             "Time the gateway itself adds: before the upstream request and between the "
@@ -169,6 +180,11 @@ class GatewayMetrics:
 
     def decision(self, engine_id: str) -> None:
         self._inc(self.decisions, engine_id)
+
+    def cache_route(self, tokens: int) -> None:
+        """A route that followed a cache match of ``tokens`` prompt tokens."""
+        self.cache_routes.inc()
+        self.cache_tokens.inc(tokens)
 
     def outcome(self, engine_id: str, kind: str) -> None:
         self._inc(self.outcomes, engine_id, kind)

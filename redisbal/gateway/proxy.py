@@ -44,6 +44,7 @@ from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.first_byte import ChunkWatch, Silent, first_byte, within
 from redisbal.gateway.metrics import GatewayMetrics
+from redisbal.gateway.prefix import BlockHasher
 from redisbal.gateway.retry import (
     REFUSAL_STATUSES,
     RETRY_STATUSES,
@@ -54,6 +55,7 @@ from redisbal.gateway.retry import (
 from redisbal.gateway.tracing import Tracing
 from redisbal.gateway.upstream import Response, UpstreamError, Upstreams, UpstreamUnreachable
 from redisbal.keys import InvalidName, check_name
+from redisbal.routing.cache_view import BLOCK_TOKENS, CHARS_PER_TOKEN
 from redisbal.routing.policies import NoEngines, UnknownEngine
 from redisbal.routing.router import AsyncRouter
 from redisbal.routing.state import MAX_KEY_LEN, Decision
@@ -64,9 +66,9 @@ RANK_HEADER = "X-data-parallel-rank"  # vLLM's pinning header: an engine rank
 ENGINE_HEADER = "X-Redisbal-Engine"  # pin to an engine id; also set on every answer
 CLIENT_HEADER = "X-Redisbal-Client-Index"  # tells the engine which API server sent it
 MAX_ATTEMPTS = 3  # engines one request may try (the first and two retries)
-PROXY_PATHS = ("/v1/completions", "/v1/chat/completions")
+CHAT_PATH = "/v1/chat/completions"
+PROXY_PATHS = ("/v1/completions", CHAT_PATH)
 KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer one engine
-CHARS_PER_TOKEN = 4  # prompt size estimate without a tokenizer (English text, roughly)
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untraced
 # attempts given up while the engine had them (their connection is dropped: it aborts)
 ABANDONED = frozenset({"first_byte_timeout", "idle_timeout", "timeout"})
@@ -115,7 +117,8 @@ def route_facts(
 ) -> dict[str, Any]:
     """Attempt ``n``'s routing decision as a trace event's attributes: the engine and
     the score's inputs at hand (the snapshot's age, the engine's counts and this
-    router's routes to it not in a snapshot yet, the request's key: given or guessed).
+    router's routes to it not in a snapshot yet, the request's key: given or guessed,
+    the prompt's tokens the engine holds when the route followed a cache match).
     Flags and the key only when there is one: each attribute costs the request path
     (the policy, the same for every request, is a resource attribute)."""
     core = dep.router.core
@@ -127,6 +130,8 @@ def route_facts(
     }
     if key is not None:
         facts["redisbal.key"] = "guessed" if guessed else "given"
+    if d.cached:  # it followed a match in the engines' caches: the tokens it holds
+        facts["redisbal.cache.tokens"] = d.cached * BLOCK_TOKENS
     view = core.by_id.get(d.engine_id)
     if view is not None:
         facts["redisbal.engine.running"] = view.running
@@ -173,6 +178,7 @@ class Proxy:
         user_key: bool = True,
         access_log: AccessLog | None = None,
         tracing: Tracing | None = None,
+        prefix_blocks: BlockHasher | None = None,
     ) -> None:
         if (router is None) == (not models):
             raise InvalidArgument("give a router (one deployment) or models, not both")
@@ -199,6 +205,8 @@ class Proxy:
         self.body_timeout_s = body_timeout_s
         self._engine_auth = None if engine_api_key is None else f"Bearer {engine_api_key}"
         self.user_key = user_key  # the body's user is a request's key (without the header)
+        # a request's prompt blocks, matched with the engines' caches (--prefix-tokens)
+        self.prefix_blocks = prefix_blocks
         self.access_log, self.tracing = access_log, tracing
         self._recording = access_log is not None or tracing is not None  # a Record each
         self.inflight = 0
@@ -278,11 +286,12 @@ class Proxy:
         key: str | None = None,
         tokens: int = 0,
         guessed: bool = False,
+        blocks: tuple[int, ...] = (),
     ) -> Decision:
         """Route (or pin); an engine without a URL, or in ``avoid``, is swapped for the
         least-loaded engine that has one. Raises NoEngines / UnknownEngine."""
         router, urls = dep.router, dep.urls
-        d = router.route(pin, key=key, prompt_tokens=tokens, key_guessed=guessed)
+        d = router.route(pin, key=key, prompt_tokens=tokens, key_guessed=guessed, blocks=blocks)
         if pin is not None and pin not in urls:
             _unroute(router, d)
             raise NoEngines(f"engine {pin!r} has no known URL (not registered, no --engine)")
@@ -459,6 +468,11 @@ class Proxy:
         if isinstance(pin, web.Response):
             m.errors.labels("bad_request").inc()
             return pin
+        blocks: tuple[int, ...] = ()
+        hasher = self.prefix_blocks
+        # (hashed only while some engine's cache is known: else nothing could match)
+        if hasher is not None and pin is None and (cached := dep.router.core.cache_view.holders):
+            blocks = hasher(body, request.path == CHAT_PATH, cached)
         dep.budget.request()
         if pin is None and (held := await dep.router.admit()):  # every engine was full
             m.hold.observe(held)
@@ -480,13 +494,13 @@ class Proxy:
         for attempt in range(1 if pin is not None else self.max_attempts):
             try:
                 try:
-                    d = self._route(dep, pin, avoid, key, tokens, guessed)
+                    d = self._route(dep, pin, avoid, key, tokens, guessed, blocks)
                 except NoEngines:
                     core = dep.router.core
                     if dep.redis is None or all(e in dep.urls for e in core.by_id):
                         raise
                     await dep.refetch_urls()  # engines without a URL: it may be new
-                    d = self._route(dep, pin, avoid, key, tokens, guessed)
+                    d = self._route(dep, pin, avoid, key, tokens, guessed, blocks)
             except UnknownEngine:
                 m.errors.labels("bad_request").inc()
                 live = sorted(dep.router.core.by_id, key=lambda e: (len(e), e))
@@ -499,6 +513,8 @@ class Proxy:
                 m.errors.labels("no_engine").inc()
                 return _json_error(503, str(exc), "unavailable", **{"Retry-After": "1"})
             m.decision(dep.label + d.engine_id)
+            if d.cached:
+                m.cache_route(d.cached * BLOCK_TOKENS)
             if attempt:
                 m.retries.inc()
             headers[CLIENT_HEADER] = str(d.client_index)

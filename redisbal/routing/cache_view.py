@@ -26,13 +26,45 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from redisbal.errors import InvalidArgument
 
 BLOCK_TOKENS = 16  # tokens per KV block: vLLM's default block size
 ANCHOR_STRIDE = 4  # every 4th block of a chain is an anchor: the view is exact to 64 tokens
 ROOT = b"\x00" * 8  # the parent of a chain's first block
+# engine-sim's tokenizer (``sim_token_ids``): one token is this many characters of text;
+# also the gateway's estimate of a prompt's size without a tokenizer (English text)
+CHARS_PER_TOKEN = 4
+SIM_VOCAB = 131072  # engine-sim's token ids are below this (a real vocabulary's size)
+
+
+def sim_token_ids(text: str) -> list[int]:
+    """engine-sim's token ids of ``text``: one per ``CHARS_PER_TOKEN`` characters (at
+    least one), each ``crc32(chunk) % SIM_VOCAB``. The same text gives the same ids and
+    two prompts sharing a prefix share its ids, as with a real tokenizer; a router
+    hashes a request's blocks from them as the simulated engines name theirs."""
+    c = CHARS_PER_TOKEN
+    n = max(1, len(text) // c)
+    crc32 = zlib.crc32
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) == len(text):  # ASCII: a character is a byte, and bytes slice faster
+        return [crc32(data[i : i + c]) % SIM_VOCAB for i in range(0, n * c, c)]
+    return [crc32(text[i * c : (i + 1) * c].encode()) % SIM_VOCAB for i in range(n)]
+
+
+def prompt_text(body: Mapping[str, Any], chat: bool) -> str:
+    """A request body's prompt as one text, as engine-sim reads it: the completions
+    ``prompt`` (a list's items joined), or the chat ``messages``' contents one after
+    the other (no chat template: a conversation's next turn starts with the previous
+    one)."""
+    if chat:
+        msgs = body.get("messages") or []
+        return "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+    p = body.get("prompt", "")
+    return "".join(str(x) for x in p) if isinstance(p, list) else str(p)
 
 
 def chain_hashes(
@@ -69,20 +101,44 @@ def anchors(hashes: Sequence[int], stride: int = ANCHOR_STRIDE) -> list[int]:
 
 
 class CacheView:
-    """Every engine's anchors, as one router holds them: engine id -> set of anchors.
+    """Every engine's anchors, as one router holds them: engine id -> set of anchors,
+    and its inverse, anchor -> the engines holding it (``holders``), so that a router
+    finds who holds a request's prefix in a few lookups whatever the number of engines.
 
     ``matched_blocks`` answers how much of a request's prefix an engine holds; the
-    sets are filled from Redis by the router's reader (``replace``, ``apply``)."""
+    sets are filled from Redis by the router's reader through ``replace``, ``apply``
+    and ``drop`` only (they keep both maps in step: never change the sets directly)."""
 
-    __slots__ = ("engines", "stride")
+    __slots__ = ("engines", "holders", "stride")
 
     def __init__(self, stride: int = ANCHOR_STRIDE) -> None:
         self.stride = stride
         self.engines: dict[str, set[int]] = {}
+        self.holders: dict[int, set[str]] = {}
+
+    def _unhold(self, engine_id: str, gone: Iterable[int]) -> None:
+        holders = self.holders
+        for a in gone:
+            ids = holders.get(a)
+            if ids is not None:
+                ids.discard(engine_id)
+                if not ids:
+                    del holders[a]
+
+    def _hold(self, engine_id: str, new: Iterable[int]) -> None:
+        holders = self.holders
+        for a in new:
+            ids = holders.get(a)
+            if ids is None:
+                holders[a] = {engine_id}
+            else:
+                ids.add(engine_id)
 
     def replace(self, engine_id: str, held: Iterable[int]) -> None:
         """Set an engine's anchors (a full record read from Redis)."""
-        self.engines[engine_id] = set(held)
+        self.drop(engine_id)
+        new = self.engines[engine_id] = set(held)
+        self._hold(engine_id, new)
 
     def apply(
         self,
@@ -93,15 +149,23 @@ class CacheView:
     ) -> None:
         """Apply one change an engine made (in the order it made them): ``cleared``
         first, then ``removed``, then ``added``."""
+        if cleared:
+            self.drop(engine_id)
         held = self.engines.get(engine_id)
-        if held is None or cleared:
+        if held is None:
             held = self.engines[engine_id] = set()
-        held.difference_update(removed)
-        held.update(added)
+        gone = held.intersection(removed)
+        held.difference_update(gone)
+        self._unhold(engine_id, gone)
+        new = set(added).difference(held)
+        held.update(new)
+        self._hold(engine_id, new)
 
     def drop(self, engine_id: str) -> None:
         """Forget an engine (it left the deployment)."""
-        self.engines.pop(engine_id, None)
+        held = self.engines.pop(engine_id, None)
+        if held:
+            self._unhold(engine_id, held)
 
     def matched_blocks(self, engine_id: str, request_anchors: Sequence[int]) -> int:
         """How many leading blocks of the request the engine holds: its deepest anchor

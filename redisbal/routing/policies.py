@@ -32,6 +32,7 @@ from redisbal.barrier.snapshot import Snapshot
 from redisbal.errors import InvalidArgument
 from redisbal.errors import NoEngines as NoEngines
 from redisbal.errors import UnknownEngine as UnknownEngine
+from redisbal.routing.cache_view import BLOCK_TOKENS
 from redisbal.routing.estimates import engine_cap
 from redisbal.routing.state import EngineView, RoutingState
 
@@ -49,6 +50,10 @@ class Policy:
     # capacity), let each engine queue one request past its running cap, so that a slot
     # freed is filled at the engine's next step, not a step later (None: never)
     stand_s: float | None = None
+    # set by pick() when it followed a match in ``core.cache_view``: the leading blocks
+    # of the prompt the engine picked holds (the router reports it: Decision.cached);
+    # the router sets it to 0 before each pick
+    matched = 0
 
     def reset(self, core: RoutingState) -> None:
         """Called after the engine set or the snapshot changed."""
@@ -261,6 +266,18 @@ class RedisbalPolicy(ScoringPolicy):
     engine. The ring and the snapshot are shared, so every router puts a key on
     the same engine while it has room, and on its second engine, not a random one,
     when it has not.
+
+    A request with ``blocks`` (its prompt's block hashes) and no given key is matched
+    with what the engines cache (``core.cache_view``, the same for every router):
+    the engine holding its deepest match takes it while it takes the request about as
+    soon as the least-loaded engine (as a key's engine does: room now, or a score
+    within the slack), the slack being ``affinity_slack`` times the share of the
+    prompt the match saves; among holders of an equally deep match the least loaded
+    is tried first, then holders of shallower matches, ``affinity_probes`` engines in
+    all. Else the least-loaded engine takes it, and caches it too: a popular prefix
+    spreads over more engines as its traffic outgrows its holders. A guessed key
+    (the body's user) gives way to a cache match, and applies as before when nothing
+    matches: the view says where the prefix is, the key only guesses it.
     """
 
     name = "redisbal"
@@ -314,6 +331,7 @@ class RedisbalPolicy(ScoringPolicy):
         self._routes_since = 0
         self._dither_snap: Snapshot | None = None
         self._heaped: set[int] = set()  # id() of the engines the heap was built from
+        self._by_id: dict[str, EngineView] = {}  # the same engines by id (cache matches)
         # hash() of each guessed key routed lately -> the engine it went to, oldest first
         self._keys: dict[int, EngineView] = {}
         # over routes with a guessed key, 1 when the key was among _keys, else 0: their
@@ -401,6 +419,7 @@ class RedisbalPolicy(ScoringPolicy):
         self._dither(core)
         self.heap = self._heap(core)
         self._heaped = {id(e) for e in core.engines}
+        self._by_id = {e.engine_id: e for e in core.engines}
         if core.engines is not self.ring_engines:
             self.ring_engines = core.engines
             if tuple(e.engine_id for e in core.engines) != self.ring_ids:
@@ -505,8 +524,62 @@ class RedisbalPolicy(ScoringPolicy):
         slot = e.running + e.others + e.pending_cost * w < cap
         return slot and (e.kv_usage is None or kv_ok)
 
+    def pick_cached(
+        self, core: RoutingState, blocks: tuple[int, ...], size: int
+    ) -> EngineView | None:
+        """The engine holding the deepest match of ``blocks`` in ``core.cache_view`` that
+        takes the request about as soon as the least-loaded engine (``_takes``, with a
+        slack of ``affinity_slack`` x the share of the ``size``-token prompt it saves);
+        holders of one depth least loaded first, deepest first, ``affinity_probes`` at
+        most; None when none does, or nothing matches (sets ``matched``)."""
+        view = core.cache_view
+        holders, stride = view.holders, view.stride
+        req = blocks[stride - 1 :: stride]  # the request's anchors, shallowest first
+        if not req or req[0] not in holders:  # (a chain is cached from its root)
+            return None
+        top, base = self._affinity_ref(core)
+        base -= self.affinity_slack
+        by_id, score = self._by_id, self.score
+        per_anchor = stride * BLOCK_TOKENS / max(size, len(blocks) * BLOCK_TOKENS, 1)
+        tried: set[str] = set()
+        for i in range(len(req) - 1, -1, -1):
+            held = holders.get(req[i])
+            if not held:
+                continue
+            ids = tuple(held)  # (one C call: a reader may change the set meanwhile)
+            if top.engine_id in ids:  # the least loaded holds it: nothing to weigh
+                self.matched = (i + 1) * stride
+                return top
+            cands = []
+            for eid in ids:
+                if eid not in tried:
+                    e = by_id.get(eid)
+                    if e is not None:
+                        cands.append((score(core, e), eid, e))
+            if not cands:
+                continue
+            cands.sort(key=_first)
+            ref = base + self.affinity_slack * min(1.0, (i + 1) * per_anchor)
+            for _, eid, e in cands:
+                if self._takes(core, e, ref):
+                    self.matched = (i + 1) * stride
+                    return e
+                tried.add(eid)
+                if len(tried) >= self.affinity_probes:
+                    return None
+        return None
+
     def pick(self, core: RoutingState) -> EngineView:
         req = core.request
+        if (
+            req is not None
+            and req.blocks
+            and core.cache_view.holders
+            and (req.key is None or (req.key_guessed and not self.follow_guessed))
+        ):
+            e = self.pick_cached(core, req.blocks, req.prompt_tokens or 0)
+            if e is not None:
+                return e
         if req is not None and req.key is not None:
             if not req.key_guessed or self.follow_guessed:
                 return self.pick_for_key(core, req.key)
@@ -548,6 +621,10 @@ class RedisbalPolicy(ScoringPolicy):
             heapq.heapreplace(self.heap, (self.score(core, eng), core.rng.random(), eng.gen, eng))
         else:
             self._push(core, eng)
+
+
+def _first(c: tuple[float, str, EngineView]) -> float:
+    return c[0]
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -38,6 +38,7 @@ from redisbal.barrier.snapshot import Rosters, RosterUnknown, Snapshot
 from redisbal.connection import OUTAGE_ERRORS, AsyncRedisClient, is_cluster, make_client, redact
 from redisbal.keys import DeploymentKeys, check_name
 from redisbal.routing.admission import Admission
+from redisbal.routing.cache_view import CacheView
 from redisbal.routing.lease import ClientLease
 from redisbal.routing.outcomes import FAILURES, OUTCOMES, OutcomeTracker
 from redisbal.routing.policies import DEFAULT_POLICY, Policy
@@ -47,6 +48,10 @@ from redisbal.routing.state import Decision
 from redisbal.running_caps import fetch as fetch_caps
 
 log = logging.getLogger("redisbal.routing.router")
+# a reader of the engines' cache views from Redis: (client, keys, view, cursor) ->
+# the next cursor; it brings ``view`` up to date (all of it on a None cursor or after
+# a gap, else only what changed since ``cursor``)
+CacheSync = Callable[[AsyncRedisClient, DeploymentKeys, CacheView, Any], Awaitable[Any]]
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
 CAPS_REFRESH_S = 5.0  # the declared running caps are read again this often (_read_caps)
 
@@ -87,8 +92,9 @@ class _LocalRouting:
         ``key_guessed``: the key was taken from the request (a user id, say), not
         given as one: the default policy follows such keys only while they come back.
         ``prompt_tokens`` / ``output_tokens`` (expected, or the request's cap): the
-        route counts by the request's size. ``blocks``: hashes of the prompt's
-        token blocks, for prefix-aware policies."""
+        route counts by the request's size. ``blocks``: the prompt's leading block
+        hashes (``redisbal.routing.cache_view.chain_hashes`` of its token ids): the
+        default policy matches them with what the engines cache (``cache_sync``)."""
         return self.core.route(
             engine_id,
             key=key,
@@ -220,6 +226,9 @@ class AsyncRouter(_LocalRouting):
     ``hold_s``: with a policy that holds (the default), ``admit()`` holds a request
     while every engine is at its running cap, at most this long
     (``redisbal.routing.admission``); None or 0: it never holds.
+    ``cache_sync``: a reader of what the engines cache (``CacheSync``), called every
+    ``cache_refresh_s`` to keep ``core.cache_view`` fresh for the policy; None (the
+    default): the view stays empty and routing ignores caches.
     """
 
     def __init__(
@@ -240,9 +249,12 @@ class AsyncRouter(_LocalRouting):
         outcomes: OutcomeTracker | None = None,
         tell_routes: bool = True,
         hold_s: float | None = None,
+        cache_sync: CacheSync | None = None,
+        cache_refresh_s: float = 0.25,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
-        for name, value in (("poll_s", poll_s), ("stale_after_s", stale_after_s)):
+        checked = ("poll_s", poll_s), ("stale_after_s", stale_after_s)
+        for name, value in (*checked, ("cache_refresh_s", cache_refresh_s)):
             # poll_s <= 0 would GET in a busy loop; NaN never compares, so never polls
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}")
@@ -289,6 +301,10 @@ class AsyncRouter(_LocalRouting):
         if hold_s and self.core.policy.holds:
             self.admission = Admission(self.core, hold_s)
             self.core.on_update = self.admission.wake
+        self.cache_sync = cache_sync
+        self.cache_refresh_s = cache_refresh_s
+        self._cache_cursor: Any = None  # the reader's, between calls
+        self._cache_task: asyncio.Task[None] | None = None
 
     async def admit(self) -> float:
         """Before routing a request: while every engine is at its running cap, wait
@@ -322,6 +338,8 @@ class AsyncRouter(_LocalRouting):
             self.lease.attach(self.core)
             await self.lease.start()
         self._task = asyncio.get_running_loop().create_task(self._feed())
+        if self.cache_sync is not None:
+            self._cache_task = asyncio.get_running_loop().create_task(self._cache_feed())
         # learn the engines (members, stored snapshot) before the first route if Redis is up
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._attempted.wait(), 2.0)
@@ -334,6 +352,7 @@ class AsyncRouter(_LocalRouting):
         if self.admission is not None:
             self.admission.close()
         await cancel_and_wait(self._task)  # (the feed sits in redis-py calls)
+        await cancel_and_wait(self._cache_task)
         await self.routes.aclose()
         if self.lease is not None:
             await self.lease.aclose()
@@ -572,6 +591,38 @@ class AsyncRouter(_LocalRouting):
             if msg is not None and msg.get("type") in ("subscribe", "ssubscribe"):
                 return
         raise redis.exceptions.TimeoutError(f"no subscribe confirmation in {timeout}s")
+
+    async def refresh_cache_view(self) -> None:
+        """Bring ``core.cache_view`` up to date with what the engines cache, once: the
+        reader (``cache_sync``) reads Redis and changes the view in place. A no-op
+        without a reader. Raises what the reader raises; the cursor then starts over
+        (the next call reads the whole view again)."""
+        sync = self.cache_sync
+        if sync is None:
+            return
+        cursor, self._cache_cursor = self._cache_cursor, None
+        self._cache_cursor = await sync(self._redis, self.keys, self.core.cache_view, cursor)
+
+    async def _cache_feed(self) -> None:
+        """``refresh_cache_view`` every ``cache_refresh_s`` while the router runs; with
+        Redis away the view stays as it was (the engines' caches change slowly)."""
+        failed = False
+        while not self._closed:
+            try:
+                await self.refresh_cache_view()
+                failed = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not failed:  # once per outage, not once per refresh
+                    log.warning(
+                        "router %d: cache view not read (%s: %s); routing on the view it has",
+                        self.core.client_index,
+                        type(exc).__name__,
+                        redact(str(exc)),
+                    )
+                failed = True
+            await asyncio.sleep(self.cache_refresh_s)
 
     @staticmethod
     async def _next_message(pubsub: Any, sharded: bool, timeout: float) -> dict[str, Any] | None:

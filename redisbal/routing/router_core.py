@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.errors import InvalidArgument
 from redisbal.routing.adoption import Carrying, RosterViews, Versions, adopt_full
+from redisbal.routing.cache_view import CacheView
 from redisbal.routing.estimates import (
     RouteCost,
     RunningCap,
@@ -121,6 +122,9 @@ class RouterCore:
         self.caps = RunningCap()  # the engines' running cap as far as seen
         self.declared: dict[str, int] = {}  # the caps engines declared (set_declared_caps)
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
+        # what the engines hold in their prefix caches: filled by the router's reader
+        # (AsyncRouter's cache_sync), empty without one (policies then route on load)
+        self.cache_view = CacheView()
         # called (outside the lock) when slots may have freed: a snapshot adopted, a route
         # told, a request ended or taken back (routing.admission wakes held requests)
         self.on_update: Callable[[], None] | None = None
@@ -140,6 +144,7 @@ class RouterCore:
             "roster_fetches": 0,  # compact messages whose roster was read from the stored one
             "probes": 0,  # requests sent to a probing engine
             "recovered": 0,  # probing engines that answered
+            "cache_routes": 0,  # routes that followed a match in cache_view (Decision.cached)
         }
 
     # -- state -------------------------------------------------------------------------------
@@ -369,7 +374,7 @@ class RouterCore:
         The keywords describe the request (``RequestInfo``): a session or prefix
         ``key`` for affinity (``key_guessed``: taken from the request, not given),
         its size in tokens so that the route counts by its cost, and its prompt's
-        block hashes for prefix-aware policies."""
+        block hashes, which the default policy matches with ``cache_view``."""
         info = None
         if key is not None or prompt_tokens is not None or output_tokens is not None or blocks:
             info = request_info(key, prompt_tokens, output_tokens, blocks, key_guessed)
@@ -395,13 +400,17 @@ class RouterCore:
                 )
             self.request = info  # policies read it in pick() and routed()
             now = self.clock()
+            policy = self.policy
             try:
+                policy.matched = 0
                 eng, pinned, probe = self._choose(engine_id, now)
                 if excl.waits and not (pinned or probe) and self._overdue(eng.engine_id, now):
                     excl.waits.late[eng.engine_id] = None  # waiting on it: pick another
                     self._choosable(now)
-                    self.policy.reset(self)
+                    policy.reset(self)
+                    policy.matched = 0
                     eng, pinned, probe = self._choose(engine_id, now)
+                cached = policy.matched
                 eng.routed += 1
                 eng.inflight += 1
                 self.told_routes.mark(eng.engine_id, True)
@@ -416,13 +425,16 @@ class RouterCore:
             finally:
                 self.request = None
             degraded = self.degraded
-            self.counters["routes"] += 1
+            counters = self.counters
+            counters["routes"] += 1
             if degraded:
-                self.counters["degraded_routes"] += 1
+                counters["degraded_routes"] += 1
+            if cached:
+                counters["cache_routes"] += 1
             snap, self.seq = self.snapshot, self.seq + 1
             version = snap.version if snap else 0
             eid, ci = eng.engine_id, self.client_index
-            return Decision(eid, ci, self.seq, version, degraded, pinned, False, probe, now)
+            return Decision(eid, ci, self.seq, version, degraded, pinned, False, probe, now, cached)
 
     def _choose(self, engine_id: str | None, now: float) -> tuple[EngineView, bool, bool]:
         """The policy's pick, a probe of a probing engine (one at a time), or the pinned

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.errors import InvalidArgument
+from redisbal.routing.cache_view import CacheView
 
 
 @dataclass(slots=True)
@@ -29,6 +30,9 @@ class Decision:
     done: bool = False
     probe: bool = False  # sent to a probing engine to see whether it answers (outcomes)
     routed_at: float = 0.0  # the router's clock when it was made
+    # the route followed a cache match: the leading blocks of the prompt its engine
+    # holds (``RoutingState.cache_view``); 0 when it did not
+    cached: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +43,8 @@ class RequestInfo:
     prefix cache), within a bound on that engine's load. ``prompt_tokens`` and
     ``output_tokens`` (expected or the request's cap): the request's size, so a
     route counts by its cost instead of as 1. ``blocks``: chained hashes of the
-    prompt's token blocks, for prefix-aware policies (the benchmark's peer routers).
+    prompt's token blocks (``redisbal.routing.cache_view.chain_hashes``), for
+    prefix-aware policies: the default one matches them with the engines' caches.
     ``key_guessed``: the key was not given as one but taken from the request (the
     gateway's body ``user``); the default policy follows such keys only while they
     come back.
@@ -74,7 +79,9 @@ def request_info(
     hashes: tuple[int, ...] = ()
     if blocks:
         hashes = tuple(blocks)
-        if not all(isinstance(b, int) and not isinstance(b, bool) for b in hashes):
+        # the ends only: a check of each of a long prompt's hundreds of hashes would cost
+        # more than the route (a non-integer between them matches nothing)
+        if type(hashes[0]) is not int or type(hashes[-1]) is not int:
             raise InvalidArgument("blocks must be integers (hashes of the prompt's token blocks)")
     if not isinstance(key_guessed, bool):
         raise InvalidArgument(f"key_guessed must be True or False, got {key_guessed!r:.60}")
@@ -154,7 +161,9 @@ class RoutingState(Protocol):
     ``estimates.RunningCap``; an engine's own declared one wins: ``estimates.engine_cap``);
     the latest ``snapshot``; ``rng``, to be used instead of
     ``random`` so that a seeded router is reproducible; ``request``, what the
-    caller said about the request being routed (None when it said nothing).
+    caller said about the request being routed (None when it said nothing);
+    ``cache_view``, what the engines hold in their prefix caches as far as this router
+    knows (``redisbal.routing.cache_view``; empty until a reader fills it).
     """
 
     engines: list[EngineView]
@@ -165,6 +174,7 @@ class RoutingState(Protocol):
     snapshot: Snapshot | None
     rng: random.Random
     request: RequestInfo | None
+    cache_view: CacheView
 
     @property
     def running_cap(self) -> int: ...

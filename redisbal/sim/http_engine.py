@@ -65,11 +65,13 @@ from redisbal.connection import OUTAGE_ERRORS
 from redisbal.errors import InvalidArgument
 from redisbal.keys import check_name
 from redisbal.reporting.reporter import AsyncReporter, Counts
+from redisbal.routing.cache_view import CHARS_PER_TOKEN
+from redisbal.routing.cache_view import prompt_text as _prompt_text
 from redisbal.sim.engine_sim import EngineTally, SimStats
 from redisbal.sim.load_plan import output_text
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
 from redisbal.sim.peer_router_endpoints import add_peer_routes, sglang_metrics
-from redisbal.sim.prefix_cache import CHARS_PER_TOKEN, text_blocks
+from redisbal.sim.prefix_cache import text_blocks
 from redisbal.sim.report_as import Feed
 
 log = logging.getLogger("redisbal.sim.http_engine")
@@ -161,16 +163,6 @@ class _Stream:
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     body = {"error": {"message": message, "type": kind, "code": status}, "object": "error"}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
-
-
-def _prompt_text(body: dict[str, Any], chat: bool) -> str:
-    """The prompt as one text: the completions prompt, or the chat messages' contents
-    one after the other (so a conversation's next turn starts with the previous one)."""
-    if chat:
-        msgs = body.get("messages") or []
-        return "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
-    p = body.get("prompt", "")
-    return "".join(str(x) for x in p) if isinstance(p, list) else str(p)
 
 
 def _prompt_tokens(text: str) -> int:

@@ -24,6 +24,7 @@ class Planned:
     system: int | None = None  # a shared system prompt the key's prompts start with
     system_tokens: int = 0
     text: str | None = None  # the prompt (session_prompts); else filler of the length
+    thread: str | None = None  # a conversation the prompt continues, sent without a key
 
 
 def lognormal_int(rng: random.Random, mean: float, sigma: float, cap: int) -> int:
@@ -69,7 +70,10 @@ def plan(
 
 
 def read_trace(path: str) -> list[Planned]:
-    """JSON lines {"t", "prompt_tokens", "output_tokens", "key"?}; errors name the line."""
+    """JSON lines {"t", "prompt_tokens", "output_tokens", "key"?, "thread"?, "system"?,
+    "system_tokens"?}; errors name the line. ``key`` is sent as the body's ``user``;
+    ``thread`` names a conversation as a key does (its prompts repeat its history) but
+    is never sent: an agent's calls that carry no ``user``. A line has at most one."""
     out: list[Planned] = []
     with open(path, "rb") as fh:
         for n, line in enumerate(fh, 1):
@@ -93,15 +97,21 @@ def read_trace(path: str) -> list[Planned]:
                 if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1_000_000:
                     raise click.BadParameter(f"{where}: {name} must be in 1..1000000, got {v!r}")
                 vals.append(v)
-            key = d.get("key")
-            if key is not None and not (isinstance(key, str) and len(key) <= 256):
-                raise click.BadParameter(f"{where}: key must be a string of <= 256 characters")
+            key, thread = d.get("key"), d.get("thread")
+            for name, v in (("key", key), ("thread", thread)):
+                if v is not None and not (isinstance(v, str) and len(v) <= 256):
+                    raise click.BadParameter(
+                        f"{where}: {name} must be a string of <= 256 characters"
+                    )
+            if key is not None and thread is not None:
+                raise click.BadParameter(f"{where}: a line has a key or a thread, not both")
             system, system_tokens = d.get("system"), d.get("system_tokens", 0)
             for name, v in (("system", system), ("system_tokens", system_tokens)):
                 bad = isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1_000_000
                 if v is not None and bad:
                     raise click.BadParameter(f"{where}: {name} must be in 0..1000000, got {v!r}")
-            out.append(Planned(float(t), vals[0], vals[1], key, system, system_tokens or 0))
+            p = Planned(float(t), vals[0], vals[1], key, system, system_tokens or 0, thread=thread)
+            out.append(p)
     out.sort(key=lambda p: p.t)
     return out
 
@@ -123,19 +133,25 @@ def session_prompts(planned: list[Planned], seed: int = 0) -> None:
     simulator's sessions are: a key's first prompt starts with its shared system prompt
     (``system``, ``system_tokens``; the same text for every key that names it), each
     later prompt with the previous prompt and that request's answer (the engines'
-    answer text, ``output_text``), then new text drawn from the key. Requests without
-    a key get text of their own. Deterministic in ``planned`` (in time order) and
-    ``seed``, so every policy replays the same prompts."""
+    answer text, ``output_text``), then new text drawn from the key. A ``thread``
+    is a key that is not sent (its prompts built alike). Requests without either
+    start with their system prompt, if any, then text of their own. A shared text
+    is shared in whole 64-character chunks (the engines' blocks) up to where it
+    ends. Deterministic in ``planned`` (in time order) and ``seed``, so every policy
+    replays the same prompts."""
     history: dict[str, str] = {}
     for i, p in enumerate(planned):
         want = p.prompt_tokens * 4
-        if p.key is None:
+        conv = p.key if p.key is not None else p.thread
+        if conv is None and p.system is None:
             p.text = _filler(f"req-{seed}-{i}", p.prompt_tokens)
             continue
-        head = history.get(p.key)
+        head = history.get(conv) if conv is not None else None
         if head is None:
             head = "" if p.system is None else _filler(f"system-{p.system}", p.system_tokens)
+        own = f"key-{seed}-{conv}-{i}" if conv is not None else f"req-{seed}-{i}"
         text = head[:want]
-        text += _filler(f"key-{seed}-{p.key}-{i}", (want - len(text) + 3) // 4)[: want - len(text)]
+        text += _filler(own, (want - len(text) + 3) // 4)[: want - len(text)]
         p.text = text
-        history[p.key] = text + output_text(p.output_tokens)
+        if conv is not None:
+            history[conv] = text + output_text(p.output_tokens)

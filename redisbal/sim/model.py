@@ -51,7 +51,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from redisbal.sim.prefix_cache import BLOCK_TOKENS, PrefixCache
+from redisbal.routing.cache_view import BLOCK_TOKENS
+from redisbal.sim.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True, eq=False)

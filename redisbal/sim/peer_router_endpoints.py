@@ -31,7 +31,6 @@ it, as with a real tokenizer. vllm-router reads no ``/get_load`` from a real vLL
 from __future__ import annotations
 
 import uuid
-import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -39,8 +38,8 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from redisbal.routing.cache_view import sim_token_ids as token_ids
 from redisbal.sim.model import SimEngine
-from redisbal.sim.prefix_cache import CHARS_PER_TOKEN
 from redisbal.sim.report_as import Feed
 
 
@@ -53,16 +52,7 @@ class HttpEngine(Protocol):
 
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
-VOCAB_SIZE = 131072  # token ids are below this (a real vocabulary's size)
 MAX_MODEL_LEN = 131072  # what /tokenize and /server_info report as the context length
-
-
-def token_ids(text: str) -> list[int]:
-    """One id per ``CHARS_PER_TOKEN`` characters of ``text`` (the engines' token count;
-    at least one token), each a hash of its chunk."""
-    n = max(1, len(text) // CHARS_PER_TOKEN)
-    c = CHARS_PER_TOKEN
-    return [zlib.crc32(text[i * c : (i + 1) * c].encode()) % VOCAB_SIZE for i in range(n)]
 
 
 def _json(data: Any, status: int = 200) -> web.Response:

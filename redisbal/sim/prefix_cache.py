@@ -18,8 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from redisbal.errors import InvalidArgument
-
-BLOCK_TOKENS = 16  # tokens per KV block (vLLM's default block size)
+from redisbal.routing.cache_view import BLOCK_TOKENS, CHARS_PER_TOKEN
 
 
 class PrefixCache:
@@ -64,7 +63,6 @@ class PrefixCache:
             cached.popitem(last=False)
 
 
-CHARS_PER_TOKEN = 4  # the HTTP engines' token: a fixed 4-character chunk of the text
 _BLOCK_CHARS = CHARS_PER_TOKEN * BLOCK_TOKENS
 
 

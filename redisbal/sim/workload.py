@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from redisbal.errors import TraceError as TraceError
-from redisbal.sim.prefix_cache import BLOCK_TOKENS
+from redisbal.routing.cache_view import BLOCK_TOKENS
 
 PROMPT_MEAN, PROMPT_SIGMA, PROMPT_CAP = 161.0, 1.2, 16384
 OUTPUT_MEAN, OUTPUT_SIGMA, OUTPUT_CAP = 338.0, 1.0, 4096

@@ -12,11 +12,16 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from redisbal.bench import peer_routers
 from redisbal.bench.gateway_scenarios import (
     Bypass,
     bypass_trace,
+    cache_blocks,
     check_slow,
     check_split,
+    kv_event_endpoints,
+    kv_events_engine_args,
+    kv_sources,
     parse_bypass,
     scenario,
 )
@@ -144,6 +149,111 @@ def test_scenario_record_says_what_ran() -> None:
     assert s["label"] == "4 replicas x 8 engines, split 0.7, bypass 12/s to 0,1, slow 0,1:2"
     assert s["bypass"] == {"rate": 12.0, "engines": ["0", "1"]} and s["split"] == 0.7
     assert scenario(2, 8, None, None, [])["label"] == "2 replicas x 8 engines"
+    small = scenario(2, 8, None, None, [], cache=1280)
+    assert small["label"] == "2 replicas x 8 engines, cache 1280 blocks"
+    assert small["cache_blocks"] == 1280
+
+
+def test_cache_blocks_are_read_from_the_engine_args() -> None:
+    assert cache_blocks(["--kv-tokens", "65536", "--cache-blocks", "1280"]) == 1280
+    assert cache_blocks(["--kv-tokens", "65536"]) is None
+    for bad in (["--cache-blocks"], ["--cache-blocks", "many"]):
+        with pytest.raises(ValueError, match="--cache-blocks needs a number"):
+            cache_blocks(bad)
+
+
+# -- kv_aware on the engines' KV events ------------------------------------------------------------
+
+
+def test_each_engine_gets_a_publisher_of_its_own_in_id_order() -> None:
+    eps = kv_event_endpoints([5601, 5602, 5603])
+    assert eps == ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602", "tcp://127.0.0.1:5603"]
+    assert kv_events_engine_args(eps) == [
+        "--kv-events", "tcp://127.0.0.1:5601",
+        "--kv-events", "tcp://127.0.0.1:5602",
+        "--kv-events", "tcp://127.0.0.1:5603",
+    ]  # fmt: skip
+    assert kv_events_engine_args([]) == []  # a policy without events adds nothing
+    for bad in ([5601, 5601], [0], [70000]):
+        with pytest.raises(ValueError, match=r"distinct and in 1\.\.65535"):
+            kv_event_endpoints(bad)
+
+
+def test_the_router_is_told_each_workers_publisher_by_engine_id() -> None:
+    urls = {"1": "http://127.0.0.1:9002", "0": "http://127.0.0.1:9001"}
+    eps = ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"]
+    sources = kv_sources(urls, eps)
+    assert sources == {"http://127.0.0.1:9001": eps[0], "http://127.0.0.1:9002": eps[1]}
+    assert peer_routers.kv_event_args(sources, "redisbal-sim") == [
+        "--kv-event-source", "http://127.0.0.1:9001=tcp://127.0.0.1:5601",
+        "--kv-event-source", "http://127.0.0.1:9002=tcp://127.0.0.1:5602",
+        "--kv-event-block-size", "16",
+        "--kv-event-model", "redisbal-sim",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="registered ids"):
+        kv_sources({"0": "http://127.0.0.1:9001"}, eps)
+    with pytest.raises(peer_routers.RouterError, match="got none"):
+        peer_routers.kv_event_args({}, "redisbal-sim")
+    with pytest.raises(peer_routers.RouterError, match="use tcp://HOST:PORT"):
+        peer_routers.kv_event_args({"http://h:1": "ipc:///tmp/x"}, "redisbal-sim")
+
+
+def test_only_kv_aware_needs_the_events_and_it_is_a_benchmark_policy() -> None:
+    assert "vllm-router:kv_aware" in peer_routers.NAMES
+    assert [n for n in peer_routers.NAMES if peer_routers.needs_kv_events(n)] == [
+        "vllm-router:kv_aware"
+    ]
+    assert peer_routers.split_name("vllm-router:kv_aware") == ("vllm-router", "kv_aware")
+    # where no engine publishes events, kv_aware is refused rather than run below strength
+    with pytest.raises(peer_routers.RouterError, match="KV events") as err:
+        peer_routers.split_name_without_events("vllm-router:kv_aware")
+    assert "\n" not in str(err.value)
+    assert peer_routers.split_name_without_events("vllm-router:cache_aware")[1] == "cache_aware"
+    for script in ("engine_faults.py", "gateway_overhead.py"):
+        got = _script(str(SCRIPTS / script), "--" + ("routers" if "faults" in script else "peers"),
+                      "vllm-router:kv_aware")  # fmt: skip
+        assert got.returncode != 0 and "routes on the engines' KV events" in got.stderr, got.stderr
+        assert "Traceback" not in got.stderr
+
+
+def _kv_metrics(by_prefix: int, rendered: int, lookups: dict[str, int]) -> str:
+    lines = [
+        'vllm_router_prefix_routing_decisions_total{policy="kv_aware",stage="regular",'
+        f'outcome="prefix_cost"}} {by_prefix}',
+        f'vllm_router_kv_routing_inputs_total{{transport="http",result="render"}} {rendered}',
+    ]
+    lines += [
+        f'vllm_router_kv_placement_lookups_total{{result="{k}"}} {v}' for k, v in lookups.items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _replica(metrics: str) -> peer_routers.RouterProcess:
+    rp = peer_routers.RouterProcess("vllm-router:kv_aware", Path("x"), 1, 2, [], Path("log"))
+    rp.metrics = metrics
+    return rp
+
+
+def test_kv_aware_is_at_full_strength_only_with_hits_from_the_events() -> None:
+    renders = {"/v1/completions/render": 6, "/v1/chat/completions/render": 4}
+    full = [_replica(_kv_metrics(6, 12, {"hit": 4, "miss": 2})), _replica(_kv_metrics(4, 8, {}))]
+    got = peer_routers.check_paths("vllm-router:kv_aware", full, renders, 10)
+    assert got["ok"], got
+    assert got["kv_lookups"] == {"hit": 4.0, "miss": 2.0}
+    assert "10 decisions by prefix cost for 10 requests" in got["note"]
+    # the index never fed (no engine events): every lookup a miss
+    blind = [_replica(_kv_metrics(10, 20, {"miss": 10}))]
+    got = peer_routers.check_paths("vllm-router:kv_aware", blind, renders, 10)
+    assert not got["ok"] and "never reached its index" in got["note"]
+    # a request not rendered on a worker, or not decided by prefix
+    for metrics, calls in (
+        (_kv_metrics(10, 9, {"hit": 5}), renders),
+        (_kv_metrics(9, 20, {"hit": 5}), renders),
+        (_kv_metrics(10, 20, {"hit": 5}), {"/v1/completions/render": 3}),
+    ):
+        assert not peer_routers.check_paths("vllm-router:kv_aware", [_replica(metrics)], calls, 10)[
+            "ok"
+        ]
 
 
 # -- longprompt traces ----------------------------------------------------------------------------

@@ -12,9 +12,9 @@ from support.gateway_stack import MODEL, start_engines, start_gateway, stop_gate
 from support.helpers import await_until
 
 from redisbal.gateway.proxy import ENGINE_HEADER
+from redisbal.routing.cache_view import BLOCK_TOKENS, CHARS_PER_TOKEN
 from redisbal.sim.load_plan import Planned, output_text, session_prompts
 from redisbal.sim.model import EngineParams
-from redisbal.sim.prefix_cache import BLOCK_TOKENS, CHARS_PER_TOKEN
 
 pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 

@@ -242,6 +242,7 @@ def test_a_policy_reads_the_request_in_pick_and_routed_and_only_then() -> None:
         ({"output_tokens": 2.5}, "output_tokens must be a whole number"),
         ({"prompt_tokens": True}, "prompt_tokens must be a whole number"),
         ({"blocks": ["a"]}, "blocks must be integers"),
+        ({"blocks": [1, 2, True]}, "blocks must be integers"),
         ({"key": "k", "key_guessed": 1}, "key_guessed must be True or False"),
     ],
 )

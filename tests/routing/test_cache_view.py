@@ -6,10 +6,13 @@ import pytest
 
 from redisbal.errors import InvalidArgument
 from redisbal.routing.cache_view import (
+    SIM_VOCAB,
     CacheView,
     anchors,
     chain_hashes,
     pack_hashes,
+    prompt_text,
+    sim_token_ids,
     unpack_hashes,
 )
 
@@ -54,8 +57,47 @@ def test_anchors_and_matching() -> None:
     assert view.matched_blocks("e0", req) == 0 and view.matched_blocks("e1", req) == 4
 
 
+def test_holders_follow_every_change() -> None:
+    """The inverse map (anchor -> engines) says what the per-engine sets say, after
+    adds, removals, clears, replacements and drops."""
+    view = CacheView()
+    view.apply("e0", added=[1, 2, 3])
+    view.apply("e1", added=[2, 3, 4])
+    view.apply("e0", added=[5], removed=[1, 9])
+    view.replace("e1", [3, 6])
+    view.apply("e2", added=[6, 7])
+    view.apply("e2", added=[8], cleared=True)
+    view.drop("e0")
+    view.drop("nobody")
+    want: dict[int, set[str]] = {}
+    for eid, held in view.engines.items():
+        for a in held:
+            want.setdefault(a, set()).add(eid)
+    assert view.holders == want == {3: {"e1"}, 6: {"e1"}, 8: {"e2"}}
+
+
 def test_packed_hashes_round_trip() -> None:
     hashes = chain_hashes(list(range(16 * 5)))
     data = pack_hashes(hashes)
     assert len(data) == 40 and unpack_hashes(data) == hashes
     assert unpack_hashes(data + b"\x01\x02") == hashes
+
+
+def test_sim_token_ids_are_a_prefix_preserving_4_character_tokenization() -> None:
+    a = sim_token_ids("abcdefgh" * 10)
+    b = sim_token_ids("abcdefgh" * 10 + "more text here")
+    assert len(a) == 20
+    assert b[: len(a)] == a and len(b) == 23
+    assert len(sim_token_ids("")) == 1 and len(sim_token_ids("ab")) == 1
+    assert all(0 <= t < SIM_VOCAB for t in b)
+    assert sim_token_ids("abcd") != sim_token_ids("abce")
+
+
+def test_prompt_text_is_the_prompt_or_the_messages_contents_in_turn() -> None:
+    assert prompt_text({"prompt": "hello"}, chat=False) == "hello"
+    assert prompt_text({"prompt": ["ab", "cd"]}, chat=False) == "abcd"
+    turns = [{"role": "system", "content": "be brief. "}, {"role": "user", "content": "hi"}]
+    assert prompt_text({"messages": turns}, chat=True) == "be brief. hi"
+    longer = prompt_text({"messages": [*turns, {"role": "assistant", "content": "yo"}]}, True)
+    assert longer.startswith(prompt_text({"messages": turns}, chat=True))
+    assert prompt_text({"messages": "nonsense"}, chat=True) == ""

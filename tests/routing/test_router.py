@@ -16,6 +16,7 @@ from support.helpers import Barrier, await_until, io_of_this_thread, wait_until
 from redisbal import AsyncRouter, Router, UnknownEngine
 from redisbal.barrier.snapshot import Rosters
 from redisbal.keys import DeploymentKeys
+from redisbal.routing.cache_view import CacheView, anchors, chain_hashes, unpack_hashes
 from redisbal.sim.embedded import RedisServer
 
 
@@ -298,3 +299,43 @@ async def test_feed_adopts_compact_snapshots_and_reads_a_roster_it_missed(
         assert {router.route().engine_id for _ in range(6)} == {"e0", "e1", "e2"}
     finally:
         await router.aclose()
+
+
+# -- the cache view's reader ----------------------------------------------------------------------
+
+
+async def test_the_reader_keeps_the_cache_view_fresh_and_restarts_after_an_error(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier
+) -> None:
+    """A reader given as cache_sync is called again and again with the cursor it gave
+    back, and what it reads from Redis shows in the view the policy reads; a reader
+    that fails is called again from a None cursor (a whole read)."""
+    prompt = chain_hashes(list(range(16 * 8)))
+    held = f"{{{keys.deployment}}}:test-cache"  # this test's own record: engine -> anchors
+    r.hset(held, "e1", b"".join(a.to_bytes(8, "big") for a in anchors(prompt)))
+    cursors: list[Any] = []
+    fail = [True]
+
+    async def read(client: Any, k: DeploymentKeys, view: CacheView, cursor: Any) -> Any:
+        cursors.append(cursor)
+        if cursor == 2 and fail[0]:
+            fail[0] = False
+            raise redis.exceptions.ConnectionError("dropped")
+        for eid, data in (await client.hgetall(held)).items():
+            view.replace(eid.decode(), unpack_hashes(data))
+        return (cursor or 0) + 1
+
+    step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, cache_sync=read, cache_refresh_s=0.01)
+    await router.start(wait=5)
+    try:
+        await await_until(lambda: len(cursors) >= 5)
+        assert cursors[:4] == [None, 1, 2, None]  # the failed read starts over
+        assert router.core.cache_view.engines == {"e1": set(anchors(prompt))}
+        d = router.route(blocks=prompt, prompt_tokens=len(prompt) * 16)
+        assert d.engine_id == "e1" and d.cached == len(prompt)
+    finally:
+        await router.aclose()
+    plain = AsyncRouter(redis_url, keys.deployment)
+    await plain.refresh_cache_view()  # no reader: nothing to do, not even started
+    assert plain.core.cache_view.engines == {}

@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from redisbal.routing.cache_view import sim_token_ids as token_ids
 from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.model import EngineParams
-from redisbal.sim.peer_router_endpoints import VOCAB_SIZE, token_ids
 
 MODEL = "redisbal-sim"
 SLOW = EngineParams(running_cap=1, base_step_s=0.05, per_seq_s=0.0, prefill_s=0.0)
@@ -40,16 +40,6 @@ async def _post(url: str, body: Any) -> tuple[int, Any]:
 async def _get(url: str) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
         return r.status, await r.json(content_type=None)
-
-
-def test_token_ids_are_a_prefix_preserving_4_character_tokenization() -> None:
-    a = token_ids("abcdefgh" * 10)
-    b = token_ids("abcdefgh" * 10 + "more text here")
-    assert len(a) == 20
-    assert b[: len(a)] == a and len(b) == 23
-    assert token_ids("") == token_ids("") and len(token_ids("ab")) == 1
-    assert all(0 <= t < VOCAB_SIZE for t in b)
-    assert token_ids("abcd") != token_ids("abce")
 
 
 async def test_tokenize_in_vllms_format_counts_what_the_engine_charges() -> None:
