@@ -113,6 +113,13 @@ class DeploymentKeys:
         return self.key("urls")
 
     @property
+    def running_caps(self) -> str:
+        """HASH engine -> the running cap it declared (how many requests it runs at once:
+        vLLM's max_num_seqs, SGLang's max_running_requests), written when it attaches
+        (redisbal.running_caps; docs/DESIGN.md)."""
+        return self.key("running_caps")
+
+    @property
     def clients(self) -> str:
         """ZSET "<index>:<token>" -> lease expiry (server ms): auto client indexes."""
         return self.key("clients")
@@ -131,4 +138,4 @@ class DeploymentKeys:
 
     def all_keys(self) -> list[str]:
         """Every key the deployment may own (for cleanup and tests)."""
-        return [*self.script_keys()[:-1], self.urls, self.clients]
+        return [*self.script_keys()[:-1], self.urls, self.running_caps, self.clients]

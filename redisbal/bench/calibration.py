@@ -12,6 +12,7 @@ them, redisbal's snapshots.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,9 +49,9 @@ class Calibration:
 
 def engine_from_args(args: list[str], running_cap: int) -> EngineParams:
     """EngineParams from engine-sim's flags (as gateway_policies' ``--engine-args``);
-    engine-sim's defaults are EngineParams' own. (``--no-admitted`` is the reports'
-    form, not the engine's: ``admitted_from_args``.)"""
-    args = [a for a in args if a not in ("--admitted", "--no-admitted")]
+    engine-sim's defaults are EngineParams' own. (``--report-as`` is the reports' form,
+    not the engine's: ``admitted_from_args``; so was ``--no-admitted`` in older runs.)"""
+    args = _without_report_as([a for a in args if a not in ("--admitted", "--no-admitted")])
     given: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -68,9 +69,38 @@ def engine_from_args(args: list[str], running_cap: int) -> EngineParams:
     return EngineParams(running_cap=running_cap, **given)
 
 
+def _without_report_as(args: list[str]) -> list[str]:
+    """``args`` less ``--report-as FORM`` (or ``--report-as=FORM``)."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--report-as":
+            skip = True
+        elif not a.startswith("--report-as="):
+            out.append(a)
+    return out
+
+
 def admitted_from_args(run_args: dict[str, Any]) -> bool:
-    """Whether the run's engines reported admitted counts (no ``--no-admitted``)."""
-    return "--no-admitted" not in str(run_args.get("engine_args") or "").split()
+    """Whether the run's engines reported admitted counts: ``--report-as full`` (the
+    default), or no ``--no-admitted`` in runs recorded before ``--report-as``."""
+    args = str(run_args.get("engine_args") or "").split()
+    if "--no-admitted" in args:
+        return False
+    forms = [b for a, b in itertools.pairwise(args) if a == "--report-as"]
+    forms += [a.split("=", 1)[1] for a in args if a.startswith("--report-as=")]
+    return all(f == "full" for f in forms)
+
+
+def declared_from_args(run_args: dict[str, Any]) -> bool:
+    """Whether the run's engines declared their running cap (``--report-as vllm-plugin``
+    or ``sglang``)."""
+    args = str(run_args.get("engine_args") or "").split()
+    forms = [b for a, b in itertools.pairwise(args) if a == "--report-as"]
+    forms += [a.split("=", 1)[1] for a in args if a.startswith("--report-as=")]
+    return any(f in ("vllm-plugin", "sglang") for f in forms)
 
 
 def slow_engines(slow: list[str], engines: int) -> tuple[float, float]:
@@ -135,6 +165,7 @@ def simulate_run(
         workload=work,
         keys_guessed=True,  # loadgen sends a trace's keys as the body's user
         admitted=admitted_from_args(run_args),
+        declared_caps=declared_from_args(run_args),
         delivery_ms=cal.delivery_ms,
         jitter_ms=cal.jitter_ms,
         transit_ms=cal.transit_ms,

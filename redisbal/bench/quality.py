@@ -150,6 +150,7 @@ def simulate(
     sample_s: float = 0.05,
     vllm_transport: bool = True,
     hold_s: float = DEFAULT_MAX_S,
+    declared_caps: bool = False,
 ) -> dict[str, float]:
     """One run; returns the metrics (``redisbal.bench.latency``) and the run's own
     cost (``sim_wall_s``). ``keys_guessed``: the requests' keys are guessed (as the
@@ -157,7 +158,9 @@ def simulate(
     ``admitted=False``: snapshots carry no admitted counts, as compact snapshots and
     the vLLM and SGLang integrations give (routers reconcile their routes by time).
     ``vllm_transport=False``: the vLLM baselines read redisbal's snapshots, as they do
-    behind the real-time gateways, instead of vLLM's own publish loop."""
+    behind the real-time gateways, instead of vLLM's own publish loop.
+    ``declared_caps``: every router knows each engine's running cap from the start, as
+    engines that declare it (vLLM's plugin, SGLang through the sidecar) give it."""
     wall = time.perf_counter()
     work = build_workload(sc, seed) if workload is None else workload
     rng = random.Random(f"quality-{sc.name}-{seed}")
@@ -203,6 +206,8 @@ def simulate(
         )
         core.connected = True
         core.set_engines(ids)
+        if declared_caps:  # (redisbal.running_caps)
+            core.set_declared_caps({eid: world.engines[eid].params.running_cap for eid in ids})
         if telling(sc.clients):
             core.told_routes.on_change = lambda i=i: push(clock[0] + COALESCE_S, TELL, (i, False))
             push(rng.random() * TELL_EVERY_S, TELL, (i, True))  # heartbeats, spread

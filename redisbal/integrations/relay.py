@@ -104,14 +104,15 @@ class CountsRelay:
         self._suspect_after: dict[str, float] = {}  # engine id -> next mark allowed
         self.warn = RateLimitedLog(log)
 
-    def add(self, engine_id: str, url: str | None = None) -> None:
-        """Speak for ``engine_id`` (checked now); ``url`` is where gateways send requests.
+    def add(self, engine_id: str, url: str | None = None, running_cap: int | None = None) -> None:
+        """Speak for ``engine_id`` (checked now); ``url`` is where gateways send requests,
+        ``running_cap`` how many it runs at once (declared to routers: redisbal.running_caps).
         It registers at once: the sender sends registrations before reports."""
         check_name(engine_id, "engine id")
         with self._lock:
             if engine_id in self._reporter.engines:
                 return
-            self._reporter.add(engine_id, url or None)
+            self._reporter.add(engine_id, url or None, running_cap)
             lane = self._reporter.lane(engine_id)
             lane.beat_for_s, lane.beat_idle_forever = self.max_age_s, self.idle_forever
 

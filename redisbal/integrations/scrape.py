@@ -12,6 +12,13 @@ reported as "no progress", so an engine whose loop hangs while its API server
 still serves /metrics stalls (not routed to) once it has work and
 ``stall_after_ms`` pass. A page without those counters counts as progress.
 
+The engines' running cap (how many requests each runs at once) is declared once
+per engine (``redisbal.running_caps``): from ``--max-num-seqs`` (what ``vllm serve``
+was given: vLLM's /metrics carries no cap), else from SGLang's ``GET /v1/loads``
+(``max_running_requests`` per ``dp_rank``), asked once per server before its engines
+are first added (vLLM answers 404 there: no cap, learned from queues as before; a
+server that does not answer it is not asked again).
+
 A scrape that fails (refused, HTTP error, timeout, a page without the counts) is
 never reported as idle: the engines of that URL are paused, so they stop
 reporting, the barrier stops waiting for them once the stall guard runs, and
@@ -46,12 +53,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from redisbal.connection import redact
 from redisbal.endpoints import InvalidURL, check_url
+from redisbal.errors import InvalidArgument
 from redisbal.errors import SidecarError as SidecarError
 from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page
 from redisbal.integrations.relay import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
 from redisbal.ops.cli_options import check_reachable, common_options, run_until_signal, settings
 from redisbal.reporting.counts import Counts
+from redisbal.running_caps import MAX_RUNNING_CAP, check_running_cap
 
 log = logging.getLogger("redisbal.scrape")
 
@@ -91,6 +100,7 @@ class Target:
     host: str = ""
     port: str = ""
     engines: dict[str, str] = field(default_factory=dict)  # label value -> engine id
+    caps: dict[str, int] | None = None  # label -> SGLang's max_running_requests (None: unasked)
 
     @classmethod
     def make(cls, index: int, metrics_url: str, engine_url: str | None = None) -> Target:
@@ -122,8 +132,11 @@ class Sidecar:
         template: str = DEFAULT_TEMPLATE,
         interval_s: float = 0.05,
         timeout_s: float = 1.0,
+        running_cap: int | None = None,
     ) -> None:
         self.sender = sender
+        # every engine's declared cap (--max-num-seqs); None: SGLang's /v1/loads, if any
+        self.running_cap = None if running_cap is None else check_running_cap(running_cap)
         self.targets = targets
         self.template = check_template(template)
         self.interval_s = interval_s
@@ -163,6 +176,36 @@ class Sidecar:
             text = await resp.text()
         return parse_page(text)
 
+    async def fetch_caps(self, session: aiohttp.ClientSession, target: Target) -> None:
+        """Once per target, before its engines are first added, and only without
+        ``--max-num-seqs``: SGLang's ``max_running_requests`` per ``dp_rank`` from
+        ``GET /v1/loads`` at the metrics URL's server into ``target.caps``; none where
+        there is none (vLLM: 404), or where it did not answer (a slow server is not
+        asked again: its engines are reported meanwhile, and a cap is declared when an
+        engine is added)."""
+        if self.running_cap is not None or target.caps is not None:
+            return
+        target.caps = {}
+        parts = urlsplit(target.metrics_url)
+        url = f"{parts.scheme}://{parts.netloc}/v1/loads"
+        try:
+            async with session.get(url) as resp:
+                if resp.status != 200:
+                    return
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+            log.info("scrape: no running caps from %s: %s", url, type(exc).__name__)
+            return
+        target.caps = loads_caps(data)
+        if target.caps:
+            log.info("scrape: %s declares running caps %s", url, target.caps)
+
+    def cap_for(self, target: Target, label: str) -> int | None:
+        """The running cap declared for the engine ``label`` of ``target``."""
+        if self.running_cap is not None:
+            return self.running_cap
+        return (target.caps or {}).get(label)
+
     def apply(self, target: Target, samples: list[EngineSample]) -> None:
         """Hand a good scrape's counts to the sender; engines gone from the page pause."""
         seen = set()
@@ -170,7 +213,7 @@ class Sidecar:
             eid = target.engines.get(s.engine)
             if eid is None:
                 eid = target.engines[s.engine] = self.engine_id(target, s.engine)
-                self.sender.add(eid, target.engine_url)
+                self.sender.add(eid, target.engine_url, self.cap_for(target, s.engine))
                 log.info("scrape: %s engine %s reports as %s", target.metrics_url, s.engine, eid)
             seen.add(s.engine)
             # progress: the page's progress counters moved (unknown without them)
@@ -218,6 +261,8 @@ class Sidecar:
         except (aiohttp.ClientError, OSError) as exc:
             self.fail(target, f"{type(exc).__name__}: {exc}")
             return False
+        if not target.engines:  # its engines are about to be added: their caps first
+            await self.fetch_caps(session, target)
         self.apply(target, samples)
         return True
 
@@ -249,9 +294,10 @@ class Sidecar:
                     reason = f"{type(exc).__name__}: {exc}"
                     log.warning("scrape: %s not answering yet (%s)", t.metrics_url, reason)
                     continue
+                await self.fetch_caps(session, t)
                 for s in samples:  # known now: they register together, before any reports
                     eid = t.engines[s.engine] = self.engine_id(t, s.engine)
-                    self.sender.add(eid, t.engine_url)
+                    self.sender.add(eid, t.engine_url, self.cap_for(t, s.engine))
                 ids = ", ".join(t.engines.values()) or "none yet"
                 log.info("scrape: %s: reporting engines %s", t.metrics_url, ids)
 
@@ -270,6 +316,26 @@ class Sidecar:
                 for t in [waiter, *tasks]:
                     t.cancel()
                 await asyncio.gather(waiter, *tasks, return_exceptions=True)
+
+
+def loads_caps(data: Any) -> dict[str, int]:
+    """``max_running_requests`` per ``dp_rank`` (as the /metrics label: "0", "1", ...) from
+    SGLang's /v1/loads answer: ``{"loads": [{"dp_rank", "max_running_requests", ...}]}``
+    (or the bare list); entries without a whole cap >= 1 are left out."""
+    loads = data.get("loads") if isinstance(data, dict) else data
+    caps: dict[str, int] = {}
+    for entry in loads if isinstance(loads, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        rank = entry.get("dp_rank")
+        rank = 0 if rank is None else rank
+        try:
+            cap = check_running_cap(entry.get("max_running_requests"), "max_running_requests")
+        except InvalidArgument:
+            continue
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+            caps[str(rank)] = cap
+    return caps
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -316,6 +382,7 @@ def build(
     template: str,
     interval_s: float,
     timeout_s: float,
+    running_cap: int | None = None,
 ) -> Sidecar:
     """The sidecar for these options (SidecarError names a bad one); starts the sender."""
     targets = make_targets(metrics_urls, engine_urls, template)
@@ -326,7 +393,14 @@ def build(
         max_age_s=interval_s + timeout_s + 0.1,
         idle_forever=False,
     )
-    return Sidecar(sender, targets, template=template, interval_s=interval_s, timeout_s=timeout_s)
+    return Sidecar(
+        sender,
+        targets,
+        template=template,
+        interval_s=interval_s,
+        timeout_s=timeout_s,
+        running_cap=running_cap,
+    )
 
 
 @click.command("scrape")
@@ -370,12 +444,24 @@ def build(
     help="A scrape slower than this fails: its engines stop reporting until the next "
     "good one (not marked suspect: a busy engine may serve its page late).",
 )
+@click.option(
+    "--max-num-seqs",
+    "running_cap",
+    type=click.IntRange(1, MAX_RUNNING_CAP),
+    default=None,
+    metavar="N",
+    help="How many requests each engine runs at once, as `vllm serve --max-num-seqs` "
+    "(or --max-num-active-seqs) was given: declared to routers, which hold requests by it "
+    "from the first report [default: SGLang's max_running_requests from its /v1/loads; "
+    "none for vLLM, whose /metrics carries no cap].",
+)
 def scrape_command(
     metrics_urls: tuple[str, ...],
     engine_urls: tuple[str, ...],
     template: str,
     interval: float,
     timeout: float,
+    running_cap: int | None,
 ) -> None:
     """Report engines from their Prometheus /metrics (vLLM, SGLang), in tick mode."""
     s = settings()
@@ -387,7 +473,14 @@ def scrape_command(
     check_reachable(url)
     try:
         sidecar = build(
-            url, s.deployment, list(metrics_urls), list(engine_urls), template, interval, timeout
+            url,
+            s.deployment,
+            list(metrics_urls),
+            list(engine_urls),
+            template,
+            interval,
+            timeout,
+            running_cap,
         )
     except SidecarError as exc:
         raise click.ClickException(str(exc)) from None

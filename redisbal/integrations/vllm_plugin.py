@@ -21,6 +21,11 @@ the first two):
   the stats' ``(current_wave, step_counter)``; only for vLLM versions that stamp
   those fields on the stats the front-end receives.
 
+The engines' running cap (the scheduler's ``max_num_active_seqs`` where set, else
+``max_num_seqs``, from the ``vllm_config`` vLLM hands the plugin) is declared once per
+engine (``redisbal.running_caps``), so routers know each engine's free slots from its
+first report on.
+
 Once the server answers ``GET /health`` at ``REDISBAL_ENGINE_URL`` (at once
 without one), its engines are reported idle: a fresh or restarted server is
 routable before anyone sends it a request. Between steps the last counts are
@@ -51,11 +56,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from redisbal.errors import InvalidArgument
 from redisbal.errors import PluginConfigError as PluginConfigError
 from redisbal.integrations.relay import CountsRelay, RateLimitedLog, sanitise
 from redisbal.keys import InvalidName, check_name
 from redisbal.reporting.counts import Counts
 from redisbal.reporting.reporter import InvalidReport, new_incarnation
+from redisbal.running_caps import check_running_cap
 
 log = logging.getLogger("redisbal.vllm")
 
@@ -132,6 +139,24 @@ def api_server_count(vllm_config: Any) -> int:
     parallel = getattr(vllm_config, "parallel_config", None)
     count = getattr(parallel, "_api_process_count", 1)
     return count if isinstance(count, int) and count > 0 else 1
+
+
+def running_cap_of(vllm_config: Any) -> int | None:
+    """How many requests each engine runs at once: the scheduler's ``max_num_active_seqs``
+    where set (it bounds RUNNING below ``max_num_seqs``), else ``max_num_seqs``. None
+    without a config or with a value that is no whole number >= 1 (the plugin then
+    declares no cap, and routers learn it from queues, as before)."""
+    sched = getattr(vllm_config, "scheduler_config", None)
+    for name in ("max_num_active_seqs", "max_num_seqs"):
+        value = getattr(sched, name, None)
+        if value is None:
+            continue
+        try:
+            return check_running_cap(value, f"scheduler_config.{name}")
+        except InvalidArgument as exc:
+            log.warning("redisbal plugin: declaring no running cap: %s", exc)
+            return None
+    return None
 
 
 def server_incarnation(pid: int | None = None) -> str | None:
@@ -266,6 +291,7 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
             engine_index, engine_indexes = engine_indexes, None
         self.engine_indexes = list(engine_indexes) if engine_indexes else [engine_index]
         self.sender: CountsRelay | None = None
+        self.running_cap: int | None = None  # the engines' cap, declared (running_cap_of)
         self.ids: dict[int, str] = {}
         self.warn = RateLimitedLog(log)
         self._lockstep_unstamped = False
@@ -295,15 +321,19 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
         # several API servers speak for the same engines: one incarnation between them
         servers = api_server_count(vllm_config)
         self.sender = shared_sender(cfg, server_incarnation() if servers > 1 else None)
+        # declared once per engine (redisbal.running_caps): routers know the engines'
+        # room from their first report, before any queue formed
+        self.running_cap = running_cap_of(vllm_config)
         for eid in ids.values():
-            self.sender.add(eid, cfg.engine_url)
+            self.sender.add(eid, cfg.engine_url, self.running_cap)
         self.ids = ids
         announce_when_ready(self.sender, list(ids.values()), cfg.engine_url)
         log.info(
-            "redisbal plugin: engines %s report to deployment %s (%s mode)",
+            "redisbal plugin: engines %s report to deployment %s (%s mode, running cap %s)",
             ", ".join(ids.values()),
             cfg.deployment,
             cfg.mode,
+            self.running_cap or "not declared",
         )
 
     def record(

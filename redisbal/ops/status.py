@@ -24,10 +24,12 @@ its last progress (a report its loop made, not a heartbeat). Engine states:
   deployment remembers the last 64 removals), ``gone``: seen before (``--watch``)
   but no longer a member.
 
-``room`` is an engine's room as routers read it from its KV usage
+``room`` is an engine's room as routers read it from its declared running cap
+(``redisbal.running_caps``: its free slots) and its KV usage
 (``routing.estimates.kv_room``: requests of the size of those it runs that its KV
-cache would still take, less its queue; negative, a queue past it; ``-``, it
-reports no KV usage). Holding waits while every engine's room is used up.
+cache would still take), the fewer, less its queue; negative, a queue past it; ``-``,
+it declares no cap and reports no KV usage. Holding waits while every engine's room
+is used up. ``--json`` gives the declared cap as ``cap``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import math
 import re
 from typing import Any
 
+from redisbal import running_caps
 from redisbal.barrier.record import PROVISIONAL, STALLED, Record, parse_record
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.config import SETTINGS
@@ -138,7 +141,9 @@ def gather_status(
     pipe.hgetall(keys.reports)
     pipe.hgetall(keys.meta)
     pipe.hgetall(keys.config)
-    epoch, snap_raw, members, reports, meta, config = pipe.execute()
+    pipe.hgetall(keys.running_caps)
+    epoch, snap_raw, members, reports, meta, config, caps_raw = pipe.execute()
+    caps = running_caps.parse(caps_raw)  # the running caps the engines declared
     snap = Snapshot.from_json(snap_raw) if snap_raw else None
     members_ms = {_s(e): int(score) for e, score in members}  # heartbeat (or registration)
     records = {
@@ -181,9 +186,14 @@ def gather_status(
             )
         else:
             row.update(source=None, waiting=None, running=None, kv=None, wave=None, step=None)
-        # what the routers read of its room: requests its KV cache would take beyond its
-        # queue (negative: queued past it), None when its KV usage says nothing
-        room = kv_room(row["running"] or 0, row["kv"]) - (row["waiting"] or 0)
+        # what the routers read of its room: requests it would take beyond its queue
+        # (negative: queued past it) under its declared cap and in its KV cache, None when
+        # neither bounds it (routing.estimates.room; a cap learned from queues is each
+        # router's own, not shown)
+        running, waiting = row["running"] or 0, row["waiting"] or 0
+        row["cap"] = cap = caps.get(e)
+        slots = cap - running - waiting if cap else math.inf
+        room = min(slots, kv_room(running, row["kv"]) - waiting)
         row["kv_room"] = None if room == math.inf else round(room, 1)
         row.update(incarnation=None, progress_age_ms=None)
         if e in members_ms or e in records:

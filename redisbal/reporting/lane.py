@@ -87,6 +87,8 @@ class Lane:
     had_state: bool = False  # Redis knew this engine once: a lost state is a recovery
     url: str | None = None  # where gateways send this engine's requests (endpoints.py)
     url_due: float = 0.0  # monotonic time the URL is next written (after a loss too)
+    running_cap: int | None = None  # the cap it declares to routers (redisbal.running_caps)
+    cap_due: float = 0.0  # monotonic time the cap is next written (as url_due)
     attached: bool = True
     # heartbeats: none while paused (until the next report); with ``beat_for_s``, only
     # that long after the last report, or for ever while its counts are idle

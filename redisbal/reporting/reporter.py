@@ -51,6 +51,7 @@ from redisbal.keys import DeploymentKeys, check_name
 from redisbal.reporting.counts import MODES, Counts, InvalidReport
 from redisbal.reporting.lane import Lane, ReporterStats, ReportResult, tag_of
 from redisbal.reporting.sender import MAX_REPORTS, ReportSender
+from redisbal.running_caps import check_running_cap
 
 __all__ = [
     "MAX_ENGINES",
@@ -163,6 +164,7 @@ class _Reporting:
         url: str | None = None,
         urls: Mapping[str, str] | None = None,
         incarnation: str | None = None,
+        running_cap: int | None = None,
     ) -> None:
         # names, URLs and mode first: bad input raises before any client, thread or key
         ids = _engine_ids(engines)
@@ -179,6 +181,9 @@ class _Reporting:
         # where gateways send each engine's requests: written to the deployment's urls
         # hash by the sender (and again every few seconds, so it survives a state loss)
         engine_urls = {eid: check_url(u) for eid, u in given.items()}
+        # how many requests each engine runs at once, declared to routers once per engine
+        # (redisbal.running_caps): the same for all of them, as a server's DP ranks share it
+        self.running_cap = None if running_cap is None else check_running_cap(running_cap)
         if incarnation is not None and (
             not isinstance(incarnation, str) or not INCARNATION_RE.fullmatch(incarnation)
         ):
@@ -222,16 +227,18 @@ class _Reporting:
         self.incarnation = incarnation or new_incarnation()
         self._lanes: dict[str, Lane] = {}
         for eid in ids:
-            self._attach(eid, engine_urls.get(eid))
+            self._attach(eid, engine_urls.get(eid), self.running_cap)
 
-    def add(self, engine_id: str, url: str | None = None) -> None:
+    def add(self, engine_id: str, url: str | None = None, running_cap: int | None = None) -> None:
         """Report for one more engine (registered as the constructor's engines are);
-        ``url``: where gateways send its requests. An engine added before is kept."""
+        ``url``: where gateways send its requests; ``running_cap``: how many it runs at
+        once [default: the reporter's]. An engine added before is kept."""
         check_name(engine_id, "engine_id")
+        cap = self.running_cap if running_cap is None else check_running_cap(running_cap)
         if engine_id not in self._lanes:
-            self._attach(engine_id, check_url(url) if url is not None else None)
+            self._attach(engine_id, check_url(url) if url is not None else None, cap)
 
-    def _attach(self, engine_id: str, url: str | None) -> None:
+    def _attach(self, engine_id: str, url: str | None, running_cap: int | None = None) -> None:
         if len(self._lanes) >= MAX_ENGINES:
             raise InvalidArgument(f"a reporter reports at most {MAX_ENGINES} engines")
         lane = Lane(
@@ -241,6 +248,7 @@ class _Reporting:
             incarnation=self.incarnation,
         )
         lane.url = url
+        lane.running_cap = running_cap
         self.sender.attach(lane)
         self._lanes[engine_id] = lane
         if self._register:
@@ -344,7 +352,9 @@ class AsyncReporter(_Reporting):
     their engines), or ``sender=``. With ``heartbeat=True`` the sender re-sends an
     engine's latest counts when it has not reported for ``heartbeat_s`` (0.25 s
     lockstep, one tick in tick mode). ``url=`` (one engine) or ``urls=`` (per engine):
-    where gateways send the engines' requests. ``register=True`` hands over the
+    where gateways send the engines' requests. ``running_cap=``: how many requests each
+    engine runs at once (vLLM's ``max_num_seqs``), declared to routers once per engine
+    (``redisbal.running_caps``). ``register=True`` hands over the
     registrations at once (inside a running loop); by default ``await register()``.
     """
 

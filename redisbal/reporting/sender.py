@@ -489,6 +489,10 @@ class ReportSender:
                 registers.append(Op("url", lane, [], []))
                 lane.url_due = now + URL_REFRESH_S  # (a failed write makes it due again)
                 lane.inflight += 1
+            if lane.running_cap is not None and lane.attached and now >= lane.cap_due:
+                registers.append(Op("cap", lane, [], []))
+                lane.cap_due = now + URL_REFRESH_S  # written as the URL is (docs/DESIGN.md)
+                lane.inflight += 1
             if lane.queue:
                 for depth, held in enumerate(lane.queue):
                     reports.append(Op("report", lane, held.args, held.waiters, depth=depth))
@@ -540,11 +544,14 @@ class ReportSender:
     def _settle(self, op: Op, out: Any, now: float) -> None:
         """Apply one op's outcome (caller holds the lock)."""
         lane = op.lane
-        if op.kind == "url":  # the engine's URL: written again when due, never awaited
-            if isinstance(out, OUTAGE_ERRORS):
-                lane.url_due = 0.0  # write it as soon as Redis is back
+        if op.kind in ("url", "cap"):  # written again when due, never awaited
+            if isinstance(out, OUTAGE_ERRORS):  # write it as soon as Redis is back
+                if op.kind == "url":
+                    lane.url_due = 0.0
+                else:
+                    lane.cap_due = 0.0
             elif isinstance(out, Exception):
-                log.warning("engine %s: url refused: %s", lane.engine_id, redact(str(out)))
+                log.warning("engine %s: %s refused: %s", lane.engine_id, op.kind, redact(str(out)))
             return
         if isinstance(out, OUTAGE_ERRORS):
             if op.kind == "register":
@@ -612,10 +619,13 @@ class ReportSender:
             await asyncio.wait_for(
                 lane.scripts.call("leave", lane.engine_id, lane.incarnation), self.timeout_s + 1.0
             )
+            client = self._group_of(lane).client
+            keys = lane.scripts.keys
             if lane.url is not None:  # gateways stop sending to a URL nobody serves
-                client = self._group_of(lane).client
+                await asyncio.wait_for(client.hdel(keys.urls, lane.engine_id), self.timeout_s + 1.0)
+            if lane.running_cap is not None:  # nor keep a cap nobody declares
                 await asyncio.wait_for(
-                    client.hdel(lane.scripts.keys.urls, lane.engine_id), self.timeout_s + 1.0
+                    client.hdel(keys.running_caps, lane.engine_id), self.timeout_s + 1.0
                 )
 
     async def aclose(self) -> None:
@@ -661,7 +671,7 @@ _REGISTRY_LOCK = threading.Lock()
 class Op:
     """One thing a sender's round does for a lane."""
 
-    kind: str  # "report", "register" or "url"
+    kind: str  # "report", "register", "url" or "cap" (the declared running cap)
     lane: Lane
     args: list[str]  # report: Pending.args' form; register: []
     waiters: list[Any]
@@ -669,7 +679,7 @@ class Op:
     depth: int = 0  # a report's place among its engine's reports of this round
 
 
-KINDS = ("register", "url", "report")  # the order of a round's calls on a cluster
+KINDS = ("register", "url", "cap", "report")  # the order of a round's calls on a cluster
 MAX_REPORTS = 1024  # reports per lua/report_many.lua call (its MAX_REPORTS)
 
 
@@ -778,12 +788,15 @@ async def _one(client: Any, call: list[Op]) -> Any:
 
 
 def _issue(client: Any, call: list[Op], pipe: Any = None) -> Any:
-    """Send (or queue on ``pipe``) one call: a URL write, a registration, a report,
+    """Send (or queue on ``pipe``) one call: a URL or cap write, a registration, a report,
     or several engines' reports in one report_many."""
     op, lane = call[0], call[0].lane
     if op.kind == "url":
         target = pipe or client
         return target.hset(lane.scripts.keys.urls, lane.engine_id, lane.url)
+    if op.kind == "cap":
+        target = pipe or client
+        return target.hset(lane.scripts.keys.running_caps, lane.engine_id, str(lane.running_cap))
     if len(call) > 1:
         return lane.scripts.call("report_many", *report_many_argv(call), client=pipe)
     return lane.scripts.call(op.kind, *_argv(op), client=pipe)

@@ -8,7 +8,8 @@
 - Each engine's completion rate per running request (``SpeedEstimate``), for the
   speed and age terms of the default policy.
 - What a route weighs against recent routes (``RouteCost``), when it gives its size.
-- The engines' running cap (``RunningCap``): how many requests an engine runs at once.
+- The engines' running cap (``RunningCap``): how many requests an engine runs at once,
+  learned from queues; an engine that declared its own cap has that one (``engine_cap``).
 - An engine's room (``room``): how many more requests it would run now without
   queueing them, from its running cap and from its own word on its KV cache.
 """
@@ -63,12 +64,24 @@ def kv_room(running: int, kv_usage: float | None) -> float:
     return running * (1.0 - kv_usage) / kv_usage
 
 
+def engine_cap(e: EngineView, learned: int) -> int:
+    """``e``'s running cap: the one it declared (vLLM's ``max_num_seqs``, known from its
+    first report on: redisbal.running_caps), else the one ``learned`` from queues
+    (``RunningCap``; 0 when unknown). Queues never lower a declared cap: a queue below
+    it is KV room's or the prefill budget's doing, which ``kv_room`` and the next step
+    account for, and taking it for the cap would make a KV-bound engine's request
+    sizes a slot count (docs/DESIGN.md)."""
+    return e.declared_cap or learned
+
+
 def room(e: EngineView, cap: int, w: float) -> float:
     """Requests ``e`` would run now without queueing one (negative: that many would
     wait), from its latest counts less what is on its way to it (what it reported
     waiting, the other routers' routes, this router's pending ones weighted ``w``):
-    the fewer of its free slots (``cap``, 0 when unknown) and of its KV room
-    (``kv_room``). inf when neither is known: nothing says the engine is full."""
+    the fewer of its free slots (under ``engine_cap``: its declared cap, else the
+    learned ``cap``, 0 when unknown) and of its KV room (``kv_room``). inf when
+    neither is known: nothing says the engine is full."""
+    cap = engine_cap(e, cap)
     queued = e.waiting + e.others + e.pending_cost * w
     slots = cap - e.running - queued if cap > 0 else math.inf
     return min(slots, kv_room(e.running, e.kv_usage) - queued)

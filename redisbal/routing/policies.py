@@ -33,6 +33,7 @@ from redisbal.errors import InvalidArgument
 from redisbal.errors import NoEngines as NoEngines
 from redisbal.errors import UnknownEngine as UnknownEngine
 from redisbal.routing.cache_view import BLOCK_TOKENS
+from redisbal.routing.estimates import engine_cap
 from redisbal.routing.state import EngineView, RoutingState
 
 
@@ -368,7 +369,7 @@ class RedisbalPolicy(ScoringPolicy):
         if self.use_sed:
             ahead = e.running + queued + 1.0 - (e.aged if self.use_age else 0.0)
             return ahead / e.speed + e.dither
-        cap = core.running_cap
+        cap = engine_cap(e, core.running_cap)
         if self.use_slots and cap > 0:
             load = e.running + queued - (e.aged if self.use_age else 0.0)
             over = load + 1.0 - cap
@@ -377,7 +378,7 @@ class RedisbalPolicy(ScoringPolicy):
             s = e.running + queued + e.dither
         else:
             # what is queued beyond the free slots waits on the engine's speed
-            free = max(0, core.running_cap - e.running) if core.running_cap > 0 else queued
+            free = max(0, cap - e.running) if cap > 0 else queued
             direct = min(queued, free)
             s = e.running + direct + (queued - direct) / e.speed + e.dither
         return s - e.aged if self.use_age else s
@@ -517,6 +518,7 @@ class RedisbalPolicy(ScoringPolicy):
         running cap is known, a free slot for this router's pending routes too; at
         least one of the two must be known."""
         kv_ok = e.kv_usage is not None and e.kv_usage < self.affinity_kv
+        cap = engine_cap(e, cap)
         if not cap:
             return kv_ok
         slot = e.running + e.others + e.pending_cost * w < cap

@@ -45,6 +45,7 @@ from redisbal.routing.policies import DEFAULT_POLICY, Policy
 from redisbal.routing.router_core import RouterCore
 from redisbal.routing.routes_channel import RoutesChannel
 from redisbal.routing.state import Decision
+from redisbal.running_caps import fetch as fetch_caps
 
 log = logging.getLogger("redisbal.routing.router")
 # a reader of the engines' cache views from Redis: (client, keys, view, cursor) ->
@@ -52,6 +53,7 @@ log = logging.getLogger("redisbal.routing.router")
 # a gap, else only what changed since ``cursor``)
 CacheSync = Callable[[AsyncRedisClient, DeploymentKeys, CacheView, Any], Awaitable[Any]]
 FEED_ERRORS: tuple[type[Exception], ...] = (*OUTAGE_ERRORS, redis.exceptions.ResponseError)
+CAPS_REFRESH_S = 5.0  # the declared running caps are read again this often (_read_caps)
 
 
 class _LocalRouting:
@@ -290,6 +292,9 @@ class AsyncRouter(_LocalRouting):
         self.last_error: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the feed's (start())
         self._marks: set[asyncio.Task[None]] = set()  # suspect marks on their way
+        self._caps_for: list[Any] | None = None  # core.known when the caps were read
+        self._caps_due = 0.0  # loop time the declared caps are read again (_read_caps)
+        self._caps_warned = False  # the caps could not be read (an ACL): said once
         self._scripts: Scripts | None = None  # made with the first mark
         self.routes = RoutesChannel(self.core, self.keys.routes, tell_routes)
         self.admission: Admission | None = None
@@ -452,6 +457,28 @@ class AsyncRouter(_LocalRouting):
     async def _fetch(self) -> None:
         self._apply(await self._redis.get(self.keys.snapshot))
 
+    async def _read_caps(self) -> None:
+        """Read the running caps the engines declared (redisbal.running_caps): when the
+        engines known change (a new one is routed with its cap from the start) and every
+        ``CAPS_REFRESH_S`` (one declared again after Redis lost it)."""
+        known = self.core.known
+        self._caps_for = known
+        self._caps_due = asyncio.get_running_loop().time() + CAPS_REFRESH_S
+        try:
+            caps = await fetch_caps(self._redis, self.keys)
+        except redis.exceptions.ResponseError as exc:  # an ACL without the hash: none known
+            if not self._caps_warned:
+                self._caps_warned = True
+                log.warning(
+                    "router %d: cannot read the engines' declared running caps (%s); "
+                    "learning them from queues (grant this user HGETALL on %s)",
+                    self.core.client_index,
+                    redact(str(exc)),
+                    self.keys.running_caps,
+                )
+            return
+        self.core.set_declared_caps(caps)
+
     async def _known_engines(self) -> None:
         if self.core.snapshot is None and not self.core.engines:
             ids = cast(list[bytes | str], await self._redis.zrange(self.keys.members, 0, -1))
@@ -470,6 +497,7 @@ class AsyncRouter(_LocalRouting):
                 await routes.subscribe(pubsub, sharded, partial(self._confirmed, pubsub, sharded))
                 await self._known_engines()
                 await self._fetch()
+                await self._read_caps()
                 self.core.set_connected(True)
                 self._attempted.set()
                 self.last_error = None
@@ -492,6 +520,8 @@ class AsyncRouter(_LocalRouting):
                     if loop.time() >= next_poll:
                         await self._fetch()
                         next_poll = loop.time() + self.poll_s
+                    if self.core.known is not self._caps_for or loop.time() >= self._caps_due:
+                        await self._read_caps()  # engines came or went, or it is time
                     routes.tick()
             except asyncio.CancelledError:
                 raise

@@ -29,7 +29,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.errors import InvalidArgument
@@ -120,6 +120,7 @@ class RouterCore:
         self._weigh()  # share_weight, pending_weight
         self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
         self.caps = RunningCap()  # the engines' running cap as far as seen
+        self.declared: dict[str, int] = {}  # the caps engines declared (set_declared_caps)
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
         # what the engines hold in their prefix caches: filled by the router's reader
         # (AsyncRouter's cache_sync), empty without one (policies then route on load)
@@ -150,8 +151,17 @@ class RouterCore:
 
     @property
     def running_cap(self) -> int:
-        """The engines' running cap as far as seen (0 until known: ``RunningCap``)."""
+        """The engines' running cap as far as seen (0 until known: ``RunningCap``); an
+        engine that declared its own has that one (``estimates.engine_cap``)."""
         return self.caps.cap
+
+    def set_declared_caps(self, caps: Mapping[str, int]) -> None:
+        """The running caps the engines declared (engine id -> cap: redisbal.running_caps),
+        all of them: an engine not named has none (it left, or never declared one)."""
+        with self.lock:
+            self.declared = dict(caps)
+            for eid, e in self.by_id.items():
+                e.declared_cap = self.declared.get(eid, 0)
 
     @property
     def degraded(self) -> bool:
@@ -184,6 +194,8 @@ class RouterCore:
         old = self.by_id
         self._knew_any = self._knew_any or bool(ids)
         self.by_id = {i: old.get(i) or EngineView(i, first_seq=self.seq + 1) for i in ids}
+        for i, e in self.by_id.items():
+            e.declared_cap = self.declared.get(i, 0)
         self.known = list(self.by_id.values())
         self.excl.waits.keep(self.by_id)
         self.excl.gaps.keep(self.by_id)

@@ -140,6 +140,9 @@ class EngineView:
     cap_ms: int = -1  # reported_ms of its last report seen (estimates.RunningCap)
     cap_adm: int = 0  # its admitted total then
     cap_wait: int = 0  # its waiting count then
+    # the running cap the engine declared (redisbal.running_caps), 0 when none: it wins
+    # over the one learned from queues (estimates.engine_cap)
+    declared_cap: int = 0
 
     def __post_init__(self) -> None:
         self.hid = zlib.crc32(self.engine_id.encode())
@@ -155,7 +158,8 @@ class RoutingState(Protocol):
     this one stands for (``share_weight``, or 1 while the other routers tell theirs,
     ``EngineView.others``);
     ``running_cap``, the engines' running cap as far as seen (0 until known:
-    ``estimates.RunningCap``); the latest ``snapshot``; ``rng``, to be used instead of
+    ``estimates.RunningCap``; an engine's own declared one wins: ``estimates.engine_cap``);
+    the latest ``snapshot``; ``rng``, to be used instead of
     ``random`` so that a seeded router is reproducible; ``request``, what the
     caller said about the request being routed (None when it said nothing);
     ``cache_view``, what the engines hold in their prefix caches as far as this router

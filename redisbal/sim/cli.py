@@ -37,6 +37,7 @@ from redisbal.sim.demo_compare import Comparison
 from redisbal.sim.demo_http import HttpDemo
 from redisbal.sim.engine_sim import EngineSimRunner, SimStats, engine_ids, format_engine_table
 from redisbal.sim.model import EngineParams
+from redisbal.sim.report_as import REPORT_AS
 
 
 # not click.ParamType[...]: the floor in pyproject (click 8.1) may predate the generic
@@ -104,10 +105,12 @@ ENGINE_SIM_OPTIONS = options(
     ("--report/--no-report", None, True,
      "With --http-port: --no-report only serves (no Redis, no reports, no URLs), as an "
      "unmodified engine does; a /metrics sidecar (`redisbal scrape`) reports it."),
-    ("--admitted/--no-admitted", None, True,
-     "Report how many requests each API server sent (exact pending counts, the running "
-     "cap learned); --no-admitted reports running and waiting only, as vLLM's plugin "
-     "and the /metrics sidecar do."),
+    ("--report-as", click.Choice(REPORT_AS), "full",
+     "Report as each real engine's path does: full (admitted counts per API server, the "
+     "running cap learned from queues); vllm-plugin (no admitted counts, the running cap "
+     "declared, as vLLM's plugin); vllm-metrics (neither, as the sidecar on vLLM's "
+     "/metrics); sglang (no admitted counts, the cap declared; HTTP engines serve GET "
+     "/v1/loads as SGLang does)."),
 )
 API_OPTIONS = options(
     ("--client-index", click.IntRange(0, 4095), 0,
@@ -243,7 +246,7 @@ def engine_sim(
     host: str,
     advertise_host: str | None,
     report: bool,
-    admitted: bool,
+    report_as: str,
 ) -> None:
     """Run simulated continuous-batching engines that report to Redis for real.
 
@@ -285,7 +288,7 @@ def engine_sim(
             params,
             slow_map,
             duration,
-            admitted,
+            report_as,
         )
         data = stats.to_dict()
         write_json(stats_out, data)
@@ -302,7 +305,7 @@ def engine_sim(
             params=params,
             slow=slow_map,
             report_before_step=report_before_step,
-            admitted=admitted,
+            report_as=report_as,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -325,7 +328,7 @@ def _serve_http(
     params: EngineParams,
     slow: dict[str, float],
     duration: float | None,
-    admitted: bool = True,
+    report_as: str = "full",
 ) -> SimStats:
     _require_gateway_extra("engine-sim --http-port")
     from redisbal.sim.http_engine import serve_engines
@@ -346,7 +349,7 @@ def _serve_http(
                 params=params,
                 slow=slow,
                 duration=duration,
-                admitted=admitted,
+                report_as=report_as,
             )
         )
 

@@ -41,6 +41,7 @@ from redisbal.keys import check_name
 from redisbal.ops.table import render_table
 from redisbal.reporting.reporter import AsyncReporter, Counts
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
+from redisbal.sim.report_as import Feed
 from redisbal.sim.transport import NO_BURST, POP_BATCH, DoneMsg, RequestMsg, SimKeys, popped
 
 log = logging.getLogger("redisbal.sim.engine_sim")
@@ -170,8 +171,9 @@ class EngineSimRunner:
         poll_s: float = 0.005,
         heartbeat_s: float | None = None,
         report_before_step: bool = True,
-        admitted: bool = True,
+        report_as: str = "full",
     ) -> None:
+        feed = Feed.of(report_as)
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
         if not ids:
@@ -182,8 +184,9 @@ class EngineSimRunner:
         self.poll_s = poll_s
         self.heartbeat_s = heartbeat_s
         # without admitted counts, as vLLM's plugin reports: after the step's admission
-        self.report_before_step = report_before_step and admitted
-        self.send_admitted = admitted  # False: reports as vLLM's plugin does (none)
+        self.report_before_step = report_before_step and feed.admitted
+        self.feed = feed  # what the reports carry (redisbal.sim.report_as)
+        self.send_admitted = feed.admitted
         self.keys = SimKeys(deployment)
         base = params or EngineParams()
         slow = slow or {}
@@ -217,6 +220,13 @@ class EngineSimRunner:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def declared_cap(self) -> int | None:
+        """The running cap the engines declare (``--report-as`` vllm-plugin, sglang)."""
+        if not self.feed.declares_cap:
+            return None
+        return next(iter(self.engines.values())).params.running_cap
 
     # -- transport ----------------------------------------------------------------------------
 
@@ -378,11 +388,16 @@ class EngineSimRunner:
                 mode=self.mode,
                 client=self.client,
                 heartbeat_s=self.heartbeat_s,
+                running_cap=self.declared_cap,
             )
             await rep.register()
             step = 0 if self.mode == "lockstep" else None
+            send = self.send_admitted
             await rep.report_many(
-                {eid: {"step": step, "admitted": e.admitted} for eid, e in self.engines.items()}
+                {
+                    eid: {"step": step, "admitted": e.admitted if send else None}
+                    for eid, e in self.engines.items()
+                }
             )
             log.info(
                 "engine-sim: %d %s engines (%s) of deployment %s on %s",

@@ -70,8 +70,9 @@ from redisbal.routing.cache_view import prompt_text as _prompt_text
 from redisbal.sim.engine_sim import EngineTally, SimStats
 from redisbal.sim.load_plan import output_text
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
-from redisbal.sim.peer_router_endpoints import add_peer_routes
+from redisbal.sim.peer_router_endpoints import add_peer_routes, sglang_metrics
 from redisbal.sim.prefix_cache import text_blocks
+from redisbal.sim.report_as import Feed
 
 log = logging.getLogger("redisbal.sim.http_engine")
 
@@ -186,10 +187,11 @@ class HttpEngine:
         mean_output: float = 40.0,
         seed: int | None = None,
         api_key: str | None = None,
-        admitted: bool = True,
+        report_as: str = "full",
     ) -> None:
         self.engine_id = check_name(engine_id, "engine_id")
-        self.send_admitted = admitted  # False: reports as vLLM's plugin does (none)
+        self.feed = Feed.of(report_as)  # what it reports and serves (redisbal.sim.report_as)
+        self.send_admitted = self.feed.admitted
         self.api_key = api_key  # like vLLM's --api-key: required on the /v1 paths
         self.model = SimEngine(self.engine_id, params or EngineParams(), num_clients=1)
         self.model.on_finish = self._on_finish
@@ -352,6 +354,8 @@ class HttpEngine:
         return web.Response(body=orjson.dumps(data), content_type="application/json")
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.feed.serves_loads:  # reports as SGLang: its page (peer_router_endpoints)
+            return sglang_metrics(self)
         m = self.model
         labels = f'engine="{self.engine_id}",model_name="{self.model_name}"'
         kv = self.kv_usage() or 0.0  # (vLLM always exports one)
@@ -569,8 +573,9 @@ class HttpEngine:
             )
         self._task = asyncio.get_running_loop().create_task(self._steps())
         if self.redis_url:
+            cap = self.model.params.running_cap if self.feed.declares_cap else None
             self.reporter = AsyncReporter(
-                self.redis_url, self.deployment, self.engine_id, mode="tick"
+                self.redis_url, self.deployment, self.engine_id, mode="tick", running_cap=cap
             )
             await self.reporter.register()
             with contextlib.suppress(*OUTAGE_ERRORS):
@@ -628,7 +633,7 @@ async def serve_engines(
     seed: int | None = None,
     duration: float | None = None,
     sample_s: float = 0.01,
-    admitted: bool = True,
+    report_as: str = "full",
 ) -> SimStats:
     """Serve engine ``ids[k]`` on ``port_base + k`` (every engine on a port of its own
     choosing when ``port_base`` is 0) until SIGTERM/SIGINT (or ``duration`` seconds), then
@@ -652,7 +657,7 @@ async def serve_engines(
             model_name=model_name,
             mean_output=mean_output,
             seed=None if seed is None else seed + k,
-            admitted=admitted,
+            report_as=report_as,
         )
         for k, engine_id in enumerate(ids)
     ]

@@ -16,6 +16,10 @@ falls back, or its load is unknown). What the pinned routers were seen to call
   sglang-router's power_of_two polls; ``GET /server_info`` and ``/model_info``
   (and their older names ``/get_server_info``, ``/get_model_info``), from which it
   registers the worker's model.
+- SGLang's ``GET /v1/loads`` (``{"loads": [...]}``, one entry per data-parallel rank
+  with ``dp_rank``, ``num_running_reqs``, ``num_waiting_reqs``, ``max_running_requests``
+  and ``token_usage``), from which ``redisbal scrape`` takes the running cap: served
+  by engines that report as SGLang (``--report-as sglang``) only, since vLLM has none.
 
 Tokens: the engines count 4 characters a token (redisbal.sim.prefix_cache), so a
 text's token ids are one id per 4-character chunk, a hash of the chunk: the same
@@ -36,6 +40,7 @@ from aiohttp import web
 
 from redisbal.routing.cache_view import sim_token_ids as token_ids
 from redisbal.sim.model import SimEngine
+from redisbal.sim.report_as import Feed
 
 
 class HttpEngine(Protocol):
@@ -43,6 +48,7 @@ class HttpEngine(Protocol):
 
     model: SimEngine
     model_name: str
+    feed: Feed  # what it reports and serves (redisbal.sim.report_as)
 
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -111,6 +117,24 @@ def _rendered(engine: HttpEngine, body: dict[str, Any], text: str, kind: str) ->
 
 
 PEER_CALLS = web.AppKey("peer_calls", Counter)
+
+
+def sglang_metrics(engine: HttpEngine) -> web.Response:
+    """The engine's counts as SGLang's /metrics page shows them (one ``dp_rank``), for
+    engines that report as SGLang (``--report-as sglang``): what ``redisbal scrape``
+    reads there, next to the cap it takes from ``/v1/loads``."""
+    m = engine.model
+    labels = f'model_name="{engine.model_name}",dp_rank="0"'
+    out = []
+    for name, kind, value in (
+        ("num_running_reqs", "gauge", len(m.running)),
+        ("num_queue_reqs", "gauge", len(m.waiting) + len(m.inbox)),
+        ("token_usage", "gauge", m.kv_usage or 0.0),
+        ("generation_tokens_total", "counter", m.tokens),
+    ):
+        family = name.removesuffix("_total")
+        out += [f"# TYPE sglang:{family} {kind}", f"sglang:{name}{{{labels}}} {float(value)}"]
+    return web.Response(text="\n".join(out) + "\n", content_type="text/plain")
 
 
 def add_peer_routes(app: web.Application, engine: HttpEngine) -> None:
@@ -182,6 +206,24 @@ def add_peer_routes(app: web.Application, engine: HttpEngine) -> None:
             ]
         )
 
+    async def loads(request: web.Request) -> web.Response:
+        m = engine.model
+        return _json(
+            {
+                "loads": [
+                    {
+                        "dp_rank": 0,
+                        "num_running_reqs": len(m.running),
+                        "num_waiting_reqs": len(m.waiting) + len(m.inbox),
+                        "num_used_tokens": m.kv_tokens,
+                        "max_total_num_tokens": m.params.kv_capacity_tokens,
+                        "token_usage": m.kv_usage or 0.0,
+                        "max_running_requests": m.params.running_cap,
+                    }
+                ]
+            }
+        )
+
     async def server_info(request: web.Request) -> web.Response:
         return _json(
             {
@@ -227,5 +269,6 @@ def add_peer_routes(app: web.Application, engine: HttpEngine) -> None:
         ("/get_server_info", server_info),
         ("/model_info", model_info),
         ("/get_model_info", model_info),
+        *([("/v1/loads", loads)] if engine.feed.serves_loads else []),
     ):
         app.router.add_get(path, counted(path, handler))

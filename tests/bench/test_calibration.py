@@ -14,6 +14,7 @@ from redisbal.bench.calibration import (
     Calibration,
     CalibrationError,
     admitted_from_args,
+    declared_from_args,
     engine_from_args,
     pair_verdicts,
     ranking,
@@ -23,6 +24,7 @@ from redisbal.bench.calibration import (
     slow_engines,
 )
 from redisbal.bench.quality import simulate
+from redisbal.sim.report_as import REPORT_AS
 from redisbal.sim.workload import TraceError, parse_trace
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -189,6 +191,15 @@ def test_a_run_of_engines_without_admitted_counts_is_simulated_without_them() ->
     assert not admitted_from_args(args)
     assert admitted_from_args({"engine_args": "--base-step-ms 36"})
     assert engine_from_args(args["engine_args"].split(), 8).base_step_s == pytest.approx(0.036)
+    for form in ("vllm-plugin", "vllm-metrics", "sglang"):
+        run = {"engine_args": f"--base-step-ms 36 --report-as {form}"}
+        assert not admitted_from_args(run)
+        assert engine_from_args(run["engine_args"].split(), 8).base_step_s == pytest.approx(0.036)
+    assert not admitted_from_args({"engine_args": "--report-as=sglang"})
+    assert admitted_from_args({"engine_args": "--report-as full --base-step-ms 36"})
+    declared = [declared_from_args({"engine_args": f"--report-as {f}"}) for f in REPORT_AS]
+    assert declared == [False, True, False, True]  # full, vllm-plugin, vllm-metrics, sglang
+    assert not declared_from_args({"engine_args": "--no-admitted"})
 
 
 def test_trace_keys_are_guessed_as_the_gateway_takes_them(tmp_path: Path) -> None:

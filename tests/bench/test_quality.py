@@ -340,6 +340,31 @@ def test_no_admitted_leaves_routers_reconciling_by_time(monkeypatch) -> None:
     assert res.exit_code != 0 and "routing-quality" in res.output
 
 
+class _CapRecorder(_ExactRecorder):
+    """Least-loaded, recording the running caps the engines declared."""
+
+    caps: set[int] = set()
+
+    def pick(self, core: RoutingState) -> EngineView:
+        type(self).caps.update(e.declared_cap for e in core.engines)
+        return super().pick(core)
+
+
+def test_declared_caps_are_known_to_every_router_from_the_start(monkeypatch) -> None:
+    """As engines that declare their cap (vLLM's plugin): every router knows it at its
+    first route; without, none does (learned from queues instead)."""
+    from redisbal.bench import quality
+
+    monkeypatch.setitem(quality.POLICIES, "cap-recorder", _CapRecorder)
+    sc = _small("poisson")
+    _CapRecorder.caps = set()
+    assert simulate("cap-recorder", 1, sc, admitted=False, declared_caps=True)["requests"] > 0
+    assert _CapRecorder.caps == {sc.engine.running_cap}
+    _CapRecorder.caps = set()
+    assert simulate("cap-recorder", 1, sc, admitted=False)["requests"] > 0
+    assert _CapRecorder.caps == {0}
+
+
 @pytest.mark.slow
 def test_variants_flip_one_option_of_the_default_and_run_only_when_named() -> None:
     from redisbal.bench.oracle import World

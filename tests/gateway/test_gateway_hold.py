@@ -37,11 +37,11 @@ async def _wave(client: openai.AsyncOpenAI, n: int) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def _stack(
-    redis_url: str, deployment: str, admitted: bool = True
+    redis_url: str, deployment: str, report_as: str = "full"
 ) -> AsyncIterator[tuple[AsyncRouter, Gateway, openai.AsyncOpenAI]]:
-    """Two SLOW engines (reporting admitted counts or not) behind a gateway that holds
-    up to 5 s, and an openai client of it."""
-    engines = await start_engines(redis_url, deployment, 2, SLOW, admitted=admitted)
+    """Two SLOW engines (reporting as ``report_as``: redisbal.sim.report_as) behind a
+    gateway that holds up to 5 s, and an openai client of it."""
+    engines = await start_engines(redis_url, deployment, 2, SLOW, report_as=report_as)
     gw = None
     try:
         gw = await start_gateway(redis_url, deployment, hold_s=5.0)
@@ -86,14 +86,14 @@ async def test_requests_past_every_engines_cap_are_held_and_all_served(
         assert "redisbal_gateway_held 0.0" in page
 
 
-async def test_engines_fed_as_vllms_plugin_feeds_them_are_held_for_too(
+async def test_engines_fed_as_vllms_metrics_feed_them_are_held_for_too(
     redis_url: str, deployment: str
 ) -> None:
-    """Engines that report as vLLM's plugin does (engine-sim --no-admitted: running and
-    waiting after each step's admission, no admitted counts) teach the cap by a queue
-    in two reports in a row; then requests past every engine's cap are held and all
-    served, each when a slot freed."""
-    async with _stack(redis_url, deployment, admitted=False) as (router, _, client):
+    """Engines that report as the sidecar on vLLM's /metrics does (engine-sim
+    --report-as vllm-metrics: running and waiting after each step's admission, no
+    admitted counts, no cap) teach the cap by a queue in two reports in a row; then
+    requests past every engine's cap are held and all served, each when a slot freed."""
+    async with _stack(redis_url, deployment, "vllm-metrics") as (router, _, client):
         snap = router.snapshot
         assert snap is not None and all(c.admitted is None for c in snap.engines.values())
         adm = router.admission
@@ -103,4 +103,21 @@ async def test_engines_fed_as_vllms_plugin_feeds_them_are_held_for_too(
         held_before = adm.held_total
         assert all(await _wave(client, 12))
         assert adm.held_total > held_before
+        assert adm.timed_out == 0 and adm.held == 0
+
+
+async def test_engines_that_declare_their_cap_are_held_for_from_the_first_wave(
+    redis_url: str, deployment: str
+) -> None:
+    """Engines that report as vLLM's plugin does (engine-sim --report-as vllm-plugin: no
+    admitted counts, the cap declared from max_num_seqs) need no queue to teach it:
+    the first wave past every engine's cap is held, and all of it served."""
+    async with _stack(redis_url, deployment, "vllm-plugin") as (router, _, client):
+        core = router.core
+        await await_until(lambda: all(e.declared_cap == 2 for e in core.by_id.values()))
+        assert core.running_cap == 0  # nothing learned: no queue formed yet
+        adm = router.admission
+        assert adm is not None and adm.held_total == 0
+        assert all(await _wave(client, 12))  # 12 requests, 4 slots: the first wave
+        assert adm.held_total > 0
         assert adm.timed_out == 0 and adm.held == 0

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -20,11 +21,21 @@ from aiohttp import web
 from click.testing import CliRunner
 from support.helpers import Barrier, await_until, coordinator
 
+from redisbal import running_caps
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.integrations.metrics_page import EngineSample, PageError, parse_page, relevant_text
-from redisbal.integrations.scrape import Sidecar, SidecarError, Target, build, sanitise
+from redisbal.integrations.scrape import (
+    Sidecar,
+    SidecarError,
+    Target,
+    build,
+    loads_caps,
+    sanitise,
+)
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.cli import cli
+from redisbal.sim.http_engine import HttpEngine
+from redisbal.sim.model import EngineParams
 
 DATA = Path(__file__).parent / "data"
 
@@ -153,6 +164,7 @@ class MetricsServer:
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.hits = 0
+        self.loads: Any = None  # SGLang's GET /v1/loads answer, when it serves one
 
     def text(self) -> str:
         lines = []
@@ -178,9 +190,14 @@ class MetricsServer:
             await asyncio.sleep(30)
         return web.Response(text=self.text(), content_type="text/plain")
 
+    async def handle_loads(self, request: web.Request) -> web.Response:
+        return web.json_response(self.loads)
+
     async def start(self, port: int = 0) -> MetricsServer:
         app = web.Application()
         app.router.add_get("/metrics", self.handle)
+        if self.loads is not None:
+            app.router.add_get("/v1/loads", self.handle_loads)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", port)
@@ -212,7 +229,7 @@ def latest(r: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
 
 
 async def start_sidecar(
-    redis_url: str, deployment: str, urls: list[str], **kw: float | str
+    redis_url: str, deployment: str, urls: list[str], running_cap: int | None = None, **kw: Any
 ) -> tuple[Sidecar, asyncio.Event, asyncio.Task[None]]:
     sc = build(
         redis_url,
@@ -222,6 +239,7 @@ async def start_sidecar(
         str(kw.get("template", "{host}-{port}-{engine}")),
         float(kw.get("interval", 0.05)),
         float(kw.get("timeout", 0.5)),
+        running_cap,
     )
     stop = asyncio.Event()
     return sc, stop, asyncio.create_task(sc.run(stop))
@@ -260,6 +278,86 @@ async def test_snapshot_follows_served_counts_of_several_engines(
         stop.set()
         await task
         sc.sender.close()
+
+
+async def test_the_cap_comes_from_sglangs_v1_loads_or_from_the_flag(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys, servers: list[MetricsServer]
+) -> None:
+    """SGLang's /v1/loads gives each dp_rank's max_running_requests, declared once per
+    engine; vLLM has no /v1/loads (404) and its page no cap: none is declared, unless
+    the sidecar is given --max-num-seqs, which then wins for every engine."""
+    Barrier(r, keys).configure()
+    a = await MetricsServer(engines=1).start()
+    b = MetricsServer(engines=2, flavour="sglang")
+    b.loads = {
+        "loads": [
+            {"dp_rank": 0, "max_running_requests": 48},
+            {"dp_rank": 1, "max_running_requests": 32},
+        ]
+    }
+    await b.start()
+    servers += [a, b]
+    sc, stop, task = await start_sidecar(redis_url, keys.deployment, [a.url, b.url])
+    try:
+        want = {f"127.0.0.1-{b.port}-0": 48, f"127.0.0.1-{b.port}-1": 32}
+        await await_until(lambda: len(counts_of(latest(r, keys))) == 3)
+        assert running_caps.fetch_sync(r, keys) == want
+    finally:
+        stop.set()
+        await task
+        sc.sender.close()
+    assert r.hlen(keys.running_caps) == 0  # the engines left: their caps with them
+    sc, stop, task = await start_sidecar(redis_url, keys.deployment, [a.url, b.url], 16)
+    try:
+        await await_until(lambda: len(running_caps.fetch_sync(r, keys)) == 3)
+        assert set(running_caps.fetch_sync(r, keys).values()) == {16}
+    finally:
+        stop.set()
+        await task
+        sc.sender.close()
+
+
+def test_v1_loads_answers_give_each_dp_ranks_cap() -> None:
+    assert loads_caps({"loads": [{"dp_rank": 1, "max_running_requests": 8}]}) == {"1": 8}
+    assert loads_caps([{"max_running_requests": 4}]) == {"0": 4}  # no dp_rank: rank 0
+    bad = [
+        {"dp_rank": 0, "max_running_requests": 0},
+        {"dp_rank": 1, "max_running_requests": 2.5},
+        {"dp_rank": -1, "max_running_requests": 8},
+        {"dp_rank": "2", "max_running_requests": 8},
+        "x",
+    ]
+    assert loads_caps({"loads": bad}) == {} == loads_caps({"error": "x"}) == loads_caps(None)
+
+
+async def test_the_sidecar_takes_engine_sims_cap_as_sglangs(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys
+) -> None:
+    """engine-sim --report-as sglang serves SGLang's /metrics and /v1/loads; a sidecar
+    on it declares the engine's cap. --report-as vllm-metrics serves neither: no cap."""
+    Barrier(r, keys).configure()
+    params = EngineParams(running_cap=6)
+    engines = {
+        form: HttpEngine(
+            form, redis_url=None, deployment="-", port=0, params=params, report_as=form
+        )
+        for form in ("sglang", "vllm-metrics")
+    }
+    for e in engines.values():
+        await e.start()
+    urls = [f"{e.url}/metrics" for e in engines.values()]
+    sc, stop, task = await start_sidecar(
+        redis_url, keys.deployment, urls, template="{index}-{engine}"
+    )
+    try:
+        await await_until(lambda: len(counts_of(latest(r, keys))) == 2)
+        assert running_caps.fetch_sync(r, keys) == {"0-0": 6}  # the sglang one's dp_rank 0
+    finally:
+        stop.set()
+        await task
+        sc.sender.close()
+        for e in engines.values():
+            await e.stop()
 
 
 async def test_killed_metrics_server_leaves_routing_not_reported_idle(
@@ -456,6 +554,12 @@ def test_cli_bad_template_and_page_are_one_line_errors(redis_url: str, tmp_path:
         cli, ["scrape", "--redis-url", redis_url, "--metrics-url", "http://h/m", "--interval", "x"]
     )
     assert res.exit_code == 2 and "not a duration" in res.output
+    for bad in ("0", "x", "2.5"):
+        res = runner.invoke(
+            cli, ["scrape", "--redis-url", redis_url, "--metrics-url", "http://h/m",
+                  "--max-num-seqs", bad],
+        )  # fmt: skip
+        assert res.exit_code == 2 and "--max-num-seqs" in res.output, res.output
     # options are checked before anything connects: this Redis does not exist
     res = runner.invoke(
         cli,
@@ -478,12 +582,13 @@ async def test_command_reports_then_leaves_on_sigterm(
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "redisbal", "scrape", "--redis-url", redis_url,
         "--deployment", keys.deployment, "--metrics-url", a.url, "--interval", "50ms",
-        "--engine-id", "node-{index}-{engine}",
+        "--engine-id", "node-{index}-{engine}", "--max-num-seqs", "32",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
         want = {"node-0-0": (1, 2), "node-0-1": (3, 4)}
         await await_until(lambda: counts_of(latest(r, keys)) == want, timeout=10.0)
+        assert running_caps.fetch_sync(r, keys) == {"node-0-0": 32, "node-0-1": 32}
         proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(proc.communicate(), 10)
         assert proc.returncode == 0, err.decode()

@@ -420,3 +420,49 @@ def test_a_restarted_server_is_routable_again_without_any_request(
             )
 
         wait_until(back, timeout=3.0)
+
+
+class SchedulerConfig:
+    """Stand-in with the two fields of vLLM 0.33.0's SchedulerConfig the plugin reads."""
+
+    def __init__(self, max_num_seqs: Any = 256, max_num_active_seqs: Any = None) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_active_seqs = max_num_active_seqs
+
+
+class VllmConfig:
+    def __init__(self, scheduler_config: Any) -> None:
+        self.scheduler_config = scheduler_config
+
+
+def test_the_running_cap_is_max_num_active_seqs_where_set_else_max_num_seqs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cap = vllm_plugin.running_cap_of
+    assert cap(VllmConfig(SchedulerConfig(256))) == 256
+    assert cap(VllmConfig(SchedulerConfig(256, 32))) == 32
+    assert cap(None) is None and cap(VllmConfig(None)) is None
+    with caplog.at_level(logging.WARNING, "redisbal.vllm"):
+        assert cap(VllmConfig(SchedulerConfig(0))) is None
+    assert "declaring no running cap" in caplog.text and "max_num_seqs" in caplog.text
+
+
+def test_the_engines_declare_the_cap_from_vllm_config(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys
+) -> None:
+    """Every engine of the logger declares the scheduler's cap once, in the deployment's
+    running_caps hash (its reports stay as they were); a logger without a config
+    declares none."""
+    from redisbal import running_caps
+
+    Barrier(r, keys).configure()
+    e = env(redis_url, keys.deployment, REDISBAL_ENGINE_ID="dp{engine}")
+    p = RedisbalStatLogger(VllmConfig(SchedulerConfig(128, 48)), [0, 1], env=e)
+    q = RedisbalStatLogger(None, [2], env=e)
+    assert (p.running_cap, q.running_cap) == (48, None)
+    for i, logger in ((0, p), (1, p), (2, q)):
+        logger.record(SchedulerStats(num_running_reqs=1), None, engine_idx=i)
+    wait_until(lambda: running_caps.fetch_sync(r, keys) == {"dp0": 48, "dp1": 48})
+    wait_until(lambda: set(counts(r, keys)) == {"dp0", "dp1", "dp2"})
+    vllm_plugin.close_all()  # the engines leave: their caps with them
+    assert r.hlen(keys.running_caps) == 0

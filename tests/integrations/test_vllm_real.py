@@ -16,6 +16,7 @@ import pytest
 import redis
 from support.helpers import Barrier, wait_until
 
+from redisbal import running_caps
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.integrations import vllm_plugin
 from redisbal.keys import DeploymentKeys
@@ -116,6 +117,11 @@ def test_vllm_stat_logger_manager_drives_the_plugin_next_to_its_prometheus_logge
     try:
         kinds = [type(s).__name__ for s in manager.stat_loggers]
         assert kinds == ["RedisbalStatLogger", "PrometheusStatLogger"], kinds
+        # the running cap read from the real VllmConfig vLLM handed the plugin, declared
+        # once per engine (redisbal.running_caps)
+        cap = vllm_config.scheduler_config.max_num_seqs
+        assert isinstance(cap, int) and cap >= 1
+        assert manager.stat_loggers[0].running_cap == cap
         manager.log_engine_initialized()
         sent = {
             0: stats.SchedulerStats(num_running_reqs=7, num_waiting_reqs=3,
@@ -125,6 +131,7 @@ def test_vllm_stat_logger_manager_drives_the_plugin_next_to_its_prometheus_logge
         for idx, st in sent.items():
             manager.record(scheduler_stats=st, iteration_stats=None, engine_idx=idx)
         wait_until(lambda: counts(r, keys) == {"dp0": (4, 7), "dp1": (0, 12)}, 5, "the counts")
+        assert running_caps.fetch_sync(r, keys) == {"dp0": cap, "dp1": cap}
         page = prometheus_client.generate_latest().decode()
         # with vLLM's progress counters (its token counters: no iteration yet, so 0)
         assert parse_page(page) == [

@@ -256,6 +256,27 @@ def test_status_table_shows_each_engine(
     assert rows["0"][8] == rows["1"][8] == "live"
 
 
+def test_status_room_counts_a_declared_cap(
+    runner: CliRunner, redis_url: str, deployment: str, r: redis.Redis
+) -> None:
+    """An engine that declared its running cap: its room is the fewer of its free slots
+    and its KV room, less its queue, as routers read it."""
+    r.hset(DeploymentKeys(deployment).config, mapping={"join_grace_ms": "0"})
+    rep = Reporter(redis_url, deployment, engines=["0", "1"], heartbeat=False, running_cap=8)
+    try:
+        rep.register(wait=True)
+        rep.report(Counts(step=1, waiting=3, running=7, kv_usage=0.25), engine="0", wait=True)
+        rep.report(Counts(step=1, waiting=0, running=2), engine="1", wait=True)
+        res = run(runner, "status", "--json", "--redis-url", redis_url, "--deployment", deployment)
+    finally:
+        rep.close()
+    assert res.exit_code == 0, res.output
+    by_id = {e["engine"]: e for e in orjson.loads(res.output)["engines"]}
+    # 0: 8 slots less 7 running and 3 queued (its KV room, 18, is the larger); 1: 6 free
+    assert (by_id["0"]["cap"], by_id["0"]["kv_room"]) == (8, -2.0)
+    assert (by_id["1"]["cap"], by_id["1"]["kv_room"]) == (8, 6.0)
+
+
 def test_status_json_and_gone_engines(
     runner: CliRunner, redis_url: str, deployment: str, r: redis.Redis
 ) -> None:

@@ -14,6 +14,7 @@ import redis
 from support.helpers import Barrier, Blocking, await_until, keys_of, score, server_ms, wait_until
 
 from redisbal import AsyncReporter, Counts, InvalidName, InvalidReport, Reporter
+from redisbal.errors import InvalidArgument
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
 
@@ -400,3 +401,60 @@ def test_url_is_registered_kept_after_a_state_loss_and_removed_on_leave(
     finally:
         rep.close()
     assert r.hget(keys.urls, "e0") is None, "a graceful leave keeps the url"
+
+
+@pytest.mark.parametrize("cls", [Reporter, AsyncReporter], ids=["sync", "async"])
+def test_running_cap_is_declared_kept_after_a_state_loss_and_removed_on_leave(
+    r: redis.Redis,
+    redis_url: str,
+    keys: DeploymentKeys,
+    cls: type,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``running_cap=`` is declared once per engine in the deployment's running_caps
+    hash (never in a report), written again as the URL is, and removed on a graceful
+    leave; ``add()`` may give an engine its own. Routers read it with running_caps.fetch."""
+    from redisbal import running_caps
+    from redisbal.reporting import sender
+
+    monkeypatch.setattr(sender, "URL_REFRESH_S", 0.2)
+    rep = Blocking(cls(redis_url, keys.deployment, "e0", running_cap=256))
+    rep.add("e1", running_cap=8)
+    rep.add("e2")  # the reporter's own
+    try:
+        rep.register()
+        steps = iter(range(1, 10**6))
+
+        def caps_after_a_step() -> bool:
+            counts = {e: Counts(step=next(steps), waiting=0, running=1) for e in rep.engines}
+            for e, c in counts.items():
+                rep.report(c, engine=e, wait=True)
+            return running_caps.fetch_sync(r, keys) == {"e0": 256, "e1": 8, "e2": 256}
+
+        wait_until(caps_after_a_step, 5, "the caps written")
+        r.delete(keys.running_caps)  # the state lost
+        wait_until(caps_after_a_step, 5, "the caps written again")
+    finally:
+        rep.close()
+    assert r.hlen(keys.running_caps) == 0, "a graceful leave keeps a cap"
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2.0, True, "8", 10**7], ids=lambda v: repr(v)[:12])
+def test_a_bad_running_cap_is_a_one_line_error_before_any_key(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys, cap: object
+) -> None:
+    with pytest.raises(InvalidArgument, match="running_cap") as exc:
+        Reporter(redis_url, keys.deployment, "e0", running_cap=cap)
+    assert "\n" not in str(exc.value)
+    assert r.exists(*keys.all_keys()) == 0
+
+
+def test_running_caps_read_back_skips_what_another_client_wrote_badly(
+    r: redis.Redis, keys: DeploymentKeys, caplog: pytest.LogCaptureFixture
+) -> None:
+    from redisbal import running_caps
+
+    bad = {"zero": "0", "neg": "-3", "x y": "8", "f": "2.5"}
+    r.hset(keys.running_caps, mapping={"ok": "64", **bad})
+    assert running_caps.fetch_sync(r, keys) == {"ok": 64}
+    assert len([m for m in caplog.messages if "ignoring a bad entry" in m]) == 4

@@ -1,0 +1,43 @@
+"""What engine-sim tells the deployment, as each real engine's path does
+(``engine-sim --report-as``), so that a benchmark runs with the information real
+engines give.
+
+- ``full``: running, waiting, KV usage and admitted counts per API server (exact
+  pending counts; the running cap learned from queues). No real engine sends these.
+- ``vllm-plugin``: what vLLM's stat-logger plugin sends: no admitted counts, counts
+  made after each step's admission, the running cap declared (``max_num_seqs``).
+- ``vllm-metrics``: what ``redisbal scrape`` reads off vLLM's /metrics: no admitted
+  counts and no cap (unless the sidecar is given ``--max-num-seqs``).
+- ``sglang``: what ``redisbal scrape`` reads off SGLang: no admitted counts, the cap
+  from ``GET /v1/loads`` (``max_running_requests`` per ``dp_rank``), which the HTTP
+  engines then serve as SGLang does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redisbal.errors import InvalidArgument
+
+REPORT_AS = ("full", "vllm-plugin", "vllm-metrics", "sglang")
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One ``--report-as`` form: what the engines' reports and routes carry."""
+
+    name: str
+    admitted: bool  # admitted counts per API server in every report
+    declares_cap: bool  # the running cap declared once (redisbal.running_caps)
+    serves_loads: bool  # GET /v1/loads, as SGLang serves it
+
+    @classmethod
+    def of(cls, name: str) -> Feed:
+        if name not in REPORT_AS:
+            raise InvalidArgument(f"report_as must be one of {', '.join(REPORT_AS)}, got {name!r}")
+        return cls(
+            name,
+            admitted=name == "full",
+            declares_cap=name in ("vllm-plugin", "sglang"),
+            serves_loads=name == "sglang",
+        )
