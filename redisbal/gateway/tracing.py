@@ -109,11 +109,9 @@ class Tracing:
             )
 
             if exporter is None:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
+                from redisbal.gateway.otlp import OTLPExporter
 
-                exporter = OTLPSpanExporter(endpoint=endpoint)
+                exporter = OTLPExporter(endpoint)
         except ImportError as exc:
             raise MissingExtra(
                 f"tracing needs the 'tracing' extra ({exc.name} is missing): {EXTRA_HINT}"
