@@ -128,8 +128,8 @@ class Encoder:
         for e in s.events:
             ev = b"\x09" + _q(e.timestamp) + _field(b"\x12", e.name.encode())
             ev += self._attrs(b"\x1a", e.attributes)
-            if e.dropped_attributes:
-                ev += b"\x20" + _varint(e.dropped_attributes)
+            if dropped := getattr(e, "dropped_attributes", 0):  # (older SDKs: no such count)
+                ev += b"\x20" + _varint(dropped)
             parts.append(_field(b"\x5a", ev))
         if s.dropped_events:
             parts.append(b"\x60" + _varint(s.dropped_events))
@@ -138,8 +138,8 @@ class Encoder:
             lk = _field(b"\x0a", lc.trace_id.to_bytes(16, "big"))
             lk += _field(b"\x12", lc.span_id.to_bytes(8, "big"))
             lk += self._attrs(b"\x22", link.attributes)
-            if link.dropped_attributes:
-                lk += b"\x28" + _varint(link.dropped_attributes)
+            if dropped := getattr(link, "dropped_attributes", 0):
+                lk += b"\x28" + _varint(dropped)
             lk += b"\x35" + _i(0x100 | (0x200 if lc.is_remote else 0))
             parts.append(_field(b"\x6a", lk))
         if s.dropped_links:
@@ -170,7 +170,7 @@ class Encoder:
                     sc = _field(b"\x0a", scope.name.encode())
                     if scope.version:
                         sc += _field(b"\x12", scope.version.encode())
-                    sc += self._attrs(b"\x1a", scope.attributes)
+                    sc += self._attrs(b"\x1a", getattr(scope, "attributes", None))
                 ss = _field(b"\x0a", sc) + b"".join(_field(b"\x12", x) for x in encoded)
                 if scope is not None and scope.schema_url:
                     ss += _field(b"\x1a", scope.schema_url.encode())
@@ -179,6 +179,15 @@ class Encoder:
                 body += _field(b"\x1a", res.schema_url.encode())
             out.append(_field(b"\x0a", body))
         return b"".join(out)
+
+
+def env_headers(value: str) -> Mapping[str, str]:
+    """``OTEL_EXPORTER_OTLP_HEADERS``'s ``k=v,k2=v2``, percent-decoded, as the SDK parses
+    it (leniently where the API can: spaces around the pairs)."""
+    try:
+        return parse_env_headers(value, liberal=True)
+    except TypeError:  # (an API before ``liberal``)
+        return parse_env_headers(value)
 
 
 def _env(name: str) -> str | None:
@@ -207,7 +216,7 @@ class OTLPExporter(SpanExporter):
         self.timeout_s = float(_env("TIMEOUT") or 10.0)
         self.compression = (_env("COMPRESSION") or "none").strip().lower()
         self.session = requests.Session()
-        self.session.headers.update(parse_env_headers(_env("HEADERS") or "", liberal=True))
+        self.session.headers.update(env_headers(_env("HEADERS") or ""))
         self.session.headers["Content-Type"] = "application/x-protobuf"
         if self.compression in ("gzip", "deflate"):
             self.session.headers["Content-Encoding"] = self.compression
