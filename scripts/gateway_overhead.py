@@ -308,7 +308,7 @@ def main() -> None:
                     # the run's gateways lease indexes of one deployment: 2+ replicas,
                     # which tell each other their routes only when asked to
                     cmd += ["--tell-routes" if a.tell_routes else "--no-tell-routes"]
-                    genv, out = env, None
+                    genv, out, cwd = env, None, None
                     if variant == "-auth":
                         cmd += ["--api-key-file", key_file]
                     if variant == "-traced":
@@ -321,7 +321,8 @@ def main() -> None:
                     if variant == "-other":  # (an older gateway may have no --access-log)
                         cmd[0:1] = [sys.executable, "-m", "redisbal"]
                         genv = {**env, "PYTHONPATH": os.path.abspath(a.other_src)}
-                    procs.append(subprocess.Popen(cmd, env=genv, stderr=out))
+                        cwd = a.other_src  # (-m puts the working directory first)
+                    procs.append(subprocess.Popen(cmd, env=genv, stderr=out, cwd=cwd))
                     name = f"gateway-{kind}{variant}"
                     gws[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
                 if a.bare:
