@@ -37,9 +37,10 @@ gateway, the same as the first, whose ratio to it is what noise alone moves a ra
 second table then gives each target's CPU over the first loop kind's plain gateway in
 the same repetition. "Tracing off: no measurable change" is the plain gateway (no
 endpoint; ``--access-log off``) against ``--other-src`` of a tree without tracing, read
-beside the twin's ratio:
+beside the twin's ratio (the other tree's engine and Redis schema must match this
+one's: check that its requests all succeed):
 
-    git archive 08211ff | tar -x -C /tmp/before-tracing
+    git archive <the commit before tracing> | tar -x -C /tmp/before-tracing
     python scripts/gateway_overhead.py --rates 300 --duration 5 --reps 6 --tracing \
         --twin --other-src /tmp/before-tracing
 
