@@ -36,7 +36,9 @@ until a new snapshot holds every engine that is up), against the bound of
 docs/RELIABILITY.md; what was left in flight at the end (the gateways'
 ``redisbal_gateway_inflight``, the engines' own counts); requests executed twice (a
 request's id finished by two engines' models) or delivered twice; the gateways' RSS and
-open fds over time (/proc).
+open fds over time (/proc); the gateways' JSON access logs against the client (each
+request sends its id as ``X-Request-Id``): exactly one line per request, and the lines'
+outcomes adding up to what the client saw (answered, failed by status).
 
     python scripts/chaos.py --short --json chaos.json     # ~60 s, fewer faults
     nice -n 10 python scripts/chaos.py --json chaos.json  # 10 minutes
@@ -390,7 +392,8 @@ class Stack:
             port = free_port()
             self.gateways.append(
                 Role(f"g{i}", [BIN, "gateway", "--redis-url", url, *common, "--port", str(port),
-                               *a.gateway_args], workdir / f"gateway-g{i}.log", port)
+                               "--access-log", "json", *a.gateway_args],
+                     workdir / f"gateway-g{i}.log", port)
             )  # fmt: skip
 
     def ledger(self, eid: str) -> Path:
@@ -657,6 +660,7 @@ class Load:
                 user=s.key,
                 timeout=self.a.request_timeout_s,
                 extra_body={"chaos_id": r.rid},
+                extra_headers={"X-Request-Id": r.rid},  # its access-log line's id
             )
             async for chunk in stream:
                 now = time.monotonic()
@@ -973,6 +977,78 @@ def classify(
     }
 
 
+def access_lines(stack: Stack) -> dict[str, list[dict[str, Any]]]:
+    """The gateways' JSON access-log lines (in their log files, a restarted gateway's
+    appended), by request id."""
+    out: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for g in stack.gateways:
+        with contextlib.suppress(FileNotFoundError), g.logfile.open("rb") as fh:
+            for raw in fh:
+                if not raw.startswith(b"{"):
+                    continue
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    line = orjson.loads(raw)
+                    if isinstance(line, dict) and "id" in line and "outcome" in line:
+                        out[str(line["id"])].append({**line, "gateway": g.name})
+    return out
+
+
+def _disagreement(r: Result, line: dict[str, Any]) -> str | None:
+    """How the access line of ``r`` contradicts what its client saw, if it does: an
+    answer is ``ok`` with 200; an error answer has the client's status; a failure without
+    one (a stream that broke, no answer) is not ``ok``."""
+    ok = line["outcome"] == "ok"
+    if r.ok:
+        return None if ok and line["status"] == 200 else "answered, logged failed"
+    if ok:
+        return "failed, logged ok"
+    if r.status is not None and line["status"] != r.status:
+        return f"status {r.status}, logged {line['status']}"
+    return None
+
+
+def access_log(results: list[Result], lines: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each request's access-log lines against what its client saw: exactly one line per
+    request (none missing, none twice, none for a request not sent), and the log's
+    outcomes adding up to the client's (answered, and failed by status; ``-``: no status,
+    a stream that broke or an answer that never came)."""
+    sent = {r.rid: r for r in results}
+    missing = [r for r in results if r.rid not in lines]
+    twice = sorted(rid for rid, ls in lines.items() if len(ls) > 1)
+    unknown = sorted(rid for rid in lines if rid not in sent)
+    disagree = []
+    client_failed: collections.Counter[str] = collections.Counter()
+    log_failed: collections.Counter[str] = collections.Counter()
+    for r in results:
+        if not r.ok:
+            client_failed["-" if r.status is None else str(r.status)] += 1
+        for line in lines.get(r.rid, []):
+            if line["outcome"] != "ok":
+                log_failed[f"{line['status']} {line['outcome']}"] += 1
+            why = _disagreement(r, line)
+            if why is not None:
+                keep = ("gateway", "status", "outcome", "error", "engine")
+                seen = {k: line.get(k) for k in keep}
+                disagree.append({"id": r.rid, "why": why, "client_error": r.error, "line": seen})
+    logged_ok = sum(1 for r in results for ln in lines.get(r.rid, []) if ln["outcome"] == "ok")
+    return {
+        "lines": sum(len(ls) for ls in lines.values()),
+        "missing": len(missing),
+        "missing_examples": [
+            {"id": r.rid, "gateway": r.gateway, "error": r.error} for r in missing[:10]
+        ],
+        "twice": len(twice),
+        "twice_examples": twice[:10],
+        "not_sent": len(unknown),
+        "client_answered": sum(1 for r in results if r.ok),
+        "logged_ok": logged_ok,
+        "client_failed_by_status": dict(sorted(client_failed.items())),
+        "logged_failed_by_status_outcome": dict(sorted(log_failed.items())),
+        "disagree": len(disagree),
+        "disagreements": disagree[:10],
+    }
+
+
 def served(
     results: list[Result],
     ledgers: dict[str, list[tuple[float, str, str]]],
@@ -1051,6 +1127,7 @@ def proc_summary(obs: Observer) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     q = report["requests"]
     s = report["served"]
+    acc = report["access_log"]
     lines = [
         f"requests: sent {q['sent']}, answered {q['answered']}, failed {q['failed']} "
         f"(in flight at a fault {q['in_flight_at_fault']}, avoidable {q['avoidable']})",
@@ -1063,6 +1140,10 @@ def table(report: dict[str, Any]) -> str:
         f"delivered twice {s['delivered_twice']}, executed but not answered "
         f"{s['executed_not_answered']}",
         f"left in flight at the end: {report['left_in_flight']['total']}",
+        f"access log: {acc['lines']} lines for {q['sent']} requests: missing {acc['missing']}, "
+        f"twice {acc['twice']}, not sent {acc['not_sent']}; ok {acc['logged_ok']} (client: "
+        f"answered {acc['client_answered']}); failed {acc['logged_failed_by_status_outcome']} "
+        f"(client, by status: {acc['client_failed_by_status']}); disagree {acc['disagree']}",
         "",
         "| fault | target | at s | ended s | decisions to it while faulty | recovery s "
         "| bound s | note |",
@@ -1130,6 +1211,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         ledgers = read_ledgers(stack)
         requests = classify(load.results, faults, ledgers)
         srv = served(load.results, ledgers, faults)
+        acc = access_log(load.results, access_lines(stack))
         rows = [f.row(t0, obs) for f in faults]
         report = {
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
@@ -1141,6 +1223,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "served": srv,
             "faults": rows,
             "left_in_flight": left,
+            "access_log": acc,
             "gateways_proc": proc_summary(obs),
             "snapshots_seen": len(obs.snapshots),
             "harness_errors": chaos.errors,
@@ -1153,6 +1236,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "nothing_left_in_flight": left["total"] == 0,
             "every_fault_recovered_in_bound": all(r["recovered_in_bound"] for r in rows),
             "no_harness_errors": not chaos.errors,
+            "one_access_line_each": acc["missing"] == acc["twice"] == acc["not_sent"] == 0,
+            "access_log_adds_up": acc["disagree"] == 0
+            and acc["logged_ok"] == acc["client_answered"],
         }
         return report
     finally:

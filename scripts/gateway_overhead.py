@@ -32,8 +32,17 @@ Every gateway runs with ``--access-log off`` unless asked otherwise. ``--tracing
 per loop kind, a gateway that traces every request (``--otlp-traces-endpoint`` to a
 sink that takes OTLP/HTTP and drops it; 100% sampled) and one that writes JSON access
 lines (to /dev/null); ``--other-src DIR``: also a gateway run from another source tree
-(say ``git archive`` of an older commit), on this venv. A second table then gives each
-target's CPU over the first loop kind's plain gateway in the same repetition.
+(say ``git archive`` of an older commit), on this venv; ``--twin``: also a second plain
+gateway, the same as the first, whose ratio to it is what noise alone moves a ratio. A
+second table then gives each target's CPU over the first loop kind's plain gateway in
+the same repetition. "Tracing off: no measurable change" is the plain gateway (no
+endpoint; ``--access-log off``) against ``--other-src`` of a tree without tracing, read
+beside the twin's ratio (the other tree's engine and Redis schema must match this
+one's: check that its requests all succeed):
+
+    git archive <the commit before tracing> | tar -x -C /tmp/before-tracing
+    python scripts/gateway_overhead.py --rates 300 --duration 5 --reps 6 --tracing \
+        --twin --other-src /tmp/before-tracing
 
 ``--peers vllm-router:power_of_two,sglang-router:cache_aware``: also one replica of
 each real peer router (redisbal.bench.peer_routers: pinned, installed into a venv of its
@@ -232,6 +241,12 @@ def main() -> None:
         help="also gateways that trace every request and that write JSON access lines",
     )
     ap.add_argument("--other-src", default=None, help="also a gateway from this source tree")
+    ap.add_argument(
+        "--twin",
+        action="store_true",
+        help="also a second plain gateway, the same as the first: its ratio to the first is "
+        "the run's noise floor",
+    )
     a = ap.parse_args()
     peers = [p for p in a.peers.split(",") if p]
     if "uvloop" in a.loops.split(",") and importlib.util.find_spec("uvloop") is None:
@@ -285,6 +300,7 @@ def main() -> None:
                 sink = f"http://127.0.0.1:{sport}"
             variants = [""] + (["-auth"] if a.auth else []) + (["-traced", "-logged"] * a.tracing)
             variants += ["-other"] if a.other_src else []
+            variants += ["-twin"] if a.twin else []
             for kind in a.loops.split(","):
                 for variant in variants:
                     port = free_port()
@@ -293,7 +309,7 @@ def main() -> None:
                     # the run's gateways lease indexes of one deployment: 2+ replicas,
                     # which tell each other their routes only when asked to
                     cmd += ["--tell-routes" if a.tell_routes else "--no-tell-routes"]
-                    genv, out = env, None
+                    genv, out, cwd = env, None, None
                     if variant == "-auth":
                         cmd += ["--api-key-file", key_file]
                     if variant == "-traced":
@@ -306,7 +322,8 @@ def main() -> None:
                     if variant == "-other":  # (an older gateway may have no --access-log)
                         cmd[0:1] = [sys.executable, "-m", "redisbal"]
                         genv = {**env, "PYTHONPATH": os.path.abspath(a.other_src)}
-                    procs.append(subprocess.Popen(cmd, env=genv, stderr=out))
+                        cwd = a.other_src  # (-m puts the working directory first)
+                    procs.append(subprocess.Popen(cmd, env=genv, stderr=out, cwd=cwd))
                     name = f"gateway-{kind}{variant}"
                     gws[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
                 if a.bare:
@@ -329,7 +346,10 @@ def main() -> None:
             for stream in modes:
                 for rate in rates:
                     for rep in range(a.reps):
-                        for name, url, pid in targets:
+                        # each repetition starts one target later: none always runs
+                        # right after another (the engine's or the host's state it leaves)
+                        k = rep % len(targets)
+                        for name, url, pid in targets[k:] + targets[:k]:
                             rows.append(measure(name, url, pid, rate, stream, rep, a))
                             print(orjson.dumps(rows[-1]).decode(), flush=True)
         finally:
@@ -343,7 +363,7 @@ def main() -> None:
     print(summarize(rows))
     if peers:
         print(ratios(rows, peers[0]))
-    if a.tracing or a.other_src:
+    if a.tracing or a.other_src or a.twin:
         print(ratios(rows, f"gateway-{a.loops.split(',')[0]}"))
     if a.json:
         with open(a.json, "wb") as fh:
@@ -434,7 +454,10 @@ def summarize(rows: list[dict[str, Any]]) -> str:
 def ratios(rows: list[dict[str, Any]], base: str) -> str:
     """Markdown: each target's CPU per request over ``base``'s in the same repetition
     (interleaved, so host noise hits both alike): median and range over repetitions."""
-    out = [f"| mode | rate | target | CPU x {base}'s, median (range) |", "|---|---|---|---|"]
+    out = [
+        f"| mode | rate | target | CPU x {base}'s, median (range) | pairs |",
+        "|---|---|---|---|---|",
+    ]
     cpu = {
         (r["target"], r["stream"], r["rate"], r["rep"]): r["cpu_ms_per_request"]
         for r in rows
@@ -449,7 +472,7 @@ def ratios(rows: list[dict[str, Any]], base: str) -> str:
         if x:
             out.append(
                 f"| {'stream' if stream else 'whole'} | {rate:g} | {target} "
-                f"| {_median(x):.2f} ({min(x):.2f}-{max(x):.2f}) |"
+                f"| {_median(x):.3f} ({min(x):.3f}-{max(x):.3f}) | {len(x)} |"
             )
     return "\n".join(out)
 

@@ -149,14 +149,19 @@ class Record:
         if b'"completion_tokens"' in data:
             self.tokens = usage_tokens(data)
 
+    def error_name(self, outcome: str) -> str | None:
+        """What went wrong, if anything: the error set on the way, else what a refusal
+        was refused for, or a failure's kind."""
+        if self.error is not None:
+            return self.error
+        if outcome == "refused":
+            return REFUSALS.get(self.status, str(self.status))
+        return self.kind if outcome == "failed" else None
+
     def fields(self) -> dict[str, Any]:
         """The line's fields (times in milliseconds)."""
         outcome = self.outcome
-        error = self.error
-        if error is None and outcome == "refused":
-            error = REFUSALS.get(self.status, str(self.status))
-        elif error is None and outcome == "failed":
-            error = self.kind
+        error = self.error_name(outcome)
         out: dict[str, Any] = {
             "ts": datetime.fromtimestamp(self.start, timezone.utc).isoformat(
                 timespec="milliseconds"

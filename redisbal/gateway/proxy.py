@@ -335,9 +335,8 @@ class Proxy:
             rec.status = resp.status
         if not rec.status:  # the gateway's own fault: aiohttp answers 500
             rec.status, rec.kind, rec.error = 500, "internal", "internal"
-        fields = rec.fields()
         if rec.spans is not None:
-            rec.spans.end(fields)
+            rec.spans.end(rec)
         if self.access_log is not None:
             self.access_log.write(rec)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from redisbal.errors import InvalidURL, MissingExtra
@@ -53,6 +53,37 @@ def env_endpoint() -> str | None:
     )
 
 
+_RID = "redisbal.request_id"
+
+
+class Ended(Protocol):
+    """What a request's end puts on its span: its access-log record
+    (redisbal.gateway.accesslog.Record, which imports this module)."""
+
+    status: int
+    model: str | None
+    engine: str | None
+    tokens: int | None
+    tries: int
+    hold_s: float
+    ttft_s: float | None
+
+    @property
+    def outcome(self) -> str: ...
+
+    def error_name(self, outcome: str) -> str | None: ...
+
+
+def context_headers(sc: Any) -> dict[str, str]:
+    """W3C ``traceparent`` (and ``tracestate`` when there is one) naming the span of
+    ``sc`` as the parent: what the SDK's propagator writes, without a context object
+    made and read back per engine request."""
+    out = {"traceparent": f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"}
+    if sc.trace_state:
+        out["tracestate"] = sc.trace_state.to_header()
+    return out
+
+
 class Tracing:
     """A tracer provider of its own (not the process-wide one) with a batching OTLP/HTTP
     exporter, sampled as ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG`` say
@@ -78,11 +109,9 @@ class Tracing:
             )
 
             if exporter is None:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
+                from redisbal.gateway.otlp import OTLPExporter
 
-                exporter = OTLPSpanExporter(endpoint=endpoint)
+                exporter = OTLPExporter(endpoint)
         except ImportError as exc:
             raise MissingExtra(
                 f"tracing needs the 'tracing' extra ({exc.name} is missing): {EXTRA_HINT}"
@@ -102,11 +131,9 @@ class Tracing:
     def request(self, headers: Mapping[str, str], method: str, path: str, rid: str) -> RequestSpans:
         """The spans of a request that came with ``headers`` (its trace context)."""
         ctx = self.propagator.extract(headers) if "traceparent" in headers else None
+        # (the method is in the span's name: an attribute of its own costs each request)
         span = self.tracer.start_span(
-            f"{method} {path}",
-            context=ctx,
-            kind=self._server,
-            attributes={"http.request.method": method, "redisbal.request_id": rid},
+            f"{method} {path}", context=ctx, kind=self._server, attributes={_RID: rid}
         )
         return RequestSpans(self, span)
 
@@ -125,11 +152,12 @@ class RequestSpans:
     its hold. One span, not one per attempt: spans cost the most of what tracing costs
     per request (docs/GATEWAY.md); the engine's spans are children of this one."""
 
-    __slots__ = ("_t", "root")
+    __slots__ = ("_context", "_t", "root")
 
     def __init__(self, tracing: Tracing, root: Any) -> None:
         self._t = tracing
         self.root = root
+        self._context: dict[str, str] | None = None  # the engine requests' trace headers
 
     @property
     def trace_id(self) -> str | None:
@@ -156,7 +184,9 @@ class RequestSpans:
         """An attempt begins with the routing decision ``route``; the trace context
         goes into the engine request's ``headers`` (this span its parent)."""
         self.root.add_event("attempt", route)
-        self._t.propagator.inject(headers, context=self._t._trace.set_span_in_context(self.root))
+        if self._context is None:
+            self._context = context_headers(self.root.get_span_context())
+        headers.update(self._context)
 
     def first_byte(self) -> None:
         """(its time is the event's; the request's ``redisbal.ttft_s`` says it too)"""
@@ -190,31 +220,30 @@ class RequestSpans:
             },
         )
 
-    def end(self, fields: Mapping[str, Any]) -> None:
-        """The request ended: the access log's fields on the server span."""
+    def end(self, rec: Ended) -> None:
+        """The request ended: the access log's facts (read off its record, not its
+        line, which a request without an access log never makes) on the server span."""
         span = self.root
-        status = fields["status"]
-        attrs: dict[str, Any] = {
-            "http.response.status_code": status,
-            "redisbal.outcome": fields["outcome"],
-        }
-        # what is absent or zero is left out: each attribute costs the request path
-        for name, key in (
-            ("gen_ai.request.model", "model"),
-            ("redisbal.engine", "engine"),
-            ("redisbal.error", "error"),
-            ("gen_ai.usage.output_tokens", "tokens"),
-            ("redisbal.chunks", "chunks"),
-        ):
-            if fields.get(key) is not None:
-                attrs[name] = fields[key]
-        if fields["retries"]:
-            attrs["redisbal.retries"] = fields["retries"]
-        if fields["hold_ms"]:
-            attrs["redisbal.hold_s"] = fields["hold_ms"] / 1000
-        if fields["ttft_ms"] is not None:
-            attrs["redisbal.ttft_s"] = fields["ttft_ms"] / 1000
+        status, outcome = rec.status, rec.outcome
+        error = rec.error_name(outcome)
+        attrs: dict[str, Any] = {"http.response.status_code": status, "redisbal.outcome": outcome}
+        # what is absent or zero is left out: each attribute costs the request path (so
+        # is the access log's chunk count: the first_byte event says the stream began)
+        if rec.model is not None:
+            attrs["gen_ai.request.model"] = rec.model[:256]
+        if rec.engine is not None:
+            attrs["redisbal.engine"] = rec.engine
+        if error is not None:
+            attrs["redisbal.error"] = error
+        if rec.tokens is not None:
+            attrs["gen_ai.usage.output_tokens"] = rec.tokens
+        if rec.tries > 1:
+            attrs["redisbal.retries"] = rec.tries - 1
+        if rec.hold_s:
+            attrs["redisbal.hold_s"] = round(rec.hold_s, 4)
+        if rec.ttft_s is not None:
+            attrs["redisbal.ttft_s"] = round(rec.ttft_s, 4)
         span.set_attributes(attrs)
-        if status >= 500 or fields["outcome"] == "failed":
-            span.set_status(self._t._error, fields.get("error") or "")
+        if status >= 500 or outcome == "failed":
+            span.set_status(self._t._error, error or "")
         span.end()

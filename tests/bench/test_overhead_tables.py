@@ -30,6 +30,6 @@ def test_cpu_is_set_against_the_peer_of_the_same_repetition() -> None:
     rows += [row("peer", 0, 0.2), row("gw", 0, 0.4), row("peer", 1, 0.4), row("gw", 1, 0.6)]
     rows += [row("peer", 2, 0.25), row("gw", 2, 0.4), row("gw", 3, 9.9)]  # rep 3: no peer
     table = g.ratios(rows, "peer")
-    assert "| whole | 500 | gw | 1.60 (1.50-2.00) |" in table.splitlines()
+    assert "| whole | 500 | gw | 1.600 (1.500-2.000) | 3 |" in table.splitlines()
     assert "direct" not in table and "| peer |" not in table
     assert g._median([1.0, 2.0, 3.0, 4.0]) == 2.5  # (not the upper middle)

@@ -1,5 +1,7 @@
 """The gateway when things die: engine processes killed before, during and
-mid-stream, a gateway replica killed, and SIGTERM with a stream in flight."""
+mid-stream, a gateway replica killed, and SIGTERM with a stream in flight; where a test
+sends requests through one, its access log has one line per request with the outcome
+the client saw."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from support.gateway_stack import (
 )
 from support.helpers import await_until
 
+from redisbal.gateway.accesslog import REQUEST_ID_HEADER, AccessLog
 from redisbal.gateway.proxy import ENGINE_HEADER
 from redisbal.sim.http_engine import HttpEngine
 
@@ -74,8 +77,9 @@ async def test_dead_engine_is_retried_before_the_first_byte_and_pinning_to_it_fa
 async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event(
     redis_url: str, deployment: str
 ) -> None:
+    lines: list[str] = []
     async with process_engines(redis_url, deployment, 2) as procs:
-        gw = await start_gateway(redis_url, deployment)
+        gw = await start_gateway(redis_url, deployment, access_log=AccessLog("json", lines.append))
         try:
             await await_until(lambda: len(gw.live_engines()) == 2)
             base = f"http://127.0.0.1:{gw.ports[0]}"
@@ -91,6 +95,11 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event(
                 assert "error" in last and "mid-stream" in last["error"]["message"], events[-1]
                 assert "[DONE]" not in rest
             await await_until(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
+            # one access line, saying what the client saw: a stream begun, then failed
+            await await_until(lambda: bool(lines))
+            [line] = [orjson.loads(x) for x in lines]
+            assert line["id"] == r.headers[REQUEST_ID_HEADER]
+            assert (line["status"], line["outcome"], line["engine"]) == (200, "failed", "1")
         finally:
             await stop_gateway(gw)
 
@@ -98,8 +107,9 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event(
 async def test_non_streamed_request_on_an_engine_that_dies_is_retried(
     redis_url: str, deployment: str
 ) -> None:
+    lines: list[str] = []
     async with process_engines(redis_url, deployment, 2) as procs:
-        gw = await start_gateway(redis_url, deployment)
+        gw = await start_gateway(redis_url, deployment, access_log=AccessLog("json", lines.append))
         try:
             await await_until(lambda: len(gw.live_engines()) == 2)
             base = f"http://127.0.0.1:{gw.ports[0]}"
@@ -114,12 +124,21 @@ async def test_non_streamed_request_on_an_engine_that_dies_is_retried(
                 await await_until(lambda: [e.inflight for e in core.known] == [1, 1])
                 await asyncio.sleep(0.1)
                 procs[1].kill()  # mid-request, before any byte of its answer
+                rids = []
                 for r in await asyncio.gather(*tasks):
                     got = await r.json()
                     assert r.status == 200, got
                     assert r.headers[ENGINE_HEADER] == "0"
                     assert got["usage"]["completion_tokens"] == 200
+                    rids.append(r.headers[REQUEST_ID_HEADER])
             await await_until(lambda: sum(e.inflight for e in core.known) == 0)
+            # one line each, answered by engine 0; the one that was on engine 1, retried
+            logged = {x["id"]: x for x in map(orjson.loads, lines)}
+            assert len(lines) == 2 and sorted(logged) == sorted(rids)
+            assert {(x["status"], x["outcome"], x["engine"]) for x in logged.values()} == {
+                (200, "ok", "0")
+            }
+            assert sorted(x["retries"] for x in logged.values()) == [0, 1]
         finally:
             await stop_gateway(gw)
 
@@ -199,8 +218,9 @@ async def test_sigterm_drains_in_flight_streams_then_exits_zero(
 async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
     redis_url: str, deployment: str
 ) -> None:
+    lines: list[str] = []
     async with process_engines(redis_url, deployment, 4) as procs:
-        gw = await start_gateway(redis_url, deployment)
+        gw = await start_gateway(redis_url, deployment, access_log=AccessLog("json", lines.append))
         try:
             await await_until(lambda: len(gw.live_engines()) == 4)
             base = f"http://127.0.0.1:{gw.ports[0]}"
@@ -210,7 +230,8 @@ async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
                 async def one(i: int) -> tuple[int, str]:
                     await asyncio.sleep(i * 0.01)  # 100 requests/s for 2 s
                     body = {"prompt": "a", "max_tokens": 20, "ignore_eos": True}
-                    async with s.post(base + "/v1/completions", json=body) as r:
+                    rid = {REQUEST_ID_HEADER: f"load-{i}"}
+                    async with s.post(base + "/v1/completions", json=body, headers=rid) as r:
                         got = await r.json()
                         if r.status != 200:
                             return r.status, str(got)
@@ -227,6 +248,13 @@ async def test_no_request_lost_when_one_of_four_engines_is_killed_under_load(
             assert [st for st, _ in results] == [200] * 200, [x for x in results if x[0] != 200]
             assert {e for _, e in results[150:]} <= {"0", "1", "3"}  # served by the live ones
             await await_until(lambda: sum(e.inflight for e in gw.router.core.known) == 0)
+            # exactly one access line per request, each answered as its client saw
+            logged = [orjson.loads(x) for x in lines]
+            assert sorted(x["id"] for x in logged) == sorted(f"load-{i}" for i in range(200))
+            assert {(x["status"], x["outcome"]) for x in logged} == {(200, "ok")}
+            assert [x["engine"] for x in sorted(logged, key=lambda x: int(x["id"][5:]))] == [
+                e for _, e in results
+            ]
         finally:
             await stop_gateway(gw)
 

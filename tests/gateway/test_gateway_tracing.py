@@ -478,7 +478,7 @@ def test_the_gateway_imports_no_tracing_sdk_until_asked() -> None:
     # (redis-py imports the OpenTelemetry API when it is installed; the SDK's tracer and
     # exporter, with their thread, come only with tracing)
     code = (
-        "SDK = ('opentelemetry.sdk.trace', 'opentelemetry.exporter')\n"
+        "SDK = ('opentelemetry.sdk.trace', 'opentelemetry.exporter', 'redisbal.gateway.otlp')\n"
         "import sys, redisbal.gateway.cli, redisbal.gateway.server\n"
         "from redisbal.gateway.observability import observability\n"
         "got = observability({'access_log': 'json', 'otlp_traces_endpoint': None})\n"

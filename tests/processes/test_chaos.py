@@ -3,7 +3,8 @@
 streamed load for about 60 s while every fault of docs/RELIABILITY.md's chaos run happens
 once, overlapping. It asserts only what must hold whatever the machine's load: the report
 adds up, no request was answered by two engines, every answer was executed by an engine,
-nothing is left in flight, and every fault recovered within its documented bound. How many
+nothing is left in flight, every fault recovered within its documented bound, and the
+gateways' access logs have one line per request with the outcome its client saw. How many
 requests failed, and why, is the report's to say (printed), not this test's."""
 
 from __future__ import annotations
@@ -45,3 +46,8 @@ def test_the_short_chaos_run_loses_nothing_and_recovers_from_every_fault(tmp_pat
     assert late == [], late
     assert checks["adds_up"] and checks["nothing_left_in_flight"]
     assert checks["every_fault_recovered_in_bound"]
+    # the gateways' access logs: one line per request, outcomes as the client saw them
+    acc = report["access_log"]
+    assert acc["lines"] == q["sent"] and acc["missing"] == acc["twice"] == 0, acc
+    assert acc["logged_ok"] == q["answered"] and acc["disagree"] == 0, acc
+    assert checks["one_access_line_each"] and checks["access_log_adds_up"]

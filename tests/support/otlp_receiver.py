@@ -45,6 +45,7 @@ def _attrs(kvs: Any) -> dict[str, Any]:
 class OtlpReceiver:
     spans: list[Span] = field(default_factory=list)
     requests: int = 0
+    headers: list[dict[str, str]] = field(default_factory=list)  # each export's
     _runner: web.AppRunner | None = None
     port: int = 0
 
@@ -54,9 +55,11 @@ class OtlpReceiver:
 
     async def _traces(self, request: web.Request) -> web.Response:
         assert request.content_type == "application/x-protobuf", request.content_type
+        body = await request.read()  # (aiohttp undoes a gzip or deflate Content-Encoding)
         msg = ExportTraceServiceRequest()
-        msg.ParseFromString(await request.read())
+        msg.ParseFromString(body)
         self.requests += 1
+        self.headers.append(dict(request.headers))
         for rs in msg.resource_spans:
             resource = _attrs(rs.resource.attributes)
             service = resource.get("service.name", "")
