@@ -86,9 +86,11 @@ def _expiry(pipe: Any, keys: DeploymentKeys, engine_ids: list[str], now_ms: int,
         pipe.pexpire(keys.kv_view(e), ttl)
     pipe.zadd(keys.kv_engines, {e: now_ms + ttl for e in engine_ids})
     pipe.zremrangebyscore(keys.kv_engines, "-inf", now_ms)  # views that expired
-    # a deployment whose subscribers all went away leaves nothing behind
-    pipe.pexpire(keys.kv_engines, ttl)
-    pipe.pexpire(keys.kv_changes, ttl)
+    # a deployment whose subscribers all went away leaves nothing behind (the keys that
+    # every writer shares last as long as the longest-lived view)
+    shared = max(ttl, VIEW_TTL_MS)
+    pipe.pexpire(keys.kv_engines, shared)
+    pipe.pexpire(keys.kv_changes, shared)
 
 
 async def refresh_views(
