@@ -473,7 +473,12 @@ def parse_pair(value: str, what: str) -> tuple[str, str]:
     engine, sep, endpoint = value.partition("=")
     if not sep:
         raise InvalidArgument(f"{what} {value!r}: use ENGINE_ID=tcp://host:port")
-    return check_name(engine, "engine id"), check_endpoint(endpoint)
+    try:
+        return check_name(engine, "engine id"), check_endpoint(endpoint)
+    except InvalidName as exc:
+        raise InvalidName(f"{what}: {exc}") from None
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{what}: {exc}") from None
 
 
 def make_sources(sources: Sequence[str], replays: Sequence[str] = ()) -> list[Source]:
@@ -782,7 +787,7 @@ def kv_events_command(
     try:
         srcs = make_sources(sources, replays)
     except (InvalidArgument, InvalidName) as exc:
-        raise click.BadParameter(str(exc), param_hint="'--source' / '--replay'") from None
+        raise click.UsageError(str(exc)) from None
     try:
         load_msgpack()
         load_zmq()
