@@ -723,7 +723,11 @@ class Subscriber:
                 await cache_sync.drop_views(
                     self.client, self.keys, list(self.trackers), now_ms=self.now_ms()
                 )
-            self._ctx.destroy(linger=0)
+            self.close()
+
+    def close(self) -> None:
+        """Close the ZeroMQ sockets (``run`` does it when it ends)."""
+        self._ctx.destroy(linger=0)
 
     def summary_line(self) -> str:
         parts = []
