@@ -659,7 +659,7 @@ class Subscriber:
             if delta is None:
                 continue
             try:
-                await cache_sync.write_change(
+                written = await cache_sync.write_change(
                     self.client,
                     self.keys,
                     engine,
@@ -681,6 +681,9 @@ class Subscriber:
                 continue
             self._dirty.discard(engine)
             self.writes += 1
+            if written.lost and not delta.cleared:  # Redis lost the view: write it whole
+                log.warning("kv-events: %s: its view was gone from Redis: writing it whole", engine)
+                self._dirty.add(engine)
 
     async def _writer(self, stop: asyncio.Event) -> None:
         refresh_every = self.ttl_ms / 3000
@@ -692,13 +695,14 @@ class Subscriber:
             if loop.time() - refreshed >= refresh_every:
                 with contextlib.suppress(*OUTAGE_ERRORS):
                     await self._sync_clock()
-                    await cache_sync.refresh_views(
+                    lost = await cache_sync.refresh_views(
                         self.client,
                         self.keys,
                         list(self.trackers),
                         now_ms=self.now_ms(),
                         ttl_ms=self.ttl_ms,
                     )
+                    self._dirty.update(lost)  # Redis lost them: written whole below
                     refreshed = loop.time()
             await self.flush()
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from redisbal.connection import AsyncRedisClient
 from redisbal.keys import DeploymentKeys, InvalidName, check_name
@@ -49,6 +49,14 @@ def _hash_bytes(hashes: Iterable[int]) -> list[bytes]:
     return [h.to_bytes(8, "big") for h in hashes]
 
 
+class Written(NamedTuple):
+    """A change written: its stream id, and whether the engine had no live view before
+    it (Redis lost its state, or the view expired): its writer then writes it whole."""
+
+    entry_id: bytes
+    lost: bool
+
+
 async def write_change(
     client: AsyncRedisClient,
     keys: DeploymentKeys,
@@ -59,14 +67,15 @@ async def write_change(
     cleared: bool = False,
     now_ms: int,
     ttl_ms: int = VIEW_TTL_MS,
-) -> Any:
+) -> Written:
     """One change of an engine's view, in one MULTI: the SET, its expiry and the stream
     entry (which a reader applies as ``CacheView.apply``: cleared, removed, added).
-    ``now_ms``: the server's time as the writer estimates it. Returns the entry's id."""
+    ``now_ms``: the server's time as the writer estimates it."""
     view = keys.kv_view(engine_id)
     add, rem = _hash_bytes(added), _hash_bytes(removed)
     fields: dict[str, bytes | str] = {"e": engine_id}
     pipe = client.pipeline(transaction=True)
+    pipe.zscore(keys.kv_engines, engine_id)
     if cleared:
         pipe.delete(view)
         fields["c"] = b"1"
@@ -78,7 +87,8 @@ async def write_change(
         fields["a"] = b"".join(add)
     _expiry(pipe, keys, [engine_id], now_ms, ttl_ms)
     pipe.xadd(keys.kv_changes, fields, minid=str(now_ms - RETENTION_MS), approximate=True)  # type: ignore[arg-type]
-    return (await pipe.execute())[-1]
+    out = await pipe.execute()
+    return Written(out[-1], out[0] is None or out[0] <= now_ms)
 
 
 def _expiry(pipe: Any, keys: DeploymentKeys, engine_ids: list[str], now_ms: int, ttl: int) -> None:
@@ -100,12 +110,17 @@ async def refresh_views(
     *,
     now_ms: int,
     ttl_ms: int = VIEW_TTL_MS,
-) -> None:
-    """Keep the views of the engines a subscriber follows from expiring."""
-    if engine_ids:
-        pipe = client.pipeline(transaction=True)
-        _expiry(pipe, keys, engine_ids, now_ms, ttl_ms)
-        await pipe.execute()
+) -> list[str]:
+    """Keep the views of the engines a subscriber follows from expiring; returns those
+    that had no live view (Redis lost its state): write them whole."""
+    if not engine_ids:
+        return []
+    pipe = client.pipeline(transaction=True)
+    for e in engine_ids:
+        pipe.zscore(keys.kv_engines, e)
+    _expiry(pipe, keys, engine_ids, now_ms, ttl_ms)
+    scores = (await pipe.execute())[: len(engine_ids)]
+    return [e for e, sc in zip(engine_ids, scores, strict=True) if sc is None or sc <= now_ms]
 
 
 async def drop_views(
@@ -261,6 +276,7 @@ __all__ = [
     "ROSTER_EVERY_MS",
     "VIEW_TTL_MS",
     "SyncCursor",
+    "Written",
     "drop_views",
     "refresh_views",
     "server_ms",

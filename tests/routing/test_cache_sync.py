@@ -9,7 +9,14 @@ import redis.asyncio
 
 from redisbal.keys import DeploymentKeys
 from redisbal.routing import cache_sync
-from redisbal.routing.cache_sync import SyncCursor, drop_views, server_ms, sync_view, write_change
+from redisbal.routing.cache_sync import (
+    SyncCursor,
+    drop_views,
+    refresh_views,
+    server_ms,
+    sync_view,
+    write_change,
+)
 from redisbal.routing.cache_view import CacheView
 
 
@@ -108,6 +115,18 @@ async def test_old_entries_are_trimmed(redis_url: str, keys: DeploymentKeys) -> 
         past = now - 10 * cache_sync.RETENTION_MS
         for i in range(300):
             await ar.xadd(keys.kv_changes, {"e": "e0"}, id=f"{past}-{i + 1}")
-        new = await write_change(ar, keys, "e0", added=[1], now_ms=now)
+        new = (await write_change(ar, keys, "e0", added=[1], now_ms=now)).entry_id
         left = [i for i, _ in await ar.xrange(keys.kv_changes)]
         assert new in left and len(left) < 150
+
+
+async def test_a_writer_learns_that_redis_lost_a_view(redis_url: str, keys: DeploymentKeys) -> None:
+    async with connected(redis_url) as ar:
+        now = await server_ms(ar)
+        assert (await write_change(ar, keys, "e0", added=[1], cleared=True, now_ms=now)).lost
+        assert not (await write_change(ar, keys, "e0", added=[2], now_ms=now)).lost
+        assert await refresh_views(ar, keys, ["e0"], now_ms=now) == []
+        await ar.delete(*keys.all_keys(), keys.kv_view("e0"))  # a restart without persistence
+        assert (await write_change(ar, keys, "e0", added=[3], now_ms=now)).lost
+        await ar.delete(*keys.all_keys(), keys.kv_view("e0"))
+        assert await refresh_views(ar, keys, ["e0"], now_ms=now) == ["e0"]

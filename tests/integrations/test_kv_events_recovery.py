@@ -1,6 +1,6 @@
-"""A replay socket (vLLM's ROUTER protocol, served here by a real ZeroMQ socket) fills
-what the subscriber missed: batches sent before it listened, and a gap, without
-clearing the engine's view."""
+"""What the subscriber recovers from: batches missed, filled from a replay socket
+(vLLM's ROUTER protocol, served here by a real ZeroMQ socket) without clearing the
+engine's view, or clearing it without one; and a view Redis lost, written whole."""
 
 from __future__ import annotations
 
@@ -19,9 +19,12 @@ from redisbal.integrations.kv_events import (
     EventBatch,
     Source,
     Subscriber,
+    decode_message,
     encode_message,
 )
-from redisbal.routing.cache_view import anchors, chain_hashes
+from redisbal.keys import DeploymentKeys
+from redisbal.routing.cache_sync import sync_view
+from redisbal.routing.cache_view import CacheView, anchors, chain_hashes
 
 TOKENS = list(range(500, 500 + 16 * 40))
 
@@ -97,6 +100,32 @@ async def test_without_an_answer_the_gap_clears_the_view(redis_url: str, deploym
         assert len(tracker.anchors) == 1
         await sub.receive(source, message(6))  # 4 and 5 missed, no replay: cleared
         assert tracker.stats.clears == 1 and not tracker.anchors and tracker.stats.skipped == 1
+    finally:
+        sub.close()
+        await client.aclose()
+
+
+async def test_a_view_redis_lost_is_written_whole(redis_url: str, deployment: str) -> None:
+    """Redis restarted empty: the next write finds the engine gone from the roster, and
+    the one after writes every anchor again (a router bootstrapping then sees them all)."""
+    source = Source("e0", "tcp://127.0.0.1:1")
+    client = redis.asyncio.Redis.from_url(redis_url)
+    sub = Subscriber(client, deployment, [source])
+    keys = DeploymentKeys(deployment)
+    try:
+        for s in range(8):
+            sub.handle(source, s, decode_message(message(s))[1])
+        await sub.flush()
+        assert await client.scard(keys.kv_view("e0")) == 2
+        await client.delete(*keys.all_keys(), keys.kv_view("e0"))
+        for s in range(8, 12):
+            sub.handle(source, s, decode_message(message(s))[1])
+        await sub.flush()  # only the new anchor, into an empty Redis: found lost
+        await sub.flush()  # written whole
+        assert await client.scard(keys.kv_view("e0")) == 3
+        view = CacheView()
+        await sync_view(client, keys, view)
+        assert view.engines["e0"] == set(anchors(chain_hashes(TOKENS[: 12 * 16])))
     finally:
         sub.close()
         await client.aclose()
