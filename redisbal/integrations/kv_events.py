@@ -46,7 +46,13 @@ import click
 from redisbal.connection import OUTAGE_ERRORS, AsyncRedisClient, make_client, redact
 from redisbal.errors import InvalidArgument, MalformedData, MissingExtra
 from redisbal.keys import DeploymentKeys, InvalidName, check_name
-from redisbal.ops.cli_options import check_reachable, common_options, run_until_signal, settings
+from redisbal.ops.cli_options import (
+    check_reachable,
+    common_options,
+    redis_errors,
+    run_until_signal,
+    settings,
+)
 from redisbal.routing import cache_sync
 from redisbal.routing.cache_view import ANCHOR_STRIDE, BLOCK_TOKENS, chain_hashes
 
@@ -819,4 +825,5 @@ def kv_events_command(
             log.info("%s", sub.summary_line())
             await client.aclose()
 
-    asyncio.run(run_until_signal(main(), stop.set))
+    with redis_errors(url):  # Redis gone while it runs: one line, not a traceback
+        asyncio.run(run_until_signal(main(), stop.set))

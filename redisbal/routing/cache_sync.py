@@ -22,8 +22,9 @@ A router bootstraps (one MULTI: the last id, the roster, every live engine's SET
 in steady state reads only the entries after its cursor: deltas, never a whole view. An
 entry is trimmed only ``RETENTION_MS`` after it was added, so a reader that read less
 than ``RETENTION_MS / 2`` ago (server time) cannot have missed one (the half is for the
-writers' clock estimate and ``~``); one that did bootstraps again. The roster is read
-again every ``ROSTER_EVERY_MS`` to forget engines whose views expired.
+writers' clock estimate and ``~``); one that did bootstraps again. The roster is counted
+every ``ROSTER_EVERY_MS``, and read when the count disagrees with the view, to forget
+engines whose views expired.
 """
 
 from __future__ import annotations
@@ -201,9 +202,13 @@ async def sync_view(
         entries = await client.xrange(keys.kv_changes, b"(" + last, "+", count=READ_COUNT)
     roster_ms = cursor.roster_ms
     if now - roster_ms >= ROSTER_EVERY_MS:
-        live = await _live(client, keys, now)
-        for e in [e for e in view.engines if e not in live]:
-            view.drop(e)
+        # every live engine is in the view (each came in by the bootstrap or an entry),
+        # so as many live as held means none expired: the roster itself is read only
+        # when one did
+        if await client.zcount(keys.kv_engines, f"({now}", "+inf") != len(view.engines):
+            live = await _live(client, keys, now)
+            for e in [e for e in view.engines if e not in live]:
+                view.drop(e)
         roster_ms = now
     return SyncCursor(last, now, roster_ms, cursor.bootstraps)
 
