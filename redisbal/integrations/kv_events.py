@@ -642,6 +642,7 @@ class Subscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.RCVHWM, 100_000)  # as vLLM's publisher's: a burst is no gap
         sock.connect(source.endpoint)
         log.info(
             "kv-events: following engine %s at %s%s",
