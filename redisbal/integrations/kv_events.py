@@ -529,6 +529,7 @@ class Subscriber:
         self.writes = 0
         self._said: set[str] = set()  # what was logged once
         self._dirty: set[str] = set()  # engines whose last write failed: write in full
+        self._disconnected: set[str] = set()  # engines whose publisher's connection dropped
         self._offset_ms = 0  # Redis server clock - ours
         self._zmq = load_zmq()
         self._ctx = self._zmq.asyncio.Context()
@@ -590,6 +591,12 @@ class Subscriber:
             return
         seq, batch = msg
         tracker = self.trackers[source.engine_id]
+        if source.engine_id in self._disconnected:
+            self._disconnected.discard(source.engine_id)
+            log.info("kv-events: %s: the publisher's connection dropped: view cleared",
+                     source.engine_id)  # fmt: skip
+            tracker.clear()
+            tracker.seq = None
         last = tracker.seq
         if source.replay is not None and (last is None or last < seq - 1):
             start = 0 if last is None else last + 1
@@ -650,11 +657,26 @@ class Subscriber:
             source.endpoint,
             f" (replay {source.replay})" if source.replay else "",
         )
+        # a dropped connection: the publisher restarted (its seq may have passed ours by
+        # the time we hear it) or batches were lost; either way the view starts over
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        watch = asyncio.create_task(self._watch(source, monitor))
         try:
             while True:
                 await self.receive(source, await sock.recv_multipart())
         finally:
+            watch.cancel()  # (not awaited: nothing waits on a stopping follower)
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
+
+    async def _watch(self, source: Source, monitor: Any) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == self._zmq.EVENT_DISCONNECTED:
+                self._disconnected.add(source.engine_id)
 
     # -- Redis out
 
@@ -727,9 +749,10 @@ class Subscriber:
         finally:
             for t in [summary, *followers]:
                 t.cancel()
-            await asyncio.gather(summary, *followers, return_exceptions=True)
             stop.set()
-            await asyncio.gather(writer, return_exceptions=True)
+            # bounded: a stop must not hang on a socket or on Redis
+            await asyncio.wait([summary, *followers, writer], timeout=5)
+            writer.cancel()
             with contextlib.suppress(*OUTAGE_ERRORS):
                 await cache_sync.drop_views(
                     self.client, self.keys, list(self.trackers), now_ms=self.now_ms()

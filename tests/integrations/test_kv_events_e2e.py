@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import openai
 import pytest
@@ -46,7 +46,7 @@ async def engine_at(endpoint: str, engine_id: str = "e0") -> AsyncIterator[HttpE
 
 
 async def ask(engine: HttpEngine, prompt: str) -> None:
-    client = openai.AsyncOpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=engine.url + "/v1", api_key="x", max_retries=0, timeout=30)
     try:
         await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     finally:
@@ -77,7 +77,7 @@ async def following(
         yield sub, view
     finally:
         stop.set()
-        await run
+        await asyncio.wait_for(run, 30)
         sync.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sync
@@ -85,14 +85,16 @@ async def following(
         await reader.aclose()
 
 
-async def subscribed(sub: Subscriber, engine: HttpEngine, engine_id: str = "e0") -> None:
+async def subscribed(
+    sub: Subscriber, engine: HttpEngine, heard: Callable[[], bool] | None = None
+) -> None:
     """Send distinct short prompts until the subscriber hears the engine (a SUB socket
-    misses what is published before it connects)."""
-    t = sub.trackers[engine_id]
+    misses what is published before it connects), or until ``heard()``."""
+    t = sub.trackers["e0"]
     seen = t.stats.batches
     for i in range(200):
         await ask(engine, f"warm-up {i} " * 10)
-        if t.stats.batches > seen:
+        if heard() if heard is not None else t.stats.batches > seen:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("the subscriber never heard the engine")
@@ -133,8 +135,10 @@ async def test_a_restarted_engine_clears_its_view(redis_url: str, deployment: st
             for i in range(20):  # the old publisher's seq gets well ahead
                 await ask(engine, SHARED + f" question {i}")
             await await_until(lambda: view.matched_blocks("e0", want) == 16, what="held")
-        clears = sub.trackers["e0"].stats.clears
+        stats = sub.trackers["e0"].stats
+        clears = stats.clears
         async with engine_at(endpoint) as engine:  # seq starts at 0 again
-            await subscribed(sub, engine)
+            # (until the restart is heard: the old publisher's last batches may still be
+            # on their way)
+            await subscribed(sub, engine, lambda: stats.clears > clears)
             await await_until(lambda: view.matched_blocks("e0", want) == 0, what="cleared")
-            assert sub.trackers["e0"].stats.clears > clears
