@@ -22,8 +22,9 @@ its parent's name (:class:`EngineTracker`); only anchors go to Redis
 subscriber started, or missed) cannot be named: it is skipped and counted, and so are
 its descendants. A removed block takes its descendants with it: an engine matches a
 prompt's blocks from the first, so what hangs below a missing block is never reused.
-A gap in ``seq`` (missed batches) or ``seq`` going backwards (a restarted engine)
-clears the engine's view, or, with a replay socket, fetches what was missed first.
+A gap in ``seq`` (missed batches), ``seq`` going backwards (a restarted engine) or a
+dropped connection to the publisher clears the engine's view; with a replay socket, a
+gap and what was published before the subscriber listened are fetched instead.
 
 Bounded: at most ``max_anchors`` anchors per engine (the oldest stored dropped first),
 and at most ``max_anchors * ANCHOR_STRIDE * 4`` named blocks in memory.
