@@ -124,6 +124,22 @@ class DeploymentKeys:
         """ZSET "<index>:<token>" -> lease expiry (server ms): auto client indexes."""
         return self.key("clients")
 
+    @property
+    def kv_changes(self) -> str:
+        """STREAM: every change to the engines' cache views, in order (engine, anchors
+        added and removed, cleared, dropped), trimmed by age (routing/cache_sync.py)."""
+        return self.key("kv:changes")
+
+    @property
+    def kv_engines(self) -> str:
+        """ZSET engine -> when its cache view expires (ms): the engines that have one."""
+        return self.key("kv:engines")
+
+    def kv_view(self, engine_id: str) -> str:
+        """SET: one engine's anchors, 8 bytes each (routing/cache_view.py); it expires
+        with the engine's entry in ``kv_engines`` unless its subscriber refreshes it."""
+        return self.key(f"kv:view:{check_name(engine_id, 'engine_id')}")
+
     def script_keys(self) -> list[str]:
         """KEYS of the barrier scripts, in the order their headers list them."""
         return [
@@ -137,5 +153,13 @@ class DeploymentKeys:
         ]
 
     def all_keys(self) -> list[str]:
-        """Every key the deployment may own (for cleanup and tests)."""
-        return [*self.script_keys()[:-1], self.urls, self.running_caps, self.clients]
+        """Every key the deployment may own (for cleanup and tests), but the per-engine
+        cache views (``kv_view``), which expire on their own."""
+        return [
+            *self.script_keys()[:-1],
+            self.urls,
+            self.running_caps,
+            self.clients,
+            self.kv_changes,
+            self.kv_engines,
+        ]

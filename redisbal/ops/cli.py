@@ -58,6 +58,10 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
         "redisbal.gateway.cli:gateway",
         "OpenAI-compatible gateway: route every request with the shared snapshot.",
     ),
+    "kv-events": (
+        "redisbal.integrations.kv_events:kv_events_command",
+        "Follow engines' KV-cache events (vLLM's ZeroMQ publisher) into Redis.",
+    ),
     "loadgen": (
         "redisbal.bench.loadgen:loadgen",
         "Open-loop load against an OpenAI-compatible URL; TTFT, ITL, latency, errors.",

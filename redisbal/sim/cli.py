@@ -13,6 +13,7 @@ import sys
 import click
 from click.core import ParameterSource
 
+from redisbal.errors import InvalidArgument, MissingExtra, SetupFailed
 from redisbal.keys import InvalidName, check_name
 from redisbal.ops.cli_options import (
     DURATION_UNTIL_SIGNAL,
@@ -111,6 +112,10 @@ ENGINE_SIM_OPTIONS = options(
      "declared, as vLLM's plugin); vllm-metrics (neither, as the sidecar on vLLM's "
      "/metrics); sglang (no admitted counts, the cap declared; HTTP engines serve GET "
      "/v1/loads as SGLang does)."),
+    ("--kv-events", None, None,
+     "With --http-port and --cache-blocks: engine k publishes its prefix cache's KV "
+     "events in vLLM's format on a ZeroMQ PUB socket bound to this endpoint's port + k, "
+     "e.g. tcp://127.0.0.1:5557 (needs the kv-events extra)."),
 )
 API_OPTIONS = options(
     ("--client-index", click.IntRange(0, 4095), 0,
@@ -247,6 +252,7 @@ def engine_sim(
     advertise_host: str | None,
     report: bool,
     report_as: str,
+    kv_events: str | None,
 ) -> None:
     """Run simulated continuous-batching engines that report to Redis for real.
 
@@ -263,6 +269,8 @@ def engine_sim(
     except InvalidName as exc:
         raise click.BadParameter(str(exc), param_hint="'--id-prefix' / '--first-id'") from None
     slow_map = parse_slow(slow)
+    if kv_events is not None:
+        _check_kv_events(kv_events, len(ids), http_port, cache_blocks)
     params = EngineParams(
         running_cap=running_cap,
         base_step_s=base_step_ms / 1000,
@@ -289,6 +297,7 @@ def engine_sim(
             slow_map,
             duration,
             report_as,
+            kv_events,
         )
         data = stats.to_dict()
         write_json(stats_out, data)
@@ -329,6 +338,7 @@ def _serve_http(
     slow: dict[str, float],
     duration: float | None,
     report_as: str = "full",
+    kv_events: str | None = None,
 ) -> SimStats:
     _require_gateway_extra("engine-sim --http-port")
     from redisbal.sim.http_engine import serve_engines
@@ -350,14 +360,35 @@ def _serve_http(
                 slow=slow,
                 duration=duration,
                 report_as=report_as,
+                kv_events=kv_events,
             )
         )
 
-    if url is None:  # --no-report: nothing to reach
-        return run()
-    check_reachable(url)
-    with redis_errors(url):
-        return run()
+    try:
+        if url is None:  # --no-report: nothing to reach
+            return run()
+        check_reachable(url)
+        with redis_errors(url):
+            return run()
+    except SetupFailed as exc:  # a --kv-events endpoint that cannot be bound
+        raise click.ClickException(str(exc)) from None
+
+
+def _check_kv_events(endpoint: str, engines: int, http_port: int | None, blocks: int) -> None:
+    """--kv-events: HTTP engines with a prefix cache, every engine's endpoint valid."""
+    if http_port is None or blocks <= 0:
+        raise click.UsageError("--kv-events needs --http-port and --cache-blocks")
+    try:
+        from redisbal.integrations.kv_events import load_msgpack, load_zmq
+        from redisbal.sim.kv_publisher import offset_endpoint
+
+        load_zmq()
+        load_msgpack()
+        offset_endpoint(endpoint, engines - 1)
+    except InvalidArgument as exc:
+        raise click.BadParameter(str(exc), param_hint="'--kv-events'") from None
+    except MissingExtra as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @click.command()

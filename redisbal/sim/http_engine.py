@@ -68,6 +68,7 @@ from redisbal.reporting.reporter import AsyncReporter, Counts
 from redisbal.routing.cache_view import CHARS_PER_TOKEN
 from redisbal.routing.cache_view import prompt_text as _prompt_text
 from redisbal.sim.engine_sim import EngineTally, SimStats
+from redisbal.sim.kv_publisher import Publisher, PublishingCache, TextBlocks, offset_endpoint
 from redisbal.sim.load_plan import output_text
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest, output_length
 from redisbal.sim.peer_router_endpoints import add_peer_routes, sglang_metrics
@@ -188,6 +189,7 @@ class HttpEngine:
         seed: int | None = None,
         api_key: str | None = None,
         report_as: str = "full",
+        kv_events: str | None = None,
     ) -> None:
         self.engine_id = check_name(engine_id, "engine_id")
         self.feed = Feed.of(report_as)  # what it reports and serves (redisbal.sim.report_as)
@@ -195,6 +197,12 @@ class HttpEngine:
         self.api_key = api_key  # like vLLM's --api-key: required on the /v1 paths
         self.model = SimEngine(self.engine_id, params or EngineParams(), num_clients=1)
         self.model.on_finish = self._on_finish
+        self.kv_publisher: Publisher | None = None  # --kv-events: its cache publishes
+        if kv_events is not None:
+            if self.model.cache is None:
+                raise InvalidArgument("--kv-events needs a prefix cache (--cache-blocks)")
+            self.kv_publisher = Publisher(kv_events)
+            self.model.cache = PublishingCache(self.model.cache.capacity, self.kv_publisher)
         self.redis_url = redis_url
         self.deployment = deployment
         self.port = port
@@ -456,6 +464,9 @@ class HttpEngine:
         if self.model.cache is not None:  # the prompt's blocks, and with the answer's
             req.blocks = text_blocks(text)
             req.done_blocks = text_blocks(text + output_text(n_out))
+            if self.kv_publisher is not None:  # what the cache stores goes out with tokens
+                req.blocks = TextBlocks(req.blocks, text)
+                req.done_blocks = TextBlocks(req.done_blocks, text + output_text(n_out))
         st = _Stream(req, prompt_tokens=req.prompt_tokens)
         req.decision = st
         self.inflight += 1
@@ -616,6 +627,8 @@ class HttpEngine:
                 await self._task
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
 
 
 async def serve_engines(
@@ -634,12 +647,14 @@ async def serve_engines(
     duration: float | None = None,
     sample_s: float = 0.01,
     report_as: str = "full",
+    kv_events: str | None = None,
 ) -> SimStats:
     """Serve engine ``ids[k]`` on ``port_base + k`` (every engine on a port of its own
     choosing when ``port_base`` is 0) until SIGTERM/SIGINT (or ``duration`` seconds), then
     leave the deployment. Returns the run's per-engine figures, sampled every
     ``sample_s``. Without ``redis_url`` the engines only serve: something else (a
-    /metrics sidecar) reports them."""
+    /metrics sidecar) reports them. ``kv_events``: engine k publishes its KV-cache
+    events on that endpoint's port + k (``sim.kv_publisher``)."""
     base = params or EngineParams()
     slow = slow or {}
     unknown = sorted(set(slow) - set(ids))
@@ -658,6 +673,7 @@ async def serve_engines(
             mean_output=mean_output,
             seed=None if seed is None else seed + k,
             report_as=report_as,
+            kv_events=None if kv_events is None else offset_endpoint(kv_events, k),
         )
         for k, engine_id in enumerate(ids)
     ]
