@@ -409,9 +409,12 @@ async def _serve(
     from redisbal.connection import make_client
     from redisbal.gateway.deployments import Deployment
     from redisbal.gateway.server import Gateway
+    from redisbal.routing.cache_sync import sync_view
     from redisbal.routing.outcomes import OutcomeTracker
     from redisbal.routing.router import AsyncRouter
 
+    # the engines' cache views are read only where prompts are hashed to match them
+    cache_sync = sync_view if served.get("prefix_blocks") is not None else None
     if client_index != "auto" and not int(client_index) < client_count:
         raise click.BadParameter(
             f"--client-index {client_index} must be below --client-count {client_count}"
@@ -439,6 +442,7 @@ async def _serve(
             suspect_s=eject_max_s,
             tell_routes=tell_routes,
             hold_s=hold_s,
+            cache_sync=cache_sync,
             outcomes=OutcomeTracker(
                 base_s=eject_max_s / 8,
                 max_s=eject_max_s,

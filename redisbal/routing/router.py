@@ -305,6 +305,7 @@ class AsyncRouter(_LocalRouting):
         self.cache_refresh_s = cache_refresh_s
         self._cache_cursor: Any = None  # the reader's, between calls
         self._cache_task: asyncio.Task[None] | None = None
+        self._cache_stop = asyncio.Event()
 
     async def admit(self) -> float:
         """Before routing a request: while every engine is at its running cap, wait
@@ -352,7 +353,13 @@ class AsyncRouter(_LocalRouting):
         if self.admission is not None:
             self.admission.close()
         await cancel_and_wait(self._task)  # (the feed sits in redis-py calls)
-        await cancel_and_wait(self._cache_task)
+        if self._cache_task is not None:
+            # stopped between reads, not cancelled: a read cancelled inside a redis-py
+            # pipeline can leave its connection unreleased, and the pool's release waits
+            self._cache_stop.set()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._cache_task), 6.0)
+            await cancel_and_wait(self._cache_task)  # (a read stuck past its timeout)
         await self.routes.aclose()
         if self.lease is not None:
             await self.lease.aclose()
@@ -622,7 +629,8 @@ class AsyncRouter(_LocalRouting):
                         redact(str(exc)),
                     )
                 failed = True
-            await asyncio.sleep(self.cache_refresh_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._cache_stop.wait(), self.cache_refresh_s)
 
     @staticmethod
     async def _next_message(pubsub: Any, sharded: bool, timeout: float) -> dict[str, Any] | None:
