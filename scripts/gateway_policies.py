@@ -44,7 +44,9 @@ longprompt``); traffic where placement decides the hit rate, without session key
 (``session_trace.py prefixes`` and ``agentic``, on engines whose ``--cache-blocks`` hold a
 few prefixes each). vllm-router's kv_aware runs on the engines' KV events: each run gives
 every engine a ZMQ publisher of its own (engine-sim ``--kv-events``) and the router each
-worker's (``--kv-event-source``). Each row records its scenario (``scenario``, and a
+worker's (``--kv-event-source``). ``redisbal+kv`` is the default policy on the same events:
+``redisbal kv-events`` keeps each engine's cache view in Redis and the gateways match
+prompts with it (``--prefix-tokens sim``). Each row records its scenario (``scenario``, and a
 table column), the requests each replica was sent (``sent_per_replica``) and the bypass client's own
 figures (``bypass``: never in the routed requests'; the engines' served counts and
 cache hit rate include its traffic).
@@ -79,6 +81,7 @@ from redisbal.bench.gateway_scenarios import (
     kv_event_endpoints,
     kv_events_engine_args,
     kv_sources,
+    kv_subscriber_args,
     parse_bypass,
     scenario,
 )
@@ -107,6 +110,8 @@ CACHE_COLUMNS = (
 MODEL = "redisbal-sim"  # the engines' model name (what kv_aware's event sources are for)
 # the bypass client's own figures, kept apart from the routed requests'
 BYPASS_KEYS = ("requests", "ok", "errors", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms")
+# the default matching prompts with the engines' KV events (CacheViewDemo)
+CACHE_VIEW_POLICY = "redisbal+kv"
 # policies that stand for a peer without being it (the real routers run as themselves)
 EMULATIONS = frozenset(PEER_POLICIES) | {"vllm-latest", "vllm-21617", "vllm-pre"}
 
@@ -259,6 +264,28 @@ class TraceDemo(ScenarioDemo):
         return sorted(endpoints.fetch_sync(self.client, keys).values())
 
 
+class CacheViewDemo(TraceDemo):
+    """The trace demo with the default policy matching prompts with what the engines
+    cache, as users run it: every engine publishes its KV events (engine-sim
+    ``--kv-events``), ``redisbal kv-events`` keeps their views in Redis, and the
+    gateways hash prompts with engine-sim's tokens (``--prefix-tokens sim``)."""
+
+    gateway_args = ("--prefix-tokens", "sim")
+
+    def __init__(self, opts: DemoOptions, echo: Echo, trace: str, engine_args: list[str]) -> None:
+        super().__init__(opts, echo, trace, engine_args)
+        n = opts.engines
+        self.kv_endpoints = kv_event_endpoints(peer_routers.free_port_block(n), n)
+
+    def engine_args(self) -> list[str]:
+        return super().engine_args() + kv_events_engine_args(self.kv_endpoints)
+
+    def start_gateways(self) -> None:
+        assert self.children is not None
+        self.children.start("kv-events", "kv-events", *kv_subscriber_args(self.kv_endpoints))
+        super().start_gateways()
+
+
 class RouterDemo(TraceDemo):
     """The trace demo with ``--gateways`` replicas of a real peer router (ROUTER:POLICY)
     in front of the engines instead of redisbal gateways; their /metrics are kept
@@ -280,7 +307,8 @@ class RouterDemo(TraceDemo):
         # a policy on the engines' KV events: a publisher per engine, on ports free now
         self.kv_endpoints: list[str] = []
         if peer_routers.needs_kv_events(router):
-            self.kv_endpoints = kv_event_endpoints(peer_routers.free_ports(opts.engines))
+            n = opts.engines
+            self.kv_endpoints = kv_event_endpoints(peer_routers.free_port_block(n), n)
 
     def engine_args(self) -> list[str]:
         return super().engine_args() + kv_events_engine_args(self.kv_endpoints)
@@ -344,6 +372,8 @@ def wait_for_load(gate: float | None, wait_s: float) -> bool:
 
 def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) -> dict[str, Any]:
     peer = policy if policy in PEER_POLICIES or policy in VARIANTS else None
+    if policy == CACHE_VIEW_POLICY and not args.trace:
+        sys.exit(f"{policy} needs --trace (and engines with --cache-blocks)")
     real = policy in peer_routers.NAMES
     opts = DemoOptions(
         redis_url=url,
@@ -352,7 +382,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         engines=args.engines,
         api_servers=args.gateways,
         duration=args.duration,
-        policy="redisbal" if peer or real else policy,
+        policy="redisbal" if peer or real or policy == CACHE_VIEW_POLICY else policy,
         mode="tick",
         running_cap=args.running_cap,
         burst=int(args.burst_factor * args.engines * args.running_cap),
@@ -373,6 +403,8 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         extra = shlex.split(args.engine_args)
         if real:
             demo = RouterDemo(opts, echo, trace, extra, policy, args.routers_venv)
+        elif policy == CACHE_VIEW_POLICY:
+            demo = CacheViewDemo(opts, echo, trace, extra)
         else:
             demo = TraceDemo(opts, echo, trace, extra, peer)
     else:
@@ -545,7 +577,7 @@ def main() -> None:
             spans.append(max((p.t for p in read_trace(path)), default=0.0))
         args.duration = max(spans) + 1.0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    peers = [*sorted(PEER_POLICIES), *peer_routers.NAMES, *VARIANTS]
+    peers = [*sorted(PEER_POLICIES), *peer_routers.NAMES, *VARIANTS, CACHE_VIEW_POLICY]
     known = sorted(POLICIES) + (peers if args.trace else [])
     bad = [p for p in policies if p not in known]
     if bad:

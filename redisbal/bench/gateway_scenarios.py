@@ -117,17 +117,24 @@ def bypass_trace(
     return out
 
 
-def kv_event_endpoints(ports: list[int]) -> list[str]:
-    """Engine i's KV-event publisher: ``tcp://127.0.0.1:ports[i]`` (loopback)."""
-    if len(set(ports)) != len(ports) or not all(0 < p < 65536 for p in ports):
-        raise InvalidArgument(f"KV event ports must be distinct and in 1..65535, got {ports}")
-    return [f"tcp://127.0.0.1:{p}" for p in ports]
+def kv_event_endpoints(base: int, n: int) -> list[str]:
+    """Engine i's KV-event publisher: ``tcp://127.0.0.1:<base + i>`` (loopback), as
+    engine-sim binds them from one ``--kv-events`` endpoint."""
+    if n < 0 or base < 1 or base + n > 65536:
+        raise InvalidArgument(f"KV event ports {base}..{base + n - 1} must be in 1..65535")
+    return [f"tcp://127.0.0.1:{base + i}" for i in range(n)]
 
 
 def kv_events_engine_args(endpoints: list[str]) -> list[str]:
-    """engine-sim's arguments publishing each engine's KV events: ``--kv-events
-    ENDPOINT`` once per engine, engine 0's first."""
-    return [a for ep in endpoints for a in ("--kv-events", ep)]
+    """engine-sim's arguments publishing each engine's KV events: ``--kv-events`` with
+    engine 0's endpoint (engine k binds its port + k); nothing without endpoints."""
+    return ["--kv-events", endpoints[0]] if endpoints else []
+
+
+def kv_subscriber_args(endpoints: list[str]) -> list[str]:
+    """``redisbal kv-events`` following every engine's publisher (engine ids "0".., in
+    the order of ``endpoints``)."""
+    return [a for i, ep in enumerate(endpoints) for a in ("--source", f"{i}={ep}")]
 
 
 def kv_sources(urls: dict[str, str], endpoints: list[str]) -> dict[str, str]:

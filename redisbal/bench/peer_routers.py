@@ -414,3 +414,27 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def free_port_block(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports free now (best effort: bound, then
+    released), below 32768, where Linux's ephemeral ports start: an outgoing connection
+    cannot take one before its server binds it."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randint(24000, 32767 - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RouterError(f"no {n} consecutive free ports found")

@@ -41,6 +41,7 @@ class HttpDemo(Demo):
     """The demo with HTTP engines, gateways and an HTTP load generator."""
 
     gateways: list[tuple[Child, str]]
+    gateway_args: tuple[str, ...] = ()  # more arguments for every gateway
 
     def engine_args(self) -> list[str]:
         return ["--http-port", "0"]
@@ -79,6 +80,7 @@ class HttpDemo(Demo):
                 o.policy,
                 "--refresh-s",
                 "0.5",
+                *self.gateway_args,
             )
             for i in range(o.api_servers)
         ]

@@ -36,6 +36,12 @@ from redisbal.sim.prefix_cache import PrefixCache
 _BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
 
 
+def _u64(block: Any) -> Any:
+    """A block hash as vLLM publishes it: an unsigned 64-bit integer (engine-sim's are
+    signed; vllm-router refuses a negative one)."""
+    return block & 0xFFFFFFFFFFFFFFFF if isinstance(block, int) else block
+
+
 class TextBlocks(tuple[int, ...]):
     """A prompt's blocks (``text_blocks``) that remember the text they were made from,
     so a publishing cache can send each block's token ids."""
@@ -117,13 +123,14 @@ class PublishingCache(PrefixCache):
         if first < len(blocks) and isinstance(text, str):
             events.append(
                 BlockStored(
-                    list(blocks[first:]),
-                    blocks[first - 1] if first else None,
+                    [_u64(b) for b in blocks[first:]],
+                    _u64(blocks[first - 1]) if first else None,
                     token_ids(text[first * _BLOCK_CHARS : len(blocks) * _BLOCK_CHARS]),
                     BLOCK_TOKENS,
+                    medium="GPU",  # as vLLM's GPU block pool says (vllm-router needs it)
                 )
             )
         if evicted:
-            events.append(BlockRemoved(evicted, "GPU"))
+            events.append(BlockRemoved([_u64(b) for b in evicted], "GPU"))
         if events:
             self.publisher.publish(events)

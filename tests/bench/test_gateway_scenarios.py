@@ -22,6 +22,7 @@ from redisbal.bench.gateway_scenarios import (
     kv_event_endpoints,
     kv_events_engine_args,
     kv_sources,
+    kv_subscriber_args,
     parse_bypass,
     scenario,
 )
@@ -166,17 +167,17 @@ def test_cache_blocks_are_read_from_the_engine_args() -> None:
 
 
 def test_each_engine_gets_a_publisher_of_its_own_in_id_order() -> None:
-    eps = kv_event_endpoints([5601, 5602, 5603])
+    eps = kv_event_endpoints(5601, 3)
     assert eps == ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602", "tcp://127.0.0.1:5603"]
-    assert kv_events_engine_args(eps) == [
-        "--kv-events", "tcp://127.0.0.1:5601",
-        "--kv-events", "tcp://127.0.0.1:5602",
-        "--kv-events", "tcp://127.0.0.1:5603",
-    ]  # fmt: skip
+    # engine-sim binds engine k's publisher at the given port + k
+    assert kv_events_engine_args(eps) == ["--kv-events", "tcp://127.0.0.1:5601"]
     assert kv_events_engine_args([]) == []  # a policy without events adds nothing
-    for bad in ([5601, 5601], [0], [70000]):
-        with pytest.raises(ValueError, match=r"distinct and in 1\.\.65535"):
-            kv_event_endpoints(bad)
+    assert kv_subscriber_args(eps[:2]) == [
+        "--source", "0=tcp://127.0.0.1:5601", "--source", "1=tcp://127.0.0.1:5602",
+    ]  # fmt: skip
+    for base, n in ((0, 2), (65535, 2), (5601, -1)):
+        with pytest.raises(ValueError, match=r"must be in 1\.\.65535"):
+            kv_event_endpoints(base, n)
 
 
 def test_the_router_is_told_each_workers_publisher_by_engine_id() -> None:

@@ -37,19 +37,26 @@ def blocks(text: str) -> TextBlocks:
     return TextBlocks(text_blocks(text), text)
 
 
+def u64(hashes: list[int]) -> list[int]:
+    """Hashes as vLLM publishes them: unsigned 64-bit (engine-sim's own are signed)."""
+    return [h & 0xFFFFFFFFFFFFFFFF for h in hashes]
+
+
 def test_stored_from_the_first_miss_on_and_evictions_removed() -> None:
     rec = Recorder()
     cache = PublishingCache(6, rec)  # type: ignore[arg-type]
     a = blocks("a" * 64 * 4)
     cache.insert(a)
-    assert rec.batches == [[BlockStored(list(a), None, token_ids("a" * 256), 16)]]
+    assert rec.batches == [[BlockStored(u64(list(a)), None, token_ids("a" * 256), 16, None, "GPU")]]
     cache.insert(blocks("a" * 64 * 4))  # all cached: nothing to say
     assert len(rec.batches) == 1
     b = blocks("a" * 64 * 2 + "b" * 64 * 3)  # shares 2 blocks, 3 new: 1 evicted
     cache.insert(b)
     stored, removed = rec.batches[-1]
-    assert stored == BlockStored(list(b[2:]), b[1], token_ids("b" * 192), 16)
-    assert removed == BlockRemoved([a[2]], "GPU")  # the least recently used
+    assert stored == BlockStored(
+        u64(list(b[2:])), u64([b[1]])[0], token_ids("b" * 192), 16, None, "GPU"
+    )
+    assert removed == BlockRemoved(u64([a[2]]), "GPU")  # the least recently used
     assert list(cache.blocks) == [a[3], *b]  # the model itself is PrefixCache's
 
 

@@ -17,7 +17,6 @@ import collections
 import contextlib
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -32,6 +31,7 @@ from typing import Any
 import redis
 
 from redisbal.barrier.snapshot import Snapshot
+from redisbal.bench.peer_routers import free_port_block as free_port_block
 from redisbal.keys import DeploymentKeys
 from support.helpers import wait_until
 
@@ -57,27 +57,6 @@ def record(fault: str, **figures: Any) -> dict[str, Any]:
         with Path(path).open("a", encoding="utf-8") as f:
             f.write(line + "\n")
     return row
-
-
-def free_port_block(n: int) -> int:
-    """The first of n consecutive free ports on 127.0.0.1 (best effort: bound, then
-    released), below 32768, where Linux's ephemeral ports start by default: an outgoing
-    connection cannot take one of them before the server binds it."""
-    rng = random.Random()
-    for _ in range(100):
-        base = rng.randint(24000, 32767 - n)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def hold_port(port: int, host: str = "127.0.0.1") -> socket.socket:
