@@ -56,7 +56,10 @@ if BINARIES and BINARIES[0][0] == "system":
     os.environ.setdefault("REDISBAL_REDIS_SERVER", BINARIES[0][1])
 
 
-OPT_IN = {"vllm_e2e": "serves a real model with vLLM for minutes (docs/DEPLOY.md)"}
+OPT_IN = {
+    "vllm_e2e": "serves a real model with vLLM for minutes (docs/DEPLOY.md)",
+    "vllm_hold": "holds requests in front of real vLLM servers for minutes (docs/DEPLOY.md)",
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

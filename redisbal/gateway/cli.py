@@ -302,10 +302,10 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     show_default=True,
     envvar="REDISBAL_HOLD_S",
     show_envvar=True,
-    help="With the default policy: while every engine is at its running cap, hold a "
-    "request here, at most this long, and send it to the first engine that frees a slot "
-    "(not into one engine's queue). Needs engines that report admitted counts (the "
-    "running cap is learned from them). 0: never hold.",
+    help="With the default policy: while every engine is full (at its running cap, "
+    "learned from a queue that outlived its report, or its KV cache without room), hold "
+    "a request here, at most this long, and send it to the first engine that frees room "
+    "(not into one engine's queue). 0: never hold.",
 )
 @click.option(
     "--max-body-bytes",

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
+from redisbal.routing.estimates import room
 from redisbal.routing.router_core import RouterCore
 
 # added latency is sub-millisecond when all is well: fine buckets there
@@ -162,6 +165,7 @@ class GatewayMetrics:
 
             for gauge, fn in ((age, _age), (index, _index), (count, _count), (told, _told)):
                 (gauge.labels(*values) if values else gauge).set_function(fn)
+        r.register(RoomCollector(routers, by_deployment))
         Gauge("redisbal_gateway_inflight", "Requests being proxied now.", registry=r).set_function(
             inflight
         )
@@ -201,6 +205,49 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RoomCollector(Collector):
+    """What the router learned of the engines' room, read when scraped: the running
+    cap and each engine's room as holding reads them (``routing.estimates.room``), so
+    that an operator sees why requests are held, or why none are."""
+
+    def __init__(self, routers: Mapping[str, RouterCore], by_deployment: bool) -> None:
+        self.routers = routers
+        self.by_deployment = by_deployment
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        cap, rooms = self._families()
+        for name, core in self.routers.items():
+            dep = [name] if self.by_deployment else []
+            with core.lock:
+                cap.add_metric(dep, float(core.running_cap))
+                c, w = core.running_cap, core.pending_weight
+                for e in core.known:
+                    rooms.add_metric([*dep, e.engine_id], room(e, c, w))
+        yield cap
+        yield rooms
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        dep = ["deployment"] if self.by_deployment else []
+        cap = GaugeMetricFamily(
+            "redisbal_gateway_running_cap",
+            "The engines' running cap as this router learned it from their reports "
+            "(a queue that outlived a report; 0: not learned yet).",
+            labels=dep,
+        )
+        rooms = GaugeMetricFamily(
+            "redisbal_gateway_engine_room",
+            "Requests each engine would run now without queueing one, as this router "
+            "reads it: its free slots under the running cap and its KV room, less what "
+            "is on its way to it (+Inf: nothing bounds it, so nothing is held; <= 0 on "
+            "every engine: requests are held, --hold-s).",
+            labels=[*dep, "engine"],
+        )
+        return cap, rooms
 
 
 def monotonic_age(applied_at: float) -> float:

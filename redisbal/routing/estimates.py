@@ -80,11 +80,17 @@ def room(e: EngineView, cap: int, w: float) -> float:
     waiting, the other routers' routes, this router's pending ones weighted ``w``):
     the fewer of its free slots (under ``engine_cap``: its declared cap, else the
     learned ``cap``, 0 when unknown) and of its KV room (``kv_room``). inf when
-    neither is known: nothing says the engine is full."""
+    neither is known: nothing says the engine is full.
+
+    Plus this router's own requests that its counts hold and that ended since
+    (``done``, counted by time where there are no admitted counts: vLLM's plugin, the
+    /metrics sidecar): each freed its slot and its KV blocks, and this router saw it
+    end before any report could say so. (Unweighted: another router's end is unseen.)"""
     cap = engine_cap(e, cap)
     queued = e.waiting + e.others + e.pending_cost * w
     slots = cap - e.running - queued if cap > 0 else math.inf
-    return min(slots, kv_room(e.running, e.kv_usage) - queued)
+    freed = 0 if e.exact else min(e.done, e.running + e.waiting)
+    return min(slots, kv_room(e.running, e.kv_usage) - queued) + freed
 
 
 class RunningCap:

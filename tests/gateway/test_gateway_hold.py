@@ -7,22 +7,54 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
 from support.gateway_stack import MODEL, start_engines, start_gateway, stop_gateway
-from support.helpers import await_until
+from support.helpers import await_until, make_snapshot
 
+from redisbal.gateway.metrics import GatewayMetrics
 from redisbal.gateway.server import Gateway
 from redisbal.routing.router import AsyncRouter
+from redisbal.routing.router_core import RouterCore
 from redisbal.sim.model import EngineParams
 
 pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
 # 2 engines of 2 slots; a request of 8 tokens takes 8 steps of 10 ms
 SLOW = EngineParams(running_cap=2, base_step_s=0.01, per_seq_s=0.0, prefill_s=0.0)
+
+
+def _room_gauges(core: RouterCore) -> tuple[float, dict[str, float]]:
+    """The running cap and each engine's room, as the gateway's /metrics export them."""
+    families = {f.name: f for f in GatewayMetrics({"d": core}, lambda: 0.0).registry.collect()}
+    cap = families["redisbal_gateway_running_cap"].samples[0].value
+    rooms = {s.labels["engine"]: s.value for s in families["redisbal_gateway_engine_room"].samples}
+    return cap, rooms
+
+
+def test_metrics_show_the_room_holding_reads() -> None:
+    """The gateway exports what holding decides by: unknown room (+Inf: nothing is
+    held) until the engines' own word bounds it; the KV room from KV usage; then the
+    cap a queue that outlived two reports in a row taught (reports as vLLM's plugin
+    makes them, no admitted counts), and each engine's free slots under it."""
+    core = RouterCore()
+    core.connected = True
+    core.apply_snapshot(make_snapshot({"e0": (0, 2), "e1": (0, 2)}, version=1))
+    assert _room_gauges(core) == (0.0, {"e0": math.inf, "e1": math.inf})
+    # KV usage bounds it: 2 running hold 80 % of the cache, room for half of one more
+    kv = {"e0": 0.8, "e1": 0.1}
+    core.apply_snapshot(make_snapshot({"e0": (0, 2), "e1": (0, 2)}, version=2, kv=kv))
+    cap, rooms = _room_gauges(core)
+    assert cap == 0.0 and rooms["e0"] == pytest.approx(0.5) and rooms["e1"] == pytest.approx(18)
+    # e0 queues one request through two reports: it runs at its cap of 2
+    for v in (3, 4):
+        snap = make_snapshot({"e0": (1, 2), "e1": (0, 1)}, version=v, time_ms=1_000_000 + v)
+        core.apply_snapshot(snap)
+    assert _room_gauges(core) == (2.0, {"e0": -1.0, "e1": 1.0})
 
 
 async def _wave(client: openai.AsyncOpenAI, n: int) -> list[str]:

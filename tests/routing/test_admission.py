@@ -216,6 +216,41 @@ async def test_held_requests_go_in_order_one_per_freed_slot() -> None:
     assert adm.held_total == 3
 
 
+async def test_a_held_request_goes_where_this_routers_own_request_ended() -> None:
+    """Fed as vLLM's plugin feeds it (no admitted counts), a request of this router that
+    its engine's counts hold frees its slot when it ends, before any report says so:
+    the held request goes there at once, not a report later, and not to the other."""
+    core, clock = router()
+    plugin_feed(core, 1, {"a": (0, 1, 0.01), "b": (0, 1, 0.01)})
+    mine = [core.route(), core.route()]  # one to each
+    assert sorted(d.engine_id for d in mine) == ["a", "b"]
+    clock.t += 1.0
+    for v in (2, 3):  # both run 2 and queue 1 through two reports: cap 2
+        plugin_feed(core, v, {"a": (1, 2, 0.01), "b": (1, 2, 0.01)})
+    clock.t += 1.0
+    plugin_feed(core, 4, {"a": (0, 2, 0.01), "b": (0, 2, 0.01)})  # full, nothing queued
+    assert core.running_cap == 2 and free_slots(core) == 0
+    adm = Admission(core, 5.0)
+    core.on_update = adm.wake
+    routed: list[str] = []
+
+    async def request() -> None:
+        await adm.enter()
+        routed.append(core.route().engine_id)
+
+    task = asyncio.create_task(request())
+    await asyncio.sleep(0.01)
+    assert adm.held == 1
+    ended = next(d for d in mine if d.engine_id == "b")
+    clock.t += 0.1
+    core.finished(ended)  # (the counts still show it running)
+    await asyncio.sleep(0.01)
+    assert routed == ["b"] and adm.held == 0
+    await task
+    plugin_feed(core, 5, {"a": (0, 2, 0.01), "b": (0, 2, 0.01)})  # b took it instead
+    assert free_slots(core) == 0  # the end counted once
+
+
 async def test_a_standing_queue_lets_each_engine_queue_one_request_past_the_cap() -> None:
     """Over capacity a slot freed at the engine is filled a step late from the router:
     once the oldest held request has waited the policy's ``stand_s``, each engine may

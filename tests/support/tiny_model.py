@@ -17,8 +17,9 @@ WORDS = [f"w{i}" for i in range(200)] + ["hello", "world", "tell", "me", "a", "s
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
-def make_tiny_model(out: Path) -> Path:
-    """Write the model and its tokenizer to ``out`` (created); returns ``out``."""
+def make_tiny_model(out: Path, max_len: int = 512) -> Path:
+    """Write the model and its tokenizer to ``out`` (created); returns ``out``.
+    ``max_len``: the longest sequence it takes (vLLM's ``--max-model-len`` at most)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -44,7 +45,7 @@ def make_tiny_model(out: Path) -> Path:
         num_hidden_layers=2,
         num_attention_heads=2,  # head size 64
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_len,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,

