@@ -43,7 +43,6 @@ from support.vllm_servers import (
     gauge,
     processes,
     status,
-    vllm_import_error,
 )
 
 from redisbal.keys import DeploymentKeys
@@ -53,14 +52,6 @@ pytestmark = [pytest.mark.vllm_e2e, pytest.mark.timeout(2400)]
 
 DEAD_AFTER_MS = 3000
 NOT_LIVE = {"suspect", "probing", "stalled", "expired", "left", "gone", "registered"}
-
-
-@pytest.fixture(scope="module")
-def vllm_ready() -> None:
-    """vLLM's OpenAI server imports here, or the test is skipped saying why."""
-    error = vllm_import_error()
-    if error is not None:
-        pytest.skip(f"vLLM's OpenAI server does not import here: {error}")
 
 
 @dataclass

@@ -56,7 +56,6 @@ from support.vllm_servers import (
     gauge,
     processes,
     status,
-    vllm_import_error,
 )
 
 from redisbal.keys import DeploymentKeys
@@ -68,14 +67,6 @@ HOLD_S = 300  # the gateway's --hold-s: longer than any request here runs
 DEADLINE_S = 240.0  # guards a hang only (the machine is shared: no timing is asserted)
 SLOT_LEN = 16384  # slot-bound servers' --max-model-len: long answers, a minute each
 LONG = 16000  # answer length (tokens): longer than filling both servers takes
-
-
-@pytest.fixture(scope="module")
-def vllm_ready() -> None:
-    """vLLM's OpenAI server imports here, or the test is skipped saying why."""
-    error = vllm_import_error()
-    if error is not None:
-        pytest.skip(f"vLLM's OpenAI server does not import here: {error}")
 
 
 @dataclass

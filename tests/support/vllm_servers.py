@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from support.cli import scrubbed_env
 
 BIN = Path(sys.executable).parent
@@ -168,3 +170,12 @@ async def processes(*cmds: tuple[list[str], dict[str, str], Path]) -> AsyncItera
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+# (a fixture: a test module imports it by name to use it)
+@pytest.fixture(scope="module")
+def vllm_ready() -> None:
+    """vLLM's OpenAI server imports here, or the test is skipped saying why."""
+    error = vllm_import_error()
+    if error is not None:
+        pytest.skip(f"vLLM's OpenAI server does not import here: {error}")
