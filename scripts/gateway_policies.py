@@ -192,6 +192,13 @@ class TraceDemo(ScenarioDemo):
         self.peer_calls: dict[str, int] = {}
         self.steps: dict[str, float] = {}  # the engines' steps, planned and taken
         self.held = 0  # requests the redisbal gateways held (none for the peers)
+        # the engines' KV-event publishers, one per engine (publish_kv_events), if any
+        self.kv_endpoints: list[str] = []
+
+    def publish_kv_events(self) -> None:
+        """Every engine publishes its KV events, on a block of ports free now."""
+        n = self.opts.engines
+        self.kv_endpoints = kv_event_endpoints(peer_routers.free_port_block(n), n)
 
     def start_gateways(self) -> None:
         """A peer's gateways are scripts/peer_gateway.py processes; then as the demo's."""
@@ -228,7 +235,7 @@ class TraceDemo(ScenarioDemo):
             time.sleep(0.1)
 
     def engine_args(self) -> list[str]:
-        return super().engine_args() + self.extra
+        return super().engine_args() + self.extra + kv_events_engine_args(self.kv_endpoints)
 
     def shapes(self) -> list[Planned]:
         return read_trace(self.trace)
@@ -274,11 +281,7 @@ class CacheViewDemo(TraceDemo):
 
     def __init__(self, opts: DemoOptions, echo: Echo, trace: str, engine_args: list[str]) -> None:
         super().__init__(opts, echo, trace, engine_args)
-        n = opts.engines
-        self.kv_endpoints = kv_event_endpoints(peer_routers.free_port_block(n), n)
-
-    def engine_args(self) -> list[str]:
-        return super().engine_args() + kv_events_engine_args(self.kv_endpoints)
+        self.publish_kv_events()
 
     def start_gateways(self) -> None:
         assert self.children is not None
@@ -304,14 +307,8 @@ class RouterDemo(TraceDemo):
         self.router = router
         self.venv = venv
         self.replicas: list[peer_routers.RouterProcess] = []
-        # a policy on the engines' KV events: a publisher per engine, on ports free now
-        self.kv_endpoints: list[str] = []
-        if peer_routers.needs_kv_events(router):
-            n = opts.engines
-            self.kv_endpoints = kv_event_endpoints(peer_routers.free_port_block(n), n)
-
-    def engine_args(self) -> list[str]:
-        return super().engine_args() + kv_events_engine_args(self.kv_endpoints)
+        if peer_routers.needs_kv_events(router):  # a policy on the engines' KV events
+            self.publish_kv_events()
 
     def start_gateways(self) -> None:
         name, _ = peer_routers.split_name(self.router)

@@ -32,7 +32,7 @@ from redisbal.barrier.snapshot import Snapshot
 from redisbal.errors import InvalidArgument
 from redisbal.errors import NoEngines as NoEngines
 from redisbal.errors import UnknownEngine as UnknownEngine
-from redisbal.routing.cache_view import BLOCK_TOKENS
+from redisbal.routing.cache_view import BLOCK_TOKENS, anchors
 from redisbal.routing.estimates import engine_cap
 from redisbal.routing.state import EngineView, RoutingState
 
@@ -534,7 +534,7 @@ class RedisbalPolicy(ScoringPolicy):
         most; None when none does, or nothing matches (sets ``matched``)."""
         view = core.cache_view
         holders, stride = view.holders, view.stride
-        req = blocks[stride - 1 :: stride]  # the request's anchors, shallowest first
+        req = anchors(blocks, stride)  # shallowest first
         if not req or req[0] not in holders:  # (a chain is cached from its root)
             return None
         top, base = self._affinity_ref(core)
