@@ -30,6 +30,7 @@ it, as with a real tokenizer. vllm-router reads no ``/get_load`` from a real vLL
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -38,7 +39,7 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
-from redisbal.routing.cache_view import sim_token_ids as token_ids
+from redisbal.routing.cache_view import sim_token_ids
 from redisbal.sim.model import SimEngine
 from redisbal.sim.report_as import Feed
 
@@ -95,6 +96,15 @@ def _prompts(body: dict[str, Any]) -> list[str] | None:
     if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         return list(p)
     return None
+
+
+@functools.lru_cache(maxsize=32)
+def token_ids(text: str) -> tuple[int, ...]:
+    """engine-sim's token ids of ``text``, kept for the last few texts: vllm-router's
+    kv_aware renders each request on every worker at once, and the engines of one
+    engine-sim process would each tokenize the same text again on one event loop (real
+    engines tokenize apart, in parallel), making the simulator the bottleneck."""
+    return tuple(sim_token_ids(text))
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
