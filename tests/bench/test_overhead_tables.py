@@ -3,20 +3,14 @@ true medians, and each target's CPU is set against the peer's of the same repeti
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gateway_overhead.py"
+from support.scripts import load_script
 
 
 def load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gateway_overhead", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gateway_overhead")
 
 
 def row(target: str, rep: int, cpu: float | None) -> dict[str, Any]:

@@ -303,17 +303,13 @@ def test_peer_gateway_gives_the_gateway_every_keyword_it_requires() -> None:
     """scripts/peer_gateway.py serves the variants and emulations through the gateway's
     own _serve: a keyword the gateway gained must come from its defaults, not a
     TypeError at the benchmark's start."""
-    import importlib.util
     import inspect
-    from pathlib import Path
+
+    from support.scripts import load_script
 
     from redisbal.gateway import cli
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "peer_gateway.py"
-    spec = importlib.util.spec_from_file_location("peer_gateway", path)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("peer_gateway")
     given = dict.fromkeys(script.SET_HERE, None)
     kw = script.serve_kwargs(**given)
     params = inspect.signature(cli._serve).parameters.values()

@@ -19,13 +19,13 @@ Code files (redisbal/, tests/, scripts/) that still break a rule are listed in
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).resolve()
@@ -279,11 +279,7 @@ def test_readme_ci_commands_are_one_line_each() -> None:
 
 
 def doc_tables() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "scripts" / "doc_tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("doc_tables")
 
 
 def test_generated_tables_equal_the_code() -> None:
