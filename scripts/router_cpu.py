@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -415,6 +416,7 @@ def main() -> None:
         keep_logs=a.keep_logs,
     )
     rig = Rig(opts, extra, venv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the cleanup runs
     rows: list[dict[str, Any]] = []
     warm_sent = 0  # the warm-up's requests through vllm-router (its counters hold them)
     load0 = os.getloadavg()
