@@ -271,7 +271,7 @@ class RedisbalPolicy(ScoringPolicy):
     with what the engines cache (``core.cache_view``, the same for every router):
     the engine holding its deepest match takes it while it takes the request about as
     soon as the least-loaded engine (as a key's engine does: room now, or a score
-    within the slack), the slack being ``affinity_slack`` times the share of the
+    within the slack), the slack being ``cache_slack`` times the share of the
     prompt the match saves; among holders of an equally deep match the least loaded
     is tried first, then holders of shallower matches, ``affinity_probes`` engines in
     all. Else the least-loaded engine takes it, and caches it too: a popular prefix
@@ -305,6 +305,12 @@ class RedisbalPolicy(ScoringPolicy):
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0
+    # a cache holder takes a request while its score is within this x the share of the
+    # prompt its match covers of the least-loaded engine's: a whole prompt saved is
+    # worth a few queued requests, not one (measured: docs/BENCHMARKS.md, the prefixes
+    # trace: at 1, holders gave up a prefix to engines that had to compute it and evict
+    # another, and the hit rate fell well below vllm-router kv_aware's)
+    cache_slack = 4.0
     affinity_probes = 4  # engines of a key tried, clockwise on the ring
     affinity_room = True  # a key's engine with no queue and room now takes it, whatever its load
     affinity_kv = 0.9  # an engine has room only below this KV usage
@@ -529,7 +535,7 @@ class RedisbalPolicy(ScoringPolicy):
     ) -> EngineView | None:
         """The engine holding the deepest match of ``blocks`` in ``core.cache_view`` that
         takes the request about as soon as the least-loaded engine (``_takes``, with a
-        slack of ``affinity_slack`` x the share of the ``size``-token prompt it saves);
+        slack of ``cache_slack`` x the share of the ``size``-token prompt it saves);
         holders of one depth least loaded first, deepest first, ``affinity_probes`` at
         most; None when none does, or nothing matches (sets ``matched``)."""
         view = core.cache_view
@@ -559,7 +565,7 @@ class RedisbalPolicy(ScoringPolicy):
             if not cands:
                 continue
             cands.sort(key=_first)
-            ref = base + self.affinity_slack * min(1.0, (i + 1) * per_anchor)
+            ref = base + self.cache_slack * min(1.0, (i + 1) * per_anchor)
             for _, eid, e in cands:
                 if self._takes(core, e, ref):
                     self.matched = (i + 1) * stride

@@ -14,6 +14,7 @@ from redisbal.routing.policies import RedisbalPolicy
 from redisbal.routing.router_core import RouterCore
 
 ENGINES = [f"e{i}" for i in range(8)]
+SLACK = int(RedisbalPolicy.cache_slack)  # what a whole cached prompt is worth, in requests
 PROMPT = chain_hashes(list(range(16 * 32)))  # a 512-token prompt: 32 blocks, 8 anchors
 
 
@@ -37,9 +38,9 @@ def even(running: int = 10) -> dict[str, tuple[int, int]]:
 
 
 def test_the_holder_takes_a_request_within_the_slack_its_match_earns() -> None:
-    # the holder runs one more than every other engine: a whole prompt saved is worth
-    # affinity_slack (one request), so it takes the request
-    core = core_with({**even(10), "e5": (0, 11)})
+    # the holder runs SLACK - 1 more than every other engine: a whole prompt saved is
+    # worth SLACK requests, so it takes the request
+    core = core_with({**even(10), "e5": (0, 10 + SLACK - 1)})
     hold(core, "e5", PROMPT)
     d = core.route(blocks=PROMPT, prompt_tokens=512)
     assert d.engine_id == "e5" and d.cached == len(PROMPT)
@@ -47,9 +48,9 @@ def test_the_holder_takes_a_request_within_the_slack_its_match_earns() -> None:
 
 
 def test_a_small_share_saved_earns_a_small_slack() -> None:
-    # the same load difference, but the match covers a quarter of the prompt: not
-    # worth a whole request's wait, so the request goes by load
-    core = core_with({**even(10), "e5": (0, 11)})
+    # the same load difference, but the match covers a quarter of the prompt: worth a
+    # quarter of the slack, so the request goes by load
+    core = core_with({**even(10), "e5": (0, 10 + SLACK - 1)})
     hold(core, "e5", PROMPT[:8])
     d = core.route(blocks=PROMPT, prompt_tokens=512)
     assert d.engine_id != "e5" and d.cached == 0
@@ -58,17 +59,17 @@ def test_a_small_share_saved_earns_a_small_slack() -> None:
 
 def test_the_holder_with_room_now_takes_it_whatever_its_load() -> None:
     kv = {e: 0.2 for e in ENGINES}
-    core = core_with({**even(2), "e5": (0, 6)}, kv=kv)
+    core = core_with({**even(2), "e5": (0, 2 + SLACK + 2)}, kv=kv)
     hold(core, "e5", PROMPT)
     assert core.route(blocks=PROMPT, prompt_tokens=512).engine_id == "e5"
     # no room (its KV cache nearly full) and beyond the slack: the least loaded takes it
-    full = core_with({**even(2), "e5": (0, 6)}, kv={**kv, "e5": 0.95})
+    full = core_with({**even(2), "e5": (0, 2 + SLACK + 2)}, kv={**kv, "e5": 0.95})
     hold(full, "e5", PROMPT)
     assert full.route(blocks=PROMPT, prompt_tokens=512).engine_id != "e5"
 
 
 def test_a_popular_prefix_spreads_when_its_holder_is_loaded() -> None:
-    core = core_with({**even(10), "e5": (3, 10)})  # the holder has a queue
+    core = core_with({**even(10), "e5": (SLACK + 2, 10)})  # the holder queues, beyond the slack
     hold(core, "e5", PROMPT)
     first = core.route(blocks=PROMPT, prompt_tokens=512)
     assert first.engine_id != "e5" and first.cached == 0
@@ -97,7 +98,7 @@ def test_the_deepest_match_wins() -> None:
 
 
 def test_a_shallower_holder_takes_it_when_the_deepest_one_is_loaded() -> None:
-    core = core_with({**even(10), "e2": (4, 10), "e1": (0, 10)})
+    core = core_with({**even(10), "e2": (SLACK + 2, 10), "e1": (0, 10)})
     hold(core, "e2", PROMPT)
     hold(core, "e1", PROMPT[:28])
     d = core.route(blocks=PROMPT, prompt_tokens=512)
@@ -161,17 +162,17 @@ def test_without_blocks_or_a_view_the_choice_is_todays_exactly() -> None:
 
 
 def test_a_prefix_spreads_as_its_traffic_grows_and_load_stays_even() -> None:
-    """Requests of one prefix that stay in flight: its holder takes them until it is a
-    request above the rest, then the least loaded does and caches it too; the load
+    """Requests of one prefix that stay in flight: its holder takes them until it is the
+    slack above the rest, then the least loaded does and caches it too; the load
     never parts by more than the slack, and the prefix ends up on every engine."""
     core = core_with(even(10))
     hold(core, "e0", PROMPT)
     holders_over_time = []
-    for _ in range(40):
+    for _ in range(len(ENGINES) * (SLACK + 1)):
         d = core.route(blocks=PROMPT, prompt_tokens=512)
         hold(core, d.engine_id, PROMPT)  # it computed the prompt: it holds it now
         holders_over_time.append(len(core.cache_view.holders[anchors(PROMPT)[0]]))
         pending = [e.pending for e in core.known]
-        assert max(pending) - min(pending) <= 2, pending
+        assert max(pending) - min(pending) <= SLACK + 1, pending
     assert holders_over_time[0] <= 2 and holders_over_time[-1] == len(ENGINES)
     assert holders_over_time == sorted(holders_over_time)
