@@ -351,6 +351,15 @@ class RouterCore:
         published (0: not named a laggard; ``redisbal.routing.unanswered.Silence``)."""
         return self.excl.silence.ms(engine_id, self.snapshot)
 
+    def stepped_s(self, engine_id: str) -> float | None:
+        """Seconds since ``engine_id`` last stepped, as its reports say: the age of its
+        counts in the latest snapshot (a heartbeat without progress keeps their time)
+        plus the time since that snapshot came; None when it holds no report of it."""
+        snap, e = self.snapshot, self.by_id.get(engine_id)
+        if snap is None or e is None or engine_id not in snap.engines:
+            return None
+        return max(0.0, self.clock() - self.snapshot_at) + e.age_s
+
     def silent_after_s(self, engine_id: str) -> float:
         """How long ``engine_id``'s reports may stop before a request waiting on it is
         given up: from its own recent gaps between reports (``unanswered.ReportGaps``)."""
