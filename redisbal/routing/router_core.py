@@ -48,6 +48,7 @@ from redisbal.routing.outcomes import OutcomeTracker
 from redisbal.routing.policies import DEFAULT_POLICY, NoEngines, Policy, UnknownEngine, make_policy
 from redisbal.routing.state import Decision, EngineView, RequestInfo, request_info
 from redisbal.routing.told_routes import ToldRoutes
+from redisbal.routing.unanswered import SILENT_MAX_S, TTFB_FACTOR
 
 
 class RouterCore:
@@ -362,9 +363,15 @@ class RouterCore:
 
     def silent_after_s(self, engine_id: str) -> float:
         """How long ``engine_id``'s reports may stop before a request waiting on it is
-        given up: from its own recent gaps between reports (``unanswered.ReportGaps``)."""
+        given up: from its own recent gaps between reports (``unanswered.ReportGaps``),
+        and at least ``TTFB_FACTOR`` x its usual time to a first byte (within
+        ``SILENT_MAX_S``): an engine slow to answer is slow, not stopped."""
         snap = self.snapshot
-        return self.excl.gaps.silent_after_s(engine_id, snap.time_ms if snap else 0)
+        bound = self.excl.gaps.silent_after_s(engine_id, snap.time_ms if snap else 0)
+        h = self.outcomes.engines.get(engine_id)
+        if h is not None and h.ttfb is not None:  # an engine slow to answer is slow
+            bound = max(bound, min(SILENT_MAX_S, TTFB_FACTOR * h.ttfb))
+        return bound
 
     # -- hot path --------------------------------------------------------------------------------
 
