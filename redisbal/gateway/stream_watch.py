@@ -20,6 +20,7 @@ from collections.abc import Callable
 from redisbal.routing.router import AsyncRouter
 from redisbal.routing.state import Decision
 from redisbal.routing.stream_gaps import Stream, StreamGaps
+from redisbal.routing.unanswered import GAP_FACTOR, SILENT_MAX_S
 
 log = logging.getLogger("redisbal.gateway")
 
@@ -58,6 +59,16 @@ class StreamWatch:
 
     def closed(self, s: Stream) -> None:
         self.gaps.closed(s)
+
+    def silent_after_s(self, engine_id: str) -> float:
+        """How long ``engine_id``'s reports may stop before a request waiting on it is
+        given up (``SilenceWatch``): the router's bound (``AsyncRouter.silent_after_s``),
+        and at least ``GAP_FACTOR`` x its usual gap between chunks (within
+        ``SILENT_MAX_S``): each chunk is a step, so an engine that streams slowly steps
+        slowly, and its reports pause as long while it is alive."""
+        bound = self.router.silent_after_s(engine_id)
+        usual = self.gaps.usual(engine_id)
+        return bound if usual is None else max(bound, min(SILENT_MAX_S, GAP_FACTOR * usual))
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None

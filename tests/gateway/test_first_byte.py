@@ -19,6 +19,7 @@ from redisbal.gateway.first_byte import (
     Silent,
     first_byte,
 )
+from redisbal.gateway.stream_watch import StreamWatch
 from redisbal.routing.outcomes import SILENT_AFTER_S
 from redisbal.routing.router_core import RouterCore
 
@@ -253,3 +254,23 @@ async def test_a_slow_engine_that_still_reports_is_not_given_up_a_stopped_one_is
     dep.complete()
     dep.pause("a", 5000)  # a stopped slow engine: given up after 3 x its usual pause
     assert await given_up(dep, "a") is True
+
+
+def test_an_engine_that_streams_slowly_is_given_longer_without_a_report() -> None:
+    """Each chunk is a step: an engine whose streams' chunks come a second apart steps
+    that slowly, and its reports pause as long while it is alive. Its silence bound is
+    3 x its usual gap (at most 10 s); an engine streaming fast keeps the router's."""
+
+    class Router:
+        def silent_after_s(self, _engine: str) -> float:
+            return SILENT_AFTER_S
+
+    watch = StreamWatch(Router())  # type: ignore[arg-type]
+    for engine, gap in (("slow", 1.0), ("fast", 0.02), ("stuck", 30.0)):
+        s = watch.gaps.opened(engine, 0.0)
+        for i in range(1, 9):
+            watch.gaps.chunk(s, i * gap)
+    assert watch.silent_after_s("slow") == pytest.approx(3.0)
+    assert watch.silent_after_s("fast") == SILENT_AFTER_S
+    assert watch.silent_after_s("stuck") == 10.0
+    assert watch.silent_after_s("unknown") == SILENT_AFTER_S
