@@ -66,20 +66,20 @@ class StreamGaps:
     An engine's bound is ``factor`` x its usual gap (or its longest of the latest
     ``RECENT``, if longer: an engine turning slow raises its own bound at once), at
     least ``min_s``, at most ``max_s``; its pace bound ``pace`` x its usual gap (at
-    least a fifth of ``min_s``).
-    ``check`` names an engine when every stream of it under way for its bound has
-    waited that long for its next chunk, another engine's streams flow at their pace
-    (none of their recent gaps past its pace bound), and the engine stepped, as far as
-    the caller knows, half its bound after that latest chunk; once per stall: an
-    engine named is named again only after one of its streams got a chunk. An engine
-    is judged once ``known`` gaps of it came."""
+    least a fifth of ``min_s``). ``check`` names an engine when every stream of it
+    under way for its bound has waited that long for its next chunk, another engine's
+    streams flow at their pace (neither their latest gap nor their silence now past
+    their pace bound), and the engine stepped, as far as the caller knows, half its
+    bound after that latest chunk; once per stall: an engine named is named again
+    only after one of its streams got a chunk. An engine is judged once ``known`` gaps
+    of it came."""
 
     def __init__(
         self,
         factor: float = 10.0,
         min_s: float = 0.5,
         max_s: float = 5.0,
-        pace: float = 3.0,
+        pace: float = 5.0,
         known: int = 8,
     ) -> None:
         if not 0 < factor < math.inf:
@@ -116,8 +116,7 @@ class StreamGaps:
         # a stall is no usual gap: it counts as the bound at most
         e.gaps.append(gap if e.usual is None else min(gap, self._bound(max(e.usual, e.recent))))
         if e.usual is None and len(e.gaps) >= self.known:
-            e.usual = self._usual(e)
-        e.recent = max(e.gaps[-i] for i in range(1, min(RECENT, len(e.gaps)) + 1))
+            self._refresh(e)
         s.last, e.last = now, now
         s.chunks += 1
         if self.named:
@@ -130,9 +129,11 @@ class StreamGaps:
             e.streams.discard(s)
             self.open -= 1
 
-    def _usual(self, e: _Engine) -> float:
+    def _refresh(self, e: _Engine) -> None:
+        """Its usual and recent gaps from the gaps kept (in ``check``, not per chunk)."""
         ranked = sorted(e.gaps)
-        return ranked[int(GAP_RANK * (len(ranked) - 1))]
+        e.usual = ranked[int(GAP_RANK * (len(ranked) - 1))]
+        e.recent = max(e.gaps[-i] for i in range(1, min(RECENT, len(e.gaps)) + 1))
 
     def _bound(self, usual: float) -> float:
         return min(self.max_s, max(self.min_s, self.factor * usual))
@@ -149,10 +150,12 @@ class StreamGaps:
         e = self.engines.get(engine)
         if e is None or e.usual is None:
             return None
+        self._refresh(e)
         return self._bound(max(e.usual, e.recent))
 
     def _flowing(self, o: _Engine, now: float) -> bool:
-        """Whether ``o``'s streams flow at its usual pace now."""
+        """Whether ``o``'s streams flow at its usual pace now: neither its latest gap
+        nor its silence since past its pace bound."""
         if not o.streams or o.usual is None:
             return False
         return max(now - o.last, o.latest) <= max(self.pace * o.usual, self.min_s / 5)
@@ -167,7 +170,8 @@ class StreamGaps:
         for eid, e in self.engines.items():
             if not e.streams or eid in self.named or e.usual is None:
                 continue
-            e.usual = self._usual(e)  # (kept fresh here, not per chunk)
+            self._refresh(e)
+            assert e.usual is not None
             bound = self._bound(max(e.usual, e.recent))
             # its streams under way for the bound at least (a new one gets its first
             # chunks from an engine that stalls mid-way): all silent for the bound
