@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from support.cli import run_cli
 from support.gateway_stack import MODEL, gateway_process, openai_client, settled, stack
+from support.helpers import await_until
+from support.prometheus import scrape, val
 
 pytestmark = [pytest.mark.slow, pytest.mark.gateway]
 
@@ -83,7 +85,10 @@ async def test_sigterm_with_a_slow_upload_exits_zero_after_drain_s(
                 b'\r\nContent-Length: 1000\r\n\r\n{"prompt": '
             )
             await writer.drain()
-            await asyncio.sleep(0.5)  # the request is in the gateway's hands
+            await await_until(  # the request is in the gateway's hands (its gauge says so)
+                lambda: val(scrape(f"{base}/metrics"), "redisbal_gateway_inflight") == 1,
+                threaded=True, what="the slow upload in flight",
+            )  # fmt: skip
             t0 = time.monotonic()
             g.send_signal(signal.SIGTERM)
             assert g.stderr is not None

@@ -263,14 +263,15 @@ def test_link_check_catches_broken_links(tmp_path: Path) -> None:
 
 def test_readme_ci_commands_are_one_line_each() -> None:
     """.ci/run runs the one line in each block after a ci:test-command marker, in order:
-    the fast tier, the slow tier, the server matrix."""
+    the fast tier, the slow tier (on two xdist workers, one test file each), the server
+    matrix."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"<!-- ci:test-command -->\s*```[a-z]*\n(.*?)```", text, re.S)
     commands = [[ln for ln in block.splitlines() if ln.strip()] for block in blocks]
     assert all(len(lines) == 1 for lines in commands), commands
     assert [lines[0].split("&& ")[-1] for lines in commands] == [
         "pytest",
-        "pytest -m slow",
+        "pytest -m slow -n 2 --dist loadfile",
         "pytest -m servers",
     ]
 
