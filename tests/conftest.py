@@ -56,9 +56,13 @@ if BINARIES and BINARIES[0][0] == "system":
     os.environ.setdefault("REDISBAL_REDIS_SERVER", BINARIES[0][1])
 
 
+# fixtures shared by the modules of several folders (the real-vLLM suites' vllm_ready)
+pytest_plugins = ["support.vllm_servers"]
+
 OPT_IN = {
     "vllm_e2e": "serves a real model with vLLM for minutes (docs/DEPLOY.md)",
     "vllm_hold": "holds requests in front of real vLLM servers for minutes (docs/DEPLOY.md)",
+    "vllm_kv": "follows what real vLLM servers cache for minutes (docs/DEPLOY.md)",
 }
 
 

@@ -54,10 +54,11 @@ class Deployment:
         self.budget = RetryBudget(retry_budget)
         self.accepted = Acceptances()  # who accepted which credentials and model (refusals)
         self.refusing: set[str] = set()  # engines logged as refusing, until they accept
-        # its engines gone silent (for longer than each one's reports pause), for waits
-        self.silence = SilenceWatch(router.silent_s, router.silent_after_s)
-        self.label = ""  # before its engine ids in metrics: "<name>/" with several
         self.streams = StreamWatch(router)  # its open streams: those stopping mid-way
+        # its engines gone silent (for longer than each one's reports pause, and than
+        # its steps take), for waits
+        self.silence = SilenceWatch(router.silent_s, self.streams.silent_after_s)
+        self.label = ""  # before its engine ids in metrics: "<name>/" with several
         self._refresher: asyncio.Task[None] | None = None
         self._refetch: asyncio.Task[None] | None = None  # one re-read for many requests
 

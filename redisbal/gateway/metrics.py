@@ -208,9 +208,11 @@ class GatewayMetrics:
 
 
 class RoomCollector(Collector):
-    """What the router learned of the engines' room, read when scraped: the running
-    cap and each engine's room as holding reads them (``routing.estimates.room``), so
-    that an operator sees why requests are held, or why none are."""
+    """What the router learned of the engines, read when scraped: the running cap and
+    each engine's room as holding reads them (``routing.estimates.room``), so that an
+    operator sees why requests are held, or why none are; and how many anchors of each
+    engine's prefix cache its view holds (``--prefix-tokens``), so that one sees which
+    engines' caches it matches prompts with."""
 
     def __init__(self, routers: Mapping[str, RouterCore], by_deployment: bool) -> None:
         self.routers = routers
@@ -220,7 +222,7 @@ class RoomCollector(Collector):
         return iter(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        cap, rooms = self._families()
+        cap, rooms, anchors = self._families()
         for name, core in self.routers.items():
             dep = [name] if self.by_deployment else []
             with core.lock:
@@ -228,10 +230,14 @@ class RoomCollector(Collector):
                 c, w = core.running_cap, core.pending_weight
                 for e in core.known:
                     rooms.add_metric([*dep, e.engine_id], room(e, c, w))
+            # (the view's reader runs on this loop: no change while this reads it)
+            for eid, held in list(core.cache_view.engines.items()):
+                anchors.add_metric([*dep, eid], float(len(held)))
         yield cap
         yield rooms
+        yield anchors
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         dep = ["deployment"] if self.by_deployment else []
         cap = GaugeMetricFamily(
             "redisbal_gateway_running_cap",
@@ -247,7 +253,13 @@ class RoomCollector(Collector):
             "every engine: requests are held, --hold-s).",
             labels=[*dep, "engine"],
         )
-        return cap, rooms
+        anchors = GaugeMetricFamily(
+            "redisbal_gateway_cache_anchors",
+            "Anchors (one per 64 prompt tokens) of each engine's prefix cache in this "
+            "router's view, read from what `redisbal kv-events` writes (--prefix-tokens).",
+            labels=[*dep, "engine"],
+        )
+        return cap, rooms, anchors
 
 
 def monotonic_age(applied_at: float) -> float:

@@ -3,11 +3,12 @@ streams and its engines' usual gaps between chunks (redisbal.routing.stream_gaps
 checked every ``CHECK_EVERY_S`` by one timer while any stream is open.
 
 An engine whose streams under way all went silent far beyond its usual gap, while
-other engines' streams flow, is reported to the router (``stalled()``: kind
-``stall``, ejected here and marked suspect for every router of the deployment) and
-said in the log (once a minute while it keeps stalling). The streams themselves go
-on: one that stays silent still ends at the idle-read bound (``--idle-timeout-s``)
-with an error event.
+other engines' streams flow at their pace and its reports say it stepped since (an
+engine in a long step is slow, not stalled: ``AsyncRouter.stepped_s``), is reported
+to the router (``stalled()``: kind ``stall``, ejected here and marked suspect for
+every router of the deployment) and said in the log (once a minute while it keeps
+stalling). The streams themselves go on: one that stays silent still ends at the
+idle-read bound (``--idle-timeout-s``) with an error event.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from redisbal.routing.router import AsyncRouter
 from redisbal.routing.state import Decision
 from redisbal.routing.stream_gaps import Stream, StreamGaps
+from redisbal.routing.unanswered import GAP_FACTOR, SILENT_MAX_S
 
 log = logging.getLogger("redisbal.gateway")
 
@@ -58,20 +60,35 @@ class StreamWatch:
     def closed(self, s: Stream) -> None:
         self.gaps.closed(s)
 
+    def silent_after_s(self, engine_id: str) -> float:
+        """How long ``engine_id``'s reports may stop before a request waiting on it is
+        given up (``SilenceWatch``): the router's bound (``AsyncRouter.silent_after_s``),
+        and at least ``GAP_FACTOR`` x its usual gap between chunks (within
+        ``SILENT_MAX_S``): each chunk is a step, so an engine that streams slowly steps
+        slowly, and its reports pause as long while it is alive."""
+        bound = self.router.silent_after_s(engine_id)
+        usual = self.gaps.usual(engine_id)
+        return bound if usual is None else max(bound, min(SILENT_MAX_S, GAP_FACTOR * usual))
+
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
-        for eid, s, waited in self.gaps.check(loop.time()):
-            gap = self.gaps.engines[eid].gap or 0.0
+        now = loop.time()
+
+        def stepped(eid: str) -> float | None:
+            ago = self.router.stepped_s(eid)
+            return None if ago is None else now - ago
+
+        for eid, s, waited in self.gaps.check(now, stepped):
+            gap = self.gaps.usual(eid) or 0.0
             what = f"streams silent {waited:.1f}s mid-way (usually {gap:.3f}s between chunks)"
             assert isinstance(s.token, Decision)
             ejected = self.router.stalled(s.token, f"engine {eid}: {what}")
-            now = loop.time()
             said = now - self._warned.get(eid, -WARN_EVERY_S) < WARN_EVERY_S
             if not said:
                 self._warned[eid] = now
             log.log(
                 logging.DEBUG if said else logging.WARNING,
-                "gateway: engine %s%s: %s while other engines' streams flow; %s",
+                "gateway: engine %s%s: %s while it steps and other engines' streams flow; %s",
                 self.label,
                 eid,
                 what,

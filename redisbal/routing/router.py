@@ -201,6 +201,15 @@ class _LocalRouting:
         with core.lock:
             return core.silent_ms(engine_id) / 1000.0
 
+    def stepped_s(self, engine_id: str) -> float | None:
+        """Seconds since ``engine_id`` last stepped, as its reports say (the latest
+        snapshot's counts of it, and their age); None when it holds no report of it.
+        An engine in a long step has not stepped since its streams' latest chunk: it
+        is slow, and its silent streams are no stall (``StreamGaps.check``)."""
+        core = self.core
+        with core.lock:
+            return core.stepped_s(engine_id)
+
     def silent_after_s(self, engine_id: str) -> float:
         """How long ``engine_id`` may go without a report before a request waiting on
         it is given up (``silent_s`` at least this): a few times its own recent gaps

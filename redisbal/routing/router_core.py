@@ -48,6 +48,7 @@ from redisbal.routing.outcomes import OutcomeTracker
 from redisbal.routing.policies import DEFAULT_POLICY, NoEngines, Policy, UnknownEngine, make_policy
 from redisbal.routing.state import Decision, EngineView, RequestInfo, request_info
 from redisbal.routing.told_routes import ToldRoutes
+from redisbal.routing.unanswered import SILENT_MAX_S, TTFB_FACTOR
 
 
 class RouterCore:
@@ -351,11 +352,26 @@ class RouterCore:
         published (0: not named a laggard; ``redisbal.routing.unanswered.Silence``)."""
         return self.excl.silence.ms(engine_id, self.snapshot)
 
+    def stepped_s(self, engine_id: str) -> float | None:
+        """Seconds since ``engine_id`` last stepped, as its reports say: the age of its
+        counts in the latest snapshot (a heartbeat without progress keeps their time)
+        plus the time since that snapshot came; None when it holds no report of it."""
+        snap, e = self.snapshot, self.by_id.get(engine_id)
+        if snap is None or e is None or engine_id not in snap.engines:
+            return None
+        return max(0.0, self.clock() - self.snapshot_at) + e.age_s
+
     def silent_after_s(self, engine_id: str) -> float:
         """How long ``engine_id``'s reports may stop before a request waiting on it is
-        given up: from its own recent gaps between reports (``unanswered.ReportGaps``)."""
+        given up: from its own recent gaps between reports (``unanswered.ReportGaps``),
+        and at least ``TTFB_FACTOR`` x its usual time to a first byte (within
+        ``SILENT_MAX_S``): an engine slow to answer is slow, not stopped."""
         snap = self.snapshot
-        return self.excl.gaps.silent_after_s(engine_id, snap.time_ms if snap else 0)
+        bound = self.excl.gaps.silent_after_s(engine_id, snap.time_ms if snap else 0)
+        h = self.outcomes.engines.get(engine_id)
+        if h is not None and h.ttfb is not None:  # an engine slow to answer is slow
+            bound = max(bound, min(SILENT_MAX_S, TTFB_FACTOR * h.ttfb))
+        return bound
 
     # -- hot path --------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ GAPS_FOR_MS = 60_000  # ... of the last minute
 GAP_RANK = 0.9  # the bound scales with this rank of them (one odd gap is not the usual)
 GAP_FACTOR = 3.0  # ... times this
 SILENT_MAX_S = 10.0  # and never longer: a stopped process is still given up on
+TTFB_FACTOR = 2.0  # ... nor below this x its usual time to a first byte (RouterCore)
 
 
 class Silence:

