@@ -29,21 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from redisbal.barrier.snapshot import check_total
 from redisbal.errors import InvalidArgument
 
 __all__ = ["TotalReconciler", "check_total"]
-
-MAX_TOTAL = 10**15 - 1  # as an admitted count (barrier.snapshot.MAX_ADMITTED)
-
-
-def check_total(value: object) -> int:
-    """``value`` as an admitted total: a whole number in 0..MAX_TOTAL, else a clear
-    InvalidArgument (the boundary check of a report's field)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"admitted_total must be a whole number, got {value!r}")
-    if not 0 <= value <= MAX_TOTAL:
-        raise InvalidArgument(f"admitted_total must be in 0..{MAX_TOTAL}, got {value}")
-    return value
 
 
 @dataclass

@@ -287,12 +287,16 @@ class Barrier:
         adm: str = "",
         inc: str | None = None,
         progress: bool = True,
+        total: str | None = None,
     ) -> tuple[str, int, int, int]:
         """One report; ``inc`` names the reporting process's incarnation (None: the
-        report carries no lifecycle arguments, as older clients send it)."""
+        report carries no lifecycle arguments, as older clients send it); ``total``
+        the admitted total (None: the argument is left out)."""
         args: list[str | int] = [self.epoch, engine, wave, step, waiting, running, kv, adm]
-        if inc is not None or not progress:
+        if inc is not None or not progress or total is not None:
             args += [inc or "-", "1" if progress else "0"]
+        if total is not None:
+            args.append(total)
         return report_reply(self.scripts.call("report", *args))
 
     def register(self, *engines: str) -> int:
