@@ -4,9 +4,14 @@ reconciliation on its own, through drift, restarts and several routers."""
 from __future__ import annotations
 
 import pytest
+import redis
+from support.helpers import Barrier, await_until, make_snapshot
 
+from redisbal import AsyncReporter, AsyncRouter, Counts
 from redisbal.errors import InvalidArgument
+from redisbal.keys import DeploymentKeys
 from redisbal.routing.admit_total import TotalReconciler, check_total
+from redisbal.routing.router_core import RouterCore
 
 
 class Engine:
@@ -160,3 +165,157 @@ def test_a_router_that_leaves_the_sum() -> None:
 def test_bad_totals_are_refused(bad: object) -> None:
     with pytest.raises(InvalidArgument, match="admitted_total"):
         check_total(bad)
+
+
+# -- in RouterCore: pending routes retired by the engines' totals -------------------------
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+T0_MS = 1_000_000
+
+
+def publish(
+    cores: list[RouterCore], clock: FakeClock, at_s: float, version: int, **totals: int
+) -> None:
+    """Engines e0 and e1 report at ``at_s`` (e0 with ``totals``: its admitted total),
+    published and adopted by every router 10 ms later."""
+    clock.t = at_s + 0.01
+    ms = T0_MS + round((at_s - 100.0) * 1000)
+    s = make_snapshot(
+        {"e0": (0, 0), "e1": (0, 0)}, version=version, time_ms=ms + 10, reported_ms=ms,
+        total=totals,
+    )  # fmt: skip
+    for c in cores:
+        c.apply_snapshot(s)
+
+
+def test_a_total_retires_the_routes_it_holds_a_report_before_time_would() -> None:
+    """By time alone a route stays pending until a report made after the engine's next
+    step; a report whose total holds it retires it at once, and one that does not keeps
+    it (one router: every route to the engine is its own)."""
+    for with_total in (False, True):
+        clock = FakeClock()
+        core = RouterCore(0, 1, clock=clock)
+        publish([core], clock, 100.0, 1, **({"e0": 0} if with_total else {}))
+        clock.t = 100.02
+        for _ in range(3):
+            core.route(engine_id="e0")
+        e0 = core.by_id["e0"]
+        totals = {"e0": 2} if with_total else {}
+        publish([core], clock, 100.05, 2, **totals)  # two of the three admitted
+        assert e0.pending == (1 if with_total else 3)
+        publish([core], clock, 100.09, 3, **({"e0": 3} if with_total else {}))
+        assert e0.pending == 0  # (by time too: made after the step that followed)
+
+
+def test_told_routes_and_own_ones_are_retired_oldest_first() -> None:
+    """Two routers that tell each other their routes: the total counts everyone's, and
+    what it holds goes oldest first, another's routes heard before one's own."""
+    clock = FakeClock()
+    a, b = (RouterCore(i, 2, clock=clock) for i in range(2))
+    for c in (a, b):
+        c.connected = True
+    publish([a, b], clock, 100.0, 1, e0=0)
+    b.hear(a.told())
+    a.hear(b.told())
+    # a first message about e0 sets its teller's base (routes of unknown times)
+    for teller, hearer in ((a, b), (b, a)):
+        teller.finished(teller.route(engine_id="e0"))
+        hearer.hear(teller.told())
+    publish([a, b], clock, 100.015, 2, e0=2)
+    clock.t = 100.02
+    a.route(engine_id="e0")
+    a.route(engine_id="e0")
+    b.hear(a.told())
+    clock.t = 100.03
+    b.route(engine_id="e0")
+    b.route(engine_id="e0")
+    a.hear(b.told())
+    e0 = b.by_id["e0"]
+    assert b.told_routes.live and (e0.pending, e0.others) == (2, 2.0)
+    publish([a, b], clock, 100.04, 3, e0=5)  # three of the four admitted
+    assert (e0.pending, e0.others) == (1, 0.0)  # b's newest is on its way
+    a0 = a.by_id["e0"]
+    assert (a0.pending, a0.others) == (0, 1.0)  # the same at a: b's newest
+    publish([a, b], clock, 100.05, 4, e0=6)
+    assert (e0.pending, e0.others, a0.pending, a0.others) == (0, 0.0, 0, 0.0)
+
+
+def test_without_every_routers_routes_the_total_is_not_used() -> None:
+    """Two routers that do not hear each other: a total says nothing of whose routes it
+    holds, so pending goes by time alone."""
+    clock = FakeClock()
+    a, b = (RouterCore(i, 2, clock=clock) for i in range(2))
+    publish([a, b], clock, 100.0, 1, e0=0)
+    clock.t = 100.02
+    b.route(engine_id="e0")
+    publish([a, b], clock, 100.05, 2, e0=1)
+    assert not b.told_routes.live and b.by_id["e0"].pending == 1 and not b.totals
+
+
+def test_aborted_requests_never_keep_a_route_pending() -> None:
+    """Aborted requests leave the total low for good; the routes still count exactly
+    once the router has nothing open there, and never more than it has open."""
+    clock = FakeClock()
+    core = RouterCore(0, 1, clock=clock)
+    publish([core], clock, 100.0, 1, e0=0)
+    e0 = core.by_id["e0"]
+    t, total, version = 100.0, 0, 1
+    for _ in range(20):
+        t += 0.1
+        clock.t = t
+        ds = [core.route(engine_id="e0") for _ in range(3)]
+        total += 2  # admitted; the third is aborted before the engine counts it
+        version += 1
+        publish([core], clock, t + 0.01, version, e0=total)
+        assert e0.pending <= e0.inflight
+        for d in ds:
+            core.finished(d)
+    clock.t = t + 1
+    version += 1
+    publish([core], clock, t + 1, version, e0=total)
+    clock.t = t + 1.1
+    core.route(engine_id="e0")
+    core.route(engine_id="e0")
+    version += 1
+    publish([core], clock, t + 1.1, version, e0=total + 1)
+    assert e0.pending == 1  # 20 aborts absorbed: one of the two new routes is on its way
+
+
+async def test_a_router_retires_routes_by_the_totals_a_reporter_sends(
+    r: redis.Redis, redis_url: str, keys: DeploymentKeys
+) -> None:
+    """Real Redis: a reporter sends admitted totals, as vLLM's plugin does; a router's
+    routes to an engine stop counting as soon as a report's total holds them, where
+    by time they would wait for the report after it."""
+    Barrier(r, keys).configure()
+    rep = AsyncReporter(redis_url, keys.deployment, ["e0", "e1"], heartbeat=False)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
+    try:
+        await rep.register()
+        await rep.report_many({e: Counts(1, admitted_total=0) for e in ("e0", "e1")})
+        await router.start(wait=5.0)
+        core = router.core
+        await await_until(lambda: len(core.by_id) == 2, 5.0, "the engines known")
+        for _ in range(3):
+            router.route(engine_id="e0")
+        e0 = core.by_id["e0"]
+        assert e0.pending == 3
+        version = core.snapshot.version if core.snapshot else 0
+        # e0 took two in; e1's report, with no total, keeps its routes by time
+        await rep.report_many({"e0": Counts(2, 1, 1, admitted_total=2), "e1": Counts(2)})
+        await await_until(
+            lambda: core.snapshot is not None and core.snapshot.version > version, 5.0, "step 2"
+        )
+        assert core.snapshot is not None and core.snapshot.engines["e0"].admitted_total == 2
+        assert e0.pending == 1
+    finally:
+        await router.aclose()
+        await rep.aclose()

@@ -459,10 +459,12 @@ def make_snapshot(
     gone: dict[str, str] | None = None,
     step: int = 1,
     incarnation: dict[str, str] | None = None,
+    total: dict[str, int] | None = None,
     **fields: Any,
 ) -> Snapshot:
     """A Snapshot built the way the Lua barrier builds one (through its JSON form);
-    ``fields`` set top-level fields (forced, laggards, stalled, suspect, ...)."""
+    ``total``: engines' admitted totals; ``fields`` set top-level fields (forced,
+    laggards, stalled, suspect, ...)."""
     frags: dict[str, Any] = {}
     for e, c in engines.items():
         if isinstance(c, EngineCounts):
@@ -476,6 +478,8 @@ def make_snapshot(
             }
             if c.admitted is not None:
                 frag["adm"] = list(c.admitted)
+            if c.admitted_total is not None:
+                frag["tot"] = c.admitted_total
         else:
             w, r = c
             frag = {
@@ -488,6 +492,8 @@ def make_snapshot(
             }
             if admitted and e in admitted:
                 frag["adm"] = list(admitted[e])
+            if total and e in total:
+                frag["tot"] = total[e]
         if incarnation and e in incarnation:
             frag["inc"] = incarnation[e]
         frags[e] = frag
