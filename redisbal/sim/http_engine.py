@@ -253,7 +253,9 @@ class HttpEngine:
             return
         self._reported_at = now
         adm = m.admitted if self.send_admitted else None
-        counts = Counts(None, len(m.waiting), len(m.running), 0, self.kv_usage(), adm)
+        tot = m.admitted_total if self.feed.total else None
+        w, r = len(m.waiting), len(m.running)
+        counts = Counts(None, w, r, 0, self.kv_usage(), adm, admitted_total=tot)
         self.reporter.report_nowait(counts)
 
     async def _steps(self) -> None:

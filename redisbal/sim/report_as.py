@@ -4,8 +4,9 @@ engines give.
 
 - ``full``: running, waiting, KV usage and admitted counts per API server (exact
   pending counts; the running cap learned from queues). No real engine sends these.
-- ``vllm-plugin``: what vLLM's stat-logger plugin sends: no admitted counts, counts
-  made after each step's admission, the running cap declared (``max_num_seqs``).
+- ``vllm-plugin``: what vLLM's stat-logger plugin sends: no admitted counts but their
+  total (finished + waiting + running, aborted requests never finished), counts made
+  after each step's admission, the running cap declared (``max_num_seqs``).
 - ``vllm-metrics``: what ``redisbal scrape`` reads off vLLM's /metrics: no admitted
   counts and no cap (unless the sidecar is given ``--max-num-seqs``).
 - ``sglang``: what ``redisbal scrape`` reads off SGLang: no admitted counts, the cap
@@ -28,6 +29,7 @@ class Feed:
 
     name: str
     admitted: bool  # admitted counts per API server in every report
+    total: bool  # the admitted total (finished + waiting + running) in every report
     declares_cap: bool  # the running cap declared once (redisbal.running_caps)
     serves_loads: bool  # GET /v1/loads, as SGLang serves it
 
@@ -38,6 +40,7 @@ class Feed:
         return cls(
             name,
             admitted=name == "full",
+            total=name == "vllm-plugin",
             declares_cap=name in ("vllm-plugin", "sglang"),
             serves_loads=name == "sglang",
         )
