@@ -8,10 +8,14 @@ engines give.
   total (finished + waiting + running, aborted requests never finished), counts made
   after each step's admission, the running cap declared (``max_num_seqs``).
 - ``vllm-metrics``: what ``redisbal scrape`` reads off vLLM's /metrics: no admitted
-  counts and no cap (unless the sidecar is given ``--max-num-seqs``).
-- ``sglang``: what ``redisbal scrape`` reads off SGLang: no admitted counts, the cap
-  from ``GET /v1/loads`` (``max_running_requests`` per ``dp_rank``), which the HTTP
-  engines then serve as SGLang does.
+  counts but their total (``request_success_total`` + waiting + running) and no cap
+  (unless the sidecar is given ``--max-num-seqs``).
+- ``sglang``: what ``redisbal scrape`` reads off SGLang: no admitted counts but their
+  total (``num_requests_total`` + waiting + running), the cap from ``GET /v1/loads``
+  (``max_running_requests`` per ``dp_rank``), which the HTTP engines then serve as
+  SGLang does.
+
+The HTTP engines' /metrics pages carry the finished counters those totals come from.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class Feed:
         return cls(
             name,
             admitted=name == "full",
-            total=name == "vllm-plugin",
+            total=name != "full",
             declares_cap=name in ("vllm-plugin", "sglang"),
             serves_loads=name == "sglang",
         )

@@ -32,7 +32,7 @@ EXPECTED = {
     "vllm-metrics": (False, False, False),
     "sglang": (False, True, True),
 }
-TOTAL = {"vllm-plugin"}  # the forms that send an admitted total
+TOTAL = {"vllm-plugin", "vllm-metrics", "sglang"}  # the forms that send an admitted total
 
 
 def snapshot(r: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
