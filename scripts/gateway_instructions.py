@@ -102,6 +102,12 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=8.0)
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--other-src", default=None)
+    ap.add_argument(
+        "--keep",
+        default=None,
+        metavar="DIR",
+        help="keep the callgrind files here (callgrind_annotate --inclusive=yes reads them)",
+    )
     a = ap.parse_args()
     kinds = a.targets.split(",")
     if unknown := set(kinds) - {"plain", "traced", "logged", "other"}:
@@ -109,7 +115,9 @@ def main() -> None:
     if "other" in kinds and not a.other_src:
         sys.exit("gateway_instructions: the target 'other' needs --other-src")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="redisbal-callgrind-") as out_dir:
+    with tempfile.TemporaryDirectory(prefix="redisbal-callgrind-") as tmp:
+        out_dir = os.path.abspath(a.keep) if a.keep else tmp
+        os.makedirs(out_dir, exist_ok=True)
         for kind in kinds:
             rows.append(count(kind, a, out_dir))
             print(rows[-1], flush=True)

@@ -12,6 +12,7 @@ Imported only with the ``tracing`` extra (redisbal.gateway.tracing)."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import logging
 import os
@@ -159,12 +160,16 @@ class Encoder:
         groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
         for s in spans:
             res, scope = s.resource, s.instrumentation_scope
-            scopes = groups.setdefault(id(res), (res, {}))[1]
-            scopes.setdefault(id(scope), (scope, []))[1].append(self.span(s))
+            by_id = groups.setdefault(id(res), (res, {}))[1]
+            by_id.setdefault(id(scope), (scope, []))[1].append(self.span(s))
         out = []
-        for res, scopes in groups.values():
+        for res, by_id in groups.values():
+            # equal scopes are one (as the SDK groups them), whichever object each span has
+            scopes: dict[Any, list[bytes]] = {}
+            for one, encoded in by_id.values():
+                scopes.setdefault(one, []).extend(encoded)
             body = _field(b"\x0a", self._attrs(b"\x0a", res.attributes))
-            for scope, encoded in scopes.values():
+            for scope, encoded in scopes.items():
                 sc = b""
                 if scope is not None:
                     sc = _field(b"\x0a", scope.name.encode())
@@ -226,6 +231,15 @@ class OTLPExporter(SpanExporter):
         if cert:
             self.session.cert = (cert, key) if key else cert
         self._shutdown = False
+        # what requests works out for every POST (the environment's proxies and netrc,
+        # the session's headers merged, the URL parsed), worked out once: most of what a
+        # POST cost in Python, paid per batch (each export sends a copy with its body)
+        self._request: requests.PreparedRequest | None = None
+        with contextlib.suppress(requests.exceptions.RequestException):  # (exports say why)
+            self._request = self.session.prepare_request(requests.Request("POST", self.url))
+        self._send = self.session.merge_environment_settings(
+            self.url, {}, None, self.session.verify, self.session.cert
+        )
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._shutdown:
@@ -240,7 +254,12 @@ class OTLPExporter(SpanExporter):
         while True:
             left = deadline - time.monotonic()
             try:
-                resp = self.session.post(self.url, data=data, timeout=max(0.1, left))
+                if self._request is None:
+                    resp = self.session.post(self.url, data=data, timeout=max(0.1, left))
+                else:
+                    req = self._request.copy()
+                    req.prepare_body(data, None)
+                    resp = self.session.send(req, timeout=max(0.1, left), **self._send)
             except requests.exceptions.RequestException as exc:
                 why = f"{type(exc).__name__}: {exc}"
                 status = None

@@ -75,9 +75,10 @@ def test_the_exporter_takes_the_standard_variables(monkeypatch: pytest.MonkeyPat
             monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", headers)
             monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")
             tr = Tracing()
-            spans = tr.request({}, "POST", "/v1/completions", "rid-env")
-            spans.root.set_attribute("http.response.status_code", 200)
-            spans.root.end()
+            rec = Record("rid-env", "POST", "/v1/completions", "127.0.0.1")
+            rec.spans = tr.request({}, "POST", rec.path, rec.rid)
+            rec.status, rec.kind = 200, "ok"
+            rec.spans.end(rec)
             assert await asyncio.to_thread(tr.flush)
             await asyncio.to_thread(tr.shutdown)
         finally:
