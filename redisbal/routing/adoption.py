@@ -105,6 +105,7 @@ def new_incarnation(e: EngineView, inc: str | None, got: int, counters: dict[str
         counters["restarts"] += 1
         e.routed_before = e.routed - got
         e.t_prev = -1
+        e.total_cut = -1e18  # (routes to the old process: held by no count of the new one)
     e.incarnation = inc
 
 

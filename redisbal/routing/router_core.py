@@ -42,6 +42,8 @@ from redisbal.routing.estimates import (
     ShareEstimate,
     SpeedEstimate,
     ended,
+    ended_held,
+    held_ended,
     trim_costs,
 )
 from redisbal.routing.exclusions import Exclusions
@@ -318,6 +320,9 @@ class RouterCore:
             sent += max(0, e.routed - e.routed_before)
             keep = rec.in_transit(e.incarnation, total, sent, open_ + e.inflight)
             if told.retire(e, keep, count):
+                # its retired routes that ended since its counts were made free their room
+                e.done = ended_held(e)
+                e.aged = held_ended(e, self.share_weight)
                 changed.append(e)
         return changed
 

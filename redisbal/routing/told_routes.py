@@ -310,9 +310,13 @@ class ToldRoutes:
         over = sum(len(q) for q in queues) - max(0, keep)
         if over <= 0:
             return False
+        own = e.times
         for _ in range(over):
-            min(filter(None, queues), key=lambda q: q[0]).popleft()
-        e.pending = len(e.times)
+            q = min(filter(None, queues), key=lambda q: q[0])
+            t = q.popleft()
+            if q is own and t > e.total_cut:  # its own routes made by then are held
+                e.total_cut = t
+        e.pending = len(own)
         trim_costs(e)
         return True
 

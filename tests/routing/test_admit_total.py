@@ -319,3 +319,33 @@ async def test_a_router_retires_routes_by_the_totals_a_reporter_sends(
     finally:
         await router.aclose()
         await rep.aclose()
+
+
+def test_a_retired_route_that_ends_frees_its_room_at_once() -> None:
+    """A route the total retired is in the engine's counts: when it ends before the next
+    report, the router counts it as done (its slot free), as it would have taken it out
+    of pending by time; one still on its way leaves pending."""
+    clock = FakeClock()
+    core = RouterCore(0, 1, clock=clock)
+    publish([core], clock, 100.0, 1, e0=0)
+    ds = []
+    for i in range(3):
+        clock.t = 100.02 + i * 0.001
+        ds.append(core.route(engine_id="e0"))
+    e0 = core.by_id["e0"]
+    publish([core], clock, 100.05, 2, e0=2)
+    assert (e0.pending, e0.done) == (1, 0)
+    clock.t = 100.07
+    core.finished(ds[0])  # retired: the counts hold it
+    assert (e0.pending, e0.done) == (1, 1)
+    core.finished(ds[2])  # still on its way: out of pending
+    assert (e0.pending, e0.done) == (0, 1)
+    clock.t = 100.08  # the same report again, in a later snapshot: still done
+    again = make_snapshot(
+        {"e0": (0, 0), "e1": (0, 0)}, version=3, time_ms=T0_MS + 80, reported_ms=T0_MS + 50,
+        total={"e0": 2},
+    )  # fmt: skip
+    core.apply_snapshot(again)
+    assert (e0.pending, e0.done) == (0, 1)
+    publish([core], clock, 100.09, 4, e0=2)  # counts made after it ended: it left them
+    assert e0.done == 0
