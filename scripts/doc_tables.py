@@ -86,8 +86,8 @@ def _argv(header: str) -> str:
         optional = what.startswith("optional:")
         what = re.split(r": |, or |; ", what.removeprefix("optional:").strip())[0]
         parts.append(f"{m.group(1)} {what.rstrip(' ,;')}" + (" (optional)" if optional else ""))
-    if "groups of nine" in header:
-        parts.append("then n groups of nine: report's 4..12")
+    if "groups of nine or ten" in header:
+        parts.append("then n groups of nine or ten: report's 4..12, or 4..13")
     return "; ".join(parts)
 
 

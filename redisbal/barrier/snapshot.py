@@ -17,13 +17,24 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from redisbal.errors import MalformedData
+from redisbal.errors import InvalidArgument, MalformedData
 from redisbal.errors import RosterUnknown as RosterUnknown
 
 # admitted counts the reporters send are below this; the Lua script checks that an
 # admitted list is JSON integers but not their length (docs/DESIGN.md), so routers
 # read a list whose sum reaches it, which only another client can send, as not reported
 MAX_ADMITTED = 10**15
+MAX_TOTAL = MAX_ADMITTED - 1  # an engine's admitted total (lua/includes/args.lua)
+
+
+def check_total(value: object, error: type[ValueError] = InvalidArgument) -> int:
+    """``value`` as an admitted total: a whole number in 0..MAX_TOTAL, else a clear
+    one-line ``error`` (the boundary check of a report's field, as the Lua script's)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error(f"admitted_total must be a whole number, got {value!r}")
+    if not 0 <= value <= MAX_TOTAL:
+        raise error(f"admitted_total must be in 0..{MAX_TOTAL}, got {value}")
+    return value
 
 
 class EngineCounts(NamedTuple):
@@ -43,6 +54,9 @@ class EngineCounts(NamedTuple):
     admitted: tuple[int, ...] | None = None
     # the reporting process (None: the report named none); a new one is a restart
     incarnation: str | None = None
+    # requests the engine has taken in since its process began, finished + waiting +
+    # running (None: not reported): what engines without per-router counts can say
+    admitted_total: int | None = None
 
     @property
     def load(self) -> int:
@@ -99,7 +113,8 @@ class CompactEngines(Mapping[str, EngineCounts]):
     """A compact snapshot's engines as a mapping like the full form's, each entry
     built when read: a router adopts the counts in place (``RouterCore``) and only
     other readers (status, metrics) pay for the entries. An engine's wave and step
-    are the snapshot's, its admitted counts None (the compact form carries neither)."""
+    are the snapshot's, its admitted counts and total None (the compact form carries
+    none of them)."""
 
     __slots__ = ("counts", "roster", "step", "time_ms", "wave")
 
@@ -205,6 +220,7 @@ class Snapshot:
                     c["t"],
                     tuple(adm) if (adm := c.get("adm")) is not None else None,
                     c.get("inc"),
+                    c.get("tot"),
                 ),
             )
             for e, c in d["engines"].items()

@@ -15,6 +15,15 @@ Several series for one engine (one per ``tp_rank``, or per ``priority`` next to
 their aggregate with ``priority=""``) describe the same queue: the largest wins,
 never their sum. KV usage is optional (``None`` when the page has neither name);
 waiting and running are required.
+
+The requests an engine finished, for its admitted total (finished + waiting +
+running: what routers reconcile with where there are no per-router counts), are
+optional too: vLLM's ``vllm:request_success_total`` (every ``finished_reason``,
+aborts included where vLLM counts them), SGLang's ``sglang:num_requests_total``;
+their series are summed over their other labels (``finished_reason``,
+``is_streaming``), rank labels and ``priority`` aside (one count, seen by each rank).
+A counter that not every engine of the page has (SGLang's without ``dp_rank`` next to
+per-rank gauges) or that is no count gives no total.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ class Flavour:
     # counters that move when the engine's loop makes progress (a step, a token): the
     # sidecar reports "no progress" while they stand still, so a hung engine stalls
     progress: tuple[str, ...] = ()
+    # the counter of requests the engine finished (None: none read)
+    finished: str | None = None
 
 
 VLLM = Flavour(
@@ -55,6 +66,7 @@ VLLM = Flavour(
         "vllm:generation_tokens_total",
         "vllm:prompt_tokens_total",
     ),
+    "vllm:request_success_total",
 )
 SGLANG = Flavour(
     "SGLang",
@@ -63,10 +75,17 @@ SGLANG = Flavour(
     ("sglang:token_usage",),
     "dp_rank",
     ("sglang:generation_tokens_total", "sglang:prompt_tokens_total"),
+    "sglang:num_requests_total",
 )
 FLAVOURS = (VLLM, SGLANG)
 _LABEL = {n: f.engine_label for f in FLAVOURS for n in (f.waiting, f.running, *f.kv, *f.progress)}
-_WANTED = set(_LABEL)
+_FINISHED = {f.finished: f.engine_label for f in FLAVOURS if f.finished}
+_WANTED = set(_LABEL) | set(_FINISHED)
+# finished requests read as a count: an admitted total stays under a report's bound
+# (10^15, barrier.snapshot.MAX_TOTAL) whatever the queue gauges add
+MAX_FINISHED = 10**14
+# labels of a finished counter's series that repeat one count (each rank, the aggregate)
+_SAME_COUNT = frozenset(("tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank", "priority"))
 
 
 @dataclass(frozen=True)
@@ -78,6 +97,12 @@ class EngineSample:
     running: int
     kv_usage: float | None
     progress: float | None = None  # sum of the flavour's progress counters (None: none)
+    finished: int | None = None  # requests it finished (None: the page does not say)
+
+    @property
+    def admitted_total(self) -> int | None:
+        """finished + waiting + running: the requests it took in (None without finished)."""
+        return None if self.finished is None else self.finished + self.waiting + self.running
 
 
 def _line_name(line: str) -> str:
@@ -98,14 +123,44 @@ def relevant_text(text: str) -> str:
 
 
 def _values(text: str) -> dict[str, dict[str, list[float]]]:
-    """name -> labels-less-key -> values, for the wanted gauges only."""
+    """name -> engine label value -> values, for the wanted series only (a finished
+    counter's: one value per set of its other labels, the largest where only rank
+    labels tell its series apart)."""
     out: dict[str, dict[str, list[float]]] = {}
+    fin: dict[str, dict[str, dict[tuple[tuple[str, str], ...], float]]] = {}
     for fam in text_string_to_metric_families(relevant_text(text)):
         for s in fam.samples:
-            if s.name not in _WANTED:
-                continue
-            label = _LABEL[s.name]
-            out.setdefault(s.name, {}).setdefault(s.labels.get(label, "0"), []).append(s.value)
+            if s.name in _FINISHED:
+                label = _FINISHED[s.name]
+                rest = tuple(
+                    sorted(
+                        (k, v) for k, v in s.labels.items() if k != label and k not in _SAME_COUNT
+                    )
+                )
+                per = fin.setdefault(s.name, {}).setdefault(s.labels.get(label, "0"), {})
+                per[rest] = max(per.get(rest, s.value), s.value)
+            elif s.name in _LABEL:
+                label = _LABEL[s.name]
+                out.setdefault(s.name, {}).setdefault(s.labels.get(label, "0"), []).append(s.value)
+    for name, by_engine in fin.items():
+        out[name] = {e: list(per.values()) for e, per in by_engine.items()}
+    return out
+
+
+def _finished(
+    fl: Flavour, vals: dict[str, dict[str, list[float]]], engines: list[str]
+) -> dict[str, int]:
+    """Each engine's finished requests, summed over its counter's series; none unless
+    every engine of the page has the counter and every value is a count."""
+    by_engine = vals.get(fl.finished or "", {})
+    if set(by_engine) != set(engines):
+        return {}
+    out = {}
+    for e, values in by_engine.items():
+        total = math.fsum(values)
+        if not all(math.isfinite(v) and v >= 0 for v in values) or total > MAX_FINISHED:
+            return {}
+        out[e] = round(total)
     return out
 
 
@@ -129,6 +184,7 @@ def parse_page(text: str) -> list[EngineSample]:
             raise PageError(f"{fl.name} page without {' and '.join(missing)}")
         kv_name = next((n for n in fl.kv if n in vals), None)
         engines = sorted(set(vals[fl.waiting]) | set(vals[fl.running]), key=_engine_order)
+        finished = _finished(fl, vals, engines)
         out = []
         for e in engines:
             if e not in vals[fl.waiting] or e not in vals[fl.running]:
@@ -146,6 +202,7 @@ def parse_page(text: str) -> list[EngineSample]:
                     _count(fl, fl.running, e, max(vals[fl.running][e])),
                     kv,
                     sum(moved) if moved else None,
+                    finished.get(e),
                 )
             )
         return out

@@ -6,6 +6,11 @@ per ``dp_rank``) and hands its counts to one :class:`CountsRelay`, which reports
 them in tick mode: a page has no step tag, so the barrier tags each report with
 the server's tick.
 
+Each report carries the engine's admitted total where the page gives its finished
+requests (vLLM's ``vllm:request_success_total``, SGLang's ``sglang:num_requests_total``;
+``metrics_page``): finished + waiting + running, which routers reconcile their routes
+with (routing/admit_total.py).
+
 Progress, not pulse: a page whose progress counters (vLLM's iteration and token
 counters, SGLang's token counters) did not move since the last scrape is
 reported as "no progress", so an engine whose loop hangs while its API server
@@ -219,7 +224,14 @@ class Sidecar:
             # progress: the page's progress counters moved (unknown without them)
             last, self._progress[eid] = self._progress.get(eid), s.progress
             progress = s.progress is None or s.progress != last
-            counts = Counts(None, s.waiting, s.running, kv_usage=s.kv_usage, progress=progress)
+            counts = Counts(
+                None,
+                s.waiting,
+                s.running,
+                kv_usage=s.kv_usage,
+                progress=progress,
+                admitted_total=s.admitted_total,
+            )
             self.sender.submit(eid, counts)
         for label, eid in target.engines.items():
             if label not in seen:

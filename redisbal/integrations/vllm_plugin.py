@@ -21,6 +21,13 @@ the first two):
   the stats' ``(current_wave, step_counter)``; only for vLLM versions that stamp
   those fields on the stats the front-end receives.
 
+Each report carries the engine's admitted total: the requests it finished
+(``IterationStats.finished_requests``, summed since the process began) + waiting +
+running, what routers reconcile their routes with where there are no per-router counts
+(routing/admit_total.py). Only with one API server: each sees only its own requests
+finish, so none of them can count an engine's. An aborted request that vLLM leaves out
+of ``finished_requests`` keeps the total one low; routers bound that drift.
+
 The engines' running cap (the scheduler's ``max_num_active_seqs`` where set, else
 ``max_num_seqs``, from the ``vllm_config`` vLLM hands the plugin) is declared once per
 engine (``redisbal.running_caps``), so routers know each engine's free slots from its
@@ -295,6 +302,9 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
         self.ids: dict[int, str] = {}
         self.warn = RateLimitedLog(log)
         self._lockstep_unstamped = False
+        # requests each engine finished, from this process's start (its admitted total);
+        # None where several API servers each see only their own requests finish
+        self.finished: dict[int, int] | None = None
         try:
             cfg = PluginConfig.from_env(os.environ if env is None else env)
             if cfg is None:
@@ -320,6 +330,7 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
             )
         # several API servers speak for the same engines: one incarnation between them
         servers = api_server_count(vllm_config)
+        self.finished = dict.fromkeys(ids, 0) if servers == 1 else None
         self.sender = shared_sender(cfg, server_incarnation() if servers > 1 else None)
         # declared once per engine (redisbal.running_caps): routers know the engines'
         # room from their first report, before any queue formed
@@ -346,10 +357,18 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
         **kwargs: Any,
     ) -> None:
         """Called on vLLM's output loop once per engine step: store the counts, no I/O."""
-        if self.sender is None or scheduler_stats is None:
+        if self.sender is None:
             return
         eid = self.ids.get(engine_idx)
         if eid is None:
+            return
+        finished = self.finished
+        if finished is not None and iteration_stats is not None:
+            # (counted from records without scheduler stats too: they finish requests)
+            done = getattr(iteration_stats, "finished_requests", None)
+            if done:
+                finished[engine_idx] += len(done)
+        if scheduler_stats is None:
             return
         s = scheduler_stats
         waiting = int(s.num_waiting_reqs) + int(getattr(s, "num_skipped_waiting_reqs", 0) or 0)
@@ -367,8 +386,10 @@ class RedisbalStatLogger(_Base):  # type: ignore[misc, valid-type]
                     "step_counter (0 with requests running): reports will not advance the "
                     "barrier; use REDISBAL_MODE=tick"
                 )
+        total = None if finished is None else finished[engine_idx] + waiting + running
         try:
-            self.sender.submit(eid, Counts(step, waiting, running, wave, kv_usage))
+            counts = Counts(step, waiting, running, wave, kv_usage, admitted_total=total)
+            self.sender.submit(eid, counts)
         except (InvalidReport, KeyError) as exc:
             self.warn.warning("bad", "redisbal plugin: not reporting engine %s: %s", eid, exc)
 

@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from redisbal.barrier.snapshot import check_total
 from redisbal.errors import InvalidReport as InvalidReport
 
 __all__ = ["MODES", "Counts", "InvalidReport"]
@@ -34,6 +35,7 @@ class _CountsFields(NamedTuple):
     kv_usage: float | None = None
     admitted: Sequence[int] | None = None  # kept as a tuple
     progress: bool = True
+    admitted_total: int | None = None
 
 
 _new_counts = _CountsFields.__new__
@@ -44,6 +46,8 @@ class Counts(_CountsFields):
     field): what a reporter hands to its sender. ``step`` and ``wave`` tag a lockstep
     report (None in tick mode: the server assigns the tick); ``admitted`` holds, per
     router client index, how many routed requests the engine has taken in;
+    ``admitted_total``, what an engine that cannot count per router can say: all the
+    requests it has taken in since its process began (finished + waiting + running);
     ``progress=False`` says the engine's loop did not move since its last report.
     Immutable (a named tuple: ``_replace`` makes a changed copy, checked again)."""
 
@@ -51,7 +55,7 @@ class Counts(_CountsFields):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Counts:
         self = _new_counts(cls, *args, **kwargs)
-        step, waiting, running, wave, kv, adm, progress = self
+        step, waiting, running, wave, kv, adm, progress, total = self
         # the usual case in one expression; the checks one by one name a bad field
         if not (
             type(waiting) is int
@@ -72,6 +76,8 @@ class Counts(_CountsFields):
                 raise InvalidReport(f"kv_usage must be a number in [0, 1], got {kv!r}")
             if not (math.isfinite(kv) and 0.0 <= kv <= 1.0):
                 raise InvalidReport(f"kv_usage must be in [0, 1], got {kv!r}")
+        if total is not None:
+            check_total(total, InvalidReport)
         if adm is not None:
             if (
                 isinstance(adm, str | bytes)
@@ -82,7 +88,9 @@ class Counts(_CountsFields):
             for i, a in enumerate(adm):
                 _count(f"admitted[{i}]", a, 10**15 - 1)
             if not isinstance(adm, tuple):
-                return _new_counts(cls, step, waiting, running, wave, kv, tuple(adm), progress)
+                return _new_counts(
+                    cls, step, waiting, running, wave, kv, tuple(adm), progress, total
+                )
         return self
 
     @classmethod
@@ -99,8 +107,9 @@ class Counts(_CountsFields):
         return cls(**counts)
 
     def argv(self, mode: str) -> list[str]:
-        """ARGV 5..10 of lua/report.lua and the progress flag, for ``mode``."""
-        step, waiting, running, wave, kv, adm, progress = self
+        """ARGV 5..10 of lua/report.lua, the admitted total when there is one (ARGV 13)
+        and the progress flag, last, for ``mode``."""
+        step, waiting, running, wave, kv, adm, progress, total = self
         if mode == "lockstep":
             if step is None:
                 raise InvalidReport("step is required in lockstep mode (or use mode='tick')")
@@ -109,7 +118,7 @@ class Counts(_CountsFields):
             raise InvalidReport("step must not be given in tick mode: the server assigns the tick")
         else:
             wave_s, step_s = "0", "tick"
-        return [
+        args = [
             wave_s,
             step_s,
             str(waiting),
@@ -118,3 +127,6 @@ class Counts(_CountsFields):
             "" if adm is None else ",".join(map(str, adm)),
             "1" if progress else "0",
         ]
+        if total is not None:
+            args.insert(6, str(total))
+        return args

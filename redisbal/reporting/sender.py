@@ -709,12 +709,28 @@ def group_calls(ops: list[Op], batch: bool) -> list[list[Op]]:
 def report_many_argv(call: list[Op]) -> list[str]:
     """ARGV of lua/report_many.lua after deployment and publish command, for a call of
     report ops: the epoch candidate ("r-" when one of the engines had state), the count
-    and each engine's nine fields."""
+    and each engine's nine fields, ten (with the admitted total, "" when unset) when one
+    of them reports a total."""
     lane = next((op.lane for op in call if op.lane.had_state), call[0].lane)
     argv = [lane.candidate(), str(len(call))]
+    totals = any(len(op.args) == TOTAL_ARGS for op in call)
     for op in call:
-        argv += [op.lane.engine_id, *op.args[:-1], op.lane.incarnation, op.args[-1]]
+        argv += _report_fields(op, totals)
     return argv
+
+
+TOTAL_ARGS = 8  # a report's args with an admitted total (Counts.argv)
+
+
+def _report_fields(op: Op, totals: bool) -> list[str]:
+    """A report's fields from the engine id on (lua/report.lua's ARGV 4..12, and 13,
+    the admitted total, when ``totals``): Counts.argv's, the incarnation before the
+    progress flag."""
+    args, lane = op.args, op.lane
+    fields = [lane.engine_id, *args[:6], lane.incarnation, args[-1]]
+    if totals:
+        fields.append(args[6] if len(args) == TOTAL_ARGS else "")
+    return fields
 
 
 def _spread(call: list[Op], out: Any) -> list[tuple[Op, Any]]:
@@ -807,5 +823,5 @@ def _argv(op: Op) -> list[str]:
     incarnation and the progress flag (lua/report.lua); a registration's, the id."""
     lane = op.lane
     if op.kind == "report":
-        return [lane.candidate(), lane.engine_id, *op.args[:-1], lane.incarnation, op.args[-1]]
+        return [lane.candidate(), *_report_fields(op, len(op.args) == TOTAL_ARGS)]
     return [lane.candidate(), lane.engine_id]

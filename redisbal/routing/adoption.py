@@ -7,7 +7,8 @@ Pending is reconciled with each snapshot, never simply wiped:
   API-server index): pending = routed - admitted[client_index] (``adopt_full``);
 - otherwise by time: routes made before the report's time (less a transit
   allowance) are taken to be in it (``RosterViews.adopt``, and ``adopt_full`` for
-  engines without admitted counts).
+  engines without admitted counts); where engines report only an admitted total,
+  ``RouterCore`` then retires the routes it shows are in (routing.admit_total).
 So a snapshot that predates recent routes loses no bookkeeping, and one that
 includes them does not count them twice.
 
@@ -104,6 +105,7 @@ def new_incarnation(e: EngineView, inc: str | None, got: int, counters: dict[str
         counters["restarts"] += 1
         e.routed_before = e.routed - got
         e.t_prev = -1
+        e.total_cut = -1e18  # (routes to the old process: held by no count of the new one)
     e.incarnation = inc
 
 

@@ -251,8 +251,15 @@ def by_report(e: EngineView, reported_ms: int, at: float, transit_s: float, weig
         ends = e.ends
         while ends and ends[0][1] <= made:
             ends.popleft()
-        e.done = sum(1 for routed, _ in ends if routed <= cut)
+        e.done = ended_held(e)
     e.aged = held_ended(e, weight)
+
+
+def ended_held(e: EngineView) -> int:
+    """Of e's routes that ended since its counts were made (``e.ends``), the ones its
+    counts hold: made by its cut, or retired by its admitted total (``total_cut``)."""
+    cut = max(e.cut, e.total_cut)
+    return sum(1 for routed, _ in e.ends if routed <= cut)
 
 
 def ended(e: EngineView, routed_at: float, now: float, transit_s: float, weight: float) -> None:
@@ -265,8 +272,9 @@ def ended(e: EngineView, routed_at: float, now: float, transit_s: float, weight:
     if routed_at > e.cut:
         try:
             e.times.remove(routed_at)
-        except ValueError:
-            pass
+        except ValueError:  # retired by the admitted total: the counts hold it
+            if routed_at <= e.total_cut and now > e.rep_at + transit_s:
+                e.done += 1
         else:
             e.pending = len(e.times)
             trim_costs(e)

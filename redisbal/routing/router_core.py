@@ -31,8 +31,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from redisbal.barrier.snapshot import Snapshot
+from redisbal.barrier.snapshot import MAX_TOTAL, Snapshot
 from redisbal.errors import InvalidArgument
+from redisbal.routing.admit_total import TotalReconciler
 from redisbal.routing.adoption import Carrying, RosterViews, Versions, adopt_full
 from redisbal.routing.cache_view import CacheView
 from redisbal.routing.estimates import (
@@ -41,6 +42,8 @@ from redisbal.routing.estimates import (
     ShareEstimate,
     SpeedEstimate,
     ended,
+    ended_held,
+    held_ended,
     trim_costs,
 )
 from redisbal.routing.exclusions import Exclusions
@@ -118,6 +121,9 @@ class RouterCore:
         # the other routers' routes on their way, as they tell them: while every other one
         # is heard from, they count instead of the share (routing.told_routes)
         self.told_routes = ToldRoutes()
+        # engines that report an admitted total and no admitted counts: each one's drift
+        # baseline (routing.admit_total), while every router's routes there are known
+        self.totals: dict[str, TotalReconciler] = {}
         self._weigh()  # share_weight, pending_weight
         self.speeds = SpeedEstimate()  # engines' completion rates (speed and age terms)
         self.caps = RunningCap()  # the engines' running cap as far as seen
@@ -201,6 +207,7 @@ class RouterCore:
         self.excl.waits.keep(self.by_id)
         self.excl.gaps.keep(self.by_id)
         self.told_routes.forget(ids)
+        self.totals = {i: t for i, t in self.totals.items() if i in self.by_id}
         self._choosable(self.clock())
 
     def _choosable(self, now: float) -> None:
@@ -279,8 +286,45 @@ class RouterCore:
             if age_on:
                 self.speeds.update_aged(self.known, snap)
         self._count_others(None, tell_policy=False)  # (reset just below)
+        if snap.roster is None:  # (the compact form carries no totals)
+            retired = self._by_totals(snap)
+            if retired:
+                self._count_others(retired, tell_policy=False)
         self.policy.reset(self)
         return True
+
+    def _by_totals(self, snap: Snapshot) -> list[EngineView]:
+        """Retire the pending routes (own and told) that the admitted totals of snap's
+        engines without admitted counts show are in: for each, at most the routes of all
+        routers on their way (``TotalReconciler``) stay counted, the oldest going
+        first. Only where every router's routes there are known: one router, or
+        routers that tell theirs (``told_routes.live``); else by time alone. Returns
+        the views that changed."""
+        count = self.client_count
+        if count > 1 and not self.told_routes.live:
+            return []
+        changed = []
+        told = self.told_routes
+        for e in self.known:
+            c = snap.engines.get(e.engine_id)
+            if c is None or c.admitted is not None or e.exact:
+                continue
+            total = c.admitted_total
+            # (a total past MAX_TOTAL, which only another client can publish: none)
+            if type(total) is not int or not 0 <= total <= MAX_TOTAL:
+                continue
+            rec = self.totals.get(e.engine_id)
+            if rec is None:
+                rec = self.totals[e.engine_id] = TotalReconciler()
+            sent, open_ = told.sent(e, count) if count > 1 else (0, 0)
+            sent += max(0, e.routed - e.routed_before)
+            keep = rec.in_transit(e.incarnation, total, sent, open_ + e.inflight)
+            if told.retire(e, keep, count):
+                # its retired routes that ended since its counts were made free their room
+                e.done = ended_held(e)
+                e.aged = held_ended(e, self.share_weight)
+                changed.append(e)
+        return changed
 
     @property
     def share(self) -> float:

@@ -118,6 +118,9 @@ class EngineView:
     rep_at: float = -1e18  # when it was made, on the router's clock
     rep_prev: float = -1e18  # when the one before it was made
     cut: float = -1e18  # routes made by then are in its counts (time-based pending)
+    # own routes made by then are in its counts as its admitted total shows (the newest
+    # one retired: routing.told_routes.retire), where that is later than ``cut``
+    total_cut: float = -1e18
     ends: deque[tuple[float, float]] = field(default_factory=deque)  # (routed, ended) since
     done: int = 0  # of those, the ones its counts hold (estimates.ended)
     costs: deque[float] = field(default_factory=deque)  # cost of each pending route, oldest first

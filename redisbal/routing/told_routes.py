@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 import orjson
 
 from redisbal.errors import MalformedData
+from redisbal.routing.estimates import trim_costs
 from redisbal.routing.state import EngineView
 
 COALESCE_S = 0.002  # routes made within this of each other are told in one message
@@ -280,6 +281,44 @@ class ToldRoutes:
         if not by_index:
             del self.times[eid]
         return float(total)
+
+    def sent(self, e: EngineView, count: int) -> tuple[int, int]:
+        """The other routers' routes to ``e``'s current process and their requests still
+        open there, as last told (the sum over the client indices below ``count``): what
+        reconciling with the engine's admitted total needs (routing.admit_total)."""
+        routes = open_ = 0
+        for i, (inc, r, o) in self.last.get(e.engine_id, {}).items():
+            if inc == e.incarnation and i < count:
+                routes += r
+                open_ += o
+        return routes, open_
+
+    def retire(self, e: EngineView, keep: int, count: int) -> bool:
+        """Leave at most ``keep`` routes counted on their way to ``e``: its own pending
+        ones (``e.times``) and the others' heard after its cut, the oldest going first
+        (an engine takes requests in the order they reach it). Returns whether any
+        went; the caller counts ``others`` again."""
+        eid = e.engine_id
+        last = self.last.get(eid, {})
+        queues = [e.times]
+        for i, times in self.times.get(eid, {}).items():
+            inc, _, open_ = last.get(i, (None, 0, 0))
+            if inc == e.incarnation and i < count:
+                while len(times) > open_:  # (past its open requests: not counted anyway)
+                    times.popleft()
+                queues.append(times)
+        over = sum(len(q) for q in queues) - max(0, keep)
+        if over <= 0:
+            return False
+        own = e.times
+        for _ in range(over):
+            q = min(filter(None, queues), key=lambda q: q[0])
+            t = q.popleft()
+            if q is own and t > e.total_cut:  # its own routes made by then are held
+                e.total_cut = t
+        e.pending = len(own)
+        trim_costs(e)
+        return True
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop what was told about engines not in ``keep`` (gone from the deployment)."""

@@ -108,9 +108,10 @@ ENGINE_SIM_OPTIONS = options(
      "unmodified engine does; a /metrics sidecar (`redisbal scrape`) reports it."),
     ("--report-as", click.Choice(REPORT_AS), "full",
      "Report as each real engine's path does: full (admitted counts per API server, the "
-     "running cap learned from queues); vllm-plugin (no admitted counts, the running cap "
-     "declared, as vLLM's plugin); vllm-metrics (neither, as the sidecar on vLLM's "
-     "/metrics); sglang (no admitted counts, the cap declared; HTTP engines serve GET "
+     "running cap learned from queues); vllm-plugin (no admitted counts but their total, "
+     "finished + waiting + running, the running cap declared, as vLLM's plugin); "
+     "vllm-metrics (no admitted counts but their total, no cap, as the sidecar on "
+     "vLLM's /metrics); sglang (the total, the cap declared; HTTP engines serve GET "
      "/v1/loads as SGLang does)."),
     ("--kv-events", None, None,
      "With --http-port and --cache-blocks: engine k publishes its prefix cache's KV "

@@ -281,11 +281,13 @@ class EngineSimRunner:
         assert rep is not None
         w, r = len(eng.waiting), len(eng.running)
         adm = eng.admitted if self.send_admitted else None
+        tot = eng.admitted_total if self.feed.total else None
         if self.mode == "lockstep":
             step = eng.step_no + 1 if before_step else eng.step_no
-            rep.report_nowait(Counts(step, w, r, eng.wave, admitted=adm), engine=eid)
+            counts = Counts(step, w, r, eng.wave, admitted=adm, admitted_total=tot)
         else:
-            rep.report_nowait(Counts(None, w, r, admitted=adm), engine=eid)
+            counts = Counts(None, w, r, admitted=adm, admitted_total=tot)
+        rep.report_nowait(counts, engine=eid)
 
     def done_msg(self, req: SimRequest) -> DoneMsg:
         """The completion of a finished request, with its decode time: from its first
@@ -392,10 +394,14 @@ class EngineSimRunner:
             )
             await rep.register()
             step = 0 if self.mode == "lockstep" else None
-            send = self.send_admitted
+            send, tot = self.send_admitted, self.feed.total
             await rep.report_many(
                 {
-                    eid: {"step": step, "admitted": e.admitted if send else None}
+                    eid: {
+                        "step": step,
+                        "admitted": e.admitted if send else None,
+                        "admitted_total": e.admitted_total if tot else None,
+                    }
                     for eid, e in self.engines.items()
                 }
             )

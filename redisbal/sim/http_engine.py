@@ -253,7 +253,9 @@ class HttpEngine:
             return
         self._reported_at = now
         adm = m.admitted if self.send_admitted else None
-        counts = Counts(None, len(m.waiting), len(m.running), 0, self.kv_usage(), adm)
+        tot = m.admitted_total if self.feed.total else None
+        w, r = len(m.waiting), len(m.running)
+        counts = Counts(None, w, r, 0, self.kv_usage(), adm, admitted_total=tot)
         self.reporter.report_nowait(counts)
 
     async def _steps(self) -> None:
@@ -391,6 +393,9 @@ class HttpEngine:
             "# HELP vllm:generation_tokens Number of generation tokens processed.",
             "# TYPE vllm:generation_tokens counter",
             f"vllm:generation_tokens_total{{{labels}}} {float(m.tokens)}",
+            "# HELP vllm:request_success Count of successfully processed requests.",
+            "# TYPE vllm:request_success counter",  # (an aborted one never finished)
+            f'vllm:request_success_total{{{labels},finished_reason="stop"}} {float(m.finished)}',
         ]
         for name, doc, value in (  # vLLM's prefix-cache counters count tokens
             ("prefix_cache_queries", "Prefix cache queries, in tokens.", m.prompt_tokens_seen),

@@ -128,6 +128,7 @@ class SimEngine:
     prompt_tokens_seen: int = 0  # prompt tokens admitted so far
     cached_tokens_seen: int = 0  # of those, found in the prefix cache
     preemptions: int = 0  # running requests sent back to the queue (KV ran out)
+    finished: int = 0  # requests that reached their output length (never an aborted one)
 
     def __post_init__(self) -> None:
         self.admitted = [0] * self.num_clients
@@ -274,7 +275,15 @@ class SimEngine:
                 still.append(req)
         self.running = still
         self.step_no += 1
+        self.finished += done
         return done
+
+    @property
+    def admitted_total(self) -> int:
+        """What vLLM's plugin can count of the requests taken in: finished + waiting +
+        running (the input queue not yet; an aborted request leaves waiting or running
+        without reaching the finished count, so the total drifts low as vLLM's does)."""
+        return self.finished + len(self.waiting) + len(self.running)
 
     def step(self, now: float, duration: float | None = None) -> float:
         """Run one whole step starting at ``now``; returns its duration (or uses

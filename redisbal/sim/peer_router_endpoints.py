@@ -141,6 +141,7 @@ def sglang_metrics(engine: HttpEngine) -> web.Response:
         ("num_queue_reqs", "gauge", len(m.waiting) + len(m.inbox)),
         ("token_usage", "gauge", m.kv_usage or 0.0),
         ("generation_tokens_total", "counter", m.tokens),
+        ("num_requests_total", "counter", m.finished),  # (an aborted one never finished)
     ):
         family = name.removesuffix("_total")
         out += [f"# TYPE sglang:{family} {kind}", f"sglang:{name}{{{labels}}} {float(value)}"]

@@ -4,13 +4,18 @@ engines give.
 
 - ``full``: running, waiting, KV usage and admitted counts per API server (exact
   pending counts; the running cap learned from queues). No real engine sends these.
-- ``vllm-plugin``: what vLLM's stat-logger plugin sends: no admitted counts, counts
-  made after each step's admission, the running cap declared (``max_num_seqs``).
+- ``vllm-plugin``: what vLLM's stat-logger plugin sends: no admitted counts but their
+  total (finished + waiting + running, aborted requests never finished), counts made
+  after each step's admission, the running cap declared (``max_num_seqs``).
 - ``vllm-metrics``: what ``redisbal scrape`` reads off vLLM's /metrics: no admitted
-  counts and no cap (unless the sidecar is given ``--max-num-seqs``).
-- ``sglang``: what ``redisbal scrape`` reads off SGLang: no admitted counts, the cap
-  from ``GET /v1/loads`` (``max_running_requests`` per ``dp_rank``), which the HTTP
-  engines then serve as SGLang does.
+  counts but their total (``request_success_total`` + waiting + running) and no cap
+  (unless the sidecar is given ``--max-num-seqs``).
+- ``sglang``: what ``redisbal scrape`` reads off SGLang: no admitted counts but their
+  total (``num_requests_total`` + waiting + running), the cap from ``GET /v1/loads``
+  (``max_running_requests`` per ``dp_rank``), which the HTTP engines then serve as
+  SGLang does.
+
+The HTTP engines' /metrics pages carry the finished counters those totals come from.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class Feed:
 
     name: str
     admitted: bool  # admitted counts per API server in every report
+    total: bool  # the admitted total (finished + waiting + running) in every report
     declares_cap: bool  # the running cap declared once (redisbal.running_caps)
     serves_loads: bool  # GET /v1/loads, as SGLang serves it
 
@@ -38,6 +44,7 @@ class Feed:
         return cls(
             name,
             admitted=name == "full",
+            total=name != "full",
             declares_cap=name in ("vllm-plugin", "sglang"),
             serves_loads=name == "sglang",
         )

@@ -16,6 +16,7 @@ import pytest
 import redis
 from support.helpers import Barrier, counts, score, wait_until
 
+from redisbal.barrier.record import parse_record
 from redisbal.barrier.snapshot import Snapshot
 from redisbal.keys import DeploymentKeys
 from redisbal.reporting.reporter import Counts, Reporter
@@ -169,6 +170,41 @@ def test_snapshot_counts_come_whole_from_one_report(bar: Barrier) -> None:
     assert (c.step, c.waiting, c.running, c.kv_usage, c.admitted) == (1, 3, 4, 0.25, (5, 6))
     c1 = snap.engines["e1"]
     assert (c1.kv_usage, c1.admitted) == (None, None)
+
+
+def test_an_admitted_total_travels_with_its_report_and_is_checked(bar: Barrier) -> None:
+    """The admitted total is in the snapshot only when sent (older reports parse as
+    None), with its own report's counts; a bad one is refused before anything is
+    written; a heartbeat re-sending it keeps its counts' time, a changed one does not."""
+    bar.register("e0", "e1")
+    bar.report("e0", 1, 3, 4, adm="5", total="12")
+    bar.report("e0", 2, 30, 40, total="99")
+    bar.report("e1", 1, 7, 8)
+    snap = bar.snapshot()
+    assert snap is not None
+    c, c1 = snap.engines["e0"], snap.engines["e1"]
+    assert (c.step, c.waiting, c.admitted, c.admitted_total) == (1, 3, (5,), 12)
+    assert c1.admitted_total is None
+    assert b'"tot"' not in bar.r.hget(bar.keys.reports, "e1")
+    before = bar.dump()
+    for bad in ("-1", "01", "1.5", "x", "1" * 16, " 1"):
+        with pytest.raises(redis.ResponseError, match="bad admitted_total"):
+            bar.report("e0", 3, 1, 1, total=bad)
+    assert bar.dump() == before
+    assert bar.report("e0", 3, 1, 1, total="9" * 15)[0] == "accepted"
+    line = parse_record(bar.r.hget(bar.keys.reports, "e0").decode()).latest
+    assert line is not None and line.counts()["tot"] == 10**15 - 1
+
+    def made(step: int, total: str) -> int:
+        time.sleep(0.01)  # (each report at a later server ms)
+        bar.report("e0", step, 1, 1, total=total, progress=False)
+        newest = parse_record(bar.r.hget(bar.keys.reports, "e0").decode()).latest
+        assert newest is not None
+        return int(newest.counts()["t"])
+
+    first = line.counts()["t"]
+    assert made(4, "9" * 15) == first  # a heartbeat: the same counts and total
+    assert made(5, "7") > first  # the total moved: counts made anew
 
 
 def test_a_heartbeat_keeps_the_time_its_counts_were_made(bar: Barrier) -> None:

@@ -64,8 +64,9 @@ def test_page_rendered_by_vllm_0_33_itself() -> None:
     """900 lines from vLLM 0.33.0's own PrometheusStatLogger (see the file's header)."""
     assert parse_page(page("vllm_0.33.0_stat_logger_generated.txt")) == [
         # the iteration and token counters are on the page (0: nothing ran yet)
-        EngineSample("0", waiting=4, running=7, kv_usage=0.375, progress=0.0),
-        EngineSample("1", waiting=0, running=12, kv_usage=0.75, progress=0.0),
+        # and request_success_total, every finished_reason at 0: a total of the queues
+        EngineSample("0", waiting=4, running=7, kv_usage=0.375, progress=0.0, finished=0),
+        EngineSample("1", waiting=0, running=12, kv_usage=0.75, progress=0.0, finished=0),
     ]
 
 
@@ -96,6 +97,53 @@ def test_older_vllm_gpu_cache_name_and_priority_aggregate() -> None:
         'sglang:num_queue_reqs{tp_rank="0",priority=""} 3.0\n'
     )
     assert parse_page(prio) == [EngineSample("0", 3, 14, None)]
+
+
+def test_finished_counters_give_each_engine_its_admitted_total() -> None:
+    """vLLM's request_success_total summed over finished_reason; SGLang's
+    num_requests_total over is_streaming, its tp_ranks one count (not summed)."""
+    vllm = (
+        'vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_waiting{engine="0"} 1\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop"} 5\n'
+        'vllm:request_success_total{engine="0",finished_reason="length"} 3\n'
+        'vllm:request_success_total{engine="0",finished_reason="abort"} 1\n'
+    )
+    [e0] = parse_page(vllm)
+    assert (e0.finished, e0.admitted_total) == (9, 12)
+    sglang = "".join(
+        f'sglang:num_queue_reqs{{dp_rank="{d}",tp_rank="{t}"}} {d}\n'
+        f'sglang:num_running_reqs{{dp_rank="{d}",tp_rank="{t}"}} 4\n'
+        f'sglang:num_requests_total{{dp_rank="{d}",tp_rank="{t}",is_streaming="true"}} {7 + d}\n'
+        f'sglang:num_requests_total{{dp_rank="{d}",tp_rank="{t}",is_streaming="false"}} 2\n'
+        for d in (0, 1)
+        for t in (0, 1)
+    )
+    assert [(e.engine, e.finished, e.admitted_total) for e in parse_page(sglang)] == [
+        ("0", 9, 13),
+        ("1", 10, 15),
+    ]
+
+
+@pytest.mark.parametrize(
+    "counter",
+    [
+        'sglang:num_requests_total{tp_rank="0"} 9\n',  # no dp_rank next to per-rank gauges
+        'sglang:num_requests_total{dp_rank="0"} 9\n',  # not for every engine
+        'sglang:num_requests_total{dp_rank="0"} 9\nsglang:num_requests_total{dp_rank="1"} NaN\n',
+        'sglang:num_requests_total{dp_rank="0"} 9\nsglang:num_requests_total{dp_rank="1"} 1e15\n',
+    ],
+)
+def test_a_finished_counter_not_for_every_engine_or_no_count_gives_no_total(
+    counter: str,
+) -> None:
+    gauges = "".join(
+        f'sglang:num_queue_reqs{{dp_rank="{d}"}} 0\nsglang:num_running_reqs{{dp_rank="{d}"}} 1\n'
+        for d in (0, 1)
+    )
+    assert [(e.running, e.admitted_total) for e in parse_page(gauges + counter)] == [
+        (1, None),
+        (1, None),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -159,6 +207,7 @@ class MetricsServer:
     def __init__(self, engines: int = 1, flavour: str = "vllm") -> None:
         self.counts = {str(e): (0, 0) for e in range(engines)}  # label -> (waiting, running)
         self.tokens: float | None = None  # vLLM's generation token counter, when served
+        self.finished: dict[str, int] | None = None  # label -> finished requests, when served
         self.flavour = flavour
         self.hang = False
         self.runner: web.AppRunner | None = None
@@ -178,9 +227,15 @@ class MetricsServer:
                 ]
                 if self.tokens is not None:
                     lines.append(f"vllm:generation_tokens_total{lab} {self.tokens}")
+                if self.finished is not None:  # split over two reasons, as vLLM's
+                    n, why = self.finished[label], 'finished_reason="'
+                    lines.append(f'vllm:request_success_total{lab[:-1]},{why}stop"}} {n - 1}.0')
+                    lines.append(f'vllm:request_success_total{lab[:-1]},{why}abort"}} 1.0')
             else:
                 lab = f'{{dp_rank="{label}",tp_rank="0"}}'
                 lines += [f"sglang:num_queue_reqs{lab} {w}", f"sglang:num_running_reqs{lab} {r}"]
+                if self.finished is not None:
+                    lines.append(f"sglang:num_requests_total{lab} {self.finished[label]}")
         body = "\n".join(lines) + "\n"
         return VLLM_PADDING + body if self.flavour == "vllm" else body
 
@@ -280,6 +335,39 @@ async def test_snapshot_follows_served_counts_of_several_engines(
         sc.sender.close()
 
 
+async def test_the_sidecar_sends_each_engines_admitted_total(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys, servers: list[MetricsServer]
+) -> None:
+    """Where the page gives finished requests (vLLM's request_success_total, SGLang's
+    num_requests_total) each report carries finished + waiting + running; a page
+    without them, none."""
+    Barrier(r, keys).configure()
+    a = await MetricsServer(engines=2).start()
+    b = await MetricsServer(engines=1, flavour="sglang").start()
+    c = await MetricsServer(engines=1).start()  # no finished counter
+    servers += [a, b, c]
+    a.finished, b.finished = {"0": 10, "1": 4}, {"0": 7}
+    a.counts, b.counts, c.counts = {"0": (3, 5), "1": (0, 8)}, {"0": (2, 1)}, {"0": (1, 1)}
+    sc, stop, task = await start_sidecar(redis_url, keys.deployment, [a.url, b.url, c.url])
+    want = {
+        f"127.0.0.1-{a.port}-0": 18,
+        f"127.0.0.1-{a.port}-1": 12,
+        f"127.0.0.1-{b.port}-0": 10,
+        f"127.0.0.1-{c.port}-0": None,
+    }
+
+    def totals() -> dict[str, int | None]:
+        snap = latest(r, keys)
+        return {} if snap is None else {e: x.admitted_total for e, x in snap.engines.items()}
+
+    try:
+        await await_until(lambda: totals() == want, timeout=5.0, what="the totals")
+    finally:
+        stop.set()
+        await task
+        sc.sender.close()
+
+
 async def test_the_cap_comes_from_sglangs_v1_loads_or_from_the_flag(
     redis_url: str, r: redis.Redis, keys: DeploymentKeys, servers: list[MetricsServer]
 ) -> None:
@@ -334,7 +422,8 @@ async def test_the_sidecar_takes_engine_sims_cap_as_sglangs(
     redis_url: str, r: redis.Redis, keys: DeploymentKeys
 ) -> None:
     """engine-sim --report-as sglang serves SGLang's /metrics and /v1/loads; a sidecar
-    on it declares the engine's cap. --report-as vllm-metrics serves neither: no cap."""
+    on it declares the engine's cap. --report-as vllm-metrics serves neither: no cap.
+    Both pages carry the finished counter: the sidecar sends their totals."""
     Barrier(r, keys).configure()
     params = EngineParams(running_cap=6)
     engines = {
@@ -352,6 +441,15 @@ async def test_the_sidecar_takes_engine_sims_cap_as_sglangs(
     try:
         await await_until(lambda: len(counts_of(latest(r, keys))) == 2)
         assert running_caps.fetch_sync(r, keys) == {"0-0": 6}  # the sglang one's dp_rank 0
+        for e in engines.values():  # one request each, finished
+            e.model.finished += 1
+        await await_until(
+            lambda: (
+                (s := latest(r, keys)) is not None
+                and [c.admitted_total for c in s.engines.values()] == [1, 1]
+            ),
+            what="the totals",
+        )
     finally:
         stop.set()
         await task

@@ -59,6 +59,23 @@ class SchedulerStats:
     perf_stats: Any = None
 
 
+class IterationStats:
+    """Stand-in with the fields of vLLM 0.32's IterationStats (not vLLM itself); the
+    plugin reads ``finished_requests``, one FinishedRequestStats per request finished."""
+
+    def __init__(self, finished: int = 0) -> None:
+        self.iteration_timestamp = time.time()
+        self.num_generation_tokens = 0
+        self.prompt_token_stats: Any = None
+        self.num_preempted_reqs = 0
+        self.finished_requests: list[Any] = [object() for _ in range(finished)]
+        self.max_num_generation_tokens_iter: list[int] = []
+        self.n_params_iter: list[int] = []
+        self.time_to_first_tokens_iter: list[float] = []
+        self.inter_token_latencies_iter: list[float] = []
+        self.num_corrupted_reqs = 0
+
+
 @pytest.fixture(autouse=True)
 def _fresh_senders() -> Iterator[None]:
     yield
@@ -158,6 +175,46 @@ def test_each_step_reaches_the_snapshot_for_every_engine(
     wait_until(lambda: counts(r, keys).get("dp0") == (29 % 3, 29))
     p.record(None, None, engine_idx=0)  # iteration-only records carry no counts
     p.record(SchedulerStats(num_running_reqs=9), None, engine_idx=7)  # not ours: ignored
+
+
+def test_each_report_carries_the_engines_admitted_total(
+    redis_url: str, r: redis.Redis, keys: DeploymentKeys
+) -> None:
+    """finished (IterationStats.finished_requests summed, records without scheduler
+    stats included) + waiting + running, per engine; none with several API servers,
+    each of which sees only its own requests finish."""
+    Barrier(r, keys).configure()
+    p = RedisbalStatLogger(
+        None, [0, 1], env=env(redis_url, keys.deployment, REDISBAL_ENGINE_ID="dp{engine}")
+    )
+    p.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=1), IterationStats(), None, 0)
+    p.record(SchedulerStats(num_running_reqs=1), IterationStats(2), None, engine_idx=1)
+    p.record(None, IterationStats(4), None, engine_idx=0)  # finished, no scheduler stats
+
+    def totals() -> dict[str, int | None]:
+        snap = latest(r, keys)
+        return {} if snap is None else {e: c.admitted_total for e, c in snap.engines.items()}
+
+    wait_until(lambda: totals() == {"dp0": 4, "dp1": 3}, what="the first totals")
+    p.record(
+        SchedulerStats(num_running_reqs=1, num_skipped_waiting_reqs=2), IterationStats(1), None, 0
+    )
+    wait_until(lambda: totals() == {"dp0": 5 + 2 + 1, "dp1": 3}, what="the finished summed")
+    vllm_plugin.close_all()
+
+    class Parallel:
+        _api_process_count = 2
+
+    class Config:
+        parallel_config = Parallel()
+
+    q = RedisbalStatLogger(Config(), [0], env=env(redis_url, keys.deployment + ".two"))
+    assert q.finished is None  # several API servers: no total
+    q.record(SchedulerStats(num_running_reqs=1), IterationStats(5), None, engine_idx=0)
+    k2 = DeploymentKeys(keys.deployment + ".two")
+    wait_until(lambda: counts(r, k2) == {q.ids[0]: (0, 1)}, what="the step's counts")
+    snap = latest(r, k2)
+    assert snap is not None and [c.admitted_total for c in snap.engines.values()] == [None]
 
 
 def test_record_never_waits_on_redis(caplog: pytest.LogCaptureFixture) -> None:

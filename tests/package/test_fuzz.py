@@ -140,6 +140,12 @@ bad_admitted = st.one_of(
     st.sampled_from(["1,,2", ",1", "1,", "01", "1,007", "-1", "1;2", "[1]"]),
 ).filter(lambda s: not is_admitted(s))
 
+bad_total = st.one_of(
+    weird_text,
+    st.integers(-(10**20), 10**20).map(str),
+    st.sampled_from(["01", "-0", "1" * 16, " 1", "1e3", "+1"]),
+).filter(lambda s: s != "" and not re.fullmatch(r"0|[1-9][0-9]{0,14}", s))
+
 bad_pubcmd = weird_text.filter(lambda s: s not in ("PUBLISH", "SPUBLISH"))
 
 
@@ -230,13 +236,14 @@ def valid_argv(t: Target, name: str) -> list[str]:
     """A well-formed ARGV for each script (never executed as is: one field gets broken)."""
     d = t.keys.deployment
     return {
-        "report": [d, "PUBLISH", "ep1", "e0", "0", "3", "1", "2", "0.25", "5,6", INC, "1"],
-        # three reports; the fuzz breaks a field of the second (e1): nothing is stored
+        "report": [d, "PUBLISH", "ep1", "e0", "0", "3", "1", "2", "0.25", "5,6", INC, "1", "17"],
+        # three reports with admitted totals ("": none); the fuzz breaks a field of the
+        # second (e1): nothing is stored
         "report_many": [
             *(d, "PUBLISH", "ep1", "3"),
-            *("e0", "0", "3", "1", "2", "0.25", "5,6", INC, "1"),
-            *("e1", "0", "3", "7", "8", "", "", "-", "0"),
-            *("e5", "0", "tick", "0", "0", "1", "", INC, "1"),
+            *("e0", "0", "3", "1", "2", "0.25", "5,6", INC, "1", ""),
+            *("e1", "0", "3", "7", "8", "", "", "-", "0", "9"),
+            *("e5", "0", "tick", "0", "0", "1", "", INC, "1", "0"),
         ],
         "leave": [d, "PUBLISH", "e0", INC],
         "register": [d, "PUBLISH", "ep1", "e7"],
@@ -269,20 +276,22 @@ BAD_FIELDS: dict[str, dict[int, st.SearchStrategy[str]]] = {
         9: bad_admitted,
         10: bad_incarnation,
         11: weird_text.filter(lambda s: s not in ("0", "1")),
+        12: bad_total,
     },
     "report_many": {
         0: bad_name,
         1: bad_pubcmd,
         3: bad_int(3, 3),
-        13: st.one_of(bad_name, st.sampled_from(["e0", "e5"])),  # e0, e5: given twice
-        14: bad_int(0, MAX_WAVE),
-        15: bad_int(0, MAX_STEP).filter(lambda s: s != "tick"),
-        16: bad_int(0, MAX_COUNT),
+        14: st.one_of(bad_name, st.sampled_from(["e0", "e5"])),  # e0, e5: given twice
+        15: bad_int(0, MAX_WAVE),
+        16: bad_int(0, MAX_STEP).filter(lambda s: s != "tick"),
         17: bad_int(0, MAX_COUNT),
-        18: bad_kv,
-        19: bad_admitted,
-        20: bad_incarnation,
-        21: weird_text.filter(lambda s: s not in ("0", "1")),
+        18: bad_int(0, MAX_COUNT),
+        19: bad_kv,
+        20: bad_admitted,
+        21: bad_incarnation,
+        22: weird_text.filter(lambda s: s not in ("0", "1")),
+        23: bad_total,
     },
     "leave": {0: bad_name, 1: bad_pubcmd, 2: bad_name, 3: bad_incarnation},
     "register": {0: bad_name, 1: bad_pubcmd, 3: bad_name},
@@ -383,7 +392,7 @@ def test_scripts_refuse_wrong_keys(target: Target, name: str, data: st.DataObjec
 
 MIN_ARGS = {
     "report": 10,
-    "report_many": 31,  # (a shorter ARGV does not match its count)
+    "report_many": 31,  # (a shorter ARGV does not match its count: 31 or 34 for 3)
     "leave": 3,
     "register": 3,
     "reap": 3,
@@ -395,8 +404,8 @@ MIN_ARGS = {
     "recovered": 4,
 }
 MAX_ARGS = {
-    "report": 12,
-    "report_many": 31,
+    "report": 13,
+    "report_many": 34,
     "leave": 4,
     "reap": 4,
     "force": 4,

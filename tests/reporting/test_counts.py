@@ -18,6 +18,10 @@ def test_counts_are_checked_when_made_and_name_the_field() -> None:
         ({"kv_usage": float("nan")}, "kv_usage"),
         ({"admitted": "12"}, "admitted"),
         ({"admitted": [1, -2]}, r"admitted\[1\]"),
+        ({"admitted_total": -1}, "admitted_total must be in"),
+        ({"admitted_total": 10**15}, "admitted_total must be in"),
+        ({"admitted_total": 2.0}, "admitted_total must be a whole number"),
+        ({"admitted_total": True}, "admitted_total must be a whole number"),
     ):
         with pytest.raises(InvalidReport, match=field):
             Counts(**kwargs)  # type: ignore[arg-type]
@@ -37,6 +41,8 @@ def test_argv_is_what_lua_report_takes_in_each_mode() -> None:
     c = Counts(7, 1, 2, wave=3, kv_usage=0.5, admitted=[0, 4], progress=False)
     assert c.argv("lockstep") == ["3", "7", "1", "2", "0.5000", "0,4", "0"]
     assert Counts(None, 1, 2).argv("tick") == ["0", "tick", "1", "2", "", "", "1"]
+    # the admitted total, when there is one, before the progress flag (kept last)
+    assert Counts(None, admitted_total=9).argv("tick")[-2:] == ["9", "1"]
     with pytest.raises(InvalidReport, match="step is required"):
         Counts(None).argv("lockstep")
     with pytest.raises(InvalidReport, match="tick mode"):

@@ -190,7 +190,7 @@ def test_report_many_refuses_a_count_that_does_not_match(pair: tuple[Barrier, Ba
     _, bar = pair
     args = entry("e0", 1, "-") + entry("e1", 1, "-")
     for count, msg in (
-        ("3", "bad arguments: expected 31 for 3 reports, got 22"),
+        ("3", "bad arguments: expected 31 or 34 for 3 reports, got 22"),
         ("0", "bad report count: 0 (1..1024)"),
     ):
         with pytest.raises(redis.ResponseError, match=re.escape(msg)):
@@ -235,6 +235,61 @@ def test_batch_reporter_reports_every_engine_in_one_call(
         rep.close()
     assert bar.members() == {}, "closing leaves"
     assert text(r.hget(bar.keys.meta, "left")) == "4"
+
+
+def test_admitted_totals_travel_in_batches_and_alone(
+    redis_url: str, r: redis.Redis, deployment: str
+) -> None:
+    """A batch where some engines send an admitted total and others none (ten fields
+    each, "" for none), and a report alone with one: each engine's total is in the
+    snapshot, or None; the same reports one by one leave the same state."""
+    bar = Barrier(r, DeploymentKeys(deployment))
+    bar.configure()
+    rep = Reporter(redis_url, deployment, ENGINES, heartbeat=False, register=True)
+    try:
+        totals = {"e0": 7, "e2": 0}
+        out = rep.report_many(
+            {e: Counts(1, i, 1, admitted_total=totals.get(e)) for i, e in enumerate(ENGINES)},
+            wait=True,
+        )
+        assert {o.status for o in out.values()} == {"accepted"}
+        snap = bar.snapshot()
+        assert snap is not None and snap.cut == (0, 1)
+        assert {e: c.admitted_total for e, c in snap.engines.items()} == {
+            "e0": 7,
+            "e1": None,
+            "e2": 0,
+            "e3": None,
+        }
+        assert rep.report(Counts(2, admitted_total=12), engine="e1", wait=True).accepted
+        for e in ("e0", "e2", "e3"):
+            assert rep.report(Counts(2), engine=e, wait=True).accepted
+        snap = bar.snapshot()
+        assert snap is not None and snap.cut == (0, 2)
+        assert {e: c.admitted_total for e, c in snap.engines.items()} == {
+            "e0": None,
+            "e1": 12,
+            "e2": None,
+            "e3": None,
+        }
+    finally:
+        rep.close()
+
+
+def test_a_batch_with_totals_leaves_the_state_one_by_one_reports_leave(
+    r: redis.Redis, pair: tuple[Barrier, Barrier]
+) -> None:
+    one, many = pair
+    inc = new_incarnation()
+    batch = [[*entry(e, 1, inc), str(i) if i % 2 else ""] for i, e in enumerate(ENGINES)]
+    want, got = one_by_one(one, batch), report_many(many, batch)
+    assert [(s, st) for s, _, _, st in got] == [(s, st) for s, _, _, st in want]
+    assert masked(r, many.keys) == masked(r, one.keys)
+    snap = many.snapshot()
+    assert snap is not None
+    assert [snap.engines[e].admitted_total for e in ENGINES] == [None, 1, None, 3]
+    with pytest.raises(redis.ResponseError, match=r"engine e1\): bad admitted_total: 01"):
+        report_many(many, [[*entry("e0", 2, inc), ""], [*entry("e1", 2, inc), "01"]])
 
 
 def test_batch_reporter_checks_its_engine_ids(redis_url: str) -> None:

@@ -40,6 +40,7 @@ BAD_REPORTS: list[tuple[str, dict[str, Any]]] = [
         ("admitted", {"admitted": v})
         for v in ([-1], [1.5], "1,2", b"12", [True], [0] * 4097, [10**15], [None], 5)
     ],
+    *[("admitted_total", {"admitted_total": v}) for v in (-1, 1.5, True, 10**15, "3", [1])],
 ]
 
 

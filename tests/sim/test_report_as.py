@@ -21,7 +21,7 @@ from redisbal.keys import DeploymentKeys
 from redisbal.ops.cli import cli
 from redisbal.sim.engine_sim import EngineSimRunner
 from redisbal.sim.http_engine import HttpEngine
-from redisbal.sim.model import EngineParams
+from redisbal.sim.model import EngineParams, SimRequest
 from redisbal.sim.report_as import REPORT_AS, Feed
 
 PARAMS = EngineParams(running_cap=3, base_step_s=0.005, per_seq_s=0.0, prefill_s=0.0)
@@ -32,6 +32,7 @@ EXPECTED = {
     "vllm-metrics": (False, False, False),
     "sglang": (False, True, True),
 }
+TOTAL = {"vllm-plugin", "vllm-metrics", "sglang"}  # the forms that send an admitted total
 
 
 def snapshot(r: redis.Redis, keys: DeploymentKeys) -> Snapshot | None:
@@ -63,9 +64,12 @@ async def test_an_http_engine_reports_and_serves_as_its_form(
         await await_until(lambda: served() is not None, 5.0, "the engine idle again")
         if admitted:
             await await_until(lambda: (s := served()) and s.engines["e0"].admitted == (1,), 5.0)
+        if form in TOTAL:  # the one request, finished
+            await await_until(lambda: (s := served()) and s.engines["e0"].admitted_total == 1, 5.0)
         snap = served()
         assert snap is not None
         assert (snap.engines["e0"].admitted is not None) == admitted
+        assert (snap.engines["e0"].admitted_total is not None) == (form in TOTAL)
         assert running_caps.fetch_sync(r, keys) == ({"e0": 3} if declares else {})
         async with aiohttp.ClientSession() as s:
             async with s.get(f"{e.url}/v1/loads") as resp:
@@ -102,11 +106,37 @@ async def test_the_list_transport_engines_report_as_their_form(
         snap = both()
         assert snap is not None
         assert all((c.admitted is not None) == admitted for c in snap.engines.values())
+        assert all((c.admitted_total is not None) == (form in TOTAL) for c in snap.engines.values())
         assert running_caps.fetch_sync(r, keys) == ({"e0": 3, "e1": 3} if declares else {})
         assert runner.report_before_step == admitted  # the plugin reports after admission
     finally:
         runner.stop()
         await task
+
+
+def test_an_aborted_request_never_counts_as_finished_in_the_total() -> None:
+    """As vLLM's: finished + waiting + running, an aborted request leaving waiting or
+    running without reaching the finished count (the total drifts low by one)."""
+    e = HttpEngine(
+        "e0", redis_url="redis://localhost:1", deployment="d", port=0, params=PARAMS,
+        report_as="vllm-plugin",
+    )  # fmt: skip
+    m = e.model
+    reqs = [SimRequest(i, 0, 2, 0.0) for i in range(4)]
+    for req in reqs:
+        m.arrive(req, 0.0)
+    assert m.admitted_total == 0  # still in the input queue: not taken in yet
+    m.begin_step(0.0)
+    assert (len(m.running), len(m.waiting), m.admitted_total) == (3, 1, 4)
+    e._abort(reqs[0])  # running
+    e._abort(reqs[3])  # waiting
+    assert m.admitted_total == 2
+    t = 0.0
+    while m.busy():
+        t += 0.01
+        m.end_step(t)
+        m.begin_step(t)
+    assert (m.finished, e.aborted, m.admitted_total) == (2, 2, 2)
 
 
 def test_an_unknown_form_is_a_one_line_error() -> None:

@@ -287,12 +287,16 @@ class Barrier:
         adm: str = "",
         inc: str | None = None,
         progress: bool = True,
+        total: str | None = None,
     ) -> tuple[str, int, int, int]:
         """One report; ``inc`` names the reporting process's incarnation (None: the
-        report carries no lifecycle arguments, as older clients send it)."""
+        report carries no lifecycle arguments, as older clients send it); ``total``
+        the admitted total (None: the argument is left out)."""
         args: list[str | int] = [self.epoch, engine, wave, step, waiting, running, kv, adm]
-        if inc is not None or not progress:
+        if inc is not None or not progress or total is not None:
             args += [inc or "-", "1" if progress else "0"]
+        if total is not None:
+            args.append(total)
         return report_reply(self.scripts.call("report", *args))
 
     def register(self, *engines: str) -> int:
@@ -455,10 +459,12 @@ def make_snapshot(
     gone: dict[str, str] | None = None,
     step: int = 1,
     incarnation: dict[str, str] | None = None,
+    total: dict[str, int] | None = None,
     **fields: Any,
 ) -> Snapshot:
     """A Snapshot built the way the Lua barrier builds one (through its JSON form);
-    ``fields`` set top-level fields (forced, laggards, stalled, suspect, ...)."""
+    ``total``: engines' admitted totals; ``fields`` set top-level fields (forced,
+    laggards, stalled, suspect, ...)."""
     frags: dict[str, Any] = {}
     for e, c in engines.items():
         if isinstance(c, EngineCounts):
@@ -472,6 +478,8 @@ def make_snapshot(
             }
             if c.admitted is not None:
                 frag["adm"] = list(c.admitted)
+            if c.admitted_total is not None:
+                frag["tot"] = c.admitted_total
         else:
             w, r = c
             frag = {
@@ -484,6 +492,8 @@ def make_snapshot(
             }
             if admitted and e in admitted:
                 frag["adm"] = list(admitted[e])
+            if total and e in total:
+                frag["tot"] = total[e]
         if incarnation and e in incarnation:
             frag["inc"] = incarnation[e]
         frags[e] = frag

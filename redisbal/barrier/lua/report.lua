@@ -20,6 +20,9 @@
            (the default; includes/incarnation.lua)
   ARGV[12] optional: progress: "1" (the default) when the engine's loop made this
            report, "0" for a heartbeat re-sending unchanged counts (progress, not pulse)
+  ARGV[13] optional: admitted_total: the engine's cumulative count of requests
+           taken in (finished + waiting + running, 0..10^15-1), or "" (the
+           default) when not reported
 
   Returns {status, version, wave, step[, incarnation]}:
     status   "accepted"; "stale": older than this engine's latest report
@@ -38,11 +41,11 @@
 --- @include "time"
 --- @include "reports"
 
-local d, err = open_deployment(KEYS, ARGV, 10, 12)
+local d, err = open_deployment(KEYS, ARGV, 10, 13)
 if not d then return fail(err) end
 local e
 e, err = check_report(ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10],
-  ARGV[11] or '-', ARGV[12] or '1')
+  ARGV[11] or '-', ARGV[12] or '1', ARGV[13] or '')
 if not e then return fail(err) end
 local now, now_text = now_ms()
 local pass

@@ -17,10 +17,12 @@
   ARGV[2]  "PUBLISH" or "SPUBLISH" (a cluster deployment)
   ARGV[3]  epoch candidate (as report.lua)
   ARGV[4]  n: how many reports follow (1..MAX_REPORTS)
-  then n groups of nine, report i at ARGV[5 + 9 * (i - 1)] ...:
+  then n groups of nine or ten (every group the same), report i at
+  ARGV[5 + k * (i - 1)] ...:
     engine id, wave, step (or "tick"), waiting, running, kv_usage (or ""),
-    admitted (or ""), incarnation (or "-"), progress ("1" or "0")
-  (report.lua's ARGV[4..12], with the incarnation and progress required).
+    admitted (or ""), incarnation (or "-"), progress ("1" or "0"), and in a
+    group of ten admitted_total (or "")
+  (report.lua's ARGV[4..13], with the incarnation and progress required).
   Each engine id at most once per call.
 
   Returns one reply per report, in order, each as report.lua's:
@@ -37,7 +39,7 @@
 --- @include "reports"
 
 local MAX_REPORTS = 1024
-local FIELDS_PER_REPORT = 9
+local FIELDS_PER_REPORT = 10 -- or 9: without admitted_total
 
 local d, err = open_deployment(KEYS, ARGV, 13)
 if not d then return fail(err) end
@@ -45,9 +47,11 @@ local n = tonumber(string.match(ARGV[4], '^[1-9]%d?%d?%d?$'))
 if not n or n > MAX_REPORTS then
   return fail('bad report count: ' .. ARGV[4] .. ' (1..' .. MAX_REPORTS .. ')')
 end
-if #ARGV ~= 4 + FIELDS_PER_REPORT * n then
-  return fail('bad arguments: expected ' .. (4 + FIELDS_PER_REPORT * n) .. ' for ' .. n ..
-    ' reports, got ' .. #ARGV)
+local k = FIELDS_PER_REPORT
+if #ARGV == 4 + (k - 1) * n then k = k - 1 end
+if #ARGV ~= 4 + k * n then
+  return fail('bad arguments: expected ' .. (4 + (k - 1) * n) .. ' or ' .. (4 + k * n) ..
+    ' for ' .. n .. ' reports, got ' .. #ARGV)
 end
 
 -- where report i of n is, for a refusal (made only then)
@@ -57,13 +61,13 @@ end
 
 local reports, engines, seen = {}, {}, {}
 for i = 1, n do
-  local a = 4 + FIELDS_PER_REPORT * (i - 1)
+  local a = 4 + k * (i - 1)
   local engine = ARGV[a + 1]
   if not name_arg(engine) then return fail(where(i) .. ': bad engine_id: ' .. engine) end
   if seen[engine] then return fail(where(i, engine) .. ': bad engine_id: given twice') end
   seen[engine] = true
   local e, bad = check_report(engine, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5],
-    ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9])
+    ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9], k == 10 and ARGV[a + 10] or '')
   if not e then return fail(where(i, engine) .. ': ' .. bad) end
   reports[i], engines[i] = e, engine
 end

@@ -11,6 +11,7 @@
 
 local MAX_COUNT = 1000000000 -- bound of waiting and running
 local MAX_ADMITTED_LEN = 65536
+local MAX_TOTAL_LEN = 15 -- admitted_total below 10^15 (routing/admit_total.py MAX_TOTAL)
 local NAME_PATTERN = '^%w[%w_.%-]*$' -- the Python side's keys.NAME_RE
 
 -- The error reply of every refusal: "redisbal: <message>".
@@ -94,5 +95,14 @@ local function admitted_arg(s)
     if string.find(s, '^%d', zero + 2) then return nil end
     zero = string.find(s, ',0', zero + 2, true)
   end
+  return s
+end
+
+-- admitted_total: "" (not reported) or the engine's cumulative count of requests
+-- taken in (finished + waiting + running), "0" or digits without a leading zero,
+-- below 10^15. Returns the text or nil.
+local function admitted_total_arg(s)
+  if s == '' then return s end
+  if #s > MAX_TOTAL_LEN or not is_canonical_int(s) then return nil end
   return s
 end

@@ -23,10 +23,11 @@
   <score> is the report's tag in the deployment's order (includes/score.lua,
   plus the offset), <report ms> the server time it arrived, <json> what a
   snapshot shows for the engine:
-    {"wave":W,"step":S,"waiting":N,"running":N,"kv":X,"t":MS,"adm":[N,...],"inc":"I"}
+    {"wave":W,"step":S,"waiting":N,"running":N,"kv":X,"t":MS,"adm":[N,...],"tot":N,"inc":"I"}
   (W and S are the engine's own; kv is a number in [0, 1] or null; t is when
   the counts were made, counted_ms; "adm", the admitted counts per API server,
-  only when the engine sent them; "inc" only when the report named its
+  only when the engine sent them; "tot", its admitted total (finished + waiting +
+  running), only when the engine sent one; "inc" only when the report named its
   incarnation).
 
   Kept: every report newer than the published score and the newest one at or
@@ -178,11 +179,12 @@ end
 -- format_head writes it, the report's line, then the older lines (text, ""
 -- if none). The line: its score, the arrival ms, then the JSON snapshots show:
 -- wave and step as includes/args.lua int_arg returns them, waiting, running,
--- kv and admitted as the other checks return them ("" admitted is left out),
+-- kv, admitted and the admitted total as the other checks return them (""
+-- admitted or total is left out),
 -- t, the ms the counts were made (counted_ms), and the incarnation ("-" is
 -- left out).
 local function format_report(flag, due, inc, offset, progress, suspect, score, ms, t, wave,
-    step, waiting, running, kv, admitted, older)
+    step, waiting, running, kv, admitted, total, older)
   local sp, head_inc, head_offset, head_progress, head_suspect = ' ', inc, offset, progress,
     suspect
   if short_head(inc, offset, progress, suspect) then
@@ -190,13 +192,15 @@ local function format_report(flag, due, inc, offset, progress, suspect, score, m
   end
   local adm_open, adm_close = ',"adm":[', ']'
   if admitted == '' then adm_open, adm_close = '', '' end
+  local tot_open = ',"tot":'
+  if total == '' then tot_open = '' end
   local inc_open, json_inc, inc_close = ',"inc":"', inc, '"'
   if inc == '-' then inc_open, json_inc, inc_close = '', '', '' end
   local older_sep = older == '' and '' or '\n'
   return flag .. due .. sp .. head_inc .. sp .. head_offset .. sp .. head_progress .. sp ..
     head_suspect .. '\n' .. score .. '\t' .. ms .. '\t{"wave":' .. wave .. ',"step":' .. step ..
     ',"waiting":' .. waiting .. ',"running":' .. running .. ',"kv":' .. kv .. ',"t":' .. t ..
-    adm_open .. admitted .. adm_close .. inc_open .. json_inc .. inc_close .. '}' .. older_sep ..
+    adm_open .. admitted .. adm_close .. tot_open .. total .. inc_open .. json_inc .. inc_close .. '}' .. older_sep ..
     older
 end
 
@@ -223,5 +227,6 @@ local function counted_ms(rec, e, now_text)
   local waiting, running, kv, t = json_counts(json)
   if waiting ~= e.waiting or running ~= e.running or kv ~= e.kv then return now_text end
   if (string.match(json, ',"adm":%[([^%]]*)%]') or '') ~= e.admitted then return now_text end
+  if (string.match(json, ',"tot":(%d+)') or '') ~= e.total then return now_text end
   return t
 end

@@ -51,11 +51,12 @@
 local STEADY_PATH = true
 
 -- One report's arguments, checked (texts, as ARGV gives them; inc and progress
--- already defaulted). Returns the report {engine, tick, wave, step, wave_text,
--- step_text, waiting, running, kv, admitted, inc, progress}, or nil and the
+-- and total already defaulted). Returns the report {engine, tick, wave, step,
+-- wave_text, step_text, waiting, running, kv, admitted, inc, progress, total}, or nil and the
 -- message "bad <field>: ...". (The table is made once, whole: a table grown
 -- field by field is rehashed as it grows.)
-local function check_report(engine, wave, step, waiting, running, kv, admitted, inc, progress)
+local function check_report(engine, wave, step, waiting, running, kv, admitted, inc, progress,
+    total)
   local kv_json = kv_arg(kv)
   if not kv_json then return nil, 'bad kv_usage: ' .. kv end
   local waiting_text = count_arg(waiting)
@@ -64,6 +65,8 @@ local function check_report(engine, wave, step, waiting, running, kv, admitted, 
   if not running_text then return nil, 'bad running: ' .. running end
   local admitted_text = admitted_arg(admitted)
   if not admitted_text then return nil, 'bad admitted: expected comma-separated counts' end
+  local total_text = admitted_total_arg(total)
+  if not total_text then return nil, 'bad admitted_total: ' .. total end
   if not incarnation_arg(inc) then return nil, 'bad incarnation: ' .. inc end
   if progress ~= '1' and progress ~= '0' then return nil, 'bad progress: ' .. progress end
   local tick = step == 'tick'
@@ -78,7 +81,7 @@ local function check_report(engine, wave, step, waiting, running, kv, admitted, 
   return {
     engine = engine, tick = tick, wave = wave_n, step = step_n, wave_text = wave_text,
     step_text = step_text, waiting = waiting_text, running = running_text, kv = kv_json,
-    admitted = admitted_text, inc = inc, progress = progress,
+    admitted = admitted_text, inc = inc, progress = progress, total = total_text,
   }
 end
 
@@ -189,7 +192,7 @@ local function apply_steady(p, e, text, raw, wave, step, wave_text, step_text)
   due = heartbeat_due(p, engine, due)
   local score_text = score == raw and wave == 0 and step_text or int_text(score)
   push2(p.fields, engine, format_report('b', due, inc, offset, p.now_text, '0', score_text,
-    p.now_text, p.now_text, wave_text, step_text, e.waiting, e.running, e.kv, e.admitted, line))
+    p.now_text, p.now_text, wave_text, step_text, e.waiting, e.running, e.kv, e.admitted, e.total, line))
   p.publish_due = true
   if not p.since then p.since, p.since_set = true, true end
   return {'accepted', 0, wave, step}
@@ -295,7 +298,7 @@ local function apply_report(p, i, e)
   local score_text = score == raw and wave == 0 and step_text or int_text(score)
   push2(p.fields, engine, format_report(flag, due, inc, offset, last_progress, suspect,
     score_text, now_text, counted_ms(rec, e, now_text), wave_text, step_text, e.waiting,
-    e.running, e.kv, e.admitted, older))
+    e.running, e.kv, e.admitted, e.total, older))
   if flag == 'b' and score > pub then
     p.publish_due = true
     if not p.since then p.since, p.since_set = true, true end
