@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from redisbal.barrier.snapshot import MAX_TOTAL, Snapshot
+from redisbal.barrier.snapshot import Snapshot
 from redisbal.errors import InvalidArgument
 from redisbal.routing.admit_total import TotalReconciler
 from redisbal.routing.adoption import Carrying, RosterViews, Versions, adopt_full
@@ -309,16 +309,17 @@ class RouterCore:
             c = snap.engines.get(e.engine_id)
             if c is None or c.admitted is not None or e.exact:
                 continue
-            total = c.admitted_total
-            # (a total past MAX_TOTAL, which only another client can publish: none)
-            if type(total) is not int or not 0 <= total <= MAX_TOTAL:
+            if c.admitted_total is None:
                 continue
             rec = self.totals.get(e.engine_id)
             if rec is None:
                 rec = self.totals[e.engine_id] = TotalReconciler()
             sent, open_ = told.sent(e, count) if count > 1 else (0, 0)
             sent += max(0, e.routed - e.routed_before)
-            keep = rec.in_transit(e.incarnation, total, sent, open_ + e.inflight)
+            try:
+                keep = rec.in_transit(e.incarnation, c.admitted_total, sent, open_ + e.inflight)
+            except InvalidArgument:  # a bad total, which only another client can publish
+                continue
             if told.retire(e, keep, count):
                 # its retired routes that ended since its counts were made free their room
                 e.done = ended_held(e)
