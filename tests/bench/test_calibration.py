@@ -23,6 +23,7 @@ from redisbal.bench.calibration import (
     slow_engines,
 )
 from redisbal.bench.quality import simulate
+from redisbal.routing.router_core import RouterCore
 from redisbal.sim.report_as import LOAD_ONLY, REPORT_AS
 from redisbal.sim.workload import TraceError, parse_trace
 
@@ -202,6 +203,29 @@ def test_a_run_is_simulated_with_what_its_engines_fed_the_routers() -> None:
     for bad in ("--report-as load-only", "--report-as vllm", "--base-step-ms 36 --report-as"):
         with pytest.raises(CalibrationError, match="report-as"):
             feed_from_args({"engine_args": bad})
+
+
+def test_a_run_with_a_declared_cap_is_simulated_with_its_running_cap_declared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--report-as vllm-plugin with --running-cap 5: every router is told each engine's
+    cap of 5 (RouterCore.set_declared_caps, as the gateways read it); vllm-metrics
+    declares none."""
+    told: list[dict[str, int]] = []
+    real = RouterCore.set_declared_caps
+
+    def record(self: RouterCore, caps: dict[str, int]) -> None:
+        told.append(dict(caps))
+        real(self, caps)
+
+    monkeypatch.setattr(RouterCore, "set_declared_caps", record)
+    f = _trace(tmp_path / "t.jsonl", [{"t": 0.01 * k, "prompt_tokens": 20, "output_tokens": 5}
+                                      for k in range(20)])  # fmt: skip
+    for form, caps in (("vllm-plugin", [{"e0000": 5, "e0001": 5}] * 2), ("vllm-metrics", [])):
+        told.clear()
+        run = RUN | {"running_cap": 5, "engine_args": f"--base-step-ms 36 --report-as {form}"}
+        assert simulate_run(run, "redisbal", 1, f, Calibration())["requests"] == 20
+        assert told == caps  # (one router per gateway)
 
 
 def test_sim_vs_real_simulates_each_run_with_its_feed_or_the_one_given(tmp_path: Path) -> None:
