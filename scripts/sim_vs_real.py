@@ -11,6 +11,11 @@ and the two rankings of the policies by mean TTFT p99, compared pair by pair.
 set beside the rest without a real-time run: the oracle (join-the-shortest-queue on
 exact global state) shows how much better any router could do there.
 
+Each run is simulated with what its engines fed the routers (``--report-as`` in its
+engine arguments; ``--no-admitted`` in older runs is ``load-only``:
+redisbal.bench.calibration.feed_from_args); ``--report-as FORM`` simulates every run
+with FORM instead, to see what another feed would change.
+
 A pair of policies is "settled" when every real-time seed orders it the same way;
 the simulator must order every settled pair as real time does. The calibration
 knobs (``--tick-ms``, ``--delivery-ms``, ``--jitter-ms``, ``--transit-ms``,
@@ -32,10 +37,12 @@ import orjson
 from redisbal.bench.calibration import (
     Calibration,
     CalibrationError,
+    feed_from_args,
     pair_verdicts,
     ranking,
     simulate_run,
 )
+from redisbal.sim.report_as import FEEDS
 
 
 def main() -> None:
@@ -56,6 +63,12 @@ def main() -> None:
     ap.add_argument("--vllm-transport", action="store_true", help="vLLM's own publish loop")
     ap.add_argument(
         "--reference", default="", help="also simulate these policies (e.g. oracle), no real run"
+    )
+    ap.add_argument(
+        "--report-as",
+        choices=FEEDS,
+        default=None,
+        help="simulate every run with this feed, not the one its engines had",
     )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -82,6 +95,10 @@ def main() -> None:
         run_args = doc["args"]
         if not run_args.get("trace"):
             sys.exit(f"sim_vs_real: {path} replayed no trace: nothing to simulate alike")
+        try:
+            feed = a.report_as or feed_from_args(run_args)
+        except CalibrationError as exc:
+            sys.exit(f"sim_vs_real: {path}: {exc}")
         tdir = a.trace_dir or os.path.dirname(os.path.abspath(path))
         want = a.policies.split(",") if a.policies else None
         real: dict[str, dict[int, float]] = {}
@@ -95,15 +112,15 @@ def main() -> None:
             for seed in seeds:
                 trace = os.path.join(tdir, run_args["trace"].replace("{seed}", str(seed)))
                 try:
-                    m = simulate_run(run_args, policy, seed, trace, cal)
+                    m = simulate_run(run_args, policy, seed, trace, cal, feed)
                 except (CalibrationError, OSError, ValueError) as exc:
                     sys.exit(f"sim_vs_real: {name} {policy} seed {seed}: {exc}")
                 sim.setdefault(policy, {})[seed] = 1000 * m["ttft_p99_s"]
         pairs = pair_verdicts(real, {p: v for p, v in sim.items() if p in real})
         settled += sum(1 for p in pairs if p[2])
         agreed += sum(1 for p in pairs if p[2] and p[3])
-        print(report(name, real, sim, pairs))
-        results[name] = {"real_ms": real, "sim_ms": sim, "pairs": pairs}
+        print(report(f"{name} (fed as {feed})", real, sim, pairs))
+        results[name] = {"report_as": feed, "real_ms": real, "sim_ms": sim, "pairs": pairs}
     print(f"\nsettled pairs ordered as in real time: {agreed} of {settled}")
     if a.json:
         with open(a.json, "wb") as fh:

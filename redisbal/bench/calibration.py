@@ -1,6 +1,7 @@
 """The simulator held to real time: the quality simulator (``redisbal.bench.quality``)
 run on what a real-time run of scripts/gateway_policies.py ran (its trace, engine
-arguments, running cap, slow engines, gateway replicas and TTFT objective), and the
+arguments, running cap, slow engines, gateway replicas and TTFT objective, and what its
+engines fed the routers: ``--report-as`` in its engine arguments), and the
 two rankings of the policies compared pair by pair.
 
 The knobs the simulator has and real time sets for it (``Calibration``): the
@@ -21,6 +22,7 @@ from redisbal.bench.quality import simulate
 from redisbal.bench.traffic import QualityScenario
 from redisbal.errors import CalibrationError as CalibrationError
 from redisbal.sim.model import EngineParams
+from redisbal.sim.report_as import LOAD_ONLY, REPORT_AS
 from redisbal.sim.workload import Request, read_trace
 
 # engine-sim's flags that set EngineParams: (field, scale from the flag's unit)
@@ -50,7 +52,7 @@ class Calibration:
 def engine_from_args(args: list[str], running_cap: int) -> EngineParams:
     """EngineParams from engine-sim's flags (as gateway_policies' ``--engine-args``);
     engine-sim's defaults are EngineParams' own. (``--report-as`` is the reports' form,
-    not the engine's: ``admitted_from_args``; so was ``--no-admitted`` in older runs.)"""
+    not the engine's: ``feed_from_args``; so was ``--no-admitted`` in older runs.)"""
     args = _without_report_as([a for a in args if a not in ("--admitted", "--no-admitted")])
     given: dict[str, Any] = {}
     i = 0
@@ -83,24 +85,22 @@ def _without_report_as(args: list[str]) -> list[str]:
     return out
 
 
-def admitted_from_args(run_args: dict[str, Any]) -> bool:
-    """Whether the run's engines reported admitted counts: ``--report-as full`` (the
-    default), or no ``--no-admitted`` in runs recorded before ``--report-as``."""
+def feed_from_args(run_args: dict[str, Any]) -> str:
+    """What the run's engines fed the routers (``redisbal.sim.report_as``): the last
+    ``--report-as FORM`` (engine-sim's own rule), ``full`` without one, and
+    ``load-only`` for ``--no-admitted``, which runs recorded before ``--report-as``
+    give: those engines sent no admitted counts, no total and no cap."""
     args = str(run_args.get("engine_args") or "").split()
     if "--no-admitted" in args:
-        return False
-    forms = [b for a, b in itertools.pairwise(args) if a == "--report-as"]
-    forms += [a.split("=", 1)[1] for a in args if a.startswith("--report-as=")]
-    return all(f == "full" for f in forms)
-
-
-def declared_from_args(run_args: dict[str, Any]) -> bool:
-    """Whether the run's engines declared their running cap (``--report-as vllm-plugin``
-    or ``sglang``)."""
-    args = str(run_args.get("engine_args") or "").split()
-    forms = [b for a, b in itertools.pairwise(args) if a == "--report-as"]
-    forms += [a.split("=", 1)[1] for a in args if a.startswith("--report-as=")]
-    return any(f in ("vllm-plugin", "sglang") for f in forms)
+        return LOAD_ONLY
+    forms = [
+        b if a == "--report-as" else a.split("=", 1)[1]
+        for a, b in itertools.pairwise([*args, ""])
+        if a == "--report-as" or a.startswith("--report-as=")
+    ]
+    if forms and forms[-1] not in REPORT_AS:
+        raise CalibrationError(f"--report-as {forms[-1]!r}: not one of {', '.join(REPORT_AS)}")
+    return forms[-1] if forms else "full"
 
 
 def slow_engines(slow: list[str], engines: int) -> tuple[float, float]:
@@ -153,9 +153,15 @@ def scenario_for(
 
 
 def simulate_run(
-    run_args: dict[str, Any], policy: str, seed: int, trace: str, cal: Calibration
+    run_args: dict[str, Any],
+    policy: str,
+    seed: int,
+    trace: str,
+    cal: Calibration,
+    feed: str | None = None,
 ) -> dict[str, float]:
-    """One simulated run of what the real-time run of (policy, seed) ran."""
+    """One simulated run of what the real-time run of (policy, seed) ran; ``feed``:
+    the engines' reports in another form than the run's (``redisbal.sim.report_as``)."""
     work = replay(trace, int(run_args["gateways"]))
     sc = scenario_for(run_args, work, cal)
     return simulate(
@@ -164,8 +170,7 @@ def simulate_run(
         sc,
         workload=work,
         keys_guessed=True,  # loadgen sends a trace's keys as the body's user
-        admitted=admitted_from_args(run_args),
-        declared_caps=declared_from_args(run_args),
+        report_as=feed or feed_from_args(run_args),
         delivery_ms=cal.delivery_ms,
         jitter_ms=cal.jitter_ms,
         transit_ms=cal.transit_ms,

@@ -32,6 +32,7 @@ from redisbal.bench.suite import BenchConfig, bench_scenarios, run_all, run_all_
 from redisbal.bench.traffic import QUALITY_ENGINE, QUALITY_SCENARIOS, SIZES
 from redisbal.ops.cli_options import common_options, settings
 from redisbal.sim.model import EngineParams
+from redisbal.sim.report_as import FEEDS, LOAD_ONLY
 from redisbal.sim.workload import Request, TraceError, read_trace
 
 
@@ -97,10 +98,19 @@ def _metric_help() -> str:
     help="Quality: tell the router each request's output length (default: unknown to it).",
 )
 @click.option(
+    "--report-as",
+    type=click.Choice(FEEDS),
+    default=None,
+    help="Quality: what the engines feed the routers, as engine-sim's --report-as: full "
+    "(admitted counts per router, the default), vllm-plugin (the admitted total, the cap "
+    "declared), vllm-metrics (the total), sglang (the total, the cap declared), or "
+    "load-only (running, waiting and KV usage alone: compact snapshots).",
+)
+@click.option(
     "--no-admitted",
     is_flag=True,
-    help="Quality: engines report no admitted counts (compact snapshots, the vLLM and SGLang "
-    "integrations): routers reconcile their routes by time.",
+    help="Quality, deprecated: --report-as load-only, which it meant (no admitted counts, "
+    "no total, no cap); vLLM's and SGLang's paths now send a total: --report-as vllm-metrics.",
 )
 @click.option(
     "--quick",
@@ -163,6 +173,7 @@ def bench_command(
     sizes: str | None,
     trace_path: str | None,
     pass_output: bool,
+    report_as: str | None,
     no_admitted: bool,
     quick: bool,
     seeds: str | None,
@@ -206,13 +217,14 @@ def bench_command(
             policies,
             json_path,
             md_path,
-            admitted=not no_admitted,
+            report_as=_feed(report_as, no_admitted),
         )
         return
     for flag, used in (
         ("--sizes", bool(sizes)),
         ("--trace", bool(trace_path)),
         ("--pass-output", pass_output),
+        ("--report-as", report_as is not None),
         ("--no-admitted", no_admitted),
     ):
         if used:
@@ -313,6 +325,20 @@ def bench_command(
             click.echo(f"wrote {p}")
 
 
+def _feed(report_as: str | None, no_admitted: bool) -> str:
+    """The quality benchmark's feed: ``--report-as``, or ``--no-admitted``'s (deprecated)."""
+    if no_admitted:
+        if report_as is not None:
+            raise click.UsageError("--no-admitted is --report-as load-only: give one of them")
+        click.echo(
+            "--no-admitted is deprecated: it is --report-as load-only (no admitted total "
+            "either); vLLM's and SGLang's paths feed more (--report-as vllm-metrics)",
+            err=True,
+        )
+        return LOAD_ONLY
+    return report_as or "full"
+
+
 def _read_trace(path: str, clients: int) -> list[Request]:
     try:
         return read_trace(path, clients)
@@ -331,7 +357,7 @@ def _quality(
     policies: str | None,
     json_path: str | None,
     md_path: str | None,
-    admitted: bool = True,
+    report_as: str = "full",
 ) -> None:
     """The routing-quality benchmark (``redisbal.bench.quality_report``)."""
     if trace_path:
@@ -352,7 +378,7 @@ def _quality(
         scenarios=_csv(scenarios, QUALITY_SCENARIOS, "scenario") if scenarios else None,
         trace_name=trace_path or "",
         pass_output=pass_output,
-        admitted=admitted,
+        report_as=report_as,
     )
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
@@ -376,7 +402,7 @@ def _quality(
         "seeds": cfg.seeds,
         "policies": cfg.policies,
         "pass_output": pass_output,
-        "admitted": admitted,
+        "report_as": report_as,
         "trace": trace_path,
         "nproc": os.cpu_count(),
         "loadavg_end": os.getloadavg()[0],

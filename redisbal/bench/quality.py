@@ -11,9 +11,13 @@ the vLLM coordinator's publish loop for the vllm-* baselines (as in
 - Independent engines step at their own pace and report after every step (and,
   but for the pre-41626 vLLM baselines and without admitted counts, right before
   it); the barrier publishes
-  every engine's latest counts (waiting, running, kv_usage, admitted) every
-  ``tick_s``. Lockstep engines publish after every step (which lasts as long as
-  the slowest engine's).
+  every engine's latest counts (waiting, running, kv_usage, and what the feed
+  carries: ``report_as``) every ``tick_s``. Lockstep engines publish after every
+  step (which lasts as long as the slowest engine's).
+- The feed is one of engine-sim's ``--report-as`` forms (``redisbal.sim.report_as``):
+  admitted counts per router (``full``), or an admitted total the routers reconcile
+  their routes by (``RouterCore``'s ``TotalReconciler``), the running cap declared to
+  every router from the start or learned from queues; or ``load-only``, neither.
 - A snapshot reaches each router ``delivery_ms`` plus a per-router jitter after
   it is made; a request reaches its engine ``transit_ms`` after it is routed.
 - Up to ``MAX_ROUTERS`` routers tell each other their routes as the gateways do
@@ -80,6 +84,7 @@ from redisbal.routing.policies import DEFAULT_POLICY, POLICIES, Policy, Redisbal
 from redisbal.routing.router_core import RouterCore
 from redisbal.routing.told_routes import COALESCE_S, TELL_EVERY_S, telling
 from redisbal.sim.model import SimEngine, SimRequest
+from redisbal.sim.report_as import Feed
 from redisbal.sim.workload import Request
 
 # the library's policies, the default last among them, then the oracle
@@ -143,25 +148,25 @@ def simulate(
     workload: list[Request] | None = None,
     pass_output: bool = False,
     keys_guessed: bool = False,
-    admitted: bool = True,
+    report_as: str = "full",
     delivery_ms: float = 1.0,
     jitter_ms: float = 2.0,
     transit_ms: float = 1.0,
     sample_s: float = 0.05,
     vllm_transport: bool = True,
     hold_s: float = DEFAULT_MAX_S,
-    declared_caps: bool = False,
 ) -> dict[str, float]:
     """One run; returns the metrics (``redisbal.bench.latency``) and the run's own
     cost (``sim_wall_s``). ``keys_guessed``: the requests' keys are guessed (as the
     gateway takes the body's ``user``: ``RouterCore.route``), not given.
-    ``admitted=False``: snapshots carry no admitted counts, as compact snapshots and
-    the vLLM and SGLang integrations give (routers reconcile their routes by time).
+    ``report_as``: what the engines feed the routers, as engine-sim's ``--report-as``
+    (``redisbal.sim.report_as``): without admitted counts routers reconcile their routes
+    by the admitted total where it is sent, else by time; a declared running cap every
+    router knows from the start.
     ``vllm_transport=False``: the vLLM baselines read redisbal's snapshots, as they do
-    behind the real-time gateways, instead of vLLM's own publish loop.
-    ``declared_caps``: every router knows each engine's running cap from the start, as
-    engines that declare it (vLLM's plugin, SGLang through the sidecar) give it."""
+    behind the real-time gateways, instead of vLLM's own publish loop."""
     wall = time.perf_counter()
+    feed = Feed.of(report_as)
     work = build_workload(sc, seed) if workload is None else workload
     rng = random.Random(f"quality-{sc.name}-{seed}")
     ids = [f"e{i:04d}" for i in range(sc.engines)]
@@ -206,7 +211,7 @@ def simulate(
         )
         core.connected = True
         core.set_engines(ids)
-        if declared_caps:  # (redisbal.running_caps)
+        if feed.declares_cap:  # (redisbal.running_caps)
             core.set_declared_caps({eid: world.engines[eid].params.running_cap for eid in ids})
         if telling(sc.clients):
             core.told_routes.on_change = lambda i=i: push(clock[0] + COALESCE_S, TELL, (i, False))
@@ -221,7 +226,7 @@ def simulate(
             vmodel.counts[eid] = EngineStat(0, 0, 0, 0.0)
     # engines without admitted counts report as vLLM's plugin and the sidecar do: the
     # counts after a step's admission, never the input queue just taken as waiting
-    before_step = reports_before_step(policy) and admitted
+    before_step = reports_before_step(policy) and feed.admitted
     independent = sc.mode != "lockstep"
     for k, r in enumerate(work):
         if r.after < 0:
@@ -246,8 +251,10 @@ def simulate(
     loads: list[list[float]] = []
 
     def counts(e: SimEngine, step: int, t: float) -> EngineCounts:
-        adm = tuple(e.admitted) if admitted else None
-        return EngineCounts(len(e.waiting), len(e.running), e.kv_usage, 0, step, int(t * 1000), adm)
+        adm = tuple(e.admitted) if feed.admitted else None
+        tot = e.admitted_total if feed.total else None
+        w, r, kv, ms = len(e.waiting), len(e.running), e.kv_usage, int(t * 1000)
+        return EngineCounts(w, r, kv, 0, step, ms, adm, admitted_total=tot)
 
     def deliver_all(t: float, snap: Snapshot) -> None:
         for i in range(sc.clients):

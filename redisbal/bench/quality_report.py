@@ -31,7 +31,7 @@ class QualityConfig:
     trace: list[Request] | None = None
     trace_name: str = ""
     pass_output: bool = False
-    admitted: bool = True  # engines report admitted counts (full snapshots)
+    report_as: str = "full"  # what the engines feed the routers (redisbal.sim.report_as)
 
 
 def plan(cfg: QualityConfig) -> list[tuple[QualityScenario, list[int]]]:
@@ -78,7 +78,7 @@ def run_quality(cfg: QualityConfig) -> dict[str, Any]:
                         sc,
                         workload=cfg.trace,
                         pass_output=cfg.pass_output,
-                        admitted=cfg.admitted,
+                        report_as=cfg.report_as,
                     )
                     runs.append(
                         {"size": sc.size, "scenario": sc.name, "policy": p, "seed": seed} | m

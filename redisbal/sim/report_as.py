@@ -16,6 +16,13 @@ engines give.
   SGLang does.
 
 The HTTP engines' /metrics pages carry the finished counters those totals come from.
+
+The quality simulator (``redisbal bench --report-as``) feeds its routers in each of these
+forms, and in one more that engine-sim no longer sends:
+
+- ``load-only``: running, waiting and KV usage; no admitted counts, no total, no cap.
+  What compact snapshots carry, and what engine-sim's ``--no-admitted`` sent (runs
+  recorded before ``--report-as`` and the admitted total).
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from dataclasses import dataclass
 
 from redisbal.errors import InvalidArgument
 
-REPORT_AS = ("full", "vllm-plugin", "vllm-metrics", "sglang")
+REPORT_AS = ("full", "vllm-plugin", "vllm-metrics", "sglang")  # engine-sim's forms
+LOAD_ONLY = "load-only"
+FEEDS = (*REPORT_AS, LOAD_ONLY)  # the simulator's (module docstring)
 
 
 @dataclass(frozen=True)
@@ -39,12 +48,12 @@ class Feed:
 
     @classmethod
     def of(cls, name: str) -> Feed:
-        if name not in REPORT_AS:
-            raise InvalidArgument(f"report_as must be one of {', '.join(REPORT_AS)}, got {name!r}")
+        if name not in FEEDS:
+            raise InvalidArgument(f"report_as must be one of {', '.join(FEEDS)}, got {name!r}")
         return cls(
             name,
             admitted=name == "full",
-            total=name != "full",
+            total=name not in ("full", LOAD_ONLY),
             declares_cap=name in ("vllm-plugin", "sglang"),
             serves_loads=name == "sglang",
         )

@@ -13,9 +13,8 @@ import pytest
 from redisbal.bench.calibration import (
     Calibration,
     CalibrationError,
-    admitted_from_args,
-    declared_from_args,
     engine_from_args,
+    feed_from_args,
     pair_verdicts,
     ranking,
     replay,
@@ -24,7 +23,8 @@ from redisbal.bench.calibration import (
     slow_engines,
 )
 from redisbal.bench.quality import simulate
-from redisbal.sim.report_as import REPORT_AS
+from redisbal.routing.router_core import RouterCore
+from redisbal.sim.report_as import LOAD_ONLY, REPORT_AS
 from redisbal.sim.workload import TraceError, parse_trace
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -186,20 +186,69 @@ def test_sim_vs_real_sets_simulated_only_references_beside_the_runs(tmp_path: Pa
     assert "| least-inflight | 100, 100 (100) |" in out  # the real runs, as they were
 
 
-def test_a_run_of_engines_without_admitted_counts_is_simulated_without_them() -> None:
-    args = {"engine_args": "--base-step-ms 36 --no-admitted"}
-    assert not admitted_from_args(args)
-    assert admitted_from_args({"engine_args": "--base-step-ms 36"})
-    assert engine_from_args(args["engine_args"].split(), 8).base_step_s == pytest.approx(0.036)
-    for form in ("vllm-plugin", "vllm-metrics", "sglang"):
-        run = {"engine_args": f"--base-step-ms 36 --report-as {form}"}
-        assert not admitted_from_args(run)
-        assert engine_from_args(run["engine_args"].split(), 8).base_step_s == pytest.approx(0.036)
-    assert not admitted_from_args({"engine_args": "--report-as=sglang"})
-    assert admitted_from_args({"engine_args": "--report-as full --base-step-ms 36"})
-    declared = [declared_from_args({"engine_args": f"--report-as {f}"}) for f in REPORT_AS]
-    assert declared == [False, True, False, True]  # full, vllm-plugin, vllm-metrics, sglang
-    assert not declared_from_args({"engine_args": "--no-admitted"})
+def test_a_run_is_simulated_with_what_its_engines_fed_the_routers() -> None:
+    """The run's last --report-as (engine-sim's rule), full without one; --no-admitted,
+    recorded before --report-as and the admitted total, fed load alone. The form is the
+    reports', not the engine's: the engine's parameters are the same."""
+    for engine_args, feed in (
+        ("--base-step-ms 36", "full"),
+        ("--base-step-ms 36 --no-admitted", LOAD_ONLY),
+        ("--report-as=sglang --base-step-ms 36", "sglang"),
+        ("--report-as full --report-as vllm-plugin", "vllm-plugin"),
+        *((f"--base-step-ms 36 --report-as {f}", f) for f in REPORT_AS),
+    ):
+        assert feed_from_args({"engine_args": engine_args}) == feed
+        p = engine_from_args(engine_args.split(), 8)
+        assert p.base_step_s == pytest.approx(0.036 if "36" in engine_args else 0.012)
+    for bad in ("--report-as load-only", "--report-as vllm", "--base-step-ms 36 --report-as"):
+        with pytest.raises(CalibrationError, match="report-as"):
+            feed_from_args({"engine_args": bad})
+
+
+def test_a_run_with_a_declared_cap_is_simulated_with_its_running_cap_declared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--report-as vllm-plugin with --running-cap 5: every router is told each engine's
+    cap of 5 (RouterCore.set_declared_caps, as the gateways read it); vllm-metrics
+    declares none."""
+    told: list[dict[str, int]] = []
+    real = RouterCore.set_declared_caps
+
+    def record(self: RouterCore, caps: dict[str, int]) -> None:
+        told.append(dict(caps))
+        real(self, caps)
+
+    monkeypatch.setattr(RouterCore, "set_declared_caps", record)
+    f = _trace(tmp_path / "t.jsonl", [{"t": 0.01 * k, "prompt_tokens": 20, "output_tokens": 5}
+                                      for k in range(20)])  # fmt: skip
+    for form, caps in (("vllm-plugin", [{"e0000": 5, "e0001": 5}] * 2), ("vllm-metrics", [])):
+        told.clear()
+        run = RUN | {"running_cap": 5, "engine_args": f"--base-step-ms 36 --report-as {form}"}
+        assert simulate_run(run, "redisbal", 1, f, Calibration())["requests"] == 20
+        assert told == caps  # (one router per gateway)
+
+
+def test_sim_vs_real_simulates_each_run_with_its_feed_or_the_one_given(tmp_path: Path) -> None:
+    """Each run's feed is named with its table (and in --json); --report-as replaces it."""
+    _trace(tmp_path / "t-1.jsonl", [{"t": 0.01 * k, "prompt_tokens": 20, "output_tokens": 5}
+                                    for k in range(40)])  # fmt: skip
+    runs = [{"policy": p, "seed": 1, "ttft_p99_ms": 100.0} for p in ("redisbal", "least-inflight")]
+    for name, engine_args in (("old", "--no-admitted"), ("plugin", "--report-as vllm-plugin")):
+        doc = {"args": RUN | {"trace": "t-{seed}.jsonl", "engine_args": engine_args}, "runs": runs}
+        (tmp_path / f"{name}.json").write_bytes(orjson.dumps(doc))
+    script = [sys.executable, str(SCRIPTS / "sim_vs_real.py")]
+    runs_given = [f"old={tmp_path / 'old.json'}", f"plugin={tmp_path / 'plugin.json'}"]
+    out = subprocess.run(
+        [*script, *runs_given, "--json", str(tmp_path / "c.json")],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "old (fed as load-only): TTFT p99" in out and "plugin (fed as vllm-plugin)" in out
+    cmp = orjson.loads((tmp_path / "c.json").read_bytes())
+    assert (cmp["old"]["report_as"], cmp["plugin"]["report_as"]) == (LOAD_ONLY, "vllm-plugin")
+    out = subprocess.run(
+        [*script, *runs_given, "--report-as", "sglang"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "old (fed as sglang)" in out and "plugin (fed as sglang)" in out
 
 
 def test_trace_keys_are_guessed_as_the_gateway_takes_them(tmp_path: Path) -> None:

@@ -22,11 +22,18 @@ from redisbal.bench.latency import (
     waits,
 )
 from redisbal.bench.quality import simulate
-from redisbal.bench.traffic import QualityScenario, build_workload, default_quality_scenarios
+from redisbal.bench.traffic import (
+    QUALITY_ENGINE,
+    QualityScenario,
+    build_workload,
+    default_quality_scenarios,
+)
+from redisbal.routing.admit_total import TotalReconciler
 from redisbal.routing.policies import Policy
 from redisbal.routing.state import EngineView, RoutingState
 from redisbal.sim.model import EngineParams, SimEngine, SimRequest
 from redisbal.sim.prefix_cache import PrefixCache
+from redisbal.sim.report_as import FEEDS, Feed
 from redisbal.sim.workload import (
     OUTPUT_CAP,
     TraceError,
@@ -323,23 +330,6 @@ class _ExactRecorder(Policy):
         return min(core.engines, key=lambda e: e.waiting + e.running + e.pending)
 
 
-def test_no_admitted_leaves_routers_reconciling_by_time(monkeypatch) -> None:
-    """--no-admitted (compact snapshots, vLLM/SGLang engines): no snapshot carries
-    admitted counts, so no router reconciles exactly; with them every one does."""
-    from redisbal.bench import quality
-
-    monkeypatch.setitem(quality.POLICIES, "exact-recorder", _ExactRecorder)
-    sc = _small("poisson")
-    _ExactRecorder.seen = set()
-    assert simulate("exact-recorder", 1, sc)["requests"] > 0
-    assert True in _ExactRecorder.seen  # (before the first snapshot none is exact)
-    _ExactRecorder.seen = set()
-    assert simulate("exact-recorder", 1, sc, admitted=False)["requests"] > 0
-    assert _ExactRecorder.seen == {False}
-    res = CliRunner().invoke(bench_command, ["--no-admitted", "--real-time"])
-    assert res.exit_code != 0 and "routing-quality" in res.output
-
-
 class _CapRecorder(_ExactRecorder):
     """Least-loaded, recording the running caps the engines declared."""
 
@@ -350,19 +340,62 @@ class _CapRecorder(_ExactRecorder):
         return super().pick(core)
 
 
-def test_declared_caps_are_known_to_every_router_from_the_start(monkeypatch) -> None:
-    """As engines that declare their cap (vLLM's plugin): every router knows it at its
-    first route; without, none does (learned from queues instead)."""
+@pytest.mark.parametrize("form", FEEDS)
+def test_routers_are_fed_as_engine_sim_reports_as_each_form(form: str, monkeypatch) -> None:
+    """--report-as FORM: admitted counts reconcile every router exactly (full); else
+    the admitted total goes through RouterCore's TotalReconciler and retires routes
+    (vllm-plugin, vllm-metrics, sglang) or nothing does (load-only); a declared cap is
+    known to every router at its first route, else learned from queues."""
     from redisbal.bench import quality
 
+    feed = Feed.of(form)
     monkeypatch.setitem(quality.POLICIES, "cap-recorder", _CapRecorder)
-    sc = _small("poisson")
-    _CapRecorder.caps = set()
-    assert simulate("cap-recorder", 1, sc, admitted=False, declared_caps=True)["requests"] > 0
-    assert _CapRecorder.caps == {sc.engine.running_cap}
-    _CapRecorder.caps = set()
-    assert simulate("cap-recorder", 1, sc, admitted=False)["requests"] > 0
-    assert _CapRecorder.caps == {0}
+    calls: list[tuple[int, int]] = []  # (routes sent there, of them still on their way)
+    real = TotalReconciler.in_transit
+
+    def in_transit(self: TotalReconciler, inc: str | None, total: int, sent: int, o: int) -> int:
+        calls.append((sent, kept := real(self, inc, total, sent, o)))
+        return kept
+
+    monkeypatch.setattr(TotalReconciler, "in_transit", in_transit)
+    _CapRecorder.seen, _CapRecorder.caps = set(), set()
+    assert simulate("cap-recorder", 1, _small("poisson"), report_as=form)["requests"] > 0
+    assert (True in _CapRecorder.seen) == feed.admitted  # (none exact before a snapshot)
+    assert _CapRecorder.caps == ({QUALITY_ENGINE.running_cap} if feed.declares_cap else {0})
+    assert bool(calls) == feed.total
+    assert not feed.total or any(kept < sent for sent, kept in calls)  # routes retired
+
+
+def test_bench_report_as_and_no_admitted_its_deprecated_alias(tmp_path: Path) -> None:
+    """``--no-admitted`` is ``--report-as load-only`` (what it meant: no admitted counts,
+    no total, no cap), with a deprecation note; the feed is recorded with the runs."""
+    f = tmp_path / "t.jsonl"
+    rows = [{"t": 0.02 * k, "prompt_tokens": 200, "output_tokens": 20} for k in range(150)]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    docs = {}
+    for name, flags in (
+        ("alias", ["--no-admitted"]),
+        ("load-only", ["--report-as", "load-only"]),
+        ("plugin", ["--report-as", "vllm-plugin"]),
+    ):
+        out = tmp_path / f"{name}.json"
+        argv = ["--trace", str(f), "--policies", "redisbal", "--seeds", "1", "--json", str(out)]
+        res = CliRunner().invoke(bench_command, [*argv, *flags])
+        assert res.exit_code == 0, res.output
+        assert ("deprecated" in res.output) == (name == "alias")
+        docs[name] = json.loads(out.read_text())
+    assert docs["alias"]["meta"]["report_as"] == "load-only"
+    assert docs["plugin"]["meta"]["report_as"] == "vllm-plugin"
+    assert [r["ttft_p99_s"] for r in docs["alias"]["runs"]] == [
+        r["ttft_p99_s"] for r in docs["load-only"]["runs"]
+    ]
+    both = CliRunner().invoke(bench_command, ["--no-admitted", "--report-as", "full"])
+    assert both.exit_code != 0 and "give one of them" in both.output
+    bad = CliRunner().invoke(bench_command, ["--report-as", "vllm"])
+    assert bad.exit_code != 0 and "load-only" in bad.output
+    for flags in (["--no-admitted"], ["--report-as", "sglang"]):
+        res = CliRunner().invoke(bench_command, [*flags, "--real-time"])
+        assert res.exit_code != 0 and "routing-quality" in res.output
 
 
 @pytest.mark.slow
