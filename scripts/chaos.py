@@ -1471,6 +1471,8 @@ def main() -> None:
     if a.router != "redisbal":
         from redisbal.bench import peer_routers
 
+        if a.router not in peer_routers.NAMES:
+            ap.error(f"--router {a.router!r}: redisbal or one of {', '.join(peer_routers.NAMES)}")
         try:  # (a policy on the engines' KV events: these engines publish none)
             peer_routers.split_name_without_events(a.router)
             venv = peer_routers.install(Path(a.routers_venv) if a.routers_venv else None, log)
