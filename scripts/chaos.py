@@ -13,6 +13,17 @@ gateway's session key), spread round-robin over the gateways that are up (this s
 the load balancer in front of them: it stops sending to a gateway when it terminates it
 and sends again once its /health answers).
 
+``--router ROUTER:POLICY`` (``vllm-router:power_of_two``, ``sglang-router:cache_aware``,
+any of redisbal.bench.peer_routers.NAMES but those on KV events) puts ``--gateways``
+replicas of that real peer router (``peer_routers.RouterProcess``: pinned, in a venv of
+their own, installed on first use; each with every engine's URL as its workers and its
+own defaults) in place of the gateways, with the same engines, load and seeded faults.
+The rest of the stack stays as it is (the engines still report to Redis), so Redis and
+coordinator faults still happen at their times, but nothing in front of the engines
+reads what they hit: they are reported n/a, and so are the access-log checks (the
+gateways' log). ``gateway_term`` terminates a router replica and starts it again (sent
+to again once its /readiness answers).
+
 The faults (``--faults``; each ``--rounds`` times at random times, overlapping):
 engine_kill (SIGKILL, restarted after a while), engine_stop (SIGSTOP, SIGCONT later),
 engine_500 (answers 500), engine_stall (streams stop, new ones before their first
@@ -28,20 +39,24 @@ What it reports (JSON to ``--json``, a table on stdout, progress on stderr):
 requests sent, answered and failed, each failure sorted as "in flight at a fault" (it
 had reached an engine that was then killed, stopped or stalled, or a gateway that was
 then terminated, and was still running at that moment) or "avoidable" (everything
-else, by cause and error); per fault: decisions the gateways made to the faulty engine
-while it was faulty (their /metrics, after the fault's first second), and the time to
+else, by cause and error); per fault: decisions to the faulty engine while it was
+faulty (the requests sent after the fault's first second and before its end that reached
+it, by its ledger; n/a for a killed one, which reads nothing) and, beside them, the
+front ends' own count where their /metrics has one, and the time to
 recover (an engine: from its recovery until a request reaches it again; a gateway: from
 its restart until it answers one; a coordinator: until the snapshot moves on; Redis:
 until a new snapshot holds every engine that is up), against the bound of
 docs/RELIABILITY.md; what was left in flight at the end (the gateways'
-``redisbal_gateway_inflight``, the engines' own counts); requests executed twice (a
-request's id finished by two engines' models) or delivered twice; the gateways' RSS and
-open fds over time (/proc); the gateways' JSON access logs against the client (each
+``redisbal_gateway_inflight`` or the peer routers' own gauge, the engines' own counts);
+requests executed twice (a request's id finished by two engines' models) or delivered
+twice; the front ends' RSS and open fds over time (/proc); the gateways' JSON access
+logs against the client (each
 request sends its id as ``X-Request-Id``): exactly one line per request, and the lines'
 outcomes adding up to what the client saw (answered, failed by status).
 
     python scripts/chaos.py --short --json chaos.json     # ~60 s, fewer faults
     nice -n 10 python scripts/chaos.py --json chaos.json  # 10 minutes
+    nice -n 10 python scripts/chaos.py --router vllm-router:power_of_two --json peer.json
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import contextvars
 import os
 import random
 import signal
@@ -151,12 +167,15 @@ def wait_for(pred: Any, timeout: float, what: str, every: float = 0.1) -> float:
 
 def engine_main(a: argparse.Namespace) -> None:
     """One engine (``chaos.py engine``) until SIGTERM; its ledger lines: ``time event id``,
-    event arrive (taken in), finish (its model finished it) or abort (its client left
-    before the whole answer was sent)."""
+    event reach (its HTTP handler read the request, whatever it then answered: a status
+    fault's too), arrive (taken in), finish (its model finished it) or abort (its client
+    left before the whole answer was sent)."""
     from aiohttp import web
 
     from redisbal.sim.http_engine import HttpEngine
     from redisbal.sim.model import SimRequest
+
+    TAG: contextvars.ContextVar[str | None] = contextvars.ContextVar("chaos_id", default=None)
 
     class LedgerEngine(HttpEngine):
         def __init__(self, ledger: str, **kw: Any) -> None:
@@ -167,10 +186,23 @@ def engine_main(a: argparse.Namespace) -> None:
         def _note(self, event: str, tag: str) -> None:
             os.write(self._fd, f"{time.time():.3f} {event} {tag}\n".encode())  # (survives SIGKILL)
 
+        async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+            # the request's id: the body's chaos_id, or its X-Request-Id where the front end
+            # rebuilt the body without the fields it does not know (sglang-router does)
+            tag = request.headers.get("X-Request-Id")
+            with contextlib.suppress(Exception):  # (a bad body: the engine's own to answer)
+                body = orjson.loads(await request.read())  # (aiohttp keeps it for the next read)
+                if isinstance(body, dict) and isinstance(body.get("chaos_id"), str):
+                    tag = body["chaos_id"]
+            TAG.set(tag)  # (this request's task: _parse runs in it)
+            if tag:
+                self._note("reach", tag)
+            return await super()._generate(request, chat)
+
         def _parse(self, body: Any, chat: bool) -> Any:
             out = super()._parse(body, chat)
-            tag = body.get("chaos_id") if isinstance(body, dict) else None
-            if not isinstance(out, web.Response) and isinstance(tag, str):
+            tag = TAG.get()
+            if not isinstance(out, web.Response) and tag:
                 self._tags[self._rid + 1] = tag  # the request made next (no await between)
                 self._note("arrive", tag)
             return out
@@ -364,6 +396,47 @@ class Role:
                 self.proc.wait(5)
 
 
+@dataclass
+class Front(Role):
+    """A ``redisbal gateway`` replica: what the load is sent to."""
+
+    def ready(self) -> bool:
+        """Ready for the load balancer (this script) to send to it again."""
+        return healthy(self.url)
+
+    def inflight(self) -> float:
+        """Its requests in flight now (an OSError if it does not answer)."""
+        return gauge(get_text(self.url + "/metrics"), "redisbal_gateway_inflight")
+
+    def decisions(self) -> dict[str, float] | None:
+        """Its routing decisions so far, by engine id (None: its /metrics has none)."""
+        text = get_text(self.url + "/metrics")
+        return metric_by_label(text, "redisbal_gateway_decisions_total", "engine")
+
+
+@dataclass
+class PeerFront(Front):
+    """A replica of a real peer router (redisbal.bench.peer_routers.RouterProcess) in
+    place of a gateway, its workers the engines' URLs."""
+
+    rp: Any = None  # the RouterProcess
+    engine_of: dict[str, str] = field(default_factory=dict)  # worker URL -> engine id
+
+    def start(self) -> None:
+        self.rp.start()
+        self.proc = self.rp.proc
+
+    def ready(self) -> bool:
+        return bool(self.rp.serving())
+
+    def inflight(self) -> float:
+        return float(self.rp.inflight())
+
+    def decisions(self) -> dict[str, float] | None:
+        per = self.rp.decisions()
+        return None if per is None else {self.engine_of.get(u, u): v for u, v in per.items()}
+
+
 class Stack:
     def __init__(self, a: argparse.Namespace, workdir: Path) -> None:
         self.a = a
@@ -387,21 +460,41 @@ class Stack:
                  "--ledger", str(self.ledger(eid)), "--seed", str(a.seed * 100 + i)],
                 workdir / f"engine-{eid}.log", port,
             )  # fmt: skip
-        self.gateways: list[Role] = []
+        self.peer = a.router != "redisbal"
+        self.gateways: list[Front] = []
         for i in range(a.gateways):
             port = free_port()
+            if self.peer:
+                self.gateways.append(self._peer(f"r{i}", port))
+                continue
             self.gateways.append(
-                Role(f"g{i}", [BIN, "gateway", "--redis-url", url, *common, "--port", str(port),
-                               "--access-log", "json", *a.gateway_args],
-                     workdir / f"gateway-g{i}.log", port)
+                Front(f"g{i}", [BIN, "gateway", "--redis-url", url, *common, "--port", str(port),
+                                "--access-log", "json", *a.gateway_args],
+                      workdir / f"gateway-g{i}.log", port)
             )  # fmt: skip
+
+    def _peer(self, name: str, port: int) -> PeerFront:
+        """A replica of the peer router ``--router`` in front of every engine, with the
+        router's defaults (and ``--gateway-args``: its own flags)."""
+        from redisbal.bench import peer_routers
+
+        router, _ = peer_routers.split_name(self.a.router)
+        exe = peer_routers.binary(router, Path(self.a.routers_venv))
+        if exe is None:  # (main installed it)
+            raise SystemExit(f"chaos: {router} is not installed in {self.a.routers_venv}")
+        engine_of = {e.url: eid for eid, e in self.engines.items()}
+        log_path = self.dir / f"router-{name}.log"
+        rp = peer_routers.RouterProcess(self.a.router, exe, port, free_port(), list(engine_of),
+                                        log_path, args=self.a.gateway_args)  # fmt: skip
+        return PeerFront(name, [], log_path, port, rp=rp, engine_of=engine_of)
 
     def ledger(self, eid: str) -> Path:
         return self.dir / f"ledger-{eid}.txt"
 
     def start(self) -> None:
+        fronts = f"{self.a.router} replicas" if self.peer else "gateways"
         log(f"starting Redis + Sentinel, {len(self.coordinators)} coordinators, "
-            f"{len(self.engines)} engines, {len(self.gateways)} gateways")  # fmt: skip
+            f"{len(self.engines)} engines, {len(self.gateways)} {fronts}")  # fmt: skip
         self.redis.start()
         for r in [*self.coordinators, *self.engines.values()]:
             r.start()
@@ -411,7 +504,14 @@ class Stack:
         for g in self.gateways:
             g.start()
         for g in self.gateways:
-            wait_for(lambda g=g: healthy(g.url), 60, f"gateway {g.name}")
+            if isinstance(g, PeerFront):  # at first, every engine registered and healthy
+                from redisbal.bench.peer_routers import RouterError
+
+                try:
+                    g.rp.wait_ready(60)
+                except RouterError as exc:
+                    raise SystemExit(f"chaos: {exc}") from None
+            wait_for(g.ready, 60, f"front end {g.name}")
             g.up = True
 
     def stop(self) -> None:
@@ -454,8 +554,9 @@ def proc_figures(pid: int) -> tuple[float, int] | None:
 
 
 class Observer:
-    """Samples on a thread: the stored snapshot (every 0.2 s), the gateways' decisions
-    per engine (every second) and their RSS and fds (every ``proc_every_s``)."""
+    """Samples on a thread: the stored snapshot (every 0.2 s), the front ends' decisions
+    per engine by their /metrics (every second; where it counts them) and their RSS and
+    fds (every ``proc_every_s``)."""
 
     def __init__(self, stack: Stack, proc_every_s: float) -> None:
         self.stack = stack
@@ -464,9 +565,9 @@ class Observer:
         self.snapshots: list[tuple[float, str, int, frozenset[str]]] = []
         # (time, lease owner, lease valid) every 0.2 s
         self.leases: list[tuple[float, str, bool]] = []
-        # (time, gateway, decisions per engine)
+        # (time, front end, decisions per engine)
         self.decisions: list[tuple[float, str, dict[str, float]]] = []
-        # gateway -> [(seconds from the start, pid, RSS MB, fds)]
+        # front end -> [(seconds from the start, pid, RSS MB, fds)]
         self.procs: dict[str, list[tuple[float, int, float, int]]] = collections.defaultdict(list)
         self._stop = threading.Event()
         self.t0 = time.time()
@@ -518,9 +619,9 @@ class Observer:
                 if not g.up:
                     continue
                 with contextlib.suppress(OSError, ValueError):
-                    text = get_text(g.url + "/metrics")
-                    per = metric_by_label(text, "redisbal_gateway_decisions_total", "engine")
-                    self.decisions.append((now, g.name, per))
+                    per = g.decisions()
+                    if per is not None:
+                        self.decisions.append((now, g.name, per))
             if now >= next_proc:
                 next_proc = now + self.proc_every_s
                 for g in self.stack.gateways:
@@ -531,9 +632,11 @@ class Observer:
                                 (round(now - self.t0, 1), g.proc.pid, round(fig[0], 1), fig[1])
                             )
 
-    def decisions_to(self, engine: str, t0: float, t1: float) -> int:
-        """The gateways' decisions for ``engine`` between t0 and t1 (a restarted gateway's
-        counters start from 0 again)."""
+    def decisions_to(self, engine: str, t0: float, t1: float) -> int | None:
+        """The front ends' decisions for ``engine`` between t0 and t1 by their /metrics (a
+        restarted one's counters start from 0 again); None where they count none."""
+        if not self.decisions:
+            return None
         total = 0.0
         last: dict[str, float] = {}
         for t, g, per in list(self.decisions):
@@ -697,7 +800,9 @@ class Fault:
     ended: float = 0.0
     recovered: float | None = None
     note: str = ""
-    decisions: int | None = None
+    applies: bool = True  # False: nothing in front of the engines uses what it hit (n/a)
+    decisions: int | None = None  # requests that reached the faulty engine (its ledger)
+    front_decisions: int | None = None  # the front ends' decisions to it (their /metrics)
 
     def row(self, t0: float, obs: Observer) -> dict[str, Any]:
         rec = None if self.recovered is None else round(self.recovered - self.ended, 2)
@@ -707,9 +812,14 @@ class Fault:
             "start_s": round(self.started - t0, 1) if self.started else None,
             "end_s": round(self.ended - t0, 1) if self.ended else None,
             "decisions_while_faulty": self.decisions,
+            "front_decisions_while_faulty": self.front_decisions,
+            "applies": self.applies,
             "recovery_s": rec,
             "bound_s": BOUND_S[self.kind],
-            "recovered_in_bound": rec is not None and rec <= BOUND_S[self.kind],
+            # None: not applicable, neither recovered nor not
+            "recovered_in_bound": (rec is not None and rec <= BOUND_S[self.kind])
+            if self.applies
+            else None,
             "note": self.note,
         }
 
@@ -734,6 +844,11 @@ class Chaos:
         self.gateway_lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self.errors: list[str] = []
+        # why a Redis or coordinator fault is not applicable with a peer router in front
+        self.no_redis = (
+            f"{stack.a.router} reads no Redis and has no coordinator "
+            "(the fault hit only the engines' reporters)"
+        )
 
     def start(self) -> None:
         for f in self.faults:
@@ -811,7 +926,7 @@ class Chaos:
             else:
                 post_json(e.url + "/sim/fault", {"mode": "none"})
             f.ended = time.time()
-            f.decisions = self.obs.decisions_to(eid, f.started + 1.0, f.ended + 1.0)
+            f.front_decisions = self.obs.decisions_to(eid, f.started + 1.0, f.ended + 1.0)
             log(f"fault {f.kind} on {eid} ended")
         finally:
             with self.lock:
@@ -855,7 +970,7 @@ class Chaos:
         time.sleep(f.hold)
         g.start()
         f.ended = time.time()
-        wait_for(lambda: healthy(g.url), 60, f"gateway {g.name} back")
+        wait_for(g.ready, 60, f"front end {g.name} back")
         g.up = True
 
         def answered() -> float | None:
@@ -877,6 +992,9 @@ class Chaos:
         restarted = time.time()
         c.start()
         f.ended = f.started  # recovery counts from the kill: the other one takes over
+        if self.stack.peer:
+            f.applies, f.note = False, "; ".join(filter(None, ("n/a: " + self.no_redis, f.note)))
+            return
 
         def held_again() -> float | None:
             for t, owner, valid in list(self.obs.leases):
@@ -895,6 +1013,9 @@ class Chaos:
         else:
             f.started = self.stack.redis.restart_empty()
         f.ended = f.started
+        if self.stack.peer:
+            f.applies, f.note = False, "; ".join(filter(None, ("n/a: " + self.no_redis, f.note)))
+            return
 
         def whole(_ep: str, _v: int, engines: frozenset[str]) -> bool:
             serving = {e for e, r in self.stack.engines.items() if r.up and not r.stopped}
@@ -910,10 +1031,13 @@ def classify(
     results: list[Result], faults: list[Fault], ledgers: dict[str, list[tuple[float, str, str]]]
 ) -> dict[str, Any]:
     arrivals: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)
+    reached: dict[str, set[str]] = collections.defaultdict(set)
     for eid, rows in ledgers.items():
         for t, event, rid in rows:
             if event == "arrive":
                 arrivals[rid].append((eid, t))
+            elif event == "reach":
+                reached[rid].add(eid)
     at_fault = 0
     causes: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
@@ -925,7 +1049,8 @@ def classify(
         errors[r.error[:50]] += 1
         failures.append({"id": r.rid, "gateway": r.gateway, "sent_s": round(r.sent - t0, 2),
                          "ended_s": round(r.ended - t0, 2), "error": r.error,
-                         "engines": [e for e, _ in arrivals[r.rid]]})  # fmt: skip
+                         "engines": [e for e, _ in arrivals[r.rid]],
+                         "reached": sorted(reached[r.rid])})  # fmt: skip
         hit = False
         for f in faults:
             if not f.started or not r.sent <= f.started <= r.ended:
@@ -941,8 +1066,8 @@ def classify(
             at_fault += 1
             continue
         # the engine it reached while that engine was faulty (a status fault answers
-        # before the ledger sees the request: its answer names the engine)
-        touched = {e for e, _ in arrivals[r.rid]}
+        # before the engine takes the request in: its ledger's reach, or its answer, names it)
+        touched = {e for e, _ in arrivals[r.rid]} | reached[r.rid]
         cause = "other"
         for f in faults:
             end = f.ended or r.ended
@@ -975,6 +1100,24 @@ def classify(
             max((r.longest_wait for r in results if r.ok), default=0.0), 2
         ),
     }
+
+
+def reached_while_faulty(
+    results: list[Result], ledgers: dict[str, list[tuple[float, str, str]]], faults: list[Fault]
+) -> None:
+    """Each engine fault's ``decisions``: the requests sent after its first second and
+    before its end that reached the faulty engine (its ledger's reach, whenever the engine
+    read them: a stopped one reads them at SIGCONT). A killed engine reads nothing: n/a."""
+    sent = {r.rid: r.sent for r in results}
+    for f in faults:
+        if f.kind not in ENGINE_FAULTS or f.kind == "engine_kill" or not f.ended:
+            continue
+        ids = {
+            rid
+            for _t, event, rid in ledgers.get(f.target, [])
+            if event == "reach" and f.started + 1.0 < sent.get(rid, 0.0) <= f.ended
+        }
+        f.decisions = len(ids)
 
 
 def access_lines(stack: Stack) -> dict[str, list[dict[str, Any]]]:
@@ -1101,7 +1244,7 @@ def leftovers(stack: Stack, settle_s: float) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for g in stack.gateways:
             with contextlib.suppress(OSError):
-                out[g.name] = gauge(get_text(g.url + "/metrics"), "redisbal_gateway_inflight")
+                out[g.name] = g.inflight()
         for eid, e in stack.engines.items():
             with contextlib.suppress(OSError):
                 st = orjson.loads(get_text(e.url + "/sim/state"))
@@ -1128,7 +1271,10 @@ def table(report: dict[str, Any]) -> str:
     q = report["requests"]
     s = report["served"]
     acc = report["access_log"]
+    n = report["args"]["gateways"]
+    front = report["front_end"]
     lines = [
+        f"front end: {front} ({n} {'gateways' if front == 'redisbal' else 'replicas'})",
         f"requests: sent {q['sent']}, answered {q['answered']}, failed {q['failed']} "
         f"(in flight at a fault {q['in_flight_at_fault']}, avoidable {q['avoidable']})",
         f"avoidable by cause: {q['avoidable_by_cause']}",
@@ -1140,21 +1286,30 @@ def table(report: dict[str, Any]) -> str:
         f"delivered twice {s['delivered_twice']}, executed but not answered "
         f"{s['executed_not_answered']}",
         f"left in flight at the end: {report['left_in_flight']['total']}",
-        f"access log: {acc['lines']} lines for {q['sent']} requests: missing {acc['missing']}, "
-        f"twice {acc['twice']}, not sent {acc['not_sent']}; ok {acc['logged_ok']} (client: "
-        f"answered {acc['client_answered']}); failed {acc['logged_failed_by_status_outcome']} "
-        f"(client, by status: {acc['client_failed_by_status']}); disagree {acc['disagree']}",
+        "access log: n/a (the gateways' access log; a peer router is not checked)"
+        if acc is None
+        else f"access log: {acc['lines']} lines for {q['sent']} requests: missing "
+        f"{acc['missing']}, twice {acc['twice']}, not sent {acc['not_sent']}; ok "
+        f"{acc['logged_ok']} (client: answered {acc['client_answered']}); failed "
+        f"{acc['logged_failed_by_status_outcome']} (client, by status: "
+        f"{acc['client_failed_by_status']}); disagree {acc['disagree']}",
         "",
-        "| fault | target | at s | ended s | decisions to it while faulty | recovery s "
-        "| bound s | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fault | target | at s | ended s | decisions to it while faulty (its ledger) "
+        "| (the front end's /metrics) | recovery s | bound s | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(f: dict[str, Any], key: str) -> str:
+        if f[key] is not None:
+            return str(f[key])
+        return "n/a" if f["kind"] in ENGINE_FAULTS else "-"  # (no engine: nothing to count)
+
     for f in report["faults"]:
         rec = "not recovered" if f["recovery_s"] is None else f["recovery_s"]
         lines.append(
             f"| {f['kind']} | {f['target']} | {f['start_s']} | {f['end_s']} | "
-            f"{'-' if f['decisions_while_faulty'] is None else f['decisions_while_faulty']} | "
-            f"{rec} | {f['bound_s']} | {f['note']} |"
+            f"{cell(f, 'decisions_while_faulty')} | {cell(f, 'front_decisions_while_faulty')} | "
+            f"{rec if f['applies'] else 'n/a'} | {f['bound_s']} | {f['note']} |"
         )
     lines.append("")
     for g, p in report["gateways_proc"].items():
@@ -1211,7 +1366,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         ledgers = read_ledgers(stack)
         requests = classify(load.results, faults, ledgers)
         srv = served(load.results, ledgers, faults)
-        acc = access_log(load.results, access_lines(stack))
+        acc = None if stack.peer else access_log(load.results, access_lines(stack))
+        reached_while_faulty(load.results, ledgers, faults)
         rows = [f.row(t0, obs) for f in faults]
         report = {
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
@@ -1219,6 +1375,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "command": " ".join(["scripts/chaos.py", *sys.argv[1:]]),
             "machine": {"cores": os.cpu_count(), "load_avg_start_end": load_avg},
             "args": {k: v for k, v in vars(a).items() if k != "cmd"},
+            "front_end": a.router,
             "requests": requests,
             "served": srv,
             "faults": rows,
@@ -1234,11 +1391,18 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "none_delivered_twice": srv["delivered_twice"] == 0,
             "none_executed_twice": srv["executed_twice"] == 0,
             "nothing_left_in_flight": left["total"] == 0,
-            "every_fault_recovered_in_bound": all(r["recovered_in_bound"] for r in rows),
+            # (a fault not applicable, None, is neither)
+            "every_fault_recovered_in_bound": all(
+                r["recovered_in_bound"] is not False for r in rows
+            ),
             "no_harness_errors": not chaos.errors,
-            "one_access_line_each": acc["missing"] == acc["twice"] == acc["not_sent"] == 0,
-            "access_log_adds_up": acc["disagree"] == 0
-            and acc["logged_ok"] == acc["client_answered"],
+            # None: n/a (a peer router in front: no access log of ours)
+            "one_access_line_each": None
+            if acc is None
+            else acc["missing"] == acc["twice"] == acc["not_sent"] == 0,
+            "access_log_adds_up": None
+            if acc is None
+            else acc["disagree"] == 0 and acc["logged_ok"] == acc["client_answered"],
         }
         return report
     finally:
@@ -1278,7 +1442,18 @@ def main() -> None:
     ap.add_argument("--request-timeout-s", type=float, default=120.0)
     ap.add_argument("--drain-s", type=float, default=150.0)
     ap.add_argument("--settle-s", type=float, default=20.0)
-    ap.add_argument("--gateway-args", default="", help="more flags for every gateway")
+    ap.add_argument(
+        "--router",
+        default="redisbal",
+        help="what stands in front of the engines: redisbal (gateways) or a real peer router, "
+        "ROUTER:POLICY (vllm-router:power_of_two, sglang-router:cache_aware, ...)",
+    )
+    ap.add_argument(
+        "--routers-venv", default=None, help="the peer routers' venv (installed on first use)"
+    )
+    ap.add_argument(
+        "--gateway-args", default="", help="more flags for every gateway (or peer router replica)"
+    )
     a = ap.parse_args()
     a.duration = a.duration or (60.0 if a.short else 600.0)
     a.rate = a.rate or (8.0 if a.short else 15.0)
@@ -1293,6 +1468,17 @@ def main() -> None:
         ap.error("need 1-8 gateways, at least 4 engines and a coordinator")
     if a.rate <= 0 or a.duration <= 0:
         ap.error("--rate and --duration must be positive")
+    if a.router != "redisbal":
+        from redisbal.bench import peer_routers
+
+        if a.router not in peer_routers.NAMES:
+            ap.error(f"--router {a.router!r}: redisbal or one of {', '.join(peer_routers.NAMES)}")
+        try:  # (a policy on the engines' KV events: these engines publish none)
+            peer_routers.split_name_without_events(a.router)
+            venv = peer_routers.install(Path(a.routers_venv) if a.routers_venv else None, log)
+        except (peer_routers.RouterError, OSError, subprocess.CalledProcessError) as exc:
+            ap.error(f"--router: {exc}")
+        a.routers_venv = str(venv)
     report = run(a)
     Path(a.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(table(report))

@@ -62,6 +62,13 @@ POLICIES = {
 }
 NAMES = tuple(f"{r}:{p}" for r, ps in POLICIES.items() for p in ps)
 KV_EVENT_POLICIES = frozenset({"vllm-router:kv_aware"})  # fed by the engines' KV events
+# what each router's /metrics says per worker: its requests in flight (a gauge), and its
+# routing decisions (a counter; sglang-router 0.3.2 counts its decisions per policy only)
+INFLIGHT_METRIC = {
+    "vllm-router": "vllm_router_running_requests",
+    "sglang-router": "smg_worker_requests_active",
+}
+DECISIONS_METRIC = {"vllm-router": "vllm_router_policy_decisions_total"}
 METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", re.M)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -207,10 +214,11 @@ class RouterProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        """Start the process (again: a restarted replica appends to its predecessor's log)."""
         router, policy = split_name(self.name)
         cmd = command(router, policy, self.exe, self.port, self.metrics_port, self.workers)
         cmd += self.args
-        with open(self.log, "wb") as fh:
+        with open(self.log, "ab") as fh:
             self.proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
@@ -236,6 +244,36 @@ class RouterProcess:
         except (OSError, ValueError):
             return False
         return len(ws) == len(self.workers) and all(w.get("is_healthy") for w in ws)
+
+    def serving(self) -> bool:
+        """Its readiness probe passes (``/readiness`` answers 200): up, with workers to send
+        to, though not necessarily all of them healthy (``ready`` wants every one)."""
+        try:
+            _get(self.url + "/readiness", timeout=1.0)
+        except OSError:  # (an HTTPError, a 503, is one)
+            return False
+        return True
+
+    def per_worker(self, metric: str) -> dict[str, float]:
+        """One metric of its /metrics now, summed by worker URL (an OSError if it is down)."""
+        text = _get(f"http://127.0.0.1:{self.metrics_port}/metrics").decode()
+        out: dict[str, float] = {}
+        for n, lab, v in parse_metrics(text):
+            if n == metric and "worker" in lab:
+                out[lab["worker"]] = out.get(lab["worker"], 0.0) + v
+        return out
+
+    def inflight(self) -> float:
+        """Its requests in flight now, over every worker (its own gauge)."""
+        router, _ = split_name(self.name)
+        return sum(self.per_worker(INFLIGHT_METRIC[router]).values())
+
+    def decisions(self) -> dict[str, float] | None:
+        """Its routing decisions so far by worker URL; None where its /metrics has no
+        per-worker count (sglang-router)."""
+        router, _ = split_name(self.name)
+        metric = DECISIONS_METRIC.get(router)
+        return None if metric is None else self.per_worker(metric)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
