@@ -33,6 +33,7 @@ from support.helpers import await_until, cache_core
 from support.kv_events import following
 from support.procs import free_port_block
 
+from redisbal.errors import MalformedData
 from redisbal.integrations.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -154,6 +155,14 @@ def test_salted_and_host_tier_pages_are_not_counted() -> None:
     assert not t.anchors and t.stats.skipped == 32
     t.apply(decode_message(frames(1, node_stored(SYSTEM)))[1])
     assert list(t.anchors) == anchors(chain_hashes(SYSTEM))
+
+
+def test_eagle_s_token_pair_keys_are_refused_as_malformed() -> None:
+    """With EAGLE, SGLang's radix cache keys pages by token pairs, and its events carry
+    the pairs as token ids: no view can be named from them."""
+    pairs = [[t, t + 1] for t in SYSTEM[:PAGE]]
+    with pytest.raises(MalformedData, match="token_ids"):
+        decode_message(frames(0, [["BlockStored", [5], None, pairs, PAGE, None, "GPU"]]))
 
 
 async def test_pages_smaller_than_our_block_are_skipped_and_said_once(
