@@ -14,6 +14,20 @@ under ``"type"`` (vLLM 0.32; fields with their default value left out):
 Earlier releases sent each event as a tagged array in the same field order
 (``["BlockStored", block_hashes, parent_block_hash, ...]``); both are read.
 
+SGLang (``--kv-events-config``, ``sglang/srt/disaggregation/kv_events.py``) publishes
+the same frames, seq and replay protocol, with tagged arrays only:
+
+- the batch is ``[ts, events]`` or ``[ts, events, attn_dp_rank]`` (by release),
+- ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+  medium]`` (``medium``, ``"GPU"`` or a host tier such as ``"CPU_PINNED"``, absent in
+  early releases), one page a block (``block_size`` = its ``--page-size``, 1 by
+  default), block hashes signed 64-bit ints; a block stored under a cache salt carries
+  one more field, a map ``{"cache_salt": salt}``,
+- ``["BlockRemoved", block_hashes, medium]`` and ``["AllBlocksCleared"]``.
+
+A salted block is reused only by requests with the same salt, which routers do not
+see: it is skipped and counted, as LoRA blocks are.
+
 An optional ROUTER socket replays the batches it still buffers: a DEALER sends
 ``["", start_seq]`` and gets ``["", seq, payload]`` for each, then ``["", -1, ""]``.
 
@@ -105,6 +119,7 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    cache_salt: str | None = None  # SGLang's salted blocks (its metadata map)
 
 
 @dataclass(frozen=True)
@@ -196,6 +211,9 @@ def _event(raw: Any) -> Event | object:
         if names is None:
             return UNKNOWN
         d: dict[str, Any] = dict(zip(names, f, strict=False))  # extra trailing fields: newer
+        meta = f[len(names)] if tag == "BlockStored" and len(f) > len(names) else None
+        if isinstance(meta, dict):  # SGLang's salted blocks: {"cache_salt": salt}
+            d["cache_salt"] = meta.get("cache_salt")
     elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
         tag, d = raw["type"], raw
     else:
@@ -213,7 +231,7 @@ def _event(raw: Any) -> Event | object:
             raise MalformedData(
                 f"BlockStored: {len(tokens)} token ids for {len(hashes)} blocks of {size}"
             )
-        lora, medium = d.get("lora_id"), d.get("medium")
+        lora, medium, salt = d.get("lora_id"), d.get("medium"), d.get("cache_salt")
         return BlockStored(
             hashes,
             _opt_hash(d.get("parent_block_hash")),
@@ -221,6 +239,7 @@ def _event(raw: Any) -> Event | object:
             size,
             lora if isinstance(lora, int) else None,
             medium if isinstance(medium, str) else None,
+            salt if isinstance(salt, str) else None,
         )
     if tag == "BlockRemoved":
         medium = d.get("medium")
@@ -337,6 +356,7 @@ class EngineTracker:
         self.anchors: OrderedDict[int, int] = OrderedDict()  # anchor -> references
         self.pending = Delta(cleared=True)  # a new subscriber knows nothing yet
         self.stats = TrackerStats()
+        self.misfit: int | None = None  # an engine block size not a multiple of ours
 
     def check_seq(self, seq: int) -> str:
         """ "next", "first", "gap" (batches missed) or "restart" (seq went backwards)."""
@@ -369,8 +389,11 @@ class EngineTracker:
 
     def _store(self, ev: BlockStored) -> None:
         n = len(ev.block_hashes)
+        if ev.block_size % self.block_size:
+            self.misfit = ev.block_size  # (said once by the subscriber)
         if (
             ev.lora_id is not None  # LoRA blocks differ from the base model's: not ours
+            or ev.cache_salt is not None  # likewise salted ones (SGLang)
             or ev.medium not in (None, "GPU")  # offloaded copies: the GPU's view only
             or ev.block_size % self.block_size
         ):
@@ -583,6 +606,16 @@ class Subscriber:
             )
             tracker.clear()
         tracker.apply(batch)
+        if tracker.misfit is not None:
+            self._once(
+                f"misfit:{source.engine_id}",
+                "kv-events: %s: its blocks of %d tokens are not a multiple of --block-size "
+                "%d: skipped (counted; logged once). Give the engine a block size that is "
+                "(vLLM --block-size, SGLang --page-size)",
+                source.engine_id,
+                tracker.misfit,
+                tracker.block_size,
+            )
         if batch.unknown:
             self._once(
                 f"unknown:{source.engine_id}",
@@ -798,14 +831,14 @@ class Subscriber:
     required=True,
     metavar="ENGINE_ID=ENDPOINT",
     help="An engine and its KV-event publisher, e.g. e0=tcp://vllm-0:5557 (repeat for "
-    "several engines; vLLM's --kv-events-config endpoint, seen from here).",
+    "several engines; vLLM's or SGLang's --kv-events-config endpoint, seen from here).",
 )
 @click.option(
     "--replay",
     "replays",
     multiple=True,
     metavar="ENGINE_ID=ENDPOINT",
-    help="That engine's replay socket (vLLM's replay_endpoint): missed batches are "
+    help="That engine's replay socket (its replay_endpoint): missed batches are "
     "fetched from it instead of clearing the engine's view.",
 )
 @click.option(
@@ -813,8 +846,8 @@ class Subscriber:
     type=click.IntRange(1, 4096),
     default=BLOCK_TOKENS,
     show_default=True,
-    help="Tokens per block of the routers' cache view (the engines' block size must be "
-    "a multiple of it).",
+    help="Tokens per block of the routers' cache view (the engines' block size, "
+    "SGLang's page size, must be a multiple of it).",
 )
 @click.option(
     "--max-anchors",
@@ -826,7 +859,7 @@ class Subscriber:
 def kv_events_command(
     sources: tuple[str, ...], replays: tuple[str, ...], block_size: int, max_anchors: int
 ) -> None:
-    """Follow engines' KV-cache events (vLLM's ZeroMQ publisher) into Redis."""
+    """Follow engines' KV-cache events (vLLM's or SGLang's ZeroMQ publisher) into Redis."""
     s = settings()
     url = s.require_url()
     try:

@@ -60,7 +60,7 @@ EXTERNAL_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "kv-events": (
         "redisbal.integrations.kv_events:kv_events_command",
-        "Follow engines' KV-cache events (vLLM's ZeroMQ publisher) into Redis.",
+        "Follow engines' KV-cache events (vLLM's or SGLang's ZeroMQ publisher) into Redis.",
     ),
     "loadgen": (
         "redisbal.bench.loadgen:loadgen",

@@ -11,15 +11,13 @@ from collections.abc import AsyncIterator, Callable
 
 import openai
 import pytest
-import redis.asyncio
 from support.gateway_stack import FAST, MODEL
 from support.helpers import await_until
+from support.kv_events import following
 from support.procs import free_port_block
 
 from redisbal.integrations.kv_events import Source, Subscriber
-from redisbal.keys import DeploymentKeys
-from redisbal.routing.cache_sync import sync_view
-from redisbal.routing.cache_view import CacheView, anchors, chain_hashes
+from redisbal.routing.cache_view import anchors, chain_hashes
 from redisbal.sim.http_engine import HttpEngine
 from redisbal.sim.kv_publisher import Publisher, PublishingCache
 from redisbal.sim.peer_router_endpoints import token_ids
@@ -52,36 +50,6 @@ async def ask(engine: HttpEngine, prompt: str) -> None:
         await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     finally:
         await client.close()
-
-
-@contextlib.asynccontextmanager
-async def following(
-    redis_url: str, deployment: str, sources: list[Source]
-) -> AsyncIterator[tuple[Subscriber, CacheView]]:
-    """A subscriber writing to Redis, and a router's view kept fresh from another
-    connection (as a router's loop does)."""
-    writer = redis.asyncio.Redis.from_url(redis_url)
-    reader = redis.asyncio.Redis.from_url(redis_url)
-    sub = Subscriber(writer, deployment, sources, flush_s=0.01)
-    view = CacheView()
-    stop = asyncio.Event()
-
-    async def router() -> None:  # (stopped by the event: a redis-py call cancelled
-        cursor = None  # mid-pipeline can leave its pool's release waiting for ever)
-        while not stop.is_set():
-            cursor = await sync_view(reader, DeploymentKeys(deployment), view, cursor)
-            await asyncio.sleep(0.01)
-
-    run = asyncio.create_task(sub.run(stop))
-    sync = asyncio.create_task(router())
-    try:
-        yield sub, view
-    finally:
-        stop.set()
-        await asyncio.wait_for(run, 30)
-        await asyncio.wait_for(sync, 30)
-        await writer.aclose()
-        await reader.aclose()
 
 
 async def subscribed(

@@ -5,9 +5,7 @@ the view is filled directly, as a reader from Redis fills it)."""
 
 from __future__ import annotations
 
-import random
-
-from support.helpers import make_snapshot
+from support.helpers import cache_core, make_snapshot
 
 from redisbal.routing.cache_view import anchors, chain_hashes
 from redisbal.routing.policies import RedisbalPolicy
@@ -16,16 +14,6 @@ from redisbal.routing.router_core import RouterCore
 ENGINES = [f"e{i}" for i in range(8)]
 SLACK = int(RedisbalPolicy.cache_slack)  # what a whole cached prompt is worth, in requests
 PROMPT = chain_hashes(list(range(16 * 32)))  # a 512-token prompt: 32 blocks, 8 anchors
-
-
-def core_with(
-    loads: dict[str, tuple[int, int]], kv: dict[str, float] | None = None, seed: int = 0
-) -> RouterCore:
-    core = RouterCore(0, 1, rng=random.Random(seed))
-    adm = {e: (0,) for e in loads}
-    core.apply_snapshot(make_snapshot(loads, admitted=adm, kv=kv))
-    core.connected = True
-    return core
 
 
 def hold(core: RouterCore, engine: str, blocks: list[int]) -> None:
@@ -40,7 +28,7 @@ def even(running: int = 10) -> dict[str, tuple[int, int]]:
 def test_the_holder_takes_a_request_within_the_slack_its_match_earns() -> None:
     # the holder runs SLACK - 1 more than every other engine: a whole prompt saved is
     # worth SLACK requests, so it takes the request
-    core = core_with({**even(10), "e5": (0, 10 + SLACK - 1)})
+    core = cache_core({**even(10), "e5": (0, 10 + SLACK - 1)})
     hold(core, "e5", PROMPT)
     d = core.route(blocks=PROMPT, prompt_tokens=512)
     assert d.engine_id == "e5" and d.cached == len(PROMPT)
@@ -50,7 +38,7 @@ def test_the_holder_takes_a_request_within_the_slack_its_match_earns() -> None:
 def test_a_small_share_saved_earns_a_small_slack() -> None:
     # the same load difference, but the match covers a quarter of the prompt: worth a
     # quarter of the slack, so the request goes by load
-    core = core_with({**even(10), "e5": (0, 10 + SLACK - 1)})
+    core = cache_core({**even(10), "e5": (0, 10 + SLACK - 1)})
     hold(core, "e5", PROMPT[:8])
     d = core.route(blocks=PROMPT, prompt_tokens=512)
     assert d.engine_id != "e5" and d.cached == 0
@@ -59,17 +47,17 @@ def test_a_small_share_saved_earns_a_small_slack() -> None:
 
 def test_the_holder_with_room_now_takes_it_whatever_its_load() -> None:
     kv = {e: 0.2 for e in ENGINES}
-    core = core_with({**even(2), "e5": (0, 2 + SLACK + 2)}, kv=kv)
+    core = cache_core({**even(2), "e5": (0, 2 + SLACK + 2)}, kv=kv)
     hold(core, "e5", PROMPT)
     assert core.route(blocks=PROMPT, prompt_tokens=512).engine_id == "e5"
     # no room (its KV cache nearly full) and beyond the slack: the least loaded takes it
-    full = core_with({**even(2), "e5": (0, 2 + SLACK + 2)}, kv={**kv, "e5": 0.95})
+    full = cache_core({**even(2), "e5": (0, 2 + SLACK + 2)}, kv={**kv, "e5": 0.95})
     hold(full, "e5", PROMPT)
     assert full.route(blocks=PROMPT, prompt_tokens=512).engine_id != "e5"
 
 
 def test_a_popular_prefix_spreads_when_its_holder_is_loaded() -> None:
-    core = core_with({**even(10), "e5": (SLACK + 2, 10)})  # the holder queues, beyond the slack
+    core = cache_core({**even(10), "e5": (SLACK + 2, 10)})  # the holder queues, beyond the slack
     hold(core, "e5", PROMPT)
     first = core.route(blocks=PROMPT, prompt_tokens=512)
     assert first.engine_id != "e5" and first.cached == 0
@@ -82,14 +70,14 @@ def test_a_popular_prefix_spreads_when_its_holder_is_loaded() -> None:
 
 
 def test_among_holders_of_one_depth_the_least_loaded() -> None:
-    core = core_with({**even(10), "e2": (0, 12), "e5": (0, 11), "e6": (0, 11)})
+    core = cache_core({**even(10), "e2": (0, 12), "e5": (0, 11), "e6": (0, 11)})
     for e in ("e2", "e5"):
         hold(core, e, PROMPT)
     assert core.route(blocks=PROMPT, prompt_tokens=512).engine_id == "e5"
 
 
 def test_the_deepest_match_wins() -> None:
-    core = core_with(even(10))
+    core = cache_core(even(10))
     hold(core, "e1", PROMPT[:8])
     hold(core, "e2", PROMPT[:24])
     hold(core, "e3", PROMPT[:16])
@@ -98,7 +86,7 @@ def test_the_deepest_match_wins() -> None:
 
 
 def test_a_shallower_holder_takes_it_when_the_deepest_one_is_loaded() -> None:
-    core = core_with({**even(10), "e2": (SLACK + 2, 10), "e1": (0, 10)})
+    core = cache_core({**even(10), "e2": (SLACK + 2, 10), "e1": (0, 10)})
     hold(core, "e2", PROMPT)
     hold(core, "e1", PROMPT[:28])
     d = core.route(blocks=PROMPT, prompt_tokens=512)
@@ -106,14 +94,14 @@ def test_a_shallower_holder_takes_it_when_the_deepest_one_is_loaded() -> None:
 
 
 def test_a_prompt_no_engine_holds_the_root_of_goes_by_load() -> None:
-    core = core_with({**even(10), "e5": (0, 11)})
+    core = cache_core({**even(10), "e5": (0, 11)})
     other = chain_hashes([7] * 512)
     hold(core, "e5", other)
     assert core.route(blocks=PROMPT, prompt_tokens=512).cached == 0
 
 
 def test_an_excluded_holder_is_not_chosen() -> None:
-    core = core_with(even(10))
+    core = cache_core(even(10))
     hold(core, "e5", PROMPT)
     core.apply_snapshot(
         make_snapshot(even(10), version=2, admitted={e: (0,) for e in ENGINES}, suspect={"e5": 900})
@@ -123,10 +111,10 @@ def test_an_excluded_holder_is_not_chosen() -> None:
 
 
 def test_a_given_key_keeps_its_engine_and_a_guessed_one_gives_way_to_a_match() -> None:
-    ref = core_with(even(10))
+    ref = cache_core(even(10))
     home = ref.route(key="s").engine_id  # where the ring puts the key
     holder = next(e for e in ENGINES if e != home)
-    core = core_with(even(10))
+    core = cache_core(even(10))
     hold(core, holder, PROMPT)
     given = core.route(key="s", blocks=PROMPT, prompt_tokens=512)
     assert given.engine_id == home and given.cached == 0
@@ -147,13 +135,13 @@ def decisions(core: RouterCore, **kw: object) -> list[str]:
 
 def test_without_blocks_or_a_view_the_choice_is_todays_exactly() -> None:
     loads = {e: (i % 3, 8 + i % 4) for i, e in enumerate(ENGINES)}
-    today = decisions(core_with(loads, seed=4))
-    empty = decisions(core_with(loads, seed=4), blocks=PROMPT, prompt_tokens=512)
-    filled = core_with(loads, seed=4)
+    today = decisions(cache_core(loads, seed=4))
+    empty = decisions(cache_core(loads, seed=4), blocks=PROMPT, prompt_tokens=512)
+    filled = cache_core(loads, seed=4)
     for e in ENGINES:
         hold(filled, e, chain_hashes([hash(e) % 1000] * 512))
     no_blocks = decisions(filled, prompt_tokens=512)
-    unmatched = core_with(loads, seed=4)
+    unmatched = cache_core(loads, seed=4)
     for e in ENGINES:
         hold(unmatched, e, chain_hashes([hash(e) % 1000] * 512))
     no_match = decisions(unmatched, blocks=PROMPT, prompt_tokens=512)
@@ -165,7 +153,7 @@ def test_a_prefix_spreads_as_its_traffic_grows_and_load_stays_even() -> None:
     """Requests of one prefix that stay in flight: its holder takes them until it is the
     slack above the rest, then the least loaded does and caches it too; the load
     never parts by more than the slack, and the prefix ends up on every engine."""
-    core = core_with(even(10))
+    core = cache_core(even(10))
     hold(core, "e0", PROMPT)
     holders_over_time = []
     for _ in range(len(ENGINES) * (SLACK + 1)):

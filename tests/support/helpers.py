@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import inspect
+import random
 import re
 import socket
 import threading
@@ -29,6 +30,7 @@ from redisbal.barrier.record import format_record, parse_record
 from redisbal.barrier.snapshot import EngineCounts, Snapshot
 from redisbal.keys import BARRIER_FIELDS, DeploymentKeys, is_engine_field
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
+from redisbal.routing.router_core import RouterCore
 
 T = TypeVar("T")
 STEP_SPAN = 2**32
@@ -512,3 +514,15 @@ def make_snapshot(
         **fields,
     }
     return Snapshot.from_json(orjson.dumps(doc))
+
+
+def cache_core(
+    loads: dict[str, tuple[int, int]], kv: dict[str, float] | None = None, seed: int = 0
+) -> RouterCore:
+    """A connected RouterCore on a snapshot of ``loads`` (engine -> (waiting,
+    running)), every engine admitting: what the cache-routing tests fill a view into."""
+    core = RouterCore(0, 1, rng=random.Random(seed))
+    adm = {e: (0,) for e in loads}
+    core.apply_snapshot(make_snapshot(loads, admitted=adm, kv=kv))
+    core.connected = True
+    return core
