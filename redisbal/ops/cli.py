@@ -21,13 +21,13 @@ import orjson
 
 from redisbal import __version__
 from redisbal.config import LEASE_TTL, SETTINGS, CoordinatorConfig
-from redisbal.connection import make_client
 from redisbal.endpoints import InvalidURL
 from redisbal.keys import InvalidName, check_name
 from redisbal.ops.cli_options import (
     DURATION_UNTIL_SIGNAL,
     FiniteFloat,
     check_reachable,
+    command_client,
     common_options,
     option,
     redis_errors,
@@ -301,8 +301,8 @@ def status(watch: float | None, as_json: bool) -> None:
 
     s = settings()
     url = s.require_url()
-    with redis_errors(url):  # a sync cluster client connects when made
-        client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    with redis_errors(url):
+        client = command_client(url)
     seen: set[str] = set()
     try:
         with redis_errors(url):
@@ -345,8 +345,8 @@ def load_functions() -> None:
 
     s = settings()
     url = s.require_url()
-    with redis_errors(url):  # a sync cluster client connects when made
-        client = make_client(url, socket_connect_timeout=2.0, socket_timeout=5.0)
+    with redis_errors(url):
+        client = command_client(url, socket_timeout=5.0)
     try:
         with redis_errors(url):
             major = int(str(client.info("server")["redis_version"]).split(".")[0])
