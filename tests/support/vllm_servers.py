@@ -134,6 +134,14 @@ class VllmServer:
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
+# A bound for one `redisbal status` that only catches a hang. The command needs about
+# 0.3 s of CPU; beside three vLLM servers (one restarting), the gateway, the load and
+# two busy loops on 2 cores one run took over 30 s, killed in the interpreter's final
+# garbage collection after it had printed its JSON: slow, not hung (its own calls to
+# Redis each wait at most 2 s, tests/ops/test_errors.py).
+STATUS_BOUND_S = 180.0
+
+
 def status(redis_url: str, deployment: str) -> dict[str, dict[str, Any]]:
     """``redisbal status --json``, as a user runs it: engine id -> its row."""
     out = subprocess.run(
@@ -141,7 +149,7 @@ def status(redis_url: str, deployment: str) -> dict[str, dict[str, Any]]:
         env=scrubbed_env({"REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}),
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=STATUS_BOUND_S,
         check=True,
     )
     return {e["engine"]: e for e in json.loads(out.stdout)["engines"]}
