@@ -1424,7 +1424,7 @@ def main() -> None:
         ep.add_argument("--seed", type=int, default=0)
         engine_main(ep.parse_args(sys.argv[2:]))
         return
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--short", action="store_true",
                     help="about 60 s, every fault once, 2 gateways, a lower rate")  # fmt: skip
     ap.add_argument("--duration", type=float, default=None, help="seconds of load (600; short 60)")
