@@ -49,7 +49,7 @@ def parse(raw: dict[Any, Any]) -> dict[str, int]:
             if not text.isascii() or not text.isdigit():
                 raise InvalidArgument(f"running cap {text[:20]!r} is not a whole number")
             out[check_name(_text(k), "engine id")] = check_running_cap(int(text))
-        except (InvalidName, InvalidArgument) as exc:
+        except (InvalidName, InvalidArgument, UnicodeDecodeError) as exc:  # (not UTF-8 text)
             log.warning("running_caps: ignoring a bad entry: %s", exc)
     return out
 

@@ -48,6 +48,7 @@ ROUTER_COUNTERS = {
     "restarts": "Engines seen with a new incarnation (a restarted process).",
     "all_excluded_routes": "Requests routed while every engine was stalled or suspect.",
     "roster_fetches": "Compact snapshots whose roster was not seen: the stored one was read.",
+    "malformed": "Snapshots ignored as malformed (a field missing or of the wrong type or range).",
 }
 
 

@@ -7,12 +7,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from redisbal.barrier.snapshot import check_total
+from redisbal.barrier.snapshot import MAX_COUNT, check_total
 from redisbal.errors import InvalidReport as InvalidReport
 
 __all__ = ["MODES", "Counts", "InvalidReport"]
 
-MAX_COUNT = 1_000_000_000
 MAX_STEP = 2**32 - 1
 MAX_WAVE = 2**20 - 1
 MAX_CLIENTS = 4096

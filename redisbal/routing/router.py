@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import redis.exceptions
 
-from redisbal.errors import InvalidArgument, InvalidState
+from redisbal.errors import InvalidArgument, InvalidState, MalformedData
 
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
@@ -304,6 +304,7 @@ class AsyncRouter(_LocalRouting):
         self._caps_for: list[Any] | None = None  # core.known when the caps were read
         self._caps_due = 0.0  # loop time the declared caps are read again (_read_caps)
         self._caps_warned = False  # the caps could not be read (an ACL): said once
+        self._malformed_said = ""  # the last malformed snapshot's error logged (_apply)
         self._scripts: Scripts | None = None  # made with the first mark
         self.routes = RoutesChannel(self.core, self.keys.routes, tell_routes)
         self.admission: Admission | None = None
@@ -434,8 +435,15 @@ class AsyncRouter(_LocalRouting):
             snap = Snapshot.from_json(data, self._rosters)
         except RosterUnknown:
             return True
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("router: ignoring malformed snapshot: %s", exc)
+        except MalformedData as exc:  # (from_json checks every field: nothing else is raised)
+            # ignored before any of it is adopted; counted, and said once, not at every
+            # poll that reads it again from the key
+            self.core.counters["malformed"] += 1
+            if str(exc) != self._malformed_said:
+                self._malformed_said = str(exc)
+                log.warning(
+                    "router %d: ignoring a malformed snapshot: %s", self.core.client_index, exc
+                )
             return False
         cur = self.core.snapshot
         dropped = self.core.counters["rejoin_dropped"]

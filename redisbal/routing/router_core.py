@@ -149,6 +149,7 @@ class RouterCore:
             "restarts": 0,  # engines seen with a new incarnation
             "all_excluded_routes": 0,  # routes made while every engine was excluded
             "roster_fetches": 0,  # compact messages whose roster was read from the stored one
+            "malformed": 0,  # snapshots ignored as malformed (Snapshot.from_json refused them)
             "probes": 0,  # requests sent to a probing engine
             "recovered": 0,  # probing engines that answered
             "cache_routes": 0,  # routes that followed a match in cache_view (Decision.cached)

@@ -1,5 +1,6 @@
-"""The compact snapshot form, read and adopted: pure logic (the Lua side that
-publishes it is tested against real servers in tests/barrier/test_compact.py)."""
+"""The compact snapshot form, read and adopted, and the checks of every field of both
+forms where a snapshot is decoded: pure logic (the Lua side that publishes it is
+tested against real servers in tests/barrier/test_compact.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import orjson
 import pytest
 
 from redisbal.barrier.snapshot import EngineCounts, Rosters, RosterUnknown, Snapshot
+from redisbal.errors import MalformedData
 from redisbal.routing.router_core import RouterCore
 from redisbal.routing.state import Decision
 
@@ -114,6 +116,133 @@ def test_a_malformed_compact_snapshot_is_a_value_error(change: dict[str, Any]) -
     bad = orjson.dumps(orjson.loads(compact) | change)
     with pytest.raises(ValueError):
         Snapshot.from_json(bad, Rosters())
+
+
+# every field a reader of a snapshot uses, each with values of the wrong type or range:
+# (field, where: "" the header, "e0" an engine's counts, "c" its compact counts)
+NOT_NUMBERS = ["x", None, True, [1], {"n": 1}]
+WRONG_FIELDS: list[tuple[str, str, Any]] = [
+    *[("version", "", v) for v in ["9", -1, 1.5, *NOT_NUMBERS]],
+    *[(f, "", v) for f in ("wave", "step", "time_ms") for v in ["0", -1, 2.5, None, False]],
+    *[("forced", "", v) for v in [0, "no", None]],
+    ("deployment", "", 5),
+    ("epoch", "", None),
+    ("epoch", "", ["ep"]),
+    *[(f, "", v) for f in ("laggards", "stalled", "suspect") for v in [{"e0": "x"}, {"e0": 1.5}]],
+    ("suspect", "", [1]),
+    ("gone", "", {"e0": ["left"]}),
+    ("laggards", "", {"a b": 5}),  # not an engine id
+    ("gone", "", {"e0": 1}),
+    ("gone", "", {"": "left"}),
+    *[
+        (f, "", v)
+        for f in ("joining", "probing")
+        for v in ["e0", [5], ["e0", None], ["a\nb"], [["e0"]]]
+    ],
+    ("engines", "", ["e0"]),
+    ("engines", "", {"e0": 5}),
+    ("engines", "", {"e0": None}),
+    ("engines", "", {"{x}": {}}),
+    *[(f, "e0", v) for f in ("waiting", "running") for v in [-1, 10**9 + 1, 2.0, *NOT_NUMBERS]],
+    *[("kv", "e0", v) for v in [-0.1, 1.5, 2, "0.4", True, [0.4]]],
+    *[(f, "e0", v) for f in ("wave", "step", "t") for v in [-1, "1", 1.5, None, True]],
+    *[("adm", "e0", v) for v in ["12", 5, [1, "2"], [-1], [1.5], [True], [None], {"0": 1}]],
+    *[("inc", "e0", v) for v in [5, ["k1-aa"], True]],
+    *[("tot", "e0", v) for v in [-1, 10**15, "3", 1.5, True]],
+    *[(f, "c", v) for f in ("waiting", "running") for v in [-1, 10**9 + 1, 2.0, *NOT_NUMBERS]],
+    *[("kv", "c", v) for v in [-0.1, 1.5, "0.4", True]],
+    *[("age", "c", v) for v in [-1, 1.5, "1", None, True]],
+    ("ids", "", ["bad id"]),
+    ("incs", "", [5]),
+]
+
+
+def wrong(field: str, where: str, value: Any) -> bytes:
+    """A published snapshot (full form, or compact when where is "c" or the field is a
+    roster's) with ``field`` set to ``value``."""
+    counts = {"e0": (1, 2, 0.5, 3), "e1": (0, 1, None, 0)}
+    full, compact = forms(3, counts, {"e0": "k1-aa"}, roster=1)
+    if where == "c" or field in ("ids", "incs"):
+        doc = orjson.loads(compact)
+        if where == "c":
+            doc["counts"][("waiting", "running", "kv", "age").index(field)] = value
+        else:
+            doc[field] = value
+    else:
+        doc = orjson.loads(full)
+        (doc["engines"][where] if where else doc)[field] = value
+    return orjson.dumps(doc)
+
+
+@pytest.mark.parametrize(
+    ("field", "where", "value"),
+    WRONG_FIELDS,
+    ids=[f"{f}{w and '@' + w}={v!r}"[:40] for f, w, v in WRONG_FIELDS],
+)
+def test_every_field_of_a_snapshot_is_checked_where_it_is_decoded(
+    field: str, where: str, value: Any
+) -> None:
+    """A snapshot whose field has the wrong type or range is refused by the parse,
+    with a one-line error naming the field: no reader gets a Snapshot that would fail
+    later, in whichever routing path meets the field first."""
+    with pytest.raises(MalformedData) as exc:
+        Snapshot.from_json(wrong(field, where, value), Rosters())
+    message = str(exc.value)
+    assert "\n" not in message
+    assert field in message, message
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"[1]", b"5", b'"counts"', b"{", b"null", b'{"counts": []}', b"{}"]
+)
+def test_a_snapshot_that_is_no_json_object_of_one_is_malformed(raw: bytes) -> None:
+    with pytest.raises(MalformedData):
+        Snapshot.from_json(raw, Rosters())
+
+
+def test_a_missing_field_is_malformed_and_absent_optional_ones_are_not() -> None:
+    full, compact = forms(3, {"e0": (1, 2, 0.5, 3)}, {"e0": "k1-aa"}, roster=1)
+    for form in (full, compact):
+        for name in ("version", "time_ms", "forced", "epoch"):
+            doc = orjson.loads(form)
+            del doc[name]
+            with pytest.raises(MalformedData, match=name):
+                Snapshot.from_json(orjson.dumps(doc), Rosters())
+    doc = orjson.loads(full)
+    del doc["engines"]["e0"]["waiting"]
+    with pytest.raises(MalformedData, match="waiting"):
+        Snapshot.from_json(orjson.dumps(doc))
+    for name in ("stalled", "suspect", "probing"):  # optional header fields
+        doc = orjson.loads(full)
+        doc.pop(name, None)
+        assert Snapshot.from_json(orjson.dumps(doc)).version == 3
+
+
+def test_a_refused_compact_message_leaves_no_roster_behind() -> None:
+    rosters = Rosters()
+    with pytest.raises(MalformedData):
+        Snapshot.from_json(wrong("waiting", "c", "x"), rosters)
+    assert rosters.get("ep", 1) is None
+
+
+def test_what_the_lua_script_lets_through_is_read_not_refused() -> None:
+    """Values at the ends of every range parse; an admitted entry past 64 bits (the
+    script does not count its digits: orjson reads it as a float) is no count, and the
+    router reads its list as not reported, as one whose sum is past MAX_ADMITTED."""
+    full, _ = forms(3, {"e0": (0, 10**9, 1, 0), "e1": (10**9, 0, 0, 0)}, {}, roster=1)
+    doc = orjson.loads(full)
+    doc["engines"]["e0"] |= {"adm": [0, 999999999999999], "tot": 999999999999999}
+    doc["engines"]["e1"] |= {"adm": [1, 2], "tot": 0}
+    doc["stalled"] = {"e0": -5}  # (ms since progress, on a server clock that went back)
+    raw = orjson.dumps(doc).replace(b"[1,2]", b"[1,123456789012345678901234567890]")
+    snap = Snapshot.from_json(raw)
+    assert snap.engines["e0"].admitted == (0, 999999999999999)
+    big = snap.engines["e1"].admitted
+    assert big is not None and type(big[1]) is float
+    core = RouterCore(0, 2)
+    core.apply_snapshot(snap)
+    assert core.by_id["e0"].exact and not core.by_id["e1"].exact
+    assert core.by_id["e1"].waiting == 10**9 and core.by_id["e0"].kv_usage == 1
 
 
 def test_a_router_adopts_both_forms_alike_and_routes_the_same() -> None:

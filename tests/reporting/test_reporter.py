@@ -455,7 +455,7 @@ def test_running_caps_read_back_skips_what_another_client_wrote_badly(
 ) -> None:
     from redisbal import running_caps
 
-    bad = {"zero": "0", "neg": "-3", "x y": "8", "f": "2.5"}
-    r.hset(keys.running_caps, mapping={"ok": "64", **bad})
+    bad = {"zero": "0", "neg": "-3", "x y": "8", "f": "2.5", b"e\xff": "8", "bin": b"\xff8"}
+    r.hset(keys.running_caps, mapping={"ok": "64", **bad})  # (the last two: not UTF-8)
     assert running_caps.fetch_sync(r, keys) == {"ok": 64}
-    assert len([m for m in caplog.messages if "ignoring a bad entry" in m]) == 4
+    assert len([m for m in caplog.messages if "ignoring a bad entry" in m]) == 6

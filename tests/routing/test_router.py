@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections import Counter
 from typing import Any
@@ -110,29 +111,94 @@ async def test_a_late_message_of_the_epoch_left_never_takes_the_router_back(
         await router.aclose()
 
 
+# a field of the wrong type for each part of a snapshot a router reads: (where: "" the
+# header, an engine id its counts; field; value)
+UNADOPTABLE: list[tuple[str, str, Any]] = [
+    ("", "suspect", {"e0": "soon"}),
+    ("", "time_ms", "now"),
+    ("", "version", "9"),
+    ("", "forced", "no"),
+    ("", "epoch", 7),
+    ("", "laggards", {"e0": None}),
+    ("", "stalled", {"e0": [1]}),
+    ("", "gone", {"e0": 1}),
+    ("", "joining", [3]),
+    ("", "probing", "e0"),
+    ("e0", "waiting", "x"),
+    ("e0", "running", -4),
+    ("e0", "kv", 7.5),
+    ("e0", "t", "1"),
+    ("e0", "step", None),
+    ("e0", "adm", ["1"]),
+    ("e0", "tot", "3"),
+    ("e0", "inc", 5),
+]
+
+
 @pytest.mark.parametrize(
-    "bad", [{"suspect": {"e0": "soon"}}, {"time_ms": "now"}, {"version": "9"}, {"waiting": "x"}]
+    ("where", "field", "value"), UNADOPTABLE, ids=[f"{w}.{f}" for w, f, _ in UNADOPTABLE]
 )
 async def test_a_snapshot_that_cannot_be_adopted_does_not_stop_the_feed(
-    r: redis.Redis, redis_url: str, keys: DeploymentKeys, bar: Barrier, bad: dict[str, Any]
+    r: redis.Redis,
+    redis_url: str,
+    keys: DeploymentKeys,
+    bar: Barrier,
+    where: str,
+    field: str,
+    value: Any,
 ) -> None:
     """A message that parses as JSON but holds a field of the wrong type (another
-    client's, or another version's) is ignored; the feed goes on to the next one."""
+    client's, or another version's) is ignored before any of it is adopted: the feed
+    stays up, and every path that reads the counts (routes, their ends reconciled by
+    time: estimates.held_ended, loads) keeps working on the snapshot held. A field let
+    through to the adoption failed there or later, in whichever path met it first."""
     v1 = step_all(bar, 1)
     router = AsyncRouter(redis_url, keys.deployment, poll_s=30)
     await router.start(wait=5)
     try:
-        doc = orjson.loads(bar.snapshot_raw())  # type: ignore[arg-type]
-        if "waiting" in bad:  # an engine's count: only the adoption meets it
-            doc["engines"]["e0"].update(bad)
-            bad = {}
-        r.publish(keys.channel, orjson.dumps({**doc, "version": v1 + 1, **bad}))
-        step_all(bar, 2)
-        v3 = step_all(bar, 3)
-        await await_until(lambda: router.snapshot.version == v3, 5, "a later snapshot")  # type: ignore[union-attr]
+        doc = orjson.loads(bar.snapshot_raw()) | {"version": v1 + 1}  # type: ignore[arg-type]
+        (doc["engines"][where] if where else doc)[field] = value
+        r.publish(keys.channel, orjson.dumps(doc))
+        core = router.core
+        await await_until(lambda: core.counters["malformed"] == 1, 5, "the message read")
+        # nothing of it adopted, and the feed never failed (no reconnect: not degraded)
+        assert router.snapshot.version == v1 and core.counters["snapshots"] == 1  # type: ignore[union-attr]
+        assert not router.degraded and router.last_error is None
+        assert all(type(e.waiting) is int and type(e.running) is int for e in core.known)
+        for _ in range(20):  # the paths that read the counts: route, end, loads
+            d = router.route()
+            router.finished(d)  # (ends reconciled by time: estimates.held_ended)
+        assert set(core.loads()) == {"e0", "e1"}
+        v2 = step_all(bar, 2)
+        await await_until(lambda: router.snapshot.version == v2, 5, "a later snapshot")  # type: ignore[union-attr]
         assert router.snapshot.raw == bar.snapshot_raw()  # type: ignore[union-attr]
         assert not router.degraded
         assert {router.route().engine_id for _ in range(20)} == {"e0", "e1"}
+    finally:
+        await router.aclose()
+
+
+async def test_a_malformed_stored_snapshot_is_counted_at_every_read_and_said_once(
+    r: redis.Redis,
+    redis_url: str,
+    keys: DeploymentKeys,
+    bar: Barrier,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The poll reads the stored snapshot again and again: a malformed one is ignored
+    each time, counted each time, and logged once."""
+    v1 = step_all(bar, 1)
+    router = AsyncRouter(redis_url, keys.deployment, poll_s=0.05)
+    await router.start(wait=5)
+    try:
+        doc = orjson.loads(bar.snapshot_raw())  # type: ignore[arg-type]
+        doc["engines"]["e1"]["waiting"] = "x"
+        with caplog.at_level(logging.WARNING, "redisbal.routing.router"):
+            r.set(keys.snapshot, orjson.dumps({**doc, "version": v1 + 1}))
+            await await_until(lambda: router.core.counters["malformed"] >= 3, 10, "3 polls")
+        said = [m for m in caplog.messages if "malformed snapshot" in m]
+        assert len(said) == 1 and "'e1': waiting" in said[0], said
+        assert router.snapshot.version == v1 and not router.degraded  # type: ignore[union-attr]
     finally:
         await router.aclose()
 
