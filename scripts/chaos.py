@@ -974,8 +974,10 @@ class Chaos:
         g.up = True
 
         def answered() -> float | None:
+            # (r.ok is set at the finish chunk, r.ended when the stream closes: a
+            # request between the two, read from this thread, is not answered yet)
             done = [r.ended for r in list(self.load.results)
-                    if r.gateway == g.name and r.ok and r.sent >= f.ended]  # fmt: skip
+                    if r.gateway == g.name and r.ok and r.ended and r.sent >= f.ended]  # fmt: skip
             return min(done) if done else None
 
         f.recovered = self._poll(f, answered)
