@@ -59,6 +59,7 @@ from support.vllm_servers import (
     VllmServer,
     decisions,
     gauge,
+    http_get,
     processes,
     status,
 )
@@ -97,6 +98,48 @@ class Stack:
     def room(self, name: str) -> float:
         """Server ``name``'s room as the gateway's router reads it."""
         return self.metric("redisbal_gateway_engine_room", f'{{engine="{self.ids[name]}"}}')
+
+    def view(self) -> tuple[float, ...]:
+        """From one read of the gateway's /metrics: held, released, and per server
+        (a, b) requests routed and room."""
+        _, text = http_get(self.gateway + "/metrics")
+        got: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("redisbal_gateway_"):
+                name, _, value = line.rpartition(" ")
+                got[name] = float(value)
+        per = [
+            got.get(f'redisbal_gateway_{m}{{engine="{self.ids[n]}"}}', 0.0)
+            for m in ("decisions_total", "engine_room")
+            for n in ("a", "b")
+        ]
+        return (
+            got.get("redisbal_gateway_held", 0.0),
+            got.get("redisbal_gateway_hold_seconds_count", 0.0),
+            *per,
+        )
+
+    async def watch(self, until: Callable[[], bool], after_s: float) -> list[str]:
+        """Each change of ``view()`` (read every few ms) until ``until()`` and for
+        ``after_s`` more, as timed lines: what the gateway saw while it released."""
+
+        def run() -> list[str]:
+            t0 = time.monotonic()
+            lines: list[str] = []
+            last: tuple[float, ...] = ()
+            end = t0 + DEADLINE_S
+            while time.monotonic() < end:
+                v = self.view()
+                if v != last:
+                    last = v
+                    at = time.monotonic() - t0
+                    lines.append(f"{at:.3f}s held, released, routed a b, room a b: {v}")
+                if end - time.monotonic() > after_s and until():
+                    end = time.monotonic() + after_s
+                time.sleep(0.005)
+            return lines
+
+        return await asyncio.to_thread(run)
 
     def decided(self) -> dict[str, int]:
         return {n: int(decisions(self.gateway, eid)) for n, eid in self.ids.items()}
@@ -280,13 +323,16 @@ async def test_slot_bound_vllm_holds_past_every_servers_cap(
         held_before = st.held_total()
         before = st.decided()
         tasks += [st.ask(16, f"held {k}", stream=True) for k in range(3)]
-        await st.until(lambda: st.held_total() >= held_before + 2, "two go ahead at stand_s")
+        # (read every few ms until two went ahead and for a second more: what the
+        # gateway saw as it released them)
+        seen = await st.watch(lambda: st.held_total() >= held_before + 2, 1.0)
         ahead = st.decided()
         went_ahead = {n: ahead[n] - before[n] for n in st.servers}
+        room_now = {n: st.room(n) for n in st.servers}
         assert st.held_total() == held_before + 2 and st.held() == 1, (
             f"{st.held_total() - held_before:.0f} released, {st.held():.0f} held; routed "
-            f"ahead {went_ahead}; room { ({n: st.room(n) for n in st.servers}) }; servers' "
-            f"waiting {st.engines('vllm:num_requests_waiting')}"
+            f"ahead {went_ahead}; room {room_now}; servers' waiting "
+            f"{st.engines('vllm:num_requests_waiting')}; the gateway saw:\n" + "\n".join(seen)
         )
         assert all(v == 1 for v in went_ahead.values()), went_ahead
         await st.until(
