@@ -367,15 +367,25 @@ def with_password(url: str, password: str) -> str:
     return f"{scheme}://{user}:{quote(password, safe='')}@{rest}"
 
 
-def make_client(url: str, *, asyncio: bool = False, **kw: Any) -> Any:
-    """A redis-py client (sync or asyncio) for any supported URL."""
+def make_client(
+    url: str, *, asyncio: bool = False, cluster_retries: int | None = None, **kw: Any
+) -> Any:
+    """A redis-py client (sync or asyncio) for any supported URL. ``cluster_retries``:
+    on a Redis Cluster, retry a failed call at most this many times, at once (redis-py's
+    own cluster retries sleep about a second between tries); other kinds ignore it."""
     t = parse_url(url)
     if asyncio:
         import redis.asyncio as r
+        from redis.asyncio.retry import Retry
         from redis.asyncio.sentinel import Sentinel
     else:
         import redis as r  # type: ignore[no-redef]
+        from redis.retry import Retry  # type: ignore[assignment]
         from redis.sentinel import Sentinel  # type: ignore[assignment]
+    if t.kind == "cluster" and cluster_retries is not None:
+        from redis.backoff import NoBackoff
+
+        kw["retry"] = Retry(NoBackoff(), cluster_retries)
     # single and Sentinel data connections: the checked handshake (unless the caller has one)
     checked = {"redis_connect_func": _handshake(url, asyncio), **kw}
     if t.kind == "single":

@@ -32,9 +32,7 @@ import click
 import orjson
 import redis.exceptions
 from click.core import ParameterSource
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
-from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError
 
 from redisbal.connection import (
@@ -282,10 +280,9 @@ def command_client(url: str, socket_timeout: float = 2.0) -> Any:
     tries 11 times about a second apart: ``status`` on a cluster whose primary for the
     deployment was stopped took 25 s to say so. A sync cluster client connects when
     made: call this inside ``redis_errors``."""
-    kw: dict[str, Any] = {}
-    if parse_url(url).kind == "cluster":
-        kw["retry"] = Retry(NoBackoff(), 1)
-    return make_client(url, socket_connect_timeout=2.0, socket_timeout=socket_timeout, **kw)
+    return make_client(
+        url, cluster_retries=1, socket_connect_timeout=2.0, socket_timeout=socket_timeout
+    )
 
 
 def check_reachable(url: str) -> None:

@@ -63,8 +63,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.exceptions
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from redisbal.background import BackgroundLoop
 from redisbal.barrier.operations import Scripts, report_reply
@@ -72,7 +70,6 @@ from redisbal.connection import (
     OUTAGE_ERRORS,
     is_cluster,
     make_client,
-    parse_url,
     redact,
     refresh_slots,
 )
@@ -214,19 +211,16 @@ class ReportSender:
         self.background = BackgroundLoop("redisbal-report-sender") if threaded else None
 
     def _make_client(self, redis_url: str) -> Any:
-        kw: dict[str, Any] = {}
-        if parse_url(redis_url).kind == "cluster":
-            # the sender retries (its back-off) and refreshes the slot map after an
-            # outage itself; redis-py's own cluster retries sleep about a second
-            # between attempts, so a report on a dead primary took 2 s to fail, and a
-            # caller waiting on it (one thread reporting every deployment) waited too
-            kw["retry"] = Retry(NoBackoff(), 0)
+        # no cluster retries: the sender retries (its back-off) and refreshes the slot
+        # map after an outage itself; redis-py's own cluster retries sleep about a
+        # second between attempts, so a report on a dead primary took 2 s to fail, and
+        # a caller waiting on it (one thread reporting every deployment) waited too
         return make_client(
             redis_url,
             asyncio=True,
+            cluster_retries=0,
             socket_connect_timeout=0.25,
             socket_timeout=self.timeout_s,
-            **kw,
         )
 
     @classmethod
