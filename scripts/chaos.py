@@ -850,6 +850,13 @@ class Chaos:
             "(the fault hit only the engines' reporters)"
         )
 
+    def _not_applicable(self, f: Fault) -> bool:
+        """With a peer router in front, a Redis or coordinator fault touches nothing
+        that routes: marked n/a (and True)."""
+        if self.stack.peer:
+            f.applies, f.note = False, "; ".join(filter(None, ("n/a: " + self.no_redis, f.note)))
+        return self.stack.peer
+
     def start(self) -> None:
         for f in self.faults:
             t = threading.Thread(target=self._run, args=(f,), daemon=True)
@@ -994,8 +1001,7 @@ class Chaos:
         restarted = time.time()
         c.start()
         f.ended = f.started  # recovery counts from the kill: the other one takes over
-        if self.stack.peer:
-            f.applies, f.note = False, "; ".join(filter(None, ("n/a: " + self.no_redis, f.note)))
+        if self._not_applicable(f):
             return
 
         def held_again() -> float | None:
@@ -1015,8 +1021,7 @@ class Chaos:
         else:
             f.started = self.stack.redis.restart_empty()
         f.ended = f.started
-        if self.stack.peer:
-            f.applies, f.note = False, "; ".join(filter(None, ("n/a: " + self.no_redis, f.note)))
+        if self._not_applicable(f):
             return
 
         def whole(_ep: str, _v: int, engines: frozenset[str]) -> bool:

@@ -319,7 +319,9 @@ class RouterCore:
             sent += max(0, e.routed - e.routed_before)
             try:
                 keep = rec.in_transit(e.incarnation, c.admitted_total, sent, open_ + e.inflight)
-            except InvalidArgument:  # a bad total, which only another client can publish
+            except InvalidArgument:
+                # a published snapshot's total is checked where it is decoded; one made
+                # in-process with a bad total is skipped alike
                 continue
             if told.retire(e, keep, count):
                 # its retired routes that ended since its counts were made free their room
