@@ -290,3 +290,32 @@ def test_stall_after_and_suspect_settings_are_checked(bar: Barrier) -> None:
         bar.configure(stall_after_ms="5")
     with pytest.raises(redis.ResponseError, match="bad suspect_ms"):
         bar.configure(suspect_ms="0")
+
+
+def test_a_group_restarting_long_after_a_new_sequence_starts_its_own(bar: Barrier) -> None:
+    """A new sequence set up earlier (here, a joiner started after the first snapshot)
+    is not shared by a later restart whose steps it would put far behind the cut: those
+    processes would be provisional until they caught up, and a clock that keeps pace
+    with the cut never does."""
+    bar.register("e0", "e1")
+    step_all(bar, {"e0": OLD, "e1": OLD}, 0)
+    now_ms = bar.r.time()[0] * 1000
+    joiner = new_incarnation(now_ms + 1_000)  # started after the first snapshot
+    bar.report("e2", 0, inc=joiner)  # a new sequence: its step 0 on the cut's next
+    shared = record(bar, "e2").offset
+    assert shared == 1
+    for s in range(1, 31):
+        step_all(bar, {"e0": OLD, "e1": OLD}, s)
+        bar.report("e2", s - 1, inc=joiner)
+    pub = bar.snapshot()
+    assert pub is not None and not pub.forced and pub.step == 30
+    again = {e: new_incarnation(now_ms + 2_000) for e in ("e0", "e1", "e2")}
+    step_all(bar, again, 0)  # the whole group restarts: steps from 0 again
+    assert {record(bar, e).offset for e in again} == {31}
+    assert {record(bar, e).flag for e in again} == {"b"}
+    step_all(bar, again, 1)
+    snap = bar.snapshot()
+    assert snap is not None and not snap.forced and snap.step == 32
+    assert {e: (c.step, c.incarnation) for e, c in snap.engines.items()} == {
+        e: (1, inc) for e, inc in again.items()
+    }

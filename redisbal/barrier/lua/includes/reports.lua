@@ -22,9 +22,12 @@
     one step). A restarted lockstep engine, or one whose process started after
     the published step was reached, whose step is at or behind the published
     one starts a new step sequence right after it (its offset), shared by the
-    engines that do so within dead_after_ms of each other while it keeps them
-    at or behind the next step, so that a group restarting together stays
-    aligned and publishes unforced snapshots again;
+    engines that do so within dead_after_ms of each other while it puts them
+    at the next step or at most SHARED_SLACK steps behind it, so that a group
+    restarting together stays aligned and publishes unforced snapshots again
+    (further behind, the sequence is an older group's: sharing it would leave
+    them provisional until they caught up, and a clock that keeps pace with
+    the cut never does);
   - join: a first report makes a barrier member, or a provisional one when it
     is behind the published step (it cannot hold the barrier back);
   - stall: a heartbeat of an engine with work queued or running whose last
@@ -49,6 +52,9 @@
 -- Whether reports may take the steady-state path (apply_report): tests turn it
 -- off to drive the same reports through the general path and compare records.
 local STEADY_PATH = true
+-- how far behind the next step a shared new sequence may put a process: the
+-- steps by which one member's report of a step can trail another's
+local SHARED_SLACK = 4
 
 -- One report's arguments, checked (texts, as ARGV gives them; inc and progress
 -- and total already defaulted). Returns the report {engine, tick, wave, step,
@@ -233,7 +239,8 @@ local function apply_report(p, i, e)
   -- for a lockstep process whose counter cannot be part of the published one: a
   -- restart, or a process started after pub was reached. The engines that do so
   -- within dead_after_ms of each other share one sequence (a group restarting
-  -- together stays aligned), as long as it keeps them at or behind pub + 1. A
+  -- together stays aligned), as long as it puts them at pub + 1 or at most
+  -- SHARED_SLACK behind (further, it is an older group's sequence). A
   -- process that was part of the published sequence (a group member joining a
   -- few steps late, an engine that comes back) keeps its steps: provisional.
   local offset = rec and rec.offset or '0'
@@ -244,7 +251,7 @@ local function apply_report(p, i, e)
     local r = p.rebase
     local shared = tonumber(r[1])
     if shared and now - tonumber(r[2]) < pass_setting(p, 'dead_after_ms')
-      and shared + raw <= pub + 1 then
+      and shared + raw <= pub + 1 and shared + raw + SHARED_SLACK >= pub + 1 then
       offset = r[1]
     elseif restarted or started_ms(inc) >= (tonumber(r[3]) or now) then
       offset = int_text(pub + 1 - raw)
