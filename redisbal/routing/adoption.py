@@ -119,12 +119,16 @@ def adopt_full(
     caps: RunningCap,
     speeds: SpeedEstimate | None,
     counters: dict[str, int],
+    handover_s: float = 0.0,
 ) -> tuple[int, int, bool]:
     """A full snapshot's counts into the ``known`` views (``now``: the router's clock;
     ``transit_s``, ``weight``: reconciling by time, ``by_report``); returns this
     router's (``client_index``) and all routers' admitted totals, and whether any
     engine reported admitted counts. The reports feed the running cap (``caps``), and
-    the completions ``speeds`` unless None; restarts are counted in ``counters``."""
+    the completions ``speeds`` unless None; restarts are counted in ``counters``.
+    ``handover_s``: how long past the time rule the routes to an engine that reports
+    an admitted total stay counted (``estimates.HANDOVER_S``; 0 where the total
+    retires none)."""
     ci = client_index
     mine = total = 0
     exact = False
@@ -158,7 +162,8 @@ def adopt_full(
                 speeds.observe(e, done, c.reported_ms, c.running)
         else:
             at = now - (snap.time_ms - c.reported_ms) / 1000.0
-            by_report(e, c.reported_ms, at, transit_s, weight)
+            late = handover_s if c.admitted_total is not None else 0.0
+            by_report(e, c.reported_ms, at, transit_s, weight, late)
             if c.reported_ms != e.cap_ms:
                 caps.observe(e, c.waiting, c.running, c.reported_ms, None, c.kv_usage)
     return mine, total, exact

@@ -233,18 +233,36 @@ class SpeedEstimate:
                 e.aged = 0.0
 
 
-def by_report(e: EngineView, reported_ms: int, at: float, transit_s: float, weight: float) -> None:
+# How long a route stays counted on its way, past the time rule, to an engine whose
+# admitted total retires routes (RouterCore._by_totals): the total says when the engine
+# took it. vLLM's API server hands a request to its engine core a step or more after it
+# arrives on a busy host; retired by time alone, such a route left the count before the
+# engine's, and a held request went ahead early. Past this, time retires it anyway (an
+# aborted request never reaches vLLM's finished count, so the total may drift).
+HANDOVER_S = 1.0
+
+
+def by_report(
+    e: EngineView,
+    reported_ms: int,
+    at: float,
+    transit_s: float,
+    weight: float,
+    handover_s: float = 0.0,
+) -> None:
     """Reconcile e's pending routes by the time of its report (its counts made at
     ``reported_ms``, ``at`` on the router's clock). An engine takes the requests that
     reach it during a step only when the next one begins (vLLM's input queue;
     engine-sim's ``inbox``), so a report made after a step holds the requests that
     came before the step began, the time of the engine's previous report, and not
     those that came during it: those stay pending until the next report. (Taking the
-    report's own time lost them: on a slow engine, a step's worth of routes.) Then
-    count the routes it holds that ended since (``ended``), each ``weight`` in ``aged``."""
+    report's own time lost them: on a slow engine, a step's worth of routes.) Routes
+    made within ``handover_s`` before that stay too (``HANDOVER_S``: the admitted total
+    retires them). Then count the routes it holds that ended since (``ended``), each
+    ``weight`` in ``aged``."""
     if reported_ms != e.rep_ms:
         e.rep_prev, e.rep_ms, e.rep_at = e.rep_at, reported_ms, at
-    e.cut = cut = min(at, e.rep_prev) - transit_s
+    e.cut = cut = min(at, e.rep_prev) - transit_s - handover_s
     by_time(e, cut)
     if e.ends:
         made = at + transit_s  # (an end seen within the transit may precede the counts)

@@ -37,6 +37,7 @@ from redisbal.routing.admit_total import TotalReconciler
 from redisbal.routing.adoption import Carrying, RosterViews, Versions, adopt_full
 from redisbal.routing.cache_view import CacheView
 from redisbal.routing.estimates import (
+    HANDOVER_S,
     RouteCost,
     RunningCap,
     ShareEstimate,
@@ -277,8 +278,11 @@ class RouterCore:
             self.roster_views.forget()  # (incarnations change here too)
             speeds = self.speeds if speed_on or age_on else None
             ci = self.client_index
+            # where the admitted totals retire routes (_by_totals), time waits for them
+            by_total = self.client_count <= 1 or self.told_routes.live
+            late = HANDOVER_S if by_total else 0.0
             mine, total, exact = adopt_full(
-                snap, self.known, ci, now, transit, weight, self.caps, speeds, counters
+                snap, self.known, ci, now, transit, weight, self.caps, speeds, counters, late
             )
         if exact:
             self._update_share(mine, total)

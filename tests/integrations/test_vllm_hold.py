@@ -354,7 +354,13 @@ async def test_slot_bound_vllm_holds_past_every_servers_cap(
         first = went[0]
         other = next(n for n in st.servers if n != first)
         tasks[0].cancel()
-        assert await st.routed(ahead) == first, "the held request went to the other server"
+        seen = await st.watch(lambda: sum(st.decided().values()) > sum(ahead.values()), 0.2)
+        to = await st.routed(ahead)
+        assert to == first, (
+            f"the held request went to the other server ({to}, not {first}); servers' "
+            f"running {st.engines('vllm:num_requests_running')}, waiting "
+            f"{st.engines('vllm:num_requests_waiting')}; the gateway saw:\n" + "\n".join(seen)
+        )
         assert st.held() == 0 and st.held_total() == held_before + 3
         assert st.decided()[other] == ahead[other]
         held_s = st.metric("redisbal_gateway_hold_seconds_sum")

@@ -11,6 +11,7 @@ from redisbal import AsyncReporter, AsyncRouter, Counts
 from redisbal.errors import InvalidArgument
 from redisbal.keys import DeploymentKeys
 from redisbal.routing.admit_total import TotalReconciler, check_total
+from redisbal.routing.estimates import HANDOVER_S
 from redisbal.routing.router_core import RouterCore
 
 
@@ -213,6 +214,29 @@ def test_a_total_retires_the_routes_it_holds_a_report_before_time_would() -> Non
         assert e0.pending == (1 if with_total else 3)
         publish([core], clock, 100.09, 3, **({"e0": 3} if with_total else {}))
         assert e0.pending == 0  # (by time too: made after the step that followed)
+
+
+def test_a_total_keeps_the_routes_it_does_not_hold_past_the_time_rule() -> None:
+    """A route the engine has not taken by its next step (vLLM's API server hands a
+    request on late on a busy host) stays counted while the total says so: by time
+    alone it left the count before the engine's did, and a held request went ahead.
+    Past HANDOVER_S time retires it anyway (a total can drift low)."""
+    clock = FakeClock()
+    core = RouterCore(0, 1, clock=clock)
+    publish([core], clock, 100.0, 1, e0=0)
+    clock.t = 100.02
+    for _ in range(2):
+        core.route(engine_id="e0")
+    e0 = core.by_id["e0"]
+    publish([core], clock, 100.05, 2, e0=0)
+    publish([core], clock, 100.09, 3, e0=0)  # by time: both in its counts by now
+    assert e0.pending == 2
+    publish([core], clock, 100.13, 4, e0=1)  # the engine took one
+    assert e0.pending == 1
+    publish([core], clock, 100.1 + HANDOVER_S, 5, e0=1)
+    assert e0.pending == 1  # (its previous report was not late enough)
+    publish([core], clock, 100.14 + HANDOVER_S, 6, e0=1)
+    assert e0.pending == 0
 
 
 def test_told_routes_and_own_ones_are_retired_oldest_first() -> None:
