@@ -767,8 +767,12 @@ class Proxy:
             finally:
                 watch.close()
                 dep.streams.closed(flow)
-            if kind == "ok" and d.probe:
+            # a probe answers once its stream flowed to its end past where the engine's
+            # streams stalled: a short answer passes a mid-stream stall and proves nothing
+            if kind == "ok" and dep.streams.flowed(flow) and d.probe:
                 router.answered(d, t_first - t_up)
+            elif kind == "ok" and d.probe:
+                router.unproven(d)
             if kind != "ok":
                 m.errors.labels(kind).inc()
                 err = {"error": {"message": detail, "type": "upstream_error", "code": 502}}

@@ -8,7 +8,9 @@ engine in a long step is slow, not stalled: ``AsyncRouter.stepped_s``), is repor
 to the router (``stalled()``: kind ``stall``, ejected here and marked suspect for
 every router of the deployment) and said in the log (once a minute while it keeps
 stalling). The streams themselves go on: one that stays silent still ends at the
-idle-read bound (``--idle-timeout-s``) with an error event.
+idle-read bound (``--idle-timeout-s``) with an error event. A probe of it answers
+only once its stream flows to its end past the point where its streams stalled
+(``flowed``; the proxy's ``_relay``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class StreamWatch:
 
     def closed(self, s: Stream) -> None:
         self.gaps.closed(s)
+
+    def flowed(self, s: Stream) -> bool:
+        """``s`` ended whole: whether it flowed past the point where its engine's
+        streams stalled (``StreamGaps.flowed``): only then does a probe answer."""
+        return self.gaps.flowed(s)
 
     def silent_after_s(self, engine_id: str) -> float:
         """How long ``engine_id``'s reports may stop before a request waiting on it is

@@ -84,10 +84,11 @@ class Exclusions:
         # snapshot saying so (a mark never lapses into routable)
         was_probing = self.probing_by_snapshot
         self.probing_by_snapshot = {*snap.probing, *snap.suspect}
-        self.answered_here &= self.probing_by_snapshot
+        # a mark in its back-off is newer than any probe answered here: probe it again
+        self.answered_here &= self.probing_by_snapshot - snap.suspect.keys()
         for e in was_probing - self.probing_by_snapshot:  # cleared: some router's probe
             if self.outcomes.state(e, now) == PROBING:  # was answered (not fresh evidence)
-                self.outcomes.answered(e, now)
+                self.outcomes.answered(e, now, probe=False)
         prev, self.by_snapshot = self.by_snapshot, excluded
         return bool(excluded or prev or self.outcomes.marked or was_probing or snap.probing)
 
@@ -110,23 +111,24 @@ class Exclusions:
                 out.setdefault(e, "late")
         return out
 
-    def failed(self, engine: str, kind: str, now: float, known: int) -> bool:
+    def failed(self, engine: str, kind: str, now: float, known: int, ends_probe: bool) -> bool:
         """A request failed on ``engine``: eject it with a back-off unless half of the
-        ``known`` engines are ejected or probing already; whether it was ejected now."""
+        ``known`` engines are ejected or probing already; whether it was ejected now.
+        ``ends_probe``: the request was the probe in flight and ends now."""
         self.answered_here.discard(engine)
         marked = self.outcomes.marked | self.probing_by_snapshot
         marked.update(e for e, t in self.by_snapshot.items() if t > now)
         may_eject = engine in marked or len(marked) + 1 <= known // 2
-        return self.outcomes.failure(engine, kind, now, may_eject=may_eject)
+        return self.outcomes.failure(engine, kind, now, may_eject=may_eject, probe=ends_probe)
 
     def answered(self, engine: str, now: float, took: float, probe: bool) -> tuple[bool, bool]:
         """A request on ``engine`` got its first byte after ``took`` s: whether to tell the
         deployment (a probing engine answered), and whether the choosable engines change."""
         out = self.outcomes
         if not out.marked and engine not in self.probing_by_snapshot:
-            out.answered(engine, now, took)  # (the steady case: no state changes)
+            out.answered(engine, now, took, probe)  # (the steady case: no state changes)
             return False, False
-        recovered = out.answered(engine, now, took)
+        recovered = out.answered(engine, now, took, probe)
         tell = (probe or recovered) and engine in self.probing_by_snapshot - self.answered_here
         if tell:
             self.answered_here.add(engine)

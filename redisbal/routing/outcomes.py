@@ -13,7 +13,13 @@ docs/DESIGN.md). Per engine:
   ``max_s``;
 - **probing** (half-open) once the back-off ended: still not chosen by the
   policy, but one real request at a time goes to it (``take_probe``); an answer
-  (``answered``) makes it healthy, a failure ejects it again for longer.
+  (``answered``) makes it healthy, a failure ejects it again for longer. Only the
+  probe's own end frees the way for the next one: a probe whose stream was named
+  stalled is still in flight (it ends at the idle-read bound, or flows again), and
+  what other requests got says nothing of it, so a stalled engine never holds more
+  than one probe of a router. A probe that proved nothing (a stream
+  that ended before the point where the engine's streams stall: ``unproven``) is
+  neither: the next one waits the back-off again.
 
 An ejection never lapses into "healthy": only an answer clears it. Pure logic
 on a clock the caller passes; ``RouterCore`` merges it with the deployment's
@@ -69,6 +75,7 @@ class EngineHealth:
     until: float = 0.0  # ejected until
     ejected_at: float = -math.inf  # the last ejection
     probe_at: float | None = None  # a probe in flight since
+    next_probe: float = -math.inf  # no probe before (a probe that proved nothing)
     failures: Counter[str] = field(default_factory=Counter)  # since it was last healthy
     first_failure: float = 0.0
     ttfb: float | None = None  # EWMA of the time to first byte, seconds
@@ -129,10 +136,15 @@ class OutcomeTracker:
             h.state = PROBING
         return h.state
 
-    def failure(self, engine: str, kind: str, now: float, *, may_eject: bool = True) -> bool:
+    def failure(
+        self, engine: str, kind: str, now: float, *, may_eject: bool = True, probe: bool = True
+    ) -> bool:
         """A request to ``engine`` failed with ``kind`` (``FAILURES``). Returns True
         when this ejected it (the caller tells the deployment). ``may_eject`` False
-        (too many engines ejected already) records the evidence only."""
+        (too many engines ejected already) records the evidence only. ``probe``: the
+        request may be the probe in flight, which ends with it; the caller that knows
+        says False for any other request and for a stalled stream (it goes on), so
+        that a new probe waits for the one in flight."""
         if kind not in FAILURES:
             raise InvalidArgument(f"kind must be one of {sorted(FAILURES)}, got {kind!r}")
         h = self.health(engine)
@@ -140,7 +152,8 @@ class OutcomeTracker:
         if not h.failures:
             h.first_failure = now
         h.failures[kind] += 1
-        h.probe_at = None
+        if probe:
+            h.probe_at = None
         if state == EJECTED:
             return False  # (a request sent before the ejection: no new evidence of time)
         if not may_eject:
@@ -158,18 +171,23 @@ class OutcomeTracker:
         """The ejection time after ``level`` doublings."""
         return float(min(self.max_s, self.base_s * 2.0 ** min(level, 60)))
 
-    def answered(self, engine: str, now: float, first_byte_s: float | None = None) -> bool:
+    def answered(
+        self, engine: str, now: float, first_byte_s: float | None = None, probe: bool = True
+    ) -> bool:
         """``engine`` answered a request (its first byte, within the bound). Returns True
         when that ended an ejection (it was probing: healthy again). An answer while
-        ejected is to a request sent before: it clears nothing."""
+        ejected is to a request sent before: it clears nothing. ``probe``: as for
+        ``failure``."""
         h = self.health(engine)
         if first_byte_s is not None and first_byte_s >= 0:
             a = self.ttfb_alpha
             h.ttfb = first_byte_s if h.ttfb is None else h.ttfb + a * (first_byte_s - h.ttfb)
         state = self.state(engine, now)
-        h.probe_at = None
+        if probe:
+            h.probe_at = None
         if state == EJECTED:
             return False
+        h.next_probe = -math.inf
         recovered = state == PROBING
         if recovered:
             self.counters["recoveries"] += 1
@@ -184,9 +202,20 @@ class OutcomeTracker:
         h = self.health(engine)
         if h.probe_at is not None and now - h.probe_at < self.first_byte_max_s:
             return False
+        if now < h.next_probe:
+            return False
         h.probe_at = now
         self.counters["probes"] += 1
         return True
+
+    def unproven(self, engine: str, now: float) -> None:
+        """A probe of ``engine`` ended without proving it (its stream ended before the
+        point where the engine's streams stalled: a short answer passes a stall that
+        holds longer ones). No answer and no failure: the next probe waits the
+        current back-off, so that short answers do not probe it back to back."""
+        h = self.health(engine)
+        h.probe_at = None
+        h.next_probe = now + self.backoff(h.level)
 
     def release_probe(self, engine: str) -> None:
         """The probe in flight to ``engine`` ended without an answer or a failure (never

@@ -140,8 +140,11 @@ class _LocalRouting:
         says when). Evidence of kind ``stall`` against the engine, ejected and told to
         the deployment as by ``failed()``; but the request goes on: end it as usual
         (``finished()``, or ``failed(kind="idle_timeout")`` when its stream times out).
-        The engine is probed when its back-off ends; an answer clears it. Returns
-        whether this ejected it."""
+        The engine is probed when its back-off ends, one probe at a time: a probe whose
+        stream is named stalled stays the one in flight until it ends; only a probe
+        whose stream flows to its end clears it (``answered()`` then; ``unproven()``
+        for one that ended within the chunks its streams got before they stalled).
+        Returns whether this ejected it."""
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {type(reason).__name__}")
         if not self.core.stalled(decision):
@@ -158,6 +161,15 @@ class _LocalRouting:
         in the deployment. The request goes on: call ``finished()`` at its end."""
         if self.core.answered(decision, first_byte_s):
             self._tell("recovered", decision.engine_id, "")
+
+    def unproven(self, decision: Decision) -> None:
+        """The request of ``decision``, a probe (``Decision.probe``) of an engine named
+        stalled mid-stream, ended whole but with no more chunks than its engine's
+        streams got before they stalled (``StreamGaps.flowed`` says so): a short
+        answer passes a stall that holds longer ones, so it neither answers nor fails
+        the probe. The request ends (no ``finished()`` needed) and the engine's next
+        probe waits out its back-off."""
+        self.core.unproven(decision)
 
     def sent(self, decision: Decision) -> None:
         """The request of ``decision`` was sent and its first byte should come soon (a

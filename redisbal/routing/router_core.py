@@ -615,7 +615,7 @@ class RouterCore:
                 return False
             self.counters["failed"] += 1
             now = self.clock()
-            tell = self.excl.failed(engine, kind, now, len(self.known))
+            tell = self.excl.failed(engine, kind, now, len(self.known), decision.probe)
             if tell:
                 self._choosable(now)
                 self.policy.reset(self)
@@ -633,12 +633,23 @@ class RouterCore:
                 return False
             self.counters["stalled"] += 1
             now = self.clock()
-            tell = self.excl.failed(engine, "stall", now, len(self.known))
+            # (the stream goes on: a probe named stalled is still the one in flight)
+            tell = self.excl.failed(engine, "stall", now, len(self.known), False)
             if tell:
                 self._choosable(now)
                 self.policy.reset(self)
         self._updated()
         return tell
+
+    def unproven(self, decision: Decision) -> None:
+        """The probe of ``decision`` ended whole but before the point where its engine's
+        streams stalled (``StreamGaps.flowed``): it proves nothing either way. The
+        request ends, and the engine's next probe waits its back-off."""
+        with self.lock:
+            self._finish(decision)
+            if decision.probe and decision.engine_id in self.by_id:
+                self.outcomes.unproven(decision.engine_id, self.clock())
+        self._updated()
 
     def answered(self, decision: Decision, first_byte_s: float | None = None) -> bool:
         """The engine of ``decision`` answered it (its first byte, after ``first_byte_s``;

@@ -18,7 +18,9 @@ chunks. What gives it away, all together:
   send and is slow, and one whose reports stopped is stopped (the silence rule's).
 
 That is evidence against the engine (``RouterCore.stalled``, kind ``stall``), long
-before an idle-read timeout ends the streams.
+before an idle-read timeout ends the streams. Only a stream that flows past the point
+where its streams stalled proves it again (``flowed``): a short answer that ends within
+the chunks a stall lets through proves nothing (``RouterCore.unproven``).
 
 Pure logic on a clock the caller passes: the gateway's ``StreamWatch`` calls
 ``check`` a few times a second while streams are open; a library user relaying
@@ -96,6 +98,9 @@ class StreamGaps:
         self.pace, self.known = pace, known
         self.engines: dict[str, _Engine] = {}
         self.named: set[str] = set()  # engines named since their last chunk
+        # engine -> the fewest chunks its streams got before they stalled (at its
+        # namings), until one of its streams ends past it (``flowed``)
+        self.stalled_at: dict[str, int] = {}
         self.open = 0  # streams open now
 
     def opened(self, engine: str, now: float, token: object = None) -> Stream:
@@ -128,6 +133,16 @@ class StreamGaps:
         if e is not None and s in e.streams:
             e.streams.discard(s)
             self.open -= 1
+
+    def flowed(self, s: Stream) -> bool:
+        """``s`` ended whole: whether it got more chunks than its engine's streams got
+        before they stalled (True when none was named stalled since one last did). A
+        stream that did forgets the point: the engine streams whole answers again."""
+        point = self.stalled_at.get(s.engine)
+        if point is not None and s.chunks <= point:
+            return False
+        self.stalled_at.pop(s.engine, None)
+        return True
 
     def _refresh(self, e: _Engine) -> None:
         """Its usual and recent gaps from the gaps kept (in ``check``, not per chunk)."""
@@ -186,6 +201,8 @@ class StreamGaps:
                 continue  # no other engine at its pace: the host or the caller is slow
             oldest = min(under_way, key=lambda s: s.last)
             self.named.add(eid)
+            point = min(s.chunks for s in under_way)
+            self.stalled_at[eid] = min(point, self.stalled_at.get(eid, point))
             out.append((eid, oldest, now - oldest.last))
         return out
 
@@ -194,3 +211,4 @@ class StreamGaps:
         for eid in [e for e, v in self.engines.items() if e not in keep and not v.streams]:
             del self.engines[eid]
             self.named.discard(eid)
+            self.stalled_at.pop(eid, None)

@@ -503,3 +503,76 @@ async def test_an_engine_whose_streams_stop_mid_way_is_passed_over_before_the_id
             await stream_one(client)
         await await_until(lambda: "0" not in gw.router.core.excluded())
         await settled(st)
+
+
+async def test_an_engine_stalled_mid_stream_gets_one_probe_per_router_until_it_flows(
+    redis_url: str, deployment: str
+) -> None:
+    """Two gateways, steady load, an engine whose streams stop after 3 chunks: once it
+    is named stalled, it gets probes only, and at most one of each router in flight:
+    a probe named stalled in turn is still the one in flight, so no back-off (0.4 s
+    at most here) sends another while it hangs (before, each back-off sent one more,
+    and they piled up until the idle-read bound). Once its streams flow, the probes'
+    streams end and it gets requests again."""
+    async with stack(
+        redis_url, deployment, n=3, gateways=2, idle_timeout_s=60.0, suspect_s=0.4
+    ) as st:
+        bad = st.engines[0]
+        urls = [f"http://127.0.0.1:{g.ports[0]}" for g in st.gateways]
+        clients = [openai_client(u, "k") for u in urls]
+        for c in clients:  # each gateway learns every engine's usual gaps between chunks
+            assert all(await asyncio.gather(*(stream_one(c) for _ in range(30))))
+        long = {"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        # 8 tokens: more than the stall lets through, so a probe of it cannot end early
+        steady = {"prompt": "a", "max_tokens": 8, "ignore_eos": True, "stream": True}
+
+        async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any], **h: str) -> str:
+            async with s.post(url + "/v1/completions", json=body, headers=h) as r:
+                return (await r.read()).decode()
+
+        async with aiohttp.ClientSession() as s:
+            # every gateway has streams under way on every engine: the others' flow
+            longs = [
+                asyncio.ensure_future(post(s, u, long, **{ENGINE_HEADER: e}))
+                for u in urls
+                for e in ("0", "1", "2")
+            ]
+            await await_until(lambda: all(e.inflight >= 2 for e in st.engines))
+            await set_fault(bad.url, "stall", after=3)
+            for g in st.gateways:  # named stalled here, or marked for the deployment
+                await await_until(lambda g=g: "0" in g.router.core.excluded(), 10.0)
+            arrived = bad.arrived
+            probes = [g.router.core.counters["probes"] for g in st.gateways]
+            sent = [
+                metric(g.metrics.render().decode(), "redisbal_gateway_decisions_total", engine="0")
+                for g in st.gateways
+            ]
+            # steady load over many back-offs: what does not go to engine 0 ends
+            pending: list[asyncio.Future[str]] = []
+            for _ in range(40):
+                batch = [asyncio.ensure_future(post(s, u, steady)) for u in urls for _ in range(2)]
+                await asyncio.wait(batch, timeout=0.2)
+                pending += [t for t in batch if not t.done()]
+            for i, g in enumerate(st.gateways):
+                text = g.metrics.render().decode()
+                to_bad = metric(text, "redisbal_gateway_decisions_total", engine="0") - sent[i]
+                probed = g.router.core.counters["probes"] - probes[i]
+                assert to_bad == probed, f"gateway {i}: {to_bad} decisions to it, {probed} probes"
+                assert probed <= 1, f"gateway {i} sent {probed} probes while one hung"
+            assert sum(g.router.core.counters["probes"] for g in st.gateways) > sum(probes), (
+                "no probe went: the test checked nothing"
+            )
+            # what reached the stalled engine: those probes, hanging there
+            assert bad.arrived - arrived <= len(st.gateways)
+            await set_fault(bad.url, "none")  # its streams flow again
+            done = await asyncio.gather(*longs, *pending)
+            assert all("[DONE]" in t for t in done)
+        before = bad.arrived
+        deadline = time.monotonic() + 10  # (guards a hang only)
+        while bad.arrived < before + 3 and time.monotonic() < deadline:
+            await stream_one(clients[0])
+            await stream_one(clients[1])
+        assert bad.arrived >= before + 3
+        for g in st.gateways:
+            await await_until(lambda g=g: "0" not in g.router.core.excluded())
+        await settled(st)

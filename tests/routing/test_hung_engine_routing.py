@@ -184,3 +184,21 @@ def test_at_most_half_of_the_engines_are_passed_over_as_late() -> None:
     assert sum(got.values()) == 400
     assert sum(1 for e in FOUR if got[e] == 0) == 2
     assert list(core.excluded().values()) == ["late", "late"]
+
+
+def test_a_probe_answered_here_does_not_outlast_a_newer_mark() -> None:
+    """A probe answered here lets this router choose the engine while the deployment
+    clears its mark; a newer mark (another router saw it fail since) ends that: once
+    its back-off ends, the engine gets probes again, not the policy's requests."""
+    core = core_with(snap(1, 1, T0), snap(2, 1, T0 + 100, probing=["e0"]))
+    probe = core.route()
+    assert probe.engine_id == "e0" and probe.probe
+    assert core.answered(probe)  # told to the deployment; chosen here meanwhile
+    core.finished(probe)
+    assert "e0" not in core.excluded()
+    core.apply_snapshot(snap(3, 1, T0 + 200, suspect={"e0": 100}))  # marked again
+    core.clock.t += 0.2  # type: ignore[attr-defined]
+    core.apply_snapshot(snap(4, 1, T0 + 400, probing=["e0"]))  # its back-off ended
+    assert core.excluded() == {"e0": "probing"}
+    decisions = [core.route() for _ in range(20)]
+    assert [d.probe for d in decisions if d.engine_id == "e0"] == [True]

@@ -89,6 +89,35 @@ def test_a_lost_probe_is_replaced_after_the_longest_bound() -> None:
     assert t.take_probe("e0", 2.0)
 
 
+def test_only_the_probes_own_end_frees_the_way_for_the_next_probe() -> None:
+    """A probe named stalled goes on, and what other requests got says nothing of it:
+    while it hangs, no back-off sends another (they piled up on a stalled engine)."""
+    t = OutcomeTracker(base_s=0.1, max_s=1.0)
+    t.failure("e0", "stall", 0.0, probe=False)
+    assert t.take_probe("e0", 0.1)
+    t.failure("e0", "stall", 0.2, probe=False)  # the probe's own stream is named stalled
+    t.failure("e0", "idle_timeout", 0.5, probe=False)  # requests sent before it
+    t.answered("e0", 0.55, probe=False)
+    assert t.state("e0", 1.0) == PROBING  # its back-off ended ...
+    assert not t.take_probe("e0", 1.0)  # ... but the probe in flight is still the one
+    assert t.failure("e0", "idle_timeout", 1.0) is True  # its end: ejected for longer
+    assert t.take_probe("e0", t.health("e0").until)
+
+
+def test_an_unproven_probe_makes_the_next_wait_the_back_off() -> None:
+    """A probe whose stream ended within what a stall lets through proves nothing: the
+    engine stays probing, and the next probe waits its back-off, not the next request."""
+    t = OutcomeTracker(base_s=0.1, max_s=1.0)
+    t.failure("e0", "stall", 0.0, probe=False)
+    assert t.take_probe("e0", 0.1)
+    t.unproven("e0", 0.15)
+    assert t.state("e0", 0.2) == PROBING
+    assert not t.take_probe("e0", 0.2)
+    assert t.take_probe("e0", 0.25)
+    assert t.answered("e0", 0.3) is True
+    assert t.state("e0", 0.3) == HEALTHY
+
+
 @pytest.mark.parametrize(
     "kw",
     [

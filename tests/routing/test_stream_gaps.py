@@ -45,6 +45,33 @@ def test_an_engine_whose_streams_under_way_went_silent_while_others_flow_is_name
     assert [e for e, _, _ in g.check(4.0)] == ["a"]
 
 
+def test_only_a_stream_past_where_streams_stalled_flowed() -> None:
+    """A short answer ends within the chunks a mid-stream stall lets through: it proves
+    nothing. One that gets past that point does, and the point is forgotten."""
+    g = StreamGaps(factor=10.0, min_s=0.5)
+    flowing(g, "a", 0.0, 1.0)
+    stuck = g.opened("a", 1.0)
+    for t in (1.02, 1.04):  # 3 chunks, then nothing
+        g.chunk(stuck, t)
+    other = g.opened("b", 0.0)
+    t = 0.0
+    while t < 3.0:
+        t += 0.02
+        g.chunk(other, t)
+    assert [e for e, _, _ in g.check(3.0)] == ["a"]
+    short = g.opened("a", 3.0)
+    g.chunk(short, 3.02)
+    g.chunk(short, 3.04)
+    g.closed(short)
+    assert not g.flowed(short)  # 3 chunks: no more than the stalled stream got
+    long = g.opened("a", 3.1)
+    for t in (3.12, 3.14, 3.16):
+        g.chunk(long, t)
+    g.closed(long)
+    assert g.flowed(long)
+    assert g.flowed(short)  # the point is forgotten: it streams whole answers again
+
+
 def test_no_engine_is_named_while_every_engine_is_quiet() -> None:
     """The caller's loop or the host stalled everything: no evidence against any one."""
     g = StreamGaps(min_s=0.5)
