@@ -380,6 +380,10 @@ def test_local_cluster_script_and_the_cli_on_it() -> None:
                 p.wait(10)
         script.terminate()
         script.wait(30)
+        for p in (*procs, script):  # their pipes too: an open one warns when collected
+            for pipe in (p.stdout, p.stderr):
+                if pipe is not None:
+                    pipe.close()
 
 
 async def test_least_privilege_users_on_cluster(cluster: ClusterTopology) -> None:

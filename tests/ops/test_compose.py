@@ -278,7 +278,8 @@ def test_http_path_services_run_as_processes_and_answer_an_openai_request() -> N
             for p in procs:
                 p.terminate()
             codes = [p.wait(20) for p in procs]
-        assert codes == [0, 0, 0, 0], [p.stderr.read()[-500:] for p in procs if p.stderr]
+            errs = [p.communicate()[1] for p in procs]  # (reads stderr to its end, closes it)
+        assert codes == [0, 0, 0, 0], [e[-500:] for e in errs]
 
 
 def _answers_200(url: str) -> bool:

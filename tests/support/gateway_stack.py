@@ -140,6 +140,8 @@ async def process_engines(redis_url: str, deployment: str, n: int) -> AsyncItera
                 p.terminate()
         for p in procs:
             p.wait(10)
+            if p.stdout is not None:  # an open pipe warns when collected, in a later test
+                p.stdout.close()
 
 
 @contextlib.asynccontextmanager
@@ -153,7 +155,8 @@ async def gateway_process(
     """``redisbal gateway ARGS`` as a process on a free port, listening: the process,
     its base URL and its stderr lines up to the "listening" one (the rest stays piped
     for the test to read). Its environment is scrubbed, then given ``redis_url`` and
-    ``deployment`` (when not None) and ``env``; killed at the end if still running."""
+    ``deployment`` (when not None) and ``env``; killed at the end if still running, and
+    its stderr closed."""
     given = {"REDISBAL_REDIS_URL": redis_url, "REDISBAL_DEPLOYMENT": deployment}
     extra = {k: v for k, v in given.items() if v is not None}
     port = free_port_block(1)
@@ -174,3 +177,5 @@ async def gateway_process(
         if g.poll() is None:
             g.kill()
             g.wait()
+        if g.stderr is not None:
+            g.stderr.close()

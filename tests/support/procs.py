@@ -73,7 +73,12 @@ def hold_port(port: int, host: str = "127.0.0.1") -> socket.socket:
 
 
 class Proc:
-    """One child process of this module; its JSON stdout lines land in ``lines``."""
+    """One child process of this module; its JSON stdout lines land in ``lines``.
+
+    A thread reads each of its pipes to the end and then closes it: a pipe left open
+    outlives the test and warns (ResourceWarning, unclosed file) whenever the garbage
+    collector gets to it, in whichever later test that is. ``kill``/``terminate`` wait
+    for both, so ``lines`` is complete when they return."""
 
     def __init__(self, role: str, args: list[str], name: str) -> None:
         self.role = role
@@ -89,22 +94,33 @@ class Proc:
         self.lines: list[dict[str, Any]] = []
         self.stderr: collections.deque[str] = collections.deque(maxlen=200)
         self._lock = threading.Lock()
-        threading.Thread(target=self._read_out, daemon=True).start()
-        threading.Thread(target=self._read_err, daemon=True).start()
+        self._readers = [
+            threading.Thread(target=self._read_out, daemon=True),
+            threading.Thread(target=self._read_err, daemon=True),
+        ]
+        for t in self._readers:
+            t.start()
 
     def _read_out(self) -> None:
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            with contextlib.suppress(ValueError):
-                item = json.loads(raw)
-                item["_t"] = time.monotonic()
-                with self._lock:
-                    self.lines.append(item)
+        with self.proc.stdout:  # closed at its end (the child exited)
+            for raw in self.proc.stdout:
+                with contextlib.suppress(ValueError):
+                    item = json.loads(raw)
+                    item["_t"] = time.monotonic()
+                    with self._lock:
+                        self.lines.append(item)
 
     def _read_err(self) -> None:
         assert self.proc.stderr is not None
-        for raw in self.proc.stderr:
-            self.stderr.append(raw.decode(errors="replace").rstrip())
+        with self.proc.stderr:
+            for raw in self.proc.stderr:
+                self.stderr.append(raw.decode(errors="replace").rstrip())
+
+    def _join_readers(self, timeout: float = 5.0) -> None:
+        """Wait until both pipes are read to their end and closed (once the child exited)."""
+        for t in self._readers:
+            t.join(timeout)
 
     @property
     def pid(self) -> int:
@@ -141,6 +157,7 @@ class Proc:
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
+            self._join_readers()
 
     def terminate(self, timeout: float = 5.0) -> None:
         """SIGTERM: a graceful stop (engines leave, coordinators release the lease)."""
@@ -152,6 +169,7 @@ class Proc:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._join_readers()
 
     def tail(self) -> str:
         return "\n".join(list(self.stderr)[-15:])
