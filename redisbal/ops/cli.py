@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -361,6 +364,30 @@ def load_functions() -> None:
     click.echo(f"loaded {name} ({len(library()[1])} bytes of Lua) into {s.safe_url}")
 
 
+# Set by `redisbal demo` for the processes it starts (each in its own session, so that
+# Ctrl-C reaches the demo alone), to its own pid: they stop when the demo is gone,
+# killed or not.
+EXIT_WITH_PARENT_ENV = "REDISBAL_EXIT_WITH_PARENT"
+PARENT_CHECK_S = 0.5
+PARENT_GONE_KILL_S = 10.0  # after SIGTERM, how long a process may take to stop
+
+
+def exit_with_parent(parent: int) -> None:
+    """Stop this process (SIGTERM to itself, SIGKILL 10 s later) once ``parent``, the
+    process that started it, is gone (at once if it already is: killed while this one
+    was starting). A demo killed with SIGKILL, or by a test's timeout, cannot stop its
+    children, and an engine simulator left behind spins for good."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(PARENT_GONE_KILL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def main() -> None:
     """Console-script entry point.
 
@@ -370,6 +397,9 @@ def main() -> None:
     starved machine the command was seen still in it seconds after printing. Only the
     collector skips them; nothing the commands close or flush at exit changes."""
     gc.freeze()
+    parent = os.environ.pop(EXIT_WITH_PARENT_ENV, "")  # (not for processes this one starts)
+    if parent.isdigit():
+        exit_with_parent(int(parent))
     cli(prog_name="redisbal")
 
 

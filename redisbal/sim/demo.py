@@ -41,6 +41,7 @@ from redisbal.barrier.snapshot import Snapshot
 from redisbal.connection import make_client, redact
 from redisbal.errors import DemoError as DemoError
 from redisbal.keys import DeploymentKeys
+from redisbal.ops.cli import EXIT_WITH_PARENT_ENV
 from redisbal.ops.table import render_table
 from redisbal.routing.policies import DEFAULT_POLICY
 from redisbal.sim.api_sim import LoadSpec, latency_figures, schedule
@@ -155,6 +156,7 @@ class Children:
 
 
 def _raise_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM or SIGHUP: stop as Ctrl-C does, every process the demo started too."""
     raise KeyboardInterrupt
 
 
@@ -229,6 +231,7 @@ class Demo:
             "REDISBAL_DEPLOYMENT": o.deployment,
             "REDISBAL_LOG_LEVEL": o.log_level,
             "PYTHONUNBUFFERED": "1",
+            EXIT_WITH_PARENT_ENV: str(os.getpid()),  # they stop when the demo is gone
         }
         self.children = Children(self.logdir, env)
         self.client = make_client(self.url, socket_connect_timeout=2.0, socket_timeout=5.0)
@@ -535,6 +538,7 @@ class Demo:
         t0 = time.monotonic()
         atexit.register(self.cleanup)
         old = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        old_hup = signal.signal(signal.SIGHUP, _raise_on_sigterm)  # its terminal closed
         try:
             self.start_redis()
             self.start_processes()
@@ -552,6 +556,7 @@ class Demo:
             self.cleanup()
             atexit.unregister(self.cleanup)
             signal.signal(signal.SIGTERM, old)
+            signal.signal(signal.SIGHUP, old_hup)
         if code == 0 and not self.part:
             self.echo(f"demo finished in {time.monotonic() - t0:.1f} s; all its processes stopped")
         return code

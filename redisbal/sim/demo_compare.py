@@ -170,6 +170,7 @@ class Comparison:
         t0 = time.monotonic()
         atexit.register(self.cleanup)
         old = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        old_hup = signal.signal(signal.SIGHUP, _raise_on_sigterm)  # its terminal closed
         try:
             code = self._runs()
         except KeyboardInterrupt:
@@ -180,6 +181,7 @@ class Comparison:
                 self.cleanup()
             atexit.unregister(self.cleanup)
             signal.signal(signal.SIGTERM, old)
+            signal.signal(signal.SIGHUP, old_hup)
         if code == 0:
             self.echo(
                 f"demo finished in {time.monotonic() - t0:.1f} s "

@@ -5,6 +5,7 @@ coordinator, engines and API servers, prints the tables, and leaves no process b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -202,6 +203,57 @@ def test_demo_ctrl_c_stops_every_process(http: list[str]) -> None:
     assert "interrupted: stopping every process the demo started" in text
     logdir = _logdir(text)
     wait_until(lambda: not _processes_mentioning(logdir), 10, f"{text}\nno process left")
+
+
+def test_a_killed_demo_leaves_no_redisbal_process_running() -> None:
+    """SIGKILL (a test's timeout, the OOM killer) gives the demo no chance to stop what
+    it started: its coordinator, engines and API servers stop by themselves once it is
+    gone. (Its redis-server is not a redisbal process and stays: stopped here.)"""
+    proc = subprocess.Popen(
+        [*DEMO, *SMALL[:-2], "--duration", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+    )
+    lines: list[str] = []
+    logdir = ""
+    left: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("starting ") or time.monotonic() > deadline:
+                break
+        text = "".join(lines)
+        assert any(ln.startswith("starting ") for ln in lines), text
+        logdir = _logdir(text)
+        assert any("redisbal engine-sim" in c for c in _redisbal_mentioning(logdir)), text
+        proc.kill()
+        proc.wait(10)
+
+        def gone() -> bool:
+            left[:] = _redisbal_mentioning(logdir)
+            return not left
+
+        with contextlib.suppress(AssertionError):
+            wait_until(gone, 30, "")
+        assert not left, f"{text}\nleft running after the demo was killed: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        for line in _processes_mentioning(logdir) if logdir else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+def _redisbal_mentioning(text: str) -> list[str]:
+    """``_processes_mentioning`` less the redis-server: the processes redisbal runs."""
+    return [c for c in _processes_mentioning(text) if "redis-server" not in c]
 
 
 @pytest.mark.parametrize("args", [["--engines", "0"], ["--slow", "x"]])
