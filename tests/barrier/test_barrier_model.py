@@ -20,8 +20,10 @@ far away, the stall guard called with stall_ms 0.
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 import orjson
@@ -52,6 +54,11 @@ COUNTERS = (
     "stalled",
 )
 STEP_SPAN = 2**32
+# how far behind the next step a shared new sequence may put a process (reports.lua's)
+_REPORTS_LUA = (resources.files("redisbal.barrier") / "lua/includes/reports.lua").read_text()
+_SLACK = re.search(r"^local SHARED_SLACK = (\d+)", _REPORTS_LUA, re.M)
+assert _SLACK is not None
+SHARED_SLACK = int(_SLACK.group(1))
 
 
 def tag_of(score: int) -> Tag:
@@ -196,9 +203,13 @@ class Model:
         pub = score(self.pub)
         if not hist and inc is not None and self.pub != BEFORE and raw_score(raw) <= pub:
             # a restart starts a new step sequence right after the published step; a
-            # process joining while that sequence keeps it at or behind the next step
-            # joins it (the test's processes all started before pub was reached)
-            if self.rebase is not None and self.rebase + raw_score(raw) <= pub + 1:
+            # process joining while that sequence puts it at the next step or at most
+            # SHARED_SLACK behind joins it (the test's processes all started before pub
+            # was reached)
+            if (
+                self.rebase is not None
+                and pub + 1 - SHARED_SLACK <= self.rebase + raw_score(raw) <= pub + 1
+            ):
                 offset = self.rebase
             elif restarted:
                 offset = self.rebase = int(pub) + 1 - raw_score(raw)
