@@ -64,6 +64,27 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def _demo_process(cmd: list[str]) -> subprocess.Popen[str]:
+    """A demo whose output the test reads as it comes."""
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+    )
+
+
+def _until_api_servers_start(proc: subprocess.Popen[str]) -> list[str]:
+    """The demo's output up to the line saying its API servers (its last children)
+    are starting: every process of the demo is running then."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("starting ") or time.monotonic() > deadline:
+            break
+    assert any(ln.startswith("starting ") for ln in lines), "".join(lines)
+    return lines
+
+
 def _ms(cell: str) -> float:
     assert cell.endswith("ms"), cell
     return float(cell[:-2])
@@ -174,23 +195,10 @@ def test_demo_http_serves_every_request_through_both_gateways_and_cleans_up() ->
 
 @pytest.mark.parametrize("http", [[], ["--http"]], ids=["sim", "http"])
 def test_demo_ctrl_c_stops_every_process(http: list[str]) -> None:
-    proc = subprocess.Popen(
-        [*INTERRUPTIBLE_DEMO, *http, *SMALL[:-2], "--duration", "30"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(),
-    )
+    proc = _demo_process([*INTERRUPTIBLE_DEMO, *http, *SMALL[:-2], "--duration", "30"])
     lines: list[str] = []
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 60
-        # interrupt once the API servers (the last children) are starting
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("starting ") or time.monotonic() > deadline:
-                break
-        assert any(ln.startswith("starting ") for ln in lines), "".join(lines)
+        lines = _until_api_servers_start(proc)  # (interrupted then)
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
@@ -209,25 +217,11 @@ def test_a_killed_demo_leaves_no_redisbal_process_running() -> None:
     """SIGKILL (a test's timeout, the OOM killer) gives the demo no chance to stop what
     it started: its coordinator, engines and API servers stop by themselves once it is
     gone. (Its redis-server is not a redisbal process and stays: stopped here.)"""
-    proc = subprocess.Popen(
-        [*DEMO, *SMALL[:-2], "--duration", "60"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(),
-    )
-    lines: list[str] = []
+    proc = _demo_process([*DEMO, *SMALL[:-2], "--duration", "60"])
     logdir = ""
     left: list[str] = []
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 60
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("starting ") or time.monotonic() > deadline:
-                break
-        text = "".join(lines)
-        assert any(ln.startswith("starting ") for ln in lines), text
+        text = "".join(_until_api_servers_start(proc))
         logdir = _logdir(text)
         assert any("redisbal engine-sim" in c for c in _redisbal_mentioning(logdir)), text
         proc.kill()
