@@ -279,8 +279,7 @@ class RouterCore:
             speeds = self.speeds if speed_on or age_on else None
             ci = self.client_index
             # where the admitted totals retire routes (_by_totals), time waits for them
-            by_total = self.client_count <= 1 or self.told_routes.live
-            late = HANDOVER_S if by_total else 0.0
+            late = HANDOVER_S if self.totals_retire else 0.0
             mine, total, exact = adopt_full(
                 snap, self.known, ci, now, transit, weight, self.caps, speeds, counters, late
             )
@@ -298,16 +297,22 @@ class RouterCore:
         self.policy.reset(self)
         return True
 
+    @property
+    def totals_retire(self) -> bool:
+        """Whether engines' admitted totals retire pending routes (``_by_totals``): only
+        where every router's routes are known here, one router or routers that tell
+        theirs (``told_routes.live``)."""
+        return self.client_count <= 1 or self.told_routes.live
+
     def _by_totals(self, snap: Snapshot) -> list[EngineView]:
         """Retire the pending routes (own and told) that the admitted totals of snap's
         engines without admitted counts show are in: for each, at most the routes of all
         routers on their way (``TotalReconciler``) stay counted, the oldest going
-        first. Only where every router's routes there are known: one router, or
-        routers that tell theirs (``told_routes.live``); else by time alone. Returns
-        the views that changed."""
-        count = self.client_count
-        if count > 1 and not self.told_routes.live:
+        first. Only where ``totals_retire``; else by time alone. Returns the views
+        that changed."""
+        if not self.totals_retire:
             return []
+        count = self.client_count
         changed = []
         told = self.told_routes
         for e in self.known:
