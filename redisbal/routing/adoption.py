@@ -162,7 +162,8 @@ def adopt_full(
                 speeds.observe(e, done, c.reported_ms, c.running)
         else:
             at = now - (snap.time_ms - c.reported_ms) / 1000.0
-            late = handover_s if c.admitted_total is not None else 0.0
+            # (only where the total retires routes: not where a list read as none)
+            late = handover_s if adm is None and c.admitted_total is not None else 0.0
             by_report(e, c.reported_ms, at, transit_s, weight, late)
             if c.reported_ms != e.cap_ms:
                 caps.observe(e, c.waiting, c.running, c.reported_ms, None, c.kv_usage)

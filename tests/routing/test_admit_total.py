@@ -8,6 +8,7 @@ import redis
 from support.helpers import Barrier, await_until, make_snapshot
 
 from redisbal import AsyncReporter, AsyncRouter, Counts
+from redisbal.barrier.snapshot import MAX_ADMITTED
 from redisbal.errors import InvalidArgument
 from redisbal.keys import DeploymentKeys
 from redisbal.routing.admit_total import TotalReconciler, check_total
@@ -237,6 +238,32 @@ def test_a_total_keeps_the_routes_it_does_not_hold_past_the_time_rule() -> None:
     assert e0.pending == 1  # (its previous report was not late enough)
     publish([core], clock, 100.14 + HANDOVER_S, 6, e0=1)
     assert e0.pending == 0
+
+
+def test_a_list_read_as_none_keeps_no_route_past_the_time_rule() -> None:
+    """An admitted list whose sum is past MAX_ADMITTED reads as none; its total does not
+    retire routes there (the list was sent), so time alone does, with no handover."""
+    clock = FakeClock()
+    core = RouterCore(0, 1, clock=clock)
+    big = {"e0": (MAX_ADMITTED, 0)}
+
+    def report(at_s: float, version: int) -> None:
+        clock.t = at_s + 0.01
+        ms = T0_MS + round((at_s - 100.0) * 1000)
+        s = make_snapshot(
+            {"e0": (0, 0), "e1": (0, 0)}, version=version, time_ms=ms + 10,
+            reported_ms=ms, admitted=big, total={"e0": 0},
+        )  # fmt: skip
+        core.apply_snapshot(s)
+
+    report(100.0, 1)
+    clock.t = 100.02
+    core.route(engine_id="e0")
+    e0 = core.by_id["e0"]
+    report(100.05, 2)
+    assert e0.pending == 1
+    report(100.09, 3)  # by time: in its counts by now, though the total says not
+    assert e0.pending == 0 and not e0.exact
 
 
 def test_told_routes_and_own_ones_are_retired_oldest_first() -> None:
