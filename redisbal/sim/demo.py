@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,8 +156,20 @@ class Children:
 
 
 def _raise_on_sigterm(signum: int, frame: object) -> None:
-    """SIGTERM or SIGHUP: stop as Ctrl-C does, every process the demo started too."""
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stops_as_ctrl_c() -> Iterator[None]:
+    """Within it SIGTERM and SIGHUP (its terminal closed) raise KeyboardInterrupt, so a
+    demo stops as on Ctrl-C, every process it started too; the old handlers come back
+    after."""
+    old = {sig: signal.signal(sig, _raise_on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _natural(name: str) -> tuple[int, str]:
@@ -537,8 +549,14 @@ class Demo:
     def run(self) -> int:
         t0 = time.monotonic()
         atexit.register(self.cleanup)
-        old = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-        old_hup = signal.signal(signal.SIGHUP, _raise_on_sigterm)  # its terminal closed
+        with stops_as_ctrl_c():
+            code = self._run()
+        if code == 0 and not self.part:
+            self.echo(f"demo finished in {time.monotonic() - t0:.1f} s; all its processes stopped")
+        return code
+
+    def _run(self) -> int:
+        """The demo's steps; its processes stopped at the end, however it ends."""
         try:
             self.start_redis()
             self.start_processes()
@@ -555,10 +573,6 @@ class Demo:
         finally:
             self.cleanup()
             atexit.unregister(self.cleanup)
-            signal.signal(signal.SIGTERM, old)
-            signal.signal(signal.SIGHUP, old_hup)
-        if code == 0 and not self.part:
-            self.echo(f"demo finished in {time.monotonic() - t0:.1f} s; all its processes stopped")
         return code
 
 

@@ -13,7 +13,6 @@ import atexit
 import contextlib
 import dataclasses
 import shutil
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 from redisbal.keys import check_name
 from redisbal.ops.table import render_table
-from redisbal.sim.demo import Demo, DemoOptions, Echo, _fmt, _raise_on_sigterm
+from redisbal.sim.demo import Demo, DemoOptions, Echo, _fmt, stops_as_ctrl_c
 from redisbal.sim.embedded import RedisServer
 
 # What one run each cannot tell apart, as a fraction of TTFT p99: policies that are
@@ -169,19 +168,16 @@ class Comparison:
     def run(self) -> int:
         t0 = time.monotonic()
         atexit.register(self.cleanup)
-        old = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-        old_hup = signal.signal(signal.SIGHUP, _raise_on_sigterm)  # its terminal closed
-        try:
-            code = self._runs()
-        except KeyboardInterrupt:
-            self.echo("\ninterrupted: stopping every process the demo started", err=True)
-            code = 130
-        finally:
-            with contextlib.suppress(Exception):
-                self.cleanup()
-            atexit.unregister(self.cleanup)
-            signal.signal(signal.SIGTERM, old)
-            signal.signal(signal.SIGHUP, old_hup)
+        with stops_as_ctrl_c():
+            try:
+                code = self._runs()
+            except KeyboardInterrupt:
+                self.echo("\ninterrupted: stopping every process the demo started", err=True)
+                code = 130
+            finally:
+                with contextlib.suppress(Exception):
+                    self.cleanup()
+                atexit.unregister(self.cleanup)
         if code == 0:
             self.echo(
                 f"demo finished in {time.monotonic() - t0:.1f} s "
