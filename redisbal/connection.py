@@ -426,7 +426,40 @@ def make_client(
         sentinel_kwargs=sentinel_kw,
         socket_timeout=kw.get("socket_timeout", 2.0),
     )
-    return sentinel.master_for(t.service, db=t.db, **auth, **_tls_kwargs(t), **checked)
+    pool = _async_sentinel_pool() if asyncio else _sentinel_pool()
+    return sentinel.master_for(
+        t.service, connection_pool_class=pool, db=t.db, **auth, **_tls_kwargs(t), **checked
+    )
+
+
+@functools.cache
+def _sentinel_pool() -> Any:
+    """redis-py's Sentinel pool (sync), whose disconnect (a client's close) also closes
+    the connections to the sentinels: redis-py leaves those open (one per sentinel
+    asked) until they are collected, a socket left behind by every client closed."""
+    from redis.sentinel import SentinelConnectionPool
+
+    class Pool(SentinelConnectionPool):
+        def disconnect(self, inuse_connections: bool = True) -> None:
+            super().disconnect(inuse_connections)
+            for s in self.proxy.sentinel_manager.sentinels:
+                s.connection_pool.disconnect(inuse_connections)
+
+    return Pool
+
+
+@functools.cache
+def _async_sentinel_pool() -> Any:
+    """``_sentinel_pool`` for the asyncio client."""
+    from redis.asyncio.sentinel import SentinelConnectionPool
+
+    class Pool(SentinelConnectionPool):
+        async def disconnect(self, inuse_connections: bool = True) -> None:
+            await super().disconnect(inuse_connections)
+            for s in self.sentinel_manager.sentinels:
+                await s.connection_pool.disconnect(inuse_connections)
+
+    return Pool
 
 
 def _fcall_keys(args: tuple[Any, ...]) -> tuple[Any, ...] | None:

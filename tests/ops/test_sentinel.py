@@ -66,6 +66,32 @@ async def test_every_class_works_through_a_sentinel_url(sentinels: SentinelTopol
             assert c.exists(DeploymentKeys(dep).snapshot) == 1
 
 
+async def test_a_closed_client_leaves_no_connection_to_the_sentinels(
+    sentinels: SentinelTopology,
+) -> None:
+    """Closing a client made from a Sentinel URL closes its connections to the sentinels
+    too (redis-py leaves them open until collected), sync and asyncio alike."""
+
+    def connected() -> int:
+        total = 0
+        for s in sentinels.sentinels:
+            with s.client() as c:
+                total += int(c.info("clients")["connected_clients"]) - 1  # (this one)
+        return total
+
+    before = connected()
+    kept = []  # alive after closing, as a caller's attribute would keep them
+    for _ in range(3):
+        client = make_client(sentinels.url, socket_timeout=2)
+        client.ping()
+        client.close()
+        aclient = make_client(sentinels.url, asyncio=True, socket_timeout=2)
+        await aclient.ping()
+        await aclient.aclose()
+        kept += [client, aclient]
+    await await_until(lambda: connected() <= before, 10, "the sentinels' connections closed", 0.2)
+
+
 def test_cli_coordinator_and_status_through_a_sentinel_url(sentinels: SentinelTopology) -> None:
     url = sentinels.url
     dep = f"sencli{int(time.time() * 1000) % 100000}"
