@@ -307,7 +307,14 @@ def signals_stop(stop: Callable[[], None]) -> Iterator[None]:
     def handler(signum: int, frame: object) -> None:
         threading.Thread(target=stop, name="redisbal-signal", daemon=True).start()
 
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with signals_handled(handler, signal.SIGINT, signal.SIGTERM):
+        yield
+
+
+@contextlib.contextmanager
+def signals_handled(handler: Callable[[int, Any], None], *sigs: signal.Signals) -> Iterator[None]:
+    """While inside, ``handler`` handles ``sigs``; the previous handlers come back after."""
+    old = {sig: signal.signal(sig, handler) for sig in sigs}
     try:
         yield
     finally:

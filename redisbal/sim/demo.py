@@ -42,6 +42,7 @@ from redisbal.connection import make_client, redact
 from redisbal.errors import DemoError as DemoError
 from redisbal.keys import DeploymentKeys
 from redisbal.ops.cli import EXIT_WITH_PARENT_ENV
+from redisbal.ops.cli_options import signals_handled
 from redisbal.ops.table import render_table
 from redisbal.routing.policies import DEFAULT_POLICY
 from redisbal.sim.api_sim import LoadSpec, latency_figures, schedule
@@ -164,12 +165,8 @@ def stops_as_ctrl_c() -> Iterator[None]:
     """Within it SIGTERM and SIGHUP (its terminal closed) raise KeyboardInterrupt, so a
     demo stops as on Ctrl-C, every process it started too; the old handlers come back
     after."""
-    old = {sig: signal.signal(sig, _raise_on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with signals_handled(_raise_on_sigterm, signal.SIGTERM, signal.SIGHUP):
         yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 def _natural(name: str) -> tuple[int, str]:
