@@ -223,8 +223,11 @@ async def stack(tmp_path: Path, deployment: str, **server: Any) -> AsyncIterator
         # (they are tested on their own), so each request stays where the router sent it
         gw += ["--first-byte-factor", "0", "--first-byte-timeout-s", "600", "--max-attempts", "1"]
         gw += ["--idle-timeout-s", "600"]
+        # and such a pause is taken for a hung loop after stall_after_ms (2 s): the
+        # server is stalled, not chosen, and a held request goes to the other one
+        coord = [rb, "coordinator", "--stall-after-ms", "60000"]
         cmds = [
-            ([rb, "coordinator"], ours, tmp_path / "coord.log"),
+            (coord, ours, tmp_path / "coord.log"),
             (gw, ours, tmp_path / "gw.log"),
         ]
         r = redis.Redis.from_url(url, decode_responses=True)
