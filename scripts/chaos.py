@@ -48,8 +48,9 @@ its restart until it answers one; a coordinator: until the snapshot moves on; Re
 until a new snapshot holds every engine that is up), against the bound of
 docs/RELIABILITY.md; what was left in flight at the end (the gateways'
 ``redisbal_gateway_inflight`` or the peer routers' own gauge, the engines' own counts);
-requests executed twice (a request's id finished by two engines' models) or delivered
-twice; the front ends' RSS and open fds over time (/proc); the gateways' JSON access
+requests executed twice (a request's id finished by two engines' models) and delivered
+twice (an answer the client got that joins two engines' answers: chunks of two answer
+ids); the front ends' RSS and open fds over time (/proc); the gateways' JSON access
 logs against the client (each
 request sends its id as ``X-Request-Id``): exactly one line per request, and the lines'
 outcomes adding up to what the client saw (answered, failed by status).
@@ -682,6 +683,7 @@ class Result:
     error: str = ""
     status: int | None = None
     chunks: int = 0
+    answers: int = 0  # engines' answers its chunks came from (their ids): 2 is a splice
     longest_wait: float = 0.0  # the longest wait for a chunk, the first one included
 
 
@@ -753,6 +755,7 @@ class Load:
         s.turns += 1
         s.messages.append({"role": "user", "content": f"Turn {s.turns}: tell me more. " * 8})
         text: list[str] = []
+        ids: set[str] = set()
         last = time.monotonic()
         try:
             stream = await client.chat.completions.create(
@@ -768,6 +771,7 @@ class Load:
             async for chunk in stream:
                 now = time.monotonic()
                 r.longest_wait, last = max(r.longest_wait, now - last), now
+                ids.add(chunk.id)
                 if chunk.choices:
                     r.chunks += 1
                     text.append(chunk.choices[0].delta.content or "")
@@ -781,6 +785,7 @@ class Load:
             r.error = f"{type(exc).__name__}: {str(exc)[:60]}"
         finally:
             r.ended = time.time()
+            r.answers = len(ids)
             if not r.ok:  # (a failed one: the wait for what never came counts)
                 r.longest_wait = max(r.longest_wait, time.monotonic() - last)
             s.messages.append({"role": "assistant", "content": "".join(text)})
@@ -1204,10 +1209,15 @@ def served(
     ledgers: dict[str, list[tuple[float, str, str]]],
     faults: list[Fault],
 ) -> dict[str, Any]:
-    """What the engines' ledgers say: executions (a model finished it), deliveries (finished
-    and its client did not leave before the whole answer), and requests with two of either."""
+    """Executions (an engine's model finished it, by its ledger) and requests executed
+    twice; whole answers sent (finished, and the engine saw its client stay to the end)
+    and requests sent whole by two engines, one of them to a front end that gave up on it
+    as it was written (a race the engine cannot see: its write went into a socket being
+    closed); and requests delivered twice, by the client: an answer joining two engines'
+    answers (chunks of two answer ids), the one way a request's answer can come twice
+    through one HTTP response."""
     finishes: collections.Counter[str] = collections.Counter()
-    deliveries: collections.Counter[str] = collections.Counter()
+    sent_whole: collections.Counter[str] = collections.Counter()
     for rows in ledgers.values():
         finished: set[str] = set()
         aborted: set[str] = set()
@@ -1218,27 +1228,43 @@ def served(
             elif event == "abort":
                 aborted.add(rid)
         for rid in finished:
-            deliveries[rid] += 1 if rid not in aborted else 0
+            sent_whole[rid] += 1 if rid not in aborted else 0
     answered = {r.rid for r in results if r.ok}
     # each request executed twice, by the fault of an engine that executed it but whose
     # answer did not go out (its client left) while that engine was faulty
+    # (and when: how far into the fault it reached that engine, how soon its model
+    # finished it there, and when its front end gave up on it)
     why: collections.Counter[str] = collections.Counter()
-    for rid in (r for r, n in finishes.items() if n > 1):
-        kinds = {
-            f.kind
-            for eid, rows in ledgers.items()
-            for t, event, r in rows
-            if r == rid and event == "abort"
-            for f in faults
-            if f.target == eid and f.started <= t <= (f.ended or t) + 1.0
-        }
+    when: list[dict[str, Any]] = []
+    twice = {r for r, n in finishes.items() if n > 1}
+    for eid, rows in ledgers.items():
+        mine = collections.defaultdict(dict)  # rid -> event -> time (the first)
+        for t, event, rid in rows:
+            if rid in twice:
+                mine[rid].setdefault(event, t)
+        for rid, ev in mine.items():
+            if "abort" not in ev:
+                continue
+            for f in faults:
+                if f.target == eid and f.started <= ev["abort"] <= (f.ended or ev["abort"]) + 1.0:
+                    arrived = ev.get("arrive", ev["abort"])
+                    when.append({
+                        "id": rid, "fault": f.kind, "engine": eid,
+                        "reached_into_fault_s": round(arrived - f.started, 2),
+                        "finished_after_s": round(ev.get("finish", arrived) - arrived, 2),
+                        "given_up_after_s": round(ev["abort"] - arrived, 2),
+                    })  # fmt: skip
+    for rid in twice:
+        kinds = {w["fault"] for w in when if w["id"] == rid}
         why[",".join(sorted(kinds)) or "no engine fault"] += 1
     return {
         "executions": sum(finishes.values()),
         "answered": len(answered),
         "executed_twice": sum(1 for n in finishes.values() if n > 1),
         "executed_twice_by_fault": dict(why.most_common()),
-        "delivered_twice": sum(1 for n in deliveries.values() if n > 1),
+        "executed_twice_when": sorted(when, key=lambda w: (w["engine"], w["id"])),
+        "sent_whole_twice": sum(1 for n in sent_whole.values() if n > 1),
+        "delivered_twice": sum(1 for r in results if r.answers > 1),
         "answered_not_in_ledgers": len(answered - set(finishes)),
         "executed_not_answered": len(set(finishes) - answered),
     }
@@ -1274,6 +1300,10 @@ def proc_summary(obs: Observer) -> dict[str, Any]:
     return out
 
 
+def _span(xs: list[float]) -> str:
+    return f"{min(xs):g}-{max(xs):g}" if min(xs) != max(xs) else f"{xs[0]:g}"
+
+
 def table(report: dict[str, Any]) -> str:
     q = report["requests"]
     s = report["served"]
@@ -1290,8 +1320,17 @@ def table(report: dict[str, Any]) -> str:
         f"errors: {q['errors']}",
         f"served: executions {s['executions']}, executed twice {s['executed_twice']} "
         f"{s['executed_twice_by_fault'] or ''}, "
-        f"delivered twice {s['delivered_twice']}, executed but not answered "
+        f"sent whole twice {s['sent_whole_twice']}, delivered twice (an answer of two "
+        f"engines' answers) {s['delivered_twice']}, executed but not answered "
         f"{s['executed_not_answered']}",
+        *(
+            f"  executed twice by {kind}: {len(ws)}, reached it "
+            f"{_span([w['reached_into_fault_s'] for w in ws])} s into the fault, finished "
+            f"there {_span([w['finished_after_s'] for w in ws])} s after, given up "
+            f"{_span([w['given_up_after_s'] for w in ws])} s after"
+            for kind in sorted({w["fault"] for w in s["executed_twice_when"]})
+            for ws in [[w for w in s["executed_twice_when"] if w["fault"] == kind]]
+        ),
         f"left in flight at the end: {report['left_in_flight']['total']}",
         "access log: n/a (the gateways' access log; a peer router is not checked)"
         if acc is None

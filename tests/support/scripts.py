@@ -4,6 +4,7 @@ pure parts (arguments, tables, sums)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -15,5 +16,6 @@ def load_script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
