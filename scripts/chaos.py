@@ -1310,6 +1310,9 @@ def table(report: dict[str, Any]) -> str:
     acc = report["access_log"]
     n = report["args"]["gateways"]
     front = report["front_end"]
+    twice_by_fault: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for w in s["executed_twice_when"]:
+        twice_by_fault[w["fault"]].append(w)
     lines = [
         f"front end: {front} ({n} {'gateways' if front == 'redisbal' else 'replicas'})",
         f"requests: sent {q['sent']}, answered {q['answered']}, failed {q['failed']} "
@@ -1328,8 +1331,7 @@ def table(report: dict[str, Any]) -> str:
             f"{_span([w['reached_into_fault_s'] for w in ws])} s into the fault, finished "
             f"there {_span([w['finished_after_s'] for w in ws])} s after, given up "
             f"{_span([w['given_up_after_s'] for w in ws])} s after"
-            for kind in sorted({w["fault"] for w in s["executed_twice_when"]})
-            for ws in [[w for w in s["executed_twice_when"] if w["fault"] == kind]]
+            for kind, ws in sorted(twice_by_fault.items())
         ),
         f"left in flight at the end: {report['left_in_flight']['total']}",
         "access log: n/a (the gateways' access log; a peer router is not checked)"
