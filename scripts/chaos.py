@@ -170,8 +170,13 @@ def engine_main(a: argparse.Namespace) -> None:
     """One engine (``chaos.py engine``) until SIGTERM; its ledger lines: ``time event id``,
     event reach (its HTTP handler read the request, whatever it then answered: a status
     fault's too), arrive (taken in), finish (its model finished it) or abort (its client
-    left before the whole answer was sent)."""
+    left before the whole answer was sent); a gateway's probe of the engine (a copy of a
+    request routed elsewhere) as probe_reach, probe_arrive and so on."""
     from aiohttp import web
+
+    from redisbal.gateway.proxy import PROBE_HEADER
+
+    PROBE = "probe:"
 
     from redisbal.sim.http_engine import HttpEngine
     from redisbal.sim.model import SimRequest
@@ -185,6 +190,8 @@ def engine_main(a: argparse.Namespace) -> None:
             self._tags: dict[int, str] = {}
 
         def _note(self, event: str, tag: str) -> None:
+            if tag.startswith(PROBE):  # a gateway's probe: a copy of the request, apart
+                event, tag = "probe_" + event, tag[len(PROBE) :]
             os.write(self._fd, f"{time.time():.3f} {event} {tag}\n".encode())  # (survives SIGKILL)
 
         async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
@@ -195,6 +202,8 @@ def engine_main(a: argparse.Namespace) -> None:
                 body = orjson.loads(await request.read())  # (aiohttp keeps it for the next read)
                 if isinstance(body, dict) and isinstance(body.get("chaos_id"), str):
                     tag = body["chaos_id"]
+            if tag and request.headers.get(PROBE_HEADER):
+                tag = PROBE + tag
             TAG.set(tag)  # (this request's task: _parse runs in it)
             if tag:
                 self._note("reach", tag)
@@ -1218,11 +1227,14 @@ def served(
     through one HTTP response."""
     finishes: collections.Counter[str] = collections.Counter()
     sent_whole: collections.Counter[str] = collections.Counter()
+    probes = 0  # the gateways' probes the engines' models finished (copies: not requests)
     for rows in ledgers.values():
         finished: set[str] = set()
         aborted: set[str] = set()
         for _t, event, rid in rows:
-            if event == "finish":
+            if event == "probe_finish":
+                probes += 1
+            elif event == "finish":
                 finishes[rid] += 1
                 finished.add(rid)
             elif event == "abort":
@@ -1259,6 +1271,7 @@ def served(
         why[",".join(sorted(kinds)) or "no engine fault"] += 1
     return {
         "executions": sum(finishes.values()),
+        "probe_executions": probes,
         "answered": len(answered),
         "executed_twice": sum(1 for n in finishes.values() if n > 1),
         "executed_twice_by_fault": dict(why.most_common()),
@@ -1325,7 +1338,7 @@ def table(report: dict[str, Any]) -> str:
         f"{s['executed_twice_by_fault'] or ''}, "
         f"sent whole twice {s['sent_whole_twice']}, delivered twice (an answer of two "
         f"engines' answers) {s['delivered_twice']}, executed but not answered "
-        f"{s['executed_not_answered']}",
+        f"{s['executed_not_answered']}; probes executed (copies) {s.get('probe_executions', 0)}",
         *(
             f"  executed twice by {kind}: {len(ws)}, reached it "
             f"{_span([w['reached_into_fault_s'] for w in ws])} s into the fault, finished "

@@ -102,6 +102,15 @@ class GatewayMetrics:
         self.decisions = Counter(
             "redisbal_gateway_decisions", "Route decisions per engine.", ["engine"], registry=r
         )
+        self.probes = Counter(
+            "redisbal_gateway_probes",
+            "Probes of engines whose ejection ended (copies of requests routed elsewhere, "
+            "their answers dropped), by how they ended: answered (the engine is routed to "
+            "again), unproven (the answer ended before the point where its streams "
+            "stalled), rejected (a 4xx), cancelled, or a failure kind (it stays ejected).",
+            ["engine", "outcome"],
+            registry=r,
+        )
         self.cache_routes = Counter(
             "redisbal_gateway_cache_routes",
             "Route decisions that followed a match in the engines' prefix caches "
@@ -184,6 +193,9 @@ class GatewayMetrics:
 
     def decision(self, engine_id: str) -> None:
         self._inc(self.decisions, engine_id)
+
+    def probe(self, engine_id: str, outcome: str) -> None:
+        self._inc(self.probes, engine_id, outcome)
 
     def cache_route(self, tokens: int) -> None:
         """A route that followed a cache match of ``tokens`` prompt tokens."""

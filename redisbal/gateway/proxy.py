@@ -69,6 +69,7 @@ MAX_ATTEMPTS = 3  # engines one request may try (the first and two retries)
 CHAT_PATH = "/v1/chat/completions"
 PROXY_PATHS = ("/v1/completions", CHAT_PATH)
 KEY_HEADER = "X-Redisbal-Key"  # a session or prefix key: its requests prefer one engine
+PROBE_HEADER = "X-Redisbal-Probe"  # on a probe: a copy of a request, its answer dropped
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed on untraced
 # attempts given up while the engine had them (their connection is dropped: it aborts)
 ABANDONED = frozenset({"first_byte_timeout", "idle_timeout", "timeout"})
@@ -221,6 +222,8 @@ class Proxy:
         )
         for dep in self.models.deployments:  # streams stopped mid-way, counted per engine
             dep.streams.on_stall = self._stall_counter(dep)
+            dep.router.core.shadow_probes = True  # probes are copies of requests (_probe)
+        self.probes: set[asyncio.Task[None]] = set()  # probes under way
         self.upstream: Upstreams | None = None  # from start() on
         self._idle = asyncio.Event()
         self._idle.set()
@@ -297,13 +300,16 @@ class Proxy:
             raise NoEngines(f"engine {pin!r} has no known URL (not registered, no --engine)")
         if pin is not None or (d.engine_id in urls and d.engine_id not in avoid):
             return d
+        shadow, d.shadow = d.shadow, None  # (the probe goes with the request's new route)
         _unroute(router, d)  # no URL, or it failed this request already: another one
         loads = router.core.loads()
         ok = [e for e in loads if e in urls and e not in avoid]
         if not ok:
+            if shadow is not None:
+                _unroute(router, shadow)
             raise NoEngines("no engine with a known URL")
         d = router.route(min(ok, key=loads.__getitem__), prompt_tokens=tokens)
-        d.pinned = False
+        d.pinned, d.shadow = False, shadow
         return d
 
     def upstream_auth(self, request: web.Request) -> dict[str, str]:
@@ -511,6 +517,9 @@ class Proxy:
                     break
                 m.errors.labels("no_engine").inc()
                 return _json_error(503, str(exc), "unavailable", **{"Retry-After": "1"})
+            if d.shadow is not None:
+                self._send_probe(dep, d.shadow, body, headers, request.path, rid, accept)
+                d.shadow = None
             m.decision(dep.label + d.engine_id)
             if d.cached:
                 m.cache_route(d.cached * BLOCK_TOKENS)
@@ -549,6 +558,91 @@ class Proxy:
                     break
         assert last is not None
         return _json_error(last.status, last.public, "upstream_error")
+
+    def _send_probe(
+        self,
+        dep: Deployment,
+        d: Decision,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        path: str,
+        rid: str,
+        accept: bytes,
+    ) -> None:
+        """Send the probe ``d`` of a probing engine in the background: a copy of the
+        request (``body``) streamed, with its own request id and ``PROBE_HEADER``, and no
+        trace context (it is nobody's request)."""
+        url = dep.urls.get(d.engine_id)
+        if url is None or self.upstream is None or self.draining:
+            _unroute(dep.router, d)  # (the next request probes it)
+            return
+        copy = orjson.dumps({**body, "stream": True})  # (a first byte, then the flow)
+        sent = {k: v for k, v in headers.items() if k not in TRACE_HEADERS}
+        sent[REQUEST_ID_HEADER], sent[PROBE_HEADER] = rid + "-probe", "1"
+        sent[CLIENT_HEADER] = str(d.client_index)
+        probe = self._probe(dep, d, url + path, copy, sent, accept)
+        task = asyncio.get_running_loop().create_task(probe)
+        self.probes.add(task)
+        task.add_done_callback(self.probes.discard)
+
+    async def _probe(
+        self,
+        dep: Deployment,
+        d: Decision,
+        url: str,
+        raw: bytes,
+        headers: dict[str, str],
+        accept: bytes,
+    ) -> None:
+        """A probe of a probing engine (``_send_probe``), judged as a request would be,
+        its stream read to the end and dropped: it answers once the stream flowed to its
+        end past the point where the engine's streams stalled (a short answer passes a
+        mid-stream stall and proves nothing: ``unproven``); a failure ejects the engine
+        again, for longer. Cancelled (the gateway closing): no evidence either way."""
+        router, eid = dep.router, d.engine_id
+        kind, detail, result = "client_disconnect", "", "cancelled"
+        up: Response | None = None
+        t_up = time.perf_counter()
+        bound = router.first_byte_bound(eid)
+        router.sent(d)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                up = await self._connect(dep, d, url, raw, headers, bound)
+                self._judge(dep, d, up, accept)
+                if up.status >= 300:  # refused as the request would be: proves nothing
+                    router.unproven(d)
+                    kind = result = "rejected"
+                    return
+                await self._first_chunk(dep, d, up, bound, t_up)
+                t_first = time.perf_counter()
+                flow = dep.streams.opened(d)
+                try:
+                    while await asyncio.wait_for(up.chunk(), self.idle_timeout_s) is not None:
+                        dep.streams.chunk(flow)
+                finally:
+                    dep.streams.closed(flow)
+                kind = "ok"
+                if dep.streams.flowed(flow):
+                    router.answered(d, t_first - t_up)
+                    result = "answered"
+                else:
+                    router.unproven(d)
+                    result = "unproven"
+        except Retry as exc:
+            kind, detail = exc.kind, exc.detail
+        except TimeoutError:  # (the idle-read bound, or the whole-response one)
+            gone = time.perf_counter() - t_up >= self.timeout_s
+            kind = "timeout" if gone else "idle_timeout"
+            detail = f"engine {eid}: probe stopped mid-stream"
+        except UpstreamError as exc:
+            kind, detail = "reset", f"engine {eid} failed mid-stream: {exc}"
+        finally:
+            if up is not None:
+                up.close()
+            if kind not in ("ok", "rejected", "client_disconnect"):
+                result = kind
+            self.metrics.probe(dep.label + eid, result)
+            self._outcome(dep, d, kind, detail)
 
     def _outcome(
         self,
@@ -611,35 +705,8 @@ class Proxy:
         if stream:
             router.sent(d)  # an engine that leaves it waiting is passed over meanwhile
         try:
-            try:
-                up = await first_byte(
-                    self.upstream.request("POST", url, raw, headers), bound, dep.silence, eid
-                )
-            except UpstreamUnreachable as exc:
-                _unroute(router, d)  # it never got there: no route to take back later
-                kind, detail = "connect", f"engine {eid} unreachable: {exc}"
-                raise Retry(kind, detail, unsent=True, public=f"engine {eid} unreachable") from None
-            except UpstreamError as exc:
-                kind, detail = "reset", f"engine {eid} failed: {exc}"
-                public = f"engine {eid} failed: {type(exc).__name__}"
-                raise Retry(kind, detail, public=public) from None
-            except asyncio.TimeoutError:
-                kind, detail = "first_byte_timeout", f"engine {eid}: no answer in {bound:.2f}s"
-                raise Retry(kind, detail, 504) from None
-            except Silent as exc:
-                kind, detail = "first_byte_timeout", f"engine {eid}: {exc}"
-                raise Retry(kind, detail, 504, unsent=True) from None
-            if up.status in RETRY_STATUSES:
-                kind, detail = status_kind(up.status), f"engine {eid} answered {up.status}"
-                raise Retry(kind, detail, up.status)
-            if up.status < 300:
-                dep.accepted.accepted(accept, eid)
-                dep.refusing.discard(eid)
-            elif up.status in REFUSAL_STATUSES and dep.accepted.elsewhere(accept, eid):
-                # another engine took these credentials and model: this one is broken
-                kind = str(up.status)
-                detail = f"engine {eid} answered {up.status} to what another engine accepted"
-                raise Retry(kind, detail, up.status, public=f"engine {eid} answered {up.status}")
+            up = await self._connect(dep, d, url, raw, headers, bound)
+            self._judge(dep, d, up, accept)
             ctype = up.headers.get("content-type", "application/json")
             if not ctype.startswith("text/event-stream"):
                 whole, kind = await self._whole(router, d, up, ctype, t0, t_up, rec)
@@ -655,6 +722,72 @@ class Proxy:
             if up is not None:  # an answer not passed on whole drops its connection: the
                 up.close()  # engine sees the client leave and aborts
             self._outcome(dep, d, kind, detail, rec, up.status if up is not None else None)
+
+    async def _connect(
+        self,
+        dep: Deployment,
+        d: Decision,
+        url: str,
+        raw: bytes,
+        headers: dict[str, str],
+        bound: float,
+    ) -> Response:
+        """Send the attempt of ``d`` and wait up to ``bound`` for its answer's head;
+        Retry when none came (the engine's failure: its kind)."""
+        assert self.upstream is not None
+        eid = d.engine_id
+        try:
+            return await first_byte(
+                self.upstream.request("POST", url, raw, headers), bound, dep.silence, eid
+            )
+        except UpstreamUnreachable as exc:
+            _unroute(dep.router, d)  # it never got there: no route to take back later
+            detail, public = f"engine {eid} unreachable: {exc}", f"engine {eid} unreachable"
+            raise Retry("connect", detail, unsent=True, public=public) from None
+        except UpstreamError as exc:
+            public = f"engine {eid} failed: {type(exc).__name__}"
+            raise Retry("reset", f"engine {eid} failed: {exc}", public=public) from None
+        except asyncio.TimeoutError:
+            detail = f"engine {eid}: no answer in {bound:.2f}s"
+            raise Retry("first_byte_timeout", detail, 504) from None
+        except Silent as exc:
+            detail = f"engine {eid}: {exc}"
+            raise Retry("first_byte_timeout", detail, 504, unsent=True) from None
+
+    @staticmethod
+    def _judge(dep: Deployment, d: Decision, up: Response, accept: bytes) -> None:
+        """Retry when the answer's status says the engine did not serve it (a 5xx, a
+        429, a refusal of what another engine accepted: ``accept``); note who accepted
+        what."""
+        eid = d.engine_id
+        if up.status in RETRY_STATUSES:
+            raise Retry(status_kind(up.status), f"engine {eid} answered {up.status}", up.status)
+        if up.status < 300:
+            dep.accepted.accepted(accept, eid)
+            dep.refusing.discard(eid)
+        elif up.status in REFUSAL_STATUSES and dep.accepted.elsewhere(accept, eid):
+            # another engine took these credentials and model: this one is broken
+            detail = f"engine {eid} answered {up.status} to what another engine accepted"
+            public = f"engine {eid} answered {up.status}"
+            raise Retry(str(up.status), detail, up.status, public=public)
+
+    async def _first_chunk(
+        self, dep: Deployment, d: Decision, up: Response, bound: float, t_up: float
+    ) -> bytes:
+        """A stream's first chunk, within ``bound`` of the attempt's start; Retry when
+        none came."""
+        eid = d.engine_id
+        left = max(0.001, bound - (time.perf_counter() - t_up))
+        try:
+            return await first_byte(up.chunk(), left, dep.silence, eid) or b""
+        except asyncio.TimeoutError:
+            raise Retry(
+                "first_byte_timeout", f"engine {eid}: no first token in {bound:.2f}s", 504
+            ) from None
+        except Silent as exc:
+            raise Retry("first_byte_timeout", f"engine {eid}: {exc}", 504, unsent=True) from None
+        except UpstreamError as exc:
+            raise Retry("reset", f"engine {eid} dropped before its first token: {exc}") from None
 
     async def _whole(
         self,
@@ -705,17 +838,7 @@ class Proxy:
         the request (or drops first) is retried; after it, ``idle_timeout_s`` without a
         chunk ends the stream with an error event."""
         m, eid, router = self.metrics, d.engine_id, dep.router
-        left = max(0.001, bound - (time.perf_counter() - t_up))
-        try:
-            first = await first_byte(up.chunk(), left, dep.silence, eid) or b""
-        except asyncio.TimeoutError:
-            raise Retry(
-                "first_byte_timeout", f"engine {eid}: no first token in {bound:.2f}s", 504
-            ) from None
-        except Silent as exc:
-            raise Retry("first_byte_timeout", f"engine {eid}: {exc}", 504, unsent=True) from None
-        except UpstreamError as exc:
-            raise Retry("reset", f"engine {eid} dropped before its first token: {exc}") from None
+        first = await self._first_chunk(dep, d, up, bound, t_up)
         t_first = time.perf_counter()
         # a probe is answered once its stream flowed to its end: an engine whose streams
         # stop mid-way still sends first chunks

@@ -109,6 +109,9 @@ class Gateway(Proxy):
         return self.inflight == 0
 
     async def close(self) -> None:
+        for task in list(self.probes):  # (their outcomes say nothing of the engines)
+            task.cancel()
+        await asyncio.gather(*self.probes, return_exceptions=True)
         for d in self.models.deployments:
             await d.close()
         if self.runner is not None:

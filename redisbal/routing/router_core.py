@@ -17,10 +17,12 @@ them, some router told the deployment), and those this router ejected on the out
 of its own requests (``failed()``; ``redisbal.routing.outcomes``). Engines probing
 (an ejection whose back-off ended, here or in the snapshot) are left out too,
 but get one request at a time (``Decision.probe``) until one answers
-(``answered()``). A pinned request may still go to any of them; when every
-engine is excluded the router chooses among all of them rather than fail,
-and its own evidence ejects at most half of the engines: an exclusion is a
-preference, never a way to empty the deployment.
+(``answered()``); with ``shadow_probes`` (the gateway) that request is a copy of
+one routed elsewhere (``Decision.shadow``), so that no client waits on an engine
+that may still be stopped, and none is served twice by it. A pinned request may
+still go to any of them; when every engine is excluded the router chooses among
+all of them rather than fail, and its own evidence ejects at most half of the
+engines: an exclusion is a preference, never a way to empty the deployment.
 """
 
 from __future__ import annotations
@@ -137,6 +139,9 @@ class RouterCore:
         # told, a request ended or taken back (routing.admission wakes held requests)
         self.on_update: Callable[[], None] | None = None
         self.route_cost = RouteCost()  # a route's size against recent routes' (estimates)
+        # probes go as copies of requests (Decision.shadow), the requests themselves to
+        # choosable engines: set by a caller that sends the copies (the gateway)
+        self.shadow_probes = False
         self.counters = {
             "routes": 0,
             "degraded_routes": 0,
@@ -151,7 +156,7 @@ class RouterCore:
             "all_excluded_routes": 0,  # routes made while every engine was excluded
             "roster_fetches": 0,  # compact messages whose roster was read from the stored one
             "malformed": 0,  # snapshots ignored as malformed (Snapshot.from_json refused them)
-            "probes": 0,  # requests sent to a probing engine
+            "probes": 0,  # requests (or their copies: shadow_probes) sent to a probing engine
             "recovered": 0,  # probing engines that answered
             "cache_routes": 0,  # routes that followed a match in cache_view (Decision.cached)
         }
@@ -484,15 +489,8 @@ class RouterCore:
                     policy.matched = 0
                     eng, pinned, probe = self._choose(engine_id, now)
                 cached = policy.matched
-                eng.routed += 1
-                eng.inflight += 1
-                self.told_routes.mark(eng.engine_id, True)
-                eng.pending += 1
                 cost = 1.0 if info is None or not self._sized else self.route_cost(info)
-                eng.costs.append(cost)
-                eng.pending_cost += cost
-                if not eng.exact:
-                    eng.times.append(now)
+                self._book(eng, cost, now)
                 if not probe and (not pinned or eng.engine_id not in excl.avoided):
                     self.policy.routed(self, eng)  # (only engines in self.engines)
             finally:
@@ -507,14 +505,41 @@ class RouterCore:
             snap, self.seq = self.snapshot, self.seq + 1
             version = snap.version if snap else 0
             eid, ci = eng.engine_id, self.client_index
-            return Decision(eid, ci, self.seq, version, degraded, pinned, False, probe, now, cached)
+            d = Decision(eid, ci, self.seq, version, degraded, pinned, False, probe, now, cached)
+            if self.shadow_probes and engine_id is None:
+                d.shadow = self._shadow(cost, version, degraded, now)
+            return d
+
+    def _book(self, eng: EngineView, cost: float, now: float) -> None:
+        """Count a route to ``eng``: routed, in flight, pending, its cost."""
+        eng.routed += 1
+        eng.inflight += 1
+        self.told_routes.mark(eng.engine_id, True)
+        eng.pending += 1
+        eng.costs.append(cost)
+        eng.pending_cost += cost
+        if not eng.exact:
+            eng.times.append(now)
+
+    def _shadow(self, cost: float, version: int, degraded: bool, now: float) -> Decision | None:
+        """The probe owed to a probing engine, as a copy of the request just routed
+        (``shadow_probes``): a route of its own, counted as the request's (its cost), or
+        None when no probe is due."""
+        for eid in self.excl.probing:  # (a silent one is excluded: no probe)
+            if self.outcomes.take_probe(eid, now):
+                self.counters["probes"] += 1
+                self._book(self.by_id[eid], cost, now)
+                self.seq += 1
+                ci = self.client_index
+                return Decision(eid, ci, self.seq, version, degraded, False, False, True, now)
+        return None
 
     def _choose(self, engine_id: str | None, now: float) -> tuple[EngineView, bool, bool]:
         """The policy's pick, a probe of a probing engine (one at a time), or the pinned
         engine; and whether it was pinned, whether a probe."""
         if engine_id is None:
-            for eid in self.excl.probing:  # (a silent one is excluded: no probe)
-                if self.outcomes.take_probe(eid, now):
+            for eid in () if self.shadow_probes else self.excl.probing:  # (else: _shadow)
+                if self.outcomes.take_probe(eid, now):  # (a silent one is excluded: no probe)
                     self.counters["probes"] += 1
                     return self.by_id[eid], False, True
             if self.excl.all_excluded:

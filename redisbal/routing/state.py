@@ -33,6 +33,10 @@ class Decision:
     # the route followed a cache match: the leading blocks of the prompt its engine
     # holds (``RoutingState.cache_view``); 0 when it did not
     cached: int = 0
+    # with ``RouterCore.shadow_probes``: the probe owed to a probing engine, a route of
+    # its own for a copy of this request (its answer dropped), to be sent, or taken back
+    # with ``unroute()``; None when no probe is due
+    shadow: Decision | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,3 +40,22 @@ def test_twice_is_told_apart_by_who_saw_it() -> None:
     # an answer whose chunks carry two engines' answer ids is one delivered twice
     results[2].answers = 2
     assert c.served(results, ledgers, [stall])["delivered_twice"] == 1
+
+
+def test_a_gateways_probe_is_counted_apart_from_the_request_it_copies() -> None:
+    """A probe is a copy of a request routed elsewhere (its own ledger events): the
+    probed engine finishing it besides the engine that answered is no request executed
+    twice, and the probe reaching a faulty engine is no decision to it."""
+    c = load()
+    stall = c.Fault("engine_stall", at=0.0, hold=10.0, target="e0", started=100.0, ended=110.0)
+    ledgers = {
+        "e0": [(102.0, "probe_reach", "r1"), (102.0, "probe_arrive", "r1"),
+               (102.5, "probe_finish", "r1"), (105.0, "probe_abort", "r1")],
+        "e1": [(102.0, "reach", "r1"), (102.0, "arrive", "r1"), (102.4, "finish", "r1")],
+    }  # fmt: skip
+    results = [c.Result("r1", "g0", 102.0, ok=True, answers=1)]
+    s = c.served(results, ledgers, [stall])
+    assert s["executions"] == 1 and s["executed_twice"] == 0
+    assert s["probe_executions"] == 1 and s["executed_not_answered"] == 0
+    c.reached_while_faulty(results, ledgers, [stall])
+    assert stall.decisions == 0

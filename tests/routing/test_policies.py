@@ -456,6 +456,35 @@ def test_failed_tells_redis_once_per_ejection_and_again_after_a_failed_probe() -
     assert core.outcomes.health("e0").level == 1
 
 
+def test_with_shadow_probes_a_probing_engine_gets_copies_one_at_a_time() -> None:
+    """The gateway's way: the probe owed to a probing engine is a route of its own
+    (``Decision.shadow``) beside the request's, which goes to a choosable engine; one
+    probe at a time; its answer recovers the engine, a probe taken back frees the way,
+    and every route's end leaves nothing in flight."""
+    clock = FakeClock()
+    core = make_core(clock=clock)
+    core.shadow_probes = True
+    core.apply_snapshot(make_snapshot(equal(4)))
+    assert core.failed(core.route("e0"), "first_byte_timeout")
+    clock.t += core.suspect_s
+    d = core.route()
+    assert d.engine_id != "e0" and not d.probe
+    shadow = d.shadow
+    assert shadow is not None and shadow.engine_id == "e0" and shadow.probe
+    assert shadow.seq != d.seq and core.by_id["e0"].inflight == 1
+    others = [core.route() for _ in range(20)]  # one probe at a time
+    assert all(o.engine_id != "e0" and o.shadow is None for o in others)
+    core.unroute(shadow)  # never sent: the next request probes
+    again = core.route()
+    assert again.shadow is not None and again.shadow.engine_id == "e0"
+    core.answered(again.shadow, 0.01)
+    assert "e0" not in core.excluded()
+    for x in (d, *others, again, again.shadow):
+        core.finished(x)
+    assert all(e.inflight == 0 for e in core.known)
+    assert core.counters["probes"] == 2
+
+
 def test_a_refused_route_leaves_no_phantom_load() -> None:
     core = make_core("redisbal", client_count=1)
     snap = make_snapshot({e: (0, 0) for e in ("e0", "e1")}, admitted={"e0": (0,), "e1": (0,)})
