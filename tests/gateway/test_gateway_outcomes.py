@@ -568,9 +568,13 @@ async def test_an_engine_stalled_mid_stream_gets_one_probe_per_router_until_it_f
             await set_fault(bad.url, "none")  # its streams flow again
             done = await asyncio.gather(*longs, *pending)
             assert all("[DONE]" in t for t in done)
-        for g in st.gateways:  # (a probe hanging there flowed to its end: answered)
-            name, labels = "redisbal_gateway_probes_total", {"engine": "0", "outcome": "answered"}
-            await await_until(lambda g=g: metric(g.metrics.render().decode(), name, **labels) > 0)
+
+        def answered(g: Gateway) -> float:  # (a probe hanging there flowed to its end)
+            text = g.metrics.render().decode()
+            return metric(text, "redisbal_gateway_probes_total", engine="0", outcome="answered")
+
+        for g in st.gateways:
+            await await_until(lambda g=g: answered(g))
         before = bad.arrived
         deadline = time.monotonic() + 10  # (guards a hang only)
         while bad.arrived < before + 3 and time.monotonic() < deadline:
