@@ -46,10 +46,11 @@ few prefixes each). vllm-router's kv_aware runs on the engines' KV events: each 
 every engine a ZMQ publisher of its own (engine-sim ``--kv-events``) and the router each
 worker's (``--kv-event-source``). ``redisbal+kv`` is the default policy on the same events:
 ``redisbal kv-events`` keeps each engine's cache view in Redis and the gateways match
-prompts with it (``--prefix-tokens sim``). Each row records its scenario (``scenario``, and a
-table column), the requests each replica was sent (``sent_per_replica``) and the bypass client's own
-figures (``bypass``: never in the routed requests'; the engines' served counts and
-cache hit rate include its traffic).
+prompts with it (``--prefix-tokens sim``); ``<variant>+kv`` is a variant of the default
+(``--policies redisbal-keyslack+kv``, say) on them. Each row records its scenario
+(``scenario``, and a table column), the requests each replica was sent
+(``sent_per_replica``) and the bypass client's own figures (``bypass``: never in the
+routed requests'; the engines' served counts and cache hit rate include its traffic).
 
 ``--load-gate L``: before each run wait (up to ``--load-gate-wait-s``) for the 1-minute
 load average to fall below L; each row records the load average at its start and end.
@@ -214,6 +215,8 @@ class TraceDemo(ScenarioDemo):
             log = self.logdir / f"gateway-{i}.log"
             cmd = [sys.executable, script, "--policy", self.peer, "--lease-ttl-s", "1.5"]
             cmd += ["--refresh-s", "0.5"] + (["--kv-blocks", str(kv)] if kv else [])
+            if isinstance(self, CacheViewDemo):  # (a variant on the cache views)
+                cmd += ["--prefix-tokens", "sim"]
             with open(log, "wb") as fh:
                 proc = subprocess.Popen(
                     cmd,
@@ -279,8 +282,15 @@ class CacheViewDemo(TraceDemo):
 
     gateway_args = ("--prefix-tokens", "sim")
 
-    def __init__(self, opts: DemoOptions, echo: Echo, trace: str, engine_args: list[str]) -> None:
-        super().__init__(opts, echo, trace, engine_args)
+    def __init__(
+        self,
+        opts: DemoOptions,
+        echo: Echo,
+        trace: str,
+        engine_args: list[str],
+        variant: str | None = None,
+    ) -> None:
+        super().__init__(opts, echo, trace, engine_args, variant)
         self.publish_kv_events()
 
     def start_gateways(self) -> None:
@@ -367,9 +377,17 @@ def wait_for_load(gate: float | None, wait_s: float) -> bool:
     return True
 
 
+def cache_view_variant(policy: str) -> str | None:
+    """The variant of ``<variant>+kv`` (a default-policy variant on the cache views)."""
+    name = policy.removesuffix("+kv")
+    return name if policy.endswith("+kv") and name in VARIANTS else None
+
+
 def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) -> dict[str, Any]:
-    peer = policy if policy in PEER_POLICIES or policy in VARIANTS else None
-    if policy == CACHE_VIEW_POLICY and not args.trace:
+    variant = cache_view_variant(policy)
+    peer = policy if policy in PEER_POLICIES or policy in VARIANTS else variant
+    views = policy == CACHE_VIEW_POLICY or variant is not None
+    if views and not args.trace:
         sys.exit(f"{policy} needs --trace (and engines with --cache-blocks)")
     real = policy in peer_routers.NAMES
     opts = DemoOptions(
@@ -379,7 +397,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         engines=args.engines,
         api_servers=args.gateways,
         duration=args.duration,
-        policy="redisbal" if peer or real or policy == CACHE_VIEW_POLICY else policy,
+        policy="redisbal" if peer or real or views else policy,
         mode="tick",
         running_cap=args.running_cap,
         burst=int(args.burst_factor * args.engines * args.running_cap),
@@ -400,8 +418,8 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         extra = shlex.split(args.engine_args)
         if real:
             demo = RouterDemo(opts, echo, trace, extra, policy, args.routers_venv)
-        elif policy == CACHE_VIEW_POLICY:
-            demo = CacheViewDemo(opts, echo, trace, extra)
+        elif views:
+            demo = CacheViewDemo(opts, echo, trace, extra, variant)
         else:
             demo = TraceDemo(opts, echo, trace, extra, peer)
     else:
@@ -576,7 +594,7 @@ def main() -> None:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     peers = [*sorted(PEER_POLICIES), *peer_routers.NAMES, *VARIANTS, CACHE_VIEW_POLICY]
     known = sorted(POLICIES) + (peers if args.trace else [])
-    bad = [p for p in policies if p not in known]
+    bad = [p for p in policies if p not in known and not (args.trace and cache_view_variant(p))]
     if bad:
         ap.error(f"unknown policies {bad}; choose from {known} (peers need --trace)")
     if any(p in peer_routers.NAMES for p in policies):

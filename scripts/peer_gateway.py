@@ -92,6 +92,12 @@ def serve_kwargs(**given: Any) -> dict[str, Any]:
     return {**kw, **given}
 
 
+def _prefix_blocks(spec: str) -> Any:
+    """The gateway's ``--prefix-tokens`` hasher, at its default ``--prefix-max-tokens``."""
+    defaults = {p.name: p.default for p in cli.gateway.params}
+    return cli._prefix_blocks(spec, defaults["prefix_max_tokens"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", required=True, choices=sorted(PEER_POLICIES) + sorted(VARIANTS))
@@ -100,6 +106,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--lease-ttl-s", type=float, default=10.0)
     ap.add_argument("--refresh-s", type=float, default=1.0)
+    ap.add_argument("--prefix-tokens", default=None, help="as the gateway's (cache views)")
     a = ap.parse_args()
     url = os.environ.get("REDISBAL_REDIS_URL")
     if not url:
@@ -126,6 +133,7 @@ def main() -> None:
                 drain_s=5.0,  # below the demo's 10 s before SIGKILL
                 refresh_s=a.refresh_s,
                 wait_s=5.0,
+                **({"prefix_blocks": _prefix_blocks(a.prefix_tokens)} if a.prefix_tokens else {}),
             ),
         )
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 from click.testing import CliRunner
+from support.scripts import load_script
 
 from redisbal.bench import peer_routers
 from redisbal.bench.gateway_scenarios import (
@@ -319,3 +320,11 @@ def test_gateway_policies_runs_split_and_bypass_apart(tmp_path: Path) -> None:
         assert sum(r["served"]) == len(planned) + bypassed  # the engines saw both
     assert "bypass TTFT p99 (ms)" in got.stdout and "split 0.7, bypass 5/s to 0" in got.stdout
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_default_policy_variant_runs_on_the_cache_views_by_its_name() -> None:
+    gp = load_script("gateway_policies")
+    assert gp.cache_view_variant("redisbal-keyslack+kv") == "redisbal-keyslack"
+    assert gp.cache_view_variant("redisbal+kv") is None  # the default itself, not a variant
+    assert gp.cache_view_variant("no-such+kv") is None
+    assert gp.cache_view_variant("redisbal-keyslack") is None

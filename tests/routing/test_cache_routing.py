@@ -123,6 +123,18 @@ def test_a_given_key_keeps_its_engine_and_a_guessed_one_gives_way_to_a_match() -
     assert guessed.engine_id == holder and guessed.cached == len(PROMPT)
 
 
+def test_a_keyed_requests_holder_earns_a_keys_slack_not_a_shared_prefixs() -> None:
+    # the holder runs SLACK - 1 more than every other engine: within what a whole prompt
+    # saved earns, beyond what a session's own history does (its key's engine's slack)
+    keyed_slack = RedisbalPolicy.keyed_cache_slack
+    assert keyed_slack is not None and keyed_slack < SLACK - 1
+    core = cache_core({**even(10), "e5": (0, 10 + SLACK - 1)})
+    hold(core, "e5", PROMPT)
+    keyed = core.route(key="s", key_guessed=True, blocks=PROMPT, prompt_tokens=512)
+    assert keyed.engine_id != "e5" and keyed.cached == 0
+    assert core.route(blocks=PROMPT, prompt_tokens=512).engine_id == "e5"
+
+
 def decisions(core: RouterCore, **kw: object) -> list[str]:
     out = []
     for k in range(200):
