@@ -20,6 +20,7 @@ with the import error. About 5-10 minutes on 2 cores, most of it vLLM starting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import time
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from support.vllm_servers import (
     VllmServer,
     decisions,
     gauge,
+    probes_whole,
     processes,
     status,
 )
@@ -223,8 +225,18 @@ async def test_real_vllm_servers_behind_the_gateway(
             warm = Load(gateway)
             await warm.run(50)
             assert not warm.failures(), warm.failures()[:3]
-            served = {n: s.served() for n, s in servers.items()}
-            assert sum(served.values()) == 50, served
+
+            # each request served once; besides them, only the gateway's probes (copies
+            # of requests sent to an engine it had marked), once each has ended
+            def counts() -> tuple[dict[str, int], float]:
+                return {n: s.served() for n, s in servers.items()}, probes_whole(gateway)
+
+            with contextlib.suppress(AssertionError):
+                await await_until(
+                    lambda: sum((c := counts())[0].values()) == 50 + c[1], 10, threaded=True
+                )
+            served, probed = counts()
+            assert sum(served.values()) == 50 + probed, (served, probed)
             assert all(v > 0 for v in served.values()), f"a server got nothing: {served}"
             rows = status(url, deployment)
             states = {e: rows[e]["state"] for e in engine_of.values()}

@@ -150,8 +150,8 @@ def status(redis_url: str, deployment: str) -> dict[str, dict[str, Any]]:
         capture_output=True,
         text=True,
         timeout=STATUS_BOUND_S,
-        check=True,
     )
+    assert out.returncode == 0, f"redisbal status exited {out.returncode}: {out.stderr.strip()}"
     return {e["engine"]: e for e in json.loads(out.stdout)["engines"]}
 
 
@@ -162,6 +162,18 @@ def gauge(base: str, name: str, labels: str = "") -> float:
         if line.startswith(name + labels + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def probes_whole(base: str) -> float:
+    """Probes the gateway at ``base`` sent whose copies the engines answered whole
+    (outcome answered or unproven): work they did besides the requests."""
+    _, text = http_get(base + "/metrics")
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("redisbal_gateway_probes_total{")
+        and ('outcome="answered"' in line or 'outcome="unproven"' in line)
+    )
 
 
 def decisions(base: str, engine_id: str) -> float:
