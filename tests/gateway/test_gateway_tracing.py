@@ -172,8 +172,14 @@ async def test_a_held_request_retried_after_a_500_shows_each_step_in_its_trace(
         await asyncio.gather(*(_stream(t.client, f"warm-{k}") for k in range(12)))
         await await_until(lambda: router.core.running_cap == 2)
         ids = [f"wave-{k}" for k in range(12)]
+        before = sum(e.arrived for e in t.engines)
         tasks = [asyncio.ensure_future(_stream(t.client, rid)) for rid in ids]
-        await await_until(lambda: adm.held > 0)  # every slot taken, the rest held
+        # every slot taken, the rest held: each request of the wave at an engine or held,
+        # so that what engine 1 gets from now on are held requests released to it (a
+        # probe of it once it fails is a copy: no request of the wave)
+        await await_until(
+            lambda: adm.held > 0 and sum(e.arrived for e in t.engines) - before + adm.held >= 12
+        )
         t.engines[1].faults.set(b'{"mode": "status", "status": 500}')  # engine 1 now fails
         assert all(await asyncio.gather(*tasks))  # every one served all the same
         spans = await t.spans()
