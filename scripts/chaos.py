@@ -175,11 +175,10 @@ def engine_main(a: argparse.Namespace) -> None:
     from aiohttp import web
 
     from redisbal.gateway.proxy import PROBE_HEADER
-
-    PROBE = "probe:"
-
     from redisbal.sim.http_engine import HttpEngine
     from redisbal.sim.model import SimRequest
+
+    PROBE = "probe:"  # a probe's tag, before its request's id
 
     TAG: contextvars.ContextVar[str | None] = contextvars.ContextVar("chaos_id", default=None)
 

@@ -215,8 +215,7 @@ class TraceDemo(ScenarioDemo):
             log = self.logdir / f"gateway-{i}.log"
             cmd = [sys.executable, script, "--policy", self.peer, "--lease-ttl-s", "1.5"]
             cmd += ["--refresh-s", "0.5"] + (["--kv-blocks", str(kv)] if kv else [])
-            if isinstance(self, CacheViewDemo):  # (a variant on the cache views)
-                cmd += ["--prefix-tokens", "sim"]
+            cmd += self.gateway_args  # (a variant on the cache views: its hashing)
             with open(log, "wb") as fh:
                 proc = subprocess.Popen(
                     cmd,

@@ -59,6 +59,7 @@ from redisbal.routing.cache_view import BLOCK_TOKENS, CHARS_PER_TOKEN
 from redisbal.routing.policies import NoEngines, UnknownEngine
 from redisbal.routing.router import AsyncRouter
 from redisbal.routing.state import MAX_KEY_LEN, Decision
+from redisbal.routing.stream_gaps import Stream
 
 log = logging.getLogger("redisbal.gateway")
 
@@ -622,12 +623,7 @@ class Proxy:
                 finally:
                     dep.streams.closed(flow)
                 kind = "ok"
-                if dep.streams.flowed(flow):
-                    router.answered(d, t_first - t_up)
-                    result = "answered"
-                else:
-                    router.unproven(d)
-                    result = "unproven"
+                result = self._probe_ended(dep, d, flow, t_first - t_up)
         except Retry as exc:
             kind, detail = exc.kind, exc.detail
         except TimeoutError:  # (the idle-read bound, or the whole-response one)
@@ -643,6 +639,17 @@ class Proxy:
                 result = kind
             self.metrics.probe(dep.label + eid, result)
             self._outcome(dep, d, kind, detail)
+
+    @staticmethod
+    def _probe_ended(dep: Deployment, d: Decision, flow: Stream, first_byte_s: float) -> str:
+        """The stream of the probe ``d`` ended whole: it answers once it flowed to its end
+        past where the engine's streams stalled (a short answer passes a mid-stream stall
+        and proves nothing: unproven). Returns which."""
+        if dep.streams.flowed(flow):
+            dep.router.answered(d, first_byte_s)
+            return "answered"
+        dep.router.unproven(d)
+        return "unproven"
 
     def _outcome(
         self,
@@ -890,12 +897,8 @@ class Proxy:
             finally:
                 watch.close()
                 dep.streams.closed(flow)
-            # a probe answers once its stream flowed to its end past where the engine's
-            # streams stalled: a short answer passes a mid-stream stall and proves nothing
-            if kind == "ok" and dep.streams.flowed(flow) and d.probe:
-                router.answered(d, t_first - t_up)
-            elif kind == "ok" and d.probe:
-                router.unproven(d)
+            if kind == "ok" and d.probe:
+                self._probe_ended(dep, d, flow, t_first - t_up)
             if kind != "ok":
                 m.errors.labels(kind).inc()
                 err = {"error": {"message": detail, "type": "upstream_error", "code": 502}}
