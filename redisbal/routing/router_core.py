@@ -54,7 +54,7 @@ from redisbal.routing.outcomes import OutcomeTracker
 from redisbal.routing.policies import DEFAULT_POLICY, NoEngines, Policy, UnknownEngine, make_policy
 from redisbal.routing.state import Decision, EngineView, RequestInfo, request_info
 from redisbal.routing.told_routes import ToldRoutes
-from redisbal.routing.unanswered import SILENT_MAX_S, TTFB_FACTOR
+from redisbal.routing.unanswered import SILENT_MAX_S, SILENT_UNANSWERED_S, TTFB_FACTOR
 
 
 class RouterCore:
@@ -427,13 +427,15 @@ class RouterCore:
         """How long ``engine_id``'s reports may stop before a request waiting on it is
         given up: from its own recent gaps between reports (``unanswered.ReportGaps``),
         and at least ``TTFB_FACTOR`` x its usual time to a first byte (within
-        ``SILENT_MAX_S``): an engine slow to answer is slow, not stopped."""
+        ``SILENT_MAX_S``): an engine slow to answer is slow, not stopped. Until it
+        answered one request, at least ``SILENT_UNANSWERED_S``: nothing tells its pace
+        yet, and a fresh server's first steps are its longest."""
         snap = self.snapshot
         bound = self.excl.gaps.silent_after_s(engine_id, snap.time_ms if snap else 0)
         h = self.outcomes.engines.get(engine_id)
-        if h is not None and h.ttfb is not None:  # an engine slow to answer is slow
-            bound = max(bound, min(SILENT_MAX_S, TTFB_FACTOR * h.ttfb))
-        return bound
+        if h is None or h.ttfb is None:
+            return max(bound, SILENT_UNANSWERED_S)
+        return max(bound, min(SILENT_MAX_S, TTFB_FACTOR * h.ttfb))  # slow to answer is slow
 
     # -- hot path --------------------------------------------------------------------------------
 

@@ -26,6 +26,9 @@ GAPS_FOR_MS = 60_000  # ... of the last minute
 GAP_RANK = 0.9  # the bound scales with this rank of them (one odd gap is not the usual)
 GAP_FACTOR = 3.0  # ... times this
 SILENT_MAX_S = 10.0  # and never longer: a stopped process is still given up on
+# an engine that answered none of the router's requests yet: its pace is unknown, and a
+# fresh server's first steps (a first prefill, compiling, warming caches) are its longest
+SILENT_UNANSWERED_S = 2.0
 TTFB_FACTOR = 2.0  # ... nor below this x its usual time to a first byte (RouterCore)
 
 

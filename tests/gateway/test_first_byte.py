@@ -171,7 +171,7 @@ async def test_a_client_leaving_during_a_chunk_wait_is_its_cancel_not_the_watch(
 
 
 class Deployment:
-    """A router's view of engines a, b, c, fed snapshots every 100 ms (Redis time) as
+    """A router's view of engines a-d, fed snapshots every 100 ms (Redis time) as
     a coordinator's stall guard forces them while an engine does not report."""
 
     def __init__(self) -> None:
@@ -180,7 +180,7 @@ class Deployment:
 
     def _adopt(self, **fields: Any) -> None:
         self.version += 1
-        engines = {e: (0, 1) for e in "abc"}
+        engines = {e: (0, 1) for e in "abcd"}
         snap = make_snapshot(
             engines, time_ms=self.ms, step=self.step, version=self.version, **fields
         )
@@ -236,18 +236,27 @@ async def test_a_slow_engine_that_still_reports_is_not_given_up_a_stopped_one_is
     """Deterministic: what the snapshots say, not the test's timing. An engine whose
     reports pause 1.4 s at a time (long steps) and now paused 1.2 s is slow: a request
     waiting on it waits on. One that usually takes 1.5 s to a first byte is slow too
-    after 0.6 s without a report. An engine that reported at once every time, and has
-    not reported for 0.6 s, nor answered: stopped, and given up."""
+    after 0.6 s without a report. An engine that reported at once every time and
+    answered fast, and has not reported for 0.6 s, nor answered: stopped, and given
+    up. One that answered nothing yet (a fresh server) has 2 s: its pace is unknown."""
     dep = Deployment()
     for _ in range(4):
         dep.pause("a", 1400)
         dep.complete()
+    for eid in "ab":
+        dep.core.outcomes.answered(eid, 0.0, 0.01)
     dep.core.outcomes.answered("c", 0.0, 1.5)
     dep.pause("a", 1200)
     assert await given_up(dep, "a") is False
     dep.complete()
     dep.pause("b", 600)
     assert await given_up(dep, "b") is True
+    dep.complete()
+    dep.pause("d", 600)
+    assert await given_up(dep, "d") is False
+    dep.complete()
+    dep.pause("d", 2100)
+    assert await given_up(dep, "d") is True
     dep.complete()
     dep.pause("c", 600)
     assert await given_up(dep, "c") is False
