@@ -349,7 +349,7 @@ def load_functions() -> None:
     s = settings()
     url = s.require_url()
     with redis_errors(url):
-        client = command_client(url, socket_timeout=5.0)
+        client = command_client(url)
     try:
         with redis_errors(url):
             major = int(str(client.info("server")["redis_version"]).split(".")[0])

@@ -272,10 +272,12 @@ def _service(url: str | None) -> str:
     return f"service {t.service!r} (sentinels {hosts}: down, or not monitoring it?)"
 
 
-def command_client(url: str, socket_timeout: float = 2.0) -> Any:
+def command_client(url: str, socket_timeout: float = 5.0) -> Any:
     """The blocking client of a command that talks to Redis a few times and exits
     (``status``, ``load-functions``, the reachability check): each try waits at most
-    ``socket_timeout`` (2 s to connect), and a call is tried at most twice, the second
+    ``socket_timeout`` (2 s to connect; 5 s to answer: on a host loaded to 19, beside
+    three vLLM servers, one of ``status``'s reads waited over 2 s on a Redis that was
+    up, and the command said Redis was out of reach), and a call is tried at most twice, the second
     time at once after a slot-map refresh on a Redis Cluster. redis-py's cluster client
     tries 11 times about a second apart: ``status`` on a cluster whose primary for the
     deployment was stopped took 25 s to say so. A sync cluster client connects when
