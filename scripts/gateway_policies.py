@@ -47,7 +47,7 @@ every engine a ZMQ publisher of its own (engine-sim ``--kv-events``) and the rou
 worker's (``--kv-event-source``). ``redisbal+kv`` is the default policy on the same events:
 ``redisbal kv-events`` keeps each engine's cache view in Redis and the gateways match
 prompts with it (``--prefix-tokens sim``); ``<variant>+kv`` is a variant of the default
-(``--policies redisbal-keyslack+kv``, say) on them. Each row records its scenario
+(``--policies redisbal-hold+kv``, say) on them. Each row records its scenario
 (``scenario``, and a table column), the requests each replica was sent
 (``sent_per_replica``) and the bypass client's own figures (``bypass``: never in the
 routed requests'; the engines' served counts and cache hit rate include its traffic).

@@ -267,18 +267,16 @@ class RedisbalPolicy(ScoringPolicy):
     the same engine while it has room, and on its second engine, not a random one,
     when it has not.
 
-    A request with ``blocks`` (its prompt's block hashes) and no given key is matched
-    with what the engines cache (``core.cache_view``, the same for every router):
-    the engine holding its deepest match takes it while it takes the request about as
+    A request with ``blocks`` (its prompt's block hashes) and no key followed (none
+    given, and a guessed one while guessed keys do not come back) is matched with
+    what the engines cache (``core.cache_view``, the same for every router): the
+    engine holding its deepest match takes it while it takes the request about as
     soon as the least-loaded engine (as a key's engine does: room now, or a score
     within the slack), the slack being ``cache_slack`` times the share of the
-    prompt the match saves (``keyed_cache_slack`` times it for a request with a key);
-    among holders of an equally deep match the least loaded is tried first, then
-    holders of shallower matches, ``affinity_probes`` engines in all. Else the
-    least-loaded engine takes it, and caches it too: a popular prefix spreads over
-    more engines as its traffic outgrows its holders. A guessed key (the body's user)
-    gives way to a cache match, and applies as before when nothing matches: the view
-    says where the prefix is, the key only guesses it.
+    prompt the match saves; among holders of an equally deep match the least loaded
+    is tried first, then holders of shallower matches, ``affinity_probes`` engines
+    in all. Else the least-loaded engine takes it, and caches it too: a popular
+    prefix spreads over more engines as its traffic outgrows its holders.
     """
 
     name = "redisbal"
@@ -312,11 +310,6 @@ class RedisbalPolicy(ScoringPolicy):
     # trace: at 1, holders gave up a prefix to engines that had to compute it and evict
     # another, and the hit rate fell well below vllm-router kv_aware's)
     cache_slack = 4.0
-    # a cache holder of a request with a (guessed) key takes it within this x the share
-    # saved instead (None: cache_slack): a session's match is mostly its own history,
-    # worth what its key's engine is (affinity_slack), not what a prefix many requests
-    # share is (measured: docs/BENCHMARKS.md, sessions with keys on the cache views)
-    keyed_cache_slack: float | None = 1.0
     affinity_probes = 4  # engines of a key tried, clockwise on the ring
     affinity_room = True  # a key's engine with no queue and room now takes it, whatever its load
     affinity_kv = 0.9  # an engine has room only below this KV usage
@@ -514,6 +507,23 @@ class RedisbalPolicy(ScoringPolicy):
             and self._has_room(e, core.running_cap, core.pending_weight)
         )
 
+    def _follow_key(self, core: RoutingState, key: str, guessed: bool) -> EngineView | None:
+        """The engine a key sends the request to, None when the key is not followed: a
+        given key always is (``pick_for_key``); a guessed one (the body's user) once
+        guessed keys come back (``key_repeats``), first to the engine this router sent
+        it to last (``_went``). A followed key is not weighed against the cache views:
+        its match there is mostly its own history, on the engines the key chose, and
+        following the views instead put a session's turns where its history was
+        however loaded (docs/BENCHMARKS.md, sessions with keys on the cache views)."""
+        if not guessed or self.follow_guessed:
+            return self.pick_for_key(core, key)
+        e = self._went(core, key)
+        if e is not None:
+            return e
+        if self.key_repeats(core) >= self.affinity_repeats:
+            return self.pick_for_key(core, key)
+        return None
+
     def _went(self, core: RoutingState, key: str) -> EngineView | None:
         """The engine this router sent a guessed key to last, while it is choosable
         and takes the request about as soon as the least-loaded one (``_takes``)."""
@@ -537,14 +547,13 @@ class RedisbalPolicy(ScoringPolicy):
         return slot and (e.kv_usage is None or kv_ok)
 
     def pick_cached(
-        self, core: RoutingState, blocks: tuple[int, ...], size: int, slack: float | None = None
+        self, core: RoutingState, blocks: tuple[int, ...], size: int
     ) -> EngineView | None:
         """The engine holding the deepest match of ``blocks`` in ``core.cache_view`` that
         takes the request about as soon as the least-loaded engine (``_takes``, with a
         slack of ``cache_slack`` x the share of the ``size``-token prompt it saves);
         holders of one depth least loaded first, deepest first, ``affinity_probes`` at
-        most; None when none does, or nothing matches (sets ``matched``). ``slack``:
-        instead of ``cache_slack``."""
+        most; None when none does, or nothing matches (sets ``matched``)."""
         view = core.cache_view
         holders, stride = view.holders, view.stride
         req = anchors(blocks, stride)  # shallowest first
@@ -554,7 +563,7 @@ class RedisbalPolicy(ScoringPolicy):
         base -= self.affinity_slack
         by_id, score = self._by_id, self.score
         per_anchor = stride * BLOCK_TOKENS / max(size, len(blocks) * BLOCK_TOKENS, 1)
-        slack = self.cache_slack if slack is None else slack
+        slack = self.cache_slack
         tried: set[str] = set()
         for i in range(len(req) - 1, -1, -1):
             held = holders.get(req[i])
@@ -585,24 +594,14 @@ class RedisbalPolicy(ScoringPolicy):
 
     def pick(self, core: RoutingState) -> EngineView:
         req = core.request
-        if (
-            req is not None
-            and req.blocks
-            and core.cache_view.holders
-            and (req.key is None or (req.key_guessed and not self.follow_guessed))
-        ):
-            slack = self.keyed_cache_slack if req.key is not None else None
-            e = self.pick_cached(core, req.blocks, req.prompt_tokens or 0, slack)
-            if e is not None:
-                return e
         if req is not None and req.key is not None:
-            if not req.key_guessed or self.follow_guessed:
-                return self.pick_for_key(core, req.key)
-            e = self._went(core, req.key)
+            e = self._follow_key(core, req.key, req.key_guessed)
             if e is not None:
                 return e
-            if self.key_repeats(core) >= self.affinity_repeats:
-                return self.pick_for_key(core, req.key)
+        if req is not None and req.blocks and core.cache_view.holders:
+            e = self.pick_cached(core, req.blocks, req.prompt_tokens or 0)
+            if e is not None:
+                return e
         if self.p2c_from and len(core.engines) >= self.p2c_from:
             engines = core.engines
             n = len(engines)

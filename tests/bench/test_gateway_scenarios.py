@@ -324,7 +324,7 @@ def test_gateway_policies_runs_split_and_bypass_apart(tmp_path: Path) -> None:
 
 def test_a_default_policy_variant_runs_on_the_cache_views_by_its_name() -> None:
     gp = load_script("gateway_policies")
-    assert gp.cache_view_variant("redisbal-keyslack+kv") == "redisbal-keyslack"
+    assert gp.cache_view_variant("redisbal-hold+kv") == "redisbal-hold"
     assert gp.cache_view_variant("redisbal+kv") is None  # the default itself, not a variant
     assert gp.cache_view_variant("no-such+kv") is None
-    assert gp.cache_view_variant("redisbal-keyslack") is None
+    assert gp.cache_view_variant("redisbal-hold") is None
