@@ -22,12 +22,14 @@ request has waited the policy's ``stand_s``, each engine may queue one request p
 its running cap (``ahead_of``), and fills a freed slot from that at its next step.
 Below that, nothing waits at an engine that could go to the first slot freed.
 
-An engine is full when its own word says so: its running cap reached
-(``estimates.RunningCap``, learned from admitted counts), or its KV cache without
-room for what waits and what is on its way (``estimates.kv_room``: what vLLM's
-plugin, its /metrics and SGLang's report carry). KV-bound engines admit by request
-size, not a slot count, so their room is an estimate: a request is held only while
-every engine is full by it, and routed at once while any engine's room is unknown.
+An engine is full when its own word says so: its running cap reached (declared, or
+``estimates.RunningCap``, learned from queues), less what is on its way. A request is
+held only while every engine is full, and routed at once while any engine's room is
+unknown, or bounded by its KV cache rather than its cap (``estimates.kv_binds``: what
+vLLM's plugin, its /metrics and SGLang's report carry). A KV-bound engine admits by
+request size, not a slot count, so whether it would queue a request is a guess; held
+on that guess, requests were no better off in real time than routed at once, and at
+four replicas worse (docs/BENCHMARKS.md, engines as users run them).
 
 The default policy holds (``Policy.holds``); the baselines route at once, as the
 routers they stand for do. Nothing is held while the router routes without a fresh
@@ -42,7 +44,7 @@ import math
 from collections import deque
 
 from redisbal.errors import InvalidArgument
-from redisbal.routing.estimates import room
+from redisbal.routing.estimates import kv_binds, room
 from redisbal.routing.router_core import RouterCore
 
 DEFAULT_MAX_S = 2.0  # hold a request at most this long (the gateway's --hold-s)
@@ -65,9 +67,9 @@ def free_slots(core: RouterCore, enough: int | None = None, ahead: int = 0) -> i
     as it sees them: each engine's ``room`` (its free slots under the running cap and
     its KV room, less what is on its way to it), plus ``ahead`` each while the queue
     stands (``ahead_of``); once past ``enough``, that count (the request path needs
-    no more). None when nothing should be held: no fresh snapshot, or an engine whose
-    room nothing bounds (neither the running cap nor its KV usage known: unsure, so
-    route at once)."""
+    no more). None when nothing should be held: no fresh snapshot, an engine whose
+    room nothing bounds (neither the running cap nor its KV usage known), or one whose
+    KV cache bounds it (``kv_binds``): unsure, so route at once."""
     with core.lock:
         if not core.engines or core.degraded:
             return None
@@ -75,6 +77,8 @@ def free_slots(core: RouterCore, enough: int | None = None, ahead: int = 0) -> i
         w = core.pending_weight
         free = 0
         for e in core.engines:
+            if kv_binds(e, cap):
+                return None  # it admits by request size: whether it would queue is a guess
             r = room(e, cap, w) + ahead
             if r == math.inf:
                 return None

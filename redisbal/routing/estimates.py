@@ -11,7 +11,8 @@
 - The engines' running cap (``RunningCap``): how many requests an engine runs at once,
   learned from queues; an engine that declared its own cap has that one (``engine_cap``).
 - An engine's room (``room``): how many more requests it would run now without
-  queueing them, from its running cap and from its own word on its KV cache.
+  queueing them, from its running cap and from its own word on its KV cache; and
+  whether its KV cache, not its cap, bounds that room (``kv_binds``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,19 @@ def engine_cap(e: EngineView, learned: int) -> int:
     account for, and taking it for the cap would make a KV-bound engine's request
     sizes a slot count (docs/DESIGN.md)."""
     return e.declared_cap or learned
+
+
+def kv_binds(e: EngineView, cap: int) -> bool:
+    """Whether ``e``'s KV cache, not its running cap, bounds how many more requests it
+    would run: its KV room (``kv_room``) below its free slots under ``engine_cap`` (or
+    no cap known at all). Such an engine admits by the size of what waits, and its room
+    in requests is a guess from the mean size of what it runs: the router holds no
+    request while any engine is so bounded (docs/DESIGN.md, measured)."""
+    kv = kv_room(e.running, e.kv_usage)
+    if kv == math.inf:
+        return False
+    cap = engine_cap(e, cap)
+    return cap <= 0 or kv < cap - e.running
 
 
 def room(e: EngineView, cap: int, w: float) -> float:

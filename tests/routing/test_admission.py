@@ -18,7 +18,7 @@ from redisbal.routing.admission import (
     releasable,
     release_delay,
 )
-from redisbal.routing.estimates import kv_room
+from redisbal.routing.estimates import kv_binds, kv_room
 from redisbal.routing.policies import RedisbalPolicy
 from redisbal.routing.router_core import RouterCore
 
@@ -126,18 +126,30 @@ def test_kv_room_is_the_free_cache_over_what_a_running_request_holds() -> None:
     assert kv_room(3, None) == kv_room(0, 0.4) == kv_room(3, 0.0) == math.inf  # unknown
 
 
-def test_a_kv_bound_engine_is_full_by_its_kv_room_without_a_known_cap() -> None:
-    """vLLM's own stats (running, waiting, KV usage) bound each engine's room: no cap is
-    learned, yet requests wait here once every engine's KV cache has no room left."""
+def test_nothing_is_held_while_an_engine_is_kv_bound() -> None:
+    """An engine whose KV room (in requests the size of those it runs) is below its free
+    slots admits by request size: whether it would queue the next request is a guess,
+    so nothing is held while any engine is so bounded, however full its cache."""
     core, _ = router()
     plugin_feed(core, 1, {"a": (0, 4, 0.8), "b": (0, 10, 0.5)})
-    assert core.running_cap == 0
-    assert free_slots(core) == 1 + 10
-    plugin_feed(core, 2, {"a": (2, 4, 0.95), "b": (0, 10, 0.9)})  # a queues
-    assert free_slots(core) == 2  # b's 10 x 0.1 / 0.9 = 1.1 requests: 2, rounded up
-    core.route("b")
-    core.route("b")
-    assert free_slots(core) == 0  # its room went to this router's routes on their way
+    assert core.running_cap == 0  # no cap known: the KV cache is all that bounds them
+    assert kv_binds(core.by_id["a"], 0)
+    assert free_slots(core) is None
+    plugin_feed(core, 2, {"a": (2, 4, 0.95), "b": (0, 10, 0.9)})  # a queues: still a guess
+    assert free_slots(core) is None
+    core.set_declared_caps({"a": 64, "b": 64})  # vLLM's cap, far above what KV lets run
+    assert kv_binds(core.by_id["b"], core.running_cap)
+    assert free_slots(core) is None
+
+
+def test_an_engine_whose_slots_bind_before_its_kv_cache_is_held_for() -> None:
+    """Where the running cap binds first (8 slots, a cache a tenth full), the KV room
+    says nothing more: full by its slots, requests are held."""
+    core, _ = router()
+    core.set_declared_caps({"a": 8, "b": 8})
+    plugin_feed(core, 1, {"a": (0, 8, 0.1), "b": (0, 8, 0.12)})
+    assert not kv_binds(core.by_id["a"], core.running_cap)
+    assert free_slots(core) == 0
 
 
 def test_an_engine_that_says_nothing_of_its_kv_cache_or_cap_is_never_full() -> None:
@@ -175,7 +187,6 @@ def test_a_queue_with_no_kv_room_for_it_does_not_teach_the_cap() -> None:
         )
         core.apply_snapshot(snap)
     assert core.running_cap == 0  # the same reports with room in the cache teach 4 (above)
-    assert free_slots(core) == 0 + 2  # a: 4 x 0.03 / 0.97 - 1 queued < 0; b: 2 x 0.5 / 0.5
 
 
 # -- holding ----------------------------------------------------------------------------------
