@@ -262,8 +262,8 @@ class RoomCollector(Collector):
             "Requests each engine would run now without queueing one, as this router "
             "reads it: its free slots under the running cap and its KV room, less what "
             "is on its way to it (+Inf: nothing bounds it, so nothing is held; <= 0 on "
-            "every engine, none of them with a KV room below its free slots: requests "
-            "are held, --hold-s).",
+            "every engine, none of them KV-bound (its cache holding fewer than half "
+            "its cap): requests are held, --hold-s).",
             labels=[*dep, "engine"],
         )
         anchors = GaugeMetricFamily(

@@ -75,17 +75,24 @@ def engine_cap(e: EngineView, learned: int) -> int:
     return e.declared_cap or learned
 
 
+# an engine whose KV cache holds fewer requests (of the size of those it runs) than
+# this share of its running cap is KV-bound (``kv_binds``)
+KV_BOUND_SHARE = 0.5
+
+
 def kv_binds(e: EngineView, cap: int) -> bool:
-    """Whether ``e``'s KV cache, not its running cap, bounds how many more requests it
-    would run: its KV room (``kv_room``) below its free slots under ``engine_cap`` (or
-    no cap known at all). Such an engine admits by the size of what waits, and its room
-    in requests is a guess from the mean size of what it runs: the router holds no
-    request while any engine is so bounded (docs/DESIGN.md, measured)."""
+    """Whether ``e``'s KV cache, not its running cap, bounds how many requests it runs:
+    its cache would hold (its running requests and its ``kv_room``) fewer than
+    ``KV_BOUND_SHARE`` of its cap (``engine_cap``; any, when no cap is known). Such an
+    engine admits by the size of what waits, and its room in requests is a guess from
+    the mean size of what it runs: the router holds no request while any engine is so
+    bounded (docs/DESIGN.md, measured). An engine whose cache holds about as many as
+    its cap is bounded by its slots within that guess's error: its cap stands."""
     kv = kv_room(e.running, e.kv_usage)
     if kv == math.inf:
         return False
     cap = engine_cap(e, cap)
-    return cap <= 0 or kv < cap - e.running
+    return cap <= 0 or e.running + kv < KV_BOUND_SHARE * cap
 
 
 def room(e: EngineView, cap: int, w: float) -> float:

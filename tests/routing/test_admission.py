@@ -138,18 +138,24 @@ def test_nothing_is_held_while_an_engine_is_kv_bound() -> None:
     plugin_feed(core, 2, {"a": (2, 4, 0.95), "b": (0, 10, 0.9)})  # a queues: still a guess
     assert free_slots(core) is None
     core.set_declared_caps({"a": 64, "b": 64})  # vLLM's cap, far above what KV lets run
-    assert kv_binds(core.by_id["b"], core.running_cap)
+    assert kv_binds(core.by_id["b"], core.running_cap)  # 10 + 1.1 of 64
     assert free_slots(core) is None
 
 
 def test_an_engine_whose_slots_bind_before_its_kv_cache_is_held_for() -> None:
     """Where the running cap binds first (8 slots, a cache a tenth full), the KV room
-    says nothing more: full by its slots, requests are held."""
+    says nothing more: full by its slots, requests are held. So too where the cache
+    holds about as many requests as the cap (6 running, room for 1.5 more, of 8): the
+    slots bind within the estimate's error, and a cache that fills there does not turn
+    holding off for every engine."""
     core, _ = router()
     core.set_declared_caps({"a": 8, "b": 8})
     plugin_feed(core, 1, {"a": (0, 8, 0.1), "b": (0, 8, 0.12)})
     assert not kv_binds(core.by_id["a"], core.running_cap)
     assert free_slots(core) == 0
+    plugin_feed(core, 2, {"a": (0, 8, 0.1), "b": (1, 6, 0.8)})
+    assert not kv_binds(core.by_id["b"], core.running_cap)  # 6 + 1.5 of 8
+    assert free_slots(core) == 1  # b: its KV room 1.5 less the one it queues, rounded up
 
 
 def test_an_engine_that_says_nothing_of_its_kv_cache_or_cap_is_never_full() -> None:
