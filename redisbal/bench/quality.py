@@ -113,6 +113,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal-hold": {"holds": False},  # every request routed at once, as before holding
     "redisbal-stand": {"stand_s": None},  # never a request past the cap while holding
     "redisbal+ahead": {"stand_s": 0.0},  # one past the cap whenever anything is held
+    "redisbal-keyslack": {"keyed_cache_slack": None},  # an unfollowed key's holder: cache_slack
 }
 
 

@@ -273,10 +273,11 @@ class RedisbalPolicy(ScoringPolicy):
     engine holding its deepest match takes it while it takes the request about as
     soon as the least-loaded engine (as a key's engine does: room now, or a score
     within the slack), the slack being ``cache_slack`` times the share of the
-    prompt the match saves; among holders of an equally deep match the least loaded
-    is tried first, then holders of shallower matches, ``affinity_probes`` engines
-    in all. Else the least-loaded engine takes it, and caches it too: a popular
-    prefix spreads over more engines as its traffic outgrows its holders.
+    prompt the match saves (``keyed_cache_slack`` times it with a key not followed);
+    among holders of an equally deep match the least loaded is tried first, then
+    holders of shallower matches, ``affinity_probes`` engines in all. Else the
+    least-loaded engine takes it, and caches it too: a popular prefix spreads over
+    more engines as its traffic outgrows its holders.
     """
 
     name = "redisbal"
@@ -310,6 +311,12 @@ class RedisbalPolicy(ScoringPolicy):
     # trace: at 1, holders gave up a prefix to engines that had to compute it and evict
     # another, and the hit rate fell well below vllm-router kv_aware's)
     cache_slack = 4.0
+    # a cache holder of a request with a key that is not followed (a client sending a
+    # new user with each request) takes it within this x the share saved instead (None:
+    # cache_slack): on long prompts over a few shared prefixes, each with a new user, on
+    # engines whose KV cache holds four such prompts, 4 piled requests onto the holders
+    # (docs/BENCHMARKS.md, long prompts on the cache views)
+    keyed_cache_slack: float | None = 1.0
     affinity_probes = 4  # engines of a key tried, clockwise on the ring
     affinity_room = True  # a key's engine with no queue and room now takes it, whatever its load
     affinity_kv = 0.9  # an engine has room only below this KV usage
@@ -547,13 +554,14 @@ class RedisbalPolicy(ScoringPolicy):
         return slot and (e.kv_usage is None or kv_ok)
 
     def pick_cached(
-        self, core: RoutingState, blocks: tuple[int, ...], size: int
+        self, core: RoutingState, blocks: tuple[int, ...], size: int, slack: float | None = None
     ) -> EngineView | None:
         """The engine holding the deepest match of ``blocks`` in ``core.cache_view`` that
         takes the request about as soon as the least-loaded engine (``_takes``, with a
         slack of ``cache_slack`` x the share of the ``size``-token prompt it saves);
         holders of one depth least loaded first, deepest first, ``affinity_probes`` at
-        most; None when none does, or nothing matches (sets ``matched``)."""
+        most; None when none does, or nothing matches (sets ``matched``). ``slack``:
+        instead of ``cache_slack``."""
         view = core.cache_view
         holders, stride = view.holders, view.stride
         req = anchors(blocks, stride)  # shallowest first
@@ -563,7 +571,7 @@ class RedisbalPolicy(ScoringPolicy):
         base -= self.affinity_slack
         by_id, score = self._by_id, self.score
         per_anchor = stride * BLOCK_TOKENS / max(size, len(blocks) * BLOCK_TOKENS, 1)
-        slack = self.cache_slack
+        slack = self.cache_slack if slack is None else slack
         tried: set[str] = set()
         for i in range(len(req) - 1, -1, -1):
             held = holders.get(req[i])
@@ -599,7 +607,8 @@ class RedisbalPolicy(ScoringPolicy):
             if e is not None:
                 return e
         if req is not None and req.blocks and core.cache_view.holders:
-            e = self.pick_cached(core, req.blocks, req.prompt_tokens or 0)
+            slack = self.keyed_cache_slack if req.key is not None else None
+            e = self.pick_cached(core, req.blocks, req.prompt_tokens or 0, slack)
             if e is not None:
                 return e
         if self.p2c_from and len(core.engines) >= self.p2c_from:

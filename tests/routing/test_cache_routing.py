@@ -139,6 +139,19 @@ def test_a_guessed_key_that_comes_back_is_followed_not_weighed_against_a_match()
     assert followed.engine_id == home and followed.cached == 0
 
 
+def test_an_unfollowed_keys_holder_earns_a_keys_slack_not_a_shared_prefixs() -> None:
+    # no guessed key came back: the key is not followed, the views place the request;
+    # the holder runs SLACK - 1 more than every other engine: within what a whole
+    # prompt saved earns, beyond the key's own slack
+    keyed_slack = RedisbalPolicy.keyed_cache_slack
+    assert keyed_slack is not None and keyed_slack < SLACK - 1
+    core = cache_core({**even(10), "e5": (0, 10 + SLACK - 1)})
+    hold(core, "e5", PROMPT)
+    keyed = core.route(key="s", key_guessed=True, blocks=PROMPT, prompt_tokens=512)
+    assert keyed.engine_id != "e5" and keyed.cached == 0
+    assert core.route(blocks=PROMPT, prompt_tokens=512).engine_id == "e5"
+
+
 def decisions(core: RouterCore, **kw: object) -> list[str]:
     out = []
     for k in range(200):
