@@ -191,7 +191,8 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     "--first-byte-factor times what the engine usually takes, at least "
     "--first-byte-min-s. Past it the request goes to another engine. Requests not "
     "streamed wait for the whole answer (--timeout-s). Either way, a request to an "
-    "engine whose reports stopped 0.5 s ago is given up after 0.25 s.",
+    "engine whose reports stopped for longer than they usually pause (0.5 s at least; "
+    "2 s until it answered a request) is given up after 0.25 s.",
 )
 @click.option(
     "--first-byte-factor",
