@@ -313,9 +313,8 @@ class RedisbalPolicy(ScoringPolicy):
     cache_slack = 4.0
     # a cache holder of a request with a key that is not followed (a client sending a
     # new user with each request) takes it within this x the share saved instead (None:
-    # cache_slack): on long prompts over a few shared prefixes, each with a new user, on
-    # engines whose KV cache holds four such prompts, 4 piled requests onto the holders
-    # (docs/BENCHMARKS.md, long prompts on the cache views)
+    # cache_slack): on long prompts over a few shared prefixes, each with a new user, 4
+    # was 11 % higher (se 10, one run; docs/BENCHMARKS.md, long prompts on the views)
     keyed_cache_slack: float | None = 1.0
     affinity_probes = 4  # engines of a key tried, clockwise on the ring
     affinity_room = True  # a key's engine with no queue and room now takes it, whatever its load
