@@ -114,6 +114,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal-stand": {"stand_s": None},  # never a request past the cap while holding
     "redisbal+ahead": {"stand_s": 0.0},  # one past the cap whenever anything is held
     "redisbal-keyslack": {"keyed_cache_slack": None},  # an unfollowed key's holder: cache_slack
+    # the cache views read but weighing nothing: a holder takes a request only as the
+    # least-loaded engine would (the views' pipeline runs, placement is by load)
+    "redisbal-views": {"cache_slack": 0.0, "keyed_cache_slack": 0.0, "affinity_room": False},
 }
 
 
