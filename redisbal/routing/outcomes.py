@@ -64,6 +64,13 @@ HEALTHY, EJECTED, PROBING = "healthy", "ejected", "probing"
 # stopped or gone. A silent engine is neither chosen nor probed until it reports
 # again (redisbal.routing.unanswered), and a request waiting on it is given up early.
 SILENT_AFTER_S = 0.5
+# How long a request waits for the first byte of an engine that answered none of the
+# router's requests yet, before it is given up and sent elsewhere (within
+# first_byte_max_s): its pace is unknown, and a fresh server's first answer (a first
+# prefill, compiling, warming caches on a busy host) is its slowest. Giving up early
+# doubles the work of an engine that is alive; the engine is passed over well before
+# (``late_bound``), which costs nothing.
+FIRST_BYTE_UNANSWERED_S = 10.0
 
 
 @dataclass
@@ -226,21 +233,25 @@ class OutcomeTracker:
 
     def first_byte_bound(self, engine: str) -> float:
         """How long to wait for ``engine``'s first byte: ``first_byte_factor`` times what
-        it usually takes, within [first_byte_min_s, first_byte_max_s]."""
+        it usually takes, within [first_byte_min_s, first_byte_max_s]; until it answered
+        one, ``FIRST_BYTE_UNANSWERED_S`` (at least the floor, at most the ceiling)."""
         h = self.engines.get(engine)
-        if h is None or h.ttfb is None or self.first_byte_factor == 0:
-            return self.first_byte_max_s if self.first_byte_factor == 0 else self.first_byte_min_s
+        if self.first_byte_factor == 0:
+            return self.first_byte_max_s
+        if h is None or h.ttfb is None:  # answered none yet (FIRST_BYTE_UNANSWERED_S)
+            bound = max(self.first_byte_min_s, FIRST_BYTE_UNANSWERED_S)
+            return min(self.first_byte_max_s, bound)
         bound = self.first_byte_factor * h.ttfb
         return min(self.first_byte_max_s, max(self.first_byte_min_s, bound))
 
     def late_bound(self, engine: str) -> float | None:
         """How long a request may wait for ``engine``'s first byte before the engine is
         passed over (not failed: ``RouterCore.sent``): ``late_factor`` times what it
-        usually takes, within [late_min_s, first_byte_bound()]; None while no first-byte
-        time is known (the caller never reported one)."""
+        usually takes, within [late_min_s, first_byte_bound()]. Until it answered one,
+        ``first_byte_min_s``: passed over where a known engine would be given up."""
         h = self.engines.get(engine)
         if h is None or h.ttfb is None:
-            return None
+            return min(self.first_byte_min_s, self.first_byte_bound(engine))
         late = max(self.late_min_s, self.late_factor * h.ttfb)
         return min(late, self.first_byte_bound(engine))
 

@@ -15,6 +15,7 @@ from collections import Counter
 from support.helpers import make_snapshot
 
 from redisbal.barrier.snapshot import Snapshot
+from redisbal.routing.outcomes import FIRST_BYTE_UNANSWERED_S
 from redisbal.routing.router_core import RouterCore
 
 T0 = 5_000_000
@@ -165,13 +166,18 @@ def test_requests_sent_before_its_last_answer_do_not_make_it_late() -> None:
     assert core.excluded() == {}
 
 
-def test_no_lateness_without_first_byte_times() -> None:
+def test_an_engine_that_answered_none_is_passed_over_at_the_floor_given_up_later() -> None:
     clock = Clock()
     core = core_with(snap(1, 1, T0), clock=clock)  # answered() never called
-    d = core.route("e0")
-    core.sent(d)
-    clock.t += 10.0
-    assert routed(core)["e0"] > 0
+    floor = core.outcomes.first_byte_min_s
+    core.sent(core.route("e0"))
+    clock.t += floor - 0.1
+    assert routed(core)["e0"] > 0  # its pace is unknown: not late yet
+    clock.t += 0.2
+    assert routed(core)["e0"] == 0
+    assert core.excluded() == {"e0": "late"}
+    # a fresh server's first answer is its slowest: the request is not given up there
+    assert core.first_byte_bound("e0") == FIRST_BYTE_UNANSWERED_S > floor
 
 
 def test_at_most_half_of_the_engines_are_passed_over_as_late() -> None:

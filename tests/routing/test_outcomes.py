@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from redisbal.routing.outcomes import EJECTED, HEALTHY, PROBING, OutcomeTracker
+from redisbal.routing.outcomes import (
+    EJECTED,
+    FIRST_BYTE_UNANSWERED_S,
+    HEALTHY,
+    PROBING,
+    OutcomeTracker,
+)
 
 
 def test_a_failure_ejects_and_the_ejection_lapses_into_probing_not_healthy() -> None:
@@ -72,7 +78,7 @@ def test_capped_failure_records_evidence_without_ejecting() -> None:
 
 def test_first_byte_bound_follows_what_the_engine_usually_takes() -> None:
     t = OutcomeTracker(first_byte_factor=4.0, first_byte_min_s=0.5, first_byte_max_s=10.0)
-    assert t.first_byte_bound("e0") == 0.5  # nothing known yet: the floor
+    assert t.first_byte_bound("e0") == FIRST_BYTE_UNANSWERED_S  # answered none: its pace unknown
     for _ in range(200):
         t.answered("e0", 0.0, first_byte_s=1.0)
     assert t.first_byte_bound("e0") == pytest.approx(4.0)
