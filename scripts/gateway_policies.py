@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -408,6 +409,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         seed=seed,
         slo_ttft_ms=args.slo_ttft_ms,
         drain_timeout=args.drain_timeout,
+        keep_logs=args.keep_logs is not None,
     )
     lines: list[str] = []
     echo: Echo = lambda msg="", **kw: lines.append(str(msg))  # noqa: E731
@@ -427,6 +429,10 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
     gated = wait_for_load(args.load_gate, args.load_gate_wait_s)
     load = os.getloadavg()[0]
     code = demo.run()
+    if args.keep_logs is not None:  # each process's log, the gateways' access lines too
+        kept = Path(args.keep_logs) / f"{policy.replace(':', '_')}-{seed}"
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.move(demo.logdir, kept)
     if code != 0:
         sys.exit(f"{policy} seed {seed} failed:\n" + "\n".join(lines[-30:]))
     lg = demo.results["loadgen"]
@@ -566,6 +572,13 @@ def main() -> None:
     ap.add_argument("--load-gate", type=float, default=None, help="wait for load avg below this")
     ap.add_argument("--load-gate-wait-s", type=float, default=600.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--keep-logs",
+        default=None,
+        metavar="DIR",
+        help="keep each run's logs in DIR/<policy>-<seed> (the gateways' access lines: "
+        "each request's engine, hold and first-byte time)",
+    )
     ap.add_argument("--plot", default=None, help="a PNG of each policy's TTFT p99 per seed")
     args = ap.parse_args()
     try:
