@@ -204,7 +204,7 @@ def simulate(
             wq = SimRequest(-1, 0, output, 0.0, prompt_tokens=prompt, produced=produced)
             wq.started_at = wq.first_token_at = 0.0
             e.running.append(wq)
-            e.kv_tokens += prompt + produced
+            e.hold_kv(wq)
     for i in range(sc.clients):
         core = RouterCore(
             i,

@@ -83,7 +83,8 @@ ENGINE_SIM_OPTIONS = options(
      "Step time added per prompt token admitted in the step and not found in the prefix "
      "cache (the quality benchmark's engines: 12)."),
     ("--kv-tokens", click.IntRange(0, 10**9), 0,
-     "KV capacity in tokens: admission waits for room (0: KV not modelled)."),
+     "KV capacity in tokens: admission waits for room (0: KV not modelled); with "
+     "--cache-blocks, running requests share their prompts' common blocks, as vLLM's do."),
     ("--cache-blocks", click.IntRange(0, 10**9), 0,
      "Prefix cache of this many 16-token blocks per engine (0: none); HTTP engines "
      "hash prompt text in 4-character tokens."),

@@ -286,7 +286,7 @@ class HttpEngine:
                 q.remove(req)
         if req in m.running:
             m.running.remove(req)
-            m.kv_tokens -= req.prompt_tokens + req.produced  # its KV is freed
+            m.free_kv(req)
         self.aborted += 1
         self._report(force=True)
 

@@ -15,12 +15,16 @@ The model, per engine:
   prefix is not computed again, and the prompt's blocks are inserted when it
   is prefilled (its output's blocks, ``done_blocks``, when it finishes);
 - ``kv_capacity_tokens`` > 0 bounds the KV cache: a request is admitted only
-  while the tokens held by running requests (prompt + produced) plus its prompt
+  while the tokens held by running requests (prompt + produced) plus what it adds
   and the step's decode fit (an empty engine admits anything); ``kv_usage`` =
-  held / capacity. When the next decode would not fit, the newest running request
-  is preempted as vLLM's scheduler does (recompute): its KV freed, it goes back to
-  the head of the queue and, admitted again, prefills its prompt and what it had
-  produced (``preemptions`` counts them; a lone running request is never preempted);
+  held / capacity. With the prefix cache on, running requests share their prompts'
+  common blocks as vLLM's do (one copy, counted once, freed with its last holder:
+  ``hold_kv``), so a request adds only the blocks no running request holds, its
+  last partial block and what it produces. When the next decode would not fit, the
+  newest running request is preempted as vLLM's scheduler does (recompute): its KV
+  freed, it goes back to the head of the queue and, admitted again, prefills its
+  prompt and what it had produced (``preemptions`` counts them; a lone running
+  request is never preempted);
 - ``prefill_budget_tokens`` > 0 stops admitting in a step once its uncached
   prompt tokens would pass the budget (vLLM's max_num_batched_tokens, without
   chunking: the first request of a step is always admitted whole);
@@ -125,6 +129,8 @@ class SimEngine:
     on_start: Callable[[SimRequest], None] | None = None
     cache: PrefixCache | None = field(init=False, default=None)
     kv_tokens: int = 0  # tokens held by running requests (prompt + produced)
+    # the prompt blocks running requests hold -> how many hold each (prefix cache on)
+    kv_blocks: dict[int, int] = field(default_factory=dict)
     prompt_tokens_seen: int = 0  # prompt tokens admitted so far
     cached_tokens_seen: int = 0  # of those, found in the prefix cache
     preemptions: int = 0  # running requests sent back to the queue (KV ran out)
@@ -147,6 +153,40 @@ class SimEngine:
         """Requests at the engine: input queue + waiting + running (for metrics and the
         oracle; the engine's own reported counts are ``waiting`` and ``running``)."""
         return len(self.inbox) + len(self.waiting) + len(self.running)
+
+    def kv_need(self, req: SimRequest) -> int:
+        """KV tokens ``req`` would add if it ran now: its prompt's blocks that no
+        running request holds (all of them without the prefix cache), the rest of
+        its prompt, and what it produced (a preempted request's)."""
+        if self.cache is None or not req.blocks:
+            return req.prompt_tokens + req.produced
+        held = self.kv_blocks
+        shared = sum(1 for b in req.blocks if b in held)
+        return req.prompt_tokens - shared * BLOCK_TOKENS + req.produced
+
+    def hold_kv(self, req: SimRequest) -> None:
+        """``req`` runs: its KV is held (its prompt's blocks shared: ``kv_need``)."""
+        self.kv_tokens += self.kv_need(req)
+        if self.cache is not None:
+            held = self.kv_blocks
+            for b in req.blocks:
+                held[b] = held.get(b, 0) + 1
+
+    def free_kv(self, req: SimRequest) -> None:
+        """``req`` stopped running (finished, preempted, aborted): its KV is freed, its
+        prompt's blocks with their last holder."""
+        own = req.prompt_tokens + req.produced
+        if self.cache is not None and req.blocks:
+            held = self.kv_blocks
+            own -= len(req.blocks) * BLOCK_TOKENS
+            for b in req.blocks:
+                n = held[b] - 1
+                if n:
+                    held[b] = n
+                else:
+                    del held[b]
+                    own += BLOCK_TOKENS
+        self.kv_tokens -= own
 
     def arrive(self, req: SimRequest, now: float) -> None:
         """The request reached the engine: it waits in the input queue until the next
@@ -203,19 +243,19 @@ class SimEngine:
         running, cap = self.running, self.params.kv_capacity_tokens
         while len(running) > 1 and self.kv_tokens + len(running) > cap:
             req = running.pop()
-            self.kv_tokens -= req.prompt_tokens + req.produced
+            self.free_kv(req)
             req.preempted += 1
             self.preemptions += 1
             self.waiting.appendleft(req)
 
     def _admit(self, req: SimRequest, now: float, cached: int) -> None:
         if req.preempted:  # recomputed: what it produced is prefilled with its prompt
-            self.kv_tokens += req.prompt_tokens + req.produced
+            self.hold_kv(req)
             self.running.append(req)
             return
         req.started_at = now
         req.cached_tokens = cached
-        self.kv_tokens += req.prompt_tokens
+        self.hold_kv(req)
         self.prompt_tokens_seen += req.prompt_tokens
         self.cached_tokens_seen += cached
         self.running.append(req)
@@ -233,7 +273,8 @@ class SimEngine:
             req = waiting[0]
             need = req.prompt_tokens + req.produced  # (produced: a preempted request's)
             # room for it and for this step's decode (a token each, it included)
-            if kv_cap > 0 and self.running and self.kv_tokens + need + len(self.running) >= kv_cap:
+            kv = self.kv_tokens + len(self.running)
+            if kv_cap > 0 and self.running and kv + self.kv_need(req) >= kv_cap:
                 break
             cached = 0
             if cache is not None and req.blocks and not req.preempted:
@@ -266,7 +307,7 @@ class SimEngine:
             if req.produced >= req.output_len:
                 req.finished_at = end
                 done += 1
-                self.kv_tokens -= req.prompt_tokens + req.produced
+                self.free_kv(req)
                 if self.cache is not None and req.done_blocks:
                     self.cache.insert(req.done_blocks)
                 if self.on_finish is not None:

@@ -128,6 +128,38 @@ def test_kv_running_out_preempts_the_newest_request_which_resumes_where_it_was()
     assert e.kv_tokens == 0
 
 
+def test_running_requests_share_the_kv_of_their_common_prompt_blocks() -> None:
+    # 4 prompts of 1,000 tokens on one 960-token prefix (60 blocks): with the prefix
+    # cache on, the prefix is held once, as vLLM's block manager does
+    def blocks(i: int) -> tuple[int, ...]:
+        return stream_blocks(100 + i, 1000, system=(7, 960))
+
+    reqs = [_req(i, 1000, 3, blocks(i)) for i in range(4)]
+    e = SimEngine("a", EngineParams(kv_capacity_tokens=1500, cache_blocks=1000))
+    for r in reqs:
+        e.arrive(r, 0.0)
+    d = e.begin_step(0.0)
+    assert len(e.running) == 4  # 960 + 4 x 40: each adds its own 40 tokens only
+    assert e.kv_tokens == 960 + 4 * 40
+    e.end_step(d)
+    assert e.kv_tokens == 960 + 4 * 41
+    e.free_kv(reqs[0])  # one leaves (aborted): the prefix stays for the others
+    e.running.remove(reqs[0])
+    assert e.kv_tokens == 960 + 3 * 41
+    t = d
+    while e.running:
+        d = e.begin_step(t)
+        e.end_step(t + d)
+        t += d
+    assert e.kv_tokens == 0 and not e.kv_blocks  # freed with its last holder
+    # without the prefix cache each holds its whole prompt: one at a time fits
+    e = SimEngine("b", EngineParams(kv_capacity_tokens=1500))
+    for r in [_req(i, 1000, 3, blocks(i)) for i in range(2)]:
+        e.arrive(r, 0.0)
+    e.begin_step(0.0)
+    assert len(e.running) == 1 and e.kv_tokens == 1000
+
+
 def test_engine_defaults_keep_the_old_step_time() -> None:
     e = SimEngine("a")
     for i in range(3):
