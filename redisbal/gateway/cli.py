@@ -221,7 +221,9 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     show_default=True,
     envvar="REDISBAL_IDLE_TIMEOUT_S",
     show_envvar=True,
-    help="A stream with no token for this long ends with an error event (the engine is ejected).",
+    help="A stream with no token for this long ends with an error event (the engine is "
+    "ejected); again this long, up to --timeout-s, while the engine says requests wait "
+    "there (a request it preempted gets no token until it runs again).",
 )
 @click.option(
     "--max-attempts",

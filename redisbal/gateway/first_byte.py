@@ -168,16 +168,22 @@ class ChunkWatch:
     began, never past ``end`` (loop time). While a wait is on, its task is cancelled
     once the bound passes; ``expired()`` then says the cancel was this watch's. One
     timer per stream, set again when it fires early, stands for a timer per chunk
-    (``asyncio.timeout`` around each wait), which cost a tenth of a stream's CPU."""
+    (``asyncio.timeout`` around each wait), which cost a tenth of a stream's CPU.
 
-    def __init__(self, idle_s: float, end: float) -> None:
+    ``queues``: asked when a wait reaches ``idle_s``; True (the engine says requests
+    wait there while it steps: vLLM sends nothing for a request it preempted until it
+    runs it again) waits another ``idle_s``, up to ``end``."""
+
+    def __init__(self, idle_s: float, end: float, queues: Callable[[], bool] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
         self._task, self._idle_s, self._end = task, idle_s, end
+        self._queues = queues
         self._since = self._loop.time()
         self._waiting = False
         self._fired = False
+        self.waited_more = 0  # idle bounds waited again for an engine that queued
         self._timer = self._loop.call_at(min(self._since + idle_s, end), self._check)
 
     def wait(self) -> None:
@@ -193,7 +199,10 @@ class ChunkWatch:
         now = self._loop.time()
         if self._waiting:
             due = min(self._since + self._idle_s, self._end)
-            if now >= due:
+            if now >= due and now < self._end and self._queues is not None and self._queues():
+                self.waited_more += 1
+                due = min(now + self._idle_s, self._end)
+            elif now >= due:
                 self._fired = True
                 self._task.cancel()
                 return
@@ -208,6 +217,10 @@ class ChunkWatch:
             return False
         uncancel = getattr(self._task, "uncancel", None)  # (Python 3.10 has no counts)
         return uncancel is None or uncancel() == 0
+
+    def silent_s(self) -> float:
+        """How long the current wait for a chunk has lasted."""
+        return self._loop.time() - self._since
 
     def close(self) -> None:
         """The stream ended: no more checks."""

@@ -870,7 +870,8 @@ class Proxy:
             idle = self.idle_timeout_s
             # (the whole-response timeout counts from this attempt, as in _whole)
             left = self.timeout_s - (time.perf_counter() - t_up)
-            watch = ChunkWatch(idle, asyncio.get_running_loop().time() + left)
+            end = asyncio.get_running_loop().time() + left
+            watch = ChunkWatch(idle, end, lambda: router.queues(eid))
             flow = dep.streams.opened(d)
             try:
                 while True:
@@ -882,7 +883,7 @@ class Proxy:
                             raise
                         gone = time.perf_counter() - t0 >= self.timeout_s
                         kind = "timeout" if gone else "idle_timeout"
-                        detail = f"engine {eid}: no token for {idle:.1f}s mid-stream"
+                        detail = f"engine {eid}: no token for {watch.silent_s():.1f}s mid-stream"
                         break
                     except UpstreamError as exc:
                         kind, detail = "reset", f"engine {eid} failed mid-stream: {exc}"

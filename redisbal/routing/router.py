@@ -222,6 +222,14 @@ class _LocalRouting:
         with core.lock:
             return core.stepped_s(engine_id)
 
+    def queues(self, engine_id: str) -> bool:
+        """Whether requests wait for room at ``engine_id`` while it steps (its latest
+        counts, fresh, say so) and nothing marks it. A stream of such an engine that
+        went silent is most likely one it preempted when its KV cache ran out (vLLM
+        sends nothing for it until it runs it again): the gateway waits for it past
+        its idle-read bound while this holds."""
+        return self.core.queues(engine_id)
+
     def silent_after_s(self, engine_id: str) -> float:
         """How long ``engine_id`` may go without a report before a request waiting on
         it is given up (``silent_s`` at least this): a few times its own recent gaps

@@ -54,7 +54,12 @@ from redisbal.routing.outcomes import OutcomeTracker
 from redisbal.routing.policies import DEFAULT_POLICY, NoEngines, Policy, UnknownEngine, make_policy
 from redisbal.routing.state import Decision, EngineView, RequestInfo, request_info
 from redisbal.routing.told_routes import ToldRoutes
-from redisbal.routing.unanswered import SILENT_MAX_S, SILENT_UNANSWERED_S, TTFB_FACTOR
+from redisbal.routing.unanswered import (
+    QUEUE_FRESH_S,
+    SILENT_MAX_S,
+    SILENT_UNANSWERED_S,
+    TTFB_FACTOR,
+)
 
 
 class RouterCore:
@@ -422,6 +427,19 @@ class RouterCore:
         if snap is None or e is None or engine_id not in snap.engines:
             return None
         return max(0.0, self.clock() - self.snapshot_at) + e.age_s
+
+    def queues(self, engine_id: str) -> bool:
+        """Whether requests wait for room at ``engine_id`` while it steps, as its latest
+        counts say (at most ``QUEUE_FRESH_S`` old), and nothing marks it: a stream of it
+        gone silent is then most likely one the engine preempted (its KV cache ran out)
+        and will run again, not a hung one."""
+        with self.lock:
+            e, stepped = self.by_id.get(engine_id), self.stepped_s(engine_id)
+            if e is None or stepped is None or stepped > QUEUE_FRESH_S or e.waiting <= 0:
+                return False
+            snap = self.snapshot
+            marked = snap is not None and (engine_id in snap.suspect or engine_id in snap.stalled)
+            return not marked and engine_id not in self.outcomes.marked
 
     def silent_after_s(self, engine_id: str) -> float:
         """How long ``engine_id``'s reports may stop before a request waiting on it is

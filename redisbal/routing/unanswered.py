@@ -30,6 +30,10 @@ SILENT_MAX_S = 10.0  # and never longer: a stopped process is still given up on
 # fresh server's first steps (a first prefill, compiling, warming caches) are its longest
 SILENT_UNANSWERED_S = 2.0
 TTFB_FACTOR = 2.0  # ... nor below this x its usual time to a first byte (RouterCore)
+# an engine whose latest counts, at most this old, say requests wait there queues
+# (``RouterCore.queues``): a stream of it silent past the idle-read bound is waited for
+# again, since vLLM sends nothing for a request it preempted until it runs it again
+QUEUE_FRESH_S = 2.0
 
 
 class Silence:

@@ -6,6 +6,7 @@ behind in it. A stream's chunk watch bounds each wait for a chunk, never the wri
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -119,11 +120,17 @@ async def test_a_client_leaving_as_the_engine_is_found_silent_is_a_cancel_not_si
     assert watch.waiting() == 0
 
 
-async def _stream(idle_s: float, end: float, gaps: list[float], write_s: float = 0.0) -> int:
+async def _stream(
+    idle_s: float,
+    end: float,
+    gaps: list[float],
+    write_s: float = 0.0,
+    queues: Callable[[], bool] | None = None,
+) -> int:
     """Chunks that come ``gaps`` apart, each written on in ``write_s``, under a chunk
-    watch of ``idle_s`` and ``end``: how many came before the watch cut a wait
-    (CancelledError where the cancel is not the watch's alone)."""
-    watch = ChunkWatch(idle_s, end)
+    watch of ``idle_s`` and ``end`` (and ``queues``): how many came before the watch cut
+    a wait (CancelledError where the cancel is not the watch's alone)."""
+    watch = ChunkWatch(idle_s, end, queues)
     got = 0
     try:
         for gap in gaps:
@@ -152,6 +159,25 @@ async def test_a_chunk_watch_cuts_a_silent_wait_and_never_a_write() -> None:
     assert await _stream(0.1, now() + 60, [0.01] * 3, write_s=0.4) == 3
     # the end bounds the whole stream however fast its chunks come
     assert await _stream(30.0, now() + 0.3, [0.02] * 1000) < 1000
+
+
+async def test_a_silent_stream_of_an_engine_that_queues_is_waited_for_until_it_stops() -> None:
+    now = asyncio.get_running_loop().time
+    # the engine says requests wait there (a preempted stream): waited for past the bound
+    assert await _stream(0.1, now() + 60, [0.01, 0.5, 0.01], queues=lambda: True) == 3
+    # ... within the whole-response bound
+    assert await _stream(0.1, now() + 0.3, [0.01, 30.0], queues=lambda: True) == 1
+    # it stops queueing (or is marked): the next bound cuts the wait
+    asked: list[float] = []
+
+    def queues() -> bool:
+        asked.append(now())
+        return len(asked) < 3
+
+    assert await _stream(0.1, now() + 60, [0.01, 30.0], queues=queues) == 1
+    assert len(asked) == 3  # asked at each bound, cut at the first "no"
+    # an engine that does not queue: cut at the bound, as without the question
+    assert await _stream(0.1, now() + 60, [0.01, 30.0], queues=lambda: False) == 1
 
 
 async def test_a_client_leaving_during_a_chunk_wait_is_its_cancel_not_the_watch() -> None:

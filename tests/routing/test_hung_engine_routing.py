@@ -208,3 +208,22 @@ def test_a_probe_answered_here_does_not_outlast_a_newer_mark() -> None:
     assert core.excluded() == {"e0": "probing"}
     decisions = [core.route() for _ in range(20)]
     assert [d.probe for d in decisions if d.engine_id == "e0"] == [True]
+
+
+def test_an_engine_queues_while_its_fresh_counts_say_requests_wait_and_nothing_marks_it() -> None:
+    clock = Clock()
+    counts = {"e0": (2, 8), "e1": (0, 8), "e2": (0, 0), "e3": (1, 8)}
+    s = make_snapshot(counts, version=1, step=1, time_ms=T0, suspect={"e3": 125})
+    core = core_with(s, clock=clock)
+    assert [core.queues(e) for e in ("e0", "e1", "e2", "e3", "nope")] == [
+        True,  # requests wait there (a preempted stream waits for room)
+        False,  # nothing waits
+        False,
+        False,  # marked suspect in the deployment
+        False,  # unknown
+    ]
+    core.failed(core.route("e0"), kind="5xx")  # marked by this router
+    assert not core.queues("e0")
+    core = core_with(s, clock=clock)
+    clock.t += 5.0  # its counts grew old: it may have stopped
+    assert not core.queues("e0")
