@@ -128,21 +128,61 @@ class SilenceWatch:
             self._timer = loop.call_later(CHECK_EVERY_S, self._check, loop)
 
 
+class _WhileQueued:
+    """Moves a wait's timeout ``step_s`` on each time it is nearly due while
+    ``queues()`` says the engine queues requests, never past ``end`` (loop time)."""
+
+    def __init__(self, cm: Any, step_s: float, queues: Callable[[], bool], end: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._cm, self._step_s, self._queues, self._end = cm, step_s, queues, end
+        self.moved = 0
+        self._handle = self._arm()
+
+    def _arm(self) -> asyncio.TimerHandle:
+        # just before the timeout's own callback: both due, this one runs first
+        return self._loop.call_at(self._cm.when() - 0.005, self._check)
+
+    def _check(self) -> None:
+        when = self._cm.when()
+        if when < self._end and self._queues():
+            self.moved += 1
+            self._cm.reschedule(min(when + self._step_s, self._end))
+            self._handle = self._arm()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 async def first_byte(
-    answer: Awaitable[T], bound_s: float, watch: SilenceWatch, engine_id: str
+    answer: Awaitable[T],
+    bound_s: float,
+    watch: SilenceWatch,
+    engine_id: str,
+    queues: Callable[[], bool] | None = None,
+    longest_s: float = 0.0,
 ) -> T:
     """``answer``'s result, or ``asyncio.TimeoutError`` after ``bound_s``, or
     ``Silent`` once it waited ``SILENT_WAIT_S`` while ``engine_id`` has not reported
     for longer than its reports pause (``watch`` says so). ``answer`` runs in the caller's task,
     cancelled by whichever ends the wait, as ``asyncio.timeout`` does: a task of its
-    own and ``asyncio.wait`` per request cost more CPU than all the rest of the wait."""
+    own and ``asyncio.wait`` per request cost more CPU than all the rest of the wait.
+
+    ``queues``: asked as ``bound_s`` runs out; True (the engine says requests wait for
+    room there: this one most likely among them) waits another ``bound_s``, up to
+    ``longest_s`` in all."""
     if bound_s <= SILENT_WAIT_S:
         async with timeout(bound_s):
             return await answer
     wait = watch.watch(engine_id)
     try:
-        async with timeout(bound_s):
-            return await answer
+        async with timeout(bound_s) as cm:
+            if queues is None or longest_s <= bound_s:
+                return await answer
+            moving = _WhileQueued(cm, bound_s, queues, wait.since + longest_s)
+            try:
+                return await answer
+            finally:
+                moving.cancel()
     except asyncio.CancelledError:
         # the watch's cancel, unless another came too (the client left): that one wins
         uncancel = getattr(wait.task, "uncancel", None)  # (Python 3.10 has no counts)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -785,11 +786,15 @@ class Proxy:
         none came."""
         eid = d.engine_id
         left = max(0.001, bound - (time.perf_counter() - t_up))
+        # an engine that queues requests is waited for past its bound (RouterCore.queues)
+        longest = self.first_byte_timeout_s - (time.perf_counter() - t_up)
+        queues = functools.partial(dep.router.queues, eid)
         try:
-            return await first_byte(up.chunk(), left, dep.silence, eid) or b""
+            return await first_byte(up.chunk(), left, dep.silence, eid, queues, longest) or b""
         except asyncio.TimeoutError:
+            took = time.perf_counter() - t_up
             raise Retry(
-                "first_byte_timeout", f"engine {eid}: no first token in {bound:.2f}s", 504
+                "first_byte_timeout", f"engine {eid}: no first token in {took:.2f}s", 504
             ) from None
         except Silent as exc:
             raise Retry("first_byte_timeout", f"engine {eid}: {exc}", 504, unsent=True) from None

@@ -61,6 +61,28 @@ async def test_the_bound_ends_the_wait_on_an_engine_that_still_reports() -> None
         await first_byte(answer_after(60.0), 0.01, watch, "0")
 
 
+async def test_an_engine_that_queues_is_waited_for_past_the_bound_up_to_the_longest() -> None:
+    watch = SilenceWatch(Quiet())
+    bound = SILENT_WAIT_S + 0.05
+    # requests wait there (this one among them): its answer after 3 bounds is taken
+    got = await first_byte(answer_after(3 * bound), bound, watch, "0", lambda: True, 60.0)
+    assert got == "ok"
+    # not past the longest wait
+    with pytest.raises(asyncio.TimeoutError):
+        await first_byte(answer_after(60.0), bound, watch, "0", lambda: True, 2 * bound)
+    # an engine that does not queue: the bound ends the wait, as without the question
+    asked: list[int] = []
+
+    def queues() -> bool:
+        asked.append(1)
+        return False
+
+    with pytest.raises(asyncio.TimeoutError):
+        await first_byte(answer_after(3 * bound), bound, watch, "0", queues, 60.0)
+    assert asked == [1]
+    assert watch.waiting() == 0
+
+
 async def test_a_silent_engine_ends_the_wait_long_before_its_bound() -> None:
     quiet = Quiet("hung")
     watch = SilenceWatch(quiet)
