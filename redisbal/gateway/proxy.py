@@ -532,9 +532,10 @@ class Proxy:
                 rec.engine, rec.tries = d.engine_id, attempt + 1
                 if spans is not None:
                     spans.attempt(route_facts(dep, d, attempt + 1, key, guessed), headers)
+            last_try = pin is not None or attempt + 1 >= self.max_attempts
             try:
                 return await self._attempt(
-                    request, dep, d, raw, headers, stream, t0, rid, rec, accept
+                    request, dep, d, raw, headers, stream, t0, rid, rec, accept, last_try
                 )
             except Retry as exc:
                 last = exc
@@ -695,9 +696,11 @@ class Proxy:
         rid: str = "",
         rec: Record | None = None,
         accept: bytes = b"",
+        last_try: bool = False,
     ) -> web.StreamResponse:
         """One upstream try. Raises Retry only while nothing was sent to the client.
-        ``accept`` stands for the request's credentials and model (``Acceptances``)."""
+        ``accept`` stands for the request's credentials and model (``Acceptances``);
+        ``last_try``: no engine is tried after this one (``_first_chunk``)."""
         assert self.upstream is not None
         router = dep.router
         eid = d.engine_id
@@ -720,7 +723,7 @@ class Proxy:
                 whole, kind = await self._whole(router, d, up, ctype, t0, t_up, rec)
                 return whole
             streamed, kind, detail = await self._relay(
-                request, dep, d, up, t0, t_up, bound, rid, rec
+                request, dep, d, up, t0, t_up, bound, rid, rec, last_try
             )
             return streamed
         except Retry as exc:
@@ -780,15 +783,25 @@ class Proxy:
             raise Retry(str(up.status), detail, up.status, public=public)
 
     async def _first_chunk(
-        self, dep: Deployment, d: Decision, up: Response, bound: float, t_up: float
+        self,
+        dep: Deployment,
+        d: Decision,
+        up: Response,
+        bound: float,
+        t_up: float,
+        last_try: bool = False,
     ) -> bytes:
         """A stream's first chunk, within ``bound`` of the attempt's start; Retry when
-        none came."""
+        none came. On the last try, an engine that queues requests is waited for past
+        the bound (``RouterCore.queues``): the request is most likely among them, and
+        giving up failed it. Before, another engine is tried, as for any late first
+        byte: a request still queued costs the engine nothing to drop, and another
+        engine's queue may be shorter (waiting there instead doubled the TTFT p99 of
+        KV-bound Poisson)."""
         eid = d.engine_id
         left = max(0.001, bound - (time.perf_counter() - t_up))
-        # an engine that queues requests is waited for past its bound (RouterCore.queues)
         longest = self.first_byte_timeout_s - (time.perf_counter() - t_up)
-        queues = functools.partial(dep.router.queues, eid)
+        queues = functools.partial(dep.router.queues, eid) if last_try else None
         try:
             return await first_byte(up.chunk(), left, dep.silence, eid, queues, longest) or b""
         except asyncio.TimeoutError:
@@ -844,13 +857,14 @@ class Proxy:
         bound: float,
         rid: str = "",
         rec: Record | None = None,
+        last_try: bool = False,
     ) -> tuple[web.StreamResponse, str, str]:
         """Pass an SSE stream through; returns (response, outcome kind, detail). Headers
         go out with the first chunk, so an engine that gives none within ``bound`` of
         the request (or drops first) is retried; after it, ``idle_timeout_s`` without a
         chunk ends the stream with an error event."""
         m, eid, router = self.metrics, d.engine_id, dep.router
-        first = await self._first_chunk(dep, d, up, bound, t_up)
+        first = await self._first_chunk(dep, d, up, bound, t_up, last_try)
         t_first = time.perf_counter()
         # a probe is answered once its stream flowed to its end: an engine whose streams
         # stop mid-way still sends first chunks
