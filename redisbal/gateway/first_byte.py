@@ -138,12 +138,18 @@ class _WhileQueued:
         self.moved = 0
         self._handle = self._arm()
 
+    def _when(self) -> float:
+        """The timeout's deadline (``asyncio.timeout``'s ``when()``; async-timeout's
+        ``deadline`` on Python 3.10)."""
+        cm = self._cm
+        return float(cm.when() if hasattr(cm, "when") else cm.deadline)
+
     def _arm(self) -> asyncio.TimerHandle:
         # just before the timeout's own callback: both due, this one runs first
-        return self._loop.call_at(self._cm.when() - 0.005, self._check)
+        return self._loop.call_at(self._when() - 0.005, self._check)
 
     def _check(self) -> None:
-        when = self._cm.when()
+        when = self._when()
         if when < self._end and self._queues():
             self.moved += 1
             self._cm.reschedule(min(when + self._step_s, self._end))
