@@ -135,7 +135,6 @@ class _WhileQueued:
     def __init__(self, cm: Any, step_s: float, queues: Callable[[], bool], end: float) -> None:
         self._loop = asyncio.get_running_loop()
         self._cm, self._step_s, self._queues, self._end = cm, step_s, queues, end
-        self.moved = 0
         self._handle = self._arm()
 
     def _when(self) -> float:
@@ -151,7 +150,6 @@ class _WhileQueued:
     def _check(self) -> None:
         when = self._when()
         if when < self._end and self._queues():
-            self.moved += 1
             self._cm.reschedule(min(when + self._step_s, self._end))
             self._handle = self._arm()
 
@@ -229,7 +227,6 @@ class ChunkWatch:
         self._since = self._loop.time()
         self._waiting = False
         self._fired = False
-        self.waited_more = 0  # idle bounds waited again for an engine that queued
         self._timer = self._loop.call_at(min(self._since + idle_s, end), self._check)
 
     def wait(self) -> None:
@@ -246,7 +243,6 @@ class ChunkWatch:
         if self._waiting:
             due = min(self._since + self._idle_s, self._end)
             if now >= due and now < self._end and self._queues is not None and self._queues():
-                self.waited_more += 1
                 due = min(now + self._idle_s, self._end)
             elif now >= due:
                 self._fired = True

@@ -541,7 +541,7 @@ class Proxy:
                 last = exc
                 avoid.add(d.engine_id)
                 m.errors.labels(exc.kind).inc()
-                again = pin is None and attempt + 1 < self.max_attempts
+                again = not last_try
                 # the budget keeps retries from adding load to a failing deployment; a
                 # request no engine works on (refused, a stopped engine) adds none
                 refused = again and not exc.unsent and not dep.budget.allow()

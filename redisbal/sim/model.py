@@ -165,12 +165,19 @@ class SimEngine:
         return req.prompt_tokens - shared * BLOCK_TOKENS + req.produced
 
     def hold_kv(self, req: SimRequest) -> None:
-        """``req`` runs: its KV is held (its prompt's blocks shared: ``kv_need``)."""
-        self.kv_tokens += self.kv_need(req)
-        if self.cache is not None:
-            held = self.kv_blocks
-            for b in req.blocks:
-                held[b] = held.get(b, 0) + 1
+        """``req`` runs: its KV is held, what ``kv_need`` says it adds (its prompt's
+        blocks shared with the running requests that hold them)."""
+        if self.cache is None or not req.blocks:
+            self.kv_tokens += req.prompt_tokens + req.produced
+            return
+        held = self.kv_blocks
+        add = req.prompt_tokens - len(req.blocks) * BLOCK_TOKENS + req.produced
+        for b in req.blocks:
+            n = held.get(b, 0)
+            if not n:
+                add += BLOCK_TOKENS
+            held[b] = n + 1
+        self.kv_tokens += add
 
     def free_kv(self, req: SimRequest) -> None:
         """``req`` stopped running (finished, preempted, aborted): its KV is freed, its
