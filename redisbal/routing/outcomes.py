@@ -56,6 +56,9 @@ FAILURES = frozenset(
         "404",
     }
 )
+# waits given up, no evidence against an engine whose counts say requests wait for room
+# there (``RouterCore.queues``): the request was most likely one of them
+QUEUE_WAITS = frozenset({"first_byte_timeout", "idle_timeout"})
 # what a request can end with (``outcome()``): ok and rejected are no evidence
 OUTCOMES = FAILURES | {"ok", "rejected"}
 HEALTHY, EJECTED, PROBING = "healthy", "ejected", "probing"

@@ -50,7 +50,7 @@ from redisbal.routing.estimates import (
     trim_costs,
 )
 from redisbal.routing.exclusions import Exclusions
-from redisbal.routing.outcomes import OutcomeTracker
+from redisbal.routing.outcomes import QUEUE_WAITS, OutcomeTracker
 from redisbal.routing.policies import DEFAULT_POLICY, NoEngines, Policy, UnknownEngine, make_policy
 from redisbal.routing.state import Decision, EngineView, RequestInfo, request_info
 from redisbal.routing.told_routes import ToldRoutes
@@ -155,7 +155,8 @@ class RouterCore:
             "ignored_old": 0,
             "epochs": 0,
             "rejoin_dropped": 0,
-            "failed": 0,  # failed() calls
+            "failed": 0,  # failed() calls counted as evidence
+            "queued_given_up": 0,  # failed() calls of waits on a queueing engine: no evidence
             "stalled": 0,  # stalled() calls: streams that stopped mid-way
             "restarts": 0,  # engines seen with a new incarnation
             "all_excluded_routes": 0,  # routes made while every engine was excluded
@@ -434,12 +435,15 @@ class RouterCore:
         gone silent is then most likely one the engine preempted (its KV cache ran out)
         and will run again, not a hung one."""
         with self.lock:
-            e, stepped = self.by_id.get(engine_id), self.stepped_s(engine_id)
-            if e is None or stepped is None or stepped > QUEUE_FRESH_S or e.waiting <= 0:
-                return False
-            snap = self.snapshot
-            marked = snap is not None and (engine_id in snap.suspect or engine_id in snap.stalled)
-            return not marked and engine_id not in self.outcomes.marked
+            return self._queues(engine_id)
+
+    def _queues(self, engine_id: str) -> bool:
+        e, stepped = self.by_id.get(engine_id), self.stepped_s(engine_id)
+        if e is None or stepped is None or stepped > QUEUE_FRESH_S or e.waiting <= 0:
+            return False
+        snap = self.snapshot
+        marked = snap is not None and (engine_id in snap.suspect or engine_id in snap.stalled)
+        return not marked and engine_id not in self.outcomes.marked
 
     def silent_after_s(self, engine_id: str) -> float:
         """How long ``engine_id``'s reports may stop before a request waiting on it is
@@ -657,11 +661,19 @@ class RouterCore:
         """The engine of ``decision`` did not serve it (``kind``: one of
         ``redisbal.routing.outcomes.FAILURES``): the request ends, and this router ejects the
         engine with a back-off (unless half of the engines are ejected or probing
-        already). Returns whether to tell the deployment (it was ejected now)."""
+        already). Returns whether to tell the deployment (it was ejected now).
+
+        A wait given up (``QUEUE_WAITS``: no first byte, a stream gone quiet) on an
+        engine that ``queues()`` is no evidence: the request was most likely among
+        those its counts say wait for room, and an engine that queues steps. Counting
+        it would mark the engine, the one a last try then waits for in vain."""
         with self.lock:
             self._finish(decision)
             engine = decision.engine_id
             if engine not in self.by_id:
+                return False
+            if kind in QUEUE_WAITS and self._queues(engine):
+                self.counters["queued_given_up"] += 1
                 return False
             self.counters["failed"] += 1
             now = self.clock()

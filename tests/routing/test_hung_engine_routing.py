@@ -227,3 +227,21 @@ def test_an_engine_queues_while_its_fresh_counts_say_requests_wait_and_nothing_m
     core = core_with(s, clock=clock)
     clock.t += 5.0  # its counts grew old: it may have stopped
     assert not core.queues("e0")
+
+
+def test_a_wait_given_up_on_a_queueing_engine_is_no_evidence_against_it() -> None:
+    """A request given up for its first byte (or a quiet stream) on an engine whose
+    fresh counts say requests wait there was most likely one of them: the engine is
+    not ejected, and still queues (a last try waits for it); another kind of failure
+    there, or the same wait on an engine that queues nothing, is evidence."""
+    clock = Clock()
+    counts = {"e0": (3, 8), "e1": (0, 8), "e2": (0, 8), "e3": (0, 8)}
+    core = core_with(make_snapshot(counts, version=1, step=1, time_ms=T0), clock=clock)
+    for kind in ("first_byte_timeout", "idle_timeout"):
+        assert not core.failed(core.route("e0"), kind=kind)
+    assert core.queues("e0") and "e0" not in core.excluded()
+    assert core.counters["queued_given_up"] == 2 and core.counters["failed"] == 0
+    assert core.failed(core.route("e1"), kind="first_byte_timeout")  # nothing waits there
+    assert core.failed(core.route("e0"), kind="5xx")  # an answer, not a wait
+    assert not core.queues("e0")
+    assert core.excluded() == {"e0": "suspect", "e1": "suspect"}
