@@ -31,6 +31,7 @@ from redisbal.bench.scenarios import BENCH_POLICIES, OUT_CAP, OUT_MEAN, OUT_SIGM
 from redisbal.bench.suite import BenchConfig, bench_scenarios, run_all, run_all_simulated
 from redisbal.bench.traffic import QUALITY_ENGINE, QUALITY_SCENARIOS, SIZES
 from redisbal.ops.cli_options import common_options, settings
+from redisbal.routing.cache_view import BLOCK_TOKENS
 from redisbal.sim.model import EngineParams
 from redisbal.sim.report_as import FEEDS, LOAD_ONLY
 from redisbal.sim.workload import Request, TraceError, read_trace
@@ -91,6 +92,21 @@ def _metric_help() -> str:
     default=None,
     help='Quality: replay a JSON-lines trace ({"t": s, "prompt_tokens": n, "output_tokens": n, '
     '"key": optional}) instead of the scenarios.',
+)
+@click.option(
+    "--running-cap",
+    type=click.IntRange(1, 100_000),
+    default=None,
+    help=f"Quality, with --trace: each engine's running slots (default "
+    f"{QUALITY_ENGINE.running_cap}; vLLM's max_num_seqs is 256 or more).",
+)
+@click.option(
+    "--kv-tokens",
+    type=click.IntRange(1024, 10**9),
+    default=None,
+    help=f"Quality, with --trace: each engine's KV cache in tokens, its prefix cache in "
+    f"the same memory (default {QUALITY_ENGINE.kv_capacity_tokens:,}): smaller, and the "
+    "KV cache, not the slots, bounds what an engine runs.",
 )
 @click.option(
     "--pass-output",
@@ -172,6 +188,8 @@ def bench_command(
     real_time: bool,
     sizes: str | None,
     trace_path: str | None,
+    running_cap: int | None,
+    kv_tokens: int | None,
     pass_output: bool,
     report_as: str | None,
     no_admitted: bool,
@@ -208,6 +226,15 @@ def bench_command(
         ):
             if given:
                 raise click.UsageError(f"{flag} applies to the balance benchmark (--real-time)")
+        if (running_cap or kv_tokens) and not trace_path:
+            flag = "--running-cap" if running_cap else "--kv-tokens"
+            raise click.UsageError(f"{flag} applies to --trace (the scenarios set their engines)")
+        engine = replace(
+            QUALITY_ENGINE,
+            running_cap=running_cap or QUALITY_ENGINE.running_cap,
+            kv_capacity_tokens=kv_tokens or QUALITY_ENGINE.kv_capacity_tokens,
+            cache_blocks=(kv_tokens or QUALITY_ENGINE.kv_capacity_tokens) // BLOCK_TOKENS,
+        )
         _quality(
             sizes,
             trace_path,
@@ -218,11 +245,14 @@ def bench_command(
             json_path,
             md_path,
             report_as=_feed(report_as, no_admitted),
+            engine=engine,
         )
         return
     for flag, used in (
         ("--sizes", bool(sizes)),
         ("--trace", bool(trace_path)),
+        ("--running-cap", running_cap is not None),
+        ("--kv-tokens", kv_tokens is not None),
         ("--pass-output", pass_output),
         ("--report-as", report_as is not None),
         ("--no-admitted", no_admitted),
@@ -358,6 +388,7 @@ def _quality(
     json_path: str | None,
     md_path: str | None,
     report_as: str = "full",
+    engine: EngineParams = QUALITY_ENGINE,
 ) -> None:
     """The routing-quality benchmark (``redisbal.bench.quality_report``)."""
     if trace_path:
@@ -379,6 +410,7 @@ def _quality(
         trace_name=trace_path or "",
         pass_output=pass_output,
         report_as=report_as,
+        engine=engine,
     )
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
@@ -406,7 +438,7 @@ def _quality(
         "trace": trace_path,
         "nproc": os.cpu_count(),
         "loadavg_end": os.getloadavg()[0],
-        "engine": asdict(QUALITY_ENGINE),
+        "engine": asdict(engine),
     }
     click.echo(quality_tables(doc))
     click.echo(

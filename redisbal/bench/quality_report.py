@@ -13,7 +13,8 @@ from redisbal.bench.balance import spread
 from redisbal.bench.latency import HIGHER_IS_BETTER, QUALITY_METRICS
 from redisbal.bench.quality import simulate
 from redisbal.bench.suite import Progress
-from redisbal.bench.traffic import SIZES, QualityScenario, default_quality_scenarios
+from redisbal.bench.traffic import QUALITY_ENGINE, SIZES, QualityScenario, default_quality_scenarios
+from redisbal.sim.model import EngineParams
 from redisbal.sim.workload import Request
 
 # at 1,024 engines a run costs tens of seconds (every router applies every snapshot
@@ -32,6 +33,8 @@ class QualityConfig:
     trace_name: str = ""
     pass_output: bool = False
     report_as: str = "full"  # what the engines feed the routers (redisbal.sim.report_as)
+    # a trace's engines (the scenarios bring their own)
+    engine: EngineParams = field(default_factory=lambda: QUALITY_ENGINE)
 
 
 def plan(cfg: QualityConfig) -> list[tuple[QualityScenario, list[int]]]:
@@ -51,6 +54,7 @@ def plan(cfg: QualityConfig) -> list[tuple[QualityScenario, list[int]]]:
                 duration_s=last,
                 warmup_s=0.0,
                 warm=False,
+                engine=cfg.engine,
             )
             out.append((sc, seeds))
             continue

@@ -447,3 +447,35 @@ def test_variants_flip_one_option_of_the_default_and_run_only_when_named() -> No
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     assert all(f"\n{v} " in res.output for v in VARIANTS), res.output
+
+
+def test_bench_trace_on_engines_of_a_given_cap_and_kv_cache(tmp_path: Path) -> None:
+    """``--running-cap`` and ``--kv-tokens`` set a trace's engines (the prefix cache in
+    the KV's memory): a cache that holds a few of its prompts at once queues them, where
+    the default engines run them at once; both apply to a trace only."""
+    f = tmp_path / "t.jsonl"
+    rows = [{"t": 0.004 * k, "prompt_tokens": 1500, "output_tokens": 60} for k in range(400)]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    docs = {}
+    for name, flags in (
+        ("default", []),
+        ("small", ["--running-cap", "256", "--kv-tokens", "4096"]),
+    ):
+        out = tmp_path / f"{name}.json"
+        argv = ["--trace", str(f), "--policies", "least-inflight", "--seeds", "1", "--json"]
+        res = CliRunner().invoke(bench_command, [*argv, str(out), *flags])
+        assert res.exit_code == 0, res.output
+        docs[name] = json.loads(out.read_text())
+    engine = docs["small"]["meta"]["engine"]
+    assert (engine["running_cap"], engine["kv_capacity_tokens"], engine["cache_blocks"]) == (
+        256,
+        4096,
+        256,
+    )
+    assert docs["default"]["meta"]["engine"]["running_cap"] == QUALITY_ENGINE.running_cap
+    p99 = {n: d["runs"][0]["ttft_p99_s"] for n, d in docs.items()}
+    assert p99["small"] > 2 * p99["default"]
+    res = CliRunner().invoke(bench_command, ["--kv-tokens", "4096"])
+    assert res.exit_code != 0 and "applies to --trace" in res.output
+    res = CliRunner().invoke(bench_command, ["--running-cap", "256", "--real-time"])
+    assert res.exit_code != 0 and "routing-quality" in res.output
