@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -146,6 +145,13 @@ def route_facts(
     if dep.label:
         facts["redisbal.deployment"] = dep.name
     return facts
+
+
+def _elsewhere(dep: Deployment, engine_id: str, avoid: set[str]) -> bool:
+    """Whether a retry of a request on ``engine_id`` has another engine to go to (one
+    with a URL that it has not tried: ``Proxy._route``)."""
+    urls = dep.urls
+    return any(e != engine_id and e in urls and e not in avoid for e in dep.router.core.by_id)
 
 
 def _unroute(router: AsyncRouter, decision: Decision) -> None:
@@ -532,7 +538,11 @@ class Proxy:
                 rec.engine, rec.tries = d.engine_id, attempt + 1
                 if spans is not None:
                     spans.attempt(route_facts(dep, d, attempt + 1, key, guessed), headers)
-            last_try = pin is not None or attempt + 1 >= self.max_attempts
+            last_try = (
+                pin is not None
+                or attempt + 1 >= self.max_attempts
+                or not _elsewhere(dep, d.engine_id, avoid)
+            )
             try:
                 return await self._attempt(
                     request, dep, d, raw, headers, stream, t0, rid, rec, accept, last_try
@@ -616,7 +626,7 @@ class Proxy:
                     router.unproven(d)
                     kind = result = "rejected"
                     return
-                await self._first_chunk(dep, d, up, bound, t_up)
+                await self._first_chunk(dep, d, up, bound, t_up, probe=True)
                 t_first = time.perf_counter()
                 flow = dep.streams.opened(d)
                 try:
@@ -790,18 +800,25 @@ class Proxy:
         bound: float,
         t_up: float,
         last_try: bool = False,
+        probe: bool = False,
     ) -> bytes:
         """A stream's first chunk, within ``bound`` of the attempt's start; Retry when
-        none came. On the last try, an engine that queues requests is waited for past
-        the bound (``RouterCore.queues``): the request is most likely among them, and
-        giving up failed it. Before, another engine is tried, as for any late first
-        byte: a request still queued costs the engine nothing to drop, and another
-        engine's queue may be shorter (waiting there instead doubled the TTFT p99 of
-        KV-bound Poisson)."""
+        none came. An engine that queues requests (``RouterCore.queues``) is waited for
+        past the bound when the request could not go elsewhere: on its last try, or
+        while the retry budget has no retry left. The request is most likely among
+        those queued, and giving up failed it. Else another engine is tried, as for any
+        late first byte: a request still queued costs the engine nothing to drop, and
+        another engine's queue may be shorter (waiting there instead doubled the TTFT
+        p99 of KV-bound Poisson). A ``probe`` is given up at the bound."""
         eid = d.engine_id
         left = max(0.001, bound - (time.perf_counter() - t_up))
         longest = self.first_byte_timeout_s - (time.perf_counter() - t_up)
-        queues = functools.partial(dep.router.queues, eid) if last_try else None
+        router, budget = dep.router, dep.budget
+
+        def stay() -> bool:
+            return router.queues(eid) and (last_try or not budget.room())
+
+        queues = None if probe else stay
         try:
             return await first_byte(up.chunk(), left, dep.silence, eid, queues, longest) or b""
         except asyncio.TimeoutError:

@@ -83,12 +83,16 @@ class RetryBudget:
         self._now()[1] += 1
         self.requests += 1
 
+    def room(self) -> bool:
+        """Whether the budget has a retry now (taking none)."""
+        self._now()
+        return self.retries + 1 <= max(self.floor, self.ratio * self.requests)
+
     def allow(self) -> bool:
         """Take one retry if the budget has one."""
-        bucket = self._now()
-        if self.retries + 1 > max(self.floor, self.ratio * self.requests):
+        if not self.room():
             return False
-        bucket[2] += 1
+        self._buckets[-1][2] += 1
         self.retries += 1
         return True
 

@@ -21,16 +21,19 @@ from support.gateway_stack import (
     process_engines,
     settled,
     stack,
+    start_engines,
     start_gateway,
     stop_gateway,
 )
 from support.helpers import await_until, coordinator
 
 from redisbal.gateway.proxy import ENGINE_HEADER
+from redisbal.gateway.retry import RetryBudget
 from redisbal.gateway.server import Gateway
 from redisbal.ops.status import gather_status
 from redisbal.routing.outcomes import OutcomeTracker
 from redisbal.sim.http_engine import HttpEngine
+from redisbal.sim.model import EngineParams
 
 pytestmark = pytest.mark.gateway  # .ci/run runs these on the lowest aiohttp too
 
@@ -584,3 +587,63 @@ async def test_an_engine_stalled_mid_stream_gets_one_probe_per_router_until_it_f
         for g in st.gateways:
             await await_until(lambda g=g: "0" not in g.router.core.excluded())
         await settled(st)
+
+
+# engines of one slot: a 40-token answer holds it 2 s, and what comes meanwhile queues
+ONE_SLOT = EngineParams(running_cap=1, base_step_s=0.05, per_seq_s=0.0, prefill_s=0.0)
+
+
+async def _queued_behind_long_streams(
+    redis_url: str, deployment: str, n: int, spent_budget: bool
+) -> tuple[str, dict[str, float]]:
+    """``n`` ONE_SLOT engines, each busy with a long stream, then a short stream that
+    queues at one of them far past its first-byte bound (the first long streams teach
+    a usual first byte of one step; the floor is 0.3 s); ``spent_budget``: the gateway
+    has no retry left. Returns the short stream's text and the gateway's given-up
+    (abandoned) count per engine."""
+    engines = await start_engines(redis_url, deployment, n, ONE_SLOT)
+    outcomes = OutcomeTracker(first_byte_min_s=0.3, first_byte_factor=2.0)
+    gw = await start_gateway(redis_url, deployment, hold_s=0.0, outcomes=outcomes)
+    try:
+        await await_until(lambda: len(gw.live_engines()) == n)
+        if spent_budget:
+            gw.models.default.budget = RetryBudget(ratio=0.0, floor=0)
+        client = openai_client(f"http://127.0.0.1:{gw.ports[0]}")
+
+        async def stream(tokens: int) -> str:
+            out = await client.completions.create(
+                model=MODEL, prompt="q", max_tokens=tokens, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return "".join([c.choices[0].text async for c in out if c.choices])
+
+        long = [asyncio.create_task(stream(40)) for _ in range(n)]
+        await await_until(lambda: all(e.model.running for e in engines))
+        # the engines' counts say so before the short one comes: it queues behind them
+        await await_until(lambda: all(gw.router.core.by_id[e].running == 1 for e in gw.urls))
+        # and their first tokens came: the short one's first-byte bound is the floor
+        await await_until(lambda: all(gw.router.first_byte_bound(e) < 1.0 for e in gw.urls))
+        short = await stream(2)
+        await asyncio.gather(*long)
+        text = gw.metrics.render().decode()
+        given_up = {e: metric(text, "redisbal_gateway_abandoned_total", engine=e) for e in gw.urls}
+        await client.close()
+        return short, given_up
+    finally:
+        await stop_gateway(gw)
+        for e in engines:
+            await e.stop()
+
+
+async def test_a_queued_request_is_waited_for_when_it_could_go_nowhere_else(
+    redis_url: str, deployment: str
+) -> None:
+    """A request queued at an engine (its counts say requests wait there) past its
+    first-byte bound is waited for, not given up, when no retry could take it
+    elsewhere: the only engine of the deployment, or a retry budget spent (an
+    overloaded deployment, where every engine queues). Giving up failed it: the
+    engine was about to serve it."""
+    for n, spent in ((1, False), (2, True)):
+        text, given_up = await _queued_behind_long_streams(redis_url, deployment, n, spent)
+        assert text, (n, spent)
+        assert sum(given_up.values()) == 0, (n, spent, given_up)
