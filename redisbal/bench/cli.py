@@ -229,11 +229,12 @@ def bench_command(
         if (running_cap or kv_tokens) and not trace_path:
             flag = "--running-cap" if running_cap else "--kv-tokens"
             raise click.UsageError(f"{flag} applies to --trace (the scenarios set their engines)")
+        kv = kv_tokens or QUALITY_ENGINE.kv_capacity_tokens
         engine = replace(
             QUALITY_ENGINE,
             running_cap=running_cap or QUALITY_ENGINE.running_cap,
-            kv_capacity_tokens=kv_tokens or QUALITY_ENGINE.kv_capacity_tokens,
-            cache_blocks=(kv_tokens or QUALITY_ENGINE.kv_capacity_tokens) // BLOCK_TOKENS,
+            kv_capacity_tokens=kv,
+            cache_blocks=kv // BLOCK_TOKENS,
         )
         _quality(
             sizes,

@@ -190,12 +190,12 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     help="Streamed requests: the longest wait for an engine's first token; they wait "
     "--first-byte-factor times what the engine usually takes, at least "
     "--first-byte-min-s (10 s until the engine answered one: a fresh server's first "
-    "answer is its slowest). Past it the request goes to another engine; on its last "
-    "try it waits again that long while the engine says requests wait there (queued "
-    "for room). Requests not "
-    "streamed wait for the whole answer (--timeout-s). Either way, a request to an "
-    "engine whose reports stopped for longer than they usually pause (0.5 s at least; "
-    "2 s until it answered a request) is given up after 0.25 s.",
+    "answer is its slowest). Past it the request goes to another engine; when it could "
+    "go nowhere else (its last try, every other engine tried, the retry budget spent) "
+    "it waits again that long while the engine says requests wait there (queued for "
+    "room). Requests not streamed wait for the whole answer (--timeout-s). Either "
+    "way, a request to an engine whose reports stopped for longer than they usually "
+    "pause (0.5 s at least; 2 s until it answered a request) is given up after 0.25 s.",
 )
 @click.option(
     "--first-byte-factor",
