@@ -114,6 +114,8 @@ MODEL = "redisbal-sim"  # the engines' model name (what kv_aware's event sources
 BYPASS_KEYS = ("requests", "ok", "errors", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms")
 # the default matching prompts with the engines' KV events (CacheViewDemo)
 CACHE_VIEW_POLICY = "redisbal+kv"
+# the default matching prompts with what each gateway sent each engine (no KV events)
+ROUTES_VIEW_POLICY = "redisbal+routes"
 # policies that stand for a peer without being it (the real routers run as themselves)
 EMULATIONS = frozenset(PEER_POLICIES) | {"vllm-latest", "vllm-21617", "vllm-pre"}
 
@@ -390,6 +392,8 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
     if views and not args.trace:
         sys.exit(f"{policy} needs --trace (and engines with --cache-blocks)")
     real = policy in peer_routers.NAMES
+    if policy == ROUTES_VIEW_POLICY and not args.trace:
+        sys.exit(f"{policy} needs --trace")
     opts = DemoOptions(
         redis_url=url,
         deployment=f"gwpol{n}",
@@ -397,7 +401,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         engines=args.engines,
         api_servers=args.gateways,
         duration=args.duration,
-        policy="redisbal" if peer or real or views else policy,
+        policy="redisbal" if peer or real or views or policy == ROUTES_VIEW_POLICY else policy,
         mode="tick",
         running_cap=args.running_cap,
         burst=int(args.burst_factor * args.engines * args.running_cap),
@@ -423,6 +427,8 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
             demo = CacheViewDemo(opts, echo, trace, extra, variant)
         else:
             demo = TraceDemo(opts, echo, trace, extra, peer)
+            if policy == ROUTES_VIEW_POLICY:
+                demo.gateway_args = ("--prefix-tokens", "text", *args.prefix_cache_tokens)
     else:
         demo = ScenarioDemo(opts, echo)
     demo.split, demo.bypass = args.split, args.bypass_spec
@@ -563,6 +569,12 @@ def main() -> None:
         help="s after the load for the last answers [15; 90 with --trace: a long answer "
         "on a slow engine takes longer]",
     )
+    ap.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        help=f"{ROUTES_VIEW_POLICY}'s gateways' --prefix-cache-tokens [the gateway's default]",
+    )
     ap.add_argument("--first-seed", type=int, default=1, help="seeds first-seed .. +seeds-1")
     ap.add_argument(
         "--routers-venv",
@@ -595,6 +607,10 @@ def main() -> None:
             ap.error(exc.message)
     if args.drain_timeout is None:
         args.drain_timeout = 90.0 if args.trace else 15.0
+    cache_tokens = args.prefix_cache_tokens
+    args.prefix_cache_tokens = (
+        () if cache_tokens is None else ("--prefix-cache-tokens", str(cache_tokens))
+    )
     if args.trace:
         spans = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
@@ -605,6 +621,7 @@ def main() -> None:
         args.duration = max(spans) + 1.0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     peers = [*sorted(PEER_POLICIES), *peer_routers.NAMES, *VARIANTS, CACHE_VIEW_POLICY]
+    peers.append(ROUTES_VIEW_POLICY)
     known = sorted(POLICIES) + (peers if args.trace else [])
     bad = [p for p in policies if p not in known and not (args.trace and cache_view_variant(p))]
     if bad:

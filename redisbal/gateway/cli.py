@@ -22,6 +22,7 @@ from redisbal.ops.cli_options import (
     settings,
 )
 from redisbal.routing.admission import DEFAULT_MAX_S
+from redisbal.routing.cache_view import ANCHOR_STRIDE, BLOCK_TOKENS
 from redisbal.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
@@ -273,12 +274,25 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     show_default=True,
     envvar="REDISBAL_PREFIX_TOKENS",
     show_envvar=True,
-    metavar="off|sim|PATH",
-    help="Match each request's prompt with what the engines hold in their prefix caches "
-    "(reported by `redisbal kv-events`): hash its leading tokens' blocks with "
-    "engine-sim's tokens (sim) or a Hugging Face tokenizer.json (PATH: completions "
-    "only, chat templates are not applied; needs the tokenizers package). Skipped while "
-    "no engine's cache is known. off: route on load and keys alone.",
+    metavar="off|text|PATH",
+    help="Match each request's prompt with what the engines hold in their prefix caches: "
+    "what `redisbal kv-events` reports of an engine, else what this gateway sent it "
+    "(--prefix-cache-tokens). Hash its leading blocks from its text (text, 4 "
+    "characters a token: engine-sim's tokens, also called sim; chat and completions) or "
+    "a Hugging Face tokenizer.json (PATH: completions only, chat templates are not "
+    "applied; needs the tokenizers package). off: route on load and keys alone.",
+)
+@click.option(
+    "--prefix-cache-tokens",
+    type=click.IntRange(0, 1 << 30),
+    default=524288,
+    show_default=True,
+    envvar="REDISBAL_PREFIX_CACHE_TOKENS",
+    show_envvar=True,
+    help="With --prefix-tokens, for an engine without a KV-events view this gateway takes "
+    "the prompts it sent there as its cache, remembering this many tokens of them per "
+    "engine, least recently sent forgotten first: set it to the engines' KV cache size "
+    "(vLLM logs it as 'GPU KV cache size'). 0: match KV-events views only.",
 )
 @click.option(
     "--prefix-max-tokens",
@@ -367,6 +381,9 @@ def gateway(**kw: Any) -> None:
     nofile = raise_nofile()
     served = exposure(kw, nofile)  # option errors before anything connects
     served["prefix_blocks"] = _prefix_blocks(kw.pop("prefix_tokens"), kw.pop("prefix_max_tokens"))
+    cache_tokens = kw.pop("prefix_cache_tokens")
+    if served["prefix_blocks"] is not None:  # (anchors: 64 tokens each)
+        served["learn_routes"] = -(-cache_tokens // (ANCHOR_STRIDE * BLOCK_TOKENS))
     served |= observability(kw)
     url = s.require_url()
     if kw["models"] and kw["engines"]:
@@ -409,6 +426,7 @@ async def _serve(
     user_key: bool = True,
     tell_routes: bool = True,
     hold_s: float = DEFAULT_MAX_S,
+    learn_routes: int = 0,
     nofile: int = 0,
     **served: Any,
 ) -> bool:
@@ -449,6 +467,7 @@ async def _serve(
             tell_routes=tell_routes,
             hold_s=hold_s,
             cache_sync=cache_sync,
+            learn_routes=learn_routes,
             outcomes=OutcomeTracker(
                 base_s=eject_max_s / 8,
                 max_s=eject_max_s,

@@ -2,22 +2,25 @@
 hashes (``redisbal.routing.cache_view.chain_hashes``), for the default policy to match
 with what the engines hold (``--prefix-tokens``).
 
-``off`` (the default): no hashes. ``sim``: engine-sim's tokens (4 characters each,
-``sim_token_ids``) of its prompt text (the completions prompt, or the chat messages'
-contents one after the other: ``prompt_text``), exactly what the simulated engines
-cache. A path to a Hugging Face ``tokenizer.json``: that tokenizer (the ``tokenizers``
-package, loaded at start), on completions only: a text prompt is encoded with its
-special tokens as vLLM's completions endpoint does, a prompt of token ids taken as
-given. Chat requests are not hashed with a real tokenizer: vLLM tokenizes the chat
-template's rendering, role markers between the contents, which the gateway does not
-make, so their hashes would match nothing.
+``off`` (the default): no hashes. ``text`` (also ``sim``): engine-sim's tokens (4
+characters each, ``sim_token_ids``) of its prompt text (the completions prompt, or the
+chat messages' contents one after the other: ``prompt_text``), exactly what the
+simulated engines cache; on real engines they match what the gateway learned from its
+own routes (any engine's tokens name a prompt's text as well as these). A path to a
+Hugging Face ``tokenizer.json``: that tokenizer (the ``tokenizers`` package, loaded at
+start), on completions only: a text prompt is encoded with its special tokens as vLLM's
+completions endpoint does, a prompt of token ids taken as given. Chat requests are not
+hashed with a real tokenizer: vLLM tokenizes the chat template's rendering, role
+markers between the contents, which the gateway does not make, so their hashes would
+match no KV event.
 
 Kept cheap, since it runs on every request: only whole anchors' pieces are hashed (a
 match is found at anchors only: ``ANCHOR_STRIDE`` blocks, 64 tokens), at most the
-leading ``MAX_PREFIX_TOKENS``; the walk stops at the first anchor no engine holds (the
-policy reads nothing past it); and each piece's hashes are remembered by its parent
-and its text or tokens (``ChainMemo``), so the prefixes that many requests share (the
-ones worth matching) are hashed once, not per request."""
+leading ``MAX_PREFIX_TOKENS``; without a router learning its routes, the walk stops at
+the first anchor no engine holds (the policy reads nothing past it: ``EVERY`` walks
+on); and each piece's hashes are remembered by its parent and its text or tokens
+(``ChainMemo``), so the prefixes that many requests share (the ones worth matching)
+are hashed once, not per request."""
 
 from __future__ import annotations
 
@@ -45,6 +48,16 @@ MEMO_PIECES = 8192  # pieces remembered: 512k tokens of distinct prefixes, a few
 # (body, chat, the anchors some engine holds) -> the prompt's leading blocks' hashes,
 # up to its first anchor no engine holds; () when there are none
 BlockHasher = Callable[[Mapping[str, Any], bool, Container[int]], tuple[int, ...]]
+
+
+class _Every(Container[int]):
+    """Holds every anchor: hash a whole prompt (for a router learning its routes)."""
+
+    def __contains__(self, anchor: object) -> bool:
+        return True
+
+
+EVERY: Container[int] = _Every()
 
 
 class ChainMemo:
@@ -159,10 +172,10 @@ def _as_is(ids: Sequence[int]) -> Sequence[int]:
 
 def block_hasher(spec: str, max_tokens: int = MAX_PREFIX_TOKENS) -> BlockHasher | None:
     """What ``--prefix-tokens`` makes: None for ``off``, engine-sim's tokens for
-    ``sim``, else a tokenizer read from the path (InvalidArgument if it cannot be);
+    ``text`` or ``sim``, else a tokenizer read from the path (InvalidArgument if it cannot be);
     hashing at most ``max_tokens`` leading tokens (``--prefix-max-tokens``)."""
     if spec == "off":
         return None
-    if spec == "sim":
+    if spec in ("text", "sim"):
         return SimBlocks(max_tokens)
     return TokenizerBlocks(spec, max_tokens)

@@ -44,7 +44,7 @@ from redisbal.gateway.deployments import Deployment, Models
 from redisbal.gateway.errors import json_error as _json_error
 from redisbal.gateway.first_byte import ChunkWatch, Silent, first_byte, within
 from redisbal.gateway.metrics import GatewayMetrics
-from redisbal.gateway.prefix import BlockHasher
+from redisbal.gateway.prefix import EVERY, BlockHasher
 from redisbal.gateway.retry import (
     REFUSAL_STATUSES,
     RETRY_STATUSES,
@@ -483,9 +483,13 @@ class Proxy:
             return pin
         blocks: tuple[int, ...] = ()
         hasher = self.prefix_blocks
-        # (hashed only while some engine's cache is known: else nothing could match)
-        if hasher is not None and pin is None and (cached := dep.router.core.cache_view.holders):
-            blocks = hasher(body, request.path == CHAT_PATH, cached)
+        if hasher is not None and pin is None:
+            view = dep.router.core.cache_view
+            # learning, the whole prompt (up to --prefix-max-tokens) is hashed to be
+            # learned; else only as deep as some engine holds, and nothing while none does
+            if view.learn or view.holders:
+                walk = EVERY if view.learn else view.holders
+                blocks = hasher(body, request.path == CHAT_PATH, walk)
         dep.budget.request()
         if pin is None and (held := await dep.router.admit()):  # every engine was full
             m.hold.observe(held)

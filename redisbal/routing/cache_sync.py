@@ -205,9 +205,9 @@ async def sync_view(
         # every live engine is in the view (each came in by the bootstrap or an entry),
         # so as many live as held means none expired: the roster itself is read only
         # when one did
-        if await client.zcount(keys.kv_engines, f"({now}", "+inf") != len(view.engines):
+        if await client.zcount(keys.kv_engines, f"({now}", "+inf") != len(view.told):
             live = await _live(client, keys, now)
-            for e in [e for e in view.engines if e not in live]:
+            for e in [e for e in view.told if e not in live]:
                 view.drop(e)
         roster_ms = now
     return SyncCursor(last, now, roster_ms, cursor.bootstraps)
@@ -264,7 +264,7 @@ async def _bootstrap(
         if live <= set(engines):
             settled = True
             break
-    view.engines.clear()
+    view.drop_told()
     for e, members in zip(engines, sets, strict=True):
         if e in live:
             view.replace(e, unpack_hashes(b"".join(m for m in members if len(m) == 8)))

@@ -25,9 +25,10 @@ format. The events are read and the view written beside the engines by
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from redisbal.errors import InvalidArgument
@@ -105,16 +106,30 @@ class CacheView:
     and its inverse, anchor -> the engines holding it (``holders``), so that a router
     finds who holds a request's prefix in a few lookups whatever the number of engines.
 
-    ``matched_blocks`` answers how much of a request's prefix an engine holds; the
-    sets are filled from Redis by the router's reader through ``replace``, ``apply``
-    and ``drop`` only (they keep both maps in step: never change the sets directly)."""
+    Two sources, one per engine, the engine's own word first:
 
-    __slots__ = ("engines", "holders", "stride")
+    - *told*: what the engine's KV events say it holds, filled from Redis by the
+      router's reader through ``replace``, ``apply`` and ``drop``;
+    - *learned*: without such a view, the anchors of the requests this router sent
+      it (``learn``, when ``learn`` > 0 anchors per engine): a model of its cache, as
+      the peers' cache-aware routers keep, the least recently routed forgotten past
+      ``learn`` anchors. An engine's first told view replaces what was learned of it.
 
-    def __init__(self, stride: int = ANCHOR_STRIDE) -> None:
+    ``matched_blocks`` answers how much of a request's prefix an engine holds. Change
+    the sets only through these methods: they keep both maps in step."""
+
+    __slots__ = ("engines", "holders", "learn", "learned", "stride", "told")
+
+    def __init__(self, stride: int = ANCHOR_STRIDE, learn: int = 0) -> None:
+        if isinstance(learn, bool) or not isinstance(learn, int) or learn < 0:
+            raise InvalidArgument(f"learn must be a whole number >= 0, got {learn!r}")
         self.stride = stride
+        self.learn = learn
         self.engines: dict[str, set[int]] = {}
         self.holders: dict[int, set[str]] = {}
+        self.told: set[str] = set()  # engines whose view came from their KV events
+        # per engine not told: its learned anchors, least recently routed first
+        self.learned: dict[str, dict[int, None]] = {}
 
     def _unhold(self, engine_id: str, gone: Iterable[int]) -> None:
         holders = self.holders
@@ -137,6 +152,7 @@ class CacheView:
     def replace(self, engine_id: str, held: Iterable[int]) -> None:
         """Set an engine's anchors (a full record read from Redis)."""
         self.drop(engine_id)
+        self.told.add(engine_id)
         new = self.engines[engine_id] = set(held)
         self._hold(engine_id, new)
 
@@ -149,8 +165,9 @@ class CacheView:
     ) -> None:
         """Apply one change an engine made (in the order it made them): ``cleared``
         first, then ``removed``, then ``added``."""
-        if cleared:
+        if cleared or engine_id not in self.told:  # (what was learned of it goes)
             self.drop(engine_id)
+            self.told.add(engine_id)
         held = self.engines.get(engine_id)
         if held is None:
             held = self.engines[engine_id] = set()
@@ -162,10 +179,52 @@ class CacheView:
         self._hold(engine_id, new)
 
     def drop(self, engine_id: str) -> None:
-        """Forget an engine (it left the deployment)."""
+        """Forget an engine (it left the deployment, or its told view expired)."""
+        self.told.discard(engine_id)
+        self.learned.pop(engine_id, None)
         held = self.engines.pop(engine_id, None)
         if held:
             self._unhold(engine_id, held)
+
+    def drop_told(self) -> None:
+        """Forget every told view (the reader reads them all again)."""
+        for engine_id in list(self.told):
+            self.drop(engine_id)
+
+    def keep_learned(self, engine_ids: Container[str]) -> None:
+        """Forget what was learned of engines not in ``engine_ids`` (they left)."""
+        for engine_id in [e for e in self.learned if e not in engine_ids]:
+            self.drop(engine_id)
+
+    def learn_route(self, engine_id: str, blocks: Sequence[int]) -> None:
+        """This router sent ``engine_id`` a request whose prompt's leading block hashes
+        are ``blocks``: the engine will hold its anchors, as far as this router knows.
+        A no-op while learning is off or the engine's own view is told."""
+        limit = self.learn
+        if not limit or engine_id in self.told:
+            return
+        req = blocks[self.stride - 1 :: self.stride]
+        if not req:
+            return
+        lru = self.learned.get(engine_id)
+        if lru is None:
+            lru = self.learned[engine_id] = {}
+            self.engines[engine_id] = set()
+        held, new = self.engines[engine_id], []
+        for a in req:
+            if a in lru:
+                del lru[a]
+            else:
+                new.append(a)
+            lru[a] = None  # the most recently routed, last
+        held.update(new)
+        self._hold(engine_id, new)
+        if len(lru) > limit:
+            old = list(itertools.islice(lru, len(lru) - limit))
+            for a in old:
+                del lru[a]
+            held.difference_update(old)
+            self._unhold(engine_id, old)
 
     def matched_blocks(self, engine_id: str, request_anchors: Sequence[int]) -> int:
         """How many leading blocks of the request the engine holds: its deepest anchor

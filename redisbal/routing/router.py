@@ -257,7 +257,10 @@ class AsyncRouter(_LocalRouting):
     (``redisbal.routing.admission``); None or 0: it never holds.
     ``cache_sync``: a reader of what the engines cache (``CacheSync``), called every
     ``cache_refresh_s`` to keep ``core.cache_view`` fresh for the policy; None (the
-    default): the view stays empty and routing ignores caches.
+    default): no engine's view is told. ``learn_routes``: for each engine without a
+    told view, the router learns its cache from the requests it sent there (their
+    ``blocks``), this many anchors at most (``redisbal.routing.cache_view``); 0 (the
+    default): it learns none.
     """
 
     def __init__(
@@ -280,6 +283,7 @@ class AsyncRouter(_LocalRouting):
         hold_s: float | None = None,
         cache_sync: CacheSync | None = None,
         cache_refresh_s: float = 0.25,
+        learn_routes: int = 0,
     ) -> None:
         self.keys = DeploymentKeys(check_name(deployment, "deployment"))
         checked = ("poll_s", poll_s), ("stale_after_s", stale_after_s)
@@ -302,6 +306,7 @@ class AsyncRouter(_LocalRouting):
             rng=rng,
             suspect_s=suspect_s,
             outcomes=outcomes,
+            learn_routes=learn_routes,
         )
         if engines:
             self.core.set_engines([check_name(e, "engine_id") for e in engines])

@@ -79,6 +79,7 @@ class RouterCore:
         rejoin_grace_s: float = 1.0,
         suspect_s: float = 1.0,
         outcomes: OutcomeTracker | None = None,
+        learn_routes: int = 0,
     ) -> None:
         if isinstance(client_count, bool) or not isinstance(client_count, int) or client_count < 1:
             raise InvalidArgument(f"client_count must be a whole number >= 1, got {client_count!r}")
@@ -137,9 +138,11 @@ class RouterCore:
         self.caps = RunningCap()  # the engines' running cap as far as seen
         self.declared: dict[str, int] = {}  # the caps engines declared (set_declared_caps)
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
-        # what the engines hold in their prefix caches: filled by the router's reader
-        # (AsyncRouter's cache_sync), empty without one (policies then route on load)
-        self.cache_view = CacheView()
+        # what the engines hold in their prefix caches: told by the router's reader
+        # (AsyncRouter's cache_sync), or learned from this router's own routes of
+        # requests with blocks (``learn_routes`` anchors per engine at most; 0: none);
+        # empty without either (policies then route on load)
+        self.cache_view = CacheView(learn=learn_routes)
         # called (outside the lock) when slots may have freed: a snapshot adopted, a route
         # told, a request ended or taken back (routing.admission wakes held requests)
         self.on_update: Callable[[], None] | None = None
@@ -221,6 +224,7 @@ class RouterCore:
         self.excl.gaps.keep(self.by_id)
         self.told_routes.forget(ids)
         self.totals = {i: t for i, t in self.totals.items() if i in self.by_id}
+        self.cache_view.keep_learned(self.by_id)
         self._choosable(self.clock())
 
     def _choosable(self, now: float) -> None:
@@ -517,6 +521,8 @@ class RouterCore:
                 self._book(eng, cost, now)
                 if not probe and (not pinned or eng.engine_id not in excl.avoided):
                     self.policy.routed(self, eng)  # (only engines in self.engines)
+                if info is not None and info.blocks:
+                    self.cache_view.learn_route(eng.engine_id, info.blocks)
             finally:
                 self.request = None
             degraded = self.degraded
