@@ -5,9 +5,11 @@ one core, interleaved so that host noise hits every variant alike).
 route(): the default policy's route() + unroute() on 8 and 64 engines, per variant:
 ``plain`` (no blocks: today's call), ``empty`` (a 512-block prompt, no engine's cache
 known), ``nomatch`` (every engine holds other prompts), ``match`` (one engine holds the
-prompt: the cache path decides). The gateway: ``--prefix-tokens sim`` on prompts of
-2k, 6k and 16k tokens (the last cut at 8192), against what the gateway already does
-per request before routing (parse the body, ``request_hints``); and a BPE tokenizer
+prompt: the cache path decides), ``learned`` (the router learns its routes, no KV
+events: the prompt was sent before, and each route learns it again). The gateway:
+``--prefix-tokens text`` and ``sim`` on prompts of 2k, 6k and 16k tokens (the last cut
+at 8192), against what the gateway already does per request before routing (parse the
+body, ``request_hints``); and a BPE tokenizer
 (``tokenizers``, trained here on this Python's standard library: no download) on the
 same texts, when the package is installed.
 
@@ -27,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from redisbal.gateway.prefix import ChainMemo, SimBlocks, TokenizerBlocks
+from redisbal.gateway.prefix import ChainMemo, SimBlocks, TextBlocks, TokenizerBlocks
 from redisbal.gateway.proxy import request_hints
 from redisbal.routing.cache_view import anchors, chain_hashes
 from redisbal.routing.router_core import RouterCore
@@ -51,7 +53,8 @@ def make_core(n: int, filled: str) -> RouterCore:
         "deployment": "d", "epoch": "ep", "version": 1, "wave": 0, "step": 1, "forced": False,
         "laggards": {}, "gone": {}, "joining": [], "time_ms": 1, "engines": engines,
     }  # fmt: skip
-    core = RouterCore(0, 1, rng=random.Random(1))
+    # learned: the router learns its routes (no KV events): the prompt, sent before
+    core = RouterCore(0, 1, rng=random.Random(1), learn_routes=8192 if filled == "learned" else 0)
     core.apply_snapshot(Snapshot.from_json(orjson.dumps(snap)))
     core.connected = True
     if filled == "nomatch":
@@ -70,8 +73,8 @@ def route_costs(reps: int) -> None:
     print("route() + unroute(), us per call (median of reps), and over plain in the same rep")
     for n in (8, 64):
         cores = {
-            v: make_core(n, v if v in ("nomatch", "match") else "")
-            for v in ("plain", "empty", "nomatch", "match")
+            v: make_core(n, v if v in ("nomatch", "match", "learned") else "")
+            for v in ("plain", "empty", "nomatch", "match", "learned")
         }
         kw = {"plain": {"prompt_tokens": 8192}}
         samples: dict[str, list[float]] = {v: [] for v in cores}
@@ -103,7 +106,7 @@ def corpus() -> str:
 
 def gateway_costs(reps: int) -> None:
     text = corpus()
-    tokenizers: dict[str, Any] = {"sim": SimBlocks}
+    tokenizers: dict[str, Any] = {"text": TextBlocks, "sim": SimBlocks}
     try:
         from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -122,7 +125,10 @@ def gateway_costs(reps: int) -> None:
         "request_hints (what it does anyway before routing):"
     )
     print("  warm: a shared prefix its engines hold + a new 200-token question, hashed before")
-    print("  cold-held: every anchor held, nothing remembered (the bound: a new long prefix)")
+    print(
+        "  cold-held: every anchor held, nothing remembered (the bound: a new long prefix; "
+        "any new prompt where the gateway learns its routes)"
+    )
     print("  cold-unheld: a new prompt no engine holds any of (one piece hashed)")
     rng = random.Random(1)
     for tokens in (2048, 6144, 16384):

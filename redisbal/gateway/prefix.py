@@ -2,17 +2,18 @@
 hashes (``redisbal.routing.cache_view.chain_hashes``), for the default policy to match
 with what the engines hold (``--prefix-tokens``).
 
-``off`` (the default): no hashes. ``text`` (also ``sim``): engine-sim's tokens (4
-characters each, ``sim_token_ids``) of its prompt text (the completions prompt, or the
-chat messages' contents one after the other: ``prompt_text``), exactly what the
-simulated engines cache; on real engines they match what the gateway learned from its
-own routes (any engine's tokens name a prompt's text as well as these). A path to a
-Hugging Face ``tokenizer.json``: that tokenizer (the ``tokenizers`` package, loaded at
-start), on completions only: a text prompt is encoded with its special tokens as vLLM's
-completions endpoint does, a prompt of token ids taken as given. Chat requests are not
-hashed with a real tokenizer: vLLM tokenizes the chat template's rendering, role
-markers between the contents, which the gateway does not make, so their hashes would
-match no KV event.
+``off`` (the default): no hashes. ``text``: the prompt text's own blocks (64
+characters each, ``text_hashes``) of its prompt text (the completions prompt, or the
+chat messages' contents one after the other: ``prompt_text``): they name a prompt for
+a router matching it with its own routes, any engine and chat alike, and match no KV
+event. ``sim``: engine-sim's tokens (4 characters each, ``sim_token_ids``) of the same
+text, exactly what the simulated engines cache, so they match engine-sim's KV events
+too. A path to a Hugging Face ``tokenizer.json``: that tokenizer (the ``tokenizers``
+package, loaded at start), on completions only: a text prompt is encoded with its
+special tokens as vLLM's completions endpoint does, a prompt of token ids taken as
+given. Chat requests are not hashed with a real tokenizer: vLLM tokenizes the chat
+template's rendering, role markers between the contents, which the gateway does not
+make, so their hashes would match no KV event.
 
 Kept cheap, since it runs on every request: only whole anchors' pieces are hashed (a
 match is found at anchors only: ``ANCHOR_STRIDE`` blocks, 64 tokens), at most the
@@ -36,6 +37,7 @@ from redisbal.routing.cache_view import (
     chain_hashes,
     prompt_text,
     sim_token_ids,
+    text_hashes,
 )
 
 MAX_PREFIX_TOKENS = 8192  # leading tokens hashed at most
@@ -72,18 +74,19 @@ class ChainMemo:
     def chain(
         self,
         pieces: Iterable[Hashable],
-        ids_of: Callable[[Any], Sequence[int]],
+        hash_piece: Callable[[Any, int | None], Sequence[int]],
         held: Container[int],
     ) -> tuple[int, ...]:
-        """The blocks' hashes of ``pieces`` (each one anchor's tokens, as ``ids_of``
-        makes them), in order, up to and including the first anchor not in ``held``."""
+        """The blocks' hashes of ``pieces`` (each one anchor's worth, hashed by
+        ``hash_piece`` from its parent's hash), in order, up to and including the
+        first anchor not in ``held``."""
         memo, out = self.pieces, list[int]()
         parent: int | None = None
         for piece in pieces:
             key = (parent, piece)
             got = memo.get(key)
             if got is None:
-                got = memo[key] = tuple(chain_hashes(ids_of(piece), parent=parent))
+                got = memo[key] = tuple(hash_piece(piece, parent))
                 if len(memo) > self.size:
                     memo.popitem(last=False)
             else:
@@ -95,13 +98,18 @@ class ChainMemo:
         return tuple(out)
 
 
-class SimBlocks:
-    """engine-sim's blocks of a request: its prompt text's leading whole anchors'
-    pieces (256 characters each), hashed as the simulated engines name what they cache."""
+class TextBlocks:
+    """A request's blocks named by its prompt text itself (``text_hashes``): its
+    leading whole anchors' pieces (256 characters each), chat or completions. Matches
+    what a router learned from its own routes, not KV events."""
 
     def __init__(self, max_tokens: int = MAX_PREFIX_TOKENS, memo: int = MEMO_PIECES) -> None:
         self.memo = ChainMemo(memo)
         self.max_tokens = max_tokens
+
+    @staticmethod
+    def hash_piece(piece: str, parent: int | None) -> Sequence[int]:
+        return text_hashes(piece, parent)
 
     def __call__(
         self, body: Mapping[str, Any], chat: bool, held: Container[int]
@@ -110,7 +118,16 @@ class SimBlocks:
         step = PIECE_TOKENS * CHARS_PER_TOKEN
         end = min(len(text), self.max_tokens * CHARS_PER_TOKEN) // step * step
         pieces = (text[i : i + step] for i in range(0, end, step))
-        return self.memo.chain(pieces, sim_token_ids, held)
+        return self.memo.chain(pieces, self.hash_piece, held)
+
+
+class SimBlocks(TextBlocks):
+    """engine-sim's blocks of a request: its text's pieces hashed as the simulated
+    engines name what they cache (engine-sim's tokens), so they match its KV events."""
+
+    @staticmethod
+    def hash_piece(piece: str, parent: int | None) -> Sequence[int]:
+        return chain_hashes(sim_token_ids(piece), parent=parent)
 
 
 class TokenizerBlocks:
@@ -161,21 +178,24 @@ class TokenizerBlocks:
             for i in range(0, len(ids) // PIECE_TOKENS * PIECE_TOKENS, PIECE_TOKENS)
         )
         try:
-            return self.memo.chain(pieces, _as_is, held)
+            return self.memo.chain(pieces, _chain_of_ids, held)
         except InvalidArgument:  # token ids out of range: the engine refuses them
             return ()
 
 
-def _as_is(ids: Sequence[int]) -> Sequence[int]:
-    return ids
+def _chain_of_ids(ids: Sequence[int], parent: int | None) -> Sequence[int]:
+    return chain_hashes(ids, parent=parent)
 
 
 def block_hasher(spec: str, max_tokens: int = MAX_PREFIX_TOKENS) -> BlockHasher | None:
-    """What ``--prefix-tokens`` makes: None for ``off``, engine-sim's tokens for
-    ``text`` or ``sim``, else a tokenizer read from the path (InvalidArgument if it cannot be);
-    hashing at most ``max_tokens`` leading tokens (``--prefix-max-tokens``)."""
+    """What ``--prefix-tokens`` makes: None for ``off``, the text's own blocks for
+    ``text``, engine-sim's tokens for ``sim``, else a tokenizer read from the path
+    (InvalidArgument if it cannot be); hashing at most ``max_tokens`` leading tokens
+    (``--prefix-max-tokens``)."""
     if spec == "off":
         return None
-    if spec in ("text", "sim"):
+    if spec == "text":
+        return TextBlocks(max_tokens)
+    if spec == "sim":
         return SimBlocks(max_tokens)
     return TokenizerBlocks(spec, max_tokens)

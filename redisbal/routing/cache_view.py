@@ -91,6 +91,21 @@ def chain_hashes(
     return out
 
 
+def text_hashes(text: str, parent: int | None = None) -> list[int]:
+    """Chained hashes of the whole blocks of ``text`` itself, a block being as many
+    characters as a block of engine-sim's tokens (64): for a router that matches
+    prompts with its own routes, where any name of a prompt's text serves, at a
+    fraction of tokenizing it. They match no engine's KV events."""
+    c = BLOCK_TOKENS * CHARS_PER_TOKEN
+    out: list[int] = []
+    h = ROOT if parent is None else parent.to_bytes(8, "big")
+    for i in range(len(text) // c):
+        chunk = text[i * c : (i + 1) * c].encode("utf-8", "surrogatepass")
+        h = hashlib.blake2b(h + chunk, digest_size=8).digest()
+        out.append(int.from_bytes(h, "big"))
+    return out
+
+
 def is_anchor(depth: int, stride: int = ANCHOR_STRIDE) -> bool:
     """Whether the block at ``depth`` (1 = a chain's first block) is an anchor."""
     return depth % stride == 0
@@ -211,7 +226,9 @@ class CacheView:
             lru = self.learned[engine_id] = {}
             self.engines[engine_id] = set()
         held, new = self.engines[engine_id], []
-        for a in req:
+        # deepest first: the root ends most recent, so a chain is forgotten from its
+        # leaves, as engines evict (a request's last blocks are freed first)
+        for a in reversed(req):
             if a in lru:
                 del lru[a]
             else:

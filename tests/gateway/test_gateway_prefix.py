@@ -10,8 +10,18 @@ import re
 from typing import Any
 
 import pytest
-from support.gateway_stack import MODEL, openai_client, start_engines, start_gateway, stop_gateway
+from support.gateway_stack import (
+    MODEL,
+    gateway_process,
+    openai_client,
+    stack,
+    start_engines,
+    start_gateway,
+    stop_gateway,
+)
+from support.gateway_stack import settled as stack_settled
 from support.helpers import await_until
+from support.prometheus import scrape, val
 
 from redisbal.gateway.prefix import SimBlocks
 from redisbal.gateway.proxy import ENGINE_HEADER, route_facts
@@ -62,28 +72,34 @@ def settled(gw: Gateway) -> bool:
     return all(e.pending == 0 and e.inflight == 0 for e in gw.router.core.known)
 
 
-@pytest.mark.parametrize("matching", [True, False], ids=["sim", "off"])
+@pytest.mark.parametrize("source", ["told", "learned", "off"])
 async def test_a_shared_prefix_goes_to_the_engine_that_holds_it(
-    redis_url: str, deployment: str, matching: bool
+    redis_url: str, deployment: str, source: str
 ) -> None:
+    """told: the view as the engines' KV-event reader fills it; learned: the gateway's
+    own routes (no KV events, --prefix-cache-tokens); off: no --prefix-tokens."""
+    matching = source != "off"
     engines = await start_engines(redis_url, deployment, 4, CACHED)
     by_id = {e.engine_id: e for e in engines}
     gw = None
     try:
         gw = await start_gateway(
-            redis_url, deployment, prefix_blocks=SimBlocks() if matching else None
+            redis_url,
+            deployment,
+            prefix_blocks=SimBlocks() if matching else None,
+            learn_routes=64 if source == "learned" else 0,
         )
         await await_until(lambda: len(gw.live_engines()) == 4)
         first = SHARED + "Question: what is rule 3?"
         home = await served_by(gw, prompt=first)
-        # what the engines' KV-event reader would add: the blocks the engine stored
         held = anchors(SimBlocks()({"prompt": first}, False, EVERY))
-        gw.router.core.cache_view.apply(home, added=held)
+        if source == "told":  # what the reader would add: the blocks the engine stored
+            gw.router.core.cache_view.apply(home, added=held)
         # the gateway's /metrics show what its view holds of each engine
         text = gw.metrics.render().decode()
         gauge = r'^redisbal_gateway_cache_anchors\{engine="([^"]+)"\} (\S+)$'
-        shown = re.findall(gauge, text, re.M)
-        assert [(e, float(v)) for e, v in shown] == [(home, float(len(held)))]
+        shown = [(e, float(v)) for e, v in re.findall(gauge, text, re.M)]
+        assert shown == ([(home, float(len(held)))] if matching else [])
         await await_until(lambda: settled(gw))
         seen = by_id[home].model.cached_tokens_seen
         # the same prefix as a chat: the messages' contents one after the other
@@ -107,3 +123,36 @@ async def test_a_shared_prefix_goes_to_the_engine_that_holds_it(
             await stop_gateway(gw)
         for e in engines:
             await e.stop()
+
+
+@pytest.mark.slow
+async def test_the_gateway_command_learns_its_routes_within_its_cache_tokens(
+    redis_url: str, deployment: str
+) -> None:
+    """``redisbal gateway --prefix-tokens text --prefix-cache-tokens 128``, no KV events:
+    a chat sharing an earlier prompt's text goes where that prompt went, and the view
+    keeps at most 2 anchors (128 tokens) of each engine."""
+    async with stack(redis_url, deployment, n=4) as st:
+        async with gateway_process(
+            redis_url, deployment, "--prefix-tokens", "text", "--prefix-cache-tokens", "128"
+        ) as (g, base, _):
+            async with openai_client(base) as client:
+                raw = await client.completions.with_raw_response.create(
+                    model=MODEL, prompt=SHARED, max_tokens=2
+                )
+                home = raw.headers[ENGINE_HEADER]
+                chat = [{"role": "user", "content": SHARED + " And rule 7?"}]
+                raw = await client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=chat, max_tokens=2
+                )
+            got = scrape(base + "/metrics")
+            assert raw.headers[ENGINE_HEADER] == home
+            assert val(got, "redisbal_gateway_cache_routes_total") == 1
+            anchors_held = {
+                dict(labels)["engine"]: v
+                for (name, labels), v in got.items()
+                if name == "redisbal_gateway_cache_anchors"
+            }
+            assert anchors_held == {home: 2.0}, anchors_held
+            g.terminate()
+        await stack_settled(st)

@@ -1,7 +1,7 @@
 """``--prefix-tokens``: a request's prompt blocks, as the engines' caches name them
-(redisbal.gateway.prefix). engine-sim's tokens, and a real Hugging Face tokenizer made
-on disk here (a word-level one: no download); whole anchors only, up to the first no
-engine holds."""
+(redisbal.gateway.prefix). The text's own blocks, engine-sim's tokens, and a real
+Hugging Face tokenizer made on disk here (a word-level one: no download); whole
+anchors only, up to the first no engine holds."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from support.cli import run_cli
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from redisbal.errors import InvalidArgument
-from redisbal.gateway.prefix import MAX_PREFIX_TOKENS, SimBlocks, block_hasher
-from redisbal.routing.cache_view import anchors, chain_hashes, sim_token_ids
+from redisbal.gateway.prefix import MAX_PREFIX_TOKENS, SimBlocks, TextBlocks, block_hasher
+from redisbal.routing.cache_view import anchors, chain_hashes, sim_token_ids, text_hashes
 
 WORDS = [f"w{i}" for i in range(50)]
 
@@ -46,6 +46,23 @@ def test_sim_blocks_are_the_chain_of_engine_sims_tokens_to_the_last_anchor() -> 
     assert sim({"messages": turns}, True, EVERY) == got  # the contents one after the other
     assert SimBlocks()({"messages": turns}, True, EVERY) == got  # (not from the memo)
     assert sim({"prompt": "short"}, False, EVERY) == ()
+
+
+def test_text_blocks_are_the_chain_of_the_texts_own_64_character_blocks() -> None:
+    """``text``: a prompt named by its text itself, chat or completions alike; not
+    engine-sim's tokens (those match KV events), and each block covers all before it."""
+    text = "You are a helpful assistant. " * 40  # 1160 characters: 18 blocks, 4 anchors
+    hasher = block_hasher("text")
+    assert isinstance(hasher, TextBlocks)
+    got = hasher({"prompt": text}, False, EVERY)
+    assert got == tuple(text_hashes(text[:1024])) and len(got) == 16
+    assert text_hashes(text[512:1024], parent=got[7]) == list(got[8:])
+    turns = [{"role": "system", "content": text[:600]}, {"role": "user", "content": text[600:]}]
+    assert TextBlocks()({"messages": turns}, True, EVERY) == got
+    assert got != SimBlocks()({"prompt": text}, False, EVERY)
+    other = text[:700] + "X" + text[701:]  # one character changed in block 11
+    assert hasher({"prompt": other}, False, EVERY)[:10] == got[:10]
+    assert set(hasher({"prompt": other}, False, EVERY)[10:]).isdisjoint(got)
 
 
 def test_the_walk_stops_at_the_first_anchor_no_engine_holds() -> None:

@@ -193,3 +193,21 @@ def test_a_prefix_spreads_as_its_traffic_grows_and_load_stays_even() -> None:
         assert max(pending) - min(pending) <= SLACK + 1, pending
     assert holders_over_time[0] <= 2 and holders_over_time[-1] == len(ENGINES)
     assert holders_over_time == sorted(holders_over_time)
+
+
+def test_a_router_without_kv_events_follows_the_prefixes_it_sent() -> None:
+    """Learning its routes, a router sends a prompt sharing an earlier one's prefix to
+    the engine it sent that one to, though another is now less loaded; not learning,
+    by load. Once every holder is beyond the slack, the prefix spreads by load."""
+    follow_up = [*PROMPT[:24], *chain_hashes(list(range(7, 7 + 128)), parent=PROMPT[23])]
+    for learn in (64, 0):
+        core = cache_core(even(10), learn_routes=learn)
+        first = core.route(blocks=PROMPT, prompt_tokens=512)
+        d = core.route(blocks=follow_up, prompt_tokens=512)
+        if learn:
+            assert d.engine_id == first.engine_id and d.cached == 24
+        else:
+            assert d.engine_id != first.engine_id and d.cached == 0
+    core = cache_core(even(10), learn_routes=64)
+    sent = [core.route(blocks=PROMPT, prompt_tokens=512).engine_id for _ in range(3 * SLACK)]
+    assert len(set(sent)) > 1 and sent[: SLACK - 1] == [sent[0]] * (SLACK - 1)

@@ -82,7 +82,7 @@ async def test_a_reader_silent_too_long_bootstraps_again(
         cur = await sync_view(ar, keys, view)
         # entries after its cursor may have been trimmed: it must not trust the stream
         stale = SyncCursor(cur.last_id, cur.read_ms - cache_sync.RETENTION_MS, cur.roster_ms)
-        view.engines["ghost"] = {7}
+        view.replace("ghost", [7])  # told once, gone from Redis since
         cur = await sync_view(ar, keys, view, stale)
         assert cur.bootstraps == 2 and view.engines == {"e0": {1}}
 
@@ -99,12 +99,33 @@ async def test_expired_views_are_dropped(redis_url: str, keys: DeploymentKeys) -
         view = CacheView()
         cur = await sync_view(ar, keys, view)
         assert set(view.engines) == {"e0"}  # already expired: never read
-        view.engines["gone"] = {2}
+        view.replace("gone", [2])  # told before it expired
         cur = SyncCursor(cur.last_id, cur.read_ms, cur.roster_ms - cache_sync.ROSTER_EVERY_MS)
         await sync_view(ar, keys, view, cur)
         assert set(view.engines) == {"e0"}
         assert await ar.pttl(keys.kv_view("e0")) > 0  # every key expires on its own
         assert await ar.pttl(keys.kv_changes) > 0 and await ar.pttl(keys.kv_engines) > 0
+
+
+async def test_views_learned_from_routes_outlive_every_read(
+    redis_url: str, keys: DeploymentKeys
+) -> None:
+    """An engine without KV events (none in Redis) keeps the view its router learned of
+    it through the bootstrap and the roster reads; one whose events arrive is told."""
+    async with connected(redis_url) as ar:
+        now = await server_ms(ar)
+        await write_change(ar, keys, "e0", added=[1], cleared=True, now_ms=now)
+        view = CacheView(learn=8)
+        view.learn_route("plain", [0, 0, 0, 5])
+        view.learn_route("e0", [0, 0, 0, 6])  # before its events were read
+        cur = await sync_view(ar, keys, view)
+        assert view.engines == {"plain": {5}, "e0": {1}} and view.told == {"e0"}
+        cur = SyncCursor(cur.last_id, cur.read_ms, cur.roster_ms - cache_sync.ROSTER_EVERY_MS)
+        cur = await sync_view(ar, keys, view, cur)
+        stale = SyncCursor(cur.last_id, cur.read_ms - cache_sync.RETENTION_MS, cur.roster_ms)
+        cur = await sync_view(ar, keys, view, stale)
+        assert cur.bootstraps == 2 and view.engines == {"plain": {5}, "e0": {1}}
+        assert view.holders == {5: {"plain"}, 1: {"e0"}}
 
 
 async def test_old_entries_are_trimmed(redis_url: str, keys: DeploymentKeys) -> None:

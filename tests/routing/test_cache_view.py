@@ -57,6 +57,15 @@ def test_anchors_and_matching() -> None:
     assert view.matched_blocks("e0", req) == 0 and view.matched_blocks("e1", req) == 4
 
 
+def holders_of(view: CacheView) -> dict[int, set[str]]:
+    """The inverse map as the per-engine sets say it should be."""
+    want: dict[int, set[str]] = {}
+    for eid, held in view.engines.items():
+        for a in held:
+            want.setdefault(a, set()).add(eid)
+    return want
+
+
 def test_holders_follow_every_change() -> None:
     """The inverse map (anchor -> engines) says what the per-engine sets say, after
     adds, removals, clears, replacements and drops."""
@@ -69,11 +78,63 @@ def test_holders_follow_every_change() -> None:
     view.apply("e2", added=[8], cleared=True)
     view.drop("e0")
     view.drop("nobody")
-    want: dict[int, set[str]] = {}
-    for eid, held in view.engines.items():
-        for a in held:
-            want.setdefault(a, set()).add(eid)
-    assert view.holders == want == {3: {"e1"}, 6: {"e1"}, 8: {"e2"}}
+    assert view.holders == holders_of(view) == {3: {"e1"}, 6: {"e1"}, 8: {"e2"}}
+
+
+def test_a_router_learns_its_routes_least_recently_routed_forgotten() -> None:
+    """Without a told view, an engine holds the anchors of the requests routed to it, as
+    far as the router knows; past ``learn`` anchors the least recently routed go."""
+    a = chain_hashes(list(range(16 * 8)))  # two anchors: a[3], a[7]
+    b = chain_hashes([5] * 16 * 4)  # one: b[3]
+    c = chain_hashes([9] * 16 * 4)
+    view = CacheView(learn=3)
+    view.learn_route("e0", a[:2])  # no whole anchor: nothing learned
+    assert view.engines == {} and view.holders == {}
+    view.learn_route("e0", a)
+    view.learn_route("e1", a[:4])
+    assert view.matched_blocks("e0", anchors(a)) == 8
+    assert view.matched_blocks("e1", anchors(a)) == 4
+    view.learn_route("e0", b)
+    view.learn_route("e0", a[:4])  # a[3] routed again: now the most recent
+    view.learn_route("e0", c)  # a fourth anchor: the least recently routed (a[7]) goes
+    assert view.engines["e0"] == {a[3], b[3], c[3]}
+    assert view.matched_blocks("e0", anchors(a)) == 4
+    assert view.holders == holders_of(view)
+    assert view.holders[a[3]] == {"e0", "e1"} and a[7] not in view.holders
+    # a chain is forgotten from its leaves, as engines evict: its root is kept longest
+    short = CacheView(learn=1)
+    short.learn_route("e0", a)
+    assert short.engines["e0"] == {a[3]}
+
+
+def test_an_engines_own_word_replaces_what_was_learned_of_it() -> None:
+    a = chain_hashes(list(range(16 * 8)))
+    view = CacheView(learn=100)
+    view.learn_route("e0", a)
+    view.learn_route("e1", a)
+    view.replace("e0", [a[3]])  # its KV events: it holds the first anchor only
+    view.learn_route("e0", a)  # a told engine is not learned
+    assert view.engines["e0"] == {a[3]}
+    view.apply("e1", added=[99])  # a first change told of e1: the learned view goes
+    assert view.engines["e1"] == {99} and view.told == {"e0", "e1"}
+    view.drop("e0")  # its told view expired: learned again from here
+    view.learn_route("e0", a[:4])
+    assert view.engines["e0"] == {a[3]} and view.told == {"e1"}
+    view.learn_route("e2", a)
+    view.drop_told()  # the reader reads every told view again: learned views stay
+    assert set(view.engines) == {"e0", "e2"}
+    view.keep_learned({"e2"})  # e0 left the deployment
+    assert set(view.engines) == {"e2"}
+    assert view.holders == holders_of(view)
+
+
+def test_learning_is_off_by_default_and_its_bound_is_checked() -> None:
+    view = CacheView()
+    view.learn_route("e0", chain_hashes(list(range(64))))
+    assert view.engines == {}
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(InvalidArgument, match="learn must be"):
+            CacheView(learn=bad)  # type: ignore[arg-type]
 
 
 def test_packed_hashes_round_trip() -> None:

@@ -58,12 +58,13 @@ async def start_gateway(
     redis_url: str, deployment: str, *, client_index: int | str = "auto", **kw: Any
 ) -> Gateway:
     """A gateway in the test's loop, its router's options (``lease_ttl_s``,
-    ``suspect_s``, ``outcomes``, ``hold_s``) taken from ``kw``, the rest the Gateway's."""
+    ``suspect_s``, ``outcomes``, ``hold_s``, ``learn_routes``) taken from ``kw``, the
+    rest the Gateway's."""
     held = {"hold_s": kw.pop("hold_s")} if "hold_s" in kw else {}
     router = AsyncRouter(
         redis_url, deployment, client_index, 1 if client_index == "auto" else 2,
         lease_ttl_s=kw.pop("lease_ttl_s", 10.0), suspect_s=kw.pop("suspect_s", 1.0),
-        outcomes=kw.pop("outcomes", None), **held,
+        outcomes=kw.pop("outcomes", None), learn_routes=kw.pop("learn_routes", 0), **held,
     )  # fmt: skip
     await router.start(wait=3.0)
     gw = Gateway(router, redis_client=make_client(redis_url, asyncio=True), **kw)

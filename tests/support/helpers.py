@@ -517,11 +517,15 @@ def make_snapshot(
 
 
 def cache_core(
-    loads: dict[str, tuple[int, int]], kv: dict[str, float] | None = None, seed: int = 0
+    loads: dict[str, tuple[int, int]],
+    kv: dict[str, float] | None = None,
+    seed: int = 0,
+    learn_routes: int = 0,
 ) -> RouterCore:
     """A connected RouterCore on a snapshot of ``loads`` (engine -> (waiting,
-    running)), every engine admitting: what the cache-routing tests fill a view into."""
-    core = RouterCore(0, 1, rng=random.Random(seed))
+    running)), every engine admitting: what the cache-routing tests fill a view into
+    (or let it learn, ``learn_routes``)."""
+    core = RouterCore(0, 1, rng=random.Random(seed), learn_routes=learn_routes)
     adm = {e: (0,) for e in loads}
     core.apply_snapshot(make_snapshot(loads, admitted=adm, kv=kv))
     core.connected = True
