@@ -89,7 +89,7 @@ from redisbal.bench.gateway_scenarios import (
 )
 from redisbal.bench.peer_policies import PEER_POLICIES
 from redisbal.bench.plots import plot_policy_seeds, pyplot
-from redisbal.bench.quality import VARIANTS
+from redisbal.bench.quality import ROUTES_VIEW, VARIANTS
 from redisbal.keys import DeploymentKeys
 from redisbal.routing.policies import POLICIES
 from redisbal.sim.demo import Child, DemoError, DemoOptions, Echo
@@ -115,7 +115,7 @@ BYPASS_KEYS = ("requests", "ok", "errors", "ttft_p50_ms", "ttft_p99_ms", "e2e_p9
 # the default matching prompts with the engines' KV events (CacheViewDemo)
 CACHE_VIEW_POLICY = "redisbal+kv"
 # the default matching prompts with what each gateway sent each engine (no KV events)
-ROUTES_VIEW_POLICY = "redisbal+routes"
+ROUTES_VIEW_POLICY = ROUTES_VIEW
 # policies that stand for a peer without being it (the real routers run as themselves)
 EMULATIONS = frozenset(PEER_POLICIES) | {"vllm-latest", "vllm-21617", "vllm-pre"}
 

@@ -17,7 +17,7 @@ from click.core import ParameterSource
 from redisbal.bench.balance import percentile
 from redisbal.bench.latency import QUALITY_METRICS
 from redisbal.bench.plots import pyplot, write_plots
-from redisbal.bench.quality import VARIANTS, available_policies
+from redisbal.bench.quality import ROUTES_VIEW, VARIANTS, available_policies
 from redisbal.bench.quality_report import (
     QualityConfig,
     quality_markdown,
@@ -148,7 +148,9 @@ def _metric_help() -> str:
     "--policies",
     default=None,
     help="Comma list; default every policy (the peers' too when present). Quality also "
-    "takes the default with one option flipped: redisbal-age, redisbal+speed, redisbal+p2c.",
+    "takes the default with one option flipped: redisbal-age, redisbal+speed, redisbal+p2c; "
+    "and redisbal+routes, the default matching prompts with what each router sent each "
+    "engine (the gateway's --prefix-tokens text without KV events).",
 )
 @click.option(
     "--router-processes",
@@ -401,7 +403,7 @@ def _quality(
         size_list = ["8x32"]
     cfg = QualityConfig(
         policies=(
-            _csv(policies, [*available_policies(), *VARIANTS], "policy")
+            _csv(policies, [*available_policies(), *VARIANTS, ROUTES_VIEW], "policy")
             if policies
             else available_policies()
         ),

@@ -80,6 +80,7 @@ from redisbal.routing.admission import (
     releasable,
     release_delay,
 )
+from redisbal.routing.cache_view import LEARNED_TOKENS, learned_anchors
 from redisbal.routing.policies import DEFAULT_POLICY, POLICIES, Policy, RedisbalPolicy
 from redisbal.routing.router_core import RouterCore
 from redisbal.routing.told_routes import COALESCE_S, TELL_EVERY_S, telling
@@ -120,6 +121,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+# the default learning each engine's cache from its own routes, as the gateway with
+# --prefix-tokens text and no KV events (requests carry their prompts' blocks)
+ROUTES_VIEW = "redisbal+routes"
+
+
 def available_policies() -> list[str]:
     """Every policy the benchmark compares: the baselines, redisbal, the oracle, the peer
     routers."""
@@ -131,6 +137,8 @@ def _policy(name: str, world: World, kv_blocks: int = QUALITY_ENGINE.cache_block
         return OraclePolicy(world)
     if name in POLICIES:
         return name
+    if name == ROUTES_VIEW:
+        return "redisbal"
     if name in VARIANTS:
         policy = RedisbalPolicy()
         for option, value in VARIANTS[name].items():
@@ -212,6 +220,7 @@ def simulate(
             _policy(policy, world, sc.engine.cache_blocks),
             rng=client_rng(seed, i),
             clock=lambda: clock[0],
+            learn_routes=learned_anchors(LEARNED_TOKENS) if policy == ROUTES_VIEW else 0,
         )
         core.connected = True
         core.set_engines(ids)

@@ -22,7 +22,7 @@ from redisbal.ops.cli_options import (
     settings,
 )
 from redisbal.routing.admission import DEFAULT_MAX_S
-from redisbal.routing.cache_view import ANCHOR_STRIDE, BLOCK_TOKENS
+from redisbal.routing.cache_view import LEARNED_TOKENS, learned_anchors
 from redisbal.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
@@ -277,22 +277,23 @@ def _models(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     metavar="off|text|PATH",
     help="Match each request's prompt with what the engines hold in their prefix caches: "
     "what `redisbal kv-events` reports of an engine, else what this gateway sent it "
-    "(--prefix-cache-tokens). Hash its leading blocks from its text (text, 4 "
-    "characters a token: engine-sim's tokens, also called sim; chat and completions) or "
-    "a Hugging Face tokenizer.json (PATH: completions only, chat templates are not "
-    "applied; needs the tokenizers package). off: route on load and keys alone.",
+    "(--prefix-cache-tokens). Name its leading blocks by its text (text: chat and "
+    "completions, no tokenizer; matched with what this gateway sent only), by "
+    "engine-sim's tokens (sim) or by a Hugging Face tokenizer.json (PATH: completions "
+    "only, chat templates are not applied; needs the tokenizers package). off: route "
+    "on load and keys alone.",
 )
 @click.option(
     "--prefix-cache-tokens",
     type=click.IntRange(0, 1 << 30),
-    default=524288,
+    default=LEARNED_TOKENS,
     show_default=True,
     envvar="REDISBAL_PREFIX_CACHE_TOKENS",
     show_envvar=True,
     help="With --prefix-tokens, for an engine without a KV-events view this gateway takes "
     "the prompts it sent there as its cache, remembering this many tokens of them per "
-    "engine, least recently sent forgotten first: set it to the engines' KV cache size "
-    "(vLLM logs it as 'GPU KV cache size'). 0: match KV-events views only.",
+    "engine, least recently sent forgotten first: about an engine's KV cache or more "
+    "(vLLM logs its size at start as 'GPU KV cache size'). 0: match KV-events views only.",
 )
 @click.option(
     "--prefix-max-tokens",
@@ -382,8 +383,8 @@ def gateway(**kw: Any) -> None:
     served = exposure(kw, nofile)  # option errors before anything connects
     served["prefix_blocks"] = _prefix_blocks(kw.pop("prefix_tokens"), kw.pop("prefix_max_tokens"))
     cache_tokens = kw.pop("prefix_cache_tokens")
-    if served["prefix_blocks"] is not None:  # (anchors: 64 tokens each)
-        served["learn_routes"] = -(-cache_tokens // (ANCHOR_STRIDE * BLOCK_TOKENS))
+    if served["prefix_blocks"] is not None:
+        served["learn_routes"] = learned_anchors(cache_tokens)
     served |= observability(kw)
     url = s.require_url()
     if kw["models"] and kw["engines"]:
@@ -438,7 +439,8 @@ async def _serve(
     from redisbal.routing.router import AsyncRouter
 
     # the engines' cache views are read only where prompts are hashed to match them
-    cache_sync = sync_view if served.get("prefix_blocks") is not None else None
+    events = getattr(served.get("prefix_blocks"), "matches_kv_events", False)
+    cache_sync = sync_view if events else None
     if client_index != "auto" and not int(client_index) < client_count:
         raise click.BadParameter(
             f"--client-index {client_index} must be below --client-count {client_count}"

@@ -269,7 +269,8 @@ class RoomCollector(Collector):
         anchors = GaugeMetricFamily(
             "redisbal_gateway_cache_anchors",
             "Anchors (one per 64 prompt tokens) of each engine's prefix cache in this "
-            "router's view, read from what `redisbal kv-events` writes (--prefix-tokens).",
+            "router's view, read from what `redisbal kv-events` writes, else learned from "
+            "this gateway's routes (--prefix-tokens).",
             labels=[*dep, "engine"],
         )
         return cap, rooms, anchors

@@ -103,6 +103,8 @@ class TextBlocks:
     leading whole anchors' pieces (256 characters each), chat or completions. Matches
     what a router learned from its own routes, not KV events."""
 
+    matches_kv_events = False  # (so the gateway reads no KV-events views for them)
+
     def __init__(self, max_tokens: int = MAX_PREFIX_TOKENS, memo: int = MEMO_PIECES) -> None:
         self.memo = ChainMemo(memo)
         self.max_tokens = max_tokens
@@ -125,6 +127,8 @@ class SimBlocks(TextBlocks):
     """engine-sim's blocks of a request: its text's pieces hashed as the simulated
     engines name what they cache (engine-sim's tokens), so they match its KV events."""
 
+    matches_kv_events = True
+
     @staticmethod
     def hash_piece(piece: str, parent: int | None) -> Sequence[int]:
         return chain_hashes(sim_token_ids(piece), parent=parent)
@@ -132,6 +136,8 @@ class SimBlocks(TextBlocks):
 
 class TokenizerBlocks:
     """A Hugging Face tokenizer's blocks of completions requests (the module doc)."""
+
+    matches_kv_events = True
 
     def __init__(
         self, path: str, max_tokens: int = MAX_PREFIX_TOKENS, memo: int = MEMO_PIECES

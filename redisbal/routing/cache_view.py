@@ -40,6 +40,14 @@ ROOT = b"\x00" * 8  # the parent of a chain's first block
 # also the gateway's estimate of a prompt's size without a tokenizer (English text)
 CHARS_PER_TOKEN = 4
 SIM_VOCAB = 131072  # engine-sim's token ids are below this (a real vocabulary's size)
+# what a router learns of an engine's cache from its routes by default (the gateway's
+# --prefix-cache-tokens): 512k tokens, a large GPU's KV cache
+LEARNED_TOKENS = 1 << 19
+
+
+def learned_anchors(tokens: int) -> int:
+    """Anchors a router learns per engine to remember ``tokens`` of its prompts."""
+    return -(-tokens // (ANCHOR_STRIDE * BLOCK_TOKENS))
 
 
 def sim_token_ids(text: str) -> list[int]:

@@ -54,6 +54,8 @@ def test_text_blocks_are_the_chain_of_the_texts_own_64_character_blocks() -> Non
     text = "You are a helpful assistant. " * 40  # 1160 characters: 18 blocks, 4 anchors
     hasher = block_hasher("text")
     assert isinstance(hasher, TextBlocks)
+    # so the gateway reads no KV-events views with it (sim's match engine-sim's events)
+    assert not hasher.matches_kv_events and SimBlocks.matches_kv_events
     got = hasher({"prompt": text}, False, EVERY)
     assert got == tuple(text_hashes(text[:1024])) and len(got) == 16
     assert text_hashes(text[512:1024], parent=got[7]) == list(got[8:])
