@@ -487,8 +487,9 @@ class Proxy:
             view = dep.router.core.cache_view
             # learning, the whole prompt (up to --prefix-max-tokens) is hashed to be
             # learned; else only as deep as some engine holds, and nothing while none does
-            if view.learn or view.holders:
-                walk = EVERY if view.learn else view.holders
+            learning = view.learning(dep.router.core.by_id)
+            if learning or view.holders:
+                walk = EVERY if learning else view.holders
                 blocks = hasher(body, request.path == CHAT_PATH, walk)
         dep.budget.request()
         if pin is None and (held := await dep.router.admit()):  # every engine was full

@@ -214,6 +214,12 @@ class CacheView:
         for engine_id in list(self.told):
             self.drop(engine_id)
 
+    def learning(self, engine_ids: Iterable[str]) -> bool:
+        """Whether a route to one of ``engine_ids`` may be learned: learning is on and
+        some of them has no told view (else prompts need hashing only as deep as a
+        told view holds)."""
+        return bool(self.learn) and not self.told.issuperset(engine_ids)
+
     def keep_learned(self, engine_ids: Container[str]) -> None:
         """Forget what was learned of engines not in ``engine_ids`` (they left)."""
         for engine_id in [e for e in self.learned if e not in engine_ids]:

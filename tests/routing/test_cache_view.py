@@ -112,7 +112,9 @@ def test_an_engines_own_word_replaces_what_was_learned_of_it() -> None:
     view = CacheView(learn=100)
     view.learn_route("e0", a)
     view.learn_route("e1", a)
+    assert view.learning(["e0", "e1"])
     view.replace("e0", [a[3]])  # its KV events: it holds the first anchor only
+    assert view.learning(["e0", "e1"]) and not view.learning(["e0"])
     view.learn_route("e0", a)  # a told engine is not learned
     assert view.engines["e0"] == {a[3]}
     view.apply("e1", added=[99])  # a first change told of e1: the learned view goes
@@ -131,7 +133,7 @@ def test_an_engines_own_word_replaces_what_was_learned_of_it() -> None:
 def test_learning_is_off_by_default_and_its_bound_is_checked() -> None:
     view = CacheView()
     view.learn_route("e0", chain_hashes(list(range(64))))
-    assert view.engines == {}
+    assert view.engines == {} and not view.learning(["e0"])
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(InvalidArgument, match="learn must be"):
             CacheView(learn=bad)  # type: ignore[arg-type]
