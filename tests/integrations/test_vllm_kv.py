@@ -25,6 +25,10 @@ from the servers' own /metrics, what the gateway decided from its /metrics.
   engine step (vLLM publishes a step's events at its end: an idle server sends it with
   its next request): a's view empties, b's stays; the prompt a held is no cache route
   any more.
+- Learned: without the subscriber, a gateway with ``--prefix-tokens text`` sends a
+  prompt, and one extending it, where it sent the first, and that server's prefix
+  cache serves them; still there while it runs a long answer; a new prompt is no
+  cache route.
 
 Run it from a venv where vLLM imports, with the ``kv-events`` and ``tokenizers``
 extras (docs/DEPLOY.md, "With vLLM"); without the marker it is skipped, and where vLLM
@@ -205,10 +209,12 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def stack(tmp_path: Path, deployment: str) -> AsyncIterator[Stack]:
+async def stack(tmp_path: Path, deployment: str, events: bool = True) -> AsyncIterator[Stack]:
     """Two vLLM servers with prefix caching, a small KV cache and KV events on, reporting
     through the plugin; ``redisbal kv-events`` following both; a coordinator and a
-    gateway matching prompts with the model's tokenizer. Yields once both are live."""
+    gateway matching prompts with the model's tokenizer. Yields once both are live.
+    ``events=False``: no subscriber, and the gateway matches prompts by their text with
+    what it sent each server (``--prefix-tokens text``)."""
     model = make_tiny_model(tmp_path / "model", max_len=MAX_MODEL_LEN, bos=True)
     with RedisServer(BINARIES[0][1], tcp=True) as redis_server:
         url = redis_server.url
@@ -239,7 +245,8 @@ async def stack(tmp_path: Path, deployment: str) -> AsyncIterator[Stack]:
         gateway = f"http://127.0.0.1:{port + 2}"
         tokenizer = model / "tokenizer.json"
         rb = str(BIN / "redisbal")
-        gw = [rb, "gateway", "--port", str(port + 2), "--prefix-tokens", str(tokenizer)]
+        names = str(tokenizer) if events else "text"
+        gw = [rb, "gateway", "--port", str(port + 2), "--prefix-tokens", names]
         # a starved CPU delays a server's first token by seconds: neither a first-byte
         # bound nor a retry moves a request here, so each stays where it was routed
         gw += ["--first-byte-factor", "0", "--first-byte-timeout-s", "600", "--max-attempts", "1"]
@@ -251,6 +258,8 @@ async def stack(tmp_path: Path, deployment: str) -> AsyncIterator[Stack]:
             (kv, ours, tmp_path / "kv-events.log"),  # before the servers: it misses nothing
             (gw, ours, tmp_path / "gw.log"),
         ]
+        if not events:
+            del cmds[1]
         r = redis.Redis.from_url(url, decode_responses=True)
         try:
             async with processes(*cmds):
@@ -375,6 +384,56 @@ async def test_the_routers_view_follows_what_vllm_caches(
             prefix_cache_hits_a=hits_after["a"] - hits["a"],
             rooms_a_busier=rooms,
             fillers_to_evict=fillers,
+            gateway_routes=st.decided(),
+            wall_s=time.monotonic() - t_start,
+        )
+
+
+async def test_without_kv_events_the_gateway_follows_what_it_sent_each_server(
+    vllm_ready: None, kv_extras: None, tmp_path: Path
+) -> None:
+    """``--prefix-tokens text``, nothing following the servers' KV events: a prompt, and
+    one that extends it, go where the gateway sent the first (as cache routes), and that
+    server's own prefix cache serves them; still there while it runs a long answer and
+    the other nothing; a new prompt is no cache route."""
+    t_start = time.monotonic()
+    async with stack(tmp_path, "vllmlearn", events=False) as st:
+        first = prompt(1)
+        home = await st.ask(st.gateway, first)
+        server = next(s for n, s in st.servers.items() if ENGINES[n] == home)
+        name = next(n for n, eid in ENGINES.items() if eid == home)
+        other = next(n for n in ENGINES if n != name)
+        # learned whole: every anchor of the prompt's text (64-character blocks)
+        text_anchors = len(first) // 256
+        assert text_anchors >= 2
+        await st.until(lambda: st.gateway_anchors()[name] == text_anchors, "learned")
+        routes, hits = st.cache_routes(), st.engines("vllm:prefix_cache_hits_total")
+        longer = first + " " + prompt(3, 40)
+        went = [await st.ask(st.gateway, text) for text in (longer, first, longer)]
+        assert went == [home] * 3
+        assert st.cache_routes() == routes + 3
+        hits_after = st.engines("vllm:prefix_cache_hits_total")
+        # each found at least the first prompt's full engine blocks in that server's cache
+        assert hits_after[name] - hits[name] >= 3 * 6 * ENGINE_BLOCK, (hits, hits_after)
+        assert hits_after[other] == hits[other]
+        routes = st.cache_routes()
+        await st.ask(st.gateway, prompt(4))  # sent nowhere before
+        assert st.cache_routes() == routes
+        busy = asyncio.ensure_future(st.stream(server.url, "tell me a story", MAX_MODEL_LEN - 16))
+        try:
+            await st.until(lambda: 0 < st.room(name) < st.room(other), "the gateway sees it busier")
+            rooms = {n: st.room(n) for n in ENGINES}
+            assert await st.ask(st.gateway, first) == home
+            assert st.cache_routes() == routes + 1
+        finally:
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+        record(
+            "vllm_learned_prefix",
+            learned_anchors=text_anchors,
+            cache_routes=st.cache_routes(),
+            prefix_cache_hits=hits_after[name] - hits[name],
+            rooms_home_busier=rooms,
             gateway_routes=st.decided(),
             wall_s=time.monotonic() - t_start,
         )
