@@ -114,8 +114,6 @@ MODEL = "redisbal-sim"  # the engines' model name (what kv_aware's event sources
 BYPASS_KEYS = ("requests", "ok", "errors", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms")
 # the default matching prompts with the engines' KV events (CacheViewDemo)
 CACHE_VIEW_POLICY = "redisbal+kv"
-# the default matching prompts with what each gateway sent each engine (no KV events)
-ROUTES_VIEW_POLICY = ROUTES_VIEW
 # policies that stand for a peer without being it (the real routers run as themselves)
 EMULATIONS = frozenset(PEER_POLICIES) | {"vllm-latest", "vllm-21617", "vllm-pre"}
 
@@ -392,8 +390,6 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
     if views and not args.trace:
         sys.exit(f"{policy} needs --trace (and engines with --cache-blocks)")
     real = policy in peer_routers.NAMES
-    if policy == ROUTES_VIEW_POLICY and not args.trace:
-        sys.exit(f"{policy} needs --trace")
     opts = DemoOptions(
         redis_url=url,
         deployment=f"gwpol{n}",
@@ -401,7 +397,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
         engines=args.engines,
         api_servers=args.gateways,
         duration=args.duration,
-        policy="redisbal" if peer or real or views or policy == ROUTES_VIEW_POLICY else policy,
+        policy="redisbal" if peer or real or views or policy == ROUTES_VIEW else policy,
         mode="tick",
         running_cap=args.running_cap,
         burst=int(args.burst_factor * args.engines * args.running_cap),
@@ -427,7 +423,7 @@ def one_run(args: argparse.Namespace, url: str, policy: str, seed: int, n: int) 
             demo = CacheViewDemo(opts, echo, trace, extra, variant)
         else:
             demo = TraceDemo(opts, echo, trace, extra, peer)
-            if policy == ROUTES_VIEW_POLICY:
+            if policy == ROUTES_VIEW:
                 demo.gateway_args = ("--prefix-tokens", "text", *args.prefix_cache_tokens)
     else:
         demo = ScenarioDemo(opts, echo)
@@ -573,7 +569,7 @@ def main() -> None:
         "--prefix-cache-tokens",
         type=int,
         default=None,
-        help=f"{ROUTES_VIEW_POLICY}'s gateways' --prefix-cache-tokens [the gateway's default]",
+        help=f"{ROUTES_VIEW}'s gateways' --prefix-cache-tokens [the gateway's default]",
     )
     ap.add_argument("--first-seed", type=int, default=1, help="seeds first-seed .. +seeds-1")
     ap.add_argument(
@@ -620,8 +616,7 @@ def main() -> None:
             spans.append(max((p.t for p in read_trace(path)), default=0.0))
         args.duration = max(spans) + 1.0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    peers = [*sorted(PEER_POLICIES), *peer_routers.NAMES, *VARIANTS, CACHE_VIEW_POLICY]
-    peers.append(ROUTES_VIEW_POLICY)
+    peers = [*sorted(PEER_POLICIES), *peer_routers.NAMES, *VARIANTS, CACHE_VIEW_POLICY, ROUTES_VIEW]
     known = sorted(POLICIES) + (peers if args.trace else [])
     bad = [p for p in policies if p not in known and not (args.trace and cache_view_variant(p))]
     if bad:

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from redisbal.gateway.prefix import ChainMemo, SimBlocks, TextBlocks, TokenizerBlocks
+from redisbal.gateway.prefix import EVERY, ChainMemo, SimBlocks, TextBlocks, TokenizerBlocks
 from redisbal.gateway.proxy import request_hints
 from redisbal.routing.cache_view import anchors, chain_hashes
 from redisbal.routing.router_core import RouterCore
@@ -141,7 +141,7 @@ def gateway_costs(reps: int) -> None:
         line = f"  {tokens:6d} sim-tokens: parse+hints {base:6.1f}"
         for name, make in tokenizers.items():
             hasher = make()
-            held = set(anchors(hasher({"prompt": shared}, False, range(2**64))))
+            held = set(anchors(hasher({"prompt": shared}, False, EVERY)))
             res: dict[str, list[float]] = {"warm": [], "cold-held": [], "cold-unheld": []}
             for rep in range(reps):
                 n = 30
@@ -152,11 +152,10 @@ def gateway_costs(reps: int) -> None:
                 ]
                 # a new first piece: nothing of it or after it is remembered
                 cold = [{"prompt": f"{rep}.{k}:" + b["prompt"]} for k, b in enumerate(bodies)]
-                every = range(2**64)
                 for what, given, within in (
                     ("warm", bodies, held),
                     ("cold-unheld", cold, held),
-                    ("cold-held", [{"prompt": "~" + b["prompt"]} for b in cold], every),
+                    ("cold-held", [{"prompt": "~" + b["prompt"]} for b in cold], EVERY),
                 ):
                     it = iter(given)
 

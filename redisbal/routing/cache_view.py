@@ -232,7 +232,7 @@ class CacheView:
         limit = self.learn
         if not limit or engine_id in self.told:
             return
-        req = blocks[self.stride - 1 :: self.stride]
+        req = anchors(blocks, self.stride)
         if not req:
             return
         lru = self.learned.get(engine_id)

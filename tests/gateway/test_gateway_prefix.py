@@ -23,7 +23,7 @@ from support.gateway_stack import settled as stack_settled
 from support.helpers import await_until
 from support.prometheus import scrape, val
 
-from redisbal.gateway.prefix import SimBlocks
+from redisbal.gateway.prefix import EVERY, SimBlocks
 from redisbal.gateway.proxy import ENGINE_HEADER, route_facts
 from redisbal.gateway.server import Gateway
 from redisbal.routing.cache_view import anchors
@@ -39,7 +39,6 @@ CACHED = EngineParams(
     kv_capacity_tokens=1 << 16,
     cache_blocks=512,
 )
-EVERY = range(2**64)  # every anchor: the chain is not cut short
 SHARED = "".join(f"Rule {i}: answer briefly and cite the manual, section {i}. " for i in range(40))
 
 

@@ -12,13 +12,16 @@ from support.cli import run_cli
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from redisbal.errors import InvalidArgument
-from redisbal.gateway.prefix import MAX_PREFIX_TOKENS, SimBlocks, TextBlocks, block_hasher
+from redisbal.gateway.prefix import (
+    EVERY,
+    MAX_PREFIX_TOKENS,
+    SimBlocks,
+    TextBlocks,
+    block_hasher,
+)
 from redisbal.routing.cache_view import anchors, chain_hashes, sim_token_ids, text_hashes
 
 WORDS = [f"w{i}" for i in range(50)]
-
-
-EVERY = range(2**64)  # every anchor is held by some engine: the walk never stops early
 
 
 def whole_anchors(ids: list[int]) -> tuple[int, ...]:
