@@ -225,15 +225,23 @@ class CacheView:
         for engine_id in [e for e in self.learned if e not in engine_ids]:
             self.drop(engine_id)
 
-    def learn_route(self, engine_id: str, blocks: Sequence[int]) -> None:
+    def learn_route(self, engine_id: str, blocks: Sequence[int]) -> list[int]:
         """This router sent ``engine_id`` a request whose prompt's leading block hashes
         are ``blocks``: the engine will hold its anchors, as far as this router knows.
-        A no-op while learning is off or the engine's own view is told."""
-        limit = self.learn
-        if not limit or engine_id in self.told:
-            return
+        Returns the anchors learned (root first; what the other routers are told), none
+        while learning is off or the engine's own view is told."""
+        if not self.learn or engine_id in self.told:
+            return []
         req = anchors(blocks, self.stride)
-        if not req:
+        self.learn_anchors(engine_id, req)
+        return req
+
+    def learn_anchors(self, engine_id: str, req: Sequence[int]) -> None:
+        """``engine_id`` was sent a request whose prompt's anchors are ``req`` (root
+        first), by this router or, as told, by another. A no-op while learning is off or
+        the engine's own view is told."""
+        limit = self.learn
+        if not limit or not req or engine_id in self.told:
             return
         lru = self.learned.get(engine_id)
         if lru is None:

@@ -139,9 +139,9 @@ class RouterCore:
         self.declared: dict[str, int] = {}  # the caps engines declared (set_declared_caps)
         self.request: RequestInfo | None = None  # the request being routed (policies read it)
         # what the engines hold in their prefix caches: told by the router's reader
-        # (AsyncRouter's cache_sync), or learned from this router's own routes of
-        # requests with blocks (``learn_routes`` anchors per engine at most; 0: none);
-        # empty without either (policies then route on load)
+        # (AsyncRouter's cache_sync), or learned from the routes of requests with blocks,
+        # this router's and, on the routes channel, the others' (``learn_routes`` anchors
+        # per engine at most; 0: none); empty without either (policies route on load)
         self.cache_view = CacheView(learn=learn_routes)
         # called (outside the lock) when slots may have freed: a snapshot adopted, a route
         # told, a request ended or taken back (routing.admission wakes held requests)
@@ -396,7 +396,9 @@ class RouterCore:
     def hear(self, data: bytes | str) -> None:
         """Another router's message on the routes channel (routing.told_routes)."""
         with self.lock:
-            ids = self.told_routes.hear(data, self.client_index, self.clock(), self.by_id)
+            view = self.cache_view
+            learn = view.learn_anchors if view.learn else None
+            ids = self.told_routes.hear(data, self.client_index, self.clock(), self.by_id, learn)
             if ids is not None:
                 self._count_others([self.by_id[i] for i in ids])
         if ids:
@@ -522,7 +524,8 @@ class RouterCore:
                 if not probe and (not pinned or eng.engine_id not in excl.avoided):
                     self.policy.routed(self, eng)  # (only engines in self.engines)
                 if info is not None and info.blocks:
-                    self.cache_view.learn_route(eng.engine_id, info.blocks)
+                    chain = self.cache_view.learn_route(eng.engine_id, info.blocks)
+                    self.told_routes.learned(eng.engine_id, chain)
             finally:
                 self.request = None
             degraded = self.degraded

@@ -16,7 +16,15 @@ its requests still open there. Every other router counts them as its own:
   after it is made, so this errs towards counting one a report longer.
 
 Either way a router's count from another is at most the requests that router still
-has open there. A router tells at least every ``TELL_EVERY_S``, so the others know it
+has open there.
+
+Routers that learn what they send each engine (``CacheView(learn=...)``, for engines
+without KV events) tell each other the anchors of those routes too, so that every
+router's learned view holds every router's routes, as a view from KV events would:
+otherwise a prefix one router sent an engine is unknown to the others, which send it
+elsewhere by load and compute it again. A chain is told whole (the receivers refresh its
+recency, as the teller did), 8 bytes an anchor: a 4,096-token prompt costs about 0.9 kB
+of base64 on the channel. A router tells at least every ``TELL_EVERY_S``, so the others know it
 is there while it is idle; they count on the told routes only while every other
 client index has been heard from within ``FRESH_S``, and fall back to the share model
 otherwise (a router gone, a lost message, more routers than ``MAX_ROUTERS``: every
@@ -24,18 +32,23 @@ message reaches every other router).
 
 Message (JSON on the deployment's routes channel, ``redisbal.keys``):
 ``{"i": client index, "e": {engine id: [incarnation or null, routes, open]}}``, with
-only the engines whose counts changed since the last message (none: a heartbeat).
+only the engines whose counts changed since the last message (none: a heartbeat), and,
+when routes were learned meanwhile, ``"l": {engine id: [chain, ...]}``, each chain a
+route's anchors, root first, packed as ``cache_view.pack_hashes`` does and in base64.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import orjson
 
 from redisbal.errors import MalformedData
+from redisbal.routing.cache_view import pack_hashes, unpack_hashes
 from redisbal.routing.estimates import trim_costs
 from redisbal.routing.state import EngineView
 
@@ -46,6 +59,11 @@ FRESH_S = 1.5  # another router not heard from for this long is taken as gone
 # goes to every other router, N x (N - 1) deliveries; past it, the share model.
 MAX_ROUTERS = 8
 MAX_ENGINES = 65536  # at most this many engines in one message (more: malformed)
+# Learned chains told per engine in one message (more made meanwhile: the oldest are not
+# told), and anchors in one chain (more: malformed; a chain the gateway learns is at most
+# cache_view.LEARNED_TOKENS / 64 = 8,192 anchors, and at most 128 by default).
+MAX_CHAINS = 256
+MAX_CHAIN = 8192
 
 __all__ = [
     "COALESCE_S",
@@ -63,13 +81,49 @@ def telling(count: int) -> bool:
     return 1 < count <= MAX_ROUTERS
 
 
-def encode(index: int, counts: Mapping[str, tuple[str | None, int, int]]) -> bytes:
-    """A message telling ``counts`` (engine id -> (incarnation, routes, open))."""
-    return orjson.dumps({"i": index, "e": {k: list(v) for k, v in counts.items()}})
+Counts = dict[str, tuple[str | None, int, int]]
+Chains = dict[str, list[list[int]]]
 
 
-def _decode(data: bytes | str) -> tuple[int, dict[str, tuple[str | None, int, int]]]:
-    """(client index, counts) of a message; ValueError when it is not one."""
+def encode(
+    index: int,
+    counts: Mapping[str, tuple[str | None, int, int]],
+    chains: Mapping[str, Sequence[Sequence[int]]] | None = None,
+) -> bytes:
+    """A message telling ``counts`` (engine id -> (incarnation, routes, open)) and the
+    ``chains`` learned (engine id -> anchors of each route, root first)."""
+    msg: dict[str, object] = {"i": index, "e": {k: list(v) for k, v in counts.items()}}
+    if chains:
+        msg["l"] = {
+            k: [base64.b64encode(pack_hashes(c)).decode() for c in v] for k, v in chains.items()
+        }
+    return orjson.dumps(msg)
+
+
+def _decode_chains(learned: object) -> Chains:
+    """The learned chains of a message's ``"l"``; ValueError when they are not."""
+    if not isinstance(learned, dict) or len(learned) > MAX_ENGINES:
+        raise MalformedData("bad learned routes")
+    chains: Chains = {}
+    for eid, packed in learned.items():
+        if not isinstance(packed, list) or len(packed) > MAX_CHAINS:
+            raise MalformedData(f"bad learned routes for {eid!r}")
+        out = chains[eid] = []
+        for p in packed:
+            if not isinstance(p, str) or len(p) > (MAX_CHAIN * 8 + 2) // 3 * 4:
+                raise MalformedData(f"bad learned route for {eid!r}")
+            try:
+                raw = base64.b64decode(p, validate=True)
+            except binascii.Error:
+                raise MalformedData(f"bad learned route for {eid!r}") from None
+            if len(raw) % 8:
+                raise MalformedData(f"bad learned route for {eid!r}")
+            out.append(unpack_hashes(raw))
+    return chains
+
+
+def _decode(data: bytes | str) -> tuple[int, Counts, Chains]:
+    """(client index, counts, learned chains) of a message; ValueError when it is not one."""
     msg = orjson.loads(data)
     if not isinstance(msg, dict):
         raise MalformedData("not an object")
@@ -89,7 +143,8 @@ def _decode(data: bytes | str) -> tuple[int, dict[str, tuple[str | None, int, in
             if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 1 << 62:
                 raise MalformedData(f"bad count for {eid!r}")
         counts[eid] = (inc, routes, open_)
-    return index, counts
+    learned = msg.get("l")
+    return index, counts, ({} if learned is None else _decode_chains(learned))
 
 
 class ToldRoutes:
@@ -105,7 +160,8 @@ class ToldRoutes:
     ``live``: the router's feed is connected and every other client index was heard
     from within FRESH_S: then its ``EngineView.others`` hold the count and its own
     routes count 1. With the feed down nothing told can change, while the routes it
-    counts end: what was told is not counted until the feed is back.
+    counts end: what was told is not counted until the feed is back. ``chains``: the
+    routes learned since the last message, kept only while live (no one to tell else).
     """
 
     def __init__(self) -> None:
@@ -115,6 +171,7 @@ class ToldRoutes:
         self.heard: dict[int, float] = {}
         self.live = False
         self.changed: set[str] = set()  # own counts changed since the last message
+        self.chains: Chains = {}  # own learned routes since the last message, per engine
         self.due = False  # a route is among them: the message is owed soon
         self.on_change: Callable[[], None] | None = None  # when a message becomes due
         self.messages = 0
@@ -133,9 +190,19 @@ class ToldRoutes:
             if self.on_change is not None:
                 self.on_change()
 
+    def learned(self, engine_id: str, chain: list[int]) -> None:
+        """This router learned a route to ``engine_id`` (its anchors, root first): told
+        with the route's counts, while the others are heard from."""
+        if not (self.live and chain):
+            return
+        chains = self.chains.setdefault(engine_id, [])
+        chains.append(chain)
+        if len(chains) > MAX_CHAINS:
+            del chains[0]
+
     def message(self, views: Mapping[str, EngineView], index: int) -> bytes:
         """The message telling the counts that changed since the last one (a
-        heartbeat when none did)."""
+        heartbeat when none did) and the routes learned meanwhile."""
         counts = {}
         for eid in self.changed:
             e = views.get(eid)
@@ -143,18 +210,25 @@ class ToldRoutes:
                 counts[eid] = (e.incarnation, max(0, e.routed - e.routed_before), e.inflight)
         self.changed.clear()
         self.due = False
-        return encode(index, counts)
+        chains, self.chains = self.chains, {}
+        return encode(index, counts, chains)
 
     # -- hearing ------------------------------------------------------------------------------
 
     def hear(
-        self, data: bytes | str, own_index: int, now: float, known: Mapping[str, EngineView]
+        self,
+        data: bytes | str,
+        own_index: int,
+        now: float,
+        known: Mapping[str, EngineView],
+        learn: Callable[[str, list[int]], None] | None = None,
     ) -> list[str] | None:
         """Take one message in; returns the engines it told about that are ``known``
         (the others are not kept: None of them can be routed to here), or None for a
-        malformed message or this router's own."""
+        malformed message or this router's own. ``learn(engine id, chain)`` is given each
+        learned route told to a ``known`` engine."""
         try:
-            index, counts = _decode(data)
+            index, counts, chains = _decode(data)
         except ValueError:  # (orjson.JSONDecodeError is one)
             self.malformed += 1
             return None
@@ -168,6 +242,11 @@ class ToldRoutes:
                 self.told.setdefault(eid, {})[index] = counts[eid]
             else:
                 self._heard_by_time(eid, index, counts[eid], now)
+        if learn is not None:
+            for eid, told in chains.items():
+                if eid in known:
+                    for chain in told:
+                        learn(eid, chain)
         return ids
 
     def _heard_by_time(
@@ -222,6 +301,7 @@ class ToldRoutes:
         )
         if live != self.live:
             self.live, views = live, known.values()
+            self.chains.clear()
         elif not live:
             return []
         elif views is None:  # (an engine with others > 0 has an entry in told or times)
@@ -323,6 +403,6 @@ class ToldRoutes:
     def forget(self, keep: Iterable[str]) -> None:
         """Drop what was told about engines not in ``keep`` (gone from the deployment)."""
         keep = set(keep)
-        for table in (self.told, self.last, self.times):
+        for table in (self.told, self.last, self.times, self.chains):
             for eid in [e for e in table if e not in keep]:
                 del table[eid]

@@ -9,6 +9,7 @@ import orjson
 import pytest
 from support.helpers import await_until, make_snapshot
 
+from redisbal.routing.cache_view import anchors, chain_hashes
 from redisbal.routing.router import AsyncRouter
 from redisbal.routing.router_core import RouterCore
 from redisbal.routing.state import EngineView
@@ -179,6 +180,64 @@ def test_routes_to_an_earlier_process_or_ended_unadmitted_do_not_count() -> None
     assert b.by_id["e0"].others == 0.0
 
 
+PROMPT = chain_hashes(list(range(16 * 32)))  # a 512-token prompt: 32 blocks, 8 anchors
+# a prompt sharing PROMPT's first 24 blocks
+FOLLOW_UP = [*PROMPT[:24], *chain_hashes(list(range(7, 7 + 128)), parent=PROMPT[23])]
+
+
+def learning_pair(clock: FakeClock) -> list[RouterCore]:
+    """Two routers learning their routes, on 8 idle engines, each heard by the other."""
+    cores = [RouterCore(i, 2, clock=clock, learn_routes=64) for i in range(2)]
+    for core in cores:
+        core.connected = True
+        core.apply_snapshot(snap(1, {f"e{i}": (0, 0) for i in range(8)}))
+    a, b = cores
+    b.hear(a.told())
+    a.hear(b.told())
+    assert a.told_routes.live and b.told_routes.live
+    return cores
+
+
+def test_routers_that_learn_their_routes_tell_each_other_the_prefixes_they_sent() -> None:
+    """Without KV events, a prefix one router sent an engine is in every router's view:
+    the other sends a prompt sharing it there too, though that engine is now the busier
+    one; told only the counts, it sends it elsewhere by load."""
+    clock = FakeClock()
+    a, b = learning_pair(clock)
+    first = a.route(blocks=PROMPT, prompt_tokens=512).engine_id
+    msg = a.told()
+    told = orjson.loads(msg)
+    assert list(told["l"]) == [first] and len(told["l"][first]) == 1
+    assert orjson.loads(a.told()) == {"i": 0, "e": {}}  # told once
+    b.hear(msg)
+    assert b.cache_view.engines[first] == set(anchors(PROMPT))
+    assert b.by_id[first].others == 1.0
+    d = b.route(blocks=FOLLOW_UP, prompt_tokens=512)
+    assert d.engine_id == first and d.cached == 24
+    # the same message without the learned route: b knows only the counts
+    _, c = learning_pair(clock)
+    del told["l"]
+    c.hear(orjson.dumps(told))
+    d = c.route(blocks=FOLLOW_UP, prompt_tokens=512)
+    assert d.engine_id != first and d.cached == 0
+
+
+def test_learned_routes_are_told_only_to_routers_heard_from_and_kept_only_where_learning() -> None:
+    clock = FakeClock()
+    lone = RouterCore(0, 2, clock=clock, learn_routes=64)
+    lone.connected = True
+    lone.apply_snapshot(snap(1, {"e0": (0, 0)}))
+    lone.route(blocks=PROMPT, prompt_tokens=512)
+    assert not lone.told_routes.live and "l" not in orjson.loads(lone.told())  # no one heard
+    a, _ = learning_pair(clock)
+    blind = RouterCore(1, 2, clock=clock)  # learning off: told chains are not kept
+    blind.connected = True
+    blind.apply_snapshot(snap(1, {f"e{i}": (0, 0) for i in range(8)}))
+    a.route(blocks=PROMPT, prompt_tokens=512)
+    blind.hear(a.told())
+    assert blind.told_routes.messages == 1 and not blind.cache_view.engines
+
+
 def test_bad_messages_are_counted_and_change_nothing() -> None:
     clock = FakeClock()
     b = RouterCore(1, 2, clock=clock)
@@ -193,9 +252,13 @@ def test_bad_messages_are_counted_and_change_nothing() -> None:
         b'{"i": 0, "e": {"e0": [null, -1, 0]}}',
         b'{"i": 0, "e": {"e0": [3, 1, 1]}}',
         b'{"i": 0, "e": []}',
+        b'{"i": 0, "e": {}, "l": []}',
+        b'{"i": 0, "e": {}, "l": {"e0": "AAAAAAAAAAA="}}',
+        b'{"i": 0, "e": {}, "l": {"e0": ["not base64!"]}}',
+        b'{"i": 0, "e": {}, "l": {"e0": ["AAAA"]}}',  # 3 bytes: not a whole anchor
     ):
         b.hear(bad)
-    assert b.told_routes.malformed == 8 and b.told_routes.messages == 0
+    assert b.told_routes.malformed == 12 and b.told_routes.messages == 0
     assert not b.told_routes.live and b.by_id["e0"].others == 0.0
     b.hear(b.told())  # its own message, read back from the channel
     assert b.told_routes.messages == 0
@@ -228,6 +291,23 @@ async def test_two_gateways_routers_hear_each_other_through_redis(redis_url: str
         a.route(engine_id="e0")
         await await_until(lambda: b.core.told_routes.messages > before, what="a's route told")
         assert b.core.told_routes.last["e0"][0][1:] == (1, 1)  # (no snapshot: by time)
+
+
+async def test_two_learning_routers_share_what_they_sent_through_redis(redis_url: str) -> None:
+    """A learned route crosses the channel with its counts: the other router's view
+    holds the prompt's anchors at the engine it went to."""
+    a, b = (
+        AsyncRouter(redis_url, "exch-learn", i, 2, engines=["e0", "e1"], poll_s=30, learn_routes=64)
+        for i in range(2)
+    )
+    async with a, b:
+        await await_until(
+            lambda: a.core.told_routes.live and b.core.told_routes.live, what="heartbeats"
+        )
+        a.route(engine_id="e1", blocks=PROMPT, prompt_tokens=512)
+        await await_until(lambda: "e1" in b.core.cache_view.engines, what="a's route learned")
+        assert b.core.cache_view.engines["e1"] == set(anchors(PROMPT))
+        assert "e0" not in b.core.cache_view.engines
 
 
 async def test_a_router_gone_stops_counting_and_brings_the_share_back(redis_url: str) -> None:
