@@ -270,7 +270,7 @@ class RoomCollector(Collector):
             "redisbal_gateway_cache_anchors",
             "Anchors (one per 64 prompt tokens) of each engine's prefix cache in this "
             "router's view, read from what `redisbal kv-events` writes, else learned from "
-            "this gateway's routes (--prefix-tokens).",
+            "the gateways' routes (--prefix-tokens).",
             labels=[*dep, "engine"],
         )
         return cap, rooms, anchors
