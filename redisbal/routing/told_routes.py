@@ -16,7 +16,11 @@ its requests still open there. Every other router counts them as its own:
   after it is made, so this errs towards counting one a report longer.
 
 Either way a router's count from another is at most the requests that router still
-has open there.
+has open there. A router tells at least every ``TELL_EVERY_S``, so the others know it
+is there while it is idle; they count on the told routes only while every other
+client index has been heard from within ``FRESH_S``, and fall back to the share model
+otherwise (a router gone, a lost message, more routers than ``MAX_ROUTERS``: every
+message reaches every other router).
 
 Routers that learn what they send each engine (``CacheView(learn=...)``, for engines
 without KV events) tell each other the anchors of those routes too, so that every
@@ -24,11 +28,7 @@ router's learned view holds every router's routes, as a view from KV events woul
 otherwise a prefix one router sent an engine is unknown to the others, which send it
 elsewhere by load and compute it again. A chain is told whole (the receivers refresh its
 recency, as the teller did), 8 bytes an anchor in base64: a new 4,096-token prompt
-costs about 0.7 kB on the channel, and each hearer about 40 us to learn it. A router tells at least every ``TELL_EVERY_S``, so the others know it
-is there while it is idle; they count on the told routes only while every other
-client index has been heard from within ``FRESH_S``, and fall back to the share model
-otherwise (a router gone, a lost message, more routers than ``MAX_ROUTERS``: every
-message reaches every other router).
+costs about 0.7 kB on the channel, and each hearer about 40 us to learn it.
 
 Message (JSON on the deployment's routes channel, ``redisbal.keys``):
 ``{"i": client index, "e": {engine id: [incarnation or null, routes, open]}}``, with
@@ -60,8 +60,8 @@ FRESH_S = 1.5  # another router not heard from for this long is taken as gone
 MAX_ROUTERS = 8
 MAX_ENGINES = 65536  # at most this many engines in one message (more: malformed)
 # Learned chains told per engine in one message (more made meanwhile: the oldest are not
-# told), and anchors in one chain (more: malformed; a chain the gateway learns is at most
-# cache_view.LEARNED_TOKENS / 64 = 8,192 anchors, and at most 128 by default).
+# told), and anchors told of one chain, its first ones (more in a message: malformed; the
+# gateway hashes 8,192 tokens of a prompt by default, 128 anchors).
 MAX_CHAINS = 256
 MAX_CHAIN = 8192
 
@@ -132,7 +132,7 @@ def _decode(data: bytes | str) -> tuple[int, Counts, Chains]:
         raise MalformedData(f"bad client index {index!r}")
     if not isinstance(engines, dict) or len(engines) > MAX_ENGINES:
         raise MalformedData("bad engines")
-    counts: dict[str, tuple[str | None, int, int]] = {}
+    counts: Counts = {}
     for eid, c in engines.items():
         if not (isinstance(c, list) and len(c) == 3):
             raise MalformedData(f"bad counts for {eid!r}")
@@ -196,7 +196,7 @@ class ToldRoutes:
         if not (self.live and chain):
             return
         chains = self.chains.setdefault(engine_id, [])
-        chains.append(chain)
+        chains.append(chain[:MAX_CHAIN])
         if len(chains) > MAX_CHAINS:
             del chains[0]
 

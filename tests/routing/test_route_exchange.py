@@ -13,7 +13,7 @@ from redisbal.routing.cache_view import anchors, chain_hashes
 from redisbal.routing.router import AsyncRouter
 from redisbal.routing.router_core import RouterCore
 from redisbal.routing.state import EngineView
-from redisbal.routing.told_routes import FRESH_S, ToldRoutes
+from redisbal.routing.told_routes import FRESH_S, MAX_CHAIN, ToldRoutes
 
 
 class FakeClock:
@@ -236,6 +236,19 @@ def test_learned_routes_are_told_only_to_routers_heard_from_and_kept_only_where_
     a.route(blocks=PROMPT, prompt_tokens=512)
     blind.hear(a.told())
     assert blind.told_routes.messages == 1 and not blind.cache_view.engines
+
+
+def test_a_chain_longer_than_a_message_takes_is_told_by_its_first_anchors() -> None:
+    """A gateway hashing more of a prompt than a message takes (``--prefix-max-tokens``
+    raised) tells its prefix: the others would refuse the whole message, counts too."""
+    teller, hearer = ToldRoutes(), ToldRoutes()
+    teller.live = True
+    teller.learned("e0", list(range(MAX_CHAIN + 5)))
+    heard: list[list[int]] = []
+    known = {"e0": EngineView("e0")}
+    ids = hearer.hear(teller.message(known, 0), 1, 0.0, known, lambda e, c: heard.append(c))
+    assert ids == [] and hearer.malformed == 0
+    assert heard == [list(range(MAX_CHAIN))]
 
 
 def test_bad_messages_are_counted_and_change_nothing() -> None:
