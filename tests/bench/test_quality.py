@@ -21,7 +21,7 @@ from redisbal.bench.latency import (
     ttft_percentiles,
     waits,
 )
-from redisbal.bench.quality import simulate
+from redisbal.bench.quality import ROUTES_VIEW, simulate
 from redisbal.bench.traffic import (
     QUALITY_ENGINE,
     QualityScenario,
@@ -308,6 +308,16 @@ def test_affinity_hits_the_prefix_cache_more_than_random(monkeypatch) -> None:
     assert aff["prefix_hit_rate"] > rnd["prefix_hit_rate"] + 0.03
     red = simulate("redisbal", 1, sc, workload=work)  # keyed: its bounded-load ring
     assert red["prefix_hit_rate"] > rnd["prefix_hit_rate"]
+
+
+def test_routers_learning_their_routes_tell_them_in_the_simulator() -> None:
+    """The simulator's routers (2 here) tell each other what they learned, on its signed
+    block hashes, and hit the prefix cache more than random routing."""
+    sc = _small("sessions")
+    work = build_workload(sc, 1)
+    rnd = simulate("random", 1, sc, workload=work)
+    routes = simulate(ROUTES_VIEW, 1, sc, workload=work)
+    assert sc.clients == 2 and routes["prefix_hit_rate"] > rnd["prefix_hit_rate"]
 
 
 def test_oracle_p99_ttft_is_no_worse_than_random() -> None:

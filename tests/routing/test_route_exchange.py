@@ -207,7 +207,7 @@ def test_routers_that_learn_their_routes_tell_each_other_the_prefixes_they_sent(
     first = a.route(blocks=PROMPT, prompt_tokens=512).engine_id
     msg = a.told()
     told = orjson.loads(msg)
-    assert list(told["l"]) == [first] and len(told["l"][first]) == 1
+    assert told["l"] == {first: [anchors(PROMPT)]}
     assert orjson.loads(a.told()) == {"i": 0, "e": {}}  # told once
     b.hear(msg)
     assert b.cache_view.engines[first] == set(anchors(PROMPT))
@@ -251,6 +251,23 @@ def test_a_chain_longer_than_a_message_takes_is_told_by_its_first_anchors() -> N
     assert heard == [list(range(MAX_CHAIN))]
 
 
+def test_learned_routes_are_told_as_any_64_bit_hashes_signed_or_not() -> None:
+    """route(blocks=...) takes any integers: the simulator's hashes are signed. Those of
+    64 bits are told as they are; a larger one sends the counts without the chains."""
+    teller, hearer = ToldRoutes(), ToldRoutes()
+    teller.live = True
+    chain = [-(1 << 63), -1, 0, (1 << 64) - 1]
+    teller.learned("e0", chain)
+    known = {"e0": EngineView("e0")}
+    heard: list[list[int]] = []
+    hearer.hear(teller.message(known, 0), 1, 0.0, known, lambda e, c: heard.append(c))
+    assert heard == [chain]
+    teller.learned("e0", [1 << 64])
+    teller.mark("e0", True)
+    msg = orjson.loads(teller.message(known, 0))
+    assert "l" not in msg and msg["e"] == {"e0": [None, 0, 0]}
+
+
 def test_bad_messages_are_counted_and_change_nothing() -> None:
     clock = FakeClock()
     b = RouterCore(1, 2, clock=clock)
@@ -266,12 +283,13 @@ def test_bad_messages_are_counted_and_change_nothing() -> None:
         b'{"i": 0, "e": {"e0": [3, 1, 1]}}',
         b'{"i": 0, "e": []}',
         b'{"i": 0, "e": {}, "l": []}',
-        b'{"i": 0, "e": {}, "l": {"e0": "AAAAAAAAAAA="}}',
-        b'{"i": 0, "e": {}, "l": {"e0": ["not base64!"]}}',
-        b'{"i": 0, "e": {}, "l": {"e0": ["AAAA"]}}',  # 3 bytes: not a whole anchor
+        b'{"i": 0, "e": {}, "l": {"e0": [1, 2]}}',  # chains, not anchors
+        b'{"i": 0, "e": {}, "l": {"e0": [[1, "2"]]}}',
+        b'{"i": 0, "e": {}, "l": {"e0": [[true]]}}',
+        b'{"i": 0, "e": {}, "l": {"e0": [[18446744073709551616]]}}',  # past 64 bits
     ):
         b.hear(bad)
-    assert b.told_routes.malformed == 12 and b.told_routes.messages == 0
+    assert b.told_routes.malformed == 13 and b.told_routes.messages == 0
     assert not b.told_routes.live and b.by_id["e0"].others == 0.0
     b.hear(b.told())  # its own message, read back from the channel
     assert b.told_routes.messages == 0
