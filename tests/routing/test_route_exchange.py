@@ -24,9 +24,9 @@ class FakeClock:
         return self.t
 
 
-def pair(clock: FakeClock, count: int = 2) -> list[RouterCore]:
+def pair(clock: FakeClock, count: int = 2, learn_routes: int = 0) -> list[RouterCore]:
     """Routers whose feeds are connected (told routes count only then)."""
-    cores = [RouterCore(i, count, clock=clock) for i in range(count)]
+    cores = [RouterCore(i, count, clock=clock, learn_routes=learn_routes) for i in range(count)]
     for core in cores:
         core.connected = True
     return cores
@@ -187,9 +187,8 @@ FOLLOW_UP = [*PROMPT[:24], *chain_hashes(list(range(7, 7 + 128)), parent=PROMPT[
 
 def learning_pair(clock: FakeClock) -> list[RouterCore]:
     """Two routers learning their routes, on 8 idle engines, each heard by the other."""
-    cores = [RouterCore(i, 2, clock=clock, learn_routes=64) for i in range(2)]
+    cores = pair(clock, learn_routes=64)
     for core in cores:
-        core.connected = True
         core.apply_snapshot(snap(1, {f"e{i}": (0, 0) for i in range(8)}))
     a, b = cores
     b.hear(a.told())
