@@ -302,6 +302,10 @@ class RedisbalPolicy(ScoringPolicy):
     # Pending routes count by their size (routing.estimates.RouteCost), not 1 each; off
     # (the class docstring; measured: docs/BENCHMARKS.md, real-time Poisson)
     use_cost = False
+    # Running requests count by the KV cache they hold, in requests of the size all
+    # engines run on average (``_kv_full``), not 1 each: where the KV cache binds an
+    # engine running a few long requests is as full as one running many short ones
+    use_kv_load = False
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0
@@ -350,6 +354,7 @@ class RedisbalPolicy(ScoringPolicy):
         # has no cache to send one to; sessions' keys are followed once turns return)
         self.repeats = 0.0
         self._keyed = 0
+        self._kv_full = 0.0  # requests a whole KV cache holds, over all engines (use_kv_load)
 
     def key_repeats(self, core: RoutingState) -> float:
         """The estimated share of guessed keys that came lately, to any router:
@@ -380,6 +385,10 @@ class RedisbalPolicy(ScoringPolicy):
         if self.use_sed:
             ahead = e.running + queued + 1.0 - (e.aged if self.use_age else 0.0)
             return ahead / e.speed + e.dither
+        if self.use_kv_load and e.kv_usage is not None and self._kv_full > 0:
+            return (
+                e.kv_usage * self._kv_full + queued + e.dither - (e.aged if self.use_age else 0.0)
+            )
         cap = engine_cap(e, core.running_cap)
         if self.use_slots and cap > 0:
             load = e.running + queued - (e.aged if self.use_age else 0.0)
@@ -428,6 +437,8 @@ class RedisbalPolicy(ScoringPolicy):
 
     def reset(self, core: RoutingState) -> None:
         self._dither(core)
+        if self.use_kv_load:
+            self._kv_full = _kv_full(core.engines)
         self.heap = self._heap(core)
         self._heaped = {id(e) for e in core.engines}
         self._by_id = {e.engine_id: e for e in core.engines}
@@ -440,7 +451,9 @@ class RedisbalPolicy(ScoringPolicy):
         """A new heap of every engine's entry (its old entries are gone with the old
         heap, so e.gen need not move)."""
         rnd, engines = core.rng.random, core.engines
-        default = self.use_share and not (self.use_speed or self.use_sed or self.use_slots)
+        default = self.use_share and not (
+            self.use_speed or self.use_sed or self.use_slots or self.use_kv_load
+        )
         if self.use_age and default and type(self).score is RedisbalPolicy.score:
             # the default settings' score(), inlined: a call per engine cost a third of this
             w = core.pending_weight
@@ -643,6 +656,17 @@ class RedisbalPolicy(ScoringPolicy):
             heapq.heapreplace(self.heap, (self.score(core, eng), core.rng.random(), eng.gen, eng))
         else:
             self._push(core, eng)
+
+
+def _kv_full(engines: list[EngineView]) -> float:
+    """How many requests of the size the engines run a whole KV cache holds: all
+    running requests over all KV usage (0 when no engine tells its KV usage)."""
+    running, usage = 0, 0.0
+    for e in engines:
+        if e.kv_usage is not None and e.kv_usage > 0.0:
+            running += e.running
+            usage += e.kv_usage
+    return running / usage if usage > 0.0 else 0.0
 
 
 def _first(c: tuple[float, str, EngineView]) -> float:
