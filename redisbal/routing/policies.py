@@ -33,7 +33,7 @@ from redisbal.errors import InvalidArgument
 from redisbal.errors import NoEngines as NoEngines
 from redisbal.errors import UnknownEngine as UnknownEngine
 from redisbal.routing.cache_view import BLOCK_TOKENS, anchors
-from redisbal.routing.estimates import engine_cap
+from redisbal.routing.estimates import engine_cap, kv_binds
 from redisbal.routing.state import EngineView, RoutingState
 
 
@@ -385,7 +385,7 @@ class RedisbalPolicy(ScoringPolicy):
         if self.use_sed:
             ahead = e.running + queued + 1.0 - (e.aged if self.use_age else 0.0)
             return ahead / e.speed + e.dither
-        if self.use_kv_load and e.kv_usage is not None and self._kv_full > 0:
+        if self._kv_full and e.kv_usage is not None:  # (use_kv_load, where KV binds)
             return (
                 e.kv_usage * self._kv_full + queued + e.dither - (e.aged if self.use_age else 0.0)
             )
@@ -438,7 +438,7 @@ class RedisbalPolicy(ScoringPolicy):
     def reset(self, core: RoutingState) -> None:
         self._dither(core)
         if self.use_kv_load:
-            self._kv_full = _kv_full(core.engines)
+            self._kv_full = _kv_full(core.engines, core.running_cap)
         self.heap = self._heap(core)
         self._heaped = {id(e) for e in core.engines}
         self._by_id = {e.engine_id: e for e in core.engines}
@@ -451,11 +451,15 @@ class RedisbalPolicy(ScoringPolicy):
         """A new heap of every engine's entry (its old entries are gone with the old
         heap, so e.gen need not move)."""
         rnd, engines = core.rng.random, core.engines
-        default = self.use_share and not (
-            self.use_speed or self.use_sed or self.use_slots or self.use_kv_load
-        )
-        if self.use_age and default and type(self).score is RedisbalPolicy.score:
-            # the default settings' score(), inlined: a call per engine cost a third of this
+        default = self.use_share and not (self.use_speed or self.use_sed or self.use_slots)
+        if (
+            self.use_age
+            and default
+            and not self._kv_full
+            and type(self).score is RedisbalPolicy.score
+        ):
+            # the default settings' score() where slots bind, inlined: a call per engine
+            # cost a third of this
             w = core.pending_weight
             heap = [
                 (
@@ -658,15 +662,18 @@ class RedisbalPolicy(ScoringPolicy):
             self._push(core, eng)
 
 
-def _kv_full(engines: list[EngineView]) -> float:
-    """How many requests of the size the engines run a whole KV cache holds: all
-    running requests over all KV usage (0 when no engine tells its KV usage)."""
-    running, usage = 0, 0.0
+def _kv_full(engines: list[EngineView], cap: int) -> float:
+    """How many requests of the size the engines run a whole KV cache holds (all
+    running requests over all KV usage) while the KV cache binds any engine
+    (``kv_binds``, the rule that turns holding off); else 0: where slots bind, a
+    running request is a slot whatever its size."""
+    running, usage, binds = 0, 0.0, False
     for e in engines:
         if e.kv_usage is not None and e.kv_usage > 0.0:
             running += e.running
             usage += e.kv_usage
-    return running / usage if usage > 0.0 else 0.0
+            binds = binds or kv_binds(e, cap)
+    return running / usage if binds and usage > 0.0 else 0.0
 
 
 def _first(c: tuple[float, str, EngineView]) -> float:

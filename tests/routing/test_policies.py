@@ -386,6 +386,47 @@ def test_redisbal_avoids_loaded_engines() -> None:
     assert got["e0"] == 0 and got["e1"] >= got["e2"]
 
 
+def kv_core(caps: int) -> RouterCore:
+    """The default with running requests counted by their KV (``use_kv_load``), fed as
+    vLLM's plugin feeds it: e0 runs 2 long requests in 90 % of its cache, e1 runs 5
+    short ones in 50 %; both declared a running cap of ``caps``."""
+    core = make_core()
+    core.policy.use_kv_load = True  # type: ignore[attr-defined]
+    core.set_declared_caps({"e0": caps, "e1": caps})
+    core.apply_snapshot(make_snapshot({"e0": (0, 2), "e1": (0, 5)}, kv={"e0": 0.9, "e1": 0.5}))
+    return core
+
+
+def test_where_the_kv_cache_binds_a_running_request_counts_by_the_kv_it_holds() -> None:
+    """With a cap of 256 the caches (2.2 and 10 requests of the sizes they run) bind long
+    before the slots: 7 requests fill 1.4 caches, so a cache holds 5 of the size the
+    engines run, e0 counts 0.9 x 5 = 4.5 and e1 2.5, and e1 takes the request though it
+    runs more."""
+    core = kv_core(256)
+    score = core.policy.score
+    e0, e1 = core.by_id["e0"], core.by_id["e1"]
+    assert score(core, e0) - e0.dither == pytest.approx(4.5)
+    assert score(core, e1) - e1.dither == pytest.approx(2.5)
+    assert {core.route().engine_id for _ in range(2)} == {"e1"}
+
+
+def test_where_slots_bind_a_running_request_counts_one_whatever_its_kv() -> None:
+    """With a cap of 4 the caches hold about as many requests as the slots (2.2 and 10,
+    at least half of 4): a running request holds a slot, so e0 counts 2 and takes it."""
+    core = kv_core(4)
+    e0 = core.by_id["e0"]
+    assert core.policy.score(core, e0) - e0.dither == pytest.approx(2.0)
+    assert core.route().engine_id == "e0"
+
+
+def test_engines_that_say_nothing_of_their_kv_count_their_requests() -> None:
+    core = make_core()
+    core.policy.use_kv_load = True  # type: ignore[attr-defined]
+    core.apply_snapshot(make_snapshot({"e0": (0, 2), "e1": (0, 5)}))
+    e1 = core.by_id["e1"]
+    assert core.policy.score(core, e1) - e1.dither == pytest.approx(5.0)
+
+
 # -- pinning, start, errors (every policy) ----------------------------------------------------
 
 
