@@ -247,6 +247,14 @@ class RedisbalPolicy(ScoringPolicy):
     than its running count), so an older report is read as the lighter load it has
     become. ``p2c_from`` (off) switches to the better of two random engines at large N.
 
+    With ``use_kv_load`` (on), where the KV cache binds any engine (``kv_binds``: the
+    rule that turns holding off) an engine's running requests count by the share of
+    its KV cache they hold times the number of requests of the size the engines run
+    that a whole cache holds (all engines' running requests over their KV usage), not
+    1 each: a KV-bound engine admits by size, and one running a few long requests has
+    no more room than one running many short ones. Where slots bind, a running request
+    counts 1 whatever its size.
+
     With ``use_speed`` (off by default), what is queued beyond an engine's free
     slots is divided by the engine's estimated speed (its completion rate per
     running request relative to the median engine; 1.0 inside a dead band or
@@ -302,10 +310,11 @@ class RedisbalPolicy(ScoringPolicy):
     # Pending routes count by their size (routing.estimates.RouteCost), not 1 each; off
     # (the class docstring; measured: docs/BENCHMARKS.md, real-time Poisson)
     use_cost = False
-    # Running requests count by the KV cache they hold, in requests of the size all
-    # engines run on average (``_kv_full``), not 1 each: where the KV cache binds an
-    # engine running a few long requests is as full as one running many short ones
-    use_kv_load = False
+    # Where the KV cache binds, running requests count by the KV cache they hold, in
+    # requests of the size all engines run (``_kv_full``), not 1 each: an engine running
+    # a few long requests is as full as one running many short ones (the class
+    # docstring; measured: docs/BENCHMARKS.md, where the KV cache binds)
+    use_kv_load = True
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0
@@ -437,8 +446,7 @@ class RedisbalPolicy(ScoringPolicy):
 
     def reset(self, core: RoutingState) -> None:
         self._dither(core)
-        if self.use_kv_load:
-            self._kv_full = _kv_full(core.engines, core.running_cap)
+        self._kv_full = _kv_full(core.engines, core.running_cap) if self.use_kv_load else 0.0
         self.heap = self._heap(core)
         self._heaped = {id(e) for e in core.engines}
         self._by_id = {e.engine_id: e for e in core.engines}

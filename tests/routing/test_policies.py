@@ -386,14 +386,17 @@ def test_redisbal_avoids_loaded_engines() -> None:
     assert got["e0"] == 0 and got["e1"] >= got["e2"]
 
 
+KV_USAGE = {"e0": 0.9, "e1": 0.5}
+
+
 def kv_core(caps: int) -> RouterCore:
-    """The default with running requests counted by their KV (``use_kv_load``), fed as
-    vLLM's plugin feeds it: e0 runs 2 long requests in 90 % of its cache, e1 runs 5
-    short ones in 50 %; both declared a running cap of ``caps``."""
+    """The default (running requests counted by their KV where it binds:
+    ``use_kv_load``), fed as vLLM's plugin feeds it: e0 runs 2 long requests in 90 % of
+    its cache, e1 runs 5 short ones in 50 %; both declared a running cap of ``caps``."""
     core = make_core()
-    core.policy.use_kv_load = True  # type: ignore[attr-defined]
+    assert core.policy.use_kv_load  # type: ignore[attr-defined]
     core.set_declared_caps({"e0": caps, "e1": caps})
-    core.apply_snapshot(make_snapshot({"e0": (0, 2), "e1": (0, 5)}, kv={"e0": 0.9, "e1": 0.5}))
+    core.apply_snapshot(make_snapshot({"e0": (0, 2), "e1": (0, 5)}, kv=KV_USAGE))
     return core
 
 
@@ -408,6 +411,10 @@ def test_where_the_kv_cache_binds_a_running_request_counts_by_the_kv_it_holds() 
     assert score(core, e0) - e0.dither == pytest.approx(4.5)
     assert score(core, e1) - e1.dither == pytest.approx(2.5)
     assert {core.route().engine_id for _ in range(2)} == {"e1"}
+    core = kv_core(256)
+    core.policy.use_kv_load = False  # type: ignore[attr-defined]  # (redisbal-kvload)
+    core.apply_snapshot(make_snapshot({"e0": (0, 2), "e1": (0, 5)}, version=2, kv=KV_USAGE))
+    assert core.route().engine_id == "e0"
 
 
 def test_where_slots_bind_a_running_request_counts_one_whatever_its_kv() -> None:
@@ -421,7 +428,6 @@ def test_where_slots_bind_a_running_request_counts_one_whatever_its_kv() -> None
 
 def test_engines_that_say_nothing_of_their_kv_count_their_requests() -> None:
     core = make_core()
-    core.policy.use_kv_load = True  # type: ignore[attr-defined]
     core.apply_snapshot(make_snapshot({"e0": (0, 2), "e1": (0, 5)}))
     e1 = core.by_id["e1"]
     assert core.policy.score(core, e1) - e1.dither == pytest.approx(5.0)
