@@ -395,9 +395,7 @@ class RedisbalPolicy(ScoringPolicy):
             ahead = e.running + queued + 1.0 - (e.aged if self.use_age else 0.0)
             return ahead / e.speed + e.dither
         if self._kv_full and e.kv_usage is not None:  # (use_kv_load, where KV binds)
-            return (
-                e.kv_usage * self._kv_full + queued + e.dither - (e.aged if self.use_age else 0.0)
-            )
+            return self._kv_load(e) + queued + e.dither
         cap = engine_cap(e, core.running_cap)
         if self.use_slots and cap > 0:
             load = e.running + queued - (e.aged if self.use_age else 0.0)
@@ -411,6 +409,21 @@ class RedisbalPolicy(ScoringPolicy):
             direct = min(queued, free)
             s = e.running + direct + (queued - direct) / e.speed + e.dither
         return s - e.aged if self.use_age else s
+
+    def _kv_load(self, e: EngineView) -> float:
+        """e's running requests by the KV cache they hold (``use_kv_load``), less its
+        completions since its counts were made (``aged``, with ``use_age``), each
+        running one freeing its share of that KV (the part of ``aged`` past the
+        running count ended waiting, counted 1 each as ``score`` counts them): counted
+        1 each, an engine of many short requests was read empty after a few ends, the
+        more so the more routers (each end stands for 1 / share of them)."""
+        load = (e.kv_usage or 0.0) * self._kv_full
+        if not self.use_age or not e.aged:
+            return load
+        if e.running <= 0:
+            return load - e.aged
+        ran = min(e.aged, float(e.running))
+        return load * (1.0 - ran / e.running) - (e.aged - ran)
 
     def _dither(self, core: RoutingState) -> None:
         snap = core.snapshot

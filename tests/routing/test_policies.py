@@ -417,6 +417,19 @@ def test_where_the_kv_cache_binds_a_running_request_counts_by_the_kv_it_holds() 
     assert core.route().engine_id == "e0"
 
 
+def test_completions_since_the_counts_free_the_kv_of_the_requests_they_ended() -> None:
+    """Where running requests count by their KV, the completions since an engine's
+    counts (``aged``: this router's ends x 1 / share) take off the share of its KV load
+    the requests they ended held: 4 of e1's 5 ended free 4 / 5 of its 2.5, not 4
+    requests (which read it as 1.5 below empty)."""
+    core = kv_core(256)
+    e1 = core.by_id["e1"]
+    e1.aged = 4.0
+    assert core.policy.score(core, e1) - e1.dither == pytest.approx(2.5 * (1 - 4 / 5))
+    e1.aged = 5.0
+    assert core.policy.score(core, e1) - e1.dither == pytest.approx(0.0)
+
+
 def test_where_slots_bind_a_running_request_counts_one_whatever_its_kv() -> None:
     """With a cap of 4 the caches hold about as many requests as the slots (2.2 and 10,
     at least half of 4): a running request holds a slot, so e0 counts 2 and takes it."""

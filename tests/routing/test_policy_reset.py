@@ -46,18 +46,25 @@ def entries(policy: RedisbalPolicy) -> list[Entry]:
 
 
 def snapshot(
-    version: int, rng: random.Random, core: RouterCore, adm: dict[str, list[int]], compact: bool
+    version: int,
+    rng: random.Random,
+    core: RouterCore,
+    adm: dict[str, list[int]],
+    compact: bool,
+    kv: bool,
 ) -> bytes:
     """A cut with new counts of adm's engines: compact, or full with admitted counts
     for most engines (exact reconciliation, share and speed estimates, aged loads);
-    core's routes are admitted (index 1) some of them late."""
+    core's routes are admitted (index 1) some of them late. ``kv``: some engines tell
+    their KV usage (no cap is known, so their KV cache binds: running requests count
+    by their KV); else none does (the inlined score)."""
     engines = list(adm)
     time_ms = 1_000_000 + 20 * version
     counts = {
         e: (
             rng.randint(0, 4),
             rng.randint(5, 30),
-            rng.choice([None, rng.random()]),
+            rng.choice([None, rng.random()]) if kv else None,
             rng.randint(0, 15),
         )
         for e in engines
@@ -95,9 +102,10 @@ def snapshot(
     [{}, {"use_age": False}, {"use_speed": True}, {"p2c_from": 4}],
     ids=["default", "no-age", "speed", "p2c"],
 )
+@pytest.mark.parametrize("kv", [False, True], ids=["slots", "kv-bound"])
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_reset_makes_the_straightforward_heap_and_picks(
-    seed: int, settings: dict[str, Any]
+    seed: int, settings: dict[str, Any], kv: bool
 ) -> None:
     now = [100.0]
     cores: list[RouterCore] = []
@@ -111,10 +119,10 @@ def test_reset_makes_the_straightforward_heap_and_picks(
     rng = random.Random(seed)
     engines = [f"e{i}" for i in range(rng.randint(30, 60))]
     adm = {e: [0] * 4 for e in engines}
-    seen_aged = seen_cost = seen_speed = 0
+    seen_aged = seen_cost = seen_speed = seen_kv = 0
     for version in range(1, 90):
         compact = version > 60 and version % 3 == 0
-        raw = snapshot(version, rng, cores[0], adm, compact)
+        raw = snapshot(version, rng, cores[0], adm, compact, kv)
         for core in cores:
             assert core.apply_snapshot(Snapshot.from_json(raw, Rosters()))
         policies = [core.policy for core in cores]
@@ -123,6 +131,7 @@ def test_reset_makes_the_straightforward_heap_and_picks(
         seen_aged += any(e.aged for e in cores[0].engines)
         seen_cost += any(e.pending_cost for e in cores[0].engines)
         seen_speed += any(e.speed != 1.0 for e in cores[0].engines)
+        seen_kv += policies[0]._kv_full > 0
         outstanding: list[list[Any]] = []
         for _ in range(rng.randint(0, 60)):
             now[0] += rng.random() * 0.002
@@ -148,6 +157,7 @@ def test_reset_makes_the_straightforward_heap_and_picks(
         assert seen_aged > 10  # the age term was exercised
     if settings.get("use_speed"):
         assert seen_speed > 10  # and the speed term
+    assert (seen_kv > 10) if kv else (seen_kv == 0)  # running counted by KV, or never
 
 
 def test_a_subclass_score_is_used_by_reset() -> None:
