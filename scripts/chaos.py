@@ -120,6 +120,10 @@ HOLD_S = {
 # the faults that cut what is in flight at the engine
 STALLING = ("engine_kill", "engine_stop", "engine_stall", "engine_midstall")
 MAX_ENGINE_FAULTS = 3
+# how long a process may take to answer /health after it starts: eight engines, the
+# gateways and the coordinators start at once, and on 2 busy cores an engine took over
+# 60 s; a process that exits fails the start at once instead
+START_S = 180.0
 
 
 def log(msg: str) -> None:
@@ -390,6 +394,18 @@ class Role:
                 self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
 
+    def wait_up(self, pred: Any, what: str) -> None:
+        """Poll ``pred`` until true, for up to START_S; SystemExit at once if the process
+        has exited (with where its log is), or past the bound."""
+
+        def up() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise SystemExit(f"chaos: {what} exited with code {self.proc.returncode} "
+                                 f"before it was up; see {self.logfile}")  # fmt: skip
+            return bool(pred())
+
+        wait_for(up, START_S, what)
+
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -508,7 +524,7 @@ class Stack:
         for r in [*self.coordinators, *self.engines.values()]:
             r.start()
         for e in self.engines.values():
-            wait_for(lambda e=e: healthy(e.url), 60, f"engine {e.name}")
+            e.wait_up(lambda e=e: healthy(e.url), f"engine {e.name}")
             e.up = True
         for g in self.gateways:
             g.start()
@@ -520,7 +536,7 @@ class Stack:
                     g.rp.wait_ready(60)
                 except RouterError as exc:
                     raise SystemExit(f"chaos: {exc}") from None
-            wait_for(g.ready, 60, f"front end {g.name}")
+            g.wait_up(g.ready, f"front end {g.name}")
             g.up = True
 
     def stop(self) -> None:
@@ -938,7 +954,7 @@ class Chaos:
             time.sleep(f.hold)
             if f.kind == "engine_kill":
                 e.start()
-                wait_for(lambda: healthy(e.url), 60, f"engine {eid} back")
+                e.wait_up(lambda: healthy(e.url), f"engine {eid} back")
                 e.up = True
             elif f.kind == "engine_stop":
                 e.signal(signal.SIGCONT)
@@ -990,7 +1006,7 @@ class Chaos:
         time.sleep(f.hold)
         g.start()
         f.ended = time.time()
-        wait_for(g.ready, 60, f"front end {g.name} back")
+        g.wait_up(g.ready, f"front end {g.name} back")
         g.up = True
 
         def answered() -> float | None:

@@ -253,7 +253,9 @@ class RedisbalPolicy(ScoringPolicy):
     that a whole cache holds (all engines' running requests over their KV usage), not
     1 each: a KV-bound engine admits by size, and one running a few long requests has
     no more room than one running many short ones. Where slots bind, a running request
-    counts 1 whatever its size.
+    counts 1 whatever its size. Where KV binds this count replaces the slot and speed
+    terms (``use_slots``, ``use_speed``; ``use_sed`` still takes precedence over it): a
+    slot count is not a KV-bound engine's room.
 
     With ``use_speed`` (off by default), what is queued beyond an engine's free
     slots is divided by the engine's estimated speed (its completion rate per
