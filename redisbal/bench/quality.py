@@ -109,6 +109,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "redisbal+sed-dither": {"use_sed": True, "use_dither": False},
     "redisbal+cost": {"use_cost": True},
     "redisbal-kvload": {"use_kv_load": False},  # running requests counted 1 each, always
+    "redisbal-kvqueue": {"use_kv_queue": False},  # a queueing engine by its running KV
     "redisbal-room": {"affinity_room": False},
     "redisbal-dither1": {"dither_gain": 0.0},  # the dither's amplitude stays 1, never a lump
     "redisbal-repeats": {"follow_guessed": True},  # guessed keys followed as given ones

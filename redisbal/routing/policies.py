@@ -317,6 +317,9 @@ class RedisbalPolicy(ScoringPolicy):
     # a few long requests is as full as one running many short ones (the class
     # docstring; measured: docs/BENCHMARKS.md, where the KV cache binds)
     use_kv_load = True
+    # Where running requests count by their KV, an engine with a queue counts a full
+    # cache (``_kv_load``): its queue's head does not fit, whatever the running hold
+    use_kv_queue = True
     # a key's engine takes it while its score is within this of the least-loaded
     # engine's (in requests: one queued request costs about what a cached prefix saves)
     affinity_slack = 1.0
@@ -418,8 +421,16 @@ class RedisbalPolicy(ScoringPolicy):
         running one freeing its share of that KV (the part of ``aged`` past the
         running count ended waiting, counted 1 each as ``score`` counts them): counted
         1 each, an engine of many short requests was read empty after a few ends, the
-        more so the more routers (each end stands for 1 / share of them)."""
-        load = (e.kv_usage or 0.0) * self._kv_full
+        more so the more routers (each end stands for 1 / share of them). With
+        ``use_kv_queue`` an engine with a queue reads as a full cache: a KV-bound engine
+        queues when its queue's head does not fit (vLLM admits in order), so a request
+        sent there waits for that head, however little the running requests hold (an
+        engine draining for a long prompt read light and took requests that waited
+        behind it)."""
+        kv = e.kv_usage or 0.0
+        if e.waiting > 0 and self.use_kv_queue:
+            kv = 1.0  # its queue's head does not fit: full, whatever the running hold
+        load = kv * self._kv_full
         if not self.use_age or not e.aged:
             return load
         if e.running <= 0:

@@ -430,6 +430,25 @@ def test_completions_since_the_counts_free_the_kv_of_the_requests_they_ended() -
     assert core.policy.score(core, e1) - e1.dither == pytest.approx(0.0)
 
 
+def test_where_the_kv_cache_binds_an_engine_that_queues_counts_a_full_cache() -> None:
+    """e1 queues one request though its running ones hold half its cache: the queue's
+    head does not fit there (vLLM admits in order), so a request sent to e1 waits for
+    it. e1 counts a full cache (5) plus its queue, above e0's 4.5, and e0 takes the
+    request; read by what e1's running requests hold (``use_kv_queue`` off), e1 would
+    count 2.5 + 1 and take it."""
+    counts = {"e0": (0, 2), "e1": (1, 5)}
+    core = kv_core(256)
+    core.apply_snapshot(make_snapshot(counts, version=2, kv=KV_USAGE))
+    e1 = core.by_id["e1"]
+    assert core.policy.score(core, e1) - e1.dither == pytest.approx(5.0 + 1.0)
+    assert core.route().engine_id == "e0"
+    core = kv_core(256)
+    core.policy.use_kv_queue = False  # type: ignore[attr-defined]  # (redisbal-kvqueue)
+    core.apply_snapshot(make_snapshot(counts, version=2, kv=KV_USAGE))
+    assert core.policy.score(core, core.by_id["e1"]) - core.by_id["e1"].dither == pytest.approx(3.5)
+    assert core.route().engine_id == "e1"
+
+
 def test_where_slots_bind_a_running_request_counts_one_whatever_its_kv() -> None:
     """With a cap of 4 the caches hold about as many requests as the slots (2.2 and 10,
     at least half of 4): a running request holds a slot, so e0 counts 2 and takes it."""
